@@ -1,0 +1,41 @@
+# titan-jax: `make install` then `make train` / `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: install train test test-fast lint format bench tokenizer clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+
+# torch first: the CPU wheel lying on these machines satisfies torch==2.13.0, so nothing
+# (transformers, torchtitan) pulls a multi-GB CUDA build afterwards.
+install: $(BIN)/python
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[test,parity]'
+
+train:
+	$(BIN)/titan-jax train --config configs/qwen3_debug.toml
+
+test:
+	$(BIN)/python -m pytest -q tests --nbmake notebooks
+
+test-fast:
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+lint:
+	$(BIN)/ruff check titan_jax tests scripts benchmarks
+
+format:
+	$(BIN)/ruff format titan_jax tests scripts benchmarks
+
+bench:
+	$(BIN)/python benchmarks/bench_step.py --write BENCHMARKS.md
+
+tokenizer:
+	$(BIN)/python scripts/build_tokenizer.py
+
+clean:
+	rm -rf outputs .pytest_cache

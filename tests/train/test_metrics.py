@@ -1,0 +1,319 @@
+"""Tests for titan_jax/train/metrics.py: counts, FLOPs, peak FLOP/s, memory and the log sinks."""
+
+import json
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from titan_jax.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
+from titan_jax.train import metrics
+from titan_jax.train.metrics import (
+    MetricsLogger,
+    count_params,
+    flops_per_token,
+    memory_stats,
+    peak_flops_per_device,
+)
+
+# Published totals with a tied embedding counted once (model cards: 0.6B / 1.7B / 4B total with
+# 0.44B / 1.4B / 3.6B non-embedding). The hub's safetensors counts for 0.6B and 1.7B (0.75B,
+# 2.03B) are larger because those checkpoints also store the tied lm_head: 1.72e9 + 0.31e9.
+PUBLISHED_TOTAL = {
+    "0.6B": 0.596e9,
+    "1.7B": 1.72e9,
+    "4B": 4.02e9,
+    "8B": 8.19e9,
+    "14B": 14.77e9,
+    "32B": 32.76e9,
+    "30B-A3B": 30.53e9,
+    "235B-A22B": 235.09e9,
+}
+QWEN3_30B_A3B = Qwen3Args(
+    dim=2048,
+    n_layers=48,
+    n_heads=32,
+    n_kv_heads=4,
+    vocab_size=151936,
+    tie_embeddings=False,
+    num_experts=128,
+    top_k=8,
+    moe_inter_dim=768,
+)
+QWEN3_235B_A22B = Qwen3Args(
+    dim=4096,
+    n_layers=94,
+    n_heads=64,
+    n_kv_heads=4,
+    vocab_size=151936,
+    tie_embeddings=False,
+    num_experts=128,
+    top_k=8,
+    moe_inter_dim=1536,
+)
+DEBUG_MOE = Qwen3Args(num_experts=64, top_k=8, moe_inter_dim=768)  # debugmodel_moe's shape
+
+
+@pytest.mark.parametrize("name", [n for n in QWEN3_FLAVORS if not n.startswith("debugmodel")])
+def test_count_params_matches_published_size(name):
+    assert name in PUBLISHED_TOTAL, f"flavour {name!r}: add its published size to this test"
+    counts = count_params(QWEN3_FLAVORS[name])
+    assert counts["total"] == pytest.approx(PUBLISHED_TOTAL[name], rel=0.01)
+
+
+def test_count_params_moe_published_total_and_active():
+    big = count_params(QWEN3_30B_A3B)
+    assert big["total"] == pytest.approx(PUBLISHED_TOTAL["30B-A3B"], rel=0.01)
+    assert big["active"] == pytest.approx(3.3e9, abs=0.06e9)  # "3.3B activated"
+    huge = count_params(QWEN3_235B_A22B)
+    assert huge["total"] == pytest.approx(PUBLISHED_TOTAL["235B-A22B"], rel=0.01)
+    assert huge["active"] == pytest.approx(22e9, abs=0.5e9)  # "22B activated"
+
+
+def test_count_params_debugmodel_by_hand():
+    d, hd, hidden, vocab, layers = 256, 128, 3072, 2048, 8
+    per_layer = (
+        d * 16 * hd  # wq
+        + 2 * d * 8 * hd  # wk, wv
+        + 16 * hd * d  # wo
+        + 2 * hd  # q_norm, k_norm
+        + 2 * d  # attention_norm, ffn_norm
+        + 3 * d * hidden  # w1, w3, w2
+    )
+    total = vocab * d + layers * per_layer + d  # tied: no separate lm_head
+    assert total == 31_987_968
+    assert count_params(QWEN3_FLAVORS["debugmodel"]) == {
+        "total": total,
+        "embedding": vocab * d,
+        "active": total,
+    }
+
+
+def test_flops_per_token_debugmodel_by_hand():
+    seq_len = 512
+    n = 31_987_968  # every parameter (test above); tied, so the embedding counts as the lm_head
+    attention = 6 * 8 * 16 * (2 * 128) * seq_len  # layers * heads * (q.k + attn.v dims) * T
+    assert flops_per_token(QWEN3_FLAVORS["debugmodel"], seq_len) == 6 * n + attention
+    assert 6 * n + attention == 292_591_104
+
+
+def test_flops_per_token_moe_counts_top_k_experts_and_full_router():
+    d, layers = 256, 8
+    experts_all = 3 * 64 * d * 768
+    attention_and_norms = 2 * d * 2048 + 2 * d * 1024 + 2 * 128 + 2 * d
+    router = d * 64  # counted in full
+    per_layer_active = attention_and_norms + router + experts_all * 8 // 64  # 8 of 64 experts
+    n = 2048 * d + layers * per_layer_active + d
+    assert count_params(DEBUG_MOE)["active"] == n
+    assert count_params(DEBUG_MOE)["total"] == n + layers * experts_all * 56 // 64
+    assert flops_per_token(DEBUG_MOE, 128) == 6 * n + 6 * layers * 16 * 256 * 128
+
+
+def test_flops_per_token_untied_excludes_only_the_lookup():
+    counts = count_params(QWEN3_30B_A3B)
+    n = counts["active"] - counts["embedding"]  # lm_head stays in
+    assert flops_per_token(QWEN3_30B_A3B, 4096) == 6 * n + 6 * 48 * 32 * 256 * 4096
+
+
+def test_tied_and_untied_differ_in_params_not_flops():
+    tied = QWEN3_FLAVORS["debugmodel"]
+    untied = Qwen3Args(tie_embeddings=False)
+    embedding = tied.vocab_size * tied.dim
+    assert count_params(untied)["total"] - count_params(tied)["total"] == embedding
+    # Both run the lm_head matmul; the lookup costs no FLOPs. A tied count that dropped the
+    # shared matrix would be 6 * embedding lower.
+    assert flops_per_token(untied, 256) == flops_per_token(tied, 256)
+
+
+def fake_device(kind: str, platform: str = "gpu") -> SimpleNamespace:
+    return SimpleNamespace(device_kind=kind, platform=platform)
+
+
+@pytest.mark.parametrize(
+    "kind, peak",
+    [
+        ("TPU v5p", 459e12),
+        ("TPU v5", 459e12),
+        ("TPU v5 lite", 197e12),
+        ("TPU v6 lite", 918e12),
+        ("TPU v4", 275e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+    ],
+)
+def test_peak_table_lookup(kind, peak, monkeypatch):
+    monkeypatch.setattr(metrics, "_measure_matmul_flops", pytest.fail)  # must not measure
+    flops, desc = peak_flops_per_device(
+        fake_device(kind, "tpu" if "TPU" in kind else "gpu"), "float32"
+    )
+    assert flops == peak
+    assert "bf16 peak" in desc
+
+
+def test_cpu_peak_is_measured_once_then_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def fake_measure(device, dtype):
+        calls.append(dtype)
+        return 1.5e11
+
+    monkeypatch.setattr(metrics, "_measure_matmul_flops", fake_measure)
+    cpu = jax.devices("cpu")[0]
+    assert peak_flops_per_device(cpu, "float32") == (
+        1.5e11,
+        "measured CPU matmul peak (float32, measured now)",
+    )
+    assert peak_flops_per_device(cpu, "float32") == (
+        1.5e11,
+        "measured CPU matmul peak (float32, cached)",
+    )
+    assert calls == ["float32"]
+    peak_flops_per_device(cpu, "bfloat16")  # another dtype is another measurement
+    assert calls == ["float32", "bfloat16"]
+    cache = json.loads((tmp_path / "titan_jax" / "peak_flops.json").read_text())
+    assert len(cache) == 2 and all(f"jax-{jax.__version__}" in key for key in cache)
+
+
+def test_unknown_accelerator_falls_back_to_measuring(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(metrics, "_measure_matmul_flops", lambda device, dtype: 7e13)
+    flops, desc = peak_flops_per_device(fake_device("NVIDIA GeForce RTX 4090"), "bfloat16")
+    assert flops == 7e13
+    assert desc.startswith("unknown device kind 'NVIDIA GeForce RTX 4090': measured matmul peak")
+    assert desc.endswith("(bfloat16, measured now)")
+
+
+def test_measure_matmul_flops_is_plausible():
+    flops = metrics._measure_matmul_flops(jax.devices("cpu")[0], "float32", n=256, runs=3)
+    assert 1e8 < flops < 1e13  # this CPU does ~1.5e11 at 2048^3; 256^3 is slower but not 1000x
+
+
+def test_memory_stats_falls_back_to_process_rss():
+    stats = memory_stats()
+    assert stats["source"] == "process_rss"  # the CPU backend reports no device stats
+    assert stats["peak_bytes"] >= stats["bytes_in_use"] > 50 * 2**20  # jax alone is > 50 MiB
+
+
+def test_memory_stats_prefers_device(monkeypatch):
+    device = SimpleNamespace(memory_stats=lambda: {"bytes_in_use": 10, "peak_bytes_in_use": 30})
+    monkeypatch.setattr(metrics.jax, "local_devices", lambda: [device])
+    assert memory_stats() == {"source": "device", "peak_bytes": 30, "bytes_in_use": 10}
+
+
+def step_metrics(step: int, **overrides: float) -> dict[str, float]:
+    values = dict(
+        loss=10.0 / step,
+        grad_norm=1.0,
+        lr=3e-4,
+        tokens_per_sec=250.0,
+        mfu_pct=12.5,
+        step_time_s=8.0,
+        memory_peak_gib=1.25,
+    )
+    return values | overrides
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    def reject(token):
+        raise ValueError(f"invalid JSON constant {token}")
+
+    return [json.loads(line, parse_constant=reject) for line in path.read_text().splitlines()]
+
+
+def test_log_writes_jsonl_lines(tmp_path):
+    with MetricsLogger(str(tmp_path), log_freq=1, total_steps=3, progress_bar=False) as logger:
+        logger.log(1, step_metrics(1, grad_norm=np.float32(2.5)))
+        logger.log(2, step_metrics(2, grad_norm=float("nan"), loss=float("inf")))
+        logger.log(3, step_metrics(3, tokens_per_sec=jax.numpy.float32(300.0)))
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert lines[0] == {"step": 1} | step_metrics(1, grad_norm=2.5)
+    assert lines[1]["grad_norm"] is None and lines[1]["loss"] is None  # valid JSON, not NaN
+    assert lines[2]["tokens_per_sec"] == 300.0
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_resumed_run_appends_and_plots_whole_curve(tmp_path):
+    with MetricsLogger(str(tmp_path), log_freq=1, total_steps=4, progress_bar=False) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, step_metrics(step))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # killed mid-write
+    # Resumed from the step-1 checkpoint: steps 2 and 3 are re-run with other losses.
+    with MetricsLogger(str(tmp_path), log_freq=1, total_steps=4, progress_bar=False) as logger:
+        for step in (2, 3, 4):
+            logger.log(step, step_metrics(step, loss=float(step)))
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 7 and lines[3] == '{"step": 4, "lo'
+    assert [json.loads(line)["step"] for line in lines[4:]] == [2, 3, 4]
+    assert metrics._loss_curve(tmp_path / "metrics.jsonl") == ([1, 2, 3, 4], [10.0, 2.0, 3.0, 4.0])
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def read_tensorboard_tags(folder: Path) -> set[str]:
+    (events,) = folder.glob("events.out.tfevents.*")
+    data, tags = events.read_bytes(), set()
+    offset = 0
+    while offset < len(data):  # TFRecord: u64 length, u32 crc, payload, u32 crc
+        (length,) = struct.unpack("<Q", data[offset : offset + 8])
+        event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+        tags |= {value.tag for value in event.summary.value}
+        offset += 12 + length + 4
+    return tags
+
+
+def test_tensorboard_scalars(tmp_path):
+    with MetricsLogger(str(tmp_path), 1, 2, enable_tensorboard=True, progress_bar=False) as logger:
+        logger.log(1, step_metrics(1))
+        logger.log(2, step_metrics(2, grad_norm=float("nan")))
+    assert read_tensorboard_tags(tmp_path / "tb") == {
+        "loss_metrics/global_avg_loss",
+        "grad_norm",
+        "lr",
+        "throughput/tokens_per_sec",
+        "mfu_pct",
+        "time/step_time_s",
+        "memory/peak_gib",
+    }
+
+
+def test_progress_bar_and_info(tmp_path, capsys):
+    logger = MetricsLogger(str(tmp_path), log_freq=2, total_steps=4)
+    assert [logger.should_log(s) for s in (1, 2, 3, 4)] == [True, True, False, True]
+    logger.log(1, step_metrics(1))
+    logger.advance(2)
+    logger.info("checkpoint saved")
+    logger.log(4, step_metrics(4))
+    assert logger._bar.n == 4
+    logger.close()
+    out, err = capsys.readouterr()
+    assert "checkpoint saved" in out
+    assert "4/4" in err and "loss=2.5000" in err and "mfu%=12.5" in err
+
+
+def test_unwritable_dump_folder_names_it(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")  # a file where a folder should be: fails for root too, unlike chmod
+    with pytest.raises(OSError, match=r"metrics dump folder .*a_file/run.* is not writable"):
+        MetricsLogger(str(blocker / "run"), log_freq=1, total_steps=1)
+
+
+def test_non_main_process_writes_nothing(tmp_path):
+    folder = tmp_path / "run"
+    logger = MetricsLogger(str(folder), 1, 2, enable_tensorboard=True, is_main_process=False)
+    logger.log(1, step_metrics(1))
+    logger.advance(2)
+    logger.info("ignored")
+    logger.close()
+    assert not folder.exists()
+
+
+def test_log_freq_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="log_freq=0"):
+        MetricsLogger(str(tmp_path), log_freq=0, total_steps=1)

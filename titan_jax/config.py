@@ -1,0 +1,330 @@
+"""Typed run configuration: TorchTitan's TOML sections and key names, CLI overrides, validation.
+
+A run is described by one `JobConfig`: dataclass sections whose names and keys follow TorchTitan
+(`[job]`, `[model]`, `[training]`, `[parallelism]`, ...) so a TorchTitan user's TOML reads
+naturally. `load_config` reads a TOML file, applies `--section.key value` overrides, and validates
+everything once; nothing downstream re-reads the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message names the field, the value, and what is valid."""
+
+
+@dataclasses.dataclass
+class Job:
+    dump_folder: str = "./outputs"  # metrics.jsonl, loss.png, tb/ and checkpoint/ go here
+    description: str = ""
+    # Simulated CPU devices (XLA host platform); 0 leaves JAX's default. Set before JAX starts.
+    cpu_devices: int = 0
+
+
+@dataclasses.dataclass
+class Model:
+    name: str = "qwen3"
+    flavor: str = "debugmodel"
+    # tokenizer.json (or a directory holding one); "" = the tokenizer shipped with titan-jax.
+    tokenizer_path: str = ""
+
+
+@dataclasses.dataclass
+class Training:
+    # Data: "pydoc" (embedded corpus) | "text" | "jsonl" | "parquet" | "hf_disk".
+    dataset: str = "pydoc"
+    dataset_path: str = ""
+    text_field: str = "text"
+    local_batch_size: int = 8  # sequences per data-parallel rank per optimizer step
+    # Sequences per optimizer step over all ranks; -1 = local x data-parallel degree. A larger
+    # multiple of that means gradient accumulation over microbatches.
+    global_batch_size: int = -1
+    seq_len: int = 2048
+    steps: int = 10000
+    max_norm: float = 1.0  # global-norm gradient clipping; 0 disables
+    # Dtype weights are cast to at use (SimpleFSDP param_dtype). "auto": float32 on CPU (bf16
+    # matmuls are slower there), bfloat16 on accelerators.
+    mixed_precision_param: Literal["auto", "float32", "bfloat16"] = "auto"
+    mixed_precision_reduce: Literal["float32"] = "float32"  # gradient reductions stay fp32
+    seed: int = 42
+    max_consecutive_bad_steps: int = 3  # non-finite steps in a row before the run stops
+
+
+@dataclasses.dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    data_parallel_shard_degree: int = -1  # -1: all devices left after the other degrees
+    tensor_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
+    # "default" = "always": free the gathered weight after forward, re-gather in backward.
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+
+
+@dataclasses.dataclass
+class Optimizer:
+    name: Literal["AdamW"] = "AdamW"
+    lr: float = 8e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclasses.dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    # Fraction of steps spent decaying; None = decay over everything after warmup.
+    decay_ratio: float | None = None
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    min_lr_factor: float = 0.0
+
+
+@dataclasses.dataclass
+class ActivationCheckpoint:
+    # none: keep all activations; full: recompute each block in backward; selective: save the
+    # matmul outputs and attention, recompute the cheap elementwise ops.
+    mode: Literal["none", "full", "selective"] = "selective"
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"  # relative to job.dump_folder
+    interval: int = 500
+    keep_latest_k: int = 10
+    async_mode: Literal["disabled", "async"] = "async"
+    load_step: int = -1  # -1 = newest finalized
+    initial_load_path: str = ""
+    initial_load_in_hf: bool = False
+    initial_load_model_only: bool = True
+    last_save_model_only: bool = True
+    last_save_in_hf: bool = False
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclasses.dataclass
+class Metrics:
+    log_freq: int = 10
+    enable_tensorboard: bool = False
+    save_tb_folder: str = "tb"
+    progress_bar: bool = True
+
+
+@dataclasses.dataclass
+class JobConfig:
+    job: Job = dataclasses.field(default_factory=Job)
+    model: Model = dataclasses.field(default_factory=Model)
+    training: Training = dataclasses.field(default_factory=Training)
+    parallelism: Parallelism = dataclasses.field(default_factory=Parallelism)
+    optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = dataclasses.field(default_factory=LRScheduler)
+    activation_checkpoint: ActivationCheckpoint = dataclasses.field(
+        default_factory=ActivationCheckpoint
+    )
+    checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
+    metrics: Metrics = dataclasses.field(default_factory=Metrics)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML (None values are omitted: TOML has no null)."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if value is not None:
+                    lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def _suggest(name: str, valid: typing.Iterable[str]) -> str:
+    valid = list(valid)
+    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+    if close:
+        return f"did you mean {' or '.join(close)}?"
+    return f"valid: {', '.join(valid)}"
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.type for f in dataclasses.fields(JobConfig)}
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _coerce(where: str, value: Any, hint: Any) -> Any:
+    """Converts a TOML or CLI value to the field's type, or raises a ConfigError naming `where`."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(
+                f"{where}={value!r} is not valid; expected one of {', '.join(map(str, choices))}"
+            )
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(where, value, args[0])
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{where}={value!r} is not a boolean; use true or false")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r} is not an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}={value!r} is not an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}={value!r} is not a number")
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}={value!r} is not a string")
+        return value
+    raise TypeError(f"unsupported config type {hint} for {where}")
+
+
+def _set(config: JobConfig, section: str, key: str, value: Any) -> None:
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(f"unknown config section [{section}]; {_suggest(section, sections)}")
+    obj = getattr(config, section)
+    hints = _field_types(type(obj))
+    if key not in hints:
+        raise ConfigError(f"unknown config key {section}.{key}; {_suggest(key, hints)}")
+    setattr(obj, key, _coerce(f"{section}.{key}", value, hints[key]))
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
+    """`--section.key value` (or `--section.key=value`) pairs -> [(section, key, value)]."""
+    out = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"expected an override like --section.key value, got {arg!r}")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{name} has no value")
+            value = args[i + 1]
+            i += 1
+        section, _, key = name.partition(".")
+        out.append((section, key, value))
+        i += 1
+    return out
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> JobConfig:
+    """Reads TOML `path` (optional), applies CLI-style `overrides`, validates, returns the config."""
+    config = JobConfig()
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(
+                    f"{path}: top-level key {section!r} must be a [section]; "
+                    f"{_suggest(section, _sections())}"
+                )
+            for key, value in values.items():
+                _set(config, section, key, value)
+    for section, key, value in parse_overrides(list(overrides)):
+        _set(config, section, key, value)
+    validate(config)
+    return config
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config: JobConfig) -> None:
+    """Checks values that are valid types but impossible; model/mesh checks happen where known."""
+    t, p = config.training, config.parallelism
+    _require(t.local_batch_size >= 1, f"training.local_batch_size={t.local_batch_size} must be >= 1")
+    _require(
+        t.global_batch_size == -1 or t.global_batch_size >= 1,
+        f"training.global_batch_size={t.global_batch_size} must be >= 1 or -1 (local x dp)",
+    )
+    _require(t.seq_len >= 1, f"training.seq_len={t.seq_len} must be >= 1")
+    _require(t.steps >= 1, f"training.steps={t.steps} must be >= 1")
+    _require(t.max_norm >= 0, f"training.max_norm={t.max_norm} must be >= 0 (0 disables)")
+    _require(
+        t.max_consecutive_bad_steps >= 1,
+        f"training.max_consecutive_bad_steps={t.max_consecutive_bad_steps} must be >= 1",
+    )
+    _require(config.model.name == "qwen3", f"model.name={config.model.name!r}; valid: qwen3")
+    for name in ("data_parallel_replicate_degree", "tensor_parallel_degree",
+                 "expert_parallel_degree"):
+        degree = getattr(p, name)
+        _require(degree >= 1, f"parallelism.{name}={degree} must be >= 1")
+    _require(
+        p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+        f"parallelism.data_parallel_shard_degree={p.data_parallel_shard_degree} "
+        "must be >= 1 or -1 (fill the remaining devices)",
+    )
+    _require(config.job.cpu_devices >= 0, f"job.cpu_devices={config.job.cpu_devices} must be >= 0")
+    o = config.optimizer
+    _require(o.lr > 0, f"optimizer.lr={o.lr} must be > 0")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1,
+             f"optimizer betas ({o.beta1}, {o.beta2}) must be in [0, 1)")
+    _require(o.eps > 0, f"optimizer.eps={o.eps} must be > 0")
+    _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0")
+    s = config.lr_scheduler
+    _require(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps={s.warmup_steps} must be >= 0")
+    _require(
+        s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
+        f"lr_scheduler.decay_ratio={s.decay_ratio} must be in [0, 1] or none",
+    )
+    _require(0 <= s.min_lr_factor <= 1,
+             f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be in [0, 1]")
+    m = config.metrics
+    _require(m.log_freq >= 1, f"metrics.log_freq={m.log_freq} must be >= 1")
+    c = config.checkpoint
+    _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
+    _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 "
+             "(0 keeps all)")

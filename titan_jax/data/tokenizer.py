@@ -1,0 +1,95 @@
+"""A thin wrapper over a HF `tokenizers` tokenizer.json: ids in, ids out, plus EOS/BOS ids.
+
+`load_tokenizer("")` gives the shipped 2048-token BPE (built by scripts/build_tokenizer.py);
+a path to a tokenizer.json, or a directory holding one (e.g. a Qwen3 HF checkout), loads the same
+way. EOS comes from `eos_token` in a tokenizer_config.json next to the file, else from a
+well-known special-token name.
+"""
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import tokenizers
+
+EOS_NAMES = ("<|endoftext|>", "<|im_end|>", "</s>", "<|end_of_text|>")
+BOS_NAMES = ("<|begin_of_text|>", "<s>")
+
+
+class Tokenizer:
+    """Text <-> token ids; `vocab_size` bounds every id (the embedding needs that many rows)."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, *, eos_id: int, bos_id: int | None = None):
+        self._tok = tok
+        self.eos_id = eos_id
+        self.bos_id = bos_id
+        # Max id + 1 rather than a token count: ids need not be contiguous in a HF file.
+        self.vocab_size: int = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+
+    def encode(self, text: str) -> list[int]:
+        # No BOS/EOS here: the data pipeline decides where document boundaries go.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        # Keep special tokens so document boundaries stay visible in decoded samples.
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def load_tokenizer(path: str = "") -> Tokenizer:
+    """Loads the shipped tokenizer (`path=""`), a tokenizer.json file, or a directory with one."""
+    if not path:
+        asset = resources.files("titan_jax.data") / "assets" / "tokenizer.json"
+        return _from_json(asset.read_text(encoding="utf-8"), where=str(asset), config={})
+    file = Path(path)
+    if file.is_dir():
+        file = file / "tokenizer.json"
+    if not file.is_file():
+        raise ValueError(f"tokenizer path {path!r}: no tokenizer.json file at {str(file)!r}")
+    config = _read_config(file.parent / "tokenizer_config.json")
+    return _from_json(file.read_text(encoding="utf-8"), where=str(file), config=config)
+
+
+def _read_config(file: Path) -> dict:
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"tokenizer config {str(file)!r} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"tokenizer config {str(file)!r} is not a JSON object")
+    return config
+
+
+def _token_name(value: object) -> str | None:
+    # HF configs store a special token either as a string or as {"content": "...", ...}.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _from_json(text: str, *, where: str, config: dict) -> Tokenizer:
+    try:
+        tok = tokenizers.Tokenizer.from_str(text)
+    except Exception as e:  # the Rust side raises bare Exception on malformed files
+        raise ValueError(f"tokenizer file {where!r} is not a valid tokenizer.json: {e}") from e
+
+    eos_name = _token_name(config.get("eos_token"))
+    if eos_name is not None:
+        eos_id = tok.token_to_id(eos_name)
+        if eos_id is None:
+            raise ValueError(f"tokenizer {where!r}: eos_token={eos_name!r} is not in the vocab")
+    else:
+        eos_id = next((i for n in EOS_NAMES if (i := tok.token_to_id(n)) is not None), None)
+        if eos_id is None:
+            raise ValueError(
+                f"tokenizer {where!r} has no EOS token: set eos_token in tokenizer_config.json "
+                f"or include one of {list(EOS_NAMES)}"
+            )
+
+    if "bos_token" in config:  # an explicit null means "no BOS" (Qwen3)
+        bos_name = _token_name(config["bos_token"])
+        bos_id = None if bos_name is None else tok.token_to_id(bos_name)
+    else:
+        bos_id = next((i for n in BOS_NAMES if (i := tok.token_to_id(n)) is not None), None)
+    return Tokenizer(tok, eos_id=eos_id, bos_id=bos_id)

@@ -1,0 +1,79 @@
+"""Qwen3 model hyper-parameters and the registry of named flavours (sizes as in TorchTitan/HF)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Args:
+    """Shape of a Qwen3 model. Field names follow TorchTitan's `Qwen3ModelArgs`."""
+
+    dim: int = 256
+    n_layers: int = 8
+    n_heads: int = 16
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    hidden_dim: int = 3072  # dense SwiGLU inner size
+    vocab_size: int = 2048
+    norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_seq_len: int = 4096
+    tie_embeddings: bool = True
+    # Mixture of experts (0 experts = dense). Every layer is MoE when enabled (decoder_sparse_step=1).
+    num_experts: int = 0
+    top_k: int = 0
+    moe_inter_dim: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def validate(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.is_moe and not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+
+
+_QWEN3_VOCAB = 151936
+
+QWEN3_FLAVORS: dict[str, Qwen3Args] = {
+    "debugmodel": Qwen3Args(),
+    "0.6B": Qwen3Args(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072,
+                      vocab_size=_QWEN3_VOCAB, max_seq_len=40960),
+    "1.7B": Qwen3Args(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144,
+                      vocab_size=_QWEN3_VOCAB, max_seq_len=40960),
+    "4B": Qwen3Args(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728,
+                    vocab_size=_QWEN3_VOCAB, max_seq_len=40960),
+    "8B": Qwen3Args(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288,
+                    vocab_size=_QWEN3_VOCAB, max_seq_len=40960, tie_embeddings=False),
+    "14B": Qwen3Args(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, hidden_dim=17408,
+                     vocab_size=_QWEN3_VOCAB, max_seq_len=40960, tie_embeddings=False),
+    "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600,
+                     vocab_size=_QWEN3_VOCAB, max_seq_len=40960, tie_embeddings=False),
+}
+
+
+def get_flavor(name: str) -> Qwen3Args:
+    """The registered flavour `name`, or a ValueError listing the valid ones."""
+    if name not in QWEN3_FLAVORS:
+        close = difflib.get_close_matches(name, QWEN3_FLAVORS, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(
+            f"model.flavor={name!r} is not a Qwen3 flavour{hint}; valid: {', '.join(QWEN3_FLAVORS)}"
+        )
+    return QWEN3_FLAVORS[name]

@@ -1,0 +1,228 @@
+"""Qwen3 in Flax NNX: RMSNorm, rotate-half RoPE, GQA attention with per-head QK-norm, SwiGLU.
+
+Numerics follow HF transformers' `Qwen3ForCausalLM` (and torchtitan's Qwen3): norms, RoPE tables
+and softmax in fp32, everything else in the activation dtype. Every parameter declares its
+logical axis names once (`logical_axes` metadata); `titan_jax.parallel` maps them to a mesh.
+Weights are stored (in, out) and read through `use_param`, the hook where SimpleFSDP casts and
+gathers them at use. Layers are stacked on a leading axis and run with `lax.scan`.
+
+Init follows torchtitan HEAD (b5bcd76, `models/qwen3/__init__.py`): every linear and the
+embedding ~ N(0, 0.02); for MoE flavours `wo` and the experts' `w2` use 0.02/sqrt(2*n_layers);
+norm weights 1. Tied models read the embedding as the output projection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from flax import nnx
+
+from titan_jax.models.qwen3.args import Qwen3Args
+from titan_jax.models.qwen3.param_use import use_param
+
+Array = jax.Array
+
+# Names of intermediate values that the selective activation-checkpoint policy saves.
+SAVED_ACTIVATIONS = ("q_proj", "k_proj", "v_proj", "attn_out", "wo_out", "ffn_hidden", "ffn_out")
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
+           std: float) -> nnx.Param:
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, logical_axes=axes)
+
+
+def _ones(shape: tuple[int, ...], axes: tuple[str | None, ...]) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, jnp.float32), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, axis_name: str | None = "norm"):
+        self.weight = _ones((dim,), (axis_name,))
+        self.eps = eps
+
+    def __call__(self, x: Array) -> Array:
+        # Statistics in fp32 even for bf16 activations; HF casts back before the weight multiply.
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return use_param(self.weight, x.dtype) * normed.astype(x.dtype)
+
+
+def rope_tables(positions_BT: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos/sin tables (B, T, head_dim) in fp32, rotate-half layout (halves repeated)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs_BTK = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs_BTK, freqs_BTK], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_BTNH: Array, cos_BTH: Array, sin_BTH: Array) -> Array:
+    half = x_BTNH.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BTNH[..., half:], x_BTNH[..., :half]], axis=-1)
+    cos, sin = cos_BTH[:, :, None, :].astype(x_BTNH.dtype), sin_BTH[:, :, None, :].astype(
+        x_BTNH.dtype
+    )
+    return x_BTNH * cos + rotated * sin
+
+
+def dense(x: Array, w: nnx.Param, spec: str) -> Array:
+    """einsum of activations with a weight read through the param-use hook."""
+    return jnp.einsum(spec, x, use_param(w, x.dtype))
+
+
+class Attention(nnx.Module):
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs):
+        d, n, k, h = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
+        wo_std = 0.02 / math.sqrt(2 * args.n_layers) if args.is_moe else 0.02
+        self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), 0.02)
+        self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), 0.02)
+        self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), 0.02)
+        self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), wo_std)
+        self.q_norm = RMSNorm(h, args.norm_eps, "head_dim")
+        self.k_norm = RMSNorm(h, args.norm_eps, "head_dim")
+        self.n_rep = n // k
+        self.scale = h**-0.5
+
+    def __call__(self, x_BTD: Array, cos: Array, sin: Array) -> Array:
+        name = checkpoint_name
+        q_BTNH = name(dense(x_BTD, self.wq, "btd,dnh->btnh"), "q_proj")
+        k_BTKH = name(dense(x_BTD, self.wk, "btd,dkh->btkh"), "k_proj")
+        v_BTKH = name(dense(x_BTD, self.wv, "btd,dkh->btkh"), "v_proj")
+        # Qwen3: per-head RMSNorm on q and k, then RoPE.
+        q_BTNH = apply_rope(self.q_norm(q_BTNH), cos, sin)
+        k_BTKH = apply_rope(self.k_norm(k_BTKH), cos, sin)
+        out_BTNH = name(causal_gqa_attention(q_BTNH, k_BTKH, v_BTKH, self.scale), "attn_out")
+        return name(dense(out_BTNH, self.wo, "btnh,nhd->btd"), "wo_out")
+
+
+def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float) -> Array:
+    """Causal softmax attention; each group of n_heads/n_kv query heads shares one kv head."""
+    b, t, n, h = q_BTNH.shape
+    kv = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    causal_TS = jnp.tril(jnp.ones((t, k_BSKH.shape[1]), dtype=bool))
+    scores = jnp.where(causal_TS, scores * scale, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)  # fp32 softmax, as HF
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH)
+    return out.reshape(b, t, n, h)
+
+
+class FeedForward(nnx.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs):
+        d, f = args.dim, args.hidden_dim
+        self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
+        self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02)
+        self.w3 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
+
+    def __call__(self, x_BTD: Array) -> Array:
+        name = checkpoint_name
+        hidden = jax.nn.silu(dense(x_BTD, self.w1, "btd,df->btf")) * dense(
+            x_BTD, self.w3, "btd,df->btf"
+        )
+        return name(dense(name(hidden, "ffn_hidden"), self.w2, "btf,fd->btd"), "ffn_out")
+
+
+class Block(nnx.Module):
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs):
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, rngs)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args, rngs)
+
+    def __call__(self, x_BTD: Array, cos: Array, sin: Array) -> Array:
+        with jax.named_scope("attention"):
+            x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos, sin)
+        with jax.named_scope("feed_forward"):
+            return x_BTD + self.feed_forward(self.ffn_norm(x_BTD))
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicy:
+    """How the scanned block trades memory for recompute.
+
+    mode: activation checkpointing ("none" | "full" | "selective").
+    save_gathered_params: keep the gathered (all-gathered, cast) weights from forward for
+      backward (SimpleFSDP reshard_after_forward=never) instead of re-gathering them.
+    """
+
+    mode: str = "none"
+    save_gathered_params: bool = True
+
+    def policy(self) -> Callable | None:
+        from titan_jax.models.qwen3.param_use import GATHERED_PARAM
+
+        cp = jax.checkpoint_policies
+        gathered = (GATHERED_PARAM,) if self.save_gathered_params else ()
+        if self.mode == "none":
+            if self.save_gathered_params:
+                return None  # no remat at all
+            return cp.save_anything_except_these_names(GATHERED_PARAM)
+        if self.mode == "full":
+            return cp.save_only_these_names(*gathered)
+        if self.mode == "selective":
+            return cp.save_only_these_names(*SAVED_ACTIVATIONS, *gathered)
+        raise ValueError(f"activation_checkpoint.mode={self.mode!r}; valid: none, full, selective")
+
+
+class Qwen3(nnx.Module):
+    """Qwen3 decoder. `__call__(tokens_BT) -> logits_BTV` (fp32)."""
+
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, remat: RematPolicy = RematPolicy()):
+        args.validate()
+        self.args = args
+        self.remat = remat
+        self.tok_embeddings = _param(rngs, (args.vocab_size, args.dim), ("vocab", "embed"), 0.02)
+
+        @nnx.split_rngs(splits=args.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs: nnx.Rngs) -> Block:
+            return Block(args, rngs)
+
+        # Stacked on a leading "layers" axis (see `stacked_logical_axes`).
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        if not args.tie_embeddings:
+            self.lm_head = _param(rngs, (args.dim, args.vocab_size), ("embed", "vocab"), 0.02)
+
+    def hidden_states(self, tokens_BT: Array, dtype: jnp.dtype) -> Array:
+        """Final-normed hidden states (B, T, D) in `dtype`."""
+        b, t = tokens_BT.shape
+        x_BTD = jnp.take(use_param(self.tok_embeddings, dtype), tokens_BT, axis=0)
+        cos, sin = rope_tables(
+            jnp.broadcast_to(jnp.arange(t), (b, t)), self.args.head_dim, self.args.rope_theta
+        )
+        layers_def, layers_state = nnx.split(self.layers)
+
+        def body(x: Array, layer_state: nnx.State) -> tuple[Array, None]:
+            return nnx.merge(layers_def, layer_state)(x, cos, sin), None
+
+        policy = self.remat.policy()
+        if policy is not None:
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        x_BTD, _ = jax.lax.scan(body, x_BTD, layers_state)
+        return self.norm(x_BTD)
+
+    def output_weight(self, dtype: jnp.dtype) -> Array:
+        """The (D, V) output projection: lm_head, or the embedding transposed when tied."""
+        if self.args.tie_embeddings:
+            return use_param(self.tok_embeddings, dtype).T
+        return use_param(self.lm_head, dtype)
+
+    def __call__(self, tokens_BT: Array, dtype: jnp.dtype = jnp.float32) -> Array:
+        h_BTD = self.hidden_states(tokens_BT, dtype)
+        return jnp.einsum("btd,dv->btv", h_BTD, self.output_weight(dtype),
+                          preferred_element_type=jnp.float32)
+
+
+def stacked_logical_axes(path: tuple[str, ...], axes: tuple[str | None, ...]
+                         ) -> tuple[str | None, ...]:
+    """Logical axes of a stored parameter: those under `layers` carry the stacked layer axis."""
+    return ("layers", *axes) if path and path[0] == "layers" else axes
