@@ -14,6 +14,7 @@ norm weights 1. Tied models read the embedding as the output projection.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -50,29 +51,64 @@ class RMSNorm(nnx.Module):
         # Statistics in fp32 even for bf16 activations; HF casts back before the weight multiply.
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return use_param(self.weight, x.dtype) * normed.astype(x.dtype)
+        # The product runs in fp32 so the weight's gradient (a sum over every token, and across
+        # data-parallel devices) is reduced in fp32; bf16 x bf16 products are exact in fp32, so
+        # the forward equals HF's bf16 multiply bit for bit.
+        w = use_param(self.weight, x.dtype).astype(jnp.float32)
+        return (w * normed.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(positions_BT: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-    """cos/sin tables (B, T, head_dim) in fp32, rotate-half layout (halves repeated)."""
+def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos/sin tables (*positions.shape, head_dim) in fp32, rotate-half layout (halves repeated)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs_BTK = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs_BTK, freqs_BTK], axis=-1)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x_BTNH: Array, cos_BTH: Array, sin_BTH: Array) -> Array:
-    half = x_BTNH.shape[-1] // 2
-    rotated = jnp.concatenate([-x_BTNH[..., half:], x_BTNH[..., :half]], axis=-1)
-    cos, sin = cos_BTH[:, :, None, :].astype(x_BTNH.dtype), sin_BTH[:, :, None, :].astype(
-        x_BTNH.dtype
-    )
-    return x_BTNH * cos + rotated * sin
+def apply_rope(x_NKH: Array, cos_NH: Array, sin_NH: Array) -> Array:
+    """Rotates (..., heads, head_dim) by tables of shape (..., head_dim), HF's rotate-half."""
+    half = x_NKH.shape[-1] // 2
+    rotated = jnp.concatenate([-x_NKH[..., half:], x_NKH[..., :half]], axis=-1)
+    cos = jnp.expand_dims(cos_NH, -2).astype(x_NKH.dtype)
+    sin = jnp.expand_dims(sin_NH, -2).astype(x_NKH.dtype)
+    return x_NKH * cos + rotated * sin
 
 
 def dense(x: Array, w: nnx.Param, spec: str) -> Array:
-    """einsum of activations with a weight read through the param-use hook."""
-    return jnp.einsum(spec, x, use_param(w, x.dtype))
+    """einsum of activations with a weight read through the param-use hook.
+
+    fp32 output, rounded back: the forward is what bf16 matmuls with fp32 accumulation give
+    anyway, and the transpose that forms the weight gradient (a contraction over the
+    batch-sharded tokens, whose cross-device reduction is emitted right at that dot) is fp32.
+    """
+    return jnp.einsum(spec, x, use_param(w, x.dtype),
+                      preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def embed_lookup(table_VD: Array, tokens_BT: Array, vocab_size: int) -> Array:
+    """Rows of the embedding table; the gradient is scatter-added in fp32.
+
+    A plain `take` transposes to a scatter-add in the table's dtype, so its cross-device
+    reduction would run in bf16; SimpleFSDP reduces gradients in fp32.
+    """
+    return jnp.take(table_VD, tokens_BT, axis=0)
+
+
+def _embed_lookup_fwd(table_VD: Array, tokens_BT: Array, vocab_size: int
+                      ) -> tuple[Array, Array]:
+    return embed_lookup(table_VD, tokens_BT, vocab_size), tokens_BT
+
+
+def _embed_lookup_bwd(vocab_size: int, tokens_BT: Array, g_BTD: Array) -> tuple[Array, None]:
+    d = g_BTD.shape[-1]
+    grad_VD = jnp.zeros((vocab_size, d), jnp.float32).at[tokens_BT.reshape(-1)].add(
+        g_BTD.reshape(-1, d).astype(jnp.float32))
+    return grad_VD.astype(g_BTD.dtype), None
+
+
+embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)
 
 
 class Attention(nnx.Module):
@@ -88,16 +124,20 @@ class Attention(nnx.Module):
         self.n_rep = n // k
         self.scale = h**-0.5
 
-    def __call__(self, x_BTD: Array, cos: Array, sin: Array) -> Array:
+    def __call__(self, x_ND: Array, cos: Array, sin: Array, batch: int) -> Array:
+        """x_ND: the batch's tokens flattened to N = B*T rows (XLA:CPU's matmuls are ~3x
+        faster on 2-D operands than on (B, T, D) ones)."""
         name = checkpoint_name
-        q_BTNH = name(dense(x_BTD, self.wq, "btd,dnh->btnh"), "q_proj")
-        k_BTKH = name(dense(x_BTD, self.wk, "btd,dkh->btkh"), "k_proj")
-        v_BTKH = name(dense(x_BTD, self.wv, "btd,dkh->btkh"), "v_proj")
+        q_NQH = name(dense(x_ND, self.wq, "nd,dqh->nqh"), "q_proj")
+        k_NKH = name(dense(x_ND, self.wk, "nd,dkh->nkh"), "k_proj")
+        v_NKH = name(dense(x_ND, self.wv, "nd,dkh->nkh"), "v_proj")
         # Qwen3: per-head RMSNorm on q and k, then RoPE.
-        q_BTNH = apply_rope(self.q_norm(q_BTNH), cos, sin)
-        k_BTKH = apply_rope(self.k_norm(k_BTKH), cos, sin)
-        out_BTNH = name(causal_gqa_attention(q_BTNH, k_BTKH, v_BTKH, self.scale), "attn_out")
-        return name(dense(out_BTNH, self.wo, "btnh,nhd->btd"), "wo_out")
+        q_NQH = apply_rope(self.q_norm(q_NQH), cos, sin)
+        k_NKH = apply_rope(self.k_norm(k_NKH), cos, sin)
+        unflat = lambda a: a.reshape(batch, -1, *a.shape[1:])  # noqa: E731
+        out_BTQH = causal_gqa_attention(unflat(q_NQH), unflat(k_NKH), unflat(v_NKH), self.scale)
+        out_NQH = name(out_BTQH.reshape(x_ND.shape[0], *out_BTQH.shape[2:]), "attn_out")
+        return name(dense(out_NQH, self.wo, "nqh,qhd->nd"), "wo_out")
 
 
 def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float) -> Array:
@@ -122,12 +162,10 @@ class FeedForward(nnx.Module):
         self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02)
         self.w3 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
 
-    def __call__(self, x_BTD: Array) -> Array:
+    def __call__(self, x_ND: Array) -> Array:
         name = checkpoint_name
-        hidden = jax.nn.silu(dense(x_BTD, self.w1, "btd,df->btf")) * dense(
-            x_BTD, self.w3, "btd,df->btf"
-        )
-        return name(dense(name(hidden, "ffn_hidden"), self.w2, "btf,fd->btd"), "ffn_out")
+        hidden = jax.nn.silu(dense(x_ND, self.w1, "nd,df->nf")) * dense(x_ND, self.w3, "nd,df->nf")
+        return name(dense(name(hidden, "ffn_hidden"), self.w2, "nf,fd->nd"), "ffn_out")
 
 
 class Block(nnx.Module):
@@ -137,11 +175,11 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args, rngs)
 
-    def __call__(self, x_BTD: Array, cos: Array, sin: Array) -> Array:
+    def __call__(self, x_ND: Array, cos: Array, sin: Array, batch: int) -> Array:
         with jax.named_scope("attention"):
-            x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos, sin)
+            x_ND = x_ND + self.attention(self.attention_norm(x_ND), cos, sin, batch)
         with jax.named_scope("feed_forward"):
-            return x_BTD + self.feed_forward(self.ffn_norm(x_BTD))
+            return x_ND + self.feed_forward(self.ffn_norm(x_ND))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,20 +233,20 @@ class Qwen3(nnx.Module):
     def hidden_states(self, tokens_BT: Array, dtype: jnp.dtype) -> Array:
         """Final-normed hidden states (B, T, D) in `dtype`."""
         b, t = tokens_BT.shape
-        x_BTD = jnp.take(use_param(self.tok_embeddings, dtype), tokens_BT, axis=0)
-        cos, sin = rope_tables(
-            jnp.broadcast_to(jnp.arange(t), (b, t)), self.args.head_dim, self.args.rope_theta
-        )
+        table_VD = use_param(self.tok_embeddings, dtype)
+        x_ND = embed_lookup(table_VD, tokens_BT.reshape(-1), table_VD.shape[0])
+        positions_N = jnp.tile(jnp.arange(t), b)
+        cos, sin = rope_tables(positions_N, self.args.head_dim, self.args.rope_theta)
         layers_def, layers_state = nnx.split(self.layers)
 
         def body(x: Array, layer_state: nnx.State) -> tuple[Array, None]:
-            return nnx.merge(layers_def, layer_state)(x, cos, sin), None
+            return nnx.merge(layers_def, layer_state)(x, cos, sin, b), None
 
         policy = self.remat.policy()
         if policy is not None:
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        x_BTD, _ = jax.lax.scan(body, x_BTD, layers_state)
-        return self.norm(x_BTD)
+        x_ND, _ = jax.lax.scan(body, x_ND, layers_state)
+        return self.norm(x_ND).reshape(b, t, -1)
 
     def output_weight(self, dtype: jnp.dtype) -> Array:
         """The (D, V) output projection: lm_head, or the embedding transposed when tied."""

@@ -1,0 +1,73 @@
+import json
+
+import jax
+import pytest
+from tokenizers import Tokenizer, models
+
+from titan_jax.cli import main
+
+FAST = ["--training.seq_len", "16", "--training.local_batch_size", "2",
+        "--lr_scheduler.warmup_steps", "1"]
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    return code, capsys.readouterr()
+
+
+def test_train_writes_metrics_and_plot(tmp_path, capsys, monkeypatch):
+    # One device of the 8 simulated ones: the CLI cannot re-size an initialised backend.
+    monkeypatch.setattr("jax.devices", lambda *a: jax.local_devices()[:1])
+    code, out = run_cli(capsys, "train", "--config", "configs/qwen3_debug.toml", *FAST,
+                        "--training.steps", "4", "--metrics.log_freq", "2",
+                        "--metrics.progress_bar", "false", "--job.dump_folder", str(tmp_path))
+    assert code == 0, out.err
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 4]
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu_pct", "step_time_s"):
+        assert all(key in r for r in rows), key
+    assert rows[-1]["tokens_per_sec"] > 0 and rows[-1]["mfu_pct"] > 0
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_print_config(capsys):
+    code, out = run_cli(capsys, "train", "--config", "configs/qwen3_debug.toml",
+                        "--training.steps", "3", "--print-config")
+    assert code == 0
+    assert "[training]" in out.out and "steps = 3" in out.out
+
+
+def _big_tokenizer(path):
+    vocab = {f"w{i}": i for i in range(3000)} | {"<|endoftext|>": 3000}
+    Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>")).save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model.flavor", "9B"], "model.flavor='9B' is not a Qwen3 flavour"),
+    (["--training.sequence_len", "8"], "unknown config key training.sequence_len"),
+    (["--training.steps", "1.5"], "training.steps='1.5' is not an integer"),
+    (["--training.seq_len", "5000"], "training.seq_len=5000 exceeds the maximum sequence length"),
+    (["--training.global_batch_size", "3"], "training.global_batch_size=3 must be a multiple"),
+    (["--training.dataset", "jsonl", "--training.dataset_path", "/nonexistent/x.jsonl"],
+     "/nonexistent/x.jsonl"),
+    (["--parallelism.data_parallel_shard_degree", "3"], "= 3 but there are 8 devices"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, capsys, args, message):
+    code, out = run_cli(capsys, "train", "--config", "configs/qwen3_debug.toml",
+                        "--job.dump_folder", str(tmp_path / "run"), *args)
+    assert code == 2
+    assert message in out.err
+    assert out.err.count("\n") == 1
+    assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+def test_empty_dataset_and_big_tokenizer(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    code, out = run_cli(capsys, "train", "--training.dataset", "jsonl",
+                        "--training.dataset_path", str(empty), *FAST)
+    assert code == 2 and "empty.jsonl" in out.err
+    code, out = run_cli(capsys, "train", "--model.tokenizer_path",
+                        str(_big_tokenizer(tmp_path / "tokenizer.json")), *FAST)
+    assert code == 2 and "vocab size 3001, larger than" in out.err

@@ -1,0 +1,61 @@
+import pytest
+
+from titan_jax.config import ConfigError, load_config
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_toml_and_overrides(tmp_path):
+    path = write(tmp_path, '[training]\nsteps = 7\nseq_len = 64\n[checkpoint]\nenable = true\n')
+    config = load_config(path, ["--training.steps", "9", "--optimizer.lr=3e-4",
+                                "--checkpoint.enable", "false", "--lr_scheduler.decay_ratio",
+                                "none"])
+    assert config.training.steps == 9
+    assert config.training.seq_len == 64
+    assert config.optimizer.lr == 3e-4
+    assert config.checkpoint.enable is False
+    assert config.lr_scheduler.decay_ratio is None
+
+
+def test_defaults_follow_torchtitan():
+    config = load_config()
+    assert (config.optimizer.beta1, config.optimizer.beta2, config.optimizer.eps) == (
+        0.9, 0.95, 1e-8)
+    assert config.optimizer.weight_decay == 0.1
+    assert config.training.max_norm == 1.0
+    assert config.training.global_batch_size == -1
+
+
+def test_unknown_key_suggests_nearest(tmp_path):
+    with pytest.raises(ConfigError, match=r"training.stpes.*did you mean steps"):
+        load_config(write(tmp_path, "[training]\nstpes = 3\n"))
+    with pytest.raises(ConfigError, match=r"\[trainig\].*did you mean training"):
+        load_config(None, ["--trainig.steps", "3"])
+
+
+@pytest.mark.parametrize("override,message", [
+    (["--training.steps", "ten"], "training.steps='ten' is not an integer"),
+    (["--checkpoint.enable", "yes"], "checkpoint.enable='yes' is not a boolean"),
+    (["--lr_scheduler.decay_type", "exp"], "expected one of linear, sqrt, cosine"),
+    (["--training.local_batch_size", "0"], "training.local_batch_size=0 must be >= 1"),
+    (["--optimizer.lr", "-1"], "optimizer.lr=-1.0 must be > 0"),
+    (["--training.steps"], "has no value"),
+])
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        load_config(None, override)
+
+
+def test_wrong_type_in_toml(tmp_path):
+    with pytest.raises(ConfigError, match="training.seq_len='long' is not an integer"):
+        load_config(write(tmp_path, '[training]\nseq_len = "long"\n'))
+
+
+def test_print_config_round_trips(tmp_path):
+    config = load_config(None, ["--training.steps", "5", "--job.description", 'a "quoted" x'])
+    again = load_config(write(tmp_path, config.to_toml()))
+    assert again == config
