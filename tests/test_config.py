@@ -59,3 +59,12 @@ def test_print_config_round_trips(tmp_path):
     config = load_config(None, ["--training.steps", "5", "--job.description", 'a "quoted" x'])
     again = load_config(write(tmp_path, config.to_toml()))
     assert again == config
+
+
+@pytest.mark.parametrize("path", sorted(__import__("glob").glob("configs/*.toml")))
+def test_shipped_recipes_load_and_name_real_flavours(path):
+    from titan_jax.models.qwen3 import get_flavor
+
+    config = load_config(path)
+    args = get_flavor(config.model.flavor)
+    assert config.training.seq_len <= args.max_seq_len

@@ -1,0 +1,152 @@
+"""Train-step throughput and MFU: titan-jax's jitted whole step vs a PyTorch step, side by side.
+
+For each model shape, times `Trainer.step_fn` (fp32, one device) and, when torch and
+transformers are installed, the same step in PyTorch (HF Qwen3ForCausalLM, AdamW, clipping)
+on the same batch shape. Reports medians over timed steps after warm-up, tokens/s, MFU against
+the measured matmul peak of this machine, and the JAX/PyTorch ratio. `--write FILE` replaces
+the table between the markers in FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from titan_jax.config import load_config
+from titan_jax.models.qwen3 import Qwen3Args, get_flavor
+from titan_jax.train.metrics import count_params, flops_per_token, peak_flops_per_device
+from titan_jax.train.trainer import build_trainer
+
+# ~100M parameters: GPT-2-small width with Qwen3's structure (GQA, QK-norm, SwiGLU), untied.
+QWEN3_100M = Qwen3Args(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64,
+                       hidden_dim=3072, vocab_size=2048, tie_embeddings=False)
+SHAPES = {"debugmodel": get_flavor("debugmodel"), "qwen3-100M": QWEN3_100M}
+BEGIN, END = "<!-- bench_step:begin -->", "<!-- bench_step:end -->"
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    params_m: float
+    tokens: int
+    jax_s: float
+    torch_s: float | None
+    flops_per_step: float
+
+
+def time_jax(args: Qwen3Args, batch: int, seq: int, warmup: int, steps: int, ac: str) -> float:
+    config = load_config(None, ["--training.local_batch_size", str(batch), "--training.seq_len",
+                                str(seq), "--activation_checkpoint.mode", ac,
+                                "--lr_scheduler.warmup_steps", "1"])
+    trainer = build_trainer(config, jax.devices()[:1], model_args=args)
+    state = trainer.init_state()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, args.vocab_size, (batch, seq + 1)).astype(np.int32)
+    data = trainer.put_batch({"inputs": tokens[:, :-1], "labels": tokens[:, 1:]})
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        state, metrics = trainer.step_fn(state, data)
+        jax.block_until_ready(metrics)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_torch(args: Qwen3Args, batch: int, seq: int, warmup: int, steps: int) -> float | None:
+    try:
+        import torch
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    hf = Qwen3Config(vocab_size=args.vocab_size, hidden_size=args.dim,
+                     intermediate_size=args.hidden_dim, num_hidden_layers=args.n_layers,
+                     num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+                     head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
+                     tie_word_embeddings=args.tie_embeddings, attn_implementation="sdpa")
+    model = Qwen3ForCausalLM(hf).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1))
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        logits = model(tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def markdown(results: list[Result], peak: float, peak_desc: str, batch: int, seq: int,
+             ac: str) -> str:
+    lines = [
+        f"Measured {datetime.date.today()} on {platform.processor() or platform.machine()}, "
+        f"jax {jax.__version__}, 1 CPU device, fp32, batch {batch} x {seq} tokens, "
+        f"activation_checkpoint={ac}. Medians of timed steps after warm-up. MFU peak: "
+        f"{peak / 1e9:.0f} GFLOP/s ({peak_desc}).",
+        "",
+        "| model | params | titan-jax step (s) | tokens/s | MFU | PyTorch step (s) | "
+        "PyTorch tokens/s | titan-jax / PyTorch speed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        tps = r.tokens / r.jax_s
+        mfu = 100 * r.flops_per_step / r.jax_s / peak
+        if r.torch_s is None:
+            torch_cells = "n/a | n/a | n/a"
+        else:
+            torch_cells = (f"{r.torch_s:.3f} | {r.tokens / r.torch_s:,.0f} | "
+                           f"{r.torch_s / r.jax_s:.2f}x")
+        lines.append(f"| {r.name} | {r.params_m:.1f}M | {r.jax_s:.3f} | {tps:,.0f} | "
+                     f"{mfu:.1f}% | {torch_cells} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--ac", default="none", choices=["none", "full", "selective"])
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--write", help="markdown file whose bench_step table is replaced")
+    opts = parser.parse_args()
+
+    peak, peak_desc = peak_flops_per_device(jax.devices()[0], "float32")
+    results = []
+    for name, args in SHAPES.items():
+        tokens = opts.batch * opts.seq_len
+        jax_s = time_jax(args, opts.batch, opts.seq_len, opts.warmup, opts.steps, opts.ac)
+        torch_s = None if opts.no_torch else time_torch(args, opts.batch, opts.seq_len,
+                                                        opts.warmup, opts.steps)
+        results.append(Result(name, count_params(args)["total"] / 1e6, tokens, jax_s, torch_s,
+                              flops_per_token(args, opts.seq_len) * tokens))
+        print(f"{name}: jax {jax_s:.3f}s torch {torch_s}", flush=True)
+    table = markdown(results, peak, peak_desc, opts.batch, opts.seq_len, opts.ac)
+    print(table)
+    if opts.write:
+        path = Path(opts.write)
+        text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+        block = f"{BEGIN}\n{table}\n{END}"
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text,
+                      flags=re.S)
+        path.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
