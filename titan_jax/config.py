@@ -66,6 +66,9 @@ class Parallelism:
     expert_parallel_degree: int = 1
     # "default" = "always": free the gathered weight after forward, re-gather in backward.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit
+    # all_gather/psum_scatter twin, a cross-check of the jit path (same rules, same losses).
+    fsdp_implementation: Literal["jit", "shard_map"] = "jit"
 
 
 @dataclasses.dataclass
@@ -253,7 +256,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> JobConfig:
-    """Reads TOML `path` (optional), applies CLI-style `overrides`, validates, returns the config."""
+    """Reads TOML `path` (optional), applies `--section.key value` overrides, validates."""
     config = JobConfig()
     if path is not None:
         path = Path(path)
@@ -285,7 +288,8 @@ def _require(ok: bool, message: str) -> None:
 def validate(config: JobConfig) -> None:
     """Checks values that are valid types but impossible; model/mesh checks happen where known."""
     t, p = config.training, config.parallelism
-    _require(t.local_batch_size >= 1, f"training.local_batch_size={t.local_batch_size} must be >= 1")
+    _require(t.local_batch_size >= 1,
+             f"training.local_batch_size={t.local_batch_size} must be >= 1")
     _require(
         t.global_batch_size == -1 or t.global_batch_size >= 1,
         f"training.global_batch_size={t.global_batch_size} must be >= 1 or -1 (local x dp)",

@@ -1,4 +1,4 @@
-"""Device mesh from `[parallelism]`: axes (dp_replicate, fsdp, tp), degrees checked against devices."""
+"""Device mesh from `[parallelism]`: axes (dp_replicate, fsdp, tp), checked against devices."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ compiler sees collectives, remat and the optimizer in one graph.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,15 +45,35 @@ def split_microbatches(x_BT: jax.Array, n: int) -> jax.Array:
     return x_BT.reshape(b // n, n, *x_BT.shape[1:]).swapaxes(0, 1)
 
 
+# A batch's summed loss as a function (params, inputs_BT, labels_BT) -> scalar, and a transform
+# of it (how parallelism splits the batch's computation).
+SummedLoss = Callable[[Params, jax.Array, jax.Array], jax.Array]
+LossMap = Callable[[SummedLoss], SummedLoss]
+
+
+def whole_batch(summed_loss: SummedLoss) -> SummedLoss:
+    """The default `loss_map`: the loss of the batch as one computation."""
+    return summed_loss
+
+
 def loss_and_grads(model: ModelDef, params: Params, batch: Batch, options: StepOptions,
-                   param_use: ParamUse) -> tuple[jax.Array, Params, jax.Array]:
-    """Mean loss over all valid tokens of the batch, its gradient, and the token count."""
+                   param_use: ParamUse, loss_map: LossMap = whole_batch
+                   ) -> tuple[jax.Array, Params, jax.Array]:
+    """Mean loss over all valid tokens of the batch, its gradient, and the token count.
+
+    `loss_map` transforms the summed-loss function before it is differentiated; SimpleFSDP maps
+    it over data-parallel shards so that each shard's gradient exists, and is cast to fp32,
+    before it is reduced.
+    """
     n_tokens = count_valid_tokens(batch["labels"])
+
+    def summed_loss(p: Params, inputs: jax.Array, labels: jax.Array) -> jax.Array:
+        h, w_out = model.hidden_states(p, inputs, options.param_dtype)
+        return cross_entropy_sum(h, w_out, labels)
 
     def microbatch_loss(p: Params, inputs: jax.Array, labels: jax.Array) -> jax.Array:
         with param_use_context(param_use):
-            h, w_out = model.hidden_states(p, inputs, options.param_dtype)
-            return cross_entropy_sum(h, w_out, labels) / n_tokens
+            return loss_map(summed_loss)(p, inputs, labels) / n_tokens
 
     grad_fn = jax.value_and_grad(microbatch_loss)
     if options.n_microbatches == 1:
@@ -74,7 +95,7 @@ def loss_and_grads(model: ModelDef, params: Params, batch: Batch, options: StepO
 
 def clip_by_global_norm(grads: Params, max_norm: float) -> tuple[Params, jax.Array]:
     """torch.nn.utils.clip_grad_norm_ semantics: scale by min(1, max_norm / (norm + 1e-6))."""
-    norm = optax.global_norm(grads)
+    norm = optax.tree.norm(grads)
     if max_norm <= 0:
         return grads, norm
     scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
@@ -89,10 +110,14 @@ def optimizer_count(opt_state: Any) -> jax.Array:
 
 def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
                optimizer: optax.GradientTransformation, schedule: Any, options: StepOptions,
-               param_use: ParamUse = cast_param) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step. A non-finite loss or grad norm leaves params and optimizer as they were."""
+               param_use: ParamUse = cast_param, loss_map: LossMap = whole_batch,
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step. A non-finite loss or grad norm leaves params and optimizer as they were.
+
+    `param_use` and `loss_map` are where parallelism plugs in (see `loss_and_grads`).
+    """
     params, opt_state = state["params"], state["opt_state"]
-    loss, grads, n_tokens = loss_and_grads(model, params, batch, options, param_use)
+    loss, grads, n_tokens = loss_and_grads(model, params, batch, options, param_use, loss_map)
     grads, grad_norm = clip_by_global_norm(grads, options.max_norm)
     # The LR of this update: optax's count before the update (skipped steps do not advance it).
     lr = schedule(optimizer_count(opt_state))

@@ -16,10 +16,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.models.qwen3 import ModelDef, RematPolicy, build_model_def, get_flavor
+from titan_jax.models.qwen3 import ModelDef, Qwen3Args, RematPolicy, build_model_def, get_flavor
 from titan_jax.models.qwen3.build import path_name
 from titan_jax.parallel.mesh import BATCH_AXES, MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import logical_to_spec
+from titan_jax.parallel.simple_fsdp import SimpleFSDP
 from titan_jax.train.optim import WSDSchedule, build_optimizer
 from titan_jax.train.step import Batch, StepOptions, TrainState, init_train_state, train_step
 
@@ -55,6 +56,7 @@ class Trainer:
     options: StepOptions
     state_shardings: Any
     batch_sharding: NamedSharding
+    fsdp: SimpleFSDP  # how weights are gathered at use and their gradients reduced
 
     @property
     def global_batch_size(self) -> int:
@@ -86,7 +88,8 @@ class Trainer:
     def step_fn(self) -> Any:
         """The jitted whole step; the input state's buffers are donated to the output."""
         step = functools.partial(train_step, model=self.model, optimizer=self.optimizer,
-                                 schedule=self.schedule, options=self.options)
+                                 schedule=self.schedule, options=self.options,
+                                 param_use=self.fsdp.param_use, loss_map=self.fsdp.loss_map)
         jitted = jax.jit(step, donate_argnums=0,
                          in_shardings=(self.state_shardings, self.batch_sharding),
                          out_shardings=(self.state_shardings, None))
@@ -109,9 +112,11 @@ def _lower_in_mesh(mesh: Mesh, jitted: Any, *args: Any) -> Any:
         return jitted.lower(*args)
 
 
-def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None) -> Trainer:
+def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
+                  model_args: Qwen3Args | None = None) -> Trainer:
+    """`model_args` replaces `model.flavor`'s shape (tests and notebooks use tiny models)."""
     t = config.training
-    args = get_flavor(config.model.flavor)
+    args = get_flavor(config.model.flavor) if model_args is None else model_args
     if t.seq_len > args.max_seq_len:
         raise ConfigError(
             f"training.seq_len={t.seq_len} exceeds the maximum sequence length "
@@ -159,5 +164,6 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None) ->
     state_shardings = {"params": param_shardings, "opt_state": opt_shardings,
                        "step": NamedSharding(mesh, PartitionSpec())}
     batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    fsdp = SimpleFSDP(mesh, specs, config.parallelism.fsdp_implementation)
     return Trainer(config, mesh, degrees, model, schedule, optimizer, options, state_shardings,
-                   batch_sharding)
+                   batch_sharding, fsdp)

@@ -21,7 +21,7 @@ class Qwen3Args:
     rope_theta: float = 1e6
     max_seq_len: int = 4096
     tie_embeddings: bool = True
-    # Mixture of experts (0 experts = dense). Every layer is MoE when enabled (decoder_sparse_step=1).
+    # Mixture of experts (0 experts = dense); every layer is MoE when enabled.
     num_experts: int = 0
     top_k: int = 0
     moe_inter_dim: int = 0

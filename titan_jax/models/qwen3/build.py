@@ -60,9 +60,9 @@ class ModelDef:
         return [(path_name(p), leaf) for p, leaf in flat]
 
 
-def build_model_def(args: Qwen3Args, remat: RematPolicy = RematPolicy()) -> ModelDef:
+def build_model_def(args: Qwen3Args, remat: RematPolicy | None = None) -> ModelDef:
     """Traces the module once abstractly (no weights allocated) to get its structure."""
-    abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), remat))
+    abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), remat or RematPolicy()))
     graphdef, state = nnx.split(abstract, nnx.Param)
     flat = jax.tree_util.tree_flatten_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)

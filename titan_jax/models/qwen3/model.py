@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.qwen3.args import Qwen3Args
 from titan_jax.models.qwen3.param_use import use_param
@@ -51,11 +51,7 @@ class RMSNorm(nnx.Module):
         # Statistics in fp32 even for bf16 activations; HF casts back before the weight multiply.
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        # The product runs in fp32 so the weight's gradient (a sum over every token, and across
-        # data-parallel devices) is reduced in fp32; bf16 x bf16 products are exact in fp32, so
-        # the forward equals HF's bf16 multiply bit for bit.
-        w = use_param(self.weight, x.dtype).astype(jnp.float32)
-        return (w * normed.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+        return use_param(self.weight, x.dtype) * normed.astype(x.dtype)
 
 
 def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
@@ -76,36 +72,29 @@ def apply_rope(x_NKH: Array, cos_NH: Array, sin_NH: Array) -> Array:
 
 
 def dense(x: Array, w: nnx.Param, spec: str) -> Array:
-    """einsum of activations with a weight read through the param-use hook.
-
-    fp32 output, rounded back: the forward is what bf16 matmuls with fp32 accumulation give
-    anyway, and the transpose that forms the weight gradient (a contraction over the
-    batch-sharded tokens, whose cross-device reduction is emitted right at that dot) is fp32.
-    """
-    return jnp.einsum(spec, x, use_param(w, x.dtype),
-                      preferred_element_type=jnp.float32).astype(x.dtype)
+    """einsum of activations with a weight read through the param-use hook."""
+    return jnp.einsum(spec, x, use_param(w, x.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def embed_lookup(table_VD: Array, tokens_BT: Array, vocab_size: int) -> Array:
+def embed_lookup(table_VD: Array, tokens: Array, vocab_size: int) -> Array:
     """Rows of the embedding table; the gradient is scatter-added in fp32.
 
-    A plain `take` transposes to a scatter-add in the table's dtype, so its cross-device
-    reduction would run in bf16; SimpleFSDP reduces gradients in fp32.
+    A plain `take` transposes to a scatter-add in the table's dtype: in bf16, a frequent
+    token's row would sum thousands of contributions at 8 bits of mantissa.
     """
-    return jnp.take(table_VD, tokens_BT, axis=0)
+    return jnp.take(table_VD, tokens, axis=0)
 
 
-def _embed_lookup_fwd(table_VD: Array, tokens_BT: Array, vocab_size: int
-                      ) -> tuple[Array, Array]:
-    return embed_lookup(table_VD, tokens_BT, vocab_size), tokens_BT
+def _embed_lookup_fwd(table_VD: Array, tokens: Array, vocab_size: int) -> tuple[Array, Array]:
+    return embed_lookup(table_VD, tokens, vocab_size), tokens
 
 
-def _embed_lookup_bwd(vocab_size: int, tokens_BT: Array, g_BTD: Array) -> tuple[Array, None]:
-    d = g_BTD.shape[-1]
-    grad_VD = jnp.zeros((vocab_size, d), jnp.float32).at[tokens_BT.reshape(-1)].add(
-        g_BTD.reshape(-1, d).astype(jnp.float32))
-    return grad_VD.astype(g_BTD.dtype), None
+def _embed_lookup_bwd(vocab_size: int, tokens: Array, g: Array) -> tuple[Array, None]:
+    d = g.shape[-1]
+    grad_VD = jnp.zeros((vocab_size, d), jnp.float32).at[tokens.reshape(-1)].add(
+        g.reshape(-1, d).astype(jnp.float32))
+    return grad_VD.astype(g.dtype), None
 
 
 embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)
@@ -195,14 +184,17 @@ class RematPolicy:
     save_gathered_params: bool = True
 
     def policy(self) -> Callable | None:
-        from titan_jax.models.qwen3.param_use import GATHERED_PARAM
+        from titan_jax.models.qwen3.param_use import (
+            GATHERED_PARAM,
+            save_anything_except_gathered_params,
+        )
 
         cp = jax.checkpoint_policies
         gathered = (GATHERED_PARAM,) if self.save_gathered_params else ()
         if self.mode == "none":
             if self.save_gathered_params:
                 return None  # no remat at all
-            return cp.save_anything_except_these_names(GATHERED_PARAM)
+            return save_anything_except_gathered_params
         if self.mode == "full":
             return cp.save_only_these_names(*gathered)
         if self.mode == "selective":
@@ -213,10 +205,10 @@ class RematPolicy:
 class Qwen3(nnx.Module):
     """Qwen3 decoder. `__call__(tokens_BT) -> logits_BTV` (fp32)."""
 
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, remat: RematPolicy = RematPolicy()):
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, remat: RematPolicy | None = None):
         args.validate()
         self.args = args
-        self.remat = remat
+        self.remat = remat or RematPolicy()
         self.tok_embeddings = _param(rngs, (args.vocab_size, args.dim), ("vocab", "embed"), 0.02)
 
         @nnx.split_rngs(splits=args.n_layers)

@@ -1,0 +1,77 @@
+"""SimpleFSDP compiled ahead of time for a TPU v5p:2x2x2 (8 chips) on this CPU, with libtpu.
+
+The TPU compiler is the one that matters for the reduce dtype: it is free to move a rounding to
+bf16 across an all-reduce (it did, before the jit path reduced per-shard fp32 gradients).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+from parallel_helpers import TINY, preset_overrides, tiny_config
+
+from titan_jax.parallel import inspect
+from titan_jax.train.trainer import build_trainer
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(.*)$")
+_REDUCTION = re.compile(r"\s(all-reduce|all-reduce-start|reduce-scatter)\((.*?)\)")
+
+
+def compiled_hlo(preset: str, implementation: str) -> str:
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
+    config = tiny_config(*preset_overrides(preset), "--training.mixed_precision_param",
+                         "bfloat16", "--parallelism.fsdp_implementation", implementation)
+    trainer = build_trainer(config, list(topology.devices), model_args=TINY)
+    lowered = trainer.step_fn.lower(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    return lowered.compile().as_text()
+
+
+def bf16_reductions(hlo: str) -> list[str]:
+    """bf16 operands of all-reduce / reduce-scatter, except small all-gathers that the TPU
+    compiler rewrites as an all-reduce of zero-padded shards (operands: dynamic-update-slice)."""
+    defs = {m[1]: m[2] for line in hlo.splitlines() if (m := _DEF.match(line))}
+    bad = []
+    for line in hlo.splitlines():
+        if not (m := _DEF.match(line)) or not (r := _REDUCTION.search(m[2])):
+            continue
+        result_type = m[2][:r.start()]
+        dtypes = re.findall(r"\b([a-z]+[0-9]*)\[", result_type)
+        operands = [o.strip() for o in r[2].split(",")]
+        for dtype, operand in zip(dtypes, operands, strict=False):
+            if dtype == "bf16" and "dynamic-update-slice(" not in _source(defs, operand):
+                bad.append(line.strip()[:200])
+    return bad
+
+
+def _source(defs: dict[str, str], name: str) -> str:
+    """The definition of `name`, looking through copies (TPU moves buffers between memories)."""
+    for _ in range(8):
+        definition = defs.get(name, "")
+        copy = re.search(r"\s(?:copy-done|copy-start|copy|bitcast)\((%[\w.\-]+)", definition)
+        if not copy:
+            return definition
+        name = copy[1]
+    return ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, implementation", [
+    ("fsdp8", "jit"), ("hsdp2x4", "jit"), ("ddp8", "jit"), ("fsdp8", "shard_map"),
+])
+def test_v5p_fsdp_gathers_bf16_and_reduces_fp32(preset, implementation):
+    hlo = compiled_hlo(preset, implementation)
+    found = inspect.collectives(hlo)
+    gathers = {c["dtype"] for c in found if c["op"] == "all-gather"}
+    assert gathers == ({"bf16"} if preset != "ddp8" else set()), found
+    fp32_bytes = sum(c["bytes"] for c in found
+                     if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] == "f32")
+    assert fp32_bytes > 100_000, found  # the gradients (the tiny model is ~0.4 MB in fp32)
+    assert not bf16_reductions(hlo)
