@@ -1,18 +1,44 @@
-"""The host loop: data -> step -> metrics, one step behind so the host never stalls the device."""
+"""The host loop: data -> step -> metrics -> checkpoint policy, with preemption and NaN policy.
+
+Metrics are read one step behind (step N's after step N+1 is queued) so the host never stalls
+the device; at a checkpoint step the loop reads step N's verdict first, so the bad-step policy
+has spoken before N's state is saved.
+
+- Start: the run's own newest checkpoint (resume), else `checkpoint.initial_load_path`, else
+  random init; see `checkpoint.load_start`.
+- Checkpoints: every `checkpoint.interval` steps, at the last step (model only and in
+  `export_dtype` when `last_save_model_only`), and when stopped by a signal.
+- Preemption: SIGTERM or SIGINT finishes the current step, saves it and returns normally.
+- Bad steps: a non-finite step is skipped by the step's finite guard and reported here;
+  `training.max_consecutive_bad_steps` in a row raise BadStepsError without saving.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import signal
+import threading
 import time
-from pathlib import Path
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.dataset import TrainIterator, build_train_iterator
 from titan_jax.data.tokenizer import load_tokenizer
+from titan_jax.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    NonFiniteStateError,
+    export_hf,
+    load_start,
+)
 from titan_jax.train.metrics import (
     MetricsLogger,
     flops_per_token,
@@ -30,8 +56,58 @@ class BadStepsError(RuntimeError):
 @dataclasses.dataclass
 class RunResult:
     final_step: int
-    losses: dict[int, float]  # every step's loss, by step number
-    state: TrainState
+    losses: dict[int, float]  # the loss of every step this run trained, by step number
+    state: TrainState | None  # None when there was nothing left to train
+    stopped_by: str | None = None  # the signal that stopped the run early
+
+
+class StopSignals:
+    """SIGTERM and SIGINT ask the loop to stop after the current step (and save it).
+
+    One process: the handler sets a flag. Several processes must all stop at the same step, so
+    there SIGTERM is left to JAX's preemption service (which `jax.distributed.initialize`
+    installs, and which picks a step every process reaches) and a Ctrl-C is forwarded to it as
+    SIGTERM. A second signal gets the previous handler: Ctrl-C twice quits at once.
+    """
+
+    def __init__(self, notify: Callable[[str], None]):
+        self.received: str | None = None
+        self._notify = notify
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # signal.signal's rule
+            multi = jax.process_count() > 1
+            for sig in (signal.SIGINT,) if multi else (signal.SIGINT, signal.SIGTERM):
+                previous = signal.signal(sig, self._handle)
+                self._previous[sig] = signal.SIG_DFL if previous is None else previous
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signal.Signals(signum).name
+        signal.signal(signum, self._previous.pop(signum))
+        self._notify(f"{self.received} received: stopping after the current step and saving it "
+                     "(send it again to quit at once)")
+        if jax.process_count() > 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to stop after `step`; every process must call this at every step."""
+        if jax.process_count() == 1:
+            return self.received is not None
+        try:
+            return multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError:  # the preemption service is disabled: signals kill as usual
+            return False
+
+    @property
+    def reason(self) -> str:
+        return self.received or "preemption notice"
 
 
 def build_data(config: JobConfig, trainer: Trainer) -> TrainIterator:
@@ -53,13 +129,16 @@ def build_data(config: JobConfig, trainer: Trainer) -> TrainIterator:
 class _StepReporter:
     """Turns each step's on-device metrics into logged numbers once they are ready."""
 
-    def __init__(self, config: JobConfig, trainer: Trainer, logger: MetricsLogger):
+    def __init__(self, config: JobConfig, trainer: Trainer, logger: MetricsLogger,
+                 tokens_seen: int = 0):
         self.config, self.trainer, self.logger = config, trainer, logger
+        self.tokens_seen = tokens_seen  # over all runs of this job, skipped steps included
         t = config.training
         device = trainer.mesh.devices.flat[0]
         dtype = np.dtype(trainer.options.param_dtype).name
         self.peak, peak_source = peak_flops_per_device(device, dtype)
-        self.flops_per_step = flops_per_token(trainer.model.args, t.seq_len) * trainer.tokens_per_step
+        self.flops_per_step = (flops_per_token(trainer.model.args, t.seq_len)
+                               * trainer.tokens_per_step)
         self.n_devices = trainer.mesh.devices.size
         self.bad_in_a_row = 0
         self.losses: dict[int, float] = {}
@@ -68,24 +147,28 @@ class _StepReporter:
 
     def report(self, step: int, metrics: dict[str, jax.Array]) -> None:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        step_time = None if self.last_ready is None else now - self.last_ready
-        self.last_ready = now
         self.losses[step] = values["loss"]
-        if not values["finite"]:
+        self.tokens_seen += int(values["n_tokens"])
+        if values["finite"]:
+            self.bad_in_a_row = 0
+        else:
             self.bad_in_a_row += 1
             self.logger.info(f"step {step}: non-finite loss={values['loss']} or "
                              f"grad_norm={values['grad_norm']}; update skipped "
                              f"({self.bad_in_a_row} in a row)")
-            limit = self.config.training.max_consecutive_bad_steps
-            if self.bad_in_a_row >= limit:
-                raise BadStepsError(
-                    f"{self.bad_in_a_row} non-finite steps in a row (training."
-                    f"max_consecutive_bad_steps={limit}); stopping at step {step}"
-                )
-        else:
-            self.bad_in_a_row = 0
-        if not self.logger.should_log(step):
+        limit = self.config.training.max_consecutive_bad_steps
+        self._log(step, values, force=self.bad_in_a_row >= limit)
+        if self.bad_in_a_row >= limit:
+            raise BadStepsError(
+                f"{self.bad_in_a_row} non-finite steps in a row (training."
+                f"max_consecutive_bad_steps={limit}); stopping at step {step} without saving it"
+            )
+
+    def _log(self, step: int, values: dict[str, float], force: bool) -> None:
+        now = time.perf_counter()
+        step_time = None if self.last_ready is None else now - self.last_ready
+        self.last_ready = now
+        if not (force or self.logger.should_log(step)):
             self.logger.advance(step)
             return
         # The first step includes compilation, so it has no meaningful throughput.
@@ -97,21 +180,26 @@ class _StepReporter:
             "step": step, "loss": values["loss"], "grad_norm": values["grad_norm"],
             "lr": values["lr"], "tokens_per_sec": tps, "mfu_pct": mfu,
             "step_time_s": step_time or 0.0, "n_tokens": values["n_tokens"],
-            "memory_peak_gib": mem["peak_bytes"] / 2**30,
+            "tokens_seen": self.tokens_seen, "memory_peak_gib": mem["peak_bytes"] / 2**30,
         })
 
 
 def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResult:
-    """Runs `training.steps` steps of `config` and returns the final state and losses."""
+    """Trains (or resumes) up to `training.steps`; returns this run's losses and final state."""
     trainer = build_trainer(config, devices)
     data = build_data(config, trainer)
-    dump = Path(config.job.dump_folder)
-    m = config.metrics
-    logger = MetricsLogger(str(dump), m.log_freq, config.training.steps,
-                           enable_tensorboard=m.enable_tensorboard,
-                           tensorboard_folder=m.save_tb_folder, progress_bar=m.progress_bar,
-                           is_main_process=jax.process_index() == 0)
-    with logger:
+    m, c = config.metrics, config.checkpoint
+    total = config.training.steps
+    with contextlib.ExitStack() as stack:
+        # Closed (waiting for an in-flight save) on every exit, errors and signals included.
+        ckpt = stack.enter_context(Checkpointer.from_config(config, trainer)) if c.enable else None
+        # Before any log is opened: a bad checkpoint or config change fails with nothing written.
+        start = load_start(config, trainer, ckpt)
+        logger = stack.enter_context(MetricsLogger(
+            config.job.dump_folder, m.log_freq, total, enable_tensorboard=m.enable_tensorboard,
+            tensorboard_folder=m.save_tb_folder, progress_bar=m.progress_bar,
+            is_main_process=jax.process_index() == 0))
+        stop = stack.enter_context(StopSignals(logger.info))
         args = trainer.model.args
         logger.info(
             f"qwen3 {config.model.flavor}: {trainer.model.num_params() / 1e6:.1f}M params, "
@@ -121,19 +209,70 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
             f"param dtype {np.dtype(trainer.options.param_dtype).name}, "
             f"vocab {args.vocab_size}"
         )
-        reporter = _StepReporter(config, trainer, logger)
-        state = trainer.init_state()
+        if start.step >= total:
+            logger.info(f"nothing to train: {start.source} is at step {start.step} and "
+                        f"training.steps={total}; raise training.steps to train on, or use a "
+                        "new job.dump_folder")
+            return RunResult(start.step, {}, None)
+        if start.state is None:
+            state = trainer.init_state()
+        else:
+            state = start.state
+            verb = f"resuming at step {start.step + 1} from" if start.step else "starting from"
+            logger.info(f"{verb} {start.source} ({start.tokens_seen:,} tokens seen)")
+        if start.data_state is not None:
+            try:
+                data.set_state(start.data_state)
+            except ValueError as e:
+                raise CheckpointError(f"cannot resume from {start.source}: {e}") from e
+
+        reporter = _StepReporter(config, trainer, logger, start.tokens_seen)
         pending: tuple[int, Any] | None = None
-        step = 0
-        for step in range(1, config.training.steps + 1):
+        stopped = False
+        step = start.step
+        for step in range(start.step + 1, total + 1):
             batch = trainer.put_batch(next(data))
             state, metrics = trainer.step_fn(state, batch)
             # Read step N-1's metrics only after step N is queued: the device stays busy.
             if pending is not None:
                 reporter.report(*pending)
             pending = (step, metrics)
+            stopped = stop.should_stop(step)
+            if ckpt is not None and (stopped or step == total or step % c.interval == 0):
+                reporter.report(*pending)  # N's verdict (bad-step policy) before N is saved
+                pending = None
+                _save(ckpt, config, step, state, data, reporter, logger)
+            if stopped:
+                break
         if pending is not None:
             reporter.report(*pending)
+        if ckpt is not None:
+            ckpt.wait()
         losses = reporter.losses
-        logger.info(f"finished {step} steps: loss {losses[1]:.4f} -> {losses[step]:.4f}")
+        first = min(losses)
+        if stopped and step < total:
+            saved = (f"saved checkpoint step {step} in {ckpt.directory}; run the same command "
+                     "to resume" if ckpt is not None else "checkpoint.enable=false: nothing saved")
+            logger.info(f"{stop.reason}: stopped after step {step}; {saved}")
+            return RunResult(step, losses, state, stop.reason)
+        if c.last_save_in_hf:
+            path = export_hf(config, trainer, state["params"], step)
+            logger.info(f"final model saved as HF safetensors in {path}")
+        logger.info(f"finished step {step}: loss {losses[first]:.4f} (step {first}) -> "
+                    f"{losses[step]:.4f}")
     return RunResult(step, losses, state)
+
+
+def _save(ckpt: Checkpointer, config: JobConfig, step: int, state: TrainState,
+          data: TrainIterator, reporter: _StepReporter, logger: MetricsLogger) -> None:
+    c = config.checkpoint
+    model_only = step == config.training.steps and c.last_save_model_only
+    start = time.perf_counter()
+    try:
+        ckpt.save(step, state, data_state=data.get_state(), tokens_seen=reporter.tokens_seen,
+                  model_only=model_only, dtype=c.export_dtype if model_only else None)
+    except NonFiniteStateError as e:
+        raise BadStepsError(str(e)) from e
+    what = f"model only, {c.export_dtype}" if model_only else "full state"
+    logger.info(f"checkpoint step {step} ({what}): {time.perf_counter() - start:.1f} s "
+                f"blocking{', writing in the background' if c.async_mode == 'async' else ''}")

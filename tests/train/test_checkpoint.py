@@ -1,0 +1,395 @@
+"""Tests for titan_jax/train/checkpoint.py and the loop's checkpoint, stop and bad-step policies.
+
+In-process on a tiny Qwen3 (the subprocess kill/resume tests are in test_resume.py).
+"""
+
+import gc
+import hashlib
+import json
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from titan_jax.config import load_config
+from titan_jax.models.qwen3 import Qwen3Args
+from titan_jax.train import loop
+from titan_jax.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointSaveError,
+    NonFiniteStateError,
+    export_hf,
+    load_start,
+    resume_signature,
+)
+from titan_jax.train.loss import IGNORE_INDEX
+from titan_jax.train.trainer import build_trainer
+
+TINY = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
+                 vocab_size=2048, max_seq_len=64)  # vocab fits the shipped tokenizer
+
+
+def make_config(folder, *overrides):
+    return load_config(None, [
+        "--job.dump_folder", str(folder), "--training.seq_len", "16",
+        "--training.local_batch_size", "1", "--training.global_batch_size", "8",
+        "--training.steps", "6", "--lr_scheduler.warmup_steps", "1",
+        "--metrics.log_freq", "1", "--metrics.progress_bar", "false",
+        "--checkpoint.enable", "true", *overrides])
+
+
+def make_trainer(config, devices=None, args=TINY):
+    return build_trainer(config, devices, model_args=args)
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def assert_trees_equal(a, b):
+    flat_a, flat_b = jax.tree.leaves_with_path(host(a)), jax.tree.leaves_with_path(host(b))
+    assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+    for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
+def small_state(seed=0, n=256):
+    w = np.random.default_rng(seed).normal(size=(n, n)).astype(np.float32)
+    return {"params": {"w": jnp.asarray(w)}, "step": jnp.int32(seed)}
+
+
+def digests(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """Every `train` call jits a new step function: a persistent cache compiles each once."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    previous = {name: getattr(jax.config, name) for name in names}
+    jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update(names[1], 0)
+    yield
+    for name, value in previous.items():
+        jax.config.update(name, value)
+
+
+def random_state(trainer, seed=0):
+    """A train state of random values on the trainer's shardings, built without compiling."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(a):
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            value = rng.standard_normal(a.shape).astype(a.dtype)
+        else:
+            value = np.full(a.shape, 2, a.dtype)
+        return jax.device_put(value, a.sharding)
+
+    return jax.tree.map(leaf, trainer.abstract_state())
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Step 2 of the tiny model on FSDP over 8 devices, saved with the data position after two
+    batches; the next two batches of the uninterrupted stream."""
+    folder = tmp_path_factory.mktemp("saved")
+    config = make_config(folder)
+    trainer = make_trainer(config)
+    data = loop.build_data(config, trainer)
+    state = random_state(trainer)
+    for _ in range(2):
+        next(data)
+    with Checkpointer.from_config(config, trainer) as ckpt:
+        ckpt.save(2, state, data_state=data.get_state(), tokens_seen=256)
+    return SimpleNamespace(config=config, folder=folder / "checkpoint", state=host(state),
+                           next_batches=[next(data) for _ in range(2)])
+
+
+@pytest.mark.parametrize("mesh", ["hsdp_2x4", "one_device"])
+def test_restore_onto_another_mesh_is_bit_exact(saved, mesh):
+    if mesh == "hsdp_2x4":
+        config = make_config(saved.folder.parent, "--parallelism.data_parallel_replicate_degree",
+                             "2")
+        trainer = make_trainer(config)
+        assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 4, "tp": 1}
+    else:
+        trainer = make_trainer(saved.config, jax.devices()[:1])
+    restored = Checkpointer.from_config(saved.config, trainer).restore(
+        2, trainer.abstract_state(), signature=resume_signature(saved.config, 8))
+    assert restored.step == 2 and restored.tokens_seen == 256
+    assert_trees_equal(restored.state, saved.state)
+    for x, sharding in zip(jax.tree.leaves(restored.state),
+                           jax.tree.leaves(trainer.state_shardings), strict=True):
+        assert x.sharding.is_equivalent_to(sharding, x.ndim)
+
+
+def test_data_iterator_resumes_through_the_checkpoint(saved):
+    trainer = make_trainer(saved.config)
+    restored = Checkpointer.from_config(saved.config, trainer).restore(2, trainer.abstract_state())
+    data = loop.build_data(saved.config, trainer)
+    data.set_state(json.loads(json.dumps(restored.data_state)))
+    for expected in saved.next_batches:
+        got = next(data)
+        for key in ("inputs", "labels"):
+            np.testing.assert_array_equal(got[key], expected[key])
+
+
+def test_keep_latest_k_keeps_exactly_k(tmp_path):
+    with Checkpointer(tmp_path, keep_latest_k=2) as ckpt:
+        for step in range(1, 6):
+            ckpt.save(step, small_state(step), data_state={}, tokens_seen=0)
+    assert Checkpointer(tmp_path).steps() == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["4", "5"]
+
+
+def test_an_unfinished_save_is_ignored_and_cleaned_up(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, small_state(), data_state={}, tokens_seen=0)
+    partial = tmp_path / "4.orbax-checkpoint-tmp-1234"  # what a kill mid-save leaves
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "junk").write_bytes(b"\0" * 100)
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.steps() == [2]
+        ckpt.save(3, small_state(), data_state={}, tokens_seen=0)  # the cleanup is done by now
+        assert not partial.exists()
+    assert Checkpointer(tmp_path).steps() == [2, 3]
+
+
+def test_a_failed_async_save_surfaces_as_an_error(tmp_path, monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("orbax.checkpoint._src.checkpointers.async_checkpointer."
+                        "_background_wait_for_commit_futures", disk_full)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, small_state(), data_state={}, tokens_seen=0)  # returns before the failure
+    with pytest.raises(CheckpointSaveError, match="checkpoint step 1 .* No space left"):
+        ckpt.wait()
+    assert ckpt.steps() == []
+    ckpt.close()
+
+
+def test_a_non_finite_state_is_never_saved(tmp_path):
+    state = small_state()
+    state["params"]["w"] = state["params"]["w"].at[3, 4].set(jnp.inf)
+    with Checkpointer(tmp_path) as ckpt, pytest.raises(NonFiniteStateError, match="step 7"):
+        ckpt.save(7, state, data_state={}, tokens_seen=0)
+    assert Checkpointer(tmp_path).steps() == []
+
+
+# orbax leaves the coroutines of a failed read to the garbage collector, which complains.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage,message", [("overwrite", "is corrupt: params.w does not match"),
+                                            ("truncate", "is unreadable")])
+def test_a_damaged_checkpoint_is_refused_and_left_alone(tmp_path, damage, message):
+    state = small_state()
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          state)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state, data_state={}, tokens_seen=0)
+        ckpt.save(2, state, data_state={}, tokens_seen=0)
+    biggest = max((tmp_path / "2").rglob("*"), key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    if damage == "overwrite":
+        middle = len(data) // 2
+        data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    else:
+        del data[len(data) // 2:]
+    biggest.write_bytes(bytes(data))
+    before = digests(tmp_path)
+    with pytest.raises(CheckpointError, match=message) as error:
+        Checkpointer(tmp_path).restore(2, target)
+    assert "--checkpoint.load_step (finalized: 1)" in str(error.value)
+    assert "\n" not in str(error.value)
+    assert digests(tmp_path) == before
+    assert_trees_equal(Checkpointer(tmp_path).restore(1, target).state, state)
+    gc.collect()  # here, under this test's warning filter
+
+
+def test_a_checkpoint_of_another_flavour_names_the_parameter_and_shapes(saved):
+    trainer = make_trainer(saved.config, args=Qwen3Args(**{**vars(TINY), "dim": 64}))
+    with pytest.raises(CheckpointError, match=r"params\.layers\.attention\.wk has shape "
+                       r"\(2, 32, 2, 8\) in the checkpoint but \(2, 64, 2, 8\) in the model"):
+        Checkpointer.from_config(saved.config, trainer).restore(2, trainer.abstract_state())
+
+
+@pytest.mark.parametrize("override,message", [
+    (["--training.seq_len", "32"], "training.seq_len=32 (checkpoint: 16)"),
+    (["--training.global_batch_size", "16"], "training.global_batch_size=16 (checkpoint: 8)"),
+    (["--training.seed", "7"], "training.seed=7 (checkpoint: 42)"),
+])
+def test_a_config_change_that_breaks_resume_names_the_field(saved, override, message):
+    config = make_config(saved.folder.parent, *override)
+    trainer = make_trainer(config)
+    with pytest.raises(CheckpointError, match="cannot resume") as error:
+        load_start(config, trainer, Checkpointer.from_config(config, trainer))
+    assert message in str(error.value)
+
+
+def test_a_missing_load_step_lists_the_available_ones(saved):
+    config = make_config(saved.folder.parent, "--checkpoint.load_step", "3")
+    trainer = make_trainer(config)
+    with pytest.raises(CheckpointError, match="load_step=3 is not .* available: 2"):
+        load_start(config, trainer, Checkpointer.from_config(config, trainer))
+
+
+def test_an_unwritable_folder_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="file/ckpt is not writable"):
+        Checkpointer(tmp_path / "file" / "ckpt")
+
+
+def test_initial_load_path_model_only_and_full(saved, tmp_path):
+    config = make_config(tmp_path, "--checkpoint.initial_load_path", str(saved.folder))
+    trainer = make_trainer(config)
+    start = load_start(config, trainer, Checkpointer.from_config(config, trainer))
+    assert start.step == 0 and start.data_state is None and "model only" in start.source
+    assert_trees_equal(start.state["params"], saved.state["params"])
+    assert int(start.state["step"]) == 0
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(start.state["opt_state"]))
+
+    config = make_config(tmp_path / "full", "--checkpoint.initial_load_path",
+                         str(saved.folder / "2"), "--checkpoint.initial_load_model_only", "false")
+    start = load_start(config, trainer, None)
+    assert start.step == 2 and start.data_state is not None
+    assert_trees_equal(start.state, saved.state)
+
+
+def test_model_only_export_loads_as_weights_but_cannot_resume(saved, tmp_path):
+    trainer = make_trainer(saved.config)
+    state = Checkpointer.from_config(saved.config, trainer).restore(
+        2, trainer.abstract_state()).state
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(6, state, data_state=None, tokens_seen=0, model_only=True, dtype="bfloat16")
+    assert sorted(p.name for p in (tmp_path / "6").iterdir()) == [
+        "_CHECKPOINT_METADATA", "commit_success.txt", "meta", "state"]  # no optimizer, no data
+    with pytest.raises(CheckpointError, match="holds only the model"):
+        Checkpointer(tmp_path).restore(6, trainer.abstract_state())
+    weights = Checkpointer(tmp_path).restore(6, trainer.abstract_state(), model_only=True).state
+    expected = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(np.float32),
+                            saved.state["params"])
+    assert_trees_equal(weights["params"], expected)
+
+
+def test_hf_export_round_trips_through_initial_load_in_hf(saved, tmp_path):
+    trainer = make_trainer(saved.config, jax.devices()[:1])
+    params = Checkpointer.from_config(saved.config, trainer).restore(
+        2, trainer.abstract_state(), model_only=True).state["params"]
+    config = make_config(tmp_path)
+    path = export_hf(config, trainer, params, 6)
+    assert path == tmp_path / "checkpoint" / "hf-6" and (path / "config.json").is_file()
+    config = make_config(tmp_path / "b", "--checkpoint.initial_load_path", str(path),
+                         "--checkpoint.initial_load_in_hf", "true")
+    start = load_start(config, make_trainer(config), None)
+    assert_trees_equal(start.state["params"], saved.state["params"])
+
+
+def test_a_hf_directory_that_is_not_qwen3_is_refused(tmp_path):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    config = make_config(tmp_path, "--checkpoint.initial_load_path", str(tmp_path / "llama"),
+                         "--checkpoint.initial_load_in_hf", "true")
+    with pytest.raises(ValueError, match="model_type=.llama. is not a dense Qwen3"):
+        load_start(config, make_trainer(config), None)
+
+
+# The loop's policies, on one device.
+
+
+@pytest.fixture
+def tiny_loop(monkeypatch):
+    """`loop.train` builds the tiny model, and its step runs `on_step(n)` first and sees
+    all-ignored labels (a NaN loss) at the steps in `poison`."""
+    hooks = SimpleNamespace(poison=set(), on_step=lambda n: None)
+
+    def hooked_trainer(config, devices=None):
+        trainer = build_trainer(config, devices, model_args=TINY)
+        step_fn = trainer.step_fn
+
+        def step(state, batch):
+            n = int(state["step"]) + 1
+            hooks.on_step(n)
+            if n in hooks.poison:
+                batch = {**batch, "labels": jnp.full_like(batch["labels"], IGNORE_INDEX)}
+            return step_fn(state, batch)
+
+        trainer.__dict__["step_fn"] = step  # replaces the cached_property's value
+        return trainer
+
+    monkeypatch.setattr(loop, "build_trainer", hooked_trainer)
+    return hooks
+
+
+def run(config):
+    return loop.train(config, jax.devices()[:1])
+
+
+def test_bad_steps_are_skipped_and_k_in_a_row_stop_without_saving(tmp_path, tiny_loop, capsys):
+    tiny_loop.poison = {2, 4, 5}
+    config = make_config(tmp_path, "--checkpoint.interval", "1",
+                         "--training.max_consecutive_bad_steps", "2")
+    with pytest.raises(loop.BadStepsError, match="2 non-finite steps in a row"):
+        run(config)
+    out = capsys.readouterr().out
+    assert "step 2: non-finite loss=nan" in out and "update skipped (1 in a row)" in out
+    ckpt = Checkpointer(tmp_path / "checkpoint")
+    assert ckpt.steps() == [1, 2, 3, 4]  # nothing at step 5, where the run stopped
+    trainer = make_trainer(config, jax.devices()[:1])
+    states = {s: ckpt.restore(s, trainer.abstract_state()).state for s in (1, 2, 3, 4)}
+    assert_trees_equal(states[2]["params"], states[1]["params"])  # step 2 changed nothing
+    assert_trees_equal(states[2]["opt_state"], states[1]["opt_state"])
+    assert_trees_equal(states[4]["params"], states[3]["params"])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] is None for r in rows] == [False, True, False, True, True]
+
+
+def test_a_signal_saves_the_current_step_and_the_resume_is_bitwise(tmp_path, tiny_loop, capsys):
+    reference = run(make_config(tmp_path / "reference", "--checkpoint.enable", "false"))
+    config = make_config(tmp_path / "run", "--checkpoint.interval", "100")
+
+    def signal_at_3(step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    tiny_loop.on_step = signal_at_3
+    first = run(config)
+    assert first.stopped_by == "SIGTERM" and first.final_step == 3
+    assert "SIGTERM: stopped after step 3; saved checkpoint step 3" in capsys.readouterr().out
+    assert Checkpointer(tmp_path / "run" / "checkpoint").steps() == [3]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+
+    tiny_loop.on_step = lambda n: None
+    second = run(config)
+    assert "resuming at step 4 from checkpoint" in capsys.readouterr().out
+    assert sorted(second.losses) == [4, 5, 6]
+    assert {**first.losses, **second.losses} == reference.losses  # bitwise: floats compared ==
+    assert Checkpointer(tmp_path / "run" / "checkpoint").steps() == [3, 6]
+
+    third = run(config)
+    assert third.final_step == 6 and third.losses == {}
+    assert "nothing to train" in capsys.readouterr().out
+
+
+def test_several_processes_stop_where_jax_preemption_sync_point_says(monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(loop.multihost_utils, "reached_preemption_sync_point",
+                        lambda step: step == 7)
+    with loop.StopSignals(print) as stop:
+        # SIGTERM stays with JAX's preemption service; only Ctrl-C is ours (and forwarded).
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) == stop._handle
+        assert [stop.should_stop(s) for s in (5, 6, 7)] == [False, False, True]
+
+    def disabled(step):
+        raise RuntimeError("Preemption sync manager has not been initialized")
+
+    monkeypatch.setattr(loop.multihost_utils, "reached_preemption_sync_point", disabled)
+    assert not loop.StopSignals(print).should_stop(3)

@@ -1,0 +1,471 @@
+"""Checkpoints of a run: an orbax CheckpointManager under `{job.dump_folder}/{checkpoint.folder}`.
+
+One folder per finalized step. orbax writes `{step}.orbax-checkpoint-tmp*` and renames it to
+`{step}` only once every item is complete, so a folder named by a bare number is a whole
+checkpoint and anything else is a save that never finished (cleaned up at the next start):
+
+    {step}/state/   the TrainState as one PyTree: params, opt_state, step, and any key added to
+                    the state later (it is saved and restored by key, with nothing to register);
+                    a model-only checkpoint holds just the `MODEL_KEYS`
+    {step}/data/    the data iterator's JSON state (full checkpoints only)
+    {step}/meta/    JSON: step, tokens seen, whether model-only, the config fields a resume must
+                    keep (`resume_signature`), the model's Qwen3Args, the resolved config, and
+                    one checksum per array
+    hf-{step}/      the final model as HF safetensors (`checkpoint.last_save_in_hf`)
+
+Restores go straight into abstract targets that carry the current run's shardings, so a
+checkpoint saved on one mesh loads onto any other. Every array's checksum (a wrapping sum of its
+raw bits, independent of sharding) is recorded at save and checked at restore: orbax itself does
+not notice overwritten bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from titan_jax.config import JobConfig
+from titan_jax.train.step import TrainState, init_train_state
+from titan_jax.train.trainer import Trainer
+
+FORMAT_VERSION = 1
+MODEL_KEYS = ("params",)  # the TrainState keys a model-only checkpoint holds
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, corrupt, another model, or another run."""
+
+
+class CheckpointSaveError(OSError):
+    """Writing a checkpoint failed (an async save fails in the background and shows up here at
+    the next save or at exit)."""
+
+
+class NonFiniteStateError(RuntimeError):
+    """The train state holds NaN or inf; it is never saved."""
+
+
+def resume_signature(config: JobConfig, global_batch_size: int) -> dict[str, Any]:
+    """The config fields an exact resume depends on: the model's shapes and the data stream.
+
+    Anything else (lr, steps, parallelism, mixed precision, ...) may change between runs.
+    """
+    t = config.training
+    return {
+        "model.flavor": config.model.flavor,
+        "training.seq_len": t.seq_len,
+        # Resolved: -1 means local_batch_size x data-parallel degree.
+        "training.global_batch_size": global_batch_size,
+        "training.dataset": t.dataset,
+        "training.text_field": t.text_field,
+        "training.seed": t.seed,
+    }
+
+
+@dataclasses.dataclass
+class Restored:
+    """Where a run starts. `state` None: from the trainer's random init."""
+
+    step: int = 0
+    state: TrainState | None = None
+    data_state: dict[str, Any] | None = None
+    tokens_seen: int = 0
+    source: str = ""  # what was loaded, for the log
+
+
+def _leaf_name(path: tuple) -> str:
+    """A pytree path as a dotted name that orbax's metadata tree and the live state share
+    (orbax stores tuples as lists and namedtuples as dicts)."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def _named(tree: Any) -> dict[str, Any]:
+    return {_leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _local_summary(x: jax.Array) -> tuple[int, bool]:
+    """(sum mod 2**32 of the raw bits of this process's share of `x`, whether it is finite).
+
+    Computed on the host from each distinct shard: XLA:CPU reduces integers slowly, and the
+    shards are copied to the host for the save anyway.
+    """
+    total, finite = 0, True
+    floating = jnp.issubdtype(x.dtype, jnp.floating)
+    for shard in x.addressable_shards:
+        if shard.replica_id:  # each element counted once, whatever the replication
+            continue
+        a = np.asarray(shard.data)
+        total += int(np.sum(a.view(_UINT[a.itemsize]), dtype=np.uint32))
+        finite = finite and (not floating or bool(np.isfinite(a).all()))
+    return total % 2**32, finite
+
+
+def _checksums(tree: Any) -> tuple[dict[str, int], bool]:
+    """(checksum of every leaf by name, whether every floating leaf is finite).
+
+    A checksum is a sum of the raw bits mod 2**32: independent of the sharding and the order of
+    shards, and changed by any overwritten word.
+    """
+    named = _named(tree)
+    summaries = [_local_summary(x) for x in named.values()]
+    sums = np.array([s for s, _ in summaries] + [all(f for _, f in summaries)], np.uint32)
+    if jax.process_count() > 1:  # add up every process's share
+        gathered = np.asarray(multihost_utils.process_allgather(sums)).astype(np.uint64)
+        sums = np.append(gathered[:, :-1].sum(0) % 2**32, gathered[:, -1].all())
+    return {name: int(v) for name, v in zip(named, sums[:-1], strict=True)}, bool(sums[-1])
+
+
+def _ensure_writable(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint folder {directory} is not writable: {e.strerror or e}"
+        ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    line = text[0] if text else type(e).__name__
+    return line if len(line) <= 200 else line[:200] + "..."
+
+
+def _with_dtypes(target: Any, dtypes: dict[str, Any]) -> Any:
+    """`target` with each leaf's dtype replaced by the saved one (its shape and sharding kept)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, s: jax.ShapeDtypeStruct(s.shape, dtypes[_leaf_name(p)], sharding=s.sharding),
+        target)
+
+
+class Checkpointer:
+    """The checkpoints in one folder: async save with atomic finalize, restore onto any mesh.
+
+    Every process calls every method (orbax coordinates the writes). `run_info` is recorded in
+    each step's meta item: the run's `resume_signature`, model args and config.
+    """
+
+    def __init__(self, directory: str | Path, *, keep_latest_k: int = 0, async_save: bool = True,
+                 read_only: bool = False, run_info: dict[str, Any] | None = None):
+        self.directory = Path(directory).absolute()
+        if read_only:
+            if not self.directory.is_dir():
+                raise CheckpointError(f"checkpoint folder {self.directory} does not exist")
+        else:
+            _ensure_writable(self.directory)
+        self.run_info = run_info or {}
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep_latest_k or None,  # 0 keeps all
+            cleanup_tmp_directories=not read_only,  # saves a crash left unfinished
+            create=not read_only,
+            read_only=read_only,
+            save_interval_steps=0 if read_only else 1,
+            enable_async_checkpointing=async_save,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._saving: int | None = None  # step of a save that may still be in flight
+
+    @classmethod
+    def from_config(cls, config: JobConfig, trainer: Trainer) -> Checkpointer:
+        c = config.checkpoint
+        run_info = {"resume": resume_signature(config, trainer.global_batch_size),
+                    "model_args": dataclasses.asdict(trainer.model.args),
+                    "config": config.to_dict()}
+        return cls(Path(config.job.dump_folder) / c.folder, keep_latest_k=c.keep_latest_k,
+                   async_save=c.async_mode == "async", run_info=run_info)
+
+    def steps(self) -> list[int]:
+        """Finalized steps, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: TrainState, *, data_state: dict[str, Any] | None,
+             tokens_seen: int, model_only: bool = False, dtype: str | None = None) -> None:
+        """Starts saving `state` as `step` (returns once arrays are copied off the devices, so
+        the caller may donate them). Raises NonFiniteStateError, saving nothing, if any
+        floating array is not finite; CheckpointSaveError if an earlier async save failed."""
+        tree = {k: state[k] for k in MODEL_KEYS} if model_only else dict(state)
+        if dtype is not None:
+            tree = jax.tree.map(
+                lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+        checksums, finite = _checksums(tree)
+        if not finite:
+            raise NonFiniteStateError(
+                f"the train state at step {step} holds NaN or inf values; not saving it")
+        meta = {**self.run_info, "format": FORMAT_VERSION, "step": step,
+                "tokens_seen": tokens_seen, "model_only": model_only, "checksums": checksums}
+        items = {"state": ocp.args.PyTreeSave(tree), "meta": ocp.args.JsonSave(meta)}
+        if not model_only:
+            items["data"] = ocp.args.JsonSave(data_state)
+        self.wait()  # the previous save's errors, named as its own
+        self._saving = step
+        with self._saving_errors(step):
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+            self._manager.check_for_errors()
+
+    def wait(self) -> None:
+        """Blocks until the last save is finalized; raises CheckpointSaveError if it failed."""
+        with self._saving_errors(self._saving):
+            self._manager.wait_until_finished()
+        self._saving = None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _saving_errors(self, step: int | None) -> Iterator[None]:
+        try:
+            yield
+        except Exception as e:
+            which = "a checkpoint" if step is None else f"checkpoint step {step}"
+            raise CheckpointSaveError(
+                f"saving {which} to {self.directory} failed: {_first_line(e)}") from e
+
+    # Restore.
+
+    def meta(self, step: int) -> dict[str, Any]:
+        """The meta item of `step` (see the module docstring)."""
+        with self._reading(step):
+            meta = self._manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+                raise ValueError(f"meta item is not a titan-jax v{FORMAT_VERSION} record")
+        return meta
+
+    def restore(self, step: int, abstract_state: TrainState, *, model_only: bool = False,
+                signature: dict[str, Any] | None = None) -> Restored:
+        """Step `step` restored into `abstract_state`'s shapes, dtypes and shardings.
+
+        `model_only`: just the MODEL_KEYS (optimizer, step and data start afresh). Otherwise the
+        whole state and data position; `signature`, when given, must equal the saved one.
+        """
+        where = f"checkpoint {self.directory / str(step)}"
+        meta = self.meta(step)
+        if not model_only and meta["model_only"]:
+            raise CheckpointError(
+                f"{where} holds only the model (checkpoint.last_save_model_only); it cannot "
+                "resume training. Load it as weights with --checkpoint.initial_load_path "
+                f"{self.directory / str(step)}, or resume from a full checkpoint with "
+                f"--checkpoint.load_step (steps here: {_listing(self.steps())})")
+        target = {k: abstract_state[k] for k in MODEL_KEYS} if model_only else abstract_state
+        with self._reading(step):
+            saved = ocp.PyTreeCheckpointHandler().metadata(
+                self._manager.directory / str(step) / "state").tree
+        # A model-only restore reads the MODEL_KEYS of a full checkpoint and ignores the rest.
+        saved = {n: m for n, m in _named(saved).items() if n.split(".")[0] in target}
+        _check_shapes(where, saved, _named(target), meta)
+        if signature is not None and not model_only:
+            _check_signature(where, meta.get("resume", {}), signature)
+
+        restore_target = _with_dtypes(target, {n: m.dtype for n, m in saved.items()})
+        restore_args = ocp.checkpoint_utils.construct_restore_args(restore_target)
+        items = {"state": ocp.args.PyTreeRestore(
+            restore_target, restore_args=restore_args,
+            partial_restore=model_only and not meta["model_only"])}
+        if not model_only:
+            items["data"] = ocp.args.JsonRestore()
+        with self._reading(step):
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        state = restored["state"]
+        sums, _ = _checksums(state)
+        bad = next((n for n, v in sums.items() if meta["checksums"].get(n) != v), None)
+        if bad is not None:
+            raise CheckpointError(
+                f"{where} is corrupt: {bad} does not match the checksum recorded when it was "
+                f"saved; {self._others(step)}")
+        # A bf16 export restored into fp32 master weights (exact: bf16 values are fp32 values).
+        state = jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype),
+                             state, target)
+        return Restored(step=step if not model_only else 0, state=state,
+                        data_state=None if model_only else restored["data"],
+                        tokens_seen=0 if model_only else int(meta["tokens_seen"]),
+                        source=where)
+
+    @contextlib.contextmanager
+    def _reading(self, step: int) -> Iterator[None]:
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} is unreadable (corrupt or truncated): "
+                f"{_first_line(e)}; {self._others(step)}") from e
+
+    def _others(self, step: int) -> str:
+        others = [s for s in self.steps() if s != step]
+        if not others:
+            return "delete it (no other checkpoint here) or use a new job.dump_folder"
+        return (f"delete it, or pick another step with --checkpoint.load_step "
+                f"(finalized: {_listing(others)})")
+
+
+def _listing(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if steps else "none"
+
+
+def _check_shapes(where: str, saved: dict[str, Any], expected: dict[str, Any],
+                  meta: dict[str, Any]) -> None:
+    flavor = meta.get("resume", {}).get("model.flavor")
+    hint = f" (it was saved with model.flavor={flavor})" if flavor else ""
+    # Parameters first: a model mismatch reads better as a weight than as its Adam moment.
+    for name in sorted(expected, key=lambda n: not n.startswith("params.")):
+        sds = expected[name]
+        if name not in saved:
+            raise CheckpointError(f"{where} has no {name}, which this run needs{hint}")
+        shape = tuple(saved[name].shape)
+        if shape != tuple(sds.shape):
+            raise CheckpointError(
+                f"{where} does not fit this model: {name} has shape {shape} in the checkpoint "
+                f"but {tuple(sds.shape)} in the model{hint}")
+    extra = [n for n in saved if n not in expected]
+    if extra:
+        raise CheckpointError(f"{where} holds {extra[0]}, which this model does not have{hint}")
+
+
+def _check_signature(where: str, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    changed = [f"{k}={current[k]!r} (checkpoint: {saved.get(k)!r})"
+               for k in current if saved.get(k) != current[k]]
+    if changed:
+        raise CheckpointError(
+            f"cannot resume from {where}: the config changed {', '.join(changed)}; set it back, "
+            "or train in a new job.dump_folder")
+
+
+def _newest_step(ckpt: Checkpointer) -> int:
+    steps = ckpt.steps()
+    if not steps:
+        raise CheckpointError(f"{ckpt.directory} holds no finalized checkpoint")
+    return steps[-1]
+
+
+def _resume_step(config: JobConfig, ckpt: Checkpointer) -> int | None:
+    steps, load_step = ckpt.steps(), config.checkpoint.load_step
+    if load_step == -1:
+        return steps[-1] if steps else None
+    if load_step not in steps:
+        raise CheckpointError(
+            f"checkpoint.load_step={load_step} is not a finalized checkpoint in {ckpt.directory}; "
+            f"available: {_listing(steps)}")
+    newer = [s for s in steps if s > load_step]
+    if newer and load_step < config.training.steps:
+        # Training on would save over checkpoints of the abandoned future, one by one, and a
+        # crash in between would leave a mix of both.
+        raise CheckpointError(
+            f"checkpoint.load_step={load_step} is older than checkpoints {_listing(newer)} in "
+            f"{ckpt.directory}, which this run would overwrite; move them away to roll back")
+    return load_step
+
+
+def load_start(config: JobConfig, trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
+    """Where a run starts: its own newest (or `load_step`) checkpoint, else
+    `initial_load_path` (orbax or HF), else random init (`Restored()` with no state).
+
+    A resume always wins over `initial_load_path`, as in TorchTitan. A returned step at or
+    past `training.steps` means there is nothing left to train (its state is not loaded).
+    """
+    c = config.checkpoint
+    if ckpt is None and c.load_step != -1:
+        raise CheckpointError(f"checkpoint.load_step={c.load_step} needs checkpoint.enable=true")
+    step = _resume_step(config, ckpt) if ckpt is not None else None
+    if step is not None:
+        if step >= config.training.steps:
+            return Restored(step=step, source=f"checkpoint {ckpt.directory / str(step)}")
+        restored = ckpt.restore(step, trainer.abstract_state(),
+                                signature=resume_signature(config, trainer.global_batch_size))
+        if c.initial_load_path:
+            restored.source += " (checkpoint.initial_load_path ignored: a resume comes first)"
+        return restored
+    if not c.initial_load_path:
+        return Restored()
+    path = Path(c.initial_load_path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist")
+    if c.initial_load_in_hf or (path / "model_args.json").is_file():
+        return _load_params(path, trainer)
+    if path.name.isdigit() and (path / "state").is_dir():
+        root, step = path.parent, int(path.name)
+    else:
+        root, step = path, None
+    model_only = c.initial_load_model_only
+    with Checkpointer(root, read_only=True) as source:
+        step = _newest_step(source) if step is None else step
+        restored = source.restore(step, trainer.abstract_state(), model_only=model_only,
+                                  signature=resume_signature(config, trainer.global_batch_size))
+    if model_only:
+        restored.state = state_from_params(trainer, restored.state["params"])
+        restored.source += " (model only)"
+    return restored
+
+
+def _load_params(path: Path, trainer: Trainer) -> Restored:
+    """Weights from a HF directory, or from `titan-jax convert --to orbax` output."""
+    abstract = trainer.model.abstract_params
+    shardings = trainer.state_shardings["params"]
+    if trainer.config.checkpoint.initial_load_in_hf:
+        from titan_jax.models.qwen3.hf import load_hf_params  # its errors name path and field
+
+        source = f"HF checkpoint {path}"
+        params = load_hf_params(path, trainer.model.args, shardings)
+    else:
+        from titan_jax.convert import load_orbax, read_orbax_args
+        from titan_jax.models.qwen3 import build_model_def
+
+        source = f"converted orbax model {path}"
+        saved = build_model_def(read_orbax_args(path)).abstract_params
+        _check_shapes(source, _named(saved), _named(abstract), {})  # before reading any array
+        _, params = load_orbax(path, shardings)
+    _check_shapes(source, _named(params), _named(abstract), {})
+    return Restored(state=state_from_params(trainer, params), source=source)
+
+
+def state_from_params(trainer: Trainer, params: Any) -> TrainState:
+    """A fresh train state (new optimizer, step 0) around loaded params, sharded as the run's."""
+    with jax.set_mesh(trainer.mesh):
+        return jax.jit(lambda p: init_train_state(p, trainer.optimizer),
+                       out_shardings=trainer.state_shardings)(params)
+
+
+def export_hf(config: JobConfig, trainer: Trainer, params: Any, step: int) -> Path:
+    """Writes `params` as a HF safetensors directory `{checkpoint folder}/hf-{step}` (in
+    `checkpoint.export_dtype`), under a temporary name first: the folder is whole or absent."""
+    from titan_jax.models.qwen3.hf import save_hf
+
+    final = Path(config.job.dump_folder) / config.checkpoint.folder / f"hf-{step}"
+    if final.exists():
+        raise CheckpointSaveError(f"{final} already exists; not overwriting it")
+    tmp = final.with_name(f"{final.name}.tmp")
+    save_hf(tmp, params, trainer.model.args, dtype=config.checkpoint.export_dtype)
+    if jax.process_index() == 0:
+        os.replace(tmp, final)
+    return final
