@@ -12,9 +12,15 @@ $(BIN)/python:
 
 # torch first: the CPU wheel lying on these machines satisfies torch==2.13.0, so nothing
 # (transformers, torchtitan) pulls a multi-GB CUDA build afterwards.
+# tpu: libtpu (~700 MB) for ahead-of-time TPU compiles on this CPU (tests/parallel/test_tpu_aot.py);
+# with JAX_PLATFORMS=cpu (exported above, and set by the tests) CPU runs are unaffected.
+# torchtitan (a parity reference): its declared deps (torchdata, wandb, tensorboard,
+# datasets<4.8) are not needed to import it and clash with ours, hence --no-deps; the few it
+# does import are in the parity extra.
 install: $(BIN)/python
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[test,parity]'
+	$(BIN)/pip install -e '.[test,parity,tpu]'
+	$(BIN)/pip install --no-deps torchtitan==0.3.0
 
 train:
 	$(BIN)/titan-jax train --config configs/qwen3_debug.toml

@@ -1,15 +1,18 @@
-"""`titan-jax` command line: `titan-jax train --config PATH [--section.key value ...]`."""
+"""`titan-jax` command line: `titan-jax {train,inspect,parity} --config PATH [--section.key value
+...]` and `titan-jax convert --from FMT --to FMT SRC DST`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 
 from titan_jax.config import JobConfig, load_config
 
 
-def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
     parser = argparse.ArgumentParser(
         prog="titan-jax", description="JAX-native Qwen3 pre-training (TorchTitan recipes)."
     )
@@ -21,8 +24,116 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
     train.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_debug.toml")
     train.add_argument("--print-config", action="store_true",
                        help="print the resolved config as TOML and exit")
+    inspect = sub.add_parser(
+        "inspect", help="show shardings, collectives and memory without running a step",
+        description="Per-parameter shardings and bytes per device, and the collectives and "
+        "memory of the compiled train step (compiled, never run); config overrides as for train."
+    )
+    inspect.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_debug.toml")
+    inspect.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
+    _add_parity_parser(sub)
+    _add_convert_parser(sub)
     args, overrides = parser.parse_known_args(argv)
+    if args.command == "convert":  # no recipe: anything left over is a mistake
+        if overrides:
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        return args, None
     return args, load_config(args.config, overrides)
+
+
+def _add_parity_parser(sub: argparse._SubParsersAction) -> None:
+    from titan_jax.parity import BARS
+
+    parity = sub.add_parser(
+        "parity", help="compare with PyTorch (HF transformers, TorchTitan) on the same weights",
+        description="Load the same weights into titan-jax and the PyTorch references and compare, "
+        "in fp32: logits, per-token KL, greedy decoding, the loss, every gradient (HF) and "
+        "optionally a training trajectory. Exits 1 when a figure is over its bar. Without "
+        "--hf-checkpoint the recipe's model.flavor is randomly initialised (training.seed). "
+        "Config overrides as for train (the trajectory uses the recipe's optimizer, "
+        "lr_scheduler, training.local_batch_size, seq_len, max_norm and data)."
+    )
+    parity.add_argument("--config", required=True,
+                        help="TOML recipe, e.g. configs/qwen3_debug.toml")
+    parity.add_argument("--hf-checkpoint", metavar="DIR", help="HF model directory to load")
+    parity.add_argument("--reference", choices=["hf", "torchtitan", "all"], default="all",
+                        help="which PyTorch reference(s) to compare with (default: all)")
+    parity.add_argument("--seq-len", type=int, default=512,
+                        help="prompt length (default 512; short prompts miss RoPE bugs)")
+    parity.add_argument("--trajectory-steps", type=int, default=0, metavar="N",
+                        help="also run N train steps on both sides and compare the losses")
+    parity.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT")
+    parity.add_argument("--bar", action="append", default=[], metavar="NAME=VALUE",
+                        help="override a bar; defaults: "
+                        + ", ".join(f"{k}={v:g}" for k, v in BARS.items()))
+
+
+def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
+    convert = sub.add_parser(
+        "convert", help="convert model weights between HF safetensors and orbax",
+        description="HF model directory (config.json + safetensors) <-> titan-jax model-only "
+        "orbax checkpoint (DST/model_args.json + DST/params). hf -> hf re-types or re-shards."
+    )
+    convert.add_argument("--from", dest="src_format", choices=["hf", "orbax"], required=True)
+    convert.add_argument("--to", dest="dst_format", choices=["hf", "orbax"], required=True)
+    convert.add_argument("src", metavar="SRC")
+    convert.add_argument("dst", metavar="DST")
+    convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                         help="dtype of HF output tensors")
+    convert.add_argument("--max-shard-size", default="5GB",
+                         help="split HF output into files of at most this size (e.g. 5GB, 500MiB)")
+
+
+def _inspect(config: JobConfig, json_out: str | None) -> int:
+    from titan_jax.parallel.mesh import set_cpu_device_count
+
+    set_cpu_device_count(config.job.cpu_devices)  # before JAX starts, as for train
+    from titan_jax.parallel.inspect import format_report, inspect_trainer
+    from titan_jax.train.trainer import build_trainer
+
+    report = inspect_trainer(build_trainer(config))
+    print(format_report(report))
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _progress(message: str) -> None:
+    print(f"titan-jax parity: {message} ...", file=sys.stderr, flush=True)
+
+
+def _parity(args: argparse.Namespace, config: JobConfig) -> int:
+    from titan_jax.parity import BARS, REFERENCES
+    from titan_jax.parity.run import run_from_config
+
+    bars = dict(BARS)
+    for item in args.bar:
+        name, eq, value = item.partition("=")
+        try:
+            if name not in BARS or not eq:
+                raise ValueError
+            bars[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--bar {item!r}: expected NAME=NUMBER with NAME one of "
+                             f"{', '.join(BARS)}") from None
+    references = REFERENCES if args.reference == "all" else (args.reference,)
+    report = run_from_config(config, args.hf_checkpoint, references=references,
+                             seq_len=args.seq_len, trajectory_steps=args.trajectory_steps,
+                             bars=bars, progress=_progress)
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    return 1 if report.failures() else 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from titan_jax.convert import convert
+
+    model = convert(args.src, args.dst, args.src_format, args.dst_format, dtype=args.dtype,
+                    max_shard_size=args.max_shard_size)
+    print(f"converted {args.src} ({args.src_format}) -> {args.dst} ({args.dst_format}): "
+          f"{model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args, config = _parse(argv)
+        if args.command == "inspect":
+            return _inspect(config, args.json)
+        if args.command == "parity":
+            return _parity(args, config)
+        if args.command == "convert":
+            return _convert(args)
         if args.print_config:
             print(config.to_toml())
             return 0

@@ -1,0 +1,328 @@
+"""HF safetensors <-> titan-jax params: config mapping, layouts, sharded loading, round trips,
+and every bad input named in the error."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file, save_file
+
+import titan_jax.parity  # noqa: F401  (imported before torch: it sets OMP_WAIT_POLICY)
+from titan_jax.cli import main
+from titan_jax.convert import load_orbax
+from titan_jax.models.qwen3 import Qwen3Args, build_model_def, hf
+
+try:  # the `parity` extra; CI installs it, so there a missing one is a failure, not a skip
+    import torch
+    import transformers
+except ImportError as e:
+    if os.environ.get("CI"):
+        raise
+    pytest.skip(f"needs the parity extra: {e}", allow_module_level=True)
+
+# GQA 2, head_dim (16) != dim / heads (8), untied: every layout the mapping has.
+UNTIED = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=48,
+                   vocab_size=64, max_seq_len=128, tie_embeddings=False)
+TIED = Qwen3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, head_dim=8, hidden_dim=40,
+                 vocab_size=48, max_seq_len=128, tie_embeddings=True, rope_theta=5e6,
+                 norm_eps=1e-5)
+
+
+def hf_model(args: Qwen3Args, seed: int = 0):
+    """A transformers Qwen3ForCausalLM with random weights, norms included (init makes them 1,
+    which would hide a norm mapped to the wrong place)."""
+    config = transformers.Qwen3Config(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
+        tie_word_embeddings=args.tie_embeddings, rms_norm_eps=args.norm_eps,
+        max_position_embeddings=args.max_seq_len,
+        rope_parameters={"rope_theta": args.rope_theta, "rope_type": "default"})
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def save_hf_model(args: Qwen3Args, path, **kwargs):
+    hf_model(args).save_pretrained(str(path), **kwargs)
+    return path
+
+
+def tensors(path) -> dict[str, np.ndarray]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+def test_config_roundtrip_and_hf_reads_ours():
+    for args in (UNTIED, TIED):
+        config = hf.hf_config_from_args(args)
+        assert hf.args_from_hf_config(config) == args
+        hf_config = transformers.Qwen3Config.from_dict(config)
+        assert hf_config.rope_parameters["rope_theta"] == args.rope_theta
+        assert hf_config.head_dim == args.head_dim
+        assert hf_config.tie_word_embeddings == args.tie_embeddings
+
+
+def test_config_defaults_and_old_rope_theta():
+    config = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 100,
+              "rope_theta": 1000000}  # transformers 4 layout: rope_theta at the top level
+    args = hf.args_from_hf_config(config)
+    assert (args.head_dim, args.n_kv_heads, args.rope_theta) == (16, 4, 1e6)
+    assert not args.tie_embeddings  # HF's default for Qwen3Config
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6}
+    assert hf.args_from_hf_config(config).rope_theta == 5e6  # transformers 5 wins
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "qwen3_moe"}, "model_type='qwen3_moe'"),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "model_type='llama'"),
+    ({"architectures": ["Qwen3ForSequenceClassification"]}, "architectures="),
+    ({"hidden_size": None}, "missing field 'hidden_size'"),
+    ({"num_hidden_layers": "2"}, "num_hidden_layers='2' is not of type int"),
+    ({"tie_word_embeddings": 1}, "tie_word_embeddings=1 is not of type bool"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+    ({"use_sliding_window": True}, "use_sliding_window=True"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"num_key_value_heads": 3}, "n_kv_heads=3"),
+])
+def test_bad_config_fields_are_named(change, message):
+    config = {**hf.hf_config_from_args(UNTIED), **change}
+    with pytest.raises(hf.HFCheckpointError, match=message.replace("[", r"\[")):
+        hf.args_from_hf_config({k: v for k, v in config.items() if v is not None})
+
+
+def test_missing_and_malformed_config_json(tmp_path):
+    with pytest.raises(hf.HFCheckpointError, match="no config.json"):
+        hf.load_hf_params(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(hf.HFCheckpointError, match="config.json: not valid JSON"):
+        hf.load_hf_params(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(hf.HFCheckpointError, match="expected a JSON object"):
+        hf.read_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("args", [UNTIED, TIED], ids=["untied", "tied"])
+def test_hf_to_titan_to_hf_is_bitwise(tmp_path, args):
+    src = save_hf_model(args, tmp_path / "src")
+    assert hf.read_hf_config(src) == args
+    params = hf.load_hf_params(src)
+    hf.save_hf(tmp_path / "dst", params, args)
+    a, b = tensors(src), tensors(tmp_path / "dst")
+    assert sorted(a) == sorted(b)
+    assert "lm_head.weight" in b or args.tie_embeddings
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
+    assert hf.read_hf_config(tmp_path / "dst") == args
+
+
+def test_layouts_match_the_hf_modules(tmp_path):
+    model = hf_model(UNTIED)
+    model.save_pretrained(str(tmp_path))
+    p = hf.load_hf_params(tmp_path)
+    layer = model.model.layers[1]
+    x = torch.randn(3, UNTIED.dim)
+    # q_proj(x) == x @ wq, read per head.
+    q = layer.self_attn.q_proj(x).detach().numpy().reshape(3, UNTIED.n_heads, UNTIED.head_dim)
+    ours = np.einsum("td,dnh->tnh", x.numpy(), np.asarray(p["layers"]["attention"]["wq"][1]))
+    np.testing.assert_allclose(ours, q, atol=1e-5)
+    h = torch.randn(3, UNTIED.n_heads * UNTIED.head_dim)
+    o = layer.self_attn.o_proj(h).detach().numpy()
+    wo = np.asarray(p["layers"]["attention"]["wo"][1])
+    ours = np.einsum("tnh,nhd->td", h.numpy().reshape(3, UNTIED.n_heads, -1), wo)
+    np.testing.assert_allclose(ours, o, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(p["layers"]["ffn_norm"]["weight"][1]),
+                                  layer.post_attention_layernorm.weight.detach().numpy())
+    np.testing.assert_array_equal(np.asarray(p["lm_head"]), model.lm_head.weight.detach().T)
+
+
+def test_sharded_files_bf16_and_hf_loads_our_export(tmp_path):
+    src = save_hf_model(UNTIED, tmp_path / "src", max_shard_size="20KB")
+    assert (src / hf.INDEX_FILE).is_file()
+    params = hf.load_hf_params(src)
+    files = hf.save_hf(tmp_path / "bf16", params, UNTIED, dtype="bfloat16",
+                       max_shard_size="8KB")
+    index = json.loads((tmp_path / "bf16" / hf.INDEX_FILE).read_text())
+    shards = sorted(f.name for f in files if f.suffix == ".safetensors")
+    assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    for file in shards:  # each file within the limit unless a single tensor is larger
+        data = load_file(str(tmp_path / "bf16" / file))
+        assert all(v.dtype == ml_dtypes.bfloat16 for v in data.values())
+        assert sum(v.nbytes for v in data.values()) <= 8000 or len(data) == 1
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    # bf16 -> fp32 params -> bf16 is exact.
+    again = hf.load_hf_params(tmp_path / "bf16")
+    hf.save_hf(tmp_path / "bf16_again", again, UNTIED, dtype="bfloat16")
+    a, b = tensors(tmp_path / "bf16"), tensors(tmp_path / "bf16_again")
+    assert all(a[k].tobytes() == b[k].tobytes() for k in a)
+    # transformers reads our fp32 export and computes the same logits as the original.
+    hf.save_hf(tmp_path / "fp32", params, UNTIED)
+    original = hf_model(UNTIED)
+    ours = transformers.Qwen3ForCausalLM.from_pretrained(str(tmp_path / "fp32")).eval()
+    tokens = torch.randint(0, UNTIED.vocab_size, (1, 40))
+    with torch.no_grad():
+        assert torch.equal(original(tokens).logits, ours(tokens).logits)
+
+
+def test_loads_straight_into_shardings_reading_only_slices(tmp_path, monkeypatch):
+    src = save_hf_model(UNTIED, tmp_path)
+    reference = hf.load_hf_params(src)
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    specs = {  # shard every matrix over both axes, head_dim included (the hardest read)
+        "tok_embeddings": P("fsdp", "tp"), "lm_head": P("fsdp", "tp"), "norm": {"weight": P()},
+        "layers": {
+            "attention": {"wq": P(None, "fsdp", None, "tp"), "wk": P(None, "fsdp", "tp"),
+                          "wv": P(None, "tp", None, "fsdp"), "wo": P(None, "tp", "fsdp"),
+                          "q_norm": {"weight": P()}, "k_norm": {"weight": P(None, "tp")}},
+            "feed_forward": {"w1": P(None, "fsdp", "tp"), "w2": P(None, "tp", "fsdp"),
+                             "w3": P("tp", None, "fsdp")},
+            "attention_norm": {"weight": P()}, "ffn_norm": {"weight": P(None, "fsdp")}}}
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    largest_read = {}
+    read = hf._Reader.read
+
+    def spy(self, name, index):
+        out = read(self, name, index)
+        largest_read[name] = max(largest_read.get(name, 0), out.size)
+        return out
+
+    monkeypatch.setattr(hf._Reader, "read", spy)
+    params = hf.load_hf_params(src, UNTIED, shardings)
+    for (path, x), ref, sharding in zip(jax.tree_util.tree_leaves_with_path(params),
+                                        jax.tree.leaves(reference), jax.tree.leaves(shardings),
+                                        strict=True):
+        assert x.sharding == sharding, path
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(ref))
+    # Saving gathers one layer at a time from the sharded arrays: bitwise the source again.
+    hf.save_hf(tmp_path / "out", params, UNTIED)
+    a, b = tensors(src), tensors(tmp_path / "out")
+    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    # A shard reads only its rows/cols: 1/8 of a matrix sharded 8 ways. When head_dim itself
+    # is sharded a shard reads its heads' rows whole (q_proj: 1/4, v_proj: 1/2).
+    total = {name: x.size for name, x in tensors(src).items()}
+    assert set(largest_read) == set(total)
+    for name, size in largest_read.items():
+        if name.endswith(("k_proj.weight", "gate_proj.weight", "down_proj.weight",
+                          "embed_tokens.weight", "lm_head.weight")):
+            assert size * 8 == total[name], name
+        elif name.endswith("q_proj.weight"):
+            assert size * 4 == total[name], name
+        elif name.endswith("v_proj.weight"):
+            assert size * 2 == total[name], name
+
+
+def test_compiled_layer_take_matches_the_host_path(tmp_path):
+    # Accelerator / multi-process arrays take a layer with one compiled dynamic index; CPU
+    # arrays are copied out of their shards. Both give the same bytes.
+    src = save_hf_model(UNTIED, tmp_path)
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    abstract = build_model_def(UNTIED).abstract_params
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, P(None, "fsdp") if len(s.shape) > 2
+                                                     else P()), abstract)
+    params = hf.load_hf_params(src, UNTIED, shardings)
+    for i in range(UNTIED.n_layers):
+        compiled = hf._take_layer(params["layers"], i)
+        host = hf._layer(params["layers"], i)
+        for a, b in zip(jax.tree.leaves(compiled), jax.tree.leaves(host), strict=True):
+            assert np.asarray(a).tobytes() == b.tobytes()
+
+
+def _rewrite(path, drop=(), change=None):
+    data = tensors(path)
+    for name in drop:
+        del data[name]
+    data.update(change or {})
+    for file in path.glob("*.safetensors"):
+        file.unlink()
+    save_file(data, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_tensor_wrong_shape_and_unexpected_tensor_are_named(tmp_path):
+    src = save_hf_model(UNTIED, tmp_path)
+    name = "model.layers.1.mlp.up_proj.weight"
+    _rewrite(src, drop=[name])
+    with pytest.raises(hf.HFCheckpointError, match=f"missing tensor '{name}'"):
+        hf.load_hf_params(src)
+    _rewrite(src, change={name: np.zeros((48, 31), np.float32)})
+    with pytest.raises(hf.HFCheckpointError,
+                       match=rf"'{name}' has shape \(48, 31\), expected \(48, 32\)"):
+        hf.load_hf_params(src)
+    _rewrite(src, change={name: np.zeros((48, 32), np.float32),
+                          "model.layers.2.mlp.up_proj.weight": np.zeros((48, 32), np.float32)})
+    with pytest.raises(hf.HFCheckpointError, match="unexpected tensors.*layers.2.mlp.up_proj"):
+        hf.load_hf_params(src)
+    _rewrite(src, drop=["model.layers.2.mlp.up_proj.weight", "lm_head.weight"])
+    with pytest.raises(hf.HFCheckpointError, match="missing tensor 'lm_head.weight'"):
+        hf.load_hf_params(src)
+
+
+def test_tied_checkpoint_with_lm_head_loads_and_ignores_it(tmp_path):
+    src = save_hf_model(TIED, tmp_path)
+    _rewrite(src, change={"lm_head.weight": np.zeros((48, 32), np.float32)})
+    params = hf.load_hf_params(src)
+    assert "lm_head" not in params
+
+
+def test_missing_files_and_bad_index(tmp_path):
+    src = save_hf_model(UNTIED, tmp_path, max_shard_size="20KB")
+    index = json.loads((src / hf.INDEX_FILE).read_text())
+    gone = sorted(set(index["weight_map"].values()))[1]
+    (src / gone).unlink()
+    with pytest.raises(hf.HFCheckpointError, match=f"lists {gone}, which does not exist"):
+        hf.load_hf_params(src)
+    (src / hf.INDEX_FILE).write_text("{}")
+    with pytest.raises(hf.HFCheckpointError, match="not a safetensors index"):
+        hf.load_hf_params(src)
+    for file in src.glob("*.safetensors*"):
+        file.unlink()
+    with pytest.raises(hf.HFCheckpointError, match="no model.safetensors or model.safetensors"):
+        hf.load_hf_params(src)
+
+
+def test_loading_into_a_different_model_names_the_fields(tmp_path):
+    src = save_hf_model(UNTIED, tmp_path)
+    other = dataclasses.replace(UNTIED, rope_theta=1e4, n_layers=3)
+    with pytest.raises(hf.HFCheckpointError,
+                       match=r"n_layers: checkpoint 2 vs model 3; rope_theta: checkpoint"):
+        hf.load_hf_params(src, other)
+
+
+def test_parse_size():
+    assert hf.parse_size("5GB") == 5 * 10**9
+    assert hf.parse_size("500MiB") == 500 * 2**20
+    assert hf.parse_size(123) == 123
+    with pytest.raises(ValueError, match="size '5 gigs'"):
+        hf.parse_size("5 gigs")
+
+
+def test_convert_cli_hf_orbax_hf_is_bitwise(tmp_path, capsys):
+    src = save_hf_model(TIED, tmp_path / "hf")
+    assert main(["convert", "--from", "hf", "--to", "orbax", str(src),
+                 str(tmp_path / "orbax")]) == 0
+    args, params = load_orbax(tmp_path / "orbax")
+    assert args == TIED
+    assert jax.tree.structure(params) == jax.tree.structure(
+        build_model_def(TIED).abstract_params)
+    assert main(["convert", "--from", "orbax", "--to", "hf", str(tmp_path / "orbax"),
+                 str(tmp_path / "back"), "--max-shard-size", "10KB"]) == 0
+    a, b = tensors(src), tensors(tmp_path / "back")
+    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert main(["convert", "--from", "hf", "--to", "orbax", str(src),
+                 str(tmp_path / "orbax")]) == 2  # refuses to overwrite
+    assert "already exists" in capsys.readouterr().err
+    assert main(["convert", "--from", "hf", "--to", "hf", str(tmp_path / "nothing"),
+                 str(tmp_path / "x")]) == 2
+    assert "no config.json" in capsys.readouterr().err

@@ -1,0 +1,541 @@
+"""HF transformers Qwen3 checkpoints (config.json + safetensors) <-> titan-jax params, both ways.
+
+Name and layout mapping: HF `Qwen3ForCausalLM` stores torch Linear weights (out, in); titan-jax
+stores (in, out) with layers stacked on a leading axis. Below, prefix `m.l.{i}.` is
+`model.layers.{i}.` and the titan-jax name `L.` is `layers.` indexed at layer i.
+
+    model.embed_tokens.weight              (V, D)      tok_embeddings          (V, D)
+    m.l.{i}.self_attn.q_proj.weight        (H*hd, D)   L.attention.wq          (D, H, hd)
+    m.l.{i}.self_attn.k_proj.weight        (KV*hd, D)  L.attention.wk          (D, KV, hd)
+    m.l.{i}.self_attn.v_proj.weight        (KV*hd, D)  L.attention.wv          (D, KV, hd)
+    m.l.{i}.self_attn.o_proj.weight        (D, H*hd)   L.attention.wo          (H, hd, D)
+    m.l.{i}.self_attn.{q,k}_norm.weight    (hd,)       L.attention.{q,k}_norm.weight
+    m.l.{i}.mlp.gate_proj.weight           (F, D)      L.feed_forward.w1       (D, F)
+    m.l.{i}.mlp.up_proj.weight             (F, D)      L.feed_forward.w3       (D, F)
+    m.l.{i}.mlp.down_proj.weight           (D, F)      L.feed_forward.w2       (F, D)
+    m.l.{i}.input_layernorm.weight         (D,)        L.attention_norm.weight
+    m.l.{i}.post_attention_layernorm.weight (D,)       L.ffn_norm.weight
+    model.norm.weight                      (D,)        norm.weight
+    lm_head.weight                         (V, D)      lm_head (D, V), untied models only
+
+RoPE needs no permutation: both sides use the rotate-half layout. Loading places every tensor
+straight onto its target sharding with `jax.make_array_from_callback`; each callback reads only
+its shard's slice from the files, so no host ever holds a whole tensor it does not own, let alone
+the whole model. Saving gathers one HF tensor at a time and writes one safetensors file at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.experimental import multihost_utils
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from titan_jax.models.qwen3.args import Qwen3Args
+
+Params = dict[str, Any]
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+ARCHITECTURE = "Qwen3ForCausalLM"
+MODEL_TYPE = "qwen3"
+SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HF's default "5GB"
+# Fields compared between a checkpoint's config.json and the model it is loaded into
+# (max_seq_len is a training choice, not a property of the weights).
+_WEIGHT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
+                  "vocab_size", "norm_eps", "rope_theta", "tie_embeddings")
+
+
+class HFCheckpointError(ValueError):
+    """A HF checkpoint that cannot be read as Qwen3: the message names the file, field or tensor."""
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json <-> Qwen3Args
+
+
+def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwen3Args:
+    """Qwen3Args from a HF config.json dict; other architectures and variants are errors."""
+    if not isinstance(config, dict):
+        raise HFCheckpointError(f"{where}: expected a JSON object, got {type(config).__name__}")
+    model_type = config.get("model_type")
+    if model_type != MODEL_TYPE:
+        raise HFCheckpointError(
+            f"{where}: model_type={model_type!r} is not a dense Qwen3 checkpoint "
+            f"(expected {MODEL_TYPE!r})"
+        )
+    archs = config.get("architectures")
+    if archs is not None and ARCHITECTURE not in archs:
+        raise HFCheckpointError(f"{where}: architectures={archs!r}; expected [{ARCHITECTURE!r}]")
+
+    def field(name: str, kind: type, default: Any = None) -> Any:
+        value = config.get(name)
+        value = default if value is None else value  # HF writes null for "use the default"
+        if value is None:
+            raise HFCheckpointError(f"{where}: missing field {name!r}")
+        if kind is float and type(value) is int:
+            return float(value)
+        if type(value) is not kind:  # `type is`: a JSON true is not an int
+            raise HFCheckpointError(f"{where}: {name}={value!r} is not of type {kind.__name__}")
+        return value
+
+    for name, supported in (("hidden_act", "silu"), ("attention_bias", False),
+                            ("use_sliding_window", False)):
+        if name in config and config[name] != supported:
+            raise HFCheckpointError(f"{where}: {name}={config[name]!r} is not supported "
+                                    f"(Qwen3 uses {supported!r})")
+    layer_types = config.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise HFCheckpointError(f"{where}: layer_types={layer_types!r}; only full_attention "
+                                "layers are supported")
+    if config.get("rope_scaling"):
+        raise HFCheckpointError(f"{where}: rope_scaling={config['rope_scaling']!r} is not "
+                                "supported (plain RoPE only)")
+    rope = config.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise HFCheckpointError(f"{where}: rope_parameters={rope!r} is not an object")
+    if rope.get("rope_type", "default") != "default":
+        raise HFCheckpointError(f"{where}: rope_parameters.rope_type={rope['rope_type']!r} is not "
+                                "supported (only 'default')")
+    # transformers 5 keeps rope_theta in rope_parameters; older files have it at the top level.
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float):
+        raise HFCheckpointError(f"{where}: rope_theta={theta!r} is not a number")
+
+    dim = field("hidden_size", int)
+    n_heads = field("num_attention_heads", int)
+    if n_heads <= 0 or dim <= 0:
+        raise HFCheckpointError(f"{where}: hidden_size={dim} and num_attention_heads={n_heads} "
+                                "must be positive")
+    args = Qwen3Args(
+        dim=dim,
+        n_layers=field("num_hidden_layers", int),
+        n_heads=n_heads,
+        n_kv_heads=field("num_key_value_heads", int, n_heads),
+        head_dim=field("head_dim", int, dim // n_heads),
+        hidden_dim=field("intermediate_size", int),
+        vocab_size=field("vocab_size", int),
+        norm_eps=field("rms_norm_eps", float, 1e-6),
+        rope_theta=float(theta),
+        max_seq_len=field("max_position_embeddings", int, 32768),
+        tie_embeddings=field("tie_word_embeddings", bool, False),
+    )
+    try:
+        args.validate()
+    except ValueError as e:
+        raise HFCheckpointError(f"{where}: {e}") from None
+    return args
+
+
+def hf_config_from_args(args: Qwen3Args, dtype: str = "float32") -> dict[str, Any]:
+    """The config.json transformers writes for this model (readable by transformers 4 and 5)."""
+    if args.is_moe:
+        raise NotImplementedError("HF export of Qwen3-MoE models is not supported yet")
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.hidden_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "rope_parameters": {"rope_theta": args.rope_theta, "rope_type": "default"},
+        "rope_theta": args.rope_theta,  # transformers 4 reads it here
+        "dtype": dtype,
+    }
+
+
+def read_hf_config(path: str | Path) -> Qwen3Args:
+    """Qwen3Args of the HF model directory `path` (from its config.json)."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise HFCheckpointError(f"{path}: no {CONFIG_FILE} (not a HF model directory)")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise HFCheckpointError(f"{file}: not valid JSON: {e}") from None
+    return args_from_hf_config(config, str(file))
+
+
+def check_args_match(args: Qwen3Args, checkpoint: Qwen3Args, where: str) -> None:
+    """The checkpoint's weights fit `args`: every shape/numerics field agrees."""
+    diffs = [f"{f}: checkpoint {getattr(checkpoint, f)!r} vs model {getattr(args, f)!r}"
+             for f in _WEIGHT_FIELDS if getattr(args, f) != getattr(checkpoint, f)]
+    if diffs:
+        raise HFCheckpointError(f"{where} does not match the model: " + "; ".join(diffs))
+
+
+# ------------------------------------------------------------------------------------------------
+# The tensor map
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One HF tensor and where it lives in titan-jax params.
+
+    `path`: key path into params; `layer`: index on the stacked layers axis (None outside layers);
+    `shape`: the titan-jax shape (per layer); `n_in`: for linear weights, how many leading titan
+    dims form the input side (HF stores the transpose, flattened to (out, in)); None = same layout.
+    """
+
+    name: str
+    path: tuple[str, ...]
+    layer: int | None
+    shape: tuple[int, ...]
+    n_in: int | None
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        if self.n_in is None:
+            return self.shape
+        return (math.prod(self.shape[self.n_in:]), math.prod(self.shape[:self.n_in]))
+
+
+# (titan path under `layers`, HF name under model.layers.{i}, n_in)
+_LAYER_TENSORS = (
+    (("attention", "wq"), "self_attn.q_proj.weight", 1),
+    (("attention", "wk"), "self_attn.k_proj.weight", 1),
+    (("attention", "wv"), "self_attn.v_proj.weight", 1),
+    (("attention", "wo"), "self_attn.o_proj.weight", 2),
+    (("attention", "q_norm", "weight"), "self_attn.q_norm.weight", None),
+    (("attention", "k_norm", "weight"), "self_attn.k_norm.weight", None),
+    (("feed_forward", "w1"), "mlp.gate_proj.weight", 1),
+    (("feed_forward", "w3"), "mlp.up_proj.weight", 1),
+    (("feed_forward", "w2"), "mlp.down_proj.weight", 1),
+    (("attention_norm", "weight"), "input_layernorm.weight", None),
+    (("ffn_norm", "weight"), "post_attention_layernorm.weight", None),
+)
+# HF tensors that carry no weights of ours (old checkpoints store the RoPE frequencies).
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def hf_tensors(args: Qwen3Args) -> list[HFTensor]:
+    """Every HF tensor of the model, in HF's file order."""
+    if args.is_moe:
+        raise NotImplementedError("HF import/export of Qwen3-MoE models is not supported yet")
+    d, f, v, hd = args.dim, args.hidden_dim, args.vocab_size, args.head_dim
+    shapes = {
+        ("attention", "wq"): (d, args.n_heads, hd), ("attention", "wk"): (d, args.n_kv_heads, hd),
+        ("attention", "wv"): (d, args.n_kv_heads, hd), ("attention", "wo"): (args.n_heads, hd, d),
+        ("attention", "q_norm", "weight"): (hd,), ("attention", "k_norm", "weight"): (hd,),
+        ("feed_forward", "w1"): (d, f), ("feed_forward", "w3"): (d, f),
+        ("feed_forward", "w2"): (f, d), ("attention_norm", "weight"): (d,),
+        ("ffn_norm", "weight"): (d,),
+    }
+    out = [HFTensor("model.embed_tokens.weight", ("tok_embeddings",), None, (v, d), None)]
+    for i in range(args.n_layers):
+        out += [HFTensor(f"model.layers.{i}.{name}", ("layers", *path), i, shapes[path], n_in)
+                for path, name, n_in in _LAYER_TENSORS]
+    out.append(HFTensor("model.norm.weight", ("norm", "weight"), None, (d,), None))
+    if not args.tie_embeddings:
+        out.append(HFTensor("lm_head.weight", ("lm_head",), None, (d, v), 1))
+    return out
+
+
+def to_hf_layout(t: HFTensor, x: np.ndarray) -> np.ndarray:
+    """A titan-jax (per-layer) array in HF layout."""
+    if t.n_in is None:
+        return x
+    n_in = math.prod(t.shape[:t.n_in])
+    return x.reshape(n_in, -1).T
+
+
+def from_hf_layout(t: HFTensor, x: np.ndarray) -> np.ndarray:
+    """A whole HF tensor in titan-jax (per-layer) layout."""
+    if t.n_in is None:
+        return x
+    return x.T.reshape(t.shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+
+
+class _Reader:
+    """Lazy slice reads from a HF model directory's safetensors file(s)."""
+
+    def __init__(self, path: Path, stack: contextlib.ExitStack):
+        self.path, self._stack = path, stack
+        self._handles: dict[Path, Any] = {}
+        index, single = path / INDEX_FILE, path / SINGLE_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self.files = {name: path / file for name, file in weight_map.items()}
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise HFCheckpointError(f"{index}: not a safetensors index ({e!r})") from None
+            for file in sorted(set(self.files.values())):
+                if not file.is_file():
+                    raise HFCheckpointError(f"{index} lists {file.name}, which does not exist")
+        elif single.is_file():
+            self.files = {name: single for name in self._open(single).keys()}
+        else:
+            raise HFCheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+    def _open(self, file: Path) -> Any:
+        if file not in self._handles:
+            try:
+                self._handles[file] = self._stack.enter_context(
+                    safe_open(str(file), framework="numpy"))
+            except Exception as e:  # safetensors raises its own error types for bad headers
+                raise HFCheckpointError(f"{file}: cannot read safetensors file: {e}") from None
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self.files[name]).get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return self._open(self.files[name]).get_slice(name)[index]
+
+
+def _check_tensors(reader: _Reader, tensors: list[HFTensor], args: Qwen3Args) -> None:
+    """Every expected tensor is there with its shape, and nothing unknown is."""
+    for t in tensors:
+        if t.name not in reader.files:
+            raise HFCheckpointError(f"{reader.path}: missing tensor {t.name!r}")
+        shape = reader.shape(t.name)
+        if shape != t.hf_shape:
+            raise HFCheckpointError(
+                f"{reader.files[t.name]}: tensor {t.name!r} has shape {shape}, expected "
+                f"{t.hf_shape} from config.json"
+            )
+    known = {t.name for t in tensors}
+    # HF ties by copying: a tied checkpoint may still store lm_head.weight; it is not used.
+    if args.tie_embeddings:
+        known.add("lm_head.weight")
+    unknown = sorted(n for n in reader.files if n not in known and not _IGNORED.fullmatch(n))
+    if unknown:
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise HFCheckpointError(
+            f"{reader.path}: unexpected tensors {unknown[:5]}{more} for a {args.n_layers}-layer "
+            f"{'tied' if args.tie_embeddings else 'untied'} dense Qwen3 config.json"
+        )
+
+
+def _slice_bounds(s: slice, size: int) -> tuple[int, int]:
+    start, stop, step = s.indices(size)
+    if step != 1:
+        raise ValueError(f"strided shard index {s} is not supported")
+    return start, stop
+
+
+def _read_shard(reader: _Reader, t: HFTensor, index: tuple[slice, ...]) -> np.ndarray:
+    """The `index` slice of tensor `t` in titan-jax layout, reading only the rows/cols it covers.
+
+    For a linear weight, the titan dims split into an input group and an output group, each
+    flattened into one HF dim; a group's slice is read as the contiguous HF range covering its
+    first dim's slice (whole trailing dims), then the trailing dims are sliced in memory. Only a
+    sharded trailing dim (e.g. head_dim) reads more than the shard needs.
+    """
+    bounds = [_slice_bounds(s, n) for s, n in zip(index, t.shape, strict=True)]
+    if t.n_in is None:
+        return reader.read(t.name, tuple(slice(a, b) for a, b in bounds))
+
+    def group(dims: range) -> tuple[slice, tuple[int, ...], tuple[slice, ...]]:
+        trailing = math.prod(t.shape[d] for d in dims[1:])
+        a, b = bounds[dims[0]]
+        shape = (b - a, *(t.shape[d] for d in dims[1:]))
+        rest = (slice(None), *(slice(*bounds[d]) for d in dims[1:]))
+        return slice(a * trailing, b * trailing), shape, rest
+
+    in_rows, in_shape, in_rest = group(range(0, t.n_in))
+    out_rows, out_shape, out_rest = group(range(t.n_in, len(t.shape)))
+    hf = reader.read(t.name, (out_rows, in_rows))  # (out, in)
+    x = hf.T.reshape(*in_shape, *out_shape)
+    return x[(*in_rest, *out_rest)]
+
+
+def _get(tree: Params, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: Params, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def load_hf_params(path: str | Path, args: Qwen3Args | None = None,
+                   shardings: Params | None = None, dtype: Any = np.float32) -> Params:
+    """Reads the HF model directory `path` into titan-jax params.
+
+    args: the model to load into; checked against the checkpoint's config.json (None: use it).
+    shardings: a params-shaped tree of `jax.sharding.Sharding`; each array is created on its
+      sharding, every device's shard read straight from the files. None: the default device.
+    dtype: the params' dtype (fp32 master weights; bf16 files are widened exactly).
+    """
+    path = Path(path)
+    checkpoint = read_hf_config(path)
+    if args is None:
+        args = checkpoint
+    else:
+        check_args_match(args, checkpoint, str(path / CONFIG_FILE))
+    tensors = hf_tensors(args)
+    by_path: dict[tuple[str, ...], list[HFTensor]] = {}
+    for t in tensors:
+        by_path.setdefault(t.path, []).append(t)
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    params: Params = {}
+    with contextlib.ExitStack() as stack:
+        reader = _Reader(path, stack)
+        _check_tensors(reader, tensors, args)
+        for tpath, group in by_path.items():
+            sharding = default if shardings is None else _get(shardings, tpath)
+            stacked = group[0].layer is not None
+            shape = (len(group), *group[0].shape) if stacked else group[0].shape
+            cache: dict[tuple, np.ndarray] = {}  # replicated shards are read once
+
+            def callback(index: tuple[slice, ...], group: list[HFTensor] = group,
+                         stacked: bool = stacked, shape: tuple[int, ...] = shape,
+                         cache: dict = cache) -> np.ndarray:
+                index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+                key = tuple(_slice_bounds(s, n) for s, n in zip(index, shape, strict=True))
+                if key not in cache:
+                    if stacked:
+                        first, last = key[0]
+                        parts = [_read_shard(reader, group[i], index[1:])
+                                 for i in range(first, last)]
+                        cache[key] = np.stack(parts).astype(dtype)
+                    else:
+                        cache[key] = _read_shard(reader, group[0], index).astype(dtype)
+                return cache[key]
+
+            _set(params, tpath, jax.make_array_from_callback(shape, sharding, callback))
+    return params
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving
+
+
+def _host_array(x: Any) -> np.ndarray:
+    """The full value of `x` on this host (an all-gather when it spans other processes)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+# Layer i of every stacked leaf in one compiled program (i traced: one compile per model). For
+# arrays on accelerators or spread over processes, whose layer axis is never sharded (rules.py).
+_take_layer = jax.jit(lambda layers, i: jax.tree.map(
+    lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), layers))
+
+
+def _host_layer(x: jax.Array, i: int) -> np.ndarray:
+    """Layer i of a stacked array whose shards all sit in this host's memory (CPU devices),
+    copied out of the shards that hold it: no compile, any sharding."""
+    out = np.empty(x.shape[1:], x.dtype)
+    for shard in x.addressable_shards:
+        start, stop, _ = shard.index[0].indices(x.shape[0])
+        if start <= i < stop:
+            out[shard.index[1:]] = np.asarray(shard.data)[i - start]
+    return out
+
+
+def _layer(layers: Params, i: int) -> Params:
+    leaves = jax.tree.leaves(layers)
+    if not any(isinstance(x, jax.Array) for x in leaves):
+        return jax.tree.map(lambda x: x[i], layers)  # host arrays
+    if all(x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
+           for x in leaves):
+        return jax.tree.map(lambda x: _host_layer(x, i), layers)
+    return _take_layer(layers, i)
+
+
+def iter_hf_tensors(params: Params, args: Qwen3Args, dtype: Any = None
+                    ) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array in HF layout) for every tensor, one at a time: at most one layer's
+    weights are gathered to the host at once."""
+    current, layer = None, None
+    for t in hf_tensors(args):
+        if t.layer is None:
+            leaf = _get(params, t.path)
+        else:
+            if t.layer != current:
+                current, layer = t.layer, _layer(params["layers"], t.layer)
+            leaf = _get(layer, t.path[1:])
+        x = np.ascontiguousarray(to_hf_layout(t, _host_array(leaf)))
+        yield t.name, x if dtype is None else x.astype(dtype)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from an int or a size such as "5GB" (10^9) or "2GiB" (2^30)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"size {text!r} is not a number of bytes or like 5GB / 500MiB")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def save_hf(path: str | Path, params: Params, args: Qwen3Args, dtype: str = "float32",
+            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:
+    """Writes `params` as a HF Qwen3 model directory: config.json + safetensors.
+
+    Tied models have no lm_head.weight (as HF saves them). Files larger than `max_shard_size`
+    are split into model-0000k-of-0000n.safetensors with a model.safetensors.index.json.
+    Every process must call this (gathers are collective); process 0 writes. Returns the files.
+    """
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"dtype={dtype!r}; valid: {', '.join(SAVE_DTYPES)}")
+    np_dtype, limit = SAVE_DTYPES[dtype], parse_size(max_shard_size)
+    path = Path(path)
+    tensors = hf_tensors(args)
+    # Plan the files from shapes alone, so names and the index are known before any gather.
+    shards: list[list[str]] = [[]]
+    size = 0
+    sizes = {t.name: math.prod(t.hf_shape) * np_dtype.itemsize for t in tensors}
+    for t in tensors:
+        if shards[-1] and size + sizes[t.name] > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t.name)
+        size += sizes[t.name]
+    n = len(shards)
+    names = [SINGLE_FILE] if n == 1 else [f"model-{k:05d}-of-{n:05d}.safetensors"
+                                           for k in range(1, n + 1)]
+    writer = jax.process_index() == 0
+    if writer:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / CONFIG_FILE).write_text(json.dumps(hf_config_from_args(args, dtype), indent=2)
+                                        + "\n")
+    values = iter_hf_tensors(params, args, np_dtype)
+    for file, shard in zip(names, shards, strict=True):
+        data = dict(next(values) for _ in shard)
+        if writer:
+            save_file(data, str(path / file), metadata={"format": "pt"})
+    if writer and n > 1:
+        weight_map = {name: file for file, shard in zip(names, shards, strict=True)
+                      for name in shard}
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return [path / CONFIG_FILE, *(path / f for f in names)] + (
+        [path / INDEX_FILE] if n > 1 else [])

@@ -1,0 +1,92 @@
+"""HF transformers' `Qwen3ForCausalLM` as the reference: forward, TorchTitan's loss and its
+gradients, and a PyTorch training loop running TorchTitan's recipe. fp32 on CPU (torch's bf16
+matmuls are ~100x slower than fp32 on CPUs without bf16 kernels)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from titan_jax.config import JobConfig
+from titan_jax.train.loss import IGNORE_INDEX
+
+
+def load_model(path: str | Path) -> torch.nn.Module:
+    """The HF model directory `path` as a fp32 `Qwen3ForCausalLM`, eval mode."""
+    from transformers import Qwen3ForCausalLM  # slow to import; torchtitan runs need only torch
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per load clutters the report
+    try:
+        return Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """TorchTitan's loss: fp32 CE summed over valid tokens / their number.
+
+    (torchtitan 0.3.0 `components/loss.py::cross_entropy_loss` sums; its trainer divides by the
+    global count of valid tokens.)
+    """
+    total = F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(),
+                            reduction="sum", ignore_index=IGNORE_INDEX)
+    return total / (labels_BT != IGNORE_INDEX).sum()
+
+
+def loss_of_logits(logits_TV: np.ndarray, labels_T: np.ndarray) -> float:
+    """TorchTitan's loss of one sequence's logits (from any model)."""
+    return float(cross_entropy(torch.from_numpy(logits_TV)[None], _tokens(labels_T)))
+
+
+def _tokens(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(x, np.int64))[None]
+
+
+def forward_loss_grads(model: torch.nn.Module, inputs_T: np.ndarray, labels_T: np.ndarray
+                       ) -> tuple[np.ndarray, float, dict[str, np.ndarray]]:
+    """(logits (T, V), loss, {HF parameter name: gradient}) for one sequence."""
+    model.zero_grad(set_to_none=True)
+    logits = model(_tokens(inputs_T)).logits
+    loss = cross_entropy(logits, _tokens(labels_T))
+    loss.backward()
+    grads = {name: p.grad.numpy() for name, p in model.named_parameters()}
+    return logits[0].detach().numpy(), loss.item(), grads
+
+
+def train_trajectory(path: str | Path, recipe: JobConfig, batches: list[dict[str, np.ndarray]],
+                     lr_scheduler: Callable[[torch.optim.Optimizer, int], Any]
+                     ) -> tuple[list[float], list[float]]:
+    """(loss, lr) of each step of a PyTorch loop with the recipe, from the weights at `path`.
+
+    torch.optim.AdamW with the recipe's hyper-parameters (weight decay on every parameter, as
+    TorchTitan), `lr_scheduler(optimizer, total_steps)` stepped after each update (TorchTitan's
+    LambdaLR), and clip_grad_norm_ at training.max_norm.
+    """
+    model = load_model(path).train()
+    o = recipe.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
+                                  eps=o.eps, weight_decay=o.weight_decay)
+    scheduler = lr_scheduler(optimizer, len(batches))
+    max_norm = recipe.training.max_norm
+    losses, lrs = [], []
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        inputs = torch.from_numpy(np.asarray(batch["inputs"], np.int64))
+        loss = cross_entropy(model(inputs).logits, torch.from_numpy(
+            np.asarray(batch["labels"], np.int64)))
+        loss.backward()
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses, lrs
