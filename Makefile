@@ -2,7 +2,9 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-export JAX_PLATFORMS ?= cpu
+# libtpu (the tpu extra) probes for a TPU at every `import jax`; on machines without TPU or
+# GPU devices say "cpu" up front. On a TPU VM or GPU box JAX picks the accelerator itself.
+export JAX_PLATFORMS ?= $(if $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0),,cpu)
 
 .PHONY: install train test test-fast lint format bench tokenizer clean
 

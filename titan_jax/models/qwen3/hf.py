@@ -262,13 +262,6 @@ def to_hf_layout(t: HFTensor, x: np.ndarray) -> np.ndarray:
     return x.reshape(n_in, -1).T
 
 
-def from_hf_layout(t: HFTensor, x: np.ndarray) -> np.ndarray:
-    """A whole HF tensor in titan-jax (per-layer) layout."""
-    if t.n_in is None:
-        return x
-    return x.T.reshape(t.shape)
-
-
 # ------------------------------------------------------------------------------------------------
 # Loading
 
