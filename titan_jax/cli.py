@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         from titan_jax.parallel.mesh import set_cpu_device_count
 
         set_cpu_device_count(config.job.cpu_devices)
+        _enable_compilation_cache()
         from titan_jax.train.loop import BadStepsError, train
 
         try:
@@ -164,7 +166,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # ConfigError is a ValueError: bad input, one line
         print(f"titan-jax: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C: the first one already asked for a clean stop
+        print("titan-jax: interrupted", file=sys.stderr)
+        return 130
     return 0
+
+
+def _enable_compilation_cache() -> None:
+    """Reuse compiled steps across runs (a resumed run starts without recompiling)."""
+    import jax
+
+    cache = os.environ.get("TITAN_JAX_COMPILATION_CACHE",
+                           str(Path.home() / ".cache" / "titan_jax" / "xla"))
+    if cache:
+        jax.config.update("jax_compilation_cache_dir", cache)
 
 
 if __name__ == "__main__":
