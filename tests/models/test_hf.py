@@ -9,6 +9,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from hf_fixtures import random_hf_model
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
@@ -34,23 +35,7 @@ TIED = Qwen3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, head_dim=8, hidden
                  norm_eps=1e-5)
 
 
-def hf_model(args: Qwen3Args, seed: int = 0):
-    """A transformers Qwen3ForCausalLM with random weights, norms included (init makes them 1,
-    which would hide a norm mapped to the wrong place)."""
-    config = transformers.Qwen3Config(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
-        tie_word_embeddings=args.tie_embeddings, rms_norm_eps=args.norm_eps,
-        max_position_embeddings=args.max_seq_len,
-        rope_parameters={"rope_theta": args.rope_theta, "rope_type": "default"})
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-    return model.eval()
+hf_model = random_hf_model
 
 
 def save_hf_model(args: Qwen3Args, path, **kwargs):

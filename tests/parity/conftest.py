@@ -39,23 +39,10 @@ def save_hf_checkpoint(hf_available):
 
     Norm weights are randomised too: at their init value 1 a norm read from the wrong place
     would go unnoticed."""
-    import torch
-    import transformers
+    from hf_fixtures import random_hf_model
 
     def save(args: Qwen3Args, path, seed: int = 0):
-        config = transformers.Qwen3Config(
-            vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
-            num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-            num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
-            tie_word_embeddings=args.tie_embeddings, rms_norm_eps=args.norm_eps,
-            max_position_embeddings=args.max_seq_len,
-            rope_parameters={"rope_theta": args.rope_theta, "rope_type": "default"})
-        torch.manual_seed(seed)
-        model = transformers.Qwen3ForCausalLM(config).float()
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim == 1:
-                    p.copy_(1 + 0.2 * torch.randn_like(p))
+        model = random_hf_model(args, seed)
         model.save_pretrained(str(path))
         return path
 
