@@ -73,7 +73,8 @@ def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
     convert = sub.add_parser(
         "convert", help="convert model weights between HF safetensors and orbax",
         description="HF model directory (config.json + safetensors) <-> titan-jax model-only "
-        "orbax checkpoint (DST/model_args.json + DST/params). hf -> hf re-types or re-shards."
+        "orbax checkpoint (DST/model_args.json + DST/params). --from orbax also reads one step "
+        "of a training run ({dump_folder}/checkpoint/{step}). hf -> hf re-types or re-shards."
     )
     convert.add_argument("--from", dest="src_format", choices=["hf", "orbax"], required=True)
     convert.add_argument("--to", dest="dst_format", choices=["hf", "orbax"], required=True)

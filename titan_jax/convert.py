@@ -1,12 +1,13 @@
 """`titan-jax convert`: model weights between HF safetensors directories and orbax checkpoints.
 
-The orbax side is a model-only checkpoint directory:
+The orbax side written is a model-only checkpoint directory:
 
     DST/model_args.json   the Qwen3Args fields (what `build_model_def` needs)
     DST/params/           orbax `StandardCheckpointer` of the params pytree: fp32, titan-jax
                           layout and names, layers stacked (params["layers"]["attention"]["wq"])
 
-Restores go straight onto target shardings (orbax reads each device's slice).
+Read are that, or one step folder of a training run (`{dump_folder}/checkpoint/{step}`, its
+params only). Restores go straight onto target shardings (orbax reads each device's slice).
 """
 
 from __future__ import annotations
@@ -61,16 +62,34 @@ def read_orbax_args(path: str | Path) -> Qwen3Args:
     return Qwen3Args(**fields)
 
 
-def load_orbax(path: str | Path, shardings: Params | None = None) -> tuple[Qwen3Args, Params]:
-    """(args, params) of a model-only orbax checkpoint, restored onto `shardings` (None: the
-    default device)."""
-    path = Path(path).resolve()
-    args = read_orbax_args(path)
+def _abstract_params(args: Qwen3Args, shardings: Params | None) -> Params:
     abstract = build_model_def(args).abstract_params
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: default, abstract) if shardings is None else shardings
-    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          abstract, shardings)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        abstract, shardings)
+
+
+def is_training_checkpoint(path: str | Path) -> bool:
+    """A step folder of a training run (`{dump_folder}/checkpoint/{step}`)."""
+    path = Path(path)
+    return path.name.isdigit() and (path / "meta").is_dir() and (path / "state").is_dir()
+
+
+def load_orbax(path: str | Path, shardings: Params | None = None) -> tuple[Qwen3Args, Params]:
+    """(args, params) of a model-only orbax checkpoint, or of one step of a training run's
+    checkpoints (its params only), restored onto `shardings` (None: the default device)."""
+    path = Path(path).resolve()
+    if is_training_checkpoint(path):
+        from titan_jax.train.checkpoint import Checkpointer
+
+        with Checkpointer(path.parent, read_only=True) as ckpt:
+            step = int(path.name)
+            args = Qwen3Args(**ckpt.meta(step)["model_args"])
+            target = {"params": _abstract_params(args, shardings)}
+            return args, ckpt.restore(step, target, model_only=True).state["params"]
+    args = read_orbax_args(path)
+    target = _abstract_params(args, shardings)
     return args, ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
 
 

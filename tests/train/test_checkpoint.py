@@ -291,6 +291,15 @@ def test_hf_export_round_trips_through_initial_load_in_hf(saved, tmp_path):
     assert_trees_equal(start.state["params"], saved.state["params"])
 
 
+def test_convert_reads_a_training_checkpoint_step(saved, tmp_path):
+    from titan_jax.cli import main
+    from titan_jax.models.qwen3.hf import load_hf_params
+
+    assert main(["convert", "--from", "orbax", "--to", "hf", str(saved.folder / "2"),
+                 str(tmp_path / "hf")]) == 0
+    assert_trees_equal(load_hf_params(tmp_path / "hf", TINY), saved.state["params"])
+
+
 def test_a_hf_directory_that_is_not_qwen3_is_refused(tmp_path):
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text(json.dumps(
