@@ -23,6 +23,7 @@ import numpy as np
 
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import Qwen3Args, get_flavor
+from titan_jax.models.qwen3.hf import hf_config_from_args
 from titan_jax.train.metrics import count_params, flops_per_token, peak_flops_per_device
 from titan_jax.train.trainer import build_trainer
 
@@ -69,11 +70,7 @@ def time_torch(args: Qwen3Args, batch: int, seq: int, warmup: int, steps: int) -
     except ImportError:
         return None
     torch.manual_seed(0)
-    hf = Qwen3Config(vocab_size=args.vocab_size, hidden_size=args.dim,
-                     intermediate_size=args.hidden_dim, num_hidden_layers=args.n_layers,
-                     num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-                     head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
-                     tie_word_embeddings=args.tie_embeddings, attn_implementation="sdpa")
+    hf = Qwen3Config(**hf_config_from_args(args), attn_implementation="sdpa")
     model = Qwen3ForCausalLM(hf).float()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1))

@@ -30,7 +30,7 @@ def compiled_hlo(preset: str, implementation: str) -> str:
     config = tiny_config(*preset_overrides(preset), "--training.mixed_precision_param",
                          "bfloat16", "--parallelism.fsdp_implementation", implementation)
     trainer = build_trainer(config, list(topology.devices), model_args=TINY)
-    lowered = trainer.step_fn.lower(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
     return lowered.compile().as_text()
 
 

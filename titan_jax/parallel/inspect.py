@@ -125,7 +125,7 @@ def compile_lowered(lowered: Any) -> tuple[Any, str | None]:
 def compile_step(trainer: Trainer) -> tuple[Any, str | None]:
     """The train step compiled for abstract inputs, and its HLO right after SPMD partitioning."""
     return compile_lowered(
-        trainer.step_fn.lower(trainer.abstract_state(), abstract_batch(trainer)))
+        trainer.lower_step(trainer.abstract_state(), abstract_batch(trainer)))
 
 
 def memory(compiled: Any) -> dict[str, int]:

@@ -85,31 +85,28 @@ class Trainer:
                             shapes, self.state_shardings)
 
     @functools.cached_property
-    def step_fn(self) -> Any:
-        """The jitted whole step; the input state's buffers are donated to the output."""
+    def _jitted_step(self) -> Any:
         step = functools.partial(train_step, model=self.model, optimizer=self.optimizer,
                                  schedule=self.schedule, options=self.options,
                                  param_use=self.fsdp.param_use, loss_map=self.fsdp.loss_map)
-        jitted = jax.jit(step, donate_argnums=0,
-                         in_shardings=(self.state_shardings, self.batch_sharding),
-                         out_shardings=(self.state_shardings, None))
+        return jax.jit(step, donate_argnums=0,
+                       in_shardings=(self.state_shardings, self.batch_sharding),
+                       out_shardings=(self.state_shardings, None))
 
-        def run(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-            with jax.set_mesh(self.mesh):
-                return jitted(state, batch)
+    def step_fn(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        """The jitted whole step; the input state's buffers are donated to the output."""
+        with jax.set_mesh(self.mesh):
+            return self._jitted_step(state, batch)
 
-        run.lower = lambda state, batch: _lower_in_mesh(self.mesh, jitted, state, batch)
-        return run
+    def lower_step(self, state: Any, batch: Any) -> Any:
+        """The step lowered for (possibly abstract) inputs, for inspection and AOT compiles."""
+        with jax.set_mesh(self.mesh):
+            return self._jitted_step.lower(state, batch)
 
     def put_batch(self, local: dict[str, np.ndarray]) -> Batch:
         """This process's rows -> global arrays sharded over the data-parallel axes."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
                 for k, v in local.items()}
-
-
-def _lower_in_mesh(mesh: Mesh, jitted: Any, *args: Any) -> Any:
-    with jax.set_mesh(mesh):
-        return jitted.lower(*args)
 
 
 def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,

@@ -24,7 +24,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.qwen3.args import Qwen3Args
-from titan_jax.models.qwen3.param_use import use_param
+from titan_jax.models.qwen3.param_use import (
+    GATHERED_PARAM,
+    save_anything_except_gathered_params,
+    use_param,
+)
 
 Array = jax.Array
 
@@ -184,11 +188,6 @@ class RematPolicy:
     save_gathered_params: bool = True
 
     def policy(self) -> Callable | None:
-        from titan_jax.models.qwen3.param_use import (
-            GATHERED_PARAM,
-            save_anything_except_gathered_params,
-        )
-
         cp = jax.checkpoint_policies
         gathered = (GATHERED_PARAM,) if self.save_gathered_params else ()
         if self.mode == "none":
