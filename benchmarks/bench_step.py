@@ -23,8 +23,9 @@ import numpy as np
 
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import Qwen3Args, get_flavor
-from titan_jax.models.qwen3.hf import hf_config_from_args
-from titan_jax.train.metrics import count_params, flops_per_token, peak_flops_per_device
+from titan_jax.models.qwen3.flops import count_params, flops_per_token
+from titan_jax.models.qwen3.hf_config import hf_config_from_args
+from titan_jax.train.peak_flops import peak_flops_per_device
 from titan_jax.train.trainer import build_trainer
 
 # ~100M parameters: GPT-2-small width with Qwen3's structure (GQA, QK-norm, SwiGLU), untied.

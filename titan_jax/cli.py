@@ -90,7 +90,7 @@ def _inspect(config: JobConfig, json_out: str | None) -> int:
     from titan_jax.parallel.mesh import set_cpu_device_count
 
     set_cpu_device_count(config.job.cpu_devices)  # before JAX starts, as for train
-    from titan_jax.parallel.inspect import format_report, inspect_trainer
+    from titan_jax.tools.inspect import format_report, inspect_trainer
     from titan_jax.train.trainer import build_trainer
 
     report = inspect_trainer(build_trainer(config))
@@ -129,7 +129,7 @@ def _parity(args: argparse.Namespace, config: JobConfig) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from titan_jax.convert import convert
+    from titan_jax.tools.convert import convert
 
     model = convert(args.src, args.dst, args.src_format, args.dst_format, dtype=args.dtype,
                     max_shard_size=args.max_shard_size)

@@ -16,8 +16,8 @@ from safetensors.numpy import load_file, save_file
 
 import titan_jax.parity  # noqa: F401  (imported before torch: it sets OMP_WAIT_POLICY)
 from titan_jax.cli import main
-from titan_jax.convert import load_orbax
-from titan_jax.models.qwen3 import Qwen3Args, build_model_def, hf
+from titan_jax.models.qwen3 import Qwen3Args, build_model_def, hf, hf_config
+from titan_jax.train.model_io import load_orbax
 
 try:  # the `parity` extra; CI installs it, so there a missing one is a failure, not a skip
     import torch
@@ -52,23 +52,23 @@ def tensors(path) -> dict[str, np.ndarray]:
 
 def test_config_roundtrip_and_hf_reads_ours():
     for args in (UNTIED, TIED):
-        config = hf.hf_config_from_args(args)
-        assert hf.args_from_hf_config(config) == args
-        hf_config = transformers.Qwen3Config.from_dict(config)
-        assert hf_config.rope_parameters["rope_theta"] == args.rope_theta
-        assert hf_config.head_dim == args.head_dim
-        assert hf_config.tie_word_embeddings == args.tie_embeddings
+        config = hf_config.hf_config_from_args(args)
+        assert hf_config.args_from_hf_config(config) == args
+        theirs = transformers.Qwen3Config.from_dict(config)
+        assert theirs.rope_parameters["rope_theta"] == args.rope_theta
+        assert theirs.head_dim == args.head_dim
+        assert theirs.tie_word_embeddings == args.tie_embeddings
 
 
 def test_config_defaults_and_old_rope_theta():
     config = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 100,
               "rope_theta": 1000000}  # transformers 4 layout: rope_theta at the top level
-    args = hf.args_from_hf_config(config)
+    args = hf_config.args_from_hf_config(config)
     assert (args.head_dim, args.n_kv_heads, args.rope_theta) == (16, 4, 1e6)
     assert not args.tie_embeddings  # HF's default for Qwen3Config
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6}
-    assert hf.args_from_hf_config(config).rope_theta == 5e6  # transformers 5 wins
+    assert hf_config.args_from_hf_config(config).rope_theta == 5e6  # transformers 5 wins
 
 
 @pytest.mark.parametrize("change, message", [
@@ -84,9 +84,9 @@ def test_config_defaults_and_old_rope_theta():
     ({"num_key_value_heads": 3}, "n_kv_heads=3"),
 ])
 def test_bad_config_fields_are_named(change, message):
-    config = {**hf.hf_config_from_args(UNTIED), **change}
+    config = {**hf_config.hf_config_from_args(UNTIED), **change}
     with pytest.raises(hf.HFCheckpointError, match=message.replace("[", r"\[")):
-        hf.args_from_hf_config({k: v for k, v in config.items() if v is not None})
+        hf_config.args_from_hf_config({k: v for k, v in config.items() if v is not None})
 
 
 def test_missing_and_malformed_config_json(tmp_path):
@@ -97,13 +97,13 @@ def test_missing_and_malformed_config_json(tmp_path):
         hf.load_hf_params(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(hf.HFCheckpointError, match="expected a JSON object"):
-        hf.read_hf_config(tmp_path)
+        hf_config.read_hf_config(tmp_path)
 
 
 @pytest.mark.parametrize("args", [UNTIED, TIED], ids=["untied", "tied"])
 def test_hf_to_titan_to_hf_is_bitwise(tmp_path, args):
     src = save_hf_model(args, tmp_path / "src")
-    assert hf.read_hf_config(src) == args
+    assert hf_config.read_hf_config(src) == args
     params = hf.load_hf_params(src)
     hf.save_hf(tmp_path / "dst", params, args)
     a, b = tensors(src), tensors(tmp_path / "dst")
@@ -111,7 +111,7 @@ def test_hf_to_titan_to_hf_is_bitwise(tmp_path, args):
     assert "lm_head.weight" in b or args.tie_embeddings
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
-    assert hf.read_hf_config(tmp_path / "dst") == args
+    assert hf_config.read_hf_config(tmp_path / "dst") == args
 
 
 def test_layouts_match_the_hf_modules(tmp_path):

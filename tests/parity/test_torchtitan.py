@@ -7,8 +7,8 @@ import pytest
 
 from titan_jax.config import LRScheduler
 from titan_jax.models.qwen3 import QWEN3_FLAVORS
+from titan_jax.models.qwen3.flops import flops_per_token
 from titan_jax.parity import torchtitan_ref
-from titan_jax.train.metrics import flops_per_token
 from titan_jax.train.optim import WSDSchedule
 
 STEPS = 100

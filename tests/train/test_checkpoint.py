@@ -24,11 +24,11 @@ from titan_jax.train.checkpoint import (
     CheckpointError,
     CheckpointSaveError,
     NonFiniteStateError,
-    export_hf,
-    load_start,
     resume_signature,
 )
 from titan_jax.train.loss import IGNORE_INDEX
+from titan_jax.train.model_io import export_hf
+from titan_jax.train.start import load_start
 from titan_jax.train.trainer import build_trainer
 
 TINY = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,

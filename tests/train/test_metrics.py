@@ -11,14 +11,10 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from titan_jax.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
-from titan_jax.train import metrics
-from titan_jax.train.metrics import (
-    MetricsLogger,
-    count_params,
-    flops_per_token,
-    memory_stats,
-    peak_flops_per_device,
-)
+from titan_jax.models.qwen3.flops import count_params, flops_per_token
+from titan_jax.train import metrics, peak_flops
+from titan_jax.train.metrics import MetricsLogger, memory_stats
+from titan_jax.train.peak_flops import peak_flops_per_device
 
 # Published totals with a tied embedding counted once (model cards: 0.6B / 1.7B / 4B total with
 # 0.44B / 1.4B / 3.6B non-embedding). The hub's safetensors counts for 0.6B and 1.7B (0.75B,
@@ -147,7 +143,7 @@ def fake_device(kind: str, platform: str = "gpu") -> SimpleNamespace:
     ],
 )
 def test_peak_table_lookup(kind, peak, monkeypatch):
-    monkeypatch.setattr(metrics, "_measure_matmul_flops", pytest.fail)  # must not measure
+    monkeypatch.setattr(peak_flops, "_measure_matmul_flops", pytest.fail)  # must not measure
     flops, desc = peak_flops_per_device(
         fake_device(kind, "tpu" if "TPU" in kind else "gpu"), "float32"
     )
@@ -163,7 +159,7 @@ def test_cpu_peak_is_measured_once_then_cached(monkeypatch, tmp_path):
         calls.append(dtype)
         return 1.5e11
 
-    monkeypatch.setattr(metrics, "_measure_matmul_flops", fake_measure)
+    monkeypatch.setattr(peak_flops, "_measure_matmul_flops", fake_measure)
     cpu = jax.devices("cpu")[0]
     assert peak_flops_per_device(cpu, "float32") == (
         1.5e11,
@@ -182,7 +178,7 @@ def test_cpu_peak_is_measured_once_then_cached(monkeypatch, tmp_path):
 
 def test_unknown_accelerator_falls_back_to_measuring(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(metrics, "_measure_matmul_flops", lambda device, dtype: 7e13)
+    monkeypatch.setattr(peak_flops, "_measure_matmul_flops", lambda device, dtype: 7e13)
     flops, desc = peak_flops_per_device(fake_device("NVIDIA GeForce RTX 4090"), "bfloat16")
     assert flops == 7e13
     assert desc.startswith("unknown device kind 'NVIDIA GeForce RTX 4090': measured matmul peak")
@@ -190,7 +186,7 @@ def test_unknown_accelerator_falls_back_to_measuring(monkeypatch, tmp_path):
 
 
 def test_measure_matmul_flops_is_plausible():
-    flops = metrics._measure_matmul_flops(jax.devices("cpu")[0], "float32", n=256, runs=3)
+    flops = peak_flops._measure_matmul_flops(jax.devices("cpu")[0], "float32", n=256, runs=3)
     assert 1e8 < flops < 1e13  # this CPU does ~1.5e11 at 2048^3; 256^3 is slower but not 1000x
 
 

@@ -23,7 +23,8 @@ from titan_jax.config import JobConfig
 from titan_jax.data.dataset import build_train_iterator
 from titan_jax.data.tokenizer import load_tokenizer
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def, get_flavor
-from titan_jax.models.qwen3.hf import iter_hf_tensors, load_hf_params, read_hf_config, save_hf
+from titan_jax.models.qwen3.hf import iter_hf_tensors, load_hf_params, save_hf
+from titan_jax.models.qwen3.hf_config import read_hf_config
 from titan_jax.parity import BARS, REFERENCES, metrics
 from titan_jax.parity.ours import TitanSide, train_trajectory
 

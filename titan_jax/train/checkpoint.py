@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from titan_jax.config import JobConfig
-from titan_jax.train.step import TrainState, init_train_state
+from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer
 
 FORMAT_VERSION = 1
@@ -99,7 +99,7 @@ def _leaf_name(path: tuple) -> str:
     return ".".join(parts)
 
 
-def _named(tree: Any) -> dict[str, Any]:
+def named_leaves(tree: Any) -> dict[str, Any]:
     return {_leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
@@ -126,7 +126,7 @@ def _checksums(tree: Any) -> tuple[dict[str, int], bool]:
     A checksum is a sum of the raw bits mod 2**32: independent of the sharding and the order of
     shards, and changed by any overwritten word.
     """
-    named = _named(tree)
+    named = named_leaves(tree)
     summaries = [_local_summary(x) for x in named.values()]
     sums = np.array([s for s, _ in summaries] + [all(f for _, f in summaries)], np.uint32)
     if jax.process_count() > 1:  # add up every process's share
@@ -276,14 +276,14 @@ class Checkpointer:
                 f"{where} holds only the model (checkpoint.last_save_model_only); it cannot "
                 "resume training. Load it as weights with --checkpoint.initial_load_path "
                 f"{self.directory / str(step)}, or resume from a full checkpoint with "
-                f"--checkpoint.load_step (steps here: {_listing(self.steps())})")
+                f"--checkpoint.load_step (steps here: {listing(self.steps())})")
         target = {k: abstract_state[k] for k in MODEL_KEYS} if model_only else abstract_state
         with self._reading(step):
             saved = ocp.PyTreeCheckpointHandler().metadata(
                 self._manager.directory / str(step) / "state").tree
         # A model-only restore reads the MODEL_KEYS of a full checkpoint and ignores the rest.
-        saved = {n: m for n, m in _named(saved).items() if n.split(".")[0] in target}
-        _check_shapes(where, saved, _named(target), meta)
+        saved = {n: m for n, m in named_leaves(saved).items() if n.split(".")[0] in target}
+        check_shapes(where, saved, named_leaves(target), meta)
         if signature is not None and not model_only:
             _check_signature(where, meta.get("resume", {}), signature)
 
@@ -327,14 +327,14 @@ class Checkpointer:
         if not others:
             return "delete it (no other checkpoint here) or use a new job.dump_folder"
         return (f"delete it, or pick another step with --checkpoint.load_step "
-                f"(finalized: {_listing(others)})")
+                f"(finalized: {listing(others)})")
 
 
-def _listing(steps: list[int]) -> str:
+def listing(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if steps else "none"
 
 
-def _check_shapes(where: str, saved: dict[str, Any], expected: dict[str, Any],
+def check_shapes(where: str, saved: dict[str, Any], expected: dict[str, Any],
                   meta: dict[str, Any]) -> None:
     flavor = meta.get("resume", {}).get("model.flavor")
     hint = f" (it was saved with model.flavor={flavor})" if flavor else ""
@@ -360,112 +360,3 @@ def _check_signature(where: str, saved: dict[str, Any], current: dict[str, Any])
         raise CheckpointError(
             f"cannot resume from {where}: the config changed {', '.join(changed)}; set it back, "
             "or train in a new job.dump_folder")
-
-
-def _newest_step(ckpt: Checkpointer) -> int:
-    steps = ckpt.steps()
-    if not steps:
-        raise CheckpointError(f"{ckpt.directory} holds no finalized checkpoint")
-    return steps[-1]
-
-
-def _resume_step(config: JobConfig, ckpt: Checkpointer) -> int | None:
-    steps, load_step = ckpt.steps(), config.checkpoint.load_step
-    if load_step == -1:
-        return steps[-1] if steps else None
-    if load_step not in steps:
-        raise CheckpointError(
-            f"checkpoint.load_step={load_step} is not a finalized checkpoint in {ckpt.directory}; "
-            f"available: {_listing(steps)}")
-    newer = [s for s in steps if s > load_step]
-    if newer and load_step < config.training.steps:
-        # Training on would save over checkpoints of the abandoned future, one by one, and a
-        # crash in between would leave a mix of both.
-        raise CheckpointError(
-            f"checkpoint.load_step={load_step} is older than checkpoints {_listing(newer)} in "
-            f"{ckpt.directory}, which this run would overwrite; move them away to roll back")
-    return load_step
-
-
-def load_start(config: JobConfig, trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
-    """Where a run starts: its own newest (or `load_step`) checkpoint, else
-    `initial_load_path` (orbax or HF), else random init (`Restored()` with no state).
-
-    A resume always wins over `initial_load_path`, as in TorchTitan. A returned step at or
-    past `training.steps` means there is nothing left to train (its state is not loaded).
-    """
-    c = config.checkpoint
-    if ckpt is None and c.load_step != -1:
-        raise CheckpointError(f"checkpoint.load_step={c.load_step} needs checkpoint.enable=true")
-    step = _resume_step(config, ckpt) if ckpt is not None else None
-    if step is not None:
-        if step >= config.training.steps:
-            return Restored(step=step, source=f"checkpoint {ckpt.directory / str(step)}")
-        restored = ckpt.restore(step, trainer.abstract_state(),
-                                signature=resume_signature(config, trainer.global_batch_size))
-        if c.initial_load_path:
-            restored.source += " (checkpoint.initial_load_path ignored: a resume comes first)"
-        return restored
-    if not c.initial_load_path:
-        return Restored()
-    path = Path(c.initial_load_path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist")
-    if c.initial_load_in_hf or (path / "model_args.json").is_file():
-        return _load_params(path, trainer)
-    if path.name.isdigit() and (path / "state").is_dir():
-        root, step = path.parent, int(path.name)
-    else:
-        root, step = path, None
-    model_only = c.initial_load_model_only
-    with Checkpointer(root, read_only=True) as source:
-        step = _newest_step(source) if step is None else step
-        restored = source.restore(step, trainer.abstract_state(), model_only=model_only,
-                                  signature=resume_signature(config, trainer.global_batch_size))
-    if model_only:
-        restored.state = state_from_params(trainer, restored.state["params"])
-        restored.source += " (model only)"
-    return restored
-
-
-def _load_params(path: Path, trainer: Trainer) -> Restored:
-    """Weights from a HF directory, or from `titan-jax convert --to orbax` output."""
-    abstract = trainer.model.abstract_params
-    shardings = trainer.state_shardings["params"]
-    if trainer.config.checkpoint.initial_load_in_hf:
-        from titan_jax.models.qwen3.hf import load_hf_params  # its errors name path and field
-
-        source = f"HF checkpoint {path}"
-        params = load_hf_params(path, trainer.model.args, shardings)
-    else:
-        from titan_jax.convert import load_orbax, read_orbax_args
-        from titan_jax.models.qwen3 import build_model_def
-
-        source = f"converted orbax model {path}"
-        saved = build_model_def(read_orbax_args(path)).abstract_params
-        _check_shapes(source, _named(saved), _named(abstract), {})  # before reading any array
-        _, params = load_orbax(path, shardings)
-    _check_shapes(source, _named(params), _named(abstract), {})
-    return Restored(state=state_from_params(trainer, params), source=source)
-
-
-def state_from_params(trainer: Trainer, params: Any) -> TrainState:
-    """A fresh train state (new optimizer, step 0) around loaded params, sharded as the run's."""
-    with jax.set_mesh(trainer.mesh):
-        return jax.jit(lambda p: init_train_state(p, trainer.optimizer),
-                       out_shardings=trainer.state_shardings)(params)
-
-
-def export_hf(config: JobConfig, trainer: Trainer, params: Any, step: int) -> Path:
-    """Writes `params` as a HF safetensors directory `{checkpoint folder}/hf-{step}` (in
-    `checkpoint.export_dtype`), under a temporary name first: the folder is whole or absent."""
-    from titan_jax.models.qwen3.hf import save_hf
-
-    final = Path(config.job.dump_folder) / config.checkpoint.folder / f"hf-{step}"
-    if final.exists():
-        raise CheckpointSaveError(f"{final} already exists; not overwriting it")
-    tmp = final.with_name(f"{final.name}.tmp")
-    save_hf(tmp, params, trainer.model.args, dtype=config.checkpoint.export_dtype)
-    if jax.process_index() == 0:
-        os.replace(tmp, final)
-    return final

@@ -5,7 +5,7 @@ the device; at a checkpoint step the loop reads step N's verdict first, so the b
 has spoken before N's state is saved.
 
 - Start: the run's own newest checkpoint (resume), else `checkpoint.initial_load_path`, else
-  random init; see `checkpoint.load_start`.
+  random init; see `start.load_start`.
 - Checkpoints: every `checkpoint.interval` steps, at the last step (model only and in
   `export_dtype` when `last_save_model_only`), and when stopped by a signal.
 - Preemption: SIGTERM or SIGINT finishes the current step, saves it and returns normally.
@@ -32,19 +32,16 @@ from jax.experimental import multihost_utils
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.dataset import TrainIterator, build_train_iterator
 from titan_jax.data.tokenizer import load_tokenizer
+from titan_jax.models.qwen3.flops import flops_per_token
 from titan_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
     NonFiniteStateError,
-    export_hf,
-    load_start,
 )
-from titan_jax.train.metrics import (
-    MetricsLogger,
-    flops_per_token,
-    memory_stats,
-    peak_flops_per_device,
-)
+from titan_jax.train.metrics import MetricsLogger, memory_stats
+from titan_jax.train.model_io import export_hf
+from titan_jax.train.peak_flops import peak_flops_per_device
+from titan_jax.train.start import load_start
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer, build_trainer
 

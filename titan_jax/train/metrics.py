@@ -1,4 +1,4 @@
-"""Training metrics: parameter and FLOP counts, peak FLOP/s for MFU, memory, and the log sinks.
+"""Training metrics: device memory, and the log sinks.
 
 The sinks (`MetricsLogger`) are one JSON line per logged step in `{dump_folder}/metrics.jsonl`,
 optional TensorBoard scalars, a tqdm bar, and a loss curve drawn on close. Only the main process
@@ -11,153 +11,13 @@ import json
 import math
 import numbers
 import os
-import platform
 import resource
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from tqdm import tqdm
-
-from titan_jax.models.qwen3.args import Qwen3Args
-
-
-def count_params(args: Qwen3Args) -> dict[str, int]:
-    """Analytic parameter counts of a Qwen3 model.
-
-    `total`: every trainable parameter, the embedding counted once when tied (as HF reports).
-    `embedding`: the token embedding matrix (vocab, dim).
-    `active`: parameters one token uses: like `total` but each MoE layer's experts scaled by
-    top_k/num_experts (the router counts in full). Equal to `total` for a dense model.
-    The MoE expert-bias is a load-balancing buffer updated outside the optimizer: not counted.
-    """
-    d, v = args.dim, args.vocab_size
-    embedding = v * d
-    attention = 2 * d * args.q_dim + 2 * d * args.kv_dim + 2 * args.head_dim  # + q/k norms
-    norms = 2 * d  # attention_norm, ffn_norm
-    if args.is_moe:
-        router = d * args.num_experts
-        experts = 3 * args.num_experts * d * args.moe_inter_dim
-        ffn_total = router + experts
-        # Exact: experts is a multiple of num_experts (torchtitan's integer division agrees).
-        ffn_active = router + experts * args.top_k // args.num_experts
-    else:
-        ffn_total = ffn_active = 3 * d * args.hidden_dim
-    lm_head = 0 if args.tie_embeddings else v * d
-    outside_layers = embedding + lm_head + d  # + final norm
-    total = outside_layers + args.n_layers * (attention + norms + ffn_total)
-    active = outside_layers + args.n_layers * (attention + norms + ffn_active)
-    return {"total": total, "embedding": embedding, "active": active}
-
-
-def flops_per_token(args: Qwen3Args, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), TorchTitan's MFU numerator.
-
-    `6 * N + 6 * n_layers * n_heads * (2 * head_dim) * seq_len`, as in torchtitan 0.3.0
-    `torchtitan/models/utils.py::get_moe_model_nparams_and_flops` (Qwen3 uses it for dense and
-    MoE flavours, with head_dims = 2 * head_dim). N is `count_params(args)["active"]` minus the
-    embedding when untied; when tied the shared matrix is the lm_head matmul and stays in N.
-    So N counts every parameter used per token: attention and FFN projections, the MoE router in
-    full, routed experts scaled by top_k/num_experts, the lm_head, and also the RMSNorm weights
-    (as TorchTitan does; they are ~0.01% of N). The second term is the attention score and value
-    matmuls over the full sequence (causal sparsity ignored, flash-attention recompute not
-    counted).
-    """
-    counts = count_params(args)
-    n = counts["active"] - (0 if args.tie_embeddings else counts["embedding"])
-    return float(6 * n + 6 * args.n_layers * args.n_heads * (2 * args.head_dim) * seq_len)
-
-
-# Dense bf16 peak FLOP/s per chip. First substring match of the lower-cased device_kind wins, so
-# the more specific names come first ("tpu v5 lite" is v5e, a bare "tpu v5" is v5p).
-_PEAK_BF16_FLOPS: tuple[tuple[str, str, float], ...] = (
-    ("tpu v5 lite", "TPU v5e", 197e12),
-    ("tpu v5e", "TPU v5e", 197e12),
-    ("tpu v5p", "TPU v5p", 459e12),
-    ("tpu v5", "TPU v5p", 459e12),
-    ("tpu v6 lite", "TPU v6e", 918e12),
-    ("tpu v6e", "TPU v6e", 918e12),
-    ("tpu v4", "TPU v4", 275e12),
-    ("a100", "A100", 312e12),
-    ("h100 pcie", "H100 PCIe", 756e12),
-    ("h100", "H100 SXM", 989e12),
-    ("h200", "H200", 989e12),
-)
-
-
-def peak_flops_per_device(device: jax.Device, dtype: str) -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the number comes from), the MFU denominator.
-
-    Known accelerators get their published dense bf16 peak whatever `dtype` is (the MFU
-    convention). A CPU, or an accelerator not in the table, gets a measured matmul peak in
-    `dtype`, cached per dtype, processor and jax version so later runs skip the measurement.
-    """
-    kind = device.device_kind
-    for key, name, peak in _PEAK_BF16_FLOPS:
-        if key in kind.lower():
-            return peak, f"{name} dense bf16 peak"
-    dtype = jnp.dtype(dtype).name
-    is_cpu = device.platform == "cpu"
-    processor = _cpu_model() if is_cpu else kind
-    peak, cached = _cached_measurement(f"{dtype}|{processor}|jax-{jax.__version__}", device, dtype)
-    how = "cached" if cached else "measured now"
-    if is_cpu:
-        return peak, f"measured CPU matmul peak ({dtype}, {how})"
-    return peak, f"unknown device kind {kind!r}: measured matmul peak ({dtype}, {how})"
-
-
-def _cache_file() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(root) / "titan_jax" / "peak_flops.json"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cached_measurement(key: str, device: jax.Device, dtype: str) -> tuple[float, bool]:
-    """(FLOP/s, whether it came from the cache)."""
-    path = _cache_file()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):  # absent or corrupt: measure again
-        cache = {}
-    if key in cache:
-        return float(cache[key]), True
-    peak = _measure_matmul_flops(device, dtype)
-    cache[key] = peak
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        os.replace(tmp, path)  # atomic: concurrent processes never read a half-written file
-    except OSError:
-        pass  # a read-only home only costs a re-measurement next run
-    return peak, False
-
-
-def _measure_matmul_flops(device: jax.Device, dtype: str, n: int = 2048, runs: int = 5) -> float:
-    """Median FLOP/s of a jitted n^3 matmul on `device` (~1 s at 2048 on a 2-core CPU)."""
-    x = jax.device_put(jnp.ones((n, n), dtype), device)
-    matmul = jax.jit(jnp.matmul)
-    matmul(x, x).block_until_ready()  # compile and warm up outside the timed runs
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        matmul(x, x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times)
 
 
 def memory_stats() -> dict[str, Any]:

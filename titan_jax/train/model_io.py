@@ -1,6 +1,7 @@
-"""`titan-jax convert`: model weights between HF safetensors directories and orbax checkpoints.
+"""Model-only weight files: the orbax model directory `titan-jax convert` writes, and the HF
+export at the end of a run.
 
-The orbax side written is a model-only checkpoint directory:
+The orbax side is a model-only checkpoint directory:
 
     DST/model_args.json   the Qwen3Args fields (what `build_model_def` needs)
     DST/params/           orbax `StandardCheckpointer` of the params pytree: fp32, titan-jax
@@ -14,21 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from titan_jax.config import JobConfig
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def
 from titan_jax.models.qwen3.build import Params
-from titan_jax.models.qwen3.hf import (
-    DEFAULT_MAX_SHARD_SIZE,
-    load_hf_params,
-    read_hf_config,
-    save_hf,
-)
+from titan_jax.models.qwen3.hf import save_hf
+from titan_jax.train.checkpoint import Checkpointer, CheckpointSaveError
+from titan_jax.train.trainer import Trainer
 
-FORMATS = ("hf", "orbax")
 ARGS_FILE = "model_args.json"
 PARAMS_DIR = "params"
 
@@ -81,8 +81,6 @@ def load_orbax(path: str | Path, shardings: Params | None = None) -> tuple[Qwen3
     checkpoints (its params only), restored onto `shardings` (None: the default device)."""
     path = Path(path).resolve()
     if is_training_checkpoint(path):
-        from titan_jax.train.checkpoint import Checkpointer
-
         with Checkpointer(path.parent, read_only=True) as ckpt:
             step = int(path.name)
             args = Qwen3Args(**ckpt.meta(step)["model_args"])
@@ -93,23 +91,14 @@ def load_orbax(path: str | Path, shardings: Params | None = None) -> tuple[Qwen3
     return args, ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
 
 
-def convert(src: str | Path, dst: str | Path, src_format: str, dst_format: str, *,
-            dtype: str = "float32", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
-            ) -> Qwen3Args:
-    """Reads `src` in `src_format` and writes it to `dst` in `dst_format` (hf -> hf re-types or
-    re-shards the files). `dtype`/`max_shard_size` apply to HF output. Returns the args."""
-    for name, fmt in (("--from", src_format), ("--to", dst_format)):
-        if fmt not in FORMATS:
-            raise ValueError(f"{name} {fmt!r}; valid: {', '.join(FORMATS)}")
-    if src_format == dst_format == "orbax":
-        raise ValueError("--from orbax --to orbax: nothing to convert")
-    if src_format == "hf":
-        args = read_hf_config(src)
-        params = load_hf_params(src, args)
-    else:
-        args, params = load_orbax(src)
-    if dst_format == "hf":
-        save_hf(dst, params, args, dtype=dtype, max_shard_size=max_shard_size)
-    else:
-        save_orbax(dst, params, args)
-    return args
+def export_hf(config: JobConfig, trainer: Trainer, params: Any, step: int) -> Path:
+    """Writes `params` as a HF safetensors directory `{checkpoint folder}/hf-{step}` (in
+    `checkpoint.export_dtype`), under a temporary name first: the folder is whole or absent."""
+    final = Path(config.job.dump_folder) / config.checkpoint.folder / f"hf-{step}"
+    if final.exists():
+        raise CheckpointSaveError(f"{final} already exists; not overwriting it")
+    tmp = final.with_name(f"{final.name}.tmp")
+    save_hf(tmp, params, trainer.model.args, dtype=config.checkpoint.export_dtype)
+    if jax.process_index() == 0:
+        os.replace(tmp, final)
+    return final

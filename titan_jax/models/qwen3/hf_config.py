@@ -1,0 +1,147 @@
+"""HF transformers `config.json` <-> Qwen3Args, and the check that a checkpoint fits a model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from titan_jax.models.qwen3.args import Qwen3Args
+
+CONFIG_FILE = "config.json"
+ARCHITECTURE = "Qwen3ForCausalLM"
+MODEL_TYPE = "qwen3"
+# Fields compared between a checkpoint's config.json and the model it is loaded into
+# (max_seq_len is a training choice, not a property of the weights).
+_WEIGHT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
+                  "vocab_size", "norm_eps", "rope_theta", "tie_embeddings")
+
+
+class HFCheckpointError(ValueError):
+    """A HF checkpoint that cannot be read as Qwen3: the message names the file, field or tensor."""
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json <-> Qwen3Args
+
+
+def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwen3Args:
+    """Qwen3Args from a HF config.json dict; other architectures and variants are errors."""
+    if not isinstance(config, dict):
+        raise HFCheckpointError(f"{where}: expected a JSON object, got {type(config).__name__}")
+    model_type = config.get("model_type")
+    if model_type != MODEL_TYPE:
+        raise HFCheckpointError(
+            f"{where}: model_type={model_type!r} is not a dense Qwen3 checkpoint "
+            f"(expected {MODEL_TYPE!r})"
+        )
+    archs = config.get("architectures")
+    if archs is not None and ARCHITECTURE not in archs:
+        raise HFCheckpointError(f"{where}: architectures={archs!r}; expected [{ARCHITECTURE!r}]")
+
+    def field(name: str, kind: type, default: Any = None) -> Any:
+        value = config.get(name)
+        value = default if value is None else value  # HF writes null for "use the default"
+        if value is None:
+            raise HFCheckpointError(f"{where}: missing field {name!r}")
+        if kind is float and type(value) is int:
+            return float(value)
+        if type(value) is not kind:  # `type is`: a JSON true is not an int
+            raise HFCheckpointError(f"{where}: {name}={value!r} is not of type {kind.__name__}")
+        return value
+
+    for name, supported in (("hidden_act", "silu"), ("attention_bias", False),
+                            ("use_sliding_window", False)):
+        if name in config and config[name] != supported:
+            raise HFCheckpointError(f"{where}: {name}={config[name]!r} is not supported "
+                                    f"(Qwen3 uses {supported!r})")
+    layer_types = config.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise HFCheckpointError(f"{where}: layer_types={layer_types!r}; only full_attention "
+                                "layers are supported")
+    if config.get("rope_scaling"):
+        raise HFCheckpointError(f"{where}: rope_scaling={config['rope_scaling']!r} is not "
+                                "supported (plain RoPE only)")
+    rope = config.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise HFCheckpointError(f"{where}: rope_parameters={rope!r} is not an object")
+    if rope.get("rope_type", "default") != "default":
+        raise HFCheckpointError(f"{where}: rope_parameters.rope_type={rope['rope_type']!r} is not "
+                                "supported (only 'default')")
+    # transformers 5 keeps rope_theta in rope_parameters; older files have it at the top level.
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float):
+        raise HFCheckpointError(f"{where}: rope_theta={theta!r} is not a number")
+
+    dim = field("hidden_size", int)
+    n_heads = field("num_attention_heads", int)
+    if n_heads <= 0 or dim <= 0:
+        raise HFCheckpointError(f"{where}: hidden_size={dim} and num_attention_heads={n_heads} "
+                                "must be positive")
+    args = Qwen3Args(
+        dim=dim,
+        n_layers=field("num_hidden_layers", int),
+        n_heads=n_heads,
+        n_kv_heads=field("num_key_value_heads", int, n_heads),
+        head_dim=field("head_dim", int, dim // n_heads),
+        hidden_dim=field("intermediate_size", int),
+        vocab_size=field("vocab_size", int),
+        norm_eps=field("rms_norm_eps", float, 1e-6),
+        rope_theta=float(theta),
+        max_seq_len=field("max_position_embeddings", int, 32768),
+        tie_embeddings=field("tie_word_embeddings", bool, False),
+    )
+    try:
+        args.validate()
+    except ValueError as e:
+        raise HFCheckpointError(f"{where}: {e}") from None
+    return args
+
+
+def hf_config_from_args(args: Qwen3Args, dtype: str = "float32") -> dict[str, Any]:
+    """The config.json transformers writes for this model (readable by transformers 4 and 5)."""
+    if args.is_moe:
+        raise NotImplementedError("HF export of Qwen3-MoE models is not supported yet")
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.hidden_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "rope_parameters": {"rope_theta": args.rope_theta, "rope_type": "default"},
+        "rope_theta": args.rope_theta,  # transformers 4 reads it here
+        "dtype": dtype,
+    }
+
+
+def read_hf_config(path: str | Path) -> Qwen3Args:
+    """Qwen3Args of the HF model directory `path` (from its config.json)."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise HFCheckpointError(f"{path}: no {CONFIG_FILE} (not a HF model directory)")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise HFCheckpointError(f"{file}: not valid JSON: {e}") from None
+    return args_from_hf_config(config, str(file))
+
+
+def check_args_match(args: Qwen3Args, checkpoint: Qwen3Args, where: str) -> None:
+    """The checkpoint's weights fit `args`: every shape/numerics field agrees."""
+    diffs = [f"{f}: checkpoint {getattr(checkpoint, f)!r} vs model {getattr(args, f)!r}"
+             for f in _WEIGHT_FIELDS if getattr(args, f) != getattr(checkpoint, f)]
+    if diffs:
+        raise HFCheckpointError(f"{where} does not match the model: " + "; ".join(diffs))
+
+

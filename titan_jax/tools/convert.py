@@ -1,0 +1,35 @@
+"""`titan-jax convert`: model weights between HF safetensors directories and orbax model
+directories (`titan_jax/train/model_io.py`), or HF -> HF to re-type or re-shard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from titan_jax.models.qwen3 import Qwen3Args
+from titan_jax.models.qwen3.hf import DEFAULT_MAX_SHARD_SIZE, load_hf_params, save_hf
+from titan_jax.models.qwen3.hf_config import read_hf_config
+from titan_jax.train.model_io import load_orbax, save_orbax
+
+FORMATS = ("hf", "orbax")
+
+
+def convert(src: str | Path, dst: str | Path, src_format: str, dst_format: str, *,
+            dtype: str = "float32", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+            ) -> Qwen3Args:
+    """Reads `src` in `src_format` and writes it to `dst` in `dst_format` (hf -> hf re-types or
+    re-shards the files). `dtype`/`max_shard_size` apply to HF output. Returns the args."""
+    for name, fmt in (("--from", src_format), ("--to", dst_format)):
+        if fmt not in FORMATS:
+            raise ValueError(f"{name} {fmt!r}; valid: {', '.join(FORMATS)}")
+    if src_format == dst_format == "orbax":
+        raise ValueError("--from orbax --to orbax: nothing to convert")
+    if src_format == "hf":
+        args = read_hf_config(src)
+        params = load_hf_params(src, args)
+    else:
+        args, params = load_orbax(src)
+    if dst_format == "hf":
+        save_hf(dst, params, args, dtype=dtype, max_shard_size=max_shard_size)
+    else:
+        save_orbax(dst, params, args)
+    return args

@@ -1,0 +1,115 @@
+"""Where a run starts: its own newest checkpoint (resume), else `checkpoint.initial_load_path`
+(a run's checkpoint, a converted orbax model or a HF directory), else random init."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from titan_jax.config import JobConfig
+from titan_jax.models.qwen3 import build_model_def
+from titan_jax.models.qwen3.hf import load_hf_params
+from titan_jax.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    Restored,
+    check_shapes,
+    listing,
+    named_leaves,
+    resume_signature,
+)
+from titan_jax.train.model_io import load_orbax, read_orbax_args
+from titan_jax.train.step import TrainState, init_train_state
+from titan_jax.train.trainer import Trainer
+
+
+def _newest_step(ckpt: Checkpointer) -> int:
+    steps = ckpt.steps()
+    if not steps:
+        raise CheckpointError(f"{ckpt.directory} holds no finalized checkpoint")
+    return steps[-1]
+
+
+def _resume_step(config: JobConfig, ckpt: Checkpointer) -> int | None:
+    steps, load_step = ckpt.steps(), config.checkpoint.load_step
+    if load_step == -1:
+        return steps[-1] if steps else None
+    if load_step not in steps:
+        raise CheckpointError(
+            f"checkpoint.load_step={load_step} is not a finalized checkpoint in {ckpt.directory}; "
+            f"available: {listing(steps)}")
+    newer = [s for s in steps if s > load_step]
+    if newer and load_step < config.training.steps:
+        # Training on would save over checkpoints of the abandoned future, one by one, and a
+        # crash in between would leave a mix of both.
+        raise CheckpointError(
+            f"checkpoint.load_step={load_step} is older than checkpoints {listing(newer)} in "
+            f"{ckpt.directory}, which this run would overwrite; move them away to roll back")
+    return load_step
+
+
+def load_start(config: JobConfig, trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
+    """Where a run starts: its own newest (or `load_step`) checkpoint, else
+    `initial_load_path` (orbax or HF), else random init (`Restored()` with no state).
+
+    A resume always wins over `initial_load_path`, as in TorchTitan. A returned step at or
+    past `training.steps` means there is nothing left to train (its state is not loaded).
+    """
+    c = config.checkpoint
+    if ckpt is None and c.load_step != -1:
+        raise CheckpointError(f"checkpoint.load_step={c.load_step} needs checkpoint.enable=true")
+    step = _resume_step(config, ckpt) if ckpt is not None else None
+    if step is not None:
+        if step >= config.training.steps:
+            return Restored(step=step, source=f"checkpoint {ckpt.directory / str(step)}")
+        restored = ckpt.restore(step, trainer.abstract_state(),
+                                signature=resume_signature(config, trainer.global_batch_size))
+        if c.initial_load_path:
+            restored.source += " (checkpoint.initial_load_path ignored: a resume comes first)"
+        return restored
+    if not c.initial_load_path:
+        return Restored()
+    path = Path(c.initial_load_path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist")
+    if c.initial_load_in_hf or (path / "model_args.json").is_file():
+        return _load_params(path, trainer)
+    if path.name.isdigit() and (path / "state").is_dir():
+        root, step = path.parent, int(path.name)
+    else:
+        root, step = path, None
+    model_only = c.initial_load_model_only
+    with Checkpointer(root, read_only=True) as source:
+        step = _newest_step(source) if step is None else step
+        restored = source.restore(step, trainer.abstract_state(), model_only=model_only,
+                                  signature=resume_signature(config, trainer.global_batch_size))
+    if model_only:
+        restored.state = state_from_params(trainer, restored.state["params"])
+        restored.source += " (model only)"
+    return restored
+
+
+def _load_params(path: Path, trainer: Trainer) -> Restored:
+    """Weights from a HF directory, or from `titan-jax convert --to orbax` output."""
+    abstract = trainer.model.abstract_params
+    shardings = trainer.state_shardings["params"]
+    if trainer.config.checkpoint.initial_load_in_hf:
+        source = f"HF checkpoint {path}"
+        params = load_hf_params(path, trainer.model.args, shardings)
+    else:
+        source = f"converted orbax model {path}"
+        saved = build_model_def(read_orbax_args(path)).abstract_params
+        # Before reading any array.
+        check_shapes(source, named_leaves(saved), named_leaves(abstract), {})
+        _, params = load_orbax(path, shardings)
+    check_shapes(source, named_leaves(params), named_leaves(abstract), {})
+    return Restored(state=state_from_params(trainer, params), source=source)
+
+
+def state_from_params(trainer: Trainer, params: Any) -> TrainState:
+    """A fresh train state (new optimizer, step 0) around loaded params, sharded as the run's."""
+    with jax.set_mesh(trainer.mesh):
+        return jax.jit(lambda p: init_train_state(p, trainer.optimizer),
+                       out_shardings=trainer.state_shardings)(params)
