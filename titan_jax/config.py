@@ -53,7 +53,8 @@ class Training:
     # Dtype weights are cast to at use (SimpleFSDP param_dtype). "auto": float32 on CPU (bf16
     # matmuls are slower there), bfloat16 on accelerators.
     mixed_precision_param: Literal["auto", "float32", "bfloat16"] = "auto"
-    mixed_precision_reduce: Literal["float32"] = "float32"  # gradient reductions stay fp32
+    # Dtype of gradient reductions across data-parallel ranks (SimpleFSDP reduce_dtype).
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     seed: int = 42
     max_consecutive_bad_steps: int = 3  # non-finite steps in a row before the run stops
 
@@ -63,7 +64,6 @@ class Parallelism:
     data_parallel_replicate_degree: int = 1
     data_parallel_shard_degree: int = -1  # -1: all devices left after the other degrees
     tensor_parallel_degree: int = 1
-    expert_parallel_degree: int = 1
     # "default" = "always": free the gathered weight after forward, re-gather in backward.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit
@@ -119,6 +119,8 @@ class Metrics:
     enable_tensorboard: bool = False
     save_tb_folder: str = "tb"
     progress_bar: bool = True
+    # Per-layer RMS of the residual stream (`activation_rms`), through the model's aux channel.
+    log_activation_stats: bool = False
 
 
 @dataclasses.dataclass
@@ -301,9 +303,7 @@ def validate(config: JobConfig) -> None:
         t.max_consecutive_bad_steps >= 1,
         f"training.max_consecutive_bad_steps={t.max_consecutive_bad_steps} must be >= 1",
     )
-    _require(config.model.name == "qwen3", f"model.name={config.model.name!r}; valid: qwen3")
-    for name in ("data_parallel_replicate_degree", "tensor_parallel_degree",
-                 "expert_parallel_degree"):
+    for name in ("data_parallel_replicate_degree", "tensor_parallel_degree"):
         degree = getattr(p, name)
         _require(degree >= 1, f"parallelism.{name}={degree} must be >= 1")
     _require(

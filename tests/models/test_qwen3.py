@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from titan_jax.models.qwen3 import QWEN3_FLAVORS, Qwen3Args, RematPolicy, build_model_def
+from titan_jax.models import BuildOptions
+from titan_jax.models.qwen3 import QWEN3_FLAVORS, Qwen3Args, build_model_def
 from titan_jax.models.qwen3.args import get_flavor
 from titan_jax.models.qwen3.model import apply_rope, rope_tables
 
@@ -85,7 +86,7 @@ def test_activation_checkpointing_does_not_change_gradients(mode):
     tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, TINY.vocab_size)
     ref = build_model_def(TINY)
     params = ref.init(jax.random.key(0))
-    model = build_model_def(TINY, RematPolicy(mode))
+    model = build_model_def(TINY, BuildOptions(remat_mode=mode))
 
     def grads(m):
         return jax.grad(lambda p: m.apply(p, tokens).sum())(params)

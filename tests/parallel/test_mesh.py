@@ -11,7 +11,7 @@ from parallel_helpers import TINY, tiny_config, tiny_trainer
 
 from titan_jax.config import ConfigError
 from titan_jax.parallel.mesh import build_mesh, resolve_degrees
-from titan_jax.parallel.rules import RULES, logical_to_spec
+from titan_jax.parallel.rules import DEFAULT_TABLE, ShardingRuleError, ShardingRules
 from titan_jax.train.trainer import build_trainer
 
 
@@ -68,10 +68,10 @@ def test_fsdp_not_dividing_a_dimension_names_the_parameter():
 def test_two_dims_on_one_mesh_axis_is_an_error():
     mesh = tiny_trainer("--parallelism.data_parallel_shard_degree", "8",
                         "--training.local_batch_size", "1").mesh
-    rules = {**RULES, "mlp": "fsdp"}
-    with pytest.raises(ValueError, match="feed_forward.w1: logical axes 'embed' and 'mlp' both "
-                                         "map to mesh axis 'fsdp'"):
-        logical_to_spec("feed_forward.w1", ("embed", "mlp"), (64, 128), mesh, rules)
+    rules = ShardingRules(mesh, {**DEFAULT_TABLE, "mlp": "fsdp"})
+    with pytest.raises(ShardingRuleError, match="feed_forward.w1: logical axes 'embed' and 'mlp' "
+                                                "both map to mesh axis 'fsdp'"):
+        rules.storage_spec("feed_forward.w1", ("embed", "mlp"), (64, 128))
 
 
 def test_unknown_fsdp_implementation_is_a_config_error():

@@ -19,9 +19,8 @@ from parallel_helpers import (
     tiny_trainer,
 )
 
-from titan_jax.config import load_config
-from titan_jax.parallel import inspect
-from titan_jax.parallel.simple_fsdp import compute_spec
+from titan_jax.config import ConfigError, load_config
+from titan_jax.tools import inspect
 from titan_jax.train.trainer import build_trainer
 
 FLOAT_DTYPES = {"bf16", "f16", "f32", "f64"}
@@ -54,8 +53,16 @@ def test_modes_follow_the_degrees():
 
 
 def test_compute_spec_gathers_data_axes_and_keeps_tp():
-    assert compute_spec(P(None, "fsdp", "tp")) == P(None, None, "tp")
-    assert compute_spec(P(("dp_replicate", "fsdp"))) == P()
+    rules = tiny_trainer(*preset_overrides("fsdp4_tp2")).rules
+    axes, shape = ("layers", "embed", "heads", "head_dim"), (2, 64, 8, 8)
+    assert rules.storage_spec("wq", axes, shape) == P(None, "fsdp", "tp")
+    assert rules.compute_spec("wq", axes, shape) == P(None, None, "tp")
+    # Activations: the data axes split only the batch (dp_replicate has size 1 here).
+    assert rules.compute_spec("x", ("batch", "seq", "embed")) == P("fsdp")
+    assert rules.compute_spec("x", ("batch", "seq", "heads", "head_dim")) == P(
+        "fsdp", None, "tp")
+    assert rules.local_compute_spec("x", ("batch", "seq", "heads", "head_dim")) == P(
+        None, None, "tp")
 
 
 def _float(collectives: list[dict], *ops: str) -> list[dict]:
@@ -88,6 +95,14 @@ def bf16_report(*overrides: str) -> dict:
 def test_bf16_gathers_and_fp32_gradient_reductions(preset, implementation):
     assert_bf16_gathers_fp32_reductions(bf16_report(
         *preset_overrides(preset), "--parallelism.fsdp_implementation", implementation))
+
+
+def test_bf16_reduce_with_the_shard_map_twin_is_refused_on_cpu():
+    """XLA:CPU aborts compiling a bf16 reduce-scatter ("Invalid binary instruction opcode
+    copy"); the TPU compile is tested in test_tpu_aot.py."""
+    with pytest.raises(ConfigError, match="mixed_precision_reduce=bfloat16.*shard_map.*CPU"):
+        tiny_trainer(*preset_overrides("fsdp8"), "--training.mixed_precision_reduce", "bfloat16",
+                     "--parallelism.fsdp_implementation", "shard_map")
 
 
 def test_the_checks_can_fail_unpinned_cast_gathers_fp32():

@@ -12,7 +12,7 @@ import re
 import pytest
 from parallel_helpers import TINY, preset_overrides, tiny_config
 
-from titan_jax.parallel import inspect
+from titan_jax.tools import inspect
 from titan_jax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.skipif(
@@ -23,12 +23,13 @@ _DEF = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(.*)$")
 _REDUCTION = re.compile(r"\s(all-reduce|all-reduce-start|reduce-scatter)\((.*?)\)")
 
 
-def compiled_hlo(preset: str, implementation: str) -> str:
+def compiled_hlo(preset: str, implementation: str, *overrides: str) -> str:
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
     config = tiny_config(*preset_overrides(preset), "--training.mixed_precision_param",
-                         "bfloat16", "--parallelism.fsdp_implementation", implementation)
+                         "bfloat16", "--parallelism.fsdp_implementation", implementation,
+                         *overrides)
     trainer = build_trainer(config, list(topology.devices), model_args=TINY)
     lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
     return lowered.compile().as_text()
@@ -75,3 +76,30 @@ def test_v5p_fsdp_gathers_bf16_and_reduces_fp32(preset, implementation):
                      if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] == "f32")
     assert fp32_bytes > 100_000, found  # the gradients (the tiny model is ~0.4 MB in fp32)
     assert not bf16_reductions(hlo)
+
+
+def test_auto_precision_follows_the_target_devices_not_the_host():
+    """`mixed_precision_param = "auto"` on a CPU host: bf16 for a TPU mesh compiled ahead of
+    time, fp32 for the host's own CPU devices."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
+    config = tiny_config(*preset_overrides("fsdp8"), "--training.mixed_precision_param", "auto")
+    tpu = build_trainer(config, list(topology.devices), model_args=TINY)
+    cpu = build_trainer(config, jax.devices(), model_args=TINY)
+    assert tpu.options.param_dtype == jnp.bfloat16
+    assert cpu.options.param_dtype == jnp.float32
+
+
+@pytest.mark.parametrize("implementation", [
+    "jit", pytest.param("shard_map", marks=pytest.mark.slow)])
+def test_mixed_precision_reduce_bf16_reduces_gradients_in_bf16(implementation):
+    """TorchTitan's `mixed_precision_reduce = "bfloat16"`: every gradient reduction is bf16
+    (what is left in fp32 is the scalar loss and grad norm)."""
+    hlo = compiled_hlo("fsdp8", implementation, "--training.mixed_precision_reduce", "bfloat16")
+    reductions = [c for c in inspect.collectives(hlo)
+                  if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] in ("bf16", "f32")]
+    big = [c for c in reductions if c["bytes"] > 1024]
+    assert big and {c["dtype"] for c in big} == {"bf16"}, reductions

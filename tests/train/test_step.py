@@ -22,7 +22,7 @@ def make_step(n_microbatches=1, steps=10):
     step = jax.jit(functools.partial(
         train_step, model=model, optimizer=optimizer, schedule=schedule,
         options=StepOptions(n_microbatches=n_microbatches)))
-    state = init_train_state(model.init(jax.random.key(0)), optimizer)
+    state = init_train_state(model.init(jax.random.key(0)), model.init_buffers(), optimizer)
     return step, state
 
 

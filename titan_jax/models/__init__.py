@@ -1,0 +1,19 @@
+"""Model families behind one interface (`spec.py`), registered by `model.name`."""
+
+from titan_jax.models import qwen3  # noqa: F401  (registers "qwen3")
+from titan_jax.models.spec import (
+    BuildOptions,
+    ModelDef,
+    ModelSpec,
+    register_model,
+    registered_model,
+)
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The family registered as `name` (config `model.name`); a ConfigError lists the valid
+    ones."""
+    return registered_model(name)
+
+
+__all__ = ["BuildOptions", "ModelDef", "ModelSpec", "get_model_spec", "register_model"]

@@ -50,11 +50,6 @@ class MeshDegrees:
 def resolve_degrees(p: Parallelism, n_devices: int) -> MeshDegrees:
     """Fills data_parallel_shard_degree=-1 and checks the product equals the device count."""
     fixed = p.data_parallel_replicate_degree * p.tensor_parallel_degree
-    if p.expert_parallel_degree != 1:
-        raise ConfigError(
-            f"parallelism.expert_parallel_degree={p.expert_parallel_degree}: expert parallelism "
-            "applies to MoE flavours only; use 1 for dense models"
-        )
     fsdp = p.data_parallel_shard_degree
     if fsdp == -1:
         if n_devices % fixed:

@@ -1,21 +1,39 @@
-"""Logical axis names -> mesh axes: one table, and the shardings derived from it.
+"""THE sharding table: logical axis -> mesh axes, for parameters and activations alike.
 
-The model names each parameter dimension (embed, heads, mlp, ...); this table says which mesh
-axis splits it. SimpleFSDP's modes need no separate tables: parameters are sharded over `fsdp`,
-which has size 1 under pure replication (DDP), and the batch over (dp_replicate, fsdp). Tensor
-parallelism is Megatron's split: attention heads and the MLP hidden dimension (and the vocab)
-over `tp`.
+The model names every dimension it creates by a logical axis (`embed`, `heads`, `mlp`, ...;
+activations also `batch` and `seq`); this table says which mesh axis, or tuple of mesh axes,
+splits it. Every sharding in a run is derived here, once:
+
+- a parameter's *storage* spec: the table as it stands (SimpleFSDP: weights live sharded over
+  `fsdp` on their `embed` dimension);
+- its *compute* spec, the layout the forward uses it in: the storage spec with the data-parallel
+  axes gathered (`gathered_axes`), tensor-parallel splits kept;
+- an activation's spec: the compute view too, so the data-parallel axes split only `batch`.
+
+SimpleFSDP's modes need no separate tables: weights are sharded over `fsdp`, which has size 1
+under pure replication (DDP), and the batch over (dp_replicate, fsdp). Tensor parallelism is
+Megatron's split: attention heads, the MLP hidden dimension and the vocab over `tp`. Changing a
+parallelism is an edit of this table plus the layer that uses the new axis (an expert axis:
+`"expert": "ep"` and the MoE layer).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping
 
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-LogicalAxes = tuple[str | None, ...]
+from titan_jax.models.sharding_hooks import LogicalAxes
 
-RULES: Mapping[str, str | None] = {
+MeshAxes = str | tuple[str, ...] | None
+
+DEFAULT_TABLE: Mapping[str, MeshAxes] = {
+    # Activations only.
+    "batch": ("dp_replicate", "fsdp"),
+    "seq": None,
+    # Parameters (and activations, in the compute view).
     "layers": None,  # scanned over, never split
     "embed": "fsdp",  # the SimpleFSDP shard dimension of every weight that has it
     "norm": "fsdp",
@@ -24,51 +42,101 @@ RULES: Mapping[str, str | None] = {
     "kv_heads": "tp",
     "mlp": "tp",
     "head_dim": None,
+    "expert": None,  # room for expert parallelism ("ep")
 }
 
 
-def logical_to_spec(name: str, axes: LogicalAxes, shape: tuple[int, ...], mesh: Mesh,
-                    rules: Mapping[str, str | None] = RULES) -> PartitionSpec:
-    """The PartitionSpec of parameter `name`; errors on collisions and indivisible dims."""
-    if len(axes) != len(shape):
-        raise ValueError(f"{name}: logical axes {axes} do not match shape {shape}")
-    spec: list[str | None] = []
-    used: dict[str, str] = {}
-    for dim, (axis, size) in enumerate(zip(axes, shape, strict=True)):
-        if axis is not None and axis not in rules:
-            raise ValueError(f"{name}: logical axis {axis!r} has no sharding rule")
-        mesh_axis = rules.get(axis) if axis is not None else None
-        if mesh_axis is not None and mesh.shape[mesh_axis] == 1:
-            mesh_axis = None  # keeps specs minimal and readable
-        if mesh_axis is not None:
-            if mesh_axis in used:
-                raise ValueError(
-                    f"{name}: logical axes {used[mesh_axis]!r} and {axis!r} both map to mesh "
-                    f"axis {mesh_axis!r}; one array dimension per mesh axis"
-                )
-            if size % mesh.shape[mesh_axis]:
-                raise ValueError(
-                    f"{name}: dimension {dim} ({axis}={size}) is not divisible by mesh axis "
-                    f"{mesh_axis}={mesh.shape[mesh_axis]}"
-                )
-            used[mesh_axis] = axis
-        spec.append(mesh_axis)
-    while spec and spec[-1] is None:
-        spec.pop()
-    return PartitionSpec(*spec)
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def without_axes(spec: PartitionSpec, drop: tuple[str, ...]) -> PartitionSpec:
-    """`spec` with the given mesh axes removed (replicated over them)."""
-    out = []
-    for entry in spec:
-        names = entry if isinstance(entry, tuple) else (entry,)
-        kept = tuple(n for n in names if n is not None and n not in drop)
-        out.append(kept[0] if len(kept) == 1 else (kept or None))
-    while out and out[-1] is None:
-        out.pop()
-    return PartitionSpec(*out)
+class ShardingRuleError(ValueError):
+    """A logical axis without a rule, two dims on one mesh axis, or an indivisible dim."""
 
 
-def named(mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
-    return NamedSharding(mesh, spec)
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """The table on one mesh. `gathered_axes`: the data-parallel mesh axes a weight is gathered
+    over at use (and its gradient reduced over); by default those the batch is split over."""
+
+    mesh: Mesh
+    table: Mapping[str, MeshAxes] = dataclasses.field(default_factory=lambda: DEFAULT_TABLE)
+    gathered_axes: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.gathered_axes is None:
+            object.__setattr__(self, "gathered_axes", _as_tuple(self.table.get("batch")))
+        for name, axes in self.table.items():
+            unknown = [a for a in _as_tuple(axes) if a not in self.mesh.shape]
+            if unknown:
+                raise ShardingRuleError(f"sharding rule {name!r} -> {axes!r}: mesh has no axis "
+                                        f"{unknown[0]!r} (axes: {', '.join(self.mesh.shape)})")
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Mesh axes the batch is split over (tokens differ across them)."""
+        return _as_tuple(self.table.get("batch"))
+
+    def storage_spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...]
+                     ) -> PartitionSpec:
+        """How parameter `name` is stored."""
+        return self._spec(name, axes, shape, drop=())
+
+    def compute_spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...] | None = None
+                     ) -> PartitionSpec:
+        """How a weight is used, or an activation laid out: data-parallel axes split only the
+        batch. `shape` None skips the divisibility check (activations inside a trace)."""
+        return self._spec(name, axes, shape, drop=self.gathered_axes)
+
+    def local_compute_spec(self, name: str, axes: LogicalAxes) -> PartitionSpec:
+        """The compute spec with every data axis dropped, for code that already runs per data
+        shard (SimpleFSDP's per-shard vmap or shard_map): only model-parallel splits remain."""
+        return self._spec(name, axes, None, drop=self.gathered_axes + self.data_axes,
+                          keep_batch=False)
+
+    def gathered_dims(self, axes: LogicalAxes) -> tuple[tuple[int, str], ...]:
+        """(dim, mesh axis) of each stored split that a use gathers, in storage order."""
+        dims = []
+        for dim, axis in enumerate(axes):
+            for mesh_axis in self._mesh_axes(axis):
+                if mesh_axis in self.gathered_axes:
+                    dims.append((dim, mesh_axis))
+        return tuple(dims)
+
+    def _mesh_axes(self, axis: str | None) -> tuple[str, ...]:
+        """Mesh axes of logical `axis` that split it (size-1 axes dropped: minimal specs)."""
+        if axis is None:
+            return ()
+        return tuple(a for a in _as_tuple(self.table[axis]) if self.mesh.shape[a] > 1)
+
+    def _spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...] | None,
+              drop: tuple[str, ...], keep_batch: bool = True) -> PartitionSpec:
+        if shape is not None and len(axes) != len(shape):
+            raise ShardingRuleError(f"{name}: logical axes {axes} do not match shape {shape}")
+        spec: list[MeshAxes] = []
+        used: dict[str, str] = {}
+        for dim, axis in enumerate(axes):
+            if axis is not None and axis not in self.table:
+                raise ShardingRuleError(f"{name}: logical axis {axis!r} has no sharding rule")
+            mesh_axes = self._mesh_axes(axis)
+            if axis != "batch" or not keep_batch:
+                mesh_axes = tuple(a for a in mesh_axes if a not in drop)
+            for a in mesh_axes:
+                if a in used:
+                    raise ShardingRuleError(
+                        f"{name}: logical axes {used[a]!r} and {axis!r} both map to mesh axis "
+                        f"{a!r}; one array dimension per mesh axis")
+                used[a] = axis
+            size = math.prod(self.mesh.shape[a] for a in mesh_axes)
+            if shape is not None and shape[dim] % size:
+                split = " x ".join(f"{a}={self.mesh.shape[a]}" for a in mesh_axes)
+                raise ShardingRuleError(
+                    f"{name}: dimension {dim} ({axis}={shape[dim]}) is not divisible by mesh "
+                    f"axis {split}")
+            spec.append(None if not mesh_axes else
+                        mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return PartitionSpec(*spec)

@@ -23,12 +23,16 @@ So the loss is vmapped over the data shards (`spmd_axis_name`: one shard per dev
 gathered weight is made per-shard: each shard's gradient then exists on its own, in bf16, and
 the gather's backward casts it to fp32 before the cross-shard sum, which GSPMD emits as an
 fp32 all-reduce / reduce-scatter with nothing after it to narrow. That is SimpleFSDP's
-"cast to reduce dtype, then reduce" exactly. (jax 0.10.2's `reduced`/`unreduced` sharding types
-would say "reduce later" directly, but they need Explicit axes and have no rule yet for `take`
-or for elementwise ops between a reduced weight and batch-sharded data.)
+"cast to reduce dtype, then reduce" exactly. (jax 0.10.2's `reduced`/`unreduced` sharding
+types would say "reduce later" directly, but they need Explicit axes and have no rule yet for
+`take` or for elementwise ops between a reduced weight and batch-sharded data.)
 
-reshard_after_forward is a remat policy on the layer scan (models/qwen3/model.py RematPolicy):
-the gathered weight is recomputed in backward, i.e. re-gathered.
+`mixed_precision_reduce = "bfloat16"` (TorchTitan allows it) reduces in bf16 instead: the
+stored fp32 weight is first cast to the reduce dtype, whose transpose widens the reduced
+gradient back to fp32, so master weights and their update stay fp32.
+
+reshard_after_forward is a remat policy on the layer scan (`titan_jax/models/remat.py`): the
+gathered weight, found by its checkpoint name, is recomputed in backward, i.e. re-gathered.
 """
 
 from __future__ import annotations
@@ -36,40 +40,49 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
 
-from titan_jax.models.qwen3.build import Params
-from titan_jax.parallel.mesh import BATCH_AXES
-from titan_jax.parallel.rules import RULES, LogicalAxes, logical_to_spec, without_axes
-from titan_jax.train.step import SummedLoss
+from titan_jax.models.sharding_hooks import GATHERED_PARAM, LogicalAxes, ShardingHooks
+from titan_jax.models.spec import Aux, Params
+from titan_jax.parallel.rules import ShardingRules
 
-# Mesh axes a weight is replicated over in compute; its gradient is reduced over them.
-DATA_AXES = BATCH_AXES
-# TorchTitan's `mixed_precision_reduce`; also the dtype of the stored master weights.
-REDUCE_DTYPE = jnp.float32
 # vmap axis name of the data shards in the jit path.
 SHARDS = "data_shards"
 
 Implementation = Literal["jit", "shard_map"]
+# A batch's summed loss and its aux, (params, buffers, inputs_BT, labels_BT) -> (scalar, aux),
+# and a transform of it (how parallelism splits the batch's computation).
+SummedLoss = Callable[[Params, Params, jax.Array, jax.Array], tuple[jax.Array, Aux]]
+LossMap = Callable[[SummedLoss], SummedLoss]
 
 
-def compute_spec(storage: PartitionSpec) -> PartitionSpec:
-    """The spec a weight is used in: its storage spec with the data-parallel axes gathered."""
-    return without_axes(storage, DATA_AXES)
+def only_axes(spec: PartitionSpec, keep: tuple[str, ...]) -> PartitionSpec:
+    """`spec` restricted to the mesh axes in `keep` (replicated over the others)."""
+    out = []
+    for entry in spec:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n is not None and n in keep)
+        out.append(kept[0] if len(kept) == 1 else (kept or None))
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
 
 
 # ---------------------------------------------------------------------------------------------
 # The compiler path.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def gather_param(stored: jax.Array, shard_index: jax.Array, dtype: jnp.dtype,
-                 storage: NamedSharding, compute: NamedSharding) -> jax.Array:
+                 reduce_dtype: jnp.dtype, storage: NamedSharding, compute: NamedSharding
+                 ) -> jax.Array:
     """Inside the vmap over data shards: `stored` cast to `dtype`, all-gathered from `storage`
     to `compute` sharding, as this shard's own copy (`shard_index` is the batched
     `lax.axis_index(SHARDS)`, used only to give the weight the shard dimension)."""
@@ -77,19 +90,22 @@ def gather_param(stored: jax.Array, shard_index: jax.Array, dtype: jnp.dtype,
     # all-gather, which then moves fp32.
     x = lax.with_sharding_constraint(stored.astype(dtype), storage)
     x = x + (shard_index * 0).astype(dtype)  # data-dependent: zeros_like would be unbatched
-    return lax.with_sharding_constraint(x, compute)  # + the shard dim over DATA_AXES (vmap)
+    x = lax.with_sharding_constraint(x, compute)  # + the shard dim over the data axes (vmap)
+    return checkpoint_name(x, GATHERED_PARAM)
 
 
 def _gather_param_fwd(stored: jax.Array, shard_index: jax.Array, dtype: jnp.dtype,
-                      storage: NamedSharding, compute: NamedSharding) -> tuple[jax.Array, None]:
-    return gather_param(stored, shard_index, dtype, storage, compute), None
+                      reduce_dtype: jnp.dtype, storage: NamedSharding, compute: NamedSharding
+                      ) -> tuple[jax.Array, None]:
+    return gather_param(stored, shard_index, dtype, reduce_dtype, storage, compute), None
 
 
-def _gather_param_bwd(dtype: jnp.dtype, storage: NamedSharding, compute: NamedSharding,
-                      _: None, g: jax.Array) -> tuple[jax.Array, None]:
+def _gather_param_bwd(dtype: jnp.dtype, reduce_dtype: jnp.dtype, storage: NamedSharding,
+                      compute: NamedSharding, _: None, g: jax.Array) -> tuple[jax.Array, None]:
     # g is this shard's gradient. Cast before anything sums it: vmap then sums the shards'
-    # fp32 gradients of the unbatched `stored`, which GSPMD emits as the fp32 reduction.
-    return g.astype(REDUCE_DTYPE), None
+    # gradients of the unbatched `stored` (already in `reduce_dtype`), which GSPMD emits as
+    # the reduction.
+    return g.astype(reduce_dtype), None
 
 
 gather_param.defvjp(_gather_param_fwd, _gather_param_bwd)
@@ -99,40 +115,44 @@ gather_param.defvjp(_gather_param_fwd, _gather_param_bwd)
 # The explicit twin.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def all_gather_param(shard: jax.Array, dtype: jnp.dtype,
-                     gathered_dims: tuple[tuple[int, str], ...]) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def all_gather_param(shard: jax.Array, dtype: jnp.dtype, reduce_dtype: jnp.dtype,
+                     gathered_dims: tuple[tuple[int, str], ...], data_axes: tuple[str, ...]
+                     ) -> jax.Array:
     """Inside shard_map: this device's `shard` cast to `dtype`, marked varying over every data
     axis and all-gathered along `gathered_dims` ((dim, mesh axis) pairs).
 
     Marking it varying here, not at the consumer, keeps that mark's implicit transpose (a psum
-    in the cotangent's dtype, bf16) out of the backward, which reduces explicitly in fp32.
+    in the cotangent's dtype, bf16) out of the backward, which reduces explicitly.
     """
     x = shard.astype(dtype)
-    invariant = _unsplit_data_axes(gathered_dims)  # a shard varies over the axes it is split on
+    invariant = _unsplit(gathered_dims, data_axes)  # a shard varies over the axes it is split on
     if invariant:
         x = lax.pcast(x, invariant, to="varying")
     for dim, axis in gathered_dims:
         x = lax.all_gather(x, axis, axis=dim, tiled=True)
-    return x
+    return checkpoint_name(x, GATHERED_PARAM)
 
 
-def _unsplit_data_axes(gathered_dims: tuple[tuple[int, str], ...]) -> tuple[str, ...]:
+def _unsplit(gathered_dims: tuple[tuple[int, str], ...], data_axes: tuple[str, ...]
+             ) -> tuple[str, ...]:
     split = {axis for _, axis in gathered_dims}
-    return tuple(a for a in DATA_AXES if a not in split)
+    return tuple(a for a in data_axes if a not in split)
 
 
-def _all_gather_param_fwd(shard: jax.Array, dtype: jnp.dtype,
-                          gathered_dims: tuple[tuple[int, str], ...]) -> tuple[jax.Array, None]:
-    return all_gather_param(shard, dtype, gathered_dims), None
+def _all_gather_param_fwd(shard: jax.Array, dtype: jnp.dtype, reduce_dtype: jnp.dtype,
+                          gathered_dims: tuple[tuple[int, str], ...],
+                          data_axes: tuple[str, ...]) -> tuple[jax.Array, None]:
+    return all_gather_param(shard, dtype, reduce_dtype, gathered_dims, data_axes), None
 
 
-def _all_gather_param_bwd(dtype: jnp.dtype, gathered_dims: tuple[tuple[int, str], ...],
+def _all_gather_param_bwd(dtype: jnp.dtype, reduce_dtype: jnp.dtype,
+                          gathered_dims: tuple[tuple[int, str], ...], data_axes: tuple[str, ...],
                           _: None, g: jax.Array) -> tuple[jax.Array]:
-    g = g.astype(REDUCE_DTYPE)  # before any reduction
+    g = g.astype(reduce_dtype)  # before any reduction
     for dim, axis in reversed(gathered_dims):
         g = lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)  # FSDP
-    replicated = _unsplit_data_axes(gathered_dims)
+    replicated = _unsplit(gathered_dims, data_axes)
     return (lax.psum(g, replicated) if replicated else g,)  # DDP, and HSDP's replicas
 
 
@@ -143,72 +163,151 @@ all_gather_param.defvjp(_all_gather_param_fwd, _all_gather_param_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
-class SimpleFSDP:
-    """SimpleFSDP on one mesh, for `train_step(..., param_use=fsdp.param_use,
-    loss_map=fsdp.loss_map)`.
+class WeightLayout:
+    """How one weight is stored and used, derived once from the rules table."""
 
-    param_specs: the storage PartitionSpec of every parameter (same tree as the params), from
-    the rules table.
+    storage: PartitionSpec
+    compute: PartitionSpec
+    gathered_dims: tuple[tuple[int, str], ...]  # (dim, data axis) a use gathers
+    ndim: int
+
+    def per_layer(self) -> WeightLayout:
+        """The layout of one slice along the leading (scanned, never split) layers axis."""
+        drop = lambda spec: PartitionSpec(*tuple(spec)[1:])  # noqa: E731
+        return WeightLayout(drop(self.storage), drop(self.compute),
+                            tuple((d - 1, a) for d, a in self.gathered_dims), self.ndim - 1)
+
+
+def weight_layouts(rules: ShardingRules, abstract: Any, logical_axes: Any
+                   ) -> dict[str, WeightLayout]:
+    """{dotted path: layout} of every array in `abstract` (same tree as `logical_axes`)."""
+    leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    axes = jax.tree.leaves(logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+    layouts = {}
+    for (path, x), ax in zip(leaves, axes, strict=True):
+        name = ".".join(str(getattr(k, "key", k)) for k in path)
+        layouts[name] = WeightLayout(rules.storage_spec(name, ax, x.shape),
+                                     rules.compute_spec(name, ax, x.shape),
+                                     rules.gathered_dims(ax), len(x.shape))
+    return layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class SimpleFSDP:
+    """SimpleFSDP on one mesh: `hooks()` for the model's weight reads and activation layouts,
+    and `loss_map` around the step's summed loss.
+
+    layouts: every weight's `WeightLayout` by dotted path (`weight_layouts`), computed once;
+    a weight read looks its own up by path. buffer_specs: storage PartitionSpecs of the
+    buffers. reduce_dtype: dtype of gradient reductions (TorchTitan's `mixed_precision_reduce`;
+    fp32 by default).
     """
 
-    mesh: Mesh
-    param_specs: Any
+    rules: ShardingRules
+    layouts: dict[str, WeightLayout]
+    buffer_specs: Any = dataclasses.field(default_factory=dict)
     implementation: Implementation = "jit"
+    reduce_dtype: Any = jnp.float32
 
     def __post_init__(self) -> None:
         if self.implementation not in ("jit", "shard_map"):
             raise ValueError(f"parallelism.fsdp_implementation={self.implementation!r}; "
                              "valid: jit, shard_map")
 
+    def layout(self, path: str, ndim: int) -> WeightLayout:
+        """The layout of weight `path` as used: whole, or one layer of a stacked weight."""
+        if path not in self.layouts:
+            raise ValueError(f"weight {path or '(unnamed)'!r} has no layout; SimpleFSDP knows "
+                             f"{', '.join(sorted(self.layouts))}")
+        layout = self.layouts[path]
+        return layout.per_layer() if ndim == layout.ndim - 1 else layout
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.rules.mesh
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        return self.rules.data_axes
+
     @property
     def n_shards(self) -> int:
-        return math.prod(self.mesh.shape[a] for a in DATA_AXES)
+        return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
-    def param_use(self, value: jax.Array, logical_axes: LogicalAxes,
+    def hooks(self) -> ShardingHooks:
+        return ShardingHooks(param=self.param_use, activation=self.activation_use)
+
+    def param_use(self, value: jax.Array, path: str, logical_axes: LogicalAxes,
                   dtype: jnp.dtype) -> jax.Array:
-        """The model's `ParamUse` hook (models/qwen3/param_use.py); runs inside `loss_map`."""
+        """The model's weight read; runs inside `loss_map`."""
+        del logical_axes  # the layout was derived from them once, at build time
+        layout = self.layout(path, value.ndim)
+        dtype, reduce_dtype = jnp.dtype(dtype), jnp.dtype(self.reduce_dtype)
+        value = value.astype(reduce_dtype)  # its transpose widens the reduced gradient
         if self.implementation == "shard_map":
-            return all_gather_param(value, jnp.dtype(dtype), self._gathered_dims(logical_axes))
-        storage = logical_to_spec("parameter", logical_axes, value.shape, self.mesh)
-        return gather_param(value, lax.axis_index(SHARDS), jnp.dtype(dtype),
-                            NamedSharding(self.mesh, storage),
-                            NamedSharding(self.mesh, compute_spec(storage)))
+            return all_gather_param(value, dtype, reduce_dtype, layout.gathered_dims,
+                                    self.data_axes)
+        return gather_param(value, lax.axis_index(SHARDS), dtype, reduce_dtype,
+                            NamedSharding(self.mesh, layout.storage),
+                            NamedSharding(self.mesh, layout.compute))
 
-    def _gathered_dims(self, logical_axes: LogicalAxes) -> tuple[tuple[int, str], ...]:
-        """(dim, data axis) of each dim stored split over a data axis (the same rules table)."""
-        dims = []
-        for dim, axis in enumerate(logical_axes):
-            mesh_axis = RULES.get(axis) if axis is not None else None
-            if mesh_axis in DATA_AXES and self.mesh.shape[mesh_axis] > 1:
-                dims.append((dim, mesh_axis))
-        return tuple(dims)
+    def activation_use(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+        """Pins an activation of one data shard to its model-parallel layout from the table
+        (nothing to pin without a model-parallel axis)."""
+        spec = self.rules.local_compute_spec("activation", logical_axes)
+        if not spec:
+            return x
+        if self.implementation == "shard_map":  # inside: the data axes are manual
+            return lax.with_sharding_constraint(x, spec)
+        return lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def loss_map(self, summed_loss: SummedLoss) -> SummedLoss:
-        """The step's summed loss, computed per data shard and summed over the shards."""
+        """The step's summed loss (and aux), computed per data shard and summed over shards."""
         if self.implementation == "shard_map":
             return self._shard_map_loss(summed_loss)
         n = self.n_shards
 
-        def per_shard(params: Params, inputs: jax.Array, labels: jax.Array) -> jax.Array:
+        def per_shard(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
+                      ) -> tuple[jax.Array, Aux]:
             # Rows are laid out shard-major, so the split moves no data.
             split = lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:])  # noqa: E731
-            losses = jax.vmap(summed_loss, in_axes=(None, 0, 0), axis_name=SHARDS,
-                              spmd_axis_name=DATA_AXES)(params, split(inputs), split(labels))
-            return jnp.sum(losses)
+            per = jax.vmap(summed_loss, in_axes=(None, None, 0, 0), axis_name=SHARDS,
+                           spmd_axis_name=self.data_axes)
+            losses, aux = per(params, buffers, split(inputs), split(labels))
+            return jnp.sum(losses), jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
 
         return per_shard
 
     def _shard_map_loss(self, summed_loss: SummedLoss) -> SummedLoss:
-        # Manual over the data axes only: a tp split is left to the partitioner.
-        param_specs = jax.tree.map(lambda s: without_axes(s, ("tp",)), self.param_specs)
-        rows = PartitionSpec(DATA_AXES)
+        # Manual over the data axes only: model-parallel splits are left to the partitioner.
+        data = self.data_axes
+        param_specs = nested({
+            name: only_axes(layout.storage, data) for name, layout in self.layouts.items()})
+        buffer_specs = jax.tree.map(lambda _: PartitionSpec(), self.buffer_specs)  # whole
+        rows = PartitionSpec(data)
 
-        def local(params: Params, inputs: jax.Array, labels: jax.Array) -> jax.Array:
-            return lax.psum(summed_loss(params, inputs, labels), DATA_AXES)
+        def local(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
+                  ) -> tuple[jax.Array, Aux]:
+            return jax.tree.map(lambda x: lax.psum(x, data),
+                                summed_loss(params, buffers, inputs, labels))
 
-        def mapped(params: Params, inputs: jax.Array, labels: jax.Array) -> jax.Array:
-            return jax.shard_map(local, mesh=self.mesh, in_specs=(param_specs, rows, rows),
-                                 out_specs=PartitionSpec(), axis_names=frozenset(DATA_AXES)
-                                 )(params, inputs, labels)
+        def mapped(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
+                   ) -> tuple[jax.Array, Aux]:
+            return jax.shard_map(local, mesh=self.mesh,
+                                 in_specs=(param_specs, buffer_specs, rows, rows),
+                                 out_specs=PartitionSpec(), axis_names=frozenset(data)
+                                 )(params, buffers, inputs, labels)
 
         return mapped
+
+
+def nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """A nested dict (the params tree's shape) from {dotted path: value}."""
+    tree: dict[str, Any] = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split(".")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree

@@ -12,7 +12,6 @@ import numpy as np
 
 from titan_jax.config import JobConfig
 from titan_jax.models.qwen3.build import ModelDef, Params
-from titan_jax.models.qwen3.param_use import cast_param
 from titan_jax.train.optim import WSDSchedule, build_optimizer
 from titan_jax.train.step import StepOptions, init_train_state, loss_and_grads, train_step
 
@@ -26,7 +25,7 @@ class TitanSide:
         self.model, self.params = model, params
         self._apply = jax.jit(functools.partial(model.apply, dtype=jnp.float32))
         self._loss_and_grads = jax.jit(
-            lambda p, batch: loss_and_grads(model, p, batch, FP32, cast_param)[:2])
+            lambda p, batch: loss_and_grads(model, p, model.init_buffers(), batch, FP32)[:2])
 
     def logits(self, tokens_T: np.ndarray) -> np.ndarray:
         """fp32 logits (T, V) of one sequence."""
@@ -73,7 +72,7 @@ def train_trajectory(model: ModelDef, params: Params, recipe: JobConfig,
                           max_norm=recipe.training.max_norm)
     step = jax.jit(functools.partial(train_step, model=model, optimizer=optimizer,
                                      schedule=schedule, options=options), donate_argnums=0)
-    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+    state = init_train_state(jax.tree.map(jnp.copy, params), model.init_buffers(), optimizer)
     losses, lrs = [], []
     for batch in batches:
         state, metrics = step(state, {k: jnp.asarray(v) for k, v in batch.items()})

@@ -40,7 +40,7 @@ from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer
 
 FORMAT_VERSION = 1
-MODEL_KEYS = ("params",)  # the TrainState keys a model-only checkpoint holds
+MODEL_KEYS = ("params", "buffers")  # the TrainState keys a model-only checkpoint holds
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
@@ -277,10 +277,15 @@ class Checkpointer:
                 "resume training. Load it as weights with --checkpoint.initial_load_path "
                 f"{self.directory / str(step)}, or resume from a full checkpoint with "
                 f"--checkpoint.load_step (steps here: {listing(self.steps())})")
-        target = {k: abstract_state[k] for k in MODEL_KEYS} if model_only else abstract_state
+        wanted = {k: abstract_state[k] for k in MODEL_KEYS if k in abstract_state} \
+            if model_only else abstract_state
         with self._reading(step):
             saved = ocp.PyTreeCheckpointHandler().metadata(
                 self._manager.directory / str(step) / "state").tree
+        # A key with no arrays (a dense model's buffers) that the checkpoint lacks, because it
+        # was written before the key existed, is not read: it has nothing to restore.
+        empty = {k: v for k, v in wanted.items() if not jax.tree.leaves(v) and k not in saved}
+        target = {k: v for k, v in wanted.items() if k not in empty}
         # A model-only restore reads the MODEL_KEYS of a full checkpoint and ignores the rest.
         saved = {n: m for n, m in named_leaves(saved).items() if n.split(".")[0] in target}
         check_shapes(where, saved, named_leaves(target), meta)
@@ -296,7 +301,7 @@ class Checkpointer:
             items["data"] = ocp.args.JsonRestore()
         with self._reading(step):
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        state = restored["state"]
+        state = {**restored["state"], **empty}
         sums, _ = _checksums(state)
         bad = next((n for n, v in sums.items() if meta["checksums"].get(n) != v), None)
         if bad is not None:
@@ -305,7 +310,7 @@ class Checkpointer:
                 f"saved; {self._others(step)}")
         # A bf16 export restored into fp32 master weights (exact: bf16 values are fp32 values).
         state = jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype),
-                             state, target)
+                             state, wanted)
         return Restored(step=step if not model_only else 0, state=state,
                         data_state=None if model_only else restored["data"],
                         tokens_seen=0 if model_only else int(meta["tokens_seen"]),

@@ -32,7 +32,6 @@ from jax.experimental import multihost_utils
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.dataset import TrainIterator, build_train_iterator
 from titan_jax.data.tokenizer import load_tokenizer
-from titan_jax.models.qwen3.flops import flops_per_token
 from titan_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -130,12 +129,10 @@ class _StepReporter:
                  tokens_seen: int = 0):
         self.config, self.trainer, self.logger = config, trainer, logger
         self.tokens_seen = tokens_seen  # over all runs of this job, skipped steps included
-        t = config.training
         device = trainer.mesh.devices.flat[0]
         dtype = np.dtype(trainer.options.param_dtype).name
         self.peak, peak_source = peak_flops_per_device(device, dtype)
-        self.flops_per_step = (flops_per_token(trainer.model.args, t.seq_len)
-                               * trainer.tokens_per_step)
+        self.flops_per_step = trainer.flops_per_token() * trainer.tokens_per_step
         self.n_devices = trainer.mesh.devices.size
         self.bad_in_a_row = 0
         self.losses: dict[int, float] = {}
@@ -143,7 +140,7 @@ class _StepReporter:
         logger.info(f"MFU peak: {self.peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
 
     def report(self, step: int, metrics: dict[str, jax.Array]) -> None:
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        values = _scalars(jax.device_get(metrics))
         self.losses[step] = values["loss"]
         self.tokens_seen += int(values["n_tokens"])
         if values["finite"]:
@@ -178,7 +175,24 @@ class _StepReporter:
             "lr": values["lr"], "tokens_per_sec": tps, "mfu_pct": mfu,
             "step_time_s": step_time or 0.0, "n_tokens": values["n_tokens"],
             "tokens_seen": self.tokens_seen, "memory_peak_gib": mem["peak_bytes"] / 2**30,
+            **{k: v for k, v in values.items() if k not in _STEP_METRICS},  # the model's own
         })
+
+
+# What every train step reports; anything else comes from the model's aux channel.
+_STEP_METRICS = ("loss", "grad_norm", "lr", "n_tokens", "finite")
+
+
+def _scalars(metrics: dict[str, np.ndarray]) -> dict[str, float]:
+    """Host metrics as floats; a per-layer array `x` becomes `x/0`, `x/1`, ..."""
+    out = {}
+    for key, value in metrics.items():
+        value = np.asarray(value)
+        if value.ndim == 0:
+            out[key] = float(value)
+        else:
+            out.update({f"{key}/{i}": float(v) for i, v in enumerate(value.reshape(-1))})
+    return out
 
 
 def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResult:

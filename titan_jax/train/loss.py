@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from titan_jax.models.sharding_hooks import constrain
+
 IGNORE_INDEX = -100
 # Above this many logits per microbatch the loss is computed chunk by chunk over tokens, so the
 # full (tokens, vocab) fp32 logits never exist at once (e.g. 4096 tokens x 151936 vocab = 2.5 GB).
@@ -13,7 +15,8 @@ MAX_LOGITS_PER_CHUNK = 2**26
 
 def token_cross_entropy_sum(logits_NV: jax.Array, labels_N: jax.Array) -> jax.Array:
     """Sum over non-ignored tokens of -log softmax(logits)[label], in fp32."""
-    logits_NV = logits_NV.astype(jnp.float32)
+    # Rows are the batch's tokens, batch-major: they split like the batch.
+    logits_NV = constrain(logits_NV.astype(jnp.float32), ("batch", "vocab"))
     valid_N = labels_N != IGNORE_INDEX
     safe_labels = jnp.where(valid_N, labels_N, 0)
     label_logits = jnp.take_along_axis(logits_NV, safe_labels[:, None], axis=-1)[:, 0]

@@ -4,13 +4,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import jax
 
 from titan_jax.config import JobConfig
 from titan_jax.models.qwen3 import build_model_def
-from titan_jax.models.qwen3.hf import load_hf_params
 from titan_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -21,7 +17,6 @@ from titan_jax.train.checkpoint import (
     resume_signature,
 )
 from titan_jax.train.model_io import load_orbax, read_orbax_args
-from titan_jax.train.step import TrainState, init_train_state
 from titan_jax.train.trainer import Trainer
 
 
@@ -86,7 +81,7 @@ def load_start(config: JobConfig, trainer: Trainer, ckpt: Checkpointer | None) -
         restored = source.restore(step, trainer.abstract_state(), model_only=model_only,
                                   signature=resume_signature(config, trainer.global_batch_size))
     if model_only:
-        restored.state = state_from_params(trainer, restored.state["params"])
+        restored.state = trainer.state_from_params(restored.state["params"])
         restored.source += " (model only)"
     return restored
 
@@ -97,7 +92,7 @@ def _load_params(path: Path, trainer: Trainer) -> Restored:
     shardings = trainer.state_shardings["params"]
     if trainer.config.checkpoint.initial_load_in_hf:
         source = f"HF checkpoint {path}"
-        params = load_hf_params(path, trainer.model.args, shardings)
+        params = trainer.model_spec.hf.load_params(path, trainer.model.args, shardings)
     else:
         source = f"converted orbax model {path}"
         saved = build_model_def(read_orbax_args(path)).abstract_params
@@ -105,11 +100,4 @@ def _load_params(path: Path, trainer: Trainer) -> Restored:
         check_shapes(source, named_leaves(saved), named_leaves(abstract), {})
         _, params = load_orbax(path, shardings)
     check_shapes(source, named_leaves(params), named_leaves(abstract), {})
-    return Restored(state=state_from_params(trainer, params), source=source)
-
-
-def state_from_params(trainer: Trainer, params: Any) -> TrainState:
-    """A fresh train state (new optimizer, step 0) around loaded params, sharded as the run's."""
-    with jax.set_mesh(trainer.mesh):
-        return jax.jit(lambda p: init_train_state(p, trainer.optimizer),
-                       out_shardings=trainer.state_shardings)(params)
+    return Restored(state=trainer.state_from_params(params), source=source)

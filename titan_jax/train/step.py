@@ -1,25 +1,29 @@
 """The whole training step as one pure function, compiled once with `jax.jit`.
 
-forward + loss + backward over a scan of microbatches, global-norm clipping, the optax update
-and a finite guard, with metrics left on device. This is titan-jax's Graph Trainer: the
-compiler sees collectives, remat and the optimizer in one graph.
+forward + loss + backward over a scan of microbatches, global-norm clipping, the optax update,
+the model's buffer update and a finite guard, with metrics left on device. This is titan-jax's
+Graph Trainer: the compiler sees collectives, remat and the optimizer in one graph.
+
+The step talks to the model only through its interface (`titan_jax/models/spec.py`): the
+forward's aux loss joins the summed cross-entropy, its aux stats are summed over microbatches
+and shards, turned into metrics, and given to `update_buffers` after the optimizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from titan_jax.models.qwen3.build import ModelDef, Params
-from titan_jax.models.qwen3.param_use import ParamUse, cast_param, param_use_context
+from titan_jax.models.sharding_hooks import NO_SHARDING, ShardingHooks, sharding_hooks
+from titan_jax.models.spec import Aux, ModelDef, Params
+from titan_jax.parallel.simple_fsdp import LossMap, SummedLoss
 from titan_jax.train.loss import count_valid_tokens, cross_entropy_sum
 
-TrainState = dict[str, Any]  # {"params", "opt_state", "step"}
+TrainState = dict[str, Any]  # {"params", "buffers", "opt_state", "step"}
 Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "labels": (B, T) int32}
 
 
@@ -30,8 +34,9 @@ class StepOptions:
     max_norm: float = 1.0  # 0 disables clipping
 
 
-def init_train_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
-    return {"params": params, "opt_state": optimizer.init(params),
+def init_train_state(params: Params, buffers: Params, optimizer: optax.GradientTransformation
+                     ) -> TrainState:
+    return {"params": params, "buffers": buffers, "opt_state": optimizer.init(params),
             "step": jnp.zeros((), jnp.int32)}
 
 
@@ -45,52 +50,55 @@ def split_microbatches(x_BT: jax.Array, n: int) -> jax.Array:
     return x_BT.reshape(b // n, n, *x_BT.shape[1:]).swapaxes(0, 1)
 
 
-# A batch's summed loss as a function (params, inputs_BT, labels_BT) -> scalar, and a transform
-# of it (how parallelism splits the batch's computation).
-SummedLoss = Callable[[Params, jax.Array, jax.Array], jax.Array]
-LossMap = Callable[[SummedLoss], SummedLoss]
-
-
 def whole_batch(summed_loss: SummedLoss) -> SummedLoss:
     """The default `loss_map`: the loss of the batch as one computation."""
     return summed_loss
 
 
-def loss_and_grads(model: ModelDef, params: Params, batch: Batch, options: StepOptions,
-                   param_use: ParamUse, loss_map: LossMap = whole_batch
-                   ) -> tuple[jax.Array, Params, jax.Array]:
-    """Mean loss over all valid tokens of the batch, its gradient, and the token count.
+def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batch,
+                   options: StepOptions, hooks: ShardingHooks = NO_SHARDING,
+                   loss_map: LossMap = whole_batch
+                   ) -> tuple[jax.Array, Params, jax.Array, dict[str, jax.Array]]:
+    """(mean loss over all valid tokens of the batch, its gradient, the token count, the
+    forward's aux stats summed over the batch).
 
     `loss_map` transforms the summed-loss function before it is differentiated; SimpleFSDP maps
-    it over data-parallel shards so that each shard's gradient exists, and is cast to fp32,
-    before it is reduced.
+    it over data-parallel shards so that each shard's gradient exists, and is cast to the
+    reduce dtype, before it is reduced.
     """
     n_tokens = count_valid_tokens(batch["labels"])
 
-    def summed_loss(p: Params, inputs: jax.Array, labels: jax.Array) -> jax.Array:
-        h, w_out = model.hidden_states(p, inputs, options.param_dtype)
-        return cross_entropy_sum(h, w_out, labels)
+    def summed_loss(p: Params, b: Params, inputs: jax.Array, labels: jax.Array
+                    ) -> tuple[jax.Array, Aux]:
+        h, w_out, aux = model.forward(p, b, inputs, options.param_dtype)
+        return cross_entropy_sum(h, w_out, labels) + aux["loss"], aux
 
-    def microbatch_loss(p: Params, inputs: jax.Array, labels: jax.Array) -> jax.Array:
-        with param_use_context(param_use):
-            return loss_map(summed_loss)(p, inputs, labels) / n_tokens
+    def microbatch_loss(p: Params, inputs: jax.Array, labels: jax.Array
+                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        with sharding_hooks(hooks):
+            total, aux = loss_map(summed_loss)(p, buffers, inputs, labels)
+        return total / n_tokens, aux["stats"]
 
-    grad_fn = jax.value_and_grad(microbatch_loss)
+    grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
     if options.n_microbatches == 1:
-        loss, grads = grad_fn(params, batch["inputs"], batch["labels"])
-        return loss, grads, n_tokens
+        (loss, stats), grads = grad_fn(params, batch["inputs"], batch["labels"])
+        return loss, grads, n_tokens, stats
 
-    def accumulate(carry: tuple[jax.Array, Params], mb: tuple[jax.Array, jax.Array]
-                   ) -> tuple[tuple[jax.Array, Params], None]:
-        loss_acc, grads_acc = carry
-        loss, grads = grad_fn(params, *mb)
-        return (loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads)), None
+    def accumulate(carry: tuple[jax.Array, Params, Any], mb: tuple[jax.Array, jax.Array]
+                   ) -> tuple[tuple[jax.Array, Params, Any], None]:
+        loss_acc, grads_acc, stats_acc = carry
+        (loss, stats), grads = grad_fn(params, *mb)
+        return (loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads),
+                jax.tree.map(jnp.add, stats_acc, stats)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
     microbatches = (split_microbatches(batch["inputs"], options.n_microbatches),
                     split_microbatches(batch["labels"], options.n_microbatches))
-    (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), microbatches)
-    return loss, grads, n_tokens
+    stats_shape = jax.eval_shape(lambda: grad_fn(params, *jax.tree.map(lambda x: x[0],
+                                                                        microbatches))[0][1])
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
+             jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
+    (loss, grads, stats), _ = jax.lax.scan(accumulate, zeros, microbatches)
+    return loss, grads, n_tokens, stats
 
 
 def clip_by_global_norm(grads: Params, max_norm: float) -> tuple[Params, jax.Array]:
@@ -110,24 +118,26 @@ def optimizer_count(opt_state: Any) -> jax.Array:
 
 def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
                optimizer: optax.GradientTransformation, schedule: Any, options: StepOptions,
-               param_use: ParamUse = cast_param, loss_map: LossMap = whole_batch,
+               hooks: ShardingHooks = NO_SHARDING, loss_map: LossMap = whole_batch,
                ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step. A non-finite loss or grad norm leaves params and optimizer as they were.
+    """One optimizer step. A non-finite loss or grad norm leaves the whole state as it was.
 
-    `param_use` and `loss_map` are where parallelism plugs in (see `loss_and_grads`).
+    `hooks` and `loss_map` are where parallelism plugs in (see `loss_and_grads`).
     """
-    params, opt_state = state["params"], state["opt_state"]
-    loss, grads, n_tokens = loss_and_grads(model, params, batch, options, param_use, loss_map)
+    params, buffers, opt_state = state["params"], state["buffers"], state["opt_state"]
+    loss, grads, n_tokens, stats = loss_and_grads(model, params, buffers, batch, options,
+                                                  hooks, loss_map)
     grads, grad_norm = clip_by_global_norm(grads, options.max_norm)
     # The LR of this update: optax's count before the update (skipped steps do not advance it).
     lr = schedule(optimizer_count(opt_state))
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
+    new_buffers = model.update_buffers(buffers, stats)  # after the optimizer, as TorchTitan
 
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-    new_state = {"params": keep(new_params, params), "opt_state": keep(new_opt_state, opt_state),
-                 "step": state["step"] + 1}
+    new_state = {"params": keep(new_params, params), "buffers": keep(new_buffers, buffers),
+                 "opt_state": keep(new_opt_state, opt_state), "step": state["step"] + 1}
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "n_tokens": n_tokens,
-               "finite": finite}
+               "finite": finite, **model.aux_metrics(stats, n_tokens)}
     return new_state, metrics

@@ -1,6 +1,7 @@
 """Everything a run needs before its first step, derived once from the config.
 
-config -> mesh -> model definition + rules -> shardings -> sharded init and the compiled step.
+config -> mesh -> model (from the registry) + the rules table -> shardings -> sharded init and
+the compiled step.
 """
 
 from __future__ import annotations
@@ -16,33 +17,20 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.models.qwen3 import ModelDef, Qwen3Args, RematPolicy, build_model_def, get_flavor
-from titan_jax.models.qwen3.build import path_name
-from titan_jax.parallel.mesh import BATCH_AXES, MeshDegrees, build_mesh, resolve_degrees
-from titan_jax.parallel.rules import logical_to_spec
-from titan_jax.parallel.simple_fsdp import SimpleFSDP
+from titan_jax.models import BuildOptions, ModelDef, ModelSpec, get_model_spec
+from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
+from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
+from titan_jax.parallel.simple_fsdp import SimpleFSDP, nested, weight_layouts
 from titan_jax.train.optim import WSDSchedule, build_optimizer
 from titan_jax.train.step import Batch, StepOptions, TrainState, init_train_state, train_step
 
 
-def resolve_param_dtype(name: str) -> jnp.dtype:
+def resolve_param_dtype(name: str, devices: list[jax.Device]) -> jnp.dtype:
+    """`auto` follows the devices the mesh is built on, not the host: bf16 on TPU/GPU (also
+    when compiling ahead of time for them from a CPU host), fp32 on CPU (no bf16 matmuls)."""
     if name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        return jnp.float32 if all(d.platform == "cpu" for d in devices) else jnp.bfloat16
     return jnp.dtype(name)
-
-
-def param_specs(model: ModelDef, mesh: Mesh) -> Any:
-    """PartitionSpec of every stored parameter, from its logical axes and the rules table."""
-    axes = model.logical_axes
-    return jax.tree_util.tree_map_with_path(
-        lambda path, sds: logical_to_spec(
-            path_name(path), _lookup(axes, path), sds.shape, mesh), model.abstract_params)
-
-
-def _lookup(tree: Any, path: tuple) -> Any:
-    for key in path:
-        tree = tree[key.key]
-    return tree
 
 
 @dataclasses.dataclass
@@ -50,7 +38,9 @@ class Trainer:
     config: JobConfig
     mesh: Mesh
     degrees: MeshDegrees
+    model_spec: ModelSpec
     model: ModelDef
+    rules: ShardingRules
     schedule: WSDSchedule
     optimizer: optax.GradientTransformation
     options: StepOptions
@@ -66,21 +56,31 @@ class Trainer:
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.config.training.seq_len
 
+    def flops_per_token(self) -> float:
+        return self.model_spec.flops_per_token(self.model.args, self.config.training.seq_len)
+
     def init_state(self, seed: int | None = None) -> TrainState:
         """Sharded random init: each device computes only its own shards."""
         key = jax.random.key(self.config.training.seed if seed is None else seed)
 
         def init(key: jax.Array) -> TrainState:
-            return init_train_state(self.model.init(key), self.optimizer)
+            return init_train_state(self.model.init(key), self.model.init_buffers(),
+                                    self.optimizer)
 
         with jax.set_mesh(self.mesh):
             return jax.jit(init, out_shardings=self.state_shardings)(key)
 
+    def state_from_params(self, params: Any) -> TrainState:
+        """A fresh train state (new optimizer and buffers, step 0) around loaded params."""
+        with jax.set_mesh(self.mesh):
+            return jax.jit(lambda p: init_train_state(p, self.model.init_buffers(),
+                                                      self.optimizer),
+                           out_shardings=self.state_shardings)(params)
+
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the train state, without allocating it."""
-        shapes = jax.eval_shape(
-            lambda: init_train_state(self.model.abstract_params, self.optimizer)
-        )
+        shapes = jax.eval_shape(lambda: init_train_state(
+            self.model.abstract_params, self.model.abstract_buffers, self.optimizer))
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_shardings)
 
@@ -88,7 +88,7 @@ class Trainer:
     def _jitted_step(self) -> Any:
         step = functools.partial(train_step, model=self.model, optimizer=self.optimizer,
                                  schedule=self.schedule, options=self.options,
-                                 param_use=self.fsdp.param_use, loss_map=self.fsdp.loss_map)
+                                 hooks=self.fsdp.hooks(), loss_map=self.fsdp.loss_map)
         return jax.jit(step, donate_argnums=0,
                        in_shardings=(self.state_shardings, self.batch_sharding),
                        out_shardings=(self.state_shardings, None))
@@ -110,10 +110,11 @@ class Trainer:
 
 
 def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
-                  model_args: Qwen3Args | None = None) -> Trainer:
+                  model_args: Any = None) -> Trainer:
     """`model_args` replaces `model.flavor`'s shape (tests and notebooks use tiny models)."""
     t = config.training
-    args = get_flavor(config.model.flavor) if model_args is None else model_args
+    spec = get_model_spec(config.model.name)
+    args = spec.flavor(config.model.flavor) if model_args is None else model_args
     if t.seq_len > args.max_seq_len:
         raise ConfigError(
             f"training.seq_len={t.seq_len} exceeds the maximum sequence length "
@@ -136,31 +137,43 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
             f"local_batch_size x data-parallel degree = {t.local_batch_size} x {degrees.dp}"
         )
 
+    if (t.mixed_precision_reduce == "bfloat16" and all(d.platform == "cpu" for d in devices)
+            and config.parallelism.fsdp_implementation == "shard_map"):
+        raise ConfigError(  # XLA:CPU aborts on a bf16 reduce-scatter ("opcode copy")
+            "training.mixed_precision_reduce=bfloat16 with parallelism.fsdp_implementation="
+            "shard_map does not compile on CPU devices; use float32, or the jit implementation")
     reshard = config.parallelism.fsdp_reshard_after_forward in ("default", "always")
-    remat = RematPolicy(config.activation_checkpoint.mode,
-                        save_gathered_params=not (reshard and degrees.fsdp > 1))
-    model = build_model_def(args, remat)
-    try:
-        specs = param_specs(model, mesh)
-    except ValueError as e:
+    model = spec.build(args, BuildOptions(
+        remat_mode=config.activation_checkpoint.mode,
+        save_gathered_params=not (reshard and degrees.fsdp > 1),
+        activation_stats=config.metrics.log_activation_stats))
+    rules = ShardingRules(mesh)
+    try:  # every weight's storage and compute layout, derived once from the table
+        layouts = weight_layouts(rules, model.abstract_params, model.logical_axes)
+        buffer_layouts = weight_layouts(rules, model.abstract_buffers, model.buffer_logical_axes)
+    except ShardingRuleError as e:
         raise ConfigError(f"cannot shard model.flavor={config.model.flavor} on this mesh: {e}"
                           ) from None
     schedule = WSDSchedule.from_config(config.optimizer.lr, config.lr_scheduler, t.steps)
     optimizer = build_optimizer(config.optimizer, schedule)
     options = StepOptions(n_microbatches=global_batch // per_step,
-                          param_dtype=resolve_param_dtype(t.mixed_precision_param),
+                          param_dtype=resolve_param_dtype(t.mixed_precision_param, devices),
                           max_norm=t.max_norm)
 
     # Optimizer moments inherit their parameter's sharding; scalars are replicated.
-    param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    named = lambda layouts: nested(  # noqa: E731
+        {k: NamedSharding(mesh, v.storage) for k, v in layouts.items()})
+    param_shardings = named(layouts)
     abstract_opt = jax.eval_shape(optimizer.init, model.abstract_params)
     opt_shardings = optax.tree_utils.tree_map_params(
         optimizer, lambda _, sharding: sharding, abstract_opt, param_shardings,
         transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()),
     )
-    state_shardings = {"params": param_shardings, "opt_state": opt_shardings,
-                       "step": NamedSharding(mesh, PartitionSpec())}
-    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-    fsdp = SimpleFSDP(mesh, specs, config.parallelism.fsdp_implementation)
-    return Trainer(config, mesh, degrees, model, schedule, optimizer, options, state_shardings,
-                   batch_sharding, fsdp)
+    state_shardings = {"params": param_shardings, "buffers": named(buffer_layouts),
+                       "opt_state": opt_shardings, "step": NamedSharding(mesh, PartitionSpec())}
+    batch_sharding = NamedSharding(mesh, PartitionSpec(rules.data_axes))
+    buffer_specs = nested({k: v.storage for k, v in buffer_layouts.items()})
+    fsdp = SimpleFSDP(rules, layouts, buffer_specs, config.parallelism.fsdp_implementation,
+                      jnp.dtype(t.mixed_precision_reduce))
+    return Trainer(config, mesh, degrees, spec, model, rules, schedule, optimizer, options,
+                   state_shardings, batch_sharding, fsdp)

@@ -1,8 +1,26 @@
-"""Qwen3 model family: flavours, Flax modules, and the pure-function view used by the trainer."""
+"""Qwen3 model family: flavours, Flax modules, the pure-function view used by the trainer, and
+its registration as model.name = "qwen3"."""
 
+from titan_jax.models.qwen3 import hf, hf_config
 from titan_jax.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args, get_flavor
 from titan_jax.models.qwen3.build import ModelDef, build_model_def
-from titan_jax.models.qwen3.model import Qwen3, RematPolicy
+from titan_jax.models.qwen3.flops import flops_per_token
+from titan_jax.models.qwen3.model import Qwen3
+from titan_jax.models.spec import ModelSpec, register_model
 
-__all__ = ["QWEN3_FLAVORS", "ModelDef", "Qwen3", "Qwen3Args", "RematPolicy", "build_model_def",
+
+class _HF:
+    """HF transformers `Qwen3ForCausalLM` checkpoints."""
+
+    read_config = staticmethod(hf_config.read_hf_config)
+    load_params = staticmethod(hf.load_hf_params)
+    save = staticmethod(hf.save_hf)
+
+
+QWEN3 = ModelSpec(name="qwen3", flavors=QWEN3_FLAVORS, build=build_model_def,
+                  flops_per_token=flops_per_token, args_type=Qwen3Args, hf=_HF(),
+                  display_name="Qwen3")
+register_model(QWEN3)
+
+__all__ = ["QWEN3", "QWEN3_FLAVORS", "ModelDef", "Qwen3", "Qwen3Args", "build_model_def",
            "get_flavor"]

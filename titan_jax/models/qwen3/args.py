@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
+
+from titan_jax.models.spec import pick_flavor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,13 +70,5 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
 
 
 def get_flavor(name: str) -> Qwen3Args:
-    """The registered flavour `name`, or a ValueError listing the valid ones."""
-    if name not in QWEN3_FLAVORS:
-        by_lower = {k.lower(): k for k in QWEN3_FLAVORS}
-        close = [by_lower[name.lower()]] if name.lower() in by_lower else (
-            difflib.get_close_matches(name, QWEN3_FLAVORS, n=3))
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ValueError(
-            f"model.flavor={name!r} is not a Qwen3 flavour{hint}; valid: {', '.join(QWEN3_FLAVORS)}"
-        )
-    return QWEN3_FLAVORS[name]
+    """The registered flavour `name`, or a ConfigError listing the valid ones."""
+    return pick_flavor("Qwen3", QWEN3_FLAVORS, name)

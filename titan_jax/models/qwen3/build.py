@@ -1,12 +1,14 @@
-"""A Qwen3 model as pure data + functions: abstract params, logical axes, init, apply.
+"""A Qwen3 model as pure data + functions (the `ModelDef` of `titan_jax/models/spec.py`).
 
 The trainer holds parameters as a plain nested dict of arrays (what optax, orbax and the HF
-converter all want) and re-attaches them to the Flax module graph inside `apply`.
+converter all want) and re-attaches them to the Flax module graph inside each function.
+Dense Qwen3 has no buffers; its aux channel carries per-layer activation statistics when asked.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,9 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from titan_jax.models.qwen3.args import Qwen3Args
-from titan_jax.models.qwen3.model import Qwen3, RematPolicy, stacked_logical_axes
-
-Params = dict[str, Any]
+from titan_jax.models.qwen3.model import SAVED_ACTIVATIONS, Qwen3, stacked_logical_axes
+from titan_jax.models.remat import remat_policy
+from titan_jax.models.sharding_hooks import PATH_METADATA
+from titan_jax.models.spec import Aux, BuildOptions, Params
 
 
 def _path_names(path: tuple) -> tuple[str, ...]:
@@ -34,22 +37,51 @@ class ModelDef:
     graphdef: nnx.GraphDef
     abstract_params: Params  # nested dict of jax.ShapeDtypeStruct (fp32 master weights)
     logical_axes: Params  # same tree, leaves are tuples of logical axis names
+    options: BuildOptions = BuildOptions()
+    abstract_buffers: Params = dataclasses.field(default_factory=dict)
+    buffer_logical_axes: Params = dataclasses.field(default_factory=dict)
+
+    @property
+    def remat(self) -> Callable | None:
+        o = self.options
+        return remat_policy(o.remat_mode, o.save_gathered_params, SAVED_ACTIVATIONS)
 
     def init(self, key: jax.Array) -> Params:
         """Random init (torchtitan's scheme, see model.py). jit it with out_shardings to shard."""
         model = Qwen3(self.args, nnx.Rngs(params=key))
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
+    def init_buffers(self) -> Params:
+        return {}
+
+    def forward(self, params: Params, buffers: Params, tokens_BT: jax.Array,
+                dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, jax.Array, Aux]:
+        """(final hidden states (B, T, D), output projection (D, V), aux), for the loss."""
+        del buffers  # dense Qwen3 has none
+        model = nnx.merge(self.graphdef, params)
+        h_BTD, stats = model.hidden_states(tokens_BT, dtype, self.remat,
+                                           self.options.activation_stats)
+        return h_BTD, model.output_weight(dtype), {"loss": jnp.zeros((), jnp.float32),
+                                                   "stats": stats}
+
     def apply(self, params: Params, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32
               ) -> jax.Array:
-        """Logits (B, T, V) in fp32; weights are read in `dtype`."""
-        return nnx.merge(self.graphdef, params)(tokens_BT, dtype)
+        """Logits (B, T, V) in fp32; weights are read in `dtype` (with the build's remat)."""
+        h_BTD, w_DV, _ = self.forward(params, self.init_buffers(), tokens_BT, dtype)
+        return jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
 
-    def hidden_states(self, params: Params, tokens_BT: jax.Array,
-                      dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, jax.Array]:
-        """(final hidden states (B, T, D), output projection (D, V)), for chunked losses."""
-        model = nnx.merge(self.graphdef, params)
-        return model.hidden_states(tokens_BT, dtype), model.output_weight(dtype)
+    def aux_metrics(self, stats: dict[str, jax.Array], n_tokens: jax.Array
+                    ) -> dict[str, jax.Array]:
+        """Per-layer RMS of the residual stream after each block (`activation_stats`)."""
+        del n_tokens
+        if "activation_sq_sum" not in stats:
+            return {}
+        return {"activation_rms": jnp.sqrt(stats["activation_sq_sum"]
+                                           / stats["activation_count"])}
+
+    def update_buffers(self, buffers: Params, stats: dict[str, jax.Array]) -> Params:
+        del stats
+        return buffers
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.abstract_params))
@@ -60,9 +92,12 @@ class ModelDef:
         return [(path_name(p), leaf) for p, leaf in flat]
 
 
-def build_model_def(args: Qwen3Args, remat: RematPolicy | None = None) -> ModelDef:
+def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> ModelDef:
     """Traces the module once abstractly (no weights allocated) to get its structure."""
-    abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), remat or RematPolicy()))
+    abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0)))
+    for path, var in nnx.iter_graph(abstract):  # each weight knows its path when used
+        if isinstance(var, nnx.Param):
+            var.set_metadata(**{PATH_METADATA: ".".join(map(str, path))})
     graphdef, state = nnx.split(abstract, nnx.Param)
     flat = jax.tree_util.tree_flatten_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)
@@ -72,7 +107,7 @@ def build_model_def(args: Qwen3Args, remat: RematPolicy | None = None) -> ModelD
         names = _path_names(path)
         _nested_set(shapes, names, jax.ShapeDtypeStruct(var.shape, var.dtype))
         _nested_set(axes, names, stacked_logical_axes(names, var.logical_axes))
-    return ModelDef(args, graphdef, shapes, axes)
+    return ModelDef(args, graphdef, shapes, axes, options or BuildOptions())
 
 
 def _nested_set(tree: dict, names: tuple[str, ...], value: Any) -> None:

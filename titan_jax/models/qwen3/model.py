@@ -5,6 +5,9 @@ and softmax in fp32, everything else in the activation dtype. Every parameter de
 logical axis names once (`logical_axes` metadata); `titan_jax.parallel` maps them to a mesh.
 Weights are stored (in, out) and read through `use_param`, the hook where SimpleFSDP casts and
 gathers them at use. Layers are stacked on a leading axis and run with `lax.scan`.
+Activations are (B, T, D) with logical axes (batch, seq, embed); the layout is pinned through
+`constrain` at the embedding output, the attention inputs, the MLP hidden and each block's
+output. Kernels that prefer 2-D operands (`project`) flatten locally.
 
 Init follows torchtitan HEAD (b5bcd76, `models/qwen3/__init__.py`): every linear and the
 embedding ~ N(0, 0.02); for MoE flavours `wo` and the experts' `w2` use 0.02/sqrt(2*n_layers);
@@ -13,7 +16,6 @@ norm weights 1. Tied models read the embedding as the output projection.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -24,16 +26,16 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.qwen3.args import Qwen3Args
-from titan_jax.models.qwen3.param_use import (
-    GATHERED_PARAM,
-    save_anything_except_gathered_params,
-    use_param,
-)
+from titan_jax.models.sharding_hooks import constrain, use_param
 
 Array = jax.Array
 
 # Names of intermediate values that the selective activation-checkpoint policy saves.
 SAVED_ACTIVATIONS = ("q_proj", "k_proj", "v_proj", "attn_out", "wo_out", "ffn_hidden", "ffn_out")
+# Logical axes of the activations the layout is pinned at (rules: titan_jax/parallel/rules.py).
+ACT_AXES = ("batch", "seq", "embed")
+Q_AXES = ("batch", "seq", "heads", "head_dim")
+KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
@@ -75,9 +77,20 @@ def apply_rope(x_NKH: Array, cos_NH: Array, sin_NH: Array) -> Array:
     return x_NKH * cos + rotated * sin
 
 
-def dense(x: Array, w: nnx.Param, spec: str) -> Array:
-    """einsum of activations with a weight read through the param-use hook."""
-    return jnp.einsum(spec, x, use_param(w, x.dtype))
+def project(x: Array, w: nnx.Param, n_in: int) -> Array:
+    """`x (..., *in) @ w (*in, *out) -> (..., *out)`, the weight read through the param hook.
+
+    The leading (batch, seq) dims are merged into one row dim for the matmul: XLA:CPU runs it
+    ~3x faster than with two batch-free leading dims, and the merge is a free reshape on every
+    backend. This is local to the kernel: callers see (B, T, ...) activations. The weight is
+    used as read (no reshape after the gather), so remat policies can drop it by name.
+    """
+    w_ = use_param(w, x.dtype)
+    lead = x.shape[:x.ndim - n_in]
+    rows = x.reshape(-1, *x.shape[x.ndim - n_in:])
+    contract = (tuple(range(1, n_in + 1)), tuple(range(n_in)))
+    y = jax.lax.dot_general(rows, w_, (contract, ((), ())))
+    return y.reshape(*lead, *w_.shape[n_in:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -117,20 +130,17 @@ class Attention(nnx.Module):
         self.n_rep = n // k
         self.scale = h**-0.5
 
-    def __call__(self, x_ND: Array, cos: Array, sin: Array, batch: int) -> Array:
-        """x_ND: the batch's tokens flattened to N = B*T rows (XLA:CPU's matmuls are ~3x
-        faster on 2-D operands than on (B, T, D) ones)."""
+    def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array) -> Array:
         name = checkpoint_name
-        q_NQH = name(dense(x_ND, self.wq, "nd,dqh->nqh"), "q_proj")
-        k_NKH = name(dense(x_ND, self.wk, "nd,dkh->nkh"), "k_proj")
-        v_NKH = name(dense(x_ND, self.wv, "nd,dkh->nkh"), "v_proj")
+        q_BTNH = name(project(x_BTD, self.wq, 1), "q_proj")
+        k_BTKH = name(project(x_BTD, self.wk, 1), "k_proj")
+        v_BTKH = name(project(x_BTD, self.wv, 1), "v_proj")
         # Qwen3: per-head RMSNorm on q and k, then RoPE.
-        q_NQH = apply_rope(self.q_norm(q_NQH), cos, sin)
-        k_NKH = apply_rope(self.k_norm(k_NKH), cos, sin)
-        unflat = lambda a: a.reshape(batch, -1, *a.shape[1:])  # noqa: E731
-        out_BTQH = causal_gqa_attention(unflat(q_NQH), unflat(k_NKH), unflat(v_NKH), self.scale)
-        out_NQH = name(out_BTQH.reshape(x_ND.shape[0], *out_BTQH.shape[2:]), "attn_out")
-        return name(dense(out_NQH, self.wo, "nqh,qhd->nd"), "wo_out")
+        q_BTNH = constrain(apply_rope(self.q_norm(q_BTNH), cos_TH, sin_TH), Q_AXES)
+        k_BTKH = constrain(apply_rope(self.k_norm(k_BTKH), cos_TH, sin_TH), KV_AXES)
+        v_BTKH = constrain(v_BTKH, KV_AXES)
+        out_BTNH = name(causal_gqa_attention(q_BTNH, k_BTKH, v_BTKH, self.scale), "attn_out")
+        return name(project(out_BTNH, self.wo, 2), "wo_out")
 
 
 def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float) -> Array:
@@ -155,10 +165,11 @@ class FeedForward(nnx.Module):
         self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02)
         self.w3 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
 
-    def __call__(self, x_ND: Array) -> Array:
+    def __call__(self, x_BTD: Array) -> Array:
         name = checkpoint_name
-        hidden = jax.nn.silu(dense(x_ND, self.w1, "nd,df->nf")) * dense(x_ND, self.w3, "nd,df->nf")
-        return name(dense(name(hidden, "ffn_hidden"), self.w2, "nf,fd->nd"), "ffn_out")
+        hidden_BTF = jax.nn.silu(project(x_BTD, self.w1, 1)) * project(x_BTD, self.w3, 1)
+        hidden_BTF = name(constrain(hidden_BTF, ("batch", "seq", "mlp")), "ffn_hidden")
+        return name(project(hidden_BTF, self.w2, 1), "ffn_out")
 
 
 class Block(nnx.Module):
@@ -168,46 +179,20 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args, rngs)
 
-    def __call__(self, x_ND: Array, cos: Array, sin: Array, batch: int) -> Array:
+    def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array) -> Array:
         with jax.named_scope("attention"):
-            x_ND = x_ND + self.attention(self.attention_norm(x_ND), cos, sin, batch)
+            x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH)
         with jax.named_scope("feed_forward"):
-            return x_ND + self.feed_forward(self.ffn_norm(x_ND))
-
-
-@dataclasses.dataclass(frozen=True)
-class RematPolicy:
-    """How the scanned block trades memory for recompute.
-
-    mode: activation checkpointing ("none" | "full" | "selective").
-    save_gathered_params: keep the gathered (all-gathered, cast) weights from forward for
-      backward (SimpleFSDP reshard_after_forward=never) instead of re-gathering them.
-    """
-
-    mode: str = "none"
-    save_gathered_params: bool = True
-
-    def policy(self) -> Callable | None:
-        cp = jax.checkpoint_policies
-        gathered = (GATHERED_PARAM,) if self.save_gathered_params else ()
-        if self.mode == "none":
-            if self.save_gathered_params:
-                return None  # no remat at all
-            return save_anything_except_gathered_params
-        if self.mode == "full":
-            return cp.save_only_these_names(*gathered)
-        if self.mode == "selective":
-            return cp.save_only_these_names(*SAVED_ACTIVATIONS, *gathered)
-        raise ValueError(f"activation_checkpoint.mode={self.mode!r}; valid: none, full, selective")
+            x_BTD = x_BTD + self.feed_forward(self.ffn_norm(x_BTD))
+        return constrain(x_BTD, ACT_AXES)
 
 
 class Qwen3(nnx.Module):
     """Qwen3 decoder. `__call__(tokens_BT) -> logits_BTV` (fp32)."""
 
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, remat: RematPolicy | None = None):
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs):
         args.validate()
         self.args = args
-        self.remat = remat or RematPolicy()
         self.tok_embeddings = _param(rngs, (args.vocab_size, args.dim), ("vocab", "embed"), 0.02)
 
         @nnx.split_rngs(splits=args.n_layers)
@@ -221,23 +206,35 @@ class Qwen3(nnx.Module):
         if not args.tie_embeddings:
             self.lm_head = _param(rngs, (args.dim, args.vocab_size), ("embed", "vocab"), 0.02)
 
-    def hidden_states(self, tokens_BT: Array, dtype: jnp.dtype) -> Array:
-        """Final-normed hidden states (B, T, D) in `dtype`."""
-        b, t = tokens_BT.shape
+    def hidden_states(self, tokens_BT: Array, dtype: jnp.dtype, remat: Callable | None = None,
+                      activation_stats: bool = False) -> tuple[Array, dict[str, Array]]:
+        """(final-normed hidden states (B, T, D) in `dtype`, aux stats).
+
+        remat: the scanned block's `jax.checkpoint` policy (None: no remat).
+        activation_stats: also return each layer's output sum of squares and element count
+        (`activation_sq_sum`, `activation_count`), for per-layer RMS in the metrics.
+        """
+        t = tokens_BT.shape[1]
         table_VD = use_param(self.tok_embeddings, dtype)
-        x_ND = embed_lookup(table_VD, tokens_BT.reshape(-1), table_VD.shape[0])
-        positions_N = jnp.tile(jnp.arange(t), b)
-        cos, sin = rope_tables(positions_N, self.args.head_dim, self.args.rope_theta)
+        x_BTD = constrain(embed_lookup(table_VD, tokens_BT, table_VD.shape[0]), ACT_AXES)
+        cos_TH, sin_TH = rope_tables(jnp.arange(t), self.args.head_dim, self.args.rope_theta)
         layers_def, layers_state = nnx.split(self.layers)
 
-        def body(x: Array, layer_state: nnx.State) -> tuple[Array, None]:
-            return nnx.merge(layers_def, layer_state)(x, cos, sin, b), None
+        def body(x_BTD: Array, layer_state: nnx.State) -> tuple[Array, Array | None]:
+            y_BTD = nnx.merge(layers_def, layer_state)(x_BTD, cos_TH, sin_TH)
+            if not activation_stats:
+                return y_BTD, None
+            y32 = y_BTD.astype(jnp.float32)
+            return y_BTD, jnp.sum(y32 * y32)
 
-        policy = self.remat.policy()
-        if policy is not None:
-            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        x_ND, _ = jax.lax.scan(body, x_ND, layers_state)
-        return self.norm(x_ND).reshape(b, t, -1)
+        if remat is not None:
+            body = jax.checkpoint(body, policy=remat, prevent_cse=False)
+        x_BTD, sq_sums = jax.lax.scan(body, x_BTD, layers_state)
+        stats = {}
+        if activation_stats:
+            stats = {"activation_sq_sum": sq_sums,
+                     "activation_count": jnp.full_like(sq_sums, x_BTD.size)}
+        return self.norm(x_BTD), stats
 
     def output_weight(self, dtype: jnp.dtype) -> Array:
         """The (D, V) output projection: lm_head, or the embedding transposed when tied."""
@@ -246,7 +243,7 @@ class Qwen3(nnx.Module):
         return use_param(self.lm_head, dtype)
 
     def __call__(self, tokens_BT: Array, dtype: jnp.dtype = jnp.float32) -> Array:
-        h_BTD = self.hidden_states(tokens_BT, dtype)
+        h_BTD, _ = self.hidden_states(tokens_BT, dtype)
         return jnp.einsum("btd,dv->btv", h_BTD, self.output_weight(dtype),
                           preferred_element_type=jnp.float32)
 

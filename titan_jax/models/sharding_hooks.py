@@ -1,0 +1,116 @@
+"""The two places where parallelism meets a model: weight reads and activation layouts.
+
+Every module reads its weights through `use_param` and pins the layout of the few activations
+that matter through `constrain`, naming dimensions by logical axis only (`("batch", "seq",
+"embed")`). By default a weight read is a cast to the compute dtype and a constraint does
+nothing. Parallelism installs `ShardingHooks` for the duration of a trace (`sharding_hooks`):
+SimpleFSDP's cast + all-gather, whose backward reduces the gradient in fp32, and sharding
+constraints derived from the one rules table (`titan_jax/parallel/rules.py`). So the model never
+knows the mesh.
+
+Gathered weights carry the checkpoint name `GATHERED_PARAM`; that name alone is how remat
+policies find them (`is_gathered_param`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+LogicalAxes = tuple[str | None, ...]
+# checkpoint_name of every weight as the forward uses it (cast, and gathered under FSDP).
+GATHERED_PARAM = "fsdp_gathered_param"
+
+
+class ParamUse(Protocol):
+    """(stored value, its dotted path in the params tree, its logical axes, compute dtype) ->
+    the weight the forward uses. Inside a layer scan the value is one layer's slice."""
+
+    def __call__(self, value: jax.Array, path: str, logical_axes: LogicalAxes,
+                 dtype: jnp.dtype) -> jax.Array: ...
+
+
+class ActivationUse(Protocol):
+    def __call__(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array: ...
+
+
+def cast_param(value: jax.Array, path: str, logical_axes: LogicalAxes,
+               dtype: jnp.dtype) -> jax.Array:
+    del path, logical_axes
+    return value.astype(dtype)
+
+
+def unconstrained(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+    del logical_axes
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingHooks:
+    param: ParamUse = cast_param
+    activation: ActivationUse = unconstrained
+
+
+NO_SHARDING = ShardingHooks()  # one device, or a trace without a mesh
+_ACTIVE: contextvars.ContextVar[ShardingHooks] = contextvars.ContextVar(
+    "sharding_hooks", default=NO_SHARDING)
+
+
+@contextlib.contextmanager
+def sharding_hooks(hooks: ShardingHooks) -> Iterator[None]:
+    token = _ACTIVE.set(hooks)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+# Variable metadata key holding a parameter's dotted path (set when a model is built), so that
+# parallelism looks up the layout it computed once for that path.
+PATH_METADATA = "param_path"
+
+
+def use_param(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
+    """The weight as the forward should see it (cast, and gathered when a mesh is active)."""
+    path = param.get_metadata().get(PATH_METADATA, "")
+    value = _ACTIVE.get().param(param[...], path, param.logical_axes, dtype)
+    return checkpoint_name(value, GATHERED_PARAM)
+
+
+def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+    """`x` pinned to the layout the rules table gives `logical_axes` (one name per dim)."""
+    if len(logical_axes) != x.ndim:
+        raise ValueError(f"logical axes {logical_axes} do not match shape {x.shape}")
+    return _ACTIVE.get().activation(x, logical_axes)
+
+
+def is_gathered_param(prim: Any, params: dict[str, Any]) -> bool:
+    """Whether an equation (as a remat policy sees it) yields a gathered weight, by name only.
+
+    A gather that is a custom_vjp (its backward casts the gradient to fp32 before reducing it)
+    reaches the policy as one opaque `custom_vjp_call`, so its body is searched for the name;
+    other custom_vjps (kernels, permutes) are left alone.
+    """
+    if prim.name == "name":
+        return params["name"] == GATHERED_PARAM
+    body = params.get("call_jaxpr")
+    if body is None:
+        return False
+    return any(e.primitive.name == "name" and e.params.get("name") == GATHERED_PARAM
+               for e in getattr(body, "jaxpr", body).eqns)
+
+
+def save_anything_except_gathered_params(prim: Any, *_: Any, **params: Any) -> bool:
+    """Remat policy: save every value except the gathered weights (reshard_after_forward).
+
+    What is saved instead is the gather's input, this device's shard; backward gathers again.
+    """
+    return not is_gathered_param(prim, params)

@@ -1,0 +1,134 @@
+"""The model interface: what training, checkpoints and tools need from a model family, and the
+registry that maps `model.name` to it (TorchTitan's train specs).
+
+A family registers one `ModelSpec`; `train/` only ever talks to a `ModelDef` (built from a
+flavour's args) and to the spec's FLOP count and HF adapter, so a second family (Qwen3-MoE)
+plugs in without touching `train/`.
+
+The forward returns `(hidden_BTD, output_weight_DV, aux)`. `aux` is the channel for everything
+else a forward produces:
+- `aux["loss"]`: a scalar added to the summed cross-entropy before it is divided by the global
+  count of valid tokens (so a per-token auxiliary loss is contributed as its sum over tokens);
+- `aux["stats"]`: arrays that are summed over microbatches and data shards, then handed to
+  `ModelDef.aux_metrics` (for logging) and `ModelDef.update_buffers` (after the optimizer).
+Non-trainable state (`buffers`, e.g. an MoE expert bias) lives beside the params in the train
+state: declared with logical axes, sharded by the same rules, saved and restored by checkpoints,
+never touched by the optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from titan_jax.config import ConfigError
+
+Params = dict[str, Any]
+Aux = dict[str, Any]  # {"loss": scalar, "stats": {name: array}}
+
+
+def empty_aux() -> Aux:
+    return {"loss": jnp.zeros((), jnp.float32), "stats": {}}
+
+
+class ModelDef(Protocol):
+    """One built model: abstract shapes and logical axes of its params and buffers, and pure
+    functions over them."""
+
+    args: Any
+    abstract_params: Params  # ShapeDtypeStruct leaves (fp32 master weights)
+    logical_axes: Params  # same tree as abstract_params; tuples of logical axis names
+    abstract_buffers: Params
+    buffer_logical_axes: Params
+
+    def init(self, key: jax.Array) -> Params: ...
+
+    def init_buffers(self) -> Params: ...
+
+    def forward(self, params: Params, buffers: Params, tokens_BT: jax.Array,
+                dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, Aux]: ...
+
+    def aux_metrics(self, stats: dict[str, jax.Array], n_tokens: jax.Array
+                    ) -> dict[str, jax.Array]: ...
+
+    def update_buffers(self, buffers: Params, stats: dict[str, jax.Array]) -> Params: ...
+
+    def num_params(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """How to build a model for training.
+
+    remat_mode: activation checkpointing ("none" | "full" | "selective").
+    save_gathered_params: keep the gathered weights from forward for backward (SimpleFSDP
+      reshard_after_forward=never) instead of gathering them again.
+    activation_stats: report per-layer activation RMS through the aux channel.
+    """
+
+    remat_mode: str = "none"
+    save_gathered_params: bool = True
+    activation_stats: bool = False
+
+
+class HFAdapter(Protocol):
+    """HF transformers checkpoints (config.json + safetensors) of one family."""
+
+    def read_config(self, path: str | Path) -> Any: ...
+
+    def load_params(self, path: str | Path, args: Any, shardings: Params | None) -> Params: ...
+
+    def save(self, path: str | Path, params: Params, args: Any, dtype: str,
+             max_shard_size: int | str) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    flavors: Mapping[str, Any]
+    build: Callable[[Any, BuildOptions], ModelDef]
+    flops_per_token: Callable[[Any, int], float]  # training FLOPs per token at a seq_len
+    args_type: type  # the dataclass of a flavour's args (checkpoints record its fields)
+    hf: HFAdapter
+    display_name: str = ""  # for messages; defaults to `name`
+
+    def __post_init__(self) -> None:
+        if not self.display_name:
+            object.__setattr__(self, "display_name", self.name)
+
+    def flavor(self, name: str) -> Any:
+        return pick_flavor(self.display_name, self.flavors, name)
+
+
+def pick_flavor(family: str, flavors: Mapping[str, Any], name: str) -> Any:
+    """`flavors[name]`, or a ConfigError that suggests the nearest names."""
+    if name not in flavors:
+        by_lower = {k.lower(): k for k in flavors}
+        close = [by_lower[name.lower()]] if name.lower() in by_lower else (
+            difflib.get_close_matches(name, flavors, n=3))
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ConfigError(f"model.flavor={name!r} is not a {family} flavour{hint}; "
+                          f"valid: {', '.join(flavors)}")
+    return flavors[name]
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register_model(spec: ModelSpec) -> None:
+    _REGISTRY[spec.name] = spec
+
+
+def registered_model(name: str) -> ModelSpec:
+    """The registered family `name` (model.name), or a ConfigError listing the valid ones.
+    Use `titan_jax.models.get_model_spec`, which registers the built-in families first."""
+    if name not in _REGISTRY:
+        raise ConfigError(f"model.name={name!r} is not a registered model; valid: "
+                          f"{', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
