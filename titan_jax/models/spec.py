@@ -70,11 +70,13 @@ class BuildOptions:
     save_gathered_params: keep the gathered weights from forward for backward (SimpleFSDP
       reshard_after_forward=never) instead of gathering them again.
     activation_stats: report per-layer activation RMS through the aux channel.
+    platform: "cpu", "tpu" or "gpu", the target devices' (not the host's) platform.
     """
 
     remat_mode: str = "none"
     save_gathered_params: bool = True
     activation_stats: bool = False
+    platform: str = "cpu"  # of the devices the model will run on, for kernel choices
 
 
 class HFAdapter(Protocol):

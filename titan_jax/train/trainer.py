@@ -146,7 +146,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     model = spec.build(args, BuildOptions(
         remat_mode=config.activation_checkpoint.mode,
         save_gathered_params=not (reshard and degrees.fsdp > 1),
-        activation_stats=config.metrics.log_activation_stats))
+        activation_stats=config.metrics.log_activation_stats, platform=devices[0].platform))
     rules = ShardingRules(mesh)
     try:  # every weight's storage and compute layout, derived once from the table
         layouts = weight_layouts(rules, model.abstract_params, model.logical_axes)

@@ -22,10 +22,13 @@ class Qwen3Args:
     rope_theta: float = 1e6
     max_seq_len: int = 4096
     tie_embeddings: bool = True
-    # Mixture of experts (0 experts = dense); every layer is MoE when enabled.
+    # Mixture of experts (0 experts = dense); every layer is MoE when enabled, no shared experts.
     num_experts: int = 0
     top_k: int = 0
     moe_inter_dim: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k gate weights (HF; TorchTitan route_norm)
+    # Aux-loss-free balancing (TorchTitan / DeepSeek-V3): expert bias step per optimizer step.
+    load_balance_coeff: float = 1e-3
 
     @property
     def is_moe(self) -> bool:
@@ -66,6 +69,15 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
                      vocab_size=_QWEN3_VOCAB, max_seq_len=40960, tie_embeddings=False),
     "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600,
                      vocab_size=_QWEN3_VOCAB, max_seq_len=40960, tie_embeddings=False),
+    # Mixture of experts (TorchTitan's Qwen3 MoE flavours; HF Qwen3-30B-A3B / 235B-A22B).
+    "debugmodel_moe": Qwen3Args(tie_embeddings=False, num_experts=64, top_k=8,
+                                moe_inter_dim=768),
+    "30B-A3B": Qwen3Args(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=_QWEN3_VOCAB,
+                         max_seq_len=40960, tie_embeddings=False, num_experts=128, top_k=8,
+                         moe_inter_dim=768),
+    "235B-A22B": Qwen3Args(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
+                           vocab_size=_QWEN3_VOCAB, max_seq_len=40960, tie_embeddings=False,
+                           num_experts=128, top_k=8, moe_inter_dim=1536),
 }
 
 

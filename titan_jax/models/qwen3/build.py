@@ -2,7 +2,9 @@
 
 The trainer holds parameters as a plain nested dict of arrays (what optax, orbax and the HF
 converter all want) and re-attaches them to the Flax module graph inside each function.
-Dense Qwen3 has no buffers; its aux channel carries per-layer activation statistics when asked.
+Dense Qwen3 has no buffers; MoE flavours keep each layer's expert bias (`expert_bias`, (L, E))
+as one, updated from the tokens-per-expert counts of the aux channel. The aux channel also
+carries per-layer activation statistics when asked.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from flax import nnx
 
 from titan_jax.models.qwen3.args import Qwen3Args
 from titan_jax.models.qwen3.model import SAVED_ACTIVATIONS, Qwen3, stacked_logical_axes
+from titan_jax.models.qwen3.moe import grouped_matmul_for, update_expert_bias
 from titan_jax.models.remat import remat_policy
 from titan_jax.models.sharding_hooks import PATH_METADATA
 from titan_jax.models.spec import Aux, BuildOptions, Params
+
+EXPERT_BIAS = "expert_bias"
 
 
 def _path_names(path: tuple) -> tuple[str, ...]:
@@ -52,15 +57,15 @@ class ModelDef:
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     def init_buffers(self) -> Params:
-        return {}
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.abstract_buffers)
 
     def forward(self, params: Params, buffers: Params, tokens_BT: jax.Array,
                 dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, jax.Array, Aux]:
         """(final hidden states (B, T, D), output projection (D, V), aux), for the loss."""
-        del buffers  # dense Qwen3 has none
         model = nnx.merge(self.graphdef, params)
         h_BTD, stats = model.hidden_states(tokens_BT, dtype, self.remat,
-                                           self.options.activation_stats)
+                                           self.options.activation_stats,
+                                           buffers.get(EXPERT_BIAS))
         return h_BTD, model.output_weight(dtype), {"loss": jnp.zeros((), jnp.float32),
                                                    "stats": stats}
 
@@ -72,16 +77,25 @@ class ModelDef:
 
     def aux_metrics(self, stats: dict[str, jax.Array], n_tokens: jax.Array
                     ) -> dict[str, jax.Array]:
-        """Per-layer RMS of the residual stream after each block (`activation_stats`)."""
+        """Per-layer RMS of the residual stream after each block (`activation_stats`); for MoE,
+        the busiest expert's load over the mean (worst layer) and the fraction of (layer,
+        expert) pairs that got no token."""
         del n_tokens
-        if "activation_sq_sum" not in stats:
-            return {}
-        return {"activation_rms": jnp.sqrt(stats["activation_sq_sum"]
-                                           / stats["activation_count"])}
+        metrics = {}
+        if "activation_sq_sum" in stats:
+            metrics["activation_rms"] = jnp.sqrt(stats["activation_sq_sum"]
+                                                 / stats["activation_count"])
+        if "tokens_per_expert" in stats:
+            counts = stats["tokens_per_expert"]
+            metrics["moe_max_load"] = jnp.max(jnp.max(counts, -1) / jnp.mean(counts, -1))
+            metrics["moe_idle_experts"] = jnp.mean((counts == 0).astype(jnp.float32))
+        return metrics
 
     def update_buffers(self, buffers: Params, stats: dict[str, jax.Array]) -> Params:
-        del stats
-        return buffers
+        if EXPERT_BIAS not in buffers:
+            return buffers
+        return {EXPERT_BIAS: update_expert_bias(buffers[EXPERT_BIAS], stats["tokens_per_expert"],
+                                                self.args.load_balance_coeff)}
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.abstract_params))
@@ -94,7 +108,9 @@ class ModelDef:
 
 def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> ModelDef:
     """Traces the module once abstractly (no weights allocated) to get its structure."""
-    abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0)))
+    options = options or BuildOptions()
+    kernel = grouped_matmul_for(options.platform)
+    abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernel))
     for path, var in nnx.iter_graph(abstract):  # each weight knows its path when used
         if isinstance(var, nnx.Param):
             var.set_metadata(**{PATH_METADATA: ".".join(map(str, path))})
@@ -107,7 +123,12 @@ def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> Mod
         names = _path_names(path)
         _nested_set(shapes, names, jax.ShapeDtypeStruct(var.shape, var.dtype))
         _nested_set(axes, names, stacked_logical_axes(names, var.logical_axes))
-    return ModelDef(args, graphdef, shapes, axes, options or BuildOptions())
+    buffers, buffer_axes = {}, {}
+    if args.is_moe:  # non-trainable: never an nnx.Param, so never seen by the optimizer
+        buffers[EXPERT_BIAS] = jax.ShapeDtypeStruct((args.n_layers, args.num_experts),
+                                                    jnp.float32)
+        buffer_axes[EXPERT_BIAS] = ("layers", "expert")
+    return ModelDef(args, graphdef, shapes, axes, options, buffers, buffer_axes)
 
 
 def _nested_set(tree: dict, names: tuple[str, ...], value: Any) -> None:

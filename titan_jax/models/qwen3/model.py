@@ -26,6 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.qwen3.args import Qwen3Args
+from titan_jax.models.qwen3.moe import MoE
 from titan_jax.models.sharding_hooks import constrain, use_param
 
 Array = jax.Array
@@ -173,24 +174,39 @@ class FeedForward(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs):
+    """Attention + SwiGLU feed-forward, or + routed experts (`moe`) for MoE flavours."""
+
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, grouped_matmul: str = "blocked"):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, rngs)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args, rngs)
+        if args.is_moe:
+            self.moe = MoE(args.dim, args.num_experts, args.moe_inter_dim, args.top_k,
+                           args.norm_topk_prob, 0.02 / math.sqrt(2 * args.n_layers),
+                           grouped_matmul, rngs)
+        else:
+            self.feed_forward = FeedForward(args, rngs)
 
-    def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array) -> Array:
+    def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
+                 expert_bias_E: Array | None = None) -> tuple[Array, Array | None]:
+        """(output, tokens per expert (E,) for MoE blocks, else None)."""
         with jax.named_scope("attention"):
             x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH)
+        counts_E = None
         with jax.named_scope("feed_forward"):
-            x_BTD = x_BTD + self.feed_forward(self.ffn_norm(x_BTD))
-        return constrain(x_BTD, ACT_AXES)
+            if expert_bias_E is None:
+                x_BTD = x_BTD + self.feed_forward(self.ffn_norm(x_BTD))
+            else:
+                y_BTD, counts_E = self.moe(self.ffn_norm(x_BTD), expert_bias_E)
+                x_BTD = x_BTD + y_BTD
+        return constrain(x_BTD, ACT_AXES), counts_E
 
 
 class Qwen3(nnx.Module):
     """Qwen3 decoder. `__call__(tokens_BT) -> logits_BTV` (fp32)."""
 
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs):
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, grouped_matmul: str = "blocked"):
+        """grouped_matmul: the MoE experts' kernel (`moe.GROUPED_MATMULS`), by target platform."""
         args.validate()
         self.args = args
         self.tok_embeddings = _param(rngs, (args.vocab_size, args.dim), ("vocab", "embed"), 0.02)
@@ -198,7 +214,7 @@ class Qwen3(nnx.Module):
         @nnx.split_rngs(splits=args.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs: nnx.Rngs) -> Block:
-            return Block(args, rngs)
+            return Block(args, rngs, grouped_matmul)
 
         # Stacked on a leading "layers" axis (see `stacked_logical_axes`).
         self.layers = make_layers(rngs)
@@ -207,33 +223,39 @@ class Qwen3(nnx.Module):
             self.lm_head = _param(rngs, (args.dim, args.vocab_size), ("embed", "vocab"), 0.02)
 
     def hidden_states(self, tokens_BT: Array, dtype: jnp.dtype, remat: Callable | None = None,
-                      activation_stats: bool = False) -> tuple[Array, dict[str, Array]]:
+                      activation_stats: bool = False, expert_bias_LE: Array | None = None
+                      ) -> tuple[Array, dict[str, Array]]:
         """(final-normed hidden states (B, T, D) in `dtype`, aux stats).
 
         remat: the scanned block's `jax.checkpoint` policy (None: no remat).
         activation_stats: also return each layer's output sum of squares and element count
         (`activation_sq_sum`, `activation_count`), for per-layer RMS in the metrics.
+        expert_bias_LE: MoE flavours' per-layer expert bias (zeros when None); then the stats
+        hold each layer's tokens per expert (`tokens_per_expert`, (L, E)).
         """
+        if self.args.is_moe and expert_bias_LE is None:
+            expert_bias_LE = jnp.zeros((self.args.n_layers, self.args.num_experts), jnp.float32)
         t = tokens_BT.shape[1]
         table_VD = use_param(self.tok_embeddings, dtype)
         x_BTD = constrain(embed_lookup(table_VD, tokens_BT, table_VD.shape[0]), ACT_AXES)
         cos_TH, sin_TH = rope_tables(jnp.arange(t), self.args.head_dim, self.args.rope_theta)
         layers_def, layers_state = nnx.split(self.layers)
 
-        def body(x_BTD: Array, layer_state: nnx.State) -> tuple[Array, Array | None]:
-            y_BTD = nnx.merge(layers_def, layer_state)(x_BTD, cos_TH, sin_TH)
-            if not activation_stats:
-                return y_BTD, None
-            y32 = y_BTD.astype(jnp.float32)
-            return y_BTD, jnp.sum(y32 * y32)
+        def body(x_BTD: Array, layer: tuple[nnx.State, Array | None]
+                 ) -> tuple[Array, dict[str, Array]]:
+            layer_state, expert_bias_E = layer
+            y_BTD, counts_E = nnx.merge(layers_def, layer_state)(x_BTD, cos_TH, sin_TH,
+                                                                 expert_bias_E)
+            stats = {} if counts_E is None else {"tokens_per_expert": counts_E}
+            if activation_stats:
+                y32 = y_BTD.astype(jnp.float32)
+                stats["activation_sq_sum"] = jnp.sum(y32 * y32)
+                stats["activation_count"] = jnp.float32(y_BTD.size)
+            return y_BTD, stats
 
         if remat is not None:
             body = jax.checkpoint(body, policy=remat, prevent_cse=False)
-        x_BTD, sq_sums = jax.lax.scan(body, x_BTD, layers_state)
-        stats = {}
-        if activation_stats:
-            stats = {"activation_sq_sum": sq_sums,
-                     "activation_count": jnp.full_like(sq_sums, x_BTD.size)}
+        x_BTD, stats = jax.lax.scan(body, x_BTD, (layers_state, expert_bias_LE))
         return self.norm(x_BTD), stats
 
     def output_weight(self, dtype: jnp.dtype) -> Array:

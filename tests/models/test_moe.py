@@ -1,0 +1,120 @@
+"""Qwen3-MoE: router semantics, dropless grouped experts, the expert-bias update, flavours."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from titan_jax.models.qwen3 import QWEN3_FLAVORS, Qwen3Args, build_model_def
+from titan_jax.models.qwen3.flops import count_params
+from titan_jax.models.qwen3.moe import (
+    GROUPED_MATMULS,
+    dense_reference,
+    route,
+    routed_experts,
+    update_expert_bias,
+)
+
+
+def numpy_route(x, gate, bias, k, norm):
+    logits = x.astype(np.float64) @ gate.astype(np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    # Highest biased score first; ties go to the lower expert index (as lax.top_k).
+    chosen = np.stack([sorted(range(len(p)), key=lambda e, p=p: (-(p[e] + bias[e]), e))[:k]
+                       for p in probs])
+    weights = np.take_along_axis(probs, chosen, -1)
+    if norm:
+        weights /= weights.sum(-1, keepdims=True)
+    return chosen, weights
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_equals_numpy(norm):
+    rng = np.random.default_rng(0)
+    x, gate = rng.normal(size=(32, 16)), rng.normal(size=(16, 8)) * 0.3
+    bias = rng.normal(size=8) * 0.05
+    experts, weights, _ = route(jnp.asarray(x, jnp.float32), jnp.asarray(gate, jnp.float32),
+                                jnp.asarray(bias, jnp.float32), 3, norm)
+    want_e, want_w = numpy_route(x, gate, bias, 3, norm)
+    np.testing.assert_array_equal(experts, want_e)
+    np.testing.assert_allclose(weights, want_w, rtol=1e-5)
+
+
+def test_router_ties_go_to_the_lower_expert():
+    x = jnp.zeros((2, 4))  # every logit 0: all experts tie
+    experts, weights, _ = route(x, jnp.ones((4, 6)), jnp.zeros(6), 2, True)
+    np.testing.assert_array_equal(experts, [[0, 1], [0, 1]])
+    np.testing.assert_allclose(weights, 0.5)
+
+
+def test_bias_changes_the_choice_but_not_the_weights():
+    x = jnp.asarray([[1.0, 0.0]])
+    gate = jnp.asarray([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # probs favour expert 0, then 1
+    _, _, probs = route(x, gate, jnp.zeros(3), 1, False)
+    experts, weights, _ = route(x, gate, jnp.asarray([0.0, 0.0, 1.0]), 1, False)
+    assert int(experts[0, 0]) == 2  # the bias pushed expert 2 into the top-1 ...
+    np.testing.assert_allclose(weights[0, 0], probs[0, 2])  # ... with its unbiased weight
+
+
+def expert_case(seed=0, n=48, k=3, e=6, d=8, f=12):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    # Unequal groups, expert 5 never chosen.
+    experts = jnp.asarray(np.stack([rng.choice(5, k, replace=False, p=[.5, .2, .15, .1, .05])
+                                    for _ in range(n)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(n, k)), jnp.float32)
+    w1, w3 = (jnp.asarray(rng.normal(size=(e, d, f)) / 3, jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(rng.normal(size=(e, f, d)) / 3, jnp.float32)
+    return x, experts, weights, (w1, w3, w2)
+
+
+@pytest.mark.parametrize("kernel", sorted(GROUPED_MATMULS))
+def test_grouped_experts_equal_the_dense_reference_forward_and_gradients(kernel):
+    x, experts, weights, ws = expert_case()
+
+    def loss(fn, x, weights, ws):
+        y = fn(x, experts, weights, *ws)
+        return jnp.sum(jnp.sin(y))
+
+    ours = lambda *a: routed_experts(*a, grouped_matmul=kernel)  # noqa: E731
+    got = jax.value_and_grad(loss, argnums=(1, 2, 3))(ours, x, weights, ws)
+    want = jax.value_and_grad(loss, argnums=(1, 2, 3))(dense_reference, x, weights, ws)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_blocked_kernel_handles_groups_larger_than_a_block():
+    x, experts, weights, ws = expert_case(n=200, k=2)
+    got = routed_experts(x, experts, weights, *ws, grouped_matmul="blocked")
+    np.testing.assert_allclose(got, dense_reference(x, experts, weights, *ws), rtol=1e-4,
+                               atol=1e-5)
+
+
+def test_expert_bias_update_is_torchtitans_formula():
+    counts = np.array([[10.0, 2.0, 6.0, 6.0], [1.0, 1.0, 1.0, 9.0]])
+    bias = np.array([[0.0, 0.1, 0.0, -0.1], [0.0, 0.0, 0.0, 0.0]])
+    coeff = 1e-3
+    delta = coeff * np.sign(counts.mean(-1, keepdims=True) - counts)
+    want = bias + delta - delta.mean(-1, keepdims=True)
+    np.testing.assert_allclose(update_expert_bias(jnp.asarray(bias), jnp.asarray(counts), coeff),
+                               want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("flavor, total, active", [
+    ("30B-A3B", 30.53e9, 3.35e9), ("235B-A22B", 235.1e9, 22.2e9)])
+def test_moe_flavours_match_the_published_counts(flavor, total, active):
+    counts = count_params(QWEN3_FLAVORS[flavor])
+    assert counts["total"] == pytest.approx(total, rel=2e-3)
+    assert counts["active"] == pytest.approx(active, rel=5e-3)
+    model = build_model_def(QWEN3_FLAVORS[flavor])  # abstract: nothing is allocated
+    assert model.num_params() == counts["total"]
+    assert model.abstract_buffers["expert_bias"].shape == (QWEN3_FLAVORS[flavor].n_layers, 128)
+
+
+def test_top_k_above_experts_is_an_error():
+    with pytest.raises(ValueError, match="top_k=9 must be in"):
+        build_model_def(Qwen3Args(num_experts=8, top_k=9, moe_inter_dim=16))
