@@ -1,33 +1,16 @@
-"""HF transformers Qwen3 checkpoints (config.json + safetensors) <-> titan-jax params, both ways.
+"""HF transformers Qwen3 and Qwen3-MoE checkpoints (config.json + safetensors) <-> titan-jax
+params, both ways.
 
-Name and layout mapping: HF `Qwen3ForCausalLM` stores torch Linear weights (out, in); titan-jax
-stores (in, out) with layers stacked on a leading axis. Below, prefix `m.l.{i}.` is
-`model.layers.{i}.` and the titan-jax name `L.` is `layers.` indexed at layer i.
-
-    model.embed_tokens.weight              (V, D)      tok_embeddings          (V, D)
-    m.l.{i}.self_attn.q_proj.weight        (H*hd, D)   L.attention.wq          (D, H, hd)
-    m.l.{i}.self_attn.k_proj.weight        (KV*hd, D)  L.attention.wk          (D, KV, hd)
-    m.l.{i}.self_attn.v_proj.weight        (KV*hd, D)  L.attention.wv          (D, KV, hd)
-    m.l.{i}.self_attn.o_proj.weight        (D, H*hd)   L.attention.wo          (H, hd, D)
-    m.l.{i}.self_attn.{q,k}_norm.weight    (hd,)       L.attention.{q,k}_norm.weight
-    m.l.{i}.mlp.gate_proj.weight           (F, D)      L.feed_forward.w1       (D, F)
-    m.l.{i}.mlp.up_proj.weight             (F, D)      L.feed_forward.w3       (D, F)
-    m.l.{i}.mlp.down_proj.weight           (D, F)      L.feed_forward.w2       (F, D)
-    m.l.{i}.input_layernorm.weight         (D,)        L.attention_norm.weight
-    m.l.{i}.post_attention_layernorm.weight (D,)       L.ffn_norm.weight
-    model.norm.weight                      (D,)        norm.weight
-    lm_head.weight                         (V, D)      lm_head (D, V), untied models only
-
-RoPE needs no permutation: both sides use the rotate-half layout. Loading places every tensor
-straight onto its target sharding with `jax.make_array_from_callback`; each callback reads only
-its shard's slice from the files, so no host ever holds a whole tensor it does not own, let alone
-the whole model. Saving gathers one HF tensor at a time and writes one safetensors file at a time.
+The name and layout map is in `hf_tensors.py`; RoPE needs no permutation (both sides use the
+rotate-half layout). Loading places every tensor straight onto its target sharding with
+`jax.make_array_from_callback`; each callback reads only its shard's slice from the files, so no
+host ever holds a whole tensor it does not own, let alone the whole model. Saving gathers one
+HF tensor at a time (an expert stack once per layer) and writes one safetensors file at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import re
@@ -50,6 +33,7 @@ from titan_jax.models.qwen3.hf_config import (
     hf_config_from_args,
     read_hf_config,
 )
+from titan_jax.models.qwen3.hf_tensors import IGNORED, HFTensor, hf_tensors, to_hf_layout
 
 Params = dict[str, Any]
 
@@ -57,81 +41,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HF's default "5GB"
-
-
-# ------------------------------------------------------------------------------------------------
-# The tensor map
-
-
-@dataclasses.dataclass(frozen=True)
-class HFTensor:
-    """One HF tensor and where it lives in titan-jax params.
-
-    `path`: key path into params; `layer`: index on the stacked layers axis (None outside layers);
-    `shape`: the titan-jax shape (per layer); `n_in`: for linear weights, how many leading titan
-    dims form the input side (HF stores the transpose, flattened to (out, in)); None = same layout.
-    """
-
-    name: str
-    path: tuple[str, ...]
-    layer: int | None
-    shape: tuple[int, ...]
-    n_in: int | None
-
-    @property
-    def hf_shape(self) -> tuple[int, ...]:
-        if self.n_in is None:
-            return self.shape
-        return (math.prod(self.shape[self.n_in:]), math.prod(self.shape[:self.n_in]))
-
-
-# (titan path under `layers`, HF name under model.layers.{i}, n_in)
-_LAYER_TENSORS = (
-    (("attention", "wq"), "self_attn.q_proj.weight", 1),
-    (("attention", "wk"), "self_attn.k_proj.weight", 1),
-    (("attention", "wv"), "self_attn.v_proj.weight", 1),
-    (("attention", "wo"), "self_attn.o_proj.weight", 2),
-    (("attention", "q_norm", "weight"), "self_attn.q_norm.weight", None),
-    (("attention", "k_norm", "weight"), "self_attn.k_norm.weight", None),
-    (("feed_forward", "w1"), "mlp.gate_proj.weight", 1),
-    (("feed_forward", "w3"), "mlp.up_proj.weight", 1),
-    (("feed_forward", "w2"), "mlp.down_proj.weight", 1),
-    (("attention_norm", "weight"), "input_layernorm.weight", None),
-    (("ffn_norm", "weight"), "post_attention_layernorm.weight", None),
-)
-# HF tensors that carry no weights of ours (old checkpoints store the RoPE frequencies).
-_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-
-
-def hf_tensors(args: Qwen3Args) -> list[HFTensor]:
-    """Every HF tensor of the model, in HF's file order."""
-    if args.is_moe:
-        raise NotImplementedError("HF import/export of Qwen3-MoE models is not supported yet")
-    d, f, v, hd = args.dim, args.hidden_dim, args.vocab_size, args.head_dim
-    shapes = {
-        ("attention", "wq"): (d, args.n_heads, hd), ("attention", "wk"): (d, args.n_kv_heads, hd),
-        ("attention", "wv"): (d, args.n_kv_heads, hd), ("attention", "wo"): (args.n_heads, hd, d),
-        ("attention", "q_norm", "weight"): (hd,), ("attention", "k_norm", "weight"): (hd,),
-        ("feed_forward", "w1"): (d, f), ("feed_forward", "w3"): (d, f),
-        ("feed_forward", "w2"): (f, d), ("attention_norm", "weight"): (d,),
-        ("ffn_norm", "weight"): (d,),
-    }
-    out = [HFTensor("model.embed_tokens.weight", ("tok_embeddings",), None, (v, d), None)]
-    for i in range(args.n_layers):
-        out += [HFTensor(f"model.layers.{i}.{name}", ("layers", *path), i, shapes[path], n_in)
-                for path, name, n_in in _LAYER_TENSORS]
-    out.append(HFTensor("model.norm.weight", ("norm", "weight"), None, (d,), None))
-    if not args.tie_embeddings:
-        out.append(HFTensor("lm_head.weight", ("lm_head",), None, (d, v), 1))
-    return out
-
-
-def to_hf_layout(t: HFTensor, x: np.ndarray) -> np.ndarray:
-    """A titan-jax (per-layer) array in HF layout."""
-    if t.n_in is None:
-        return x
-    n_in = math.prod(t.shape[:t.n_in])
-    return x.reshape(n_in, -1).T
 
 
 # ------------------------------------------------------------------------------------------------
@@ -190,12 +99,13 @@ def _check_tensors(reader: _Reader, tensors: list[HFTensor], args: Qwen3Args) ->
     # HF ties by copying: a tied checkpoint may still store lm_head.weight; it is not used.
     if args.tie_embeddings:
         known.add("lm_head.weight")
-    unknown = sorted(n for n in reader.files if n not in known and not _IGNORED.fullmatch(n))
+    unknown = sorted(n for n in reader.files if n not in known and not IGNORED.fullmatch(n))
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise HFCheckpointError(
             f"{reader.path}: unexpected tensors {unknown[:5]}{more} for a {args.n_layers}-layer "
-            f"{'tied' if args.tie_embeddings else 'untied'} dense Qwen3 config.json"
+            f"{'tied' if args.tie_embeddings else 'untied'} "
+            f"{'MoE' if args.is_moe else 'dense'} Qwen3 config.json"
         )
 
 
@@ -244,6 +154,17 @@ def _set(tree: Params, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
+def _read_stacked(reader: _Reader, group: list[HFTensor], stack: tuple[int, ...],
+                  bounds: tuple[tuple[int, int], ...], index: tuple[slice, ...]) -> np.ndarray:
+    """The block of a stacked weight covering `bounds` on its stacked axes: one HF tensor per
+    stacked position (`group` in row-major order over `stack`)."""
+    if not stack:
+        return _read_shard(reader, group[0], index)
+    (first, last), inner = bounds[0], math.prod(stack[1:])
+    return np.stack([_read_stacked(reader, group[i * inner:(i + 1) * inner], stack[1:],
+                                   bounds[1:], index) for i in range(first, last)])
+
+
 def load_hf_params(path: str | Path, args: Qwen3Args | None = None,
                    shardings: Params | None = None, dtype: Any = np.float32) -> Params:
     """Reads the HF model directory `path` into titan-jax params.
@@ -271,23 +192,20 @@ def load_hf_params(path: str | Path, args: Qwen3Args | None = None,
         _check_tensors(reader, tensors, args)
         for tpath, group in by_path.items():
             sharding = default if shardings is None else _get(shardings, tpath)
-            stacked = group[0].layer is not None
-            shape = (len(group), *group[0].shape) if stacked else group[0].shape
+            # Leading stacked axes: layers, then experts (tensors come layer-major).
+            stack = (args.n_layers,) * (group[0].layer is not None) + (
+                args.num_experts,) * (group[0].expert is not None)
+            shape = (*stack, *group[0].shape)
             cache: dict[tuple, np.ndarray] = {}  # replicated shards are read once
 
             def callback(index: tuple[slice, ...], group: list[HFTensor] = group,
-                         stacked: bool = stacked, shape: tuple[int, ...] = shape,
+                         stack: tuple[int, ...] = stack, shape: tuple[int, ...] = shape,
                          cache: dict = cache) -> np.ndarray:
                 index = tuple(index) + (slice(None),) * (len(shape) - len(index))
                 key = tuple(_slice_bounds(s, n) for s, n in zip(index, shape, strict=True))
                 if key not in cache:
-                    if stacked:
-                        first, last = key[0]
-                        parts = [_read_shard(reader, group[i], index[1:])
-                                 for i in range(first, last)]
-                        cache[key] = np.stack(parts).astype(dtype)
-                    else:
-                        cache[key] = _read_shard(reader, group[0], index).astype(dtype)
+                    cache[key] = _read_stacked(reader, group, stack, key,
+                                               index[len(stack):]).astype(dtype)
                 return cache[key]
 
             _set(params, tpath, jax.make_array_from_callback(shape, sharding, callback))
@@ -336,15 +254,17 @@ def iter_hf_tensors(params: Params, args: Qwen3Args, dtype: Any = None
                     ) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array in HF layout) for every tensor, one at a time: at most one layer's
     weights are gathered to the host at once."""
-    current, layer = None, None
+    current, layer, host = None, None, {}
     for t in hf_tensors(args):
         if t.layer is None:
-            leaf = _get(params, t.path)
+            leaf = _host_array(_get(params, t.path))
         else:
             if t.layer != current:
-                current, layer = t.layer, _layer(params["layers"], t.layer)
-            leaf = _get(layer, t.path[1:])
-        x = np.ascontiguousarray(to_hf_layout(t, _host_array(leaf)))
+                current, layer, host = t.layer, _layer(params["layers"], t.layer), {}
+            if t.path not in host:  # an expert stack is copied once for all its experts
+                host[t.path] = _host_array(_get(layer, t.path[1:]))
+            leaf = host[t.path] if t.expert is None else host[t.path][t.expert]
+        x = np.ascontiguousarray(to_hf_layout(t, leaf))
         yield t.name, x if dtype is None else x.astype(dtype)
 
 

@@ -9,12 +9,13 @@ from typing import Any
 from titan_jax.models.qwen3.args import Qwen3Args
 
 CONFIG_FILE = "config.json"
-ARCHITECTURE = "Qwen3ForCausalLM"
-MODEL_TYPE = "qwen3"
+# model_type -> architecture: dense Qwen3 and Qwen3-MoE.
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Fields compared between a checkpoint's config.json and the model it is loaded into
 # (max_seq_len is a training choice, not a property of the weights).
 _WEIGHT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
-                  "vocab_size", "norm_eps", "rope_theta", "tie_embeddings")
+                  "vocab_size", "norm_eps", "rope_theta", "tie_embeddings", "num_experts",
+                  "top_k", "moe_inter_dim", "norm_topk_prob")
 
 
 class HFCheckpointError(ValueError):
@@ -30,14 +31,14 @@ def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwe
     if not isinstance(config, dict):
         raise HFCheckpointError(f"{where}: expected a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type")
-    if model_type != MODEL_TYPE:
+    if model_type not in ARCHITECTURES:
         raise HFCheckpointError(
-            f"{where}: model_type={model_type!r} is not a dense Qwen3 checkpoint "
-            f"(expected {MODEL_TYPE!r})"
+            f"{where}: model_type={model_type!r} is not a Qwen3 or Qwen3-MoE checkpoint "
+            f"(expected one of {', '.join(map(repr, ARCHITECTURES))})"
         )
-    archs = config.get("architectures")
-    if archs is not None and ARCHITECTURE not in archs:
-        raise HFCheckpointError(f"{where}: architectures={archs!r}; expected [{ARCHITECTURE!r}]")
+    archs, arch = config.get("architectures"), ARCHITECTURES[model_type]
+    if archs is not None and arch not in archs:
+        raise HFCheckpointError(f"{where}: architectures={archs!r}; expected [{arch!r}]")
 
     def field(name: str, kind: type, default: Any = None) -> Any:
         value = config.get(name)
@@ -73,6 +74,19 @@ def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwe
     if isinstance(theta, bool) or not isinstance(theta, int | float):
         raise HFCheckpointError(f"{where}: rope_theta={theta!r} is not a number")
 
+    moe = {}
+    if model_type == "qwen3_moe":
+        if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+            raise HFCheckpointError(
+                f"{where}: decoder_sparse_step={config.get('decoder_sparse_step')!r}, "
+                f"mlp_only_layers={config.get('mlp_only_layers')!r}: only all-MoE layers "
+                "(1, []) are supported")
+        # The hub's files say num_experts; transformers 5 writes num_local_experts.
+        experts = "num_experts" if config.get("num_experts") is not None else "num_local_experts"
+        moe = {"num_experts": field(experts, int),
+               "top_k": field("num_experts_per_tok", int),
+               "moe_inter_dim": field("moe_intermediate_size", int),
+               "norm_topk_prob": field("norm_topk_prob", bool, False)}
     dim = field("hidden_size", int)
     n_heads = field("num_attention_heads", int)
     if n_heads <= 0 or dim <= 0:
@@ -90,6 +104,7 @@ def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwe
         rope_theta=float(theta),
         max_seq_len=field("max_position_embeddings", int, 32768),
         tie_embeddings=field("tie_word_embeddings", bool, False),
+        **moe,
     )
     try:
         args.validate()
@@ -100,11 +115,16 @@ def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwe
 
 def hf_config_from_args(args: Qwen3Args, dtype: str = "float32") -> dict[str, Any]:
     """The config.json transformers writes for this model (readable by transformers 4 and 5)."""
-    if args.is_moe:
-        raise NotImplementedError("HF export of Qwen3-MoE models is not supported yet")
+    model_type = "qwen3_moe" if args.is_moe else "qwen3"
+    moe = {"num_experts": args.num_experts, "num_local_experts": args.num_experts,
+           "num_experts_per_tok": args.top_k,
+           "moe_intermediate_size": args.moe_inter_dim, "norm_topk_prob": args.norm_topk_prob,
+           "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+           } if args.is_moe else {}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        **moe,
         "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
@@ -139,8 +159,10 @@ def read_hf_config(path: str | Path) -> Qwen3Args:
 
 def check_args_match(args: Qwen3Args, checkpoint: Qwen3Args, where: str) -> None:
     """The checkpoint's weights fit `args`: every shape/numerics field agrees."""
+    # An all-MoE model has no dense FFN: config.json's intermediate_size describes no weight.
+    fields = [f for f in _WEIGHT_FIELDS if not (f == "hidden_dim" and args.is_moe)]
     diffs = [f"{f}: checkpoint {getattr(checkpoint, f)!r} vs model {getattr(args, f)!r}"
-             for f in _WEIGHT_FIELDS if getattr(args, f) != getattr(checkpoint, f)]
+             for f in fields if getattr(args, f) != getattr(checkpoint, f)]
     if diffs:
         raise HFCheckpointError(f"{where} does not match the model: " + "; ".join(diffs))
 

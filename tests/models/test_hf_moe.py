@@ -1,0 +1,134 @@
+"""Qwen3-MoE against HF transformers' Qwen3MoeForCausalLM (fp32, aux loss off), through the
+HF checkpoint files: logits, per-token KL, argmax, gradients, and the way back to HF."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import titan_jax.parity  # noqa: F401  (imported before torch: it sets OMP_WAIT_POLICY)
+from titan_jax.models.qwen3 import build_model_def
+from titan_jax.models.qwen3.hf import iter_hf_tensors, load_hf_params, save_hf
+from titan_jax.models.qwen3.hf_config import HFCheckpointError, read_hf_config
+from titan_jax.parity.metrics import kl_per_token
+from titan_jax.train.loss import cross_entropy_sum
+
+torch = pytest.importorskip("torch")  # the `parity` extra; CI installs it
+transformers = pytest.importorskip("transformers")
+
+SEQ = 512
+
+
+@pytest.fixture(scope="module")
+def hf_moe(tmp_path_factory):
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, output_router_logits=False,
+        max_position_embeddings=SEQ, tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norms away from 1, so a misplaced one shows
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:  # larger than init so routing is decided by clear margins
+                p.mul_(4.0)
+    path = tmp_path_factory.mktemp("hf_moe")
+    model.save_pretrained(path, safe_serialization=True)
+    return model, path
+
+
+def tokens():
+    return np.random.default_rng(0).integers(0, 128, (1, SEQ)).astype(np.int64)
+
+
+def test_hub_layout_is_per_expert(hf_moe):
+    _, path = hf_moe
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    assert "model.layers.0.mlp.gate.weight" in names
+
+
+def test_logits_kl_and_argmax_equal_hf(hf_moe):
+    model, path = hf_moe
+    args = read_hf_config(path)
+    assert (args.num_experts, args.top_k, args.moe_inter_dim) == (8, 2, 16)
+    ours = build_model_def(args)
+    params = load_hf_params(path, args)
+    x = tokens()
+    with torch.no_grad():
+        want = model(torch.from_numpy(x)).logits.numpy()[0]
+    got = np.asarray(ours.apply(params, jnp.asarray(x, jnp.int32)))[0]
+    assert np.abs(got - want).max() <= 1e-4
+    assert kl_per_token(want, got).max() <= 1e-9
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def fused(tensors: dict[str, np.ndarray], args) -> dict[str, np.ndarray]:
+    """Hub (per-expert) names -> transformers 5's in-memory layout: `experts.gate_up_proj`
+    (E, 2F, D), gate rows first, and `experts.down_proj` (E, D, F)."""
+    out = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}.mlp.experts"
+        get = lambda j, name, p=p: tensors[f"{p}.{j}.{name}.weight"]  # noqa: E731
+        out[f"{p}.gate_up_proj"] = np.stack([np.concatenate([get(j, "gate_proj"),
+                                                             get(j, "up_proj")])
+                                             for j in range(args.num_experts)])
+        out[f"{p}.down_proj"] = np.stack([get(j, "down_proj") for j in range(args.num_experts)])
+    return out
+
+
+def test_gradients_equal_hf(hf_moe):
+    model, path = hf_moe
+    args = read_hf_config(path)
+    ours = build_model_def(args)
+    params = load_hf_params(path, args)
+    x = tokens()
+    inputs, labels = x[:, :-1], x[:, 1:]
+
+    def loss(p):
+        h, w, _ = ours.forward(p, ours.init_buffers(), jnp.asarray(inputs, jnp.int32))
+        return cross_entropy_sum(h, w, jnp.asarray(labels, jnp.int32)) / labels.size
+
+    grads = fused(dict(iter_hf_tensors(jax.grad(loss)(params), args)), args)
+    model.zero_grad()
+    # HF shifts the labels itself: the whole sequence as input and labels is the same loss
+    # (causal: the last position's logits take no part).
+    model(torch.from_numpy(x), labels=torch.from_numpy(x)).loss.backward()
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), atol=1e-4, rtol=1e-3,
+                                   err_msg=name)
+
+
+def test_export_loads_in_hf_with_the_same_logits(hf_moe, tmp_path):
+    model, path = hf_moe
+    args = read_hf_config(path)
+    save_hf(tmp_path / "out", load_hf_params(path, args), args)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["num_experts"] == 8
+    back = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    x = torch.from_numpy(tokens())
+    with torch.no_grad():
+        np.testing.assert_array_equal(back(x).logits.numpy(), model(x).logits.numpy())
+
+
+def test_a_missing_expert_tensor_names_it(hf_moe, tmp_path):
+    _, path = hf_moe
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HFCheckpointError,
+                       match="missing tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"):
+        load_hf_params(tmp_path)

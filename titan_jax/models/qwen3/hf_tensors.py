@@ -1,0 +1,131 @@
+"""The tensor map between HF Qwen3 / Qwen3-MoE checkpoints and titan-jax params.
+
+Name and layout mapping: HF `Qwen3ForCausalLM` stores torch Linear weights (out, in); titan-jax
+stores (in, out) with layers stacked on a leading axis. Below, prefix `m.l.{i}.` is
+`model.layers.{i}.` and the titan-jax name `L.` is `layers.` indexed at layer i.
+
+    model.embed_tokens.weight              (V, D)      tok_embeddings          (V, D)
+    m.l.{i}.self_attn.q_proj.weight        (H*hd, D)   L.attention.wq          (D, H, hd)
+    m.l.{i}.self_attn.k_proj.weight        (KV*hd, D)  L.attention.wk          (D, KV, hd)
+    m.l.{i}.self_attn.v_proj.weight        (KV*hd, D)  L.attention.wv          (D, KV, hd)
+    m.l.{i}.self_attn.o_proj.weight        (D, H*hd)   L.attention.wo          (H, hd, D)
+    m.l.{i}.self_attn.{q,k}_norm.weight    (hd,)       L.attention.{q,k}_norm.weight
+    m.l.{i}.mlp.gate_proj.weight           (F, D)      L.feed_forward.w1       (D, F)
+    m.l.{i}.mlp.up_proj.weight             (F, D)      L.feed_forward.w3       (D, F)
+    m.l.{i}.mlp.down_proj.weight           (D, F)      L.feed_forward.w2       (F, D)
+    m.l.{i}.input_layernorm.weight         (D,)        L.attention_norm.weight
+    m.l.{i}.post_attention_layernorm.weight (D,)       L.ffn_norm.weight
+    model.norm.weight                      (D,)        norm.weight
+    lm_head.weight                         (V, D)      lm_head (D, V), untied models only
+
+MoE layers (`model.layers.{i}.mlp.*`, in place of the dense MLP rows above; `L.moe.*` is
+stacked over layers, then experts):
+
+    m.l.{i}.mlp.gate.weight                (E, D)      L.moe.gate              (D, E)
+    m.l.{i}.mlp.experts.{j}.gate_proj.weight (F, D)    L.moe.w1[j]             (D, F)
+    m.l.{i}.mlp.experts.{j}.up_proj.weight (F, D)      L.moe.w3[j]             (D, F)
+    m.l.{i}.mlp.experts.{j}.down_proj.weight (D, F)    L.moe.w2[j]             (F, D)
+
+The MoE expert bias is a training buffer with no HF counterpart: it is not exported, and a
+model loaded from HF starts with a zero bias (what HF's router computes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+from titan_jax.models.qwen3.args import Qwen3Args
+
+# ------------------------------------------------------------------------------------------------
+# The tensor map
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One HF tensor and where it lives in titan-jax params.
+
+    `path`: key path into params; `layer`: index on the stacked layers axis (None outside layers);
+    `shape`: the titan-jax shape (per layer); `n_in`: for linear weights, how many leading titan
+    dims form the input side (HF stores the transpose, flattened to (out, in)); None = same layout.
+    """
+
+    name: str
+    path: tuple[str, ...]
+    layer: int | None
+    shape: tuple[int, ...]
+    n_in: int | None
+    expert: int | None = None  # index on the stacked experts axis (after the layers axis)
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        if self.n_in is None:
+            return self.shape
+        return (math.prod(self.shape[self.n_in:]), math.prod(self.shape[:self.n_in]))
+
+
+# (titan path under `layers`, HF name under model.layers.{i}, n_in)
+_LAYER_TENSORS = (
+    (("attention", "wq"), "self_attn.q_proj.weight", 1),
+    (("attention", "wk"), "self_attn.k_proj.weight", 1),
+    (("attention", "wv"), "self_attn.v_proj.weight", 1),
+    (("attention", "wo"), "self_attn.o_proj.weight", 2),
+    (("attention", "q_norm", "weight"), "self_attn.q_norm.weight", None),
+    (("attention", "k_norm", "weight"), "self_attn.k_norm.weight", None),
+    (("feed_forward", "w1"), "mlp.gate_proj.weight", 1),
+    (("feed_forward", "w3"), "mlp.up_proj.weight", 1),
+    (("feed_forward", "w2"), "mlp.down_proj.weight", 1),
+    (("attention_norm", "weight"), "input_layernorm.weight", None),
+    (("ffn_norm", "weight"), "post_attention_layernorm.weight", None),
+)
+# HF tensors that carry no weights of ours (old checkpoints store the RoPE frequencies).
+IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def _expert_tensors(args: Qwen3Args, i: int) -> list[HFTensor]:
+    """Layer i's router and per-expert tensors (the hub's layout; transformers 5 fuses them in
+    memory but `save_pretrained` writes them per expert)."""
+    d, e, f = args.dim, args.num_experts, args.moe_inter_dim
+    prefix = f"model.layers.{i}.mlp"
+    out = [HFTensor(f"{prefix}.gate.weight", ("layers", "moe", "gate"), i, (d, e), 1)]
+    for j in range(e):
+        out += [HFTensor(f"{prefix}.experts.{j}.{name}.weight", ("layers", "moe", ours), i,
+                         shape, 1, j)
+                for name, ours, shape in (("gate_proj", "w1", (d, f)), ("up_proj", "w3", (d, f)),
+                                          ("down_proj", "w2", (f, d)))]
+    return out
+
+
+def hf_tensors(args: Qwen3Args) -> list[HFTensor]:
+    """Every HF tensor of the model, in HF's file order."""
+    d, f, v, hd = args.dim, args.hidden_dim, args.vocab_size, args.head_dim
+    shapes = {
+        ("attention", "wq"): (d, args.n_heads, hd), ("attention", "wk"): (d, args.n_kv_heads, hd),
+        ("attention", "wv"): (d, args.n_kv_heads, hd), ("attention", "wo"): (args.n_heads, hd, d),
+        ("attention", "q_norm", "weight"): (hd,), ("attention", "k_norm", "weight"): (hd,),
+        ("feed_forward", "w1"): (d, f), ("feed_forward", "w3"): (d, f),
+        ("feed_forward", "w2"): (f, d), ("attention_norm", "weight"): (d,),
+        ("ffn_norm", "weight"): (d,),
+    }
+    out = [HFTensor("model.embed_tokens.weight", ("tok_embeddings",), None, (v, d), None)]
+    for i in range(args.n_layers):
+        out += [HFTensor(f"model.layers.{i}.{name}", ("layers", *path), i, shapes[path], n_in)
+                for path, name, n_in in _LAYER_TENSORS
+                if not (args.is_moe and path[0] == "feed_forward")]
+        if args.is_moe:
+            out += _expert_tensors(args, i)
+    out.append(HFTensor("model.norm.weight", ("norm", "weight"), None, (d,), None))
+    if not args.tie_embeddings:
+        out.append(HFTensor("lm_head.weight", ("lm_head",), None, (d, v), 1))
+    return out
+
+
+def to_hf_layout(t: HFTensor, x: np.ndarray) -> np.ndarray:
+    """A titan-jax (per-layer) array in HF layout."""
+    if t.n_in is None:
+        return x
+    n_in = math.prod(t.shape[:t.n_in])
+    return x.reshape(n_in, -1).T
