@@ -72,7 +72,12 @@ def test_config_defaults_and_old_rope_theta():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model_type": "qwen3_moe"}, "model_type='qwen3_moe'"),
+    ({"model_type": "qwen3_moe"}, "expected ['Qwen3MoeForCausalLM']"),
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
+     "missing field 'num_local_experts'"),
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+      "num_experts_per_tok": 2, "moe_intermediate_size": 8, "mlp_only_layers": [0]},
+     "only all-MoE layers"),
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "model_type='llama'"),
     ({"architectures": ["Qwen3ForSequenceClassification"]}, "architectures="),
     ({"hidden_size": None}, "missing field 'hidden_size'"),
