@@ -64,11 +64,15 @@ class Parallelism:
     data_parallel_replicate_degree: int = 1
     data_parallel_shard_degree: int = -1  # -1: all devices left after the other degrees
     tensor_parallel_degree: int = 1
+    # Experts split over this many of the data-parallel shard ranks (MoE flavours only); the
+    # token dispatch and combine are all-to-alls over it.
+    expert_parallel_degree: int = 1
     # "default" = "always": free the gathered weight after forward, re-gather in backward.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit
-    # all_gather/psum_scatter twin, a cross-check of the jit path (same rules, same losses).
-    fsdp_implementation: Literal["jit", "shard_map"] = "jit"
+    # all_gather/psum_scatter twin (same rules, same losses), which also hosts expert
+    # parallelism's all-to-alls. "auto": shard_map with expert parallelism, else jit.
+    fsdp_implementation: Literal["auto", "jit", "shard_map"] = "auto"
 
 
 @dataclasses.dataclass
@@ -303,7 +307,8 @@ def validate(config: JobConfig) -> None:
         t.max_consecutive_bad_steps >= 1,
         f"training.max_consecutive_bad_steps={t.max_consecutive_bad_steps} must be >= 1",
     )
-    for name in ("data_parallel_replicate_degree", "tensor_parallel_degree"):
+    for name in ("data_parallel_replicate_degree", "tensor_parallel_degree",
+                 "expert_parallel_degree"):
         degree = getattr(p, name)
         _require(degree >= 1, f"parallelism.{name}={degree} must be >= 1")
     _require(

@@ -113,7 +113,7 @@ def direct_activation_rms(model: ModelDef, params, tokens_BT) -> np.ndarray:
     rms = []
     for i in range(TINY.n_layers):
         block = nnx.merge(layers_def, jax.tree.map(lambda a, i=i: a[i], layers_state))
-        x = block(x, cos, sin)
+        x, _ = block(x, cos, sin)
         rms.append(float(jnp.sqrt(jnp.mean(x * x))))
     return np.array(rms)
 

@@ -19,15 +19,24 @@ def test_mesh_axes_are_auto_and_ordered():
     trainer = tiny_trainer("--parallelism.data_parallel_replicate_degree", "2",
                            "--parallelism.tensor_parallel_degree", "2",
                            "--training.local_batch_size", "2")
-    assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 2, "tp": 2}
+    assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 2, "ep": 1, "tp": 2}
+    assert trainer.mesh.axis_names == ("dp_replicate", "fsdp", "ep", "tp")
     assert set(trainer.mesh.axis_types) == {AxisType.Auto}
 
 
 def test_fill_shard_degree():
     config = tiny_config("--parallelism.data_parallel_replicate_degree", "2")
     degrees = resolve_degrees(config.parallelism, 8)
-    assert (degrees.dp_replicate, degrees.fsdp, degrees.tp) == (2, 4, 1)
-    assert build_mesh(degrees, jax.devices()).devices.shape == (2, 4, 1)
+    assert (degrees.dp_replicate, degrees.fsdp, degrees.tp, degrees.ep) == (2, 4, 1, 1)
+    assert build_mesh(degrees, jax.devices()).devices.shape == (2, 4, 1, 1)
+
+
+def test_expert_parallelism_is_carved_out_of_the_shard_degree():
+    config = tiny_config("--parallelism.data_parallel_replicate_degree", "2",
+                         "--parallelism.expert_parallel_degree", "2")
+    degrees = resolve_degrees(config.parallelism, 8)
+    assert (degrees.dp_replicate, degrees.fsdp, degrees.ep, degrees.dp_shard) == (2, 2, 2, 4)
+    assert degrees.mode == "hybrid_shard" and degrees.dp == 8
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -59,6 +59,49 @@ def test_moe_losses_and_expert_bias_equal_one_device(reference, preset, implemen
     np.testing.assert_allclose(state["buffers"]["expert_bias"], want_bias, atol=1e-7)
 
 
+@pytest.mark.parametrize("preset, ep", [
+    ("fsdp8", 2), ("fsdp8", 4), ("fsdp8", 8), pytest.param("hsdp2x4", 2, marks=pytest.mark.slow),
+    pytest.param("fsdp4_tp2", 2, marks=pytest.mark.slow)])
+def test_expert_parallel_losses_and_expert_bias_equal_one_device(reference, preset, ep):
+    init, want_losses, want_bias = reference
+    trainer = build_trainer(tiny_config(*preset_overrides(preset),
+                                        "--parallelism.expert_parallel_degree", str(ep)),
+                            model_args=TINY_MOE)
+    assert trainer.degrees.ep == ep and trainer.fsdp.implementation == "shard_map"
+    # Experts are split over ep; their model dim over what is left of the FSDP ranks.
+    spec = (*trainer.state_shardings["params"]["layers"]["moe"]["w1"].spec, None, None)
+    assert spec[1] == "ep" and (spec[2] == "fsdp") == (trainer.degrees.fsdp > 1), spec
+    state, losses, _ = run(trainer, make_batches(STEPS),
+                           jax.device_put(init, trainer.state_shardings))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    np.testing.assert_allclose(state["buffers"]["expert_bias"], want_bias, atol=1e-7)
+
+
+def test_expert_parallel_compiles_to_all_to_alls():
+    from titan_jax.tools import inspect
+
+    trainer = build_trainer(tiny_config(*preset_overrides("fsdp8"),
+                                        "--parallelism.expert_parallel_degree", "4"),
+                            model_args=TINY_MOE)
+    report = inspect.inspect_trainer(trainer)
+    assert any(c["op"] == "all-to-all" for c in report["collectives"]), report["collectives"]
+
+
+@pytest.mark.parametrize("overrides, args, message", [
+    (("--parallelism.expert_parallel_degree", "2"), TINY, "applies to MoE flavours only"),
+    (("--parallelism.expert_parallel_degree", "8", "--parallelism.data_parallel_shard_degree",
+      "8"), dataclasses.replace(TINY_MOE, num_experts=4, top_k=2), "must divide the 4 experts"),
+    (("--parallelism.expert_parallel_degree", "3"), TINY_MOE, "must divide the data-parallel"),
+    (("--parallelism.expert_parallel_degree", "2", "--parallelism.fsdp_implementation", "jit"),
+     TINY_MOE, "fsdp_implementation=jit cannot host expert parallelism"),
+])
+def test_expert_parallel_config_errors(overrides, args, message):
+    from titan_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        build_trainer(tiny_config(*preset_overrides("fsdp8"), *overrides), model_args=args)
+
+
 def test_resume_restores_the_expert_bias_bitwise(reference, tmp_path):
     init, _, _ = reference
     trainer = build_trainer(tiny_config(*preset_overrides("fsdp8")), model_args=TINY_MOE)

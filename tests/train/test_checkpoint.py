@@ -118,7 +118,7 @@ def test_restore_onto_another_mesh_is_bit_exact(saved, mesh):
         config = make_config(saved.folder.parent, "--parallelism.data_parallel_replicate_degree",
                              "2")
         trainer = make_trainer(config)
-        assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 4, "tp": 1}
+        assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 4, "ep": 1, "tp": 1}
     else:
         trainer = make_trainer(saved.config, jax.devices()[:1])
     restored = Checkpointer.from_config(saved.config, trainer).restore(
@@ -319,7 +319,7 @@ def test_a_hf_directory_that_is_not_qwen3_is_refused(tmp_path):
         {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     config = make_config(tmp_path, "--checkpoint.initial_load_path", str(tmp_path / "llama"),
                          "--checkpoint.initial_load_in_hf", "true")
-    with pytest.raises(ValueError, match="model_type=.llama. is not a dense Qwen3"):
+    with pytest.raises(ValueError, match="model_type=.llama. is not a Qwen3 or Qwen3-MoE checkpoint"):
         load_start(config, make_trainer(config), None)
 
 

@@ -221,7 +221,7 @@ def test_bad_folders_fail_cleanly_at_the_cli(tmp_path, capsys, case):
         (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
         args = ["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.initial_load_path",
                 str(tmp_path / "llama"), "--checkpoint.initial_load_in_hf", "true"]
-        message = "model_type='llama' is not a dense Qwen3 checkpoint"
+        message = "model_type='llama' is not a Qwen3 or Qwen3-MoE checkpoint"
     code = main(["train", *ARGS, *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err

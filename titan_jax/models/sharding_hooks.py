@@ -2,8 +2,9 @@
 
 Every module reads its weights through `use_param` and pins the layout of the few activations
 that matter through `constrain`, naming dimensions by logical axis only (`("batch", "seq",
-"embed")`). By default a weight read is a cast to the compute dtype and a constraint does
-nothing. Parallelism installs `ShardingHooks` for the duration of a trace (`sharding_hooks`):
+"embed")`); an MoE layer sends its routed tokens through `dispatch_to_experts`. By default a
+weight read is a cast to the compute dtype, a constraint does nothing, and every expert is
+local. Parallelism installs `ShardingHooks` for the duration of a trace (`sharding_hooks`):
 SimpleFSDP's cast + all-gather, whose backward reduces the gradient in fp32, and sharding
 constraints derived from the one rules table (`titan_jax/parallel/rules.py`). So the model never
 knows the mesh.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import jax
@@ -42,6 +43,29 @@ class ActivationUse(Protocol):
     def __call__(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array: ...
 
 
+# (rows (M, D), local expert id of each row (M,)) -> each row through its expert's FFN (M, D).
+ExpertFFN = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+class ExpertDispatch(Protocol):
+    """Routes each (token, slot) pick to the rank holding its expert and combines the results:
+    (x (N, D), chosen experts (N, K), gate weights (N, K), experts held here, the FFN of the
+    experts held here) -> sum_k weights * FFN_{expert}(x), (N, D)."""
+
+    def __call__(self, x_ND: jax.Array, experts_NK: jax.Array, weights_NK: jax.Array,
+                 n_local: int, ffn: ExpertFFN) -> jax.Array: ...
+
+
+def local_dispatch(x_ND: jax.Array, experts_NK: jax.Array, weights_NK: jax.Array,
+                   n_local: int, ffn: ExpertFFN) -> jax.Array:
+    """Every expert is here: each pick's row through its expert, summed over the k slots in
+    fp32, weighted by the gate."""
+    del n_local
+    n, k = experts_NK.shape
+    y_NKD = ffn(x_ND[jnp.arange(n * k) // k], experts_NK.reshape(-1)).reshape(n, k, -1)
+    return jnp.einsum("nk,nkd->nd", weights_NK, y_NKD.astype(jnp.float32)).astype(x_ND.dtype)
+
+
 def cast_param(value: jax.Array, path: str, logical_axes: LogicalAxes,
                dtype: jnp.dtype) -> jax.Array:
     del path, logical_axes
@@ -57,6 +81,7 @@ def unconstrained(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
 class ShardingHooks:
     param: ParamUse = cast_param
     activation: ActivationUse = unconstrained
+    experts: ExpertDispatch = local_dispatch  # expert parallelism swaps in an all-to-all
 
 
 NO_SHARDING = ShardingHooks()  # one device, or a trace without a mesh
@@ -83,6 +108,12 @@ def use_param(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
     path = param.get_metadata().get(PATH_METADATA, "")
     value = _ACTIVE.get().param(param[...], path, param.logical_axes, dtype)
     return checkpoint_name(value, GATHERED_PARAM)
+
+
+def dispatch_to_experts(x_ND: jax.Array, experts_NK: jax.Array, weights_NK: jax.Array,
+                        n_local: int, ffn: ExpertFFN) -> jax.Array:
+    """The MoE layer's routed experts, through the active expert dispatch (see ExpertDispatch)."""
+    return _ACTIVE.get().experts(x_ND, experts_NK, weights_NK, n_local, ffn)
 
 
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:

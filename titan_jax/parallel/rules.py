@@ -9,6 +9,8 @@ splits it. Every sharding in a run is derived here, once:
 - its *compute* spec, the layout the forward uses it in: the storage spec with the data-parallel
   axes gathered (`gathered_axes`), tensor-parallel splits kept;
 - an activation's spec: the compute view too, so the data-parallel axes split only `batch`.
+`expert` keeps its split in compute too: expert parallelism (`ep`, carved out of the FSDP
+ranks as in TorchTitan) means each rank computes only the experts it holds.
 
 SimpleFSDP's modes need no separate tables: weights are sharded over `fsdp`, which has size 1
 under pure replication (DDP), and the batch over (dp_replicate, fsdp). Tensor parallelism is
@@ -31,19 +33,24 @@ MeshAxes = str | tuple[str, ...] | None
 
 DEFAULT_TABLE: Mapping[str, MeshAxes] = {
     # Activations only.
-    "batch": ("dp_replicate", "fsdp"),
+    "batch": ("dp_replicate", "fsdp", "ep"),
     "seq": None,
     # Parameters (and activations, in the compute view).
     "layers": None,  # scanned over, never split
-    "embed": "fsdp",  # the SimpleFSDP shard dimension of every weight that has it
-    "norm": "fsdp",
+    "embed": ("fsdp", "ep"),  # the SimpleFSDP shard dimension of every weight that has it
+    "norm": ("fsdp", "ep"),
     "vocab": "tp",
     "heads": "tp",
     "kv_heads": "tp",
     "mlp": "tp",
     "head_dim": None,
-    "expert": None,  # room for expert parallelism ("ep")
+    # MoE experts: split over ep (expert parallelism), their model dim FSDP-split over the rest.
+    "expert": "ep",
+    "moe_embed": "fsdp",
 }
+# Logical axes whose data-parallel splits survive into compute: the batch (it is the data) and
+# the experts (under expert parallelism each rank computes the experts it holds).
+KEPT_IN_COMPUTE = ("batch", "expert")
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
@@ -87,20 +94,25 @@ class ShardingRules:
     def compute_spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...] | None = None
                      ) -> PartitionSpec:
         """How a weight is used, or an activation laid out: data-parallel axes split only the
-        batch. `shape` None skips the divisibility check (activations inside a trace)."""
+        batch and the experts. `shape` None skips the divisibility check (activations inside
+        a trace)."""
         return self._spec(name, axes, shape, drop=self.gathered_axes)
 
     def local_compute_spec(self, name: str, axes: LogicalAxes) -> PartitionSpec:
         """The compute spec with every data axis dropped, for code that already runs per data
         shard (SimpleFSDP's per-shard vmap or shard_map): only model-parallel splits remain."""
         return self._spec(name, axes, None, drop=self.gathered_axes + self.data_axes,
-                          keep_batch=False)
+                          keep_data_splits=False)
 
     def gathered_dims(self, axes: LogicalAxes) -> tuple[tuple[int, str], ...]:
-        """(dim, mesh axis) of each stored split that a use gathers, in storage order."""
+        """(dim, mesh axis) of each stored split that a use gathers, in the order to gather
+        them: a dim split over several mesh axes (major to minor) gathers its minor axis
+        first, so each tiled gather concatenates contiguous blocks."""
         dims = []
         for dim, axis in enumerate(axes):
-            for mesh_axis in self._mesh_axes(axis):
+            if axis in KEPT_IN_COMPUTE:
+                continue
+            for mesh_axis in reversed(self._mesh_axes(axis)):
                 if mesh_axis in self.gathered_axes:
                     dims.append((dim, mesh_axis))
         return tuple(dims)
@@ -112,7 +124,7 @@ class ShardingRules:
         return tuple(a for a in _as_tuple(self.table[axis]) if self.mesh.shape[a] > 1)
 
     def _spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...] | None,
-              drop: tuple[str, ...], keep_batch: bool = True) -> PartitionSpec:
+              drop: tuple[str, ...], keep_data_splits: bool = True) -> PartitionSpec:
         if shape is not None and len(axes) != len(shape):
             raise ShardingRuleError(f"{name}: logical axes {axes} do not match shape {shape}")
         spec: list[MeshAxes] = []
@@ -121,7 +133,7 @@ class ShardingRules:
             if axis is not None and axis not in self.table:
                 raise ShardingRuleError(f"{name}: logical axis {axis!r} has no sharding rule")
             mesh_axes = self._mesh_axes(axis)
-            if axis != "batch" or not keep_batch:
+            if axis not in KEPT_IN_COMPUTE or not keep_data_splits:
                 mesh_axes = tuple(a for a in mesh_axes if a not in drop)
             for a in mesh_axes:
                 if a in used:

@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from titan_jax.models.sharding_hooks import GATHERED_PARAM, LogicalAxes, ShardingHooks
 from titan_jax.models.spec import Aux, Params
+from titan_jax.parallel.expert_parallel import all_to_all_dispatch
 from titan_jax.parallel.rules import ShardingRules
 
 # vmap axis name of the data shards in the jit path.
@@ -117,42 +118,35 @@ gather_param.defvjp(_gather_param_fwd, _gather_param_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def all_gather_param(shard: jax.Array, dtype: jnp.dtype, reduce_dtype: jnp.dtype,
-                     gathered_dims: tuple[tuple[int, str], ...], data_axes: tuple[str, ...]
+                     gathered_dims: tuple[tuple[int, str], ...], replicated: tuple[str, ...]
                      ) -> jax.Array:
-    """Inside shard_map: this device's `shard` cast to `dtype`, marked varying over every data
-    axis and all-gathered along `gathered_dims` ((dim, mesh axis) pairs).
+    """Inside shard_map: this device's `shard` cast to `dtype`, marked varying over the data
+    axes it is stored whole on (`replicated`) and all-gathered along `gathered_dims` ((dim,
+    mesh axis) pairs). Splits a use keeps (experts over `ep`) stay local.
 
     Marking it varying here, not at the consumer, keeps that mark's implicit transpose (a psum
     in the cotangent's dtype, bf16) out of the backward, which reduces explicitly.
     """
     x = shard.astype(dtype)
-    invariant = _unsplit(gathered_dims, data_axes)  # a shard varies over the axes it is split on
-    if invariant:
-        x = lax.pcast(x, invariant, to="varying")
+    if replicated:
+        x = lax.pcast(x, replicated, to="varying")
     for dim, axis in gathered_dims:
         x = lax.all_gather(x, axis, axis=dim, tiled=True)
     return checkpoint_name(x, GATHERED_PARAM)
 
 
-def _unsplit(gathered_dims: tuple[tuple[int, str], ...], data_axes: tuple[str, ...]
-             ) -> tuple[str, ...]:
-    split = {axis for _, axis in gathered_dims}
-    return tuple(a for a in data_axes if a not in split)
-
-
 def _all_gather_param_fwd(shard: jax.Array, dtype: jnp.dtype, reduce_dtype: jnp.dtype,
                           gathered_dims: tuple[tuple[int, str], ...],
-                          data_axes: tuple[str, ...]) -> tuple[jax.Array, None]:
-    return all_gather_param(shard, dtype, reduce_dtype, gathered_dims, data_axes), None
+                          replicated: tuple[str, ...]) -> tuple[jax.Array, None]:
+    return all_gather_param(shard, dtype, reduce_dtype, gathered_dims, replicated), None
 
 
 def _all_gather_param_bwd(dtype: jnp.dtype, reduce_dtype: jnp.dtype,
-                          gathered_dims: tuple[tuple[int, str], ...], data_axes: tuple[str, ...],
+                          gathered_dims: tuple[tuple[int, str], ...], replicated: tuple[str, ...],
                           _: None, g: jax.Array) -> tuple[jax.Array]:
     g = g.astype(reduce_dtype)  # before any reduction
     for dim, axis in reversed(gathered_dims):
         g = lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)  # FSDP
-    replicated = _unsplit(gathered_dims, data_axes)
     return (lax.psum(g, replicated) if replicated else g,)  # DDP, and HSDP's replicas
 
 
@@ -169,13 +163,15 @@ class WeightLayout:
     storage: PartitionSpec
     compute: PartitionSpec
     gathered_dims: tuple[tuple[int, str], ...]  # (dim, data axis) a use gathers
+    replicated: tuple[str, ...]  # data axes it is stored whole on (its gradient sums over them)
     ndim: int
 
     def per_layer(self) -> WeightLayout:
         """The layout of one slice along the leading (scanned, never split) layers axis."""
         drop = lambda spec: PartitionSpec(*tuple(spec)[1:])  # noqa: E731
         return WeightLayout(drop(self.storage), drop(self.compute),
-                            tuple((d - 1, a) for d, a in self.gathered_dims), self.ndim - 1)
+                            tuple((d - 1, a) for d, a in self.gathered_dims), self.replicated,
+                            self.ndim - 1)
 
 
 def weight_layouts(rules: ShardingRules, abstract: Any, logical_axes: Any
@@ -186,9 +182,11 @@ def weight_layouts(rules: ShardingRules, abstract: Any, logical_axes: Any
     layouts = {}
     for (path, x), ax in zip(leaves, axes, strict=True):
         name = ".".join(str(getattr(k, "key", k)) for k in path)
-        layouts[name] = WeightLayout(rules.storage_spec(name, ax, x.shape),
-                                     rules.compute_spec(name, ax, x.shape),
-                                     rules.gathered_dims(ax), len(x.shape))
+        storage = rules.storage_spec(name, ax, x.shape)
+        split = {a for entry in storage for a in (entry if isinstance(entry, tuple) else (entry,))}
+        replicated = tuple(a for a in rules.data_axes if a not in split)
+        layouts[name] = WeightLayout(storage, rules.compute_spec(name, ax, x.shape),
+                                     rules.gathered_dims(ax), replicated, len(x.shape))
     return layouts
 
 
@@ -213,6 +211,9 @@ class SimpleFSDP:
         if self.implementation not in ("jit", "shard_map"):
             raise ValueError(f"parallelism.fsdp_implementation={self.implementation!r}; "
                              "valid: jit, shard_map")
+        if self.implementation == "jit" and self.mesh.shape.get("ep", 1) > 1:
+            raise ValueError("expert parallelism needs the shard_map implementation (the "
+                             "partitioner does not lower the jit path's dispatch to all-to-alls)")
 
     def layout(self, path: str, ndim: int) -> WeightLayout:
         """The layout of weight `path` as used: whole, or one layer of a stacked weight."""
@@ -235,7 +236,11 @@ class SimpleFSDP:
         return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
     def hooks(self) -> ShardingHooks:
-        return ShardingHooks(param=self.param_use, activation=self.activation_use)
+        ep = self.mesh.shape.get("ep", 1)
+        if ep == 1:
+            return ShardingHooks(param=self.param_use, activation=self.activation_use)
+        return ShardingHooks(param=self.param_use, activation=self.activation_use,
+                             experts=all_to_all_dispatch("ep", ep))
 
     def param_use(self, value: jax.Array, path: str, logical_axes: LogicalAxes,
                   dtype: jnp.dtype) -> jax.Array:
@@ -246,7 +251,7 @@ class SimpleFSDP:
         value = value.astype(reduce_dtype)  # its transpose widens the reduced gradient
         if self.implementation == "shard_map":
             return all_gather_param(value, dtype, reduce_dtype, layout.gathered_dims,
-                                    self.data_axes)
+                                    layout.replicated)
         return gather_param(value, lax.axis_index(SHARDS), dtype, reduce_dtype,
                             NamedSharding(self.mesh, layout.storage),
                             NamedSharding(self.mesh, layout.compute))
@@ -283,7 +288,8 @@ class SimpleFSDP:
         data = self.data_axes
         param_specs = nested({
             name: only_axes(layout.storage, data) for name, layout in self.layouts.items()})
-        buffer_specs = jax.tree.map(lambda _: PartitionSpec(), self.buffer_specs)  # whole
+        buffer_specs = jax.tree.map(lambda _: PartitionSpec(), self.buffer_specs,  # whole
+                                    is_leaf=lambda s: isinstance(s, PartitionSpec))
         rows = PartitionSpec(data)
 
         def local(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array

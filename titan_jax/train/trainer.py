@@ -25,6 +25,26 @@ from titan_jax.train.optim import WSDSchedule, build_optimizer
 from titan_jax.train.step import Batch, StepOptions, TrainState, init_train_state, train_step
 
 
+def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any) -> str:
+    """SimpleFSDP's implementation, with the checks expert parallelism needs."""
+    p = config.parallelism
+    if degrees.ep > 1:
+        if not getattr(args, "is_moe", False):
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree={degrees.ep} applies to MoE flavours only; "
+                f"model.flavor={config.model.flavor} is dense (use 1)")
+        if args.num_experts % degrees.ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree={degrees.ep} must divide the "
+                f"{args.num_experts} experts of model.flavor={config.model.flavor}")
+        if p.fsdp_implementation == "jit":
+            raise ConfigError(
+                "parallelism.fsdp_implementation=jit cannot host expert parallelism (its token "
+                "all-to-alls need the shard_map implementation); use auto or shard_map")
+        return "shard_map"
+    return "jit" if p.fsdp_implementation == "auto" else p.fsdp_implementation
+
+
 def resolve_param_dtype(name: str, devices: list[jax.Device]) -> jnp.dtype:
     """`auto` follows the devices the mesh is built on, not the host: bf16 on TPU/GPU (also
     when compiling ahead of time for them from a CPU host), fp32 on CPU (no bf16 matmuls)."""
@@ -137,15 +157,16 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
             f"local_batch_size x data-parallel degree = {t.local_batch_size} x {degrees.dp}"
         )
 
+    implementation = resolve_implementation(config, degrees, args)
     if (t.mixed_precision_reduce == "bfloat16" and all(d.platform == "cpu" for d in devices)
-            and config.parallelism.fsdp_implementation == "shard_map"):
+            and implementation == "shard_map"):
         raise ConfigError(  # XLA:CPU aborts on a bf16 reduce-scatter ("opcode copy")
             "training.mixed_precision_reduce=bfloat16 with parallelism.fsdp_implementation="
             "shard_map does not compile on CPU devices; use float32, or the jit implementation")
     reshard = config.parallelism.fsdp_reshard_after_forward in ("default", "always")
     model = spec.build(args, BuildOptions(
         remat_mode=config.activation_checkpoint.mode,
-        save_gathered_params=not (reshard and degrees.fsdp > 1),
+        save_gathered_params=not (reshard and degrees.dp_shard > 1),
         activation_stats=config.metrics.log_activation_stats, platform=devices[0].platform))
     rules = ShardingRules(mesh)
     try:  # every weight's storage and compute layout, derived once from the table
@@ -173,7 +194,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
                        "opt_state": opt_shardings, "step": NamedSharding(mesh, PartitionSpec())}
     batch_sharding = NamedSharding(mesh, PartitionSpec(rules.data_axes))
     buffer_specs = nested({k: v.storage for k, v in buffer_layouts.items()})
-    fsdp = SimpleFSDP(rules, layouts, buffer_specs, config.parallelism.fsdp_implementation,
+    fsdp = SimpleFSDP(rules, layouts, buffer_specs, implementation,
                       jnp.dtype(t.mixed_precision_reduce))
     return Trainer(config, mesh, degrees, spec, model, rules, schedule, optimizer, options,
                    state_shardings, batch_sharding, fsdp)

@@ -9,7 +9,9 @@ only changes which experts are chosen, never the weights, and carries no gradien
 Experts (dropless): every (token, slot) pair is sorted by expert (stable), the rows are
 gathered, three grouped matmuls run SwiGLU per expert, the results are un-sorted by the inverse
 permutation (a gather, whose backward is a gather too, not a scatter-add) and summed over the
-k slots in fp32, weighted by the gate weights.
+k slots in fp32, weighted by the gate weights. The picks go through the active expert dispatch
+(`sharding_hooks.dispatch_to_experts`): local by default, an all-to-all over the `ep` mesh axis
+under expert parallelism (`titan_jax/parallel/expert_parallel.py`).
 
 Grouped matmul kernels (`GROUPED_MATMULS`), chosen by the target platform:
 - "ragged": `jax.lax.ragged_dot`, a grouped-matmul kernel on TPU and GPU;
@@ -33,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from titan_jax.models.sharding_hooks import use_param
+from titan_jax.models.sharding_hooks import dispatch_to_experts, use_param
 
 Array = jax.Array
 BLOCK = 64  # rows per block of the CPU grouped matmul
@@ -84,20 +86,27 @@ def grouped_matmul_for(platform: str) -> str:
     return "blocked" if platform == "cpu" else "ragged"
 
 
+def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
+               grouped_matmul: str) -> Array:
+    """Each row through its expert's SwiGLU (dropless): sorted by expert, grouped matmuls,
+    un-sorted by the inverse permutation (a gather both ways, no scatter-add)."""
+    matmul = GROUPED_MATMULS[grouped_matmul]
+    order = jnp.argsort(experts_M, stable=True)
+    group_sizes = jnp.bincount(experts_M, length=w1_EDF.shape[0]).astype(jnp.int32)
+    x_MD = rows_MD[order]
+    hidden = jax.nn.silu(matmul(x_MD, w1_EDF, group_sizes)) * matmul(x_MD, w3_EDF, group_sizes)
+    return matmul(hidden, w2_EFD, group_sizes)[jnp.argsort(order)]
+
+
 def routed_experts(x_ND: Array, experts_NK: Array, weights_NK: Array, w1_EDF: Array,
                    w3_EDF: Array, w2_EFD: Array, grouped_matmul: str) -> Array:
-    """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]), dropless, in x's dtype."""
-    n, k = experts_NK.shape
-    matmul = GROUPED_MATMULS[grouped_matmul]
-    flat = experts_NK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=w1_EDF.shape[0]).astype(jnp.int32)
-    x_MD = x_ND[order // k]
-    hidden = jax.nn.silu(matmul(x_MD, w1_EDF, group_sizes)) * matmul(x_MD, w3_EDF, group_sizes)
-    y_MD = matmul(hidden, w2_EFD, group_sizes)
-    y_NKD = y_MD[jnp.argsort(order)].reshape(n, k, -1)
-    out = jnp.einsum("nk,nkd->nd", weights_NK, y_NKD.astype(jnp.float32))
-    return out.astype(x_ND.dtype)
+    """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]), dropless, in x's dtype; through
+    the active expert dispatch (local, or all-to-all under expert parallelism), where the
+    weights are the experts held here."""
+    def ffn(rows_MD: Array, experts_M: Array) -> Array:
+        return expert_ffn(rows_MD, experts_M, w1_EDF, w3_EDF, w2_EFD, grouped_matmul)
+
+    return dispatch_to_experts(x_ND, experts_NK, weights_NK, w1_EDF.shape[0], ffn)
 
 
 def dense_reference(x_ND: Array, experts_NK: Array, weights_NK: Array, w1_EDF: Array,
@@ -129,10 +138,11 @@ class MoE(nnx.Module):
 
         e, d, f = num_experts, dim, inter_dim
         self.gate = param((d, e), ("embed", None), 0.02)
-        self.w1 = param((e, d, f), ("expert", "embed", "mlp"), 0.02)
-        self.w3 = param((e, d, f), ("expert", "embed", "mlp"), 0.02)
-        self.w2 = param((e, f, d), ("expert", "mlp", "embed"), w2_std)
-        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        # "moe_embed": the experts' model dim, FSDP-split apart from `ep`, which splits experts.
+        self.w1 = param((e, d, f), ("expert", "moe_embed", "mlp"), 0.02)
+        self.w3 = param((e, d, f), ("expert", "moe_embed", "mlp"), 0.02)
+        self.w2 = param((e, f, d), ("expert", "mlp", "moe_embed"), w2_std)
+        self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
         self.grouped_matmul = grouped_matmul
 
     def __call__(self, x_BTD: Array, expert_bias_E: Array) -> tuple[Array, Array]:
@@ -143,5 +153,5 @@ class MoE(nnx.Module):
         y_ND = routed_experts(x_ND, experts, weights, use_param(self.w1, dtype),
                               use_param(self.w3, dtype), use_param(self.w2, dtype),
                               self.grouped_matmul)
-        counts = jnp.bincount(experts.reshape(-1), length=self.w1.shape[0])
+        counts = jnp.bincount(experts.reshape(-1), length=self.num_experts)
         return y_ND.reshape(x_BTD.shape), jax.lax.stop_gradient(counts.astype(jnp.float32))
