@@ -319,7 +319,7 @@ def test_a_hf_directory_that_is_not_qwen3_is_refused(tmp_path):
         {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     config = make_config(tmp_path, "--checkpoint.initial_load_path", str(tmp_path / "llama"),
                          "--checkpoint.initial_load_in_hf", "true")
-    with pytest.raises(ValueError, match="model_type=.llama. is not a Qwen3 or Qwen3-MoE checkpoint"):
+    with pytest.raises(ValueError, match="model_type=.llama. is not a Qwen3 or Qwen3-MoE"):
         load_start(config, make_trainer(config), None)
 
 
