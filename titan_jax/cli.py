@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from titan_jax.config import JobConfig, load_config
+from titan_jax.jax_platform import default_to_cpu_without_accelerator
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
@@ -140,6 +141,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    default_to_cpu_without_accelerator()  # before anything imports JAX
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args, config = _parse(argv)
