@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--write", help="markdown file whose bench_step table is replaced")
     opts = parser.parse_args()
 
-    peak, peak_desc = peak_flops_per_device(jax.devices()[0], "float32")
+    peak = peak_flops_per_device(jax.devices()[0], "float32")
     results = []
     for name, args in SHAPES.items():
         tokens = opts.batch * opts.seq_len
@@ -135,7 +135,7 @@ def main() -> None:
         results.append(Result(name, count_params(args)["total"] / 1e6, tokens, jax_s, torch_s,
                               flops_per_token(args, opts.seq_len) * tokens))
         print(f"{name}: jax {jax_s:.3f}s torch {torch_s}", flush=True)
-    table = markdown(results, peak, peak_desc, opts.batch, opts.seq_len, opts.ac)
+    table = markdown(results, peak.flops_per_device, peak.source, opts.batch, opts.seq_len, opts.ac)
     print(table)
     if opts.write:
         path = Path(opts.write)

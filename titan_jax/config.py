@@ -119,6 +119,9 @@ class Metrics:
     enable_tensorboard: bool = False
     save_tb_folder: str = "tb"
     progress_bar: bool = True
+    # MFU denominator per device in FLOP/s; None = the published bf16 peak of a known TPU/GPU,
+    # or a matmul peak measured at the start of the run on CPU (see train/peak_flops.py).
+    peak_flops: float | None = None
 
 
 @dataclasses.dataclass
@@ -328,6 +331,8 @@ def validate(config: JobConfig) -> None:
              f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be in [0, 1]")
     m = config.metrics
     _require(m.log_freq >= 1, f"metrics.log_freq={m.log_freq} must be >= 1")
+    _require(m.peak_flops is None or m.peak_flops > 0,
+             f"metrics.peak_flops={m.peak_flops} must be > 0 FLOP/s, or none to look it up")
     c = config.checkpoint
     _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
     _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 "

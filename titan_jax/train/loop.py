@@ -133,14 +133,19 @@ class _StepReporter:
         t = config.training
         device = trainer.mesh.devices.flat[0]
         dtype = np.dtype(trainer.options.param_dtype).name
-        self.peak, peak_source = peak_flops_per_device(device, dtype)
-        self.flops_per_step = (flops_per_token(trainer.model.args, t.seq_len)
-                               * trainer.tokens_per_step)
+        peak = peak_flops_per_device(device, dtype, config.metrics.peak_flops)
+        self.peak = peak.flops_per_device
+        token_flops = flops_per_token(trainer.model.args, t.seq_len)
+        self.flops_per_step = token_flops * trainer.tokens_per_step
         self.n_devices = trainer.mesh.devices.size
         self.bad_in_a_row = 0
         self.losses: dict[int, float] = {}
         self.last_ready: float | None = None
-        logger.info(f"MFU peak: {self.peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
+        logger.info(f"MFU peak: {self.peak / 1e12:.3f} TFLOP/s per device ({peak.source})")
+        logger.write_header({**peak.to_json(), "flops_per_token": token_flops,
+                             "tokens_per_step": trainer.tokens_per_step,
+                             "devices": self.n_devices, "device_kind": device.device_kind,
+                             "param_dtype": dtype})
 
     def report(self, step: int, metrics: dict[str, jax.Array]) -> None:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -166,18 +171,21 @@ class _StepReporter:
         step_time = None if self.last_ready is None else now - self.last_ready
         self.last_ready = now
         if not (force or self.logger.should_log(step)):
-            self.logger.advance(step)
+            self.logger.advance(step, loss=values["loss"])  # already on the host: no sync
             return
-        # The first step includes compilation, so it has no meaningful throughput.
-        tps = self.trainer.tokens_per_step / step_time if step_time else 0.0
-        mfu = 100 * self.flops_per_step / step_time / (self.peak * self.n_devices) if step_time \
-            else 0.0
+        # The first step of a run includes compilation: its throughput is not measured (null).
+        tps = mfu = None
+        if step_time:
+            tps = self.trainer.tokens_per_step / step_time
+            mfu = 100 * self.flops_per_step / step_time / (self.peak * self.n_devices)
         mem = memory_stats()
+        in_use = mem["bytes_in_use"]
         self.logger.log(step, {
             "step": step, "loss": values["loss"], "grad_norm": values["grad_norm"],
             "lr": values["lr"], "tokens_per_sec": tps, "mfu_pct": mfu,
-            "step_time_s": step_time or 0.0, "n_tokens": values["n_tokens"],
+            "step_time_s": step_time, "n_tokens": values["n_tokens"],
             "tokens_seen": self.tokens_seen, "memory_peak_gib": mem["peak_bytes"] / 2**30,
+            "memory_in_use_gib": None if in_use is None else in_use / 2**30,
         })
 
 

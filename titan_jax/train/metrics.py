@@ -1,8 +1,11 @@
 """Training metrics: device memory, and the log sinks.
 
-The sinks (`MetricsLogger`) are one JSON line per logged step in `{dump_folder}/metrics.jsonl`,
-optional TensorBoard scalars, a tqdm bar, and a loss curve drawn on close. Only the main process
-writes anything.
+The sinks (`MetricsLogger`) are one JSON line per logged step in `{dump_folder}/metrics.jsonl`
+(a value that was not measured, such as step 1's throughput, is null), one plain text line per
+logged step on stdout (TorchTitan's log line; printed with or without the bar), optional
+TensorBoard scalars, a tqdm bar showing the latest loss at every step, and a loss curve drawn
+on close. `metrics_header.json` describes the run's constants (the MFU peak and how it was
+obtained). Only the main process writes anything.
 """
 
 from __future__ import annotations
@@ -80,7 +83,9 @@ def _ends_mid_line(path: Path) -> bool:
 
 
 def _json_number(value: Any) -> int | float | None:
-    """A JSON-safe number: NaN and inf become null (strict JSON has no token for them)."""
+    """A JSON-safe number: NaN, inf and unmeasured (None) become null."""
+    if value is None:
+        return None
     if isinstance(value, numbers.Integral):
         return int(value)
     value = float(value)
@@ -126,6 +131,7 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(str(self.folder / tensorboard_folder))
         self._show_bar = progress_bar
+        self._postfix: dict[str, str] = {}
 
     def should_log(self, step: int) -> bool:
         """Steps to log: the first, every `log_freq`-th, and the last."""
@@ -141,18 +147,20 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and value is not None:
                     self._tb.add_scalar(_tb_tag(key), value, step)
-        postfix = {
+        self._postfix = {
             label: format(record[key], fmt)
             for key, (label, fmt) in _BAR_POSTFIX.items()
             if record.get(key) is not None
         }
         self.advance(step)
-        self._bar.set_postfix(postfix)
+        self.info(format_step_line(record, self.total_steps))
 
-    def advance(self, step: int) -> None:
-        """Move the bar to `step` (for steps that are not logged)."""
+    def advance(self, step: int, loss: float | None = None) -> None:
+        """Move the bar to `step` (for steps that are not logged), showing `loss` if given."""
         if not self._enabled:
             return
+        if loss is not None:
+            self._postfix["loss"] = format(loss, _BAR_POSTFIX["loss"][1])
         if self._bar is None:
             # Created at the first step seen so that a resumed run's rate and ETA count only
             # the steps it runs.
@@ -163,7 +171,15 @@ class MetricsLogger:
                 dynamic_ncols=True,
                 disable=not self._show_bar,
             )
+        self._bar.set_postfix(self._postfix, refresh=False)
         self._bar.update(step - self._bar.n)
+
+    def write_header(self, header: dict[str, Any]) -> None:
+        """`{dump_folder}/metrics_header.json`: this run's constants (the MFU peak and its
+        method, FLOPs per token, devices, ...), rewritten at every start."""
+        if self._enabled:
+            path = self.folder / "metrics_header.json"
+            path.write_text(json.dumps(header, indent=1) + "\n")
 
     def info(self, msg: str) -> None:
         """Print a line without breaking the progress bar."""
@@ -201,6 +217,29 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _number(value: float | None, fmt: str, unit: str = "") -> str:
+    return "-" if value is None else f"{format(value, fmt)}{unit}"
+
+
+def format_step_line(record: dict[str, Any], total_steps: int) -> str:
+    """One plain log line per logged step, TorchTitan style; "-" marks what was not measured."""
+    get = record.get
+    memory = _number(get("memory_peak_gib"), ".2f", " GiB peak")
+    if get("memory_in_use_gib") is not None:
+        memory += f" / {get('memory_in_use_gib'):.2f} GiB in use"
+    parts = [
+        f"step {record['step']:>{len(str(total_steps))}}/{total_steps}",
+        f"loss {_number(get('loss'), '.4f')}",
+        f"grad_norm {_number(get('grad_norm'), '.3f')}",
+        f"lr {_number(get('lr'), '.2e')}",
+        f"tokens/s {_number(get('tokens_per_sec'), ',.0f')}",
+        f"mfu {_number(get('mfu_pct'), '.1f', '%')}",
+        f"step_time {_number(get('step_time_s'), '.2f', ' s')}",
+        f"memory {memory}",
+    ]
+    return "  ".join(parts)
 
 
 def _loss_curve(jsonl: Path) -> tuple[list[int], list[float]]:
