@@ -244,7 +244,8 @@ def test_resumed_run_appends_and_plots_whole_curve(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 7 and lines[3] == '{"step": 4, "lo'
     assert [json.loads(line)["step"] for line in lines[4:]] == [2, 3, 4]
-    assert metrics._loss_curve(tmp_path / "metrics.jsonl") == ([1, 2, 3, 4], [10.0, 2.0, 3.0, 4.0])
+    curve = metrics._curve(tmp_path / "metrics.jsonl", "loss")
+    assert curve == ([1, 2, 3, 4], [10.0, 2.0, 3.0, 4.0])
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 

@@ -38,9 +38,11 @@ from titan_jax.train.checkpoint import (
     CheckpointError,
     NonFiniteStateError,
 )
+from titan_jax.train.eval import Validator
 from titan_jax.train.metrics import MetricsLogger, memory_stats
 from titan_jax.train.model_io import export_hf
 from titan_jax.train.peak_flops import peak_flops_per_device
+from titan_jax.train.profiling import StepProfiler
 from titan_jax.train.start import load_start
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer, build_trainer
@@ -193,6 +195,8 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
     """Trains (or resumes) up to `training.steps`; returns this run's losses and final state."""
     trainer = build_trainer(config, devices)
     data = build_data(config, trainer)
+    validator = (Validator(config, trainer, load_tokenizer(config.model.tokenizer_path))
+                 if config.validation.enable else None)
     m, c = config.metrics, config.checkpoint
     total = config.training.steps
     with contextlib.ExitStack() as stack:
@@ -205,6 +209,7 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
             tensorboard_folder=m.save_tb_folder, progress_bar=m.progress_bar,
             is_main_process=jax.process_index() == 0))
         stop = stack.enter_context(StopSignals(logger.info))
+        profiler = stack.enter_context(StepProfiler(config))
         args = trainer.model.args
         logger.info(
             f"qwen3 {config.model.flavor}: {trainer.model.num_params() / 1e6:.1f}M params, "
@@ -237,11 +242,16 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
         step = start.step
         for step in range(start.step + 1, total + 1):
             batch = trainer.put_batch(next(data))
+            profiler.before_step(step)
             state, metrics = trainer.step_fn(state, batch)
             # Read step N-1's metrics only after step N is queued: the device stays busy.
             if pending is not None:
                 reporter.report(*pending)
             pending = (step, metrics)
+            if (trace := profiler.after_step(step, (state, metrics))) is not None:
+                logger.info(f"profile of steps up to {step} written to {trace}")
+            if validator is not None and validator.should_validate(step):
+                logger.log_validation(step, validator.validate(state["params"]))
             stopped = stop.should_stop(step)
             if ckpt is not None and (stopped or step == total or step % c.interval == 0):
                 reporter.report(*pending)  # N's verdict (bad-step policy) before N is saved

@@ -54,6 +54,8 @@ _TB_TAGS = {
     "tokens_per_sec": "throughput/tokens_per_sec",
     "mfu_pct": "mfu_pct",
     "step_time_s": "time/step_time_s",
+    "val_loss": "validation_metrics/loss",
+    "val_perplexity": "validation_metrics/perplexity",
 }
 
 
@@ -155,6 +157,20 @@ class MetricsLogger:
         self.advance(step)
         self.info(format_step_line(record, self.total_steps))
 
+    def log_validation(self, step: int, values: dict[str, float]) -> None:
+        """Record a validation result of `step`: its own JSONL line, TensorBoard, one text line."""
+        if not self._enabled:
+            return
+        record = {"step": int(step), **{k: _json_number(v) for k, v in values.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key in ("val_loss", "val_perplexity"):
+                if record.get(key) is not None:
+                    self._tb.add_scalar(_tb_tag(key), record[key], step)
+        self.info(f"validation at step {step}: val_loss {_number(record.get('val_loss'), '.4f')}  "
+                  f"val_perplexity {_number(record.get('val_perplexity'), ',.1f')}  "
+                  f"({values.get('val_batches')} batches, {values.get('val_tokens'):,} tokens)")
+
     def advance(self, step: int, loss: float | None = None) -> None:
         """Move the bar to `step` (for steps that are not logged), showing `loss` if given."""
         if not self._enabled:
@@ -200,15 +216,20 @@ class MetricsLogger:
         self._plot_loss()
 
     def _plot_loss(self) -> None:
-        steps, losses = _loss_curve(self.folder / "metrics.jsonl")
+        """Every logged step's training loss (a marker each) and the validation loss."""
+        steps, losses = _curve(self.folder / "metrics.jsonl", "loss")
         if not steps:
             return
+        val_steps, val_losses = _curve(self.folder / "metrics.jsonl", "val_loss")
         from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
         fig = Figure(figsize=(7, 4), layout="tight")
         ax = fig.subplots()
-        ax.plot(steps, losses)
+        ax.plot(steps, losses, marker=".", label="train loss")
+        if val_steps:
+            ax.plot(val_steps, val_losses, marker="o", label="validation loss")
         ax.set(xlabel="step", ylabel="loss", title=f"loss ({self.folder.name})")
+        ax.legend()
         ax.grid(alpha=0.3)
         fig.savefig(self.folder / "loss.png", dpi=100)
 
@@ -242,9 +263,9 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
     return "  ".join(parts)
 
 
-def _loss_curve(jsonl: Path) -> tuple[list[int], list[float]]:
-    """(steps, losses) of every logged line, sorted by step. A resumed run re-logs the steps
-    after its checkpoint: the later line wins."""
+def _curve(jsonl: Path, key: str) -> tuple[list[int], list[float]]:
+    """(steps, values of `key`) of every logged line holding it, sorted by step. A resumed run
+    re-logs the steps after its checkpoint: the later line wins."""
     loss_by_step: dict[int, float] = {}
     with open(jsonl) as f:
         for line in f:
@@ -252,7 +273,7 @@ def _loss_curve(jsonl: Path) -> tuple[list[int], list[float]]:
                 record = json.loads(line)
             except ValueError:  # a line torn by a crash
                 continue
-            if record.get("loss") is not None:
-                loss_by_step[int(record["step"])] = record["loss"]
+            if record.get(key) is not None:
+                loss_by_step[int(record["step"])] = record[key]
     steps = sorted(loss_by_step)
     return steps, [loss_by_step[s] for s in steps]
