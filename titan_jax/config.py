@@ -119,6 +119,9 @@ class Metrics:
     enable_tensorboard: bool = False
     save_tb_folder: str = "tb"
     progress_bar: bool = True
+    # Weights & Biases (the `wandb` extra); WANDB_PROJECT names the project, WANDB_MODE=offline
+    # logs without a network.
+    enable_wandb: bool = False
     # MFU denominator per device in FLOP/s; None = the published bf16 peak of a known TPU/GPU,
     # or a matmul peak measured at the start of the run on CPU (see train/peak_flops.py).
     peak_flops: float | None = None

@@ -2,6 +2,7 @@
 
 import json
 import struct
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -343,3 +344,45 @@ def test_non_main_process_writes_nothing(tmp_path):
 def test_log_freq_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="log_freq=0"):
         MetricsLogger(str(tmp_path), log_freq=0, total_steps=1)
+
+
+class FakeWandb:
+    """Stands in for the wandb module: records what a run was given."""
+
+    def __init__(self):
+        self.init_kwargs, self.logged, self.finished = None, [], False
+
+    def init(self, **kwargs):
+        self.init_kwargs = kwargs
+        return self
+
+    def log(self, scalars, step):
+        self.logged.append((step, scalars))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_wandb_sink_gets_tagged_scalars(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_PROJECT", "proj")
+    with MetricsLogger(str(tmp_path), 1, 2, progress_bar=False, enable_wandb=True,
+                       run_config={"training": {"steps": 2}}) as logger:
+        logger.log(1, step_metrics(1, tokens_per_sec=None))
+        logger.log_validation(2, {"val_loss": 2.0, "val_perplexity": 7.39, "val_tokens": 64,
+                                  "val_batches": 1})
+    assert fake.init_kwargs == {"project": "proj", "dir": str(tmp_path),
+                                "config": {"training": {"steps": 2}}, "name": tmp_path.name}
+    step, scalars = fake.logged[0]
+    assert step == 1 and scalars["loss_metrics/global_avg_loss"] == 10.0
+    assert "throughput/tokens_per_sec" not in scalars  # null: not sent
+    assert fake.logged[1] == (2, {"validation_metrics/loss": 2.0,
+                                  "validation_metrics/perplexity": 7.39})
+    assert fake.finished
+
+
+def test_wandb_missing_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
+    with pytest.raises(ValueError, match=r"metrics.enable_wandb=true needs the wandb package"):
+        MetricsLogger(str(tmp_path), 1, 1, enable_wandb=True)

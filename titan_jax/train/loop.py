@@ -207,7 +207,8 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
         logger = stack.enter_context(MetricsLogger(
             config.job.dump_folder, m.log_freq, total, enable_tensorboard=m.enable_tensorboard,
             tensorboard_folder=m.save_tb_folder, progress_bar=m.progress_bar,
-            is_main_process=jax.process_index() == 0))
+            is_main_process=jax.process_index() == 0, enable_wandb=m.enable_wandb,
+            run_config=config.to_dict()))
         stop = stack.enter_context(StopSignals(logger.info))
         profiler = stack.enter_context(StepProfiler(config))
         args = trainer.model.args

@@ -107,6 +107,8 @@ class MetricsLogger:
         tensorboard_folder: str = "tb",
         progress_bar: bool = True,
         is_main_process: bool = True,
+        enable_wandb: bool = False,
+        run_config: dict[str, Any] | None = None,
     ) -> None:
         if log_freq < 1:
             raise ValueError(f"log_freq={log_freq} must be >= 1")
@@ -114,7 +116,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.folder = Path(dump_folder)
         self._enabled = is_main_process
-        self._jsonl = self._tb = self._bar = None
+        self._jsonl = self._tb = self._bar = self._wandb = None
         if not self._enabled:
             return
         path = self.folder / "metrics.jsonl"
@@ -132,6 +134,10 @@ class MetricsLogger:
             from tensorboardX import SummaryWriter  # only imported when asked for
 
             self._tb = SummaryWriter(str(self.folder / tensorboard_folder))
+        if enable_wandb:
+            from titan_jax.train.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(self.folder, run_config or {})
         self._show_bar = progress_bar
         self._postfix: dict[str, str] = {}
 
@@ -145,10 +151,7 @@ class MetricsLogger:
             return
         record = {"step": int(step), **{k: _json_number(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
-                    self._tb.add_scalar(_tb_tag(key), value, step)
+        self._scalars(step, {k: v for k, v in record.items() if k != "step"})
         self._postfix = {
             label: format(record[key], fmt)
             for key, (label, fmt) in _BAR_POSTFIX.items()
@@ -163,13 +166,19 @@ class MetricsLogger:
             return
         record = {"step": int(step), **{k: _json_number(v) for k, v in values.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key in ("val_loss", "val_perplexity"):
-                if record.get(key) is not None:
-                    self._tb.add_scalar(_tb_tag(key), record[key], step)
+        self._scalars(step, {k: record.get(k) for k in ("val_loss", "val_perplexity")})
         self.info(f"validation at step {step}: val_loss {_number(record.get('val_loss'), '.4f')}  "
                   f"val_perplexity {_number(record.get('val_perplexity'), ',.1f')}  "
                   f"({values.get('val_batches')} batches, {values.get('val_tokens'):,} tokens)")
+
+    def _scalars(self, step: int, values: dict[str, float | None]) -> None:
+        """TensorBoard and wandb, under TorchTitan's tags; nulls are left out."""
+        tagged = {_tb_tag(k): v for k, v in values.items() if v is not None}
+        if self._tb is not None:
+            for tag, value in tagged.items():
+                self._tb.add_scalar(tag, value, step)
+        if self._wandb is not None:
+            self._wandb.log(step, tagged)
 
     def advance(self, step: int, loss: float | None = None) -> None:
         """Move the bar to `step` (for steps that are not logged), showing `loss` if given."""
@@ -213,6 +222,8 @@ class MetricsLogger:
         self._jsonl = None
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
         self._plot_loss()
 
     def _plot_loss(self) -> None:
