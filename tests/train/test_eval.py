@@ -84,6 +84,8 @@ def test_training_logs_validation(tmp_path, monkeypatch, capsys):
     assert [r["step"] for r in val] == [3, 4]  # every validation.freq steps, and the last
     assert all(np.isclose(r["val_perplexity"], math.exp(r["val_loss"])) for r in val)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 4]
+    # Step 4 ran with validation 3 in its wall time: not a step time (null), not a wrong one.
+    assert rows[-1]["step"] == 4 and rows[-1]["step_time_s"] is None
     assert "validation at step 3: val_loss" in capsys.readouterr().out
     assert (tmp_path / "loss.png").stat().st_size > 1000
     (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")

@@ -253,6 +253,7 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
                 logger.info(f"profile of steps up to {step} written to {trace}")
             if validator is not None and validator.should_validate(step):
                 logger.log_validation(step, validator.validate(state["params"]))
+                reporter.last_ready = None  # step `step`'s time would include validation
             stopped = stop.should_stop(step)
             if ckpt is not None and (stopped or step == total or step % c.interval == 0):
                 reporter.report(*pending)  # N's verdict (bad-step policy) before N is saved
