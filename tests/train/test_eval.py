@@ -80,12 +80,12 @@ def test_training_logs_validation(tmp_path, monkeypatch, capsys):
                          "true")
     loop.train(config, jax.devices()[:1])
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    val = [r for r in rows if "val_loss" in r]
-    assert [r["step"] for r in val] == [3, 4]  # every validation.freq steps, and the last
-    assert all(np.isclose(r["val_perplexity"], math.exp(r["val_loss"])) for r in val)
-    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 4]
-    # Step 4 ran with validation 3 in its wall time: not a step time (null), not a wrong one.
-    assert rows[-1]["step"] == 4 and rows[-1]["step_time_s"] is None
+    # Every validation.freq steps and the last, on its step's line (logged for it).
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 4]
+    assert all(np.isclose(r["val_perplexity"], math.exp(r["val_loss"])) for r in rows[2:])
+    # Steps 3 and 4 ran with a validation in their wall time: no step time, not a wrong one.
+    assert rows[2]["step_time_s"] is None and rows[3]["step_time_s"] is None
     assert "validation at step 3: val_loss" in capsys.readouterr().out
     assert (tmp_path / "loss.png").stat().st_size > 1000
     (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")

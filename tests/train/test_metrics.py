@@ -370,14 +370,14 @@ def test_wandb_sink_gets_tagged_scalars(tmp_path, monkeypatch):
     with MetricsLogger(str(tmp_path), 1, 2, progress_bar=False, enable_wandb=True,
                        run_config={"training": {"steps": 2}}) as logger:
         logger.log(1, step_metrics(1, tokens_per_sec=None))
-        logger.log_validation(2, {"val_loss": 2.0, "val_perplexity": 7.39, "val_tokens": 64,
-                                  "val_batches": 1})
+        logger.log(2, {"loss": 3.0, "val_loss": 2.0, "val_perplexity": 7.39})
     assert fake.init_kwargs == {"project": "proj", "dir": str(tmp_path),
                                 "config": {"training": {"steps": 2}}, "name": tmp_path.name}
     step, scalars = fake.logged[0]
     assert step == 1 and scalars["loss_metrics/global_avg_loss"] == 10.0
     assert "throughput/tokens_per_sec" not in scalars  # null: not sent
-    assert fake.logged[1] == (2, {"validation_metrics/loss": 2.0,
+    assert fake.logged[1] == (2, {"loss_metrics/global_avg_loss": 3.0,
+                                  "validation_metrics/loss": 2.0,
                                   "validation_metrics/perplexity": 7.39})
     assert fake.finished
 

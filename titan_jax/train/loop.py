@@ -39,7 +39,7 @@ from titan_jax.train.checkpoint import (
     NonFiniteStateError,
 )
 from titan_jax.train.eval import Validator
-from titan_jax.train.metrics import MetricsLogger, memory_stats
+from titan_jax.train.metrics import MetricsLogger, format_validation_line, memory_stats
 from titan_jax.train.model_io import export_hf
 from titan_jax.train.peak_flops import peak_flops_per_device
 from titan_jax.train.profiling import StepProfiler
@@ -143,6 +143,7 @@ class _StepReporter:
         self.bad_in_a_row = 0
         self.losses: dict[int, float] = {}
         self.last_ready: float | None = None
+        self.validations: dict[int, dict[str, float]] = {}  # by step, until that step is logged
         logger.info(f"MFU peak: {self.peak / 1e12:.3f} TFLOP/s per device ({peak.source})")
         logger.write_header({**peak.to_json(), "flops_per_token": token_flops,
                              "tokens_per_step": trainer.tokens_per_step,
@@ -168,11 +169,18 @@ class _StepReporter:
                 f"max_consecutive_bad_steps={limit}); stopping at step {step} without saving it"
             )
 
+    def add_validation(self, step: int, result: dict[str, float]) -> None:
+        """Print a validation of `step` now; its loss goes into `step`'s metrics line."""
+        self.logger.info(format_validation_line(step, result))
+        self.validations[step] = {k: result[k] for k in ("val_loss", "val_perplexity")}
+        self.last_ready = None  # the step's wall time includes the validation: not a step time
+
     def _log(self, step: int, values: dict[str, float], force: bool) -> None:
         now = time.perf_counter()
         step_time = None if self.last_ready is None else now - self.last_ready
         self.last_ready = now
-        if not (force or self.logger.should_log(step)):
+        validation = self.validations.pop(step, {})
+        if not (force or validation or self.logger.should_log(step)):
             self.logger.advance(step, loss=values["loss"])  # already on the host: no sync
             return
         # The first step of a run includes compilation: its throughput is not measured (null).
@@ -187,7 +195,7 @@ class _StepReporter:
             "lr": values["lr"], "tokens_per_sec": tps, "mfu_pct": mfu,
             "step_time_s": step_time, "n_tokens": values["n_tokens"],
             "tokens_seen": self.tokens_seen, "memory_peak_gib": mem["peak_bytes"] / 2**30,
-            "memory_in_use_gib": None if in_use is None else in_use / 2**30,
+            "memory_in_use_gib": None if in_use is None else in_use / 2**30, **validation,
         })
 
 
@@ -252,8 +260,7 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
             if (trace := profiler.after_step(step, (state, metrics))) is not None:
                 logger.info(f"profile of steps up to {step} written to {trace}")
             if validator is not None and validator.should_validate(step):
-                logger.log_validation(step, validator.validate(state["params"]))
-                reporter.last_ready = None  # step `step`'s time would include validation
+                reporter.add_validation(step, validator.validate(state["params"]))
             stopped = stop.should_stop(step)
             if ckpt is not None and (stopped or step == total or step % c.interval == 0):
                 reporter.report(*pending)  # N's verdict (bad-step policy) before N is saved

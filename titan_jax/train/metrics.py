@@ -1,10 +1,11 @@
 """Training metrics: device memory, and the log sinks.
 
 The sinks (`MetricsLogger`) are one JSON line per logged step in `{dump_folder}/metrics.jsonl`
-(a value that was not measured, such as step 1's throughput, is null), one plain text line per
-logged step on stdout (TorchTitan's log line; printed with or without the bar), optional
-TensorBoard scalars, a tqdm bar showing the latest loss at every step, and a loss curve drawn
-on close. `metrics_header.json` describes the run's constants (the MFU peak and how it was
+(a value that was not measured, such as step 1's throughput, is null; a validation's
+`val_loss` and `val_perplexity` ride on its step's line), one plain text line per logged step
+on stdout (TorchTitan's log line; printed with or without the bar), optional TensorBoard
+scalars and wandb, a tqdm bar showing the latest loss at every step, and a loss curve drawn on
+close. `metrics_header.json` describes the run's constants (the MFU peak and how it was
 obtained). Only the main process writes anything.
 """
 
@@ -160,17 +161,6 @@ class MetricsLogger:
         self.advance(step)
         self.info(format_step_line(record, self.total_steps))
 
-    def log_validation(self, step: int, values: dict[str, float]) -> None:
-        """Record a validation result of `step`: its own JSONL line, TensorBoard, one text line."""
-        if not self._enabled:
-            return
-        record = {"step": int(step), **{k: _json_number(v) for k, v in values.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._scalars(step, {k: record.get(k) for k in ("val_loss", "val_perplexity")})
-        self.info(f"validation at step {step}: val_loss {_number(record.get('val_loss'), '.4f')}  "
-                  f"val_perplexity {_number(record.get('val_perplexity'), ',.1f')}  "
-                  f"({values.get('val_batches')} batches, {values.get('val_tokens'):,} tokens)")
-
     def _scalars(self, step: int, values: dict[str, float | None]) -> None:
         """TensorBoard and wandb, under TorchTitan's tags; nulls are left out."""
         tagged = {_tb_tag(k): v for k, v in values.items() if v is not None}
@@ -272,6 +262,13 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
         f"memory {memory}",
     ]
     return "  ".join(parts)
+
+
+def format_validation_line(step: int, values: dict[str, Any]) -> str:
+    """The text line of one validation (its numbers go into the step's metrics line)."""
+    return (f"validation at step {step}: val_loss {_number(values.get('val_loss'), '.4f')}  "
+            f"val_perplexity {_number(values.get('val_perplexity'), ',.1f')}  "
+            f"({values['val_batches']} batches, {values['val_tokens']:,} tokens)")
 
 
 def _curve(jsonl: Path, key: str) -> tuple[list[int], list[float]]:
