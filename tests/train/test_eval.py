@@ -90,3 +90,11 @@ def test_training_logs_validation(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "loss.png").stat().st_size > 1000
     (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")
     assert b"validation_metrics/loss" in events.read_bytes()
+
+
+def test_bad_validation_source_names_the_field(tmp_path):
+    config = make_config(tmp_path, "--validation.dataset", "jsonl",
+                         "--validation.dataset_path", str(tmp_path / "missing.jsonl"))
+    trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
+    with pytest.raises(ConfigError, match=r"validation.dataset_path='.*missing.jsonl' does not"):
+        Validator(config, trainer, load_tokenizer(""))

@@ -57,7 +57,11 @@ class Validator:
         self._step = jax.jit(step, in_shardings=(trainer.state_shardings["params"],
                                                  trainer.batch_sharding))
         # Fail before training starts, naming the setting, if there is not one batch.
-        if next(self._batches(max_batches=1), None) is None:
+        try:
+            first = next(self._batches(max_batches=1), None)
+        except ValueError as e:  # a bad source or path, named by the data module
+            raise ConfigError(f"validation.{e}") from None
+        if first is None:
             raise ConfigError(
                 f"validation.dataset={v.dataset!r} holds less than one batch of "
                 f"{self.global_batch_size} x {v.seq_len + 1} tokens; lower validation."
