@@ -81,3 +81,17 @@ def test_bad_input_is_one_line(capsys, args, message):
     except SystemExit as e:  # argparse's own errors
         code, out = e.code, capsys.readouterr()
     assert code == 2 and message in out.err
+
+
+def test_decoding_on_an_fsdp_tp_mesh_equals_one_device(tmp_path, monkeypatch):
+    monkeypatch.undo()  # all 8 simulated devices
+    config = load_config("configs/qwen3_debug.toml", [
+        "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree",
+        "2", "--training.seq_len", "16"])
+    trainer = build_trainer(config, jax.local_devices()[:4], model_args=TINY)
+    params = jax.jit(build_model_def(TINY).init)(jax.random.key(5))
+    sharded = jax.device_put(params, trainer.state_shardings["params"])
+    prompt = np.asarray([[5, 6, 7, 8]], np.int32)
+    with jax.set_mesh(trainer.mesh):
+        on_mesh = decode.generate(sharded, TINY, prompt, 8)
+    np.testing.assert_array_equal(on_mesh, decode.generate(params, TINY, prompt, 8))
