@@ -76,3 +76,14 @@ def test_no_dangling_references():
     for path in re.findall(r"`((?:configs|notebooks|benchmarks|scripts|titan_jax|tests)/[^`* ]+)`",
                            README):
         assert (ROOT / path).exists() or (ROOT / path.split(":")[0]).exists(), path
+
+
+@pytest.mark.slow
+def test_profiling_example_runs_and_writes_a_trace(tmp_path):
+    (command,) = [c for c in TITAN if "--profiling.enable_profiling true" in c]
+    out = subprocess.run([sys.executable, "-m", "titan_jax.cli", *argv(command)[1:],
+                          "--job.dump_folder", str(tmp_path)],  # the last value wins
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+    assert "validation at step 4" in out.stdout  # the recipe validates at its last step
