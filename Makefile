@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # GPU devices say "cpu" up front. On a TPU VM or GPU box JAX picks the accelerator itself.
 export JAX_PLATFORMS ?= $(if $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0),,cpu)
 
-.PHONY: install train test test-fast lint format bench tokenizer clean
+.PHONY: install train test test-fast lint format bench bench-update tokenizer clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,7 +39,11 @@ lint:
 format:
 	$(BIN)/ruff format titan_jax tests scripts benchmarks
 
+# bench prints the table; bench-update also rewrites it in BENCHMARKS.md.
 bench:
+	$(BIN)/python benchmarks/bench_step.py
+
+bench-update:
 	$(BIN)/python benchmarks/bench_step.py --write BENCHMARKS.md
 
 tokenizer:

@@ -3,8 +3,8 @@
 For each model shape, times `Trainer.step_fn` (fp32, one device) and, when torch and
 transformers are installed, the same step in PyTorch (HF Qwen3ForCausalLM, AdamW, clipping)
 on the same batch shape. Reports medians over timed steps after warm-up, tokens/s, MFU against
-the measured matmul peak of this machine, and the JAX/PyTorch ratio. `--write FILE` replaces
-the table between the markers in FILE.
+the matmul peak of this machine measured at start, and the JAX/PyTorch ratio. It prints the
+table; `--write FILE` (`make bench-update`) also replaces the table between the markers in FILE.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--write", help="markdown file whose bench_step table is replaced")
     opts = parser.parse_args()
 
-    peak, peak_desc = peak_flops_per_device(jax.devices()[0], "float32")
+    peak = peak_flops_per_device(jax.devices()[0], "float32")
     results = []
     for name, args in SHAPES.items():
         tokens = opts.batch * opts.seq_len
@@ -134,16 +134,21 @@ def main() -> None:
                                                         opts.warmup, opts.steps)
         results.append(Result(name, count_params(args)["total"] / 1e6, tokens, jax_s, torch_s,
                               flops_per_token(args, opts.seq_len) * tokens))
-        print(f"{name}: jax {jax_s:.3f}s torch {torch_s}", flush=True)
-    table = markdown(results, peak, peak_desc, opts.batch, opts.seq_len, opts.ac)
+        torch_text = "n/a" if torch_s is None else f"{torch_s:.3f} s"
+        print(f"{name}: titan-jax step {jax_s:.3f} s, PyTorch step {torch_text}", flush=True)
+    table = markdown(results, peak.flops_per_device, peak.source, opts.batch, opts.seq_len, opts.ac)
     print(table)
     if opts.write:
-        path = Path(opts.write)
-        text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-        block = f"{BEGIN}\n{table}\n{END}"
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text,
-                      flags=re.S)
-        path.write_text(text)
+        write_table(Path(opts.write), table)
+        print(f"table written to {opts.write}")
+
+
+def write_table(path: Path, table: str) -> None:
+    """Replaces the text between the bench_step markers of `path` (created if absent)."""
+    text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+    block = f"{BEGIN}\n{table}\n{END}"
+    path.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text,
+                           flags=re.S))
 
 
 if __name__ == "__main__":

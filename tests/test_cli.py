@@ -26,7 +26,14 @@ def test_train_writes_metrics_and_plot(tmp_path, capsys, monkeypatch):
     assert [r["step"] for r in rows] == [1, 2, 4]
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu_pct", "step_time_s"):
         assert all(key in r for r in rows), key
-    assert rows[-1]["tokens_per_sec"] > 0 and rows[-1]["mfu_pct"] > 0
+    assert rows[1]["tokens_per_sec"] > 0 and rows[1]["mfu_pct"] > 0
+    assert rows[-1]["val_loss"] > 0  # the recipe validates at the last step
+    # Step 1 includes compilation: its throughput was not measured.
+    assert rows[0]["tokens_per_sec"] is None and rows[0]["step_time_s"] is None
+    assert [line.split()[:2] for line in out.out.splitlines() if line.startswith("step ")] == [
+        ["step", "1/4"], ["step", "2/4"], ["step", "4/4"]]  # plain lines without the bar
+    header = json.loads((tmp_path / "metrics_header.json").read_text())
+    assert header["peak_flops_method"] == "measured" and header["peak_flops_per_device"] > 1e8
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 

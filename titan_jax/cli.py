@@ -1,5 +1,5 @@
-"""`titan-jax` command line: `titan-jax {train,inspect,parity} --config PATH [--section.key value
-...]` and `titan-jax convert --from FMT --to FMT SRC DST`."""
+"""`titan-jax` command line: `titan-jax {train,inspect,parity,generate} --config PATH
+[--section.key value ...]` and `titan-jax convert --from FMT --to FMT SRC DST`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from titan_jax.config import JobConfig, load_config
+from titan_jax.jax_platform import default_to_cpu_without_accelerator
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
@@ -34,6 +35,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
     inspect.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
     _add_parity_parser(sub)
     _add_convert_parser(sub)
+    _add_generate_parser(sub)
     args, overrides = parser.parse_known_args(argv)
     if args.command == "convert":  # no recipe: anything left over is a mistake
         if overrides:
@@ -84,6 +86,39 @@ def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
                          help="dtype of HF output tensors")
     convert.add_argument("--max-shard-size", default="5GB",
                          help="split HF output into files of at most this size (e.g. 5GB, 500MiB)")
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    generate = sub.add_parser(
+        "generate", help="generate text from a checkpoint (KV-cached, jitted)",
+        description="Continue a prompt with a trained model: a run's checkpoint (its folder for "
+        "the newest step, or one step folder), a `convert --to orbax` directory, or a HF Qwen3 "
+        "directory. Runs on the recipe's mesh; config overrides as for train.")
+    generate.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_debug.toml")
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="PATH",
+                        help="a run's checkpoint folder or step, or an orbax model directory")
+    source.add_argument("--hf-checkpoint", metavar="DIR",
+                        help="HF model directory (config.json, safetensors, tokenizer.json)")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    generate.add_argument("--seed", type=int, default=0)
+
+
+def _generate(args: argparse.Namespace, config: JobConfig) -> int:
+    from titan_jax.parallel.mesh import set_cpu_device_count
+
+    set_cpu_device_count(config.job.cpu_devices)  # before JAX starts, as for train
+    from titan_jax.tools.generate import GenerateOptions, generate_text
+
+    options = GenerateOptions(args.prompt, args.max_new_tokens, args.temperature, args.top_p,
+                              args.seed)
+    text, source = generate_text(config, args.checkpoint, args.hf_checkpoint, options)
+    print(f"titan-jax generate: {source}", file=sys.stderr)
+    print(args.prompt + text)
+    return 0
 
 
 def _inspect(config: JobConfig, json_out: str | None) -> int:
@@ -140,6 +175,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    default_to_cpu_without_accelerator()  # before anything imports JAX
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args, config = _parse(argv)
@@ -149,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             return _parity(args, config)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "generate":
+            return _generate(args, config)
         if args.print_config:
             print(config.to_toml())
             return 0

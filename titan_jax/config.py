@@ -125,6 +125,37 @@ class Metrics:
     progress_bar: bool = True
     # Per-layer RMS of the residual stream (`activation_rms`), through the model's aux channel.
     log_activation_stats: bool = False
+    # Weights & Biases (the `wandb` extra); WANDB_PROJECT names the project, WANDB_MODE=offline
+    # logs without a network.
+    enable_wandb: bool = False
+    # MFU denominator per device in FLOP/s; None = the published bf16 peak of a known TPU/GPU,
+    # or a matmul peak measured at the start of the run on CPU (see train/peak_flops.py).
+    peak_flops: float | None = None
+
+
+@dataclasses.dataclass
+class Validation:
+    """Held-out loss during training (TorchTitan's [validation] keys)."""
+
+    enable: bool = False
+    # "pydoc": the embedded corpus's held-out slice (training never sees it); a file source
+    # ("text", "jsonl", "parquet", "hf_disk", with dataset_path) is read whole, in order.
+    dataset: str = "pydoc"
+    dataset_path: str = ""
+    freq: int = 500  # validate every N steps, and at the last step
+    steps: int = -1  # batches per validation; -1 = the whole validation set once
+    local_batch_size: int = 8  # sequences per data-parallel rank per validation batch
+    seq_len: int = 2048
+
+
+@dataclasses.dataclass
+class Profiling:
+    """jax.profiler traces (TensorBoard / Perfetto) in {dump_folder}/{save_traces_folder}."""
+
+    enable_profiling: bool = False
+    save_traces_folder: str = "profile"
+    profile_freq: int = 10  # trace the last `profile_steps` steps of every `profile_freq`
+    profile_steps: int = 1
 
 
 @dataclasses.dataclass
@@ -140,6 +171,8 @@ class JobConfig:
     )
     checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
+    validation: Validation = dataclasses.field(default_factory=Validation)
+    profiling: Profiling = dataclasses.field(default_factory=Profiling)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -333,6 +366,20 @@ def validate(config: JobConfig) -> None:
              f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be in [0, 1]")
     m = config.metrics
     _require(m.log_freq >= 1, f"metrics.log_freq={m.log_freq} must be >= 1")
+    _require(m.peak_flops is None or m.peak_flops > 0,
+             f"metrics.peak_flops={m.peak_flops} must be > 0 FLOP/s, or none to look it up")
+    v = config.validation
+    _require(v.freq >= 1, f"validation.freq={v.freq} must be >= 1")
+    _require(v.steps == -1 or v.steps >= 1,
+             f"validation.steps={v.steps} must be >= 1 or -1 (the whole validation set)")
+    _require(v.local_batch_size >= 1,
+             f"validation.local_batch_size={v.local_batch_size} must be >= 1")
+    _require(v.seq_len >= 1, f"validation.seq_len={v.seq_len} must be >= 1")
+    pr = config.profiling
+    _require(pr.profile_freq >= 1, f"profiling.profile_freq={pr.profile_freq} must be >= 1")
+    _require(1 <= pr.profile_steps <= pr.profile_freq,
+             f"profiling.profile_steps={pr.profile_steps} must be in [1, profile_freq="
+             f"{pr.profile_freq}]")
     c = config.checkpoint
     _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
     _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 "

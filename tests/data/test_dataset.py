@@ -132,8 +132,13 @@ def test_state_from_another_stream_is_refused():
 def test_pydoc_documents_are_topics_in_sorted_order():
     from pydoc_data.topics import topics
 
-    docs = load_documents("pydoc", "", "text")
-    assert list(docs) == [topics[k] for k in sorted(topics)]
+    names = sorted(topics)
+    train = load_documents("pydoc", "", "text")
+    held_out = load_documents("pydoc", "", "text", split="validation")
+    assert list(held_out) == [topics[k] for k in names[::10]]
+    assert list(train) == [topics[k] for i, k in enumerate(names)
+                           if i % 10 and k != "if"]  # "if" has the same text as "else"
+    assert not set(train) & set(held_out)  # training never sees the held-out slice
 
 
 def test_text_source_splits_blank_line_blocks(tmp_path):
@@ -255,3 +260,26 @@ def test_hf_disk_missing_column_and_split(tmp_path):
 def test_bad_pipeline_settings(overrides, match):
     with pytest.raises(ValueError, match=match):
         _iterator(**overrides)
+
+
+def test_validation_batches_are_deterministic_and_held_out():
+    from titan_jax.data.dataset import validation_batches
+
+    tok = load_tokenizer("")
+    kwargs = dict(dataset="pydoc", dataset_path="", text_field="text", tokenizer=tok,
+                  seq_len=32, global_batch_size=4)
+    first = list(validation_batches(**kwargs, max_batches=3))
+    again = list(validation_batches(**kwargs, max_batches=3))
+    assert len(first) == 3 and all(b["inputs"].shape == (4, 32) for b in first)
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])
+    np.testing.assert_array_equal(first[0]["labels"][:, :-1], first[0]["inputs"][:, 1:])
+    held_out = load_documents("pydoc", "", "text", split="validation")
+    expected = [*tok.encode(held_out[0]), tok.eos_id][:33]
+    assert list(first[0]["inputs"][0]) + [first[0]["labels"][0, -1]] == expected
+    everything = list(validation_batches(**kwargs))  # -1: the whole slice once
+    assert len(everything) > 3
+    halves = [list(validation_batches(**kwargs, max_batches=2, process_index=i,
+                                      process_count=2)) for i in (0, 1)]
+    np.testing.assert_array_equal(np.concatenate([halves[0][0]["inputs"], halves[1][0]["inputs"]]),
+                                  first[0]["inputs"])

@@ -2,6 +2,7 @@
 
 import json
 import struct
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -138,55 +139,51 @@ def fake_device(kind: str, platform: str = "gpu") -> SimpleNamespace:
         ("TPU v6 lite", 918e12),
         ("TPU v4", 275e12),
         ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
         ("NVIDIA H200", 989e12),
         ("NVIDIA A100-SXM4-80GB", 312e12),
     ],
 )
 def test_peak_table_lookup(kind, peak, monkeypatch):
-    monkeypatch.setattr(peak_flops, "_measure_matmul_flops", pytest.fail)  # must not measure
-    flops, desc = peak_flops_per_device(
-        fake_device(kind, "tpu" if "TPU" in kind else "gpu"), "float32"
-    )
-    assert flops == peak
-    assert "bf16 peak" in desc
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", pytest.fail)  # must not measure
+    result = peak_flops_per_device(fake_device(kind, "tpu" if "TPU" in kind else "gpu"), "float32")
+    assert (result.flops_per_device, result.method) == (peak, "published")
+    assert "dense bf16 peak" in result.source
 
 
-def test_cpu_peak_is_measured_once_then_cached(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+def test_cpu_peak_is_measured_at_every_start(monkeypatch):
     calls = []
 
     def fake_measure(device, dtype):
         calls.append(dtype)
-        return 1.5e11
+        return 1.5e11 + len(calls)
 
-    monkeypatch.setattr(peak_flops, "_measure_matmul_flops", fake_measure)
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", fake_measure)
     cpu = jax.devices("cpu")[0]
-    assert peak_flops_per_device(cpu, "float32") == (
-        1.5e11,
-        "measured CPU matmul peak (float32, measured now)",
-    )
-    assert peak_flops_per_device(cpu, "float32") == (
-        1.5e11,
-        "measured CPU matmul peak (float32, cached)",
-    )
-    assert calls == ["float32"]
-    peak_flops_per_device(cpu, "bfloat16")  # another dtype is another measurement
-    assert calls == ["float32", "bfloat16"]
-    cache = json.loads((tmp_path / "titan_jax" / "peak_flops.json").read_text())
-    assert len(cache) == 2 and all(f"jax-{jax.__version__}" in key for key in cache)
+    first = peak_flops_per_device(cpu, "float32")
+    assert (first.flops_per_device, first.method) == (1.5e11 + 1, "measured")
+    assert "median of 7 timed 2048^3 float32 matmuls" in first.source
+    # Never a number remembered from an earlier run: each run measures its own machine's state.
+    assert peak_flops_per_device(cpu, "float32").flops_per_device == 1.5e11 + 2
+    assert calls == ["float32", "float32"]
 
 
-def test_unknown_accelerator_falls_back_to_measuring(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(peak_flops, "_measure_matmul_flops", lambda device, dtype: 7e13)
-    flops, desc = peak_flops_per_device(fake_device("NVIDIA GeForce RTX 4090"), "bfloat16")
-    assert flops == 7e13
-    assert desc.startswith("unknown device kind 'NVIDIA GeForce RTX 4090': measured matmul peak")
-    assert desc.endswith("(bfloat16, measured now)")
+def test_override_wins_without_measuring(monkeypatch):
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", pytest.fail)
+    result = peak_flops_per_device(fake_device("NVIDIA H100 80GB HBM3"), "bfloat16", 1e12)
+    assert result.to_json() == {"peak_flops_per_device": 1e12, "peak_flops_method": "override",
+                                "peak_flops_source": "metrics.peak_flops=1e+12"}
+
+
+def test_unknown_accelerator_falls_back_to_measuring(monkeypatch):
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: 7e13)
+    result = peak_flops_per_device(fake_device("NVIDIA GeForce RTX 4090"), "bfloat16")
+    assert (result.flops_per_device, result.method) == (7e13, "measured")
+    assert result.source.startswith("unknown device kind 'NVIDIA GeForce RTX 4090': matmul peak")
 
 
 def test_measure_matmul_flops_is_plausible():
-    flops = peak_flops._measure_matmul_flops(jax.devices("cpu")[0], "float32", n=256, runs=3)
+    flops = peak_flops.measure_matmul_flops(jax.devices("cpu")[0], "float32", n=256, runs=3)
     assert 1e8 < flops < 1e13  # this CPU does ~1.5e11 at 2048^3; 256^3 is slower but not 1000x
 
 
@@ -248,7 +245,8 @@ def test_resumed_run_appends_and_plots_whole_curve(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 7 and lines[3] == '{"step": 4, "lo'
     assert [json.loads(line)["step"] for line in lines[4:]] == [2, 3, 4]
-    assert metrics._loss_curve(tmp_path / "metrics.jsonl") == ([1, 2, 3, 4], [10.0, 2.0, 3.0, 4.0])
+    curve = metrics._curve(tmp_path / "metrics.jsonl", "loss")
+    assert curve == ([1, 2, 3, 4], [10.0, 2.0, 3.0, 4.0])
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
@@ -291,6 +289,39 @@ def test_progress_bar_and_info(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "checkpoint saved" in out
     assert "4/4" in err and "loss=2.5000" in err and "mfu%=12.5" in err
+    # One plain line per logged step, on stdout, bar or no bar.
+    assert "step 4/4  loss 2.5000  grad_norm 1.000  lr 3.00e-04  tokens/s 250  mfu 12.5%" in out
+
+
+def test_log_lines_without_bar_and_nulls_for_unmeasured(tmp_path, capsys):
+    with MetricsLogger(str(tmp_path), log_freq=10, total_steps=20, progress_bar=False) as logger:
+        logger.log(1, step_metrics(1, tokens_per_sec=None, mfu_pct=None, step_time_s=None,
+                                   memory_in_use_gib=1.0))
+        logger.advance(2, loss=4.5)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        "step  1/20  loss 10.0000  grad_norm 1.000  lr 3.00e-04  tokens/s -  mfu -  "
+        "step_time -  memory 1.25 GiB peak / 1.00 GiB in use"]
+    assert err == ""
+    (line,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert line["tokens_per_sec"] is None and line["mfu_pct"] is None
+    assert line["step_time_s"] is None
+
+
+def test_bar_shows_the_loss_of_every_step(tmp_path):
+    logger = MetricsLogger(str(tmp_path), log_freq=10, total_steps=20)
+    logger.log(1, step_metrics(1))
+    logger.advance(2, loss=4.25)
+    assert logger._bar.postfix.startswith("loss=4.2500")
+    assert "tok/s=250" in logger._bar.postfix  # the last logged throughput stays
+    logger.close()
+
+
+def test_header_file(tmp_path):
+    with MetricsLogger(str(tmp_path), 1, 1, progress_bar=False) as logger:
+        logger.write_header({"peak_flops_method": "measured"})
+    assert json.loads((tmp_path / "metrics_header.json").read_text()) == {
+        "peak_flops_method": "measured"}
 
 
 def test_unwritable_dump_folder_names_it(tmp_path):
@@ -313,3 +344,45 @@ def test_non_main_process_writes_nothing(tmp_path):
 def test_log_freq_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="log_freq=0"):
         MetricsLogger(str(tmp_path), log_freq=0, total_steps=1)
+
+
+class FakeWandb:
+    """Stands in for the wandb module: records what a run was given."""
+
+    def __init__(self):
+        self.init_kwargs, self.logged, self.finished = None, [], False
+
+    def init(self, **kwargs):
+        self.init_kwargs = kwargs
+        return self
+
+    def log(self, scalars, step):
+        self.logged.append((step, scalars))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_wandb_sink_gets_tagged_scalars(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_PROJECT", "proj")
+    with MetricsLogger(str(tmp_path), 1, 2, progress_bar=False, enable_wandb=True,
+                       run_config={"training": {"steps": 2}}) as logger:
+        logger.log(1, step_metrics(1, tokens_per_sec=None))
+        logger.log(2, {"loss": 3.0, "val_loss": 2.0, "val_perplexity": 7.39})
+    assert fake.init_kwargs == {"project": "proj", "dir": str(tmp_path),
+                                "config": {"training": {"steps": 2}}, "name": tmp_path.name}
+    step, scalars = fake.logged[0]
+    assert step == 1 and scalars["loss_metrics/global_avg_loss"] == 10.0
+    assert "throughput/tokens_per_sec" not in scalars  # null: not sent
+    assert fake.logged[1] == (2, {"loss_metrics/global_avg_loss": 3.0,
+                                  "validation_metrics/loss": 2.0,
+                                  "validation_metrics/perplexity": 7.39})
+    assert fake.finished
+
+
+def test_wandb_missing_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
+    with pytest.raises(ValueError, match=r"metrics.enable_wandb=true needs the wandb package"):
+        MetricsLogger(str(tmp_path), 1, 1, enable_wandb=True)

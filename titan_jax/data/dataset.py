@@ -2,7 +2,9 @@
 
 Sources (`dataset`, `dataset_path`, `text_field`):
   pydoc    CPython's embedded help text, `pydoc_data.topics.topics` (one document per topic,
-           sorted by topic name). The default; needs no path and no download.
+           sorted by topic name). The default; needs no path and no download. Every
+           `PYDOC_HELD_OUT_EVERY`-th topic (sorted positions 0, 10, 20, ...) is held out: the
+           "validation" split, whose texts the "train" split never contains.
   text     .txt files. Documents are blocks separated by blank (empty or whitespace-only) lines,
            so one big file such as a play or a book still shuffles at paragraph granularity.
   jsonl    one JSON object per line, text in `text_field`.
@@ -15,6 +17,10 @@ forever -> tokenized lazily with EOS appended -> concatenated into one stream an
 windows of seq_len + 1 tokens (a document that straddles a cut continues in the next window;
 no padding) -> global batches -> inputs = w[:-1], labels = w[1:].
 
+Validation (`validation_batches`): a source's documents in order, read once, tokenized and cut
+into seq_len + 1 windows the same way; the same batches every time, so validation losses of
+different steps compare.
+
 Multi-process: every process computes the same global stream and keeps rows
 [process_index * local_rows, (process_index + 1) * local_rows) of each global batch. Tokenizing the
 global batch everywhere costs little next to a train step, and it makes the global batch, and the
@@ -24,9 +30,9 @@ iterator state, independent of process_count: a run can resume on a different nu
 import glob
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grain
 import numpy as np
@@ -41,10 +47,19 @@ STATE_VERSION = 1
 # Documents tokenized ahead by one background thread: enough to hide tokenization behind a
 # train step, small enough that a few huge documents cannot eat the host's memory.
 PREFETCH_DOCS = 16
+# The embedded corpus's held-out slice: every 10th topic in sorted order (8 of 79 topics,
+# ~10k of ~128k tokens with the shipped tokenizer).
+PYDOC_HELD_OUT_EVERY = 10
+Split = Literal["train", "validation"]
 
 
-def load_documents(dataset: str, dataset_path: str, text_field: str) -> Sequence[str]:
-    """Random-access documents of one source; raises ValueError naming the bad path or field."""
+def load_documents(dataset: str, dataset_path: str, text_field: str,
+                   split: Split = "train") -> Sequence[str]:
+    """Random-access documents of one source; raises ValueError naming the bad path or field.
+
+    `split` matters for `pydoc` only (its held-out slice); a file source is read whole either
+    way: point validation at a file of its own.
+    """
     if dataset not in DATASETS:
         raise ValueError(f"dataset={dataset!r} is not one of {list(DATASETS)}")
     if dataset == "pydoc":
@@ -54,7 +69,11 @@ def load_documents(dataset: str, dataset_path: str, text_field: str) -> Sequence
             )
         from pydoc_data.topics import topics
 
-        docs: Sequence[str] = [topics[k] for k in sorted(topics)]
+        texts = [topics[k] for k in sorted(topics)]
+        held_out = texts[::PYDOC_HELD_OUT_EVERY]
+        # Some topics share one text ("if" and "else"): train on none of a held-out text.
+        docs: Sequence[str] = held_out if split == "validation" else [
+            t for t in texts if t not in set(held_out)]
     elif not dataset_path:
         raise ValueError(f"dataset={dataset!r} needs a dataset_path")
     elif dataset == "text":
@@ -291,3 +310,36 @@ def _tokenize_fn(tokenizer: Tokenizer) -> Callable[[str], dict[str, np.ndarray]]
         return {"tokens": np.array([*tokenizer.encode(text), eos], dtype=np.int32)}
 
     return tokenize
+
+
+def validation_batches(
+    *,
+    dataset: str,
+    dataset_path: str,
+    text_field: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    global_batch_size: int,
+    max_batches: int = -1,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Iterator[dict[str, np.ndarray]]:
+    """This process's rows of up to `max_batches` (-1: all) validation batches: the "validation"
+    split's documents in order, with EOS, concatenated and cut into seq_len + 1 windows; a last
+    incomplete batch is dropped. Deterministic: every call yields the same batches."""
+    docs = load_documents(dataset, dataset_path, text_field, split="validation")
+    tokenize = _tokenize_fn(tokenizer)
+    window, local_rows = seq_len + 1, global_batch_size // process_count
+    rows = slice(process_index * local_rows, (process_index + 1) * local_rows)
+    buffer = np.zeros(0, np.int32)
+    produced = 0
+    for doc in docs:
+        if produced == max_batches:
+            return
+        buffer = np.concatenate([buffer, tokenize(doc)["tokens"]])
+        while len(buffer) >= window * global_batch_size and produced != max_batches:
+            batch = buffer[: window * global_batch_size].reshape(global_batch_size, window)[rows]
+            buffer = buffer[window * global_batch_size:]
+            produced += 1
+            yield {"inputs": np.ascontiguousarray(batch[:, :-1]),
+                   "labels": np.ascontiguousarray(batch[:, 1:])}

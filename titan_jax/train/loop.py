@@ -37,9 +37,11 @@ from titan_jax.train.checkpoint import (
     CheckpointError,
     NonFiniteStateError,
 )
-from titan_jax.train.metrics import MetricsLogger, memory_stats
+from titan_jax.train.eval import Validator
+from titan_jax.train.metrics import MetricsLogger, format_validation_line, memory_stats
 from titan_jax.train.model_io import export_hf
 from titan_jax.train.peak_flops import peak_flops_per_device
+from titan_jax.train.profiling import StepProfiler
 from titan_jax.train.start import load_start
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer, build_trainer
@@ -131,13 +133,20 @@ class _StepReporter:
         self.tokens_seen = tokens_seen  # over all runs of this job, skipped steps included
         device = trainer.mesh.devices.flat[0]
         dtype = np.dtype(trainer.options.param_dtype).name
-        self.peak, peak_source = peak_flops_per_device(device, dtype)
-        self.flops_per_step = trainer.flops_per_token() * trainer.tokens_per_step
+        peak = peak_flops_per_device(device, dtype, config.metrics.peak_flops)
+        self.peak = peak.flops_per_device
+        token_flops = trainer.flops_per_token()
+        self.flops_per_step = token_flops * trainer.tokens_per_step
         self.n_devices = trainer.mesh.devices.size
         self.bad_in_a_row = 0
         self.losses: dict[int, float] = {}
         self.last_ready: float | None = None
-        logger.info(f"MFU peak: {self.peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
+        self.validations: dict[int, dict[str, float]] = {}  # by step, until that step is logged
+        logger.info(f"MFU peak: {self.peak / 1e12:.3f} TFLOP/s per device ({peak.source})")
+        logger.write_header({**peak.to_json(), "flops_per_token": token_flops,
+                             "tokens_per_step": trainer.tokens_per_step,
+                             "devices": self.n_devices, "device_kind": device.device_kind,
+                             "param_dtype": dtype})
 
     def report(self, step: int, metrics: dict[str, jax.Array]) -> None:
         values = _scalars(jax.device_get(metrics))
@@ -158,23 +167,33 @@ class _StepReporter:
                 f"max_consecutive_bad_steps={limit}); stopping at step {step} without saving it"
             )
 
+    def add_validation(self, step: int, result: dict[str, float]) -> None:
+        """Print a validation of `step` now; its loss goes into `step`'s metrics line."""
+        self.logger.info(format_validation_line(step, result))
+        self.validations[step] = {k: result[k] for k in ("val_loss", "val_perplexity")}
+        self.last_ready = None  # the step's wall time includes the validation: not a step time
+
     def _log(self, step: int, values: dict[str, float], force: bool) -> None:
         now = time.perf_counter()
         step_time = None if self.last_ready is None else now - self.last_ready
         self.last_ready = now
-        if not (force or self.logger.should_log(step)):
-            self.logger.advance(step)
+        validation = self.validations.pop(step, {})
+        if not (force or validation or self.logger.should_log(step)):
+            self.logger.advance(step, loss=values["loss"])  # already on the host: no sync
             return
-        # The first step includes compilation, so it has no meaningful throughput.
-        tps = self.trainer.tokens_per_step / step_time if step_time else 0.0
-        mfu = 100 * self.flops_per_step / step_time / (self.peak * self.n_devices) if step_time \
-            else 0.0
+        # The first step of a run includes compilation: its throughput is not measured (null).
+        tps = mfu = None
+        if step_time:
+            tps = self.trainer.tokens_per_step / step_time
+            mfu = 100 * self.flops_per_step / step_time / (self.peak * self.n_devices)
         mem = memory_stats()
+        in_use = mem["bytes_in_use"]
         self.logger.log(step, {
             "step": step, "loss": values["loss"], "grad_norm": values["grad_norm"],
             "lr": values["lr"], "tokens_per_sec": tps, "mfu_pct": mfu,
-            "step_time_s": step_time or 0.0, "n_tokens": values["n_tokens"],
+            "step_time_s": step_time, "n_tokens": values["n_tokens"],
             "tokens_seen": self.tokens_seen, "memory_peak_gib": mem["peak_bytes"] / 2**30,
+            "memory_in_use_gib": None if in_use is None else in_use / 2**30, **validation,
             **{k: v for k, v in values.items() if k not in _STEP_METRICS},  # the model's own
         })
 
@@ -199,6 +218,8 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
     """Trains (or resumes) up to `training.steps`; returns this run's losses and final state."""
     trainer = build_trainer(config, devices)
     data = build_data(config, trainer)
+    validator = (Validator(config, trainer, load_tokenizer(config.model.tokenizer_path))
+                 if config.validation.enable else None)
     m, c = config.metrics, config.checkpoint
     total = config.training.steps
     with contextlib.ExitStack() as stack:
@@ -209,8 +230,10 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
         logger = stack.enter_context(MetricsLogger(
             config.job.dump_folder, m.log_freq, total, enable_tensorboard=m.enable_tensorboard,
             tensorboard_folder=m.save_tb_folder, progress_bar=m.progress_bar,
-            is_main_process=jax.process_index() == 0))
+            is_main_process=jax.process_index() == 0, enable_wandb=m.enable_wandb,
+            run_config=config.to_dict()))
         stop = stack.enter_context(StopSignals(logger.info))
+        profiler = stack.enter_context(StepProfiler(config))
         args = trainer.model.args
         logger.info(
             f"qwen3 {config.model.flavor}: {trainer.model.num_params() / 1e6:.1f}M params, "
@@ -243,11 +266,16 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
         step = start.step
         for step in range(start.step + 1, total + 1):
             batch = trainer.put_batch(next(data))
+            profiler.before_step(step)
             state, metrics = trainer.step_fn(state, batch)
             # Read step N-1's metrics only after step N is queued: the device stays busy.
             if pending is not None:
                 reporter.report(*pending)
             pending = (step, metrics)
+            if (trace := profiler.after_step(step, (state, metrics))) is not None:
+                logger.info(f"profile of steps up to {step} written to {trace}")
+            if validator is not None and validator.should_validate(step):
+                reporter.add_validation(step, validator.validate(state["params"], state["buffers"]))
             stopped = stop.should_stop(step)
             if ckpt is not None and (stopped or step == total or step % c.interval == 0):
                 reporter.report(*pending)  # N's verdict (bad-step policy) before N is saved

@@ -1,8 +1,12 @@
 """Training metrics: device memory, and the log sinks.
 
-The sinks (`MetricsLogger`) are one JSON line per logged step in `{dump_folder}/metrics.jsonl`,
-optional TensorBoard scalars, a tqdm bar, and a loss curve drawn on close. Only the main process
-writes anything.
+The sinks (`MetricsLogger`) are one JSON line per logged step in `{dump_folder}/metrics.jsonl`
+(a value that was not measured, such as step 1's throughput, is null; a validation's
+`val_loss` and `val_perplexity` ride on its step's line), one plain text line per logged step
+on stdout (TorchTitan's log line; printed with or without the bar), optional TensorBoard
+scalars and wandb, a tqdm bar showing the latest loss at every step, and a loss curve drawn on
+close. `metrics_header.json` describes the run's constants (the MFU peak and how it was
+obtained). Only the main process writes anything.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ _TB_TAGS = {
     "tokens_per_sec": "throughput/tokens_per_sec",
     "mfu_pct": "mfu_pct",
     "step_time_s": "time/step_time_s",
+    "val_loss": "validation_metrics/loss",
+    "val_perplexity": "validation_metrics/perplexity",
 }
 
 
@@ -80,7 +86,9 @@ def _ends_mid_line(path: Path) -> bool:
 
 
 def _json_number(value: Any) -> int | float | None:
-    """A JSON-safe number: NaN and inf become null (strict JSON has no token for them)."""
+    """A JSON-safe number: NaN, inf and unmeasured (None) become null."""
+    if value is None:
+        return None
     if isinstance(value, numbers.Integral):
         return int(value)
     value = float(value)
@@ -100,6 +108,8 @@ class MetricsLogger:
         tensorboard_folder: str = "tb",
         progress_bar: bool = True,
         is_main_process: bool = True,
+        enable_wandb: bool = False,
+        run_config: dict[str, Any] | None = None,
     ) -> None:
         if log_freq < 1:
             raise ValueError(f"log_freq={log_freq} must be >= 1")
@@ -107,7 +117,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.folder = Path(dump_folder)
         self._enabled = is_main_process
-        self._jsonl = self._tb = self._bar = None
+        self._jsonl = self._tb = self._bar = self._wandb = None
         if not self._enabled:
             return
         path = self.folder / "metrics.jsonl"
@@ -125,7 +135,12 @@ class MetricsLogger:
             from tensorboardX import SummaryWriter  # only imported when asked for
 
             self._tb = SummaryWriter(str(self.folder / tensorboard_folder))
+        if enable_wandb:
+            from titan_jax.train.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(self.folder, run_config or {})
         self._show_bar = progress_bar
+        self._postfix: dict[str, str] = {}
 
     def should_log(self, step: int) -> bool:
         """Steps to log: the first, every `log_freq`-th, and the last."""
@@ -137,22 +152,30 @@ class MetricsLogger:
             return
         record = {"step": int(step), **{k: _json_number(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
-                    self._tb.add_scalar(_tb_tag(key), value, step)
-        postfix = {
+        self._scalars(step, {k: v for k, v in record.items() if k != "step"})
+        self._postfix = {
             label: format(record[key], fmt)
             for key, (label, fmt) in _BAR_POSTFIX.items()
             if record.get(key) is not None
         }
         self.advance(step)
-        self._bar.set_postfix(postfix)
+        self.info(format_step_line(record, self.total_steps))
 
-    def advance(self, step: int) -> None:
-        """Move the bar to `step` (for steps that are not logged)."""
+    def _scalars(self, step: int, values: dict[str, float | None]) -> None:
+        """TensorBoard and wandb, under TorchTitan's tags; nulls are left out."""
+        tagged = {_tb_tag(k): v for k, v in values.items() if v is not None}
+        if self._tb is not None:
+            for tag, value in tagged.items():
+                self._tb.add_scalar(tag, value, step)
+        if self._wandb is not None:
+            self._wandb.log(step, tagged)
+
+    def advance(self, step: int, loss: float | None = None) -> None:
+        """Move the bar to `step` (for steps that are not logged), showing `loss` if given."""
         if not self._enabled:
             return
+        if loss is not None:
+            self._postfix["loss"] = format(loss, _BAR_POSTFIX["loss"][1])
         if self._bar is None:
             # Created at the first step seen so that a resumed run's rate and ETA count only
             # the steps it runs.
@@ -163,7 +186,15 @@ class MetricsLogger:
                 dynamic_ncols=True,
                 disable=not self._show_bar,
             )
+        self._bar.set_postfix(self._postfix, refresh=False)
         self._bar.update(step - self._bar.n)
+
+    def write_header(self, header: dict[str, Any]) -> None:
+        """`{dump_folder}/metrics_header.json`: this run's constants (the MFU peak and its
+        method, FLOPs per token, devices, ...), rewritten at every start."""
+        if self._enabled:
+            path = self.folder / "metrics_header.json"
+            path.write_text(json.dumps(header, indent=1) + "\n")
 
     def info(self, msg: str) -> None:
         """Print a line without breaking the progress bar."""
@@ -181,18 +212,25 @@ class MetricsLogger:
         self._jsonl = None
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
         self._plot_loss()
 
     def _plot_loss(self) -> None:
-        steps, losses = _loss_curve(self.folder / "metrics.jsonl")
+        """Every logged step's training loss (a marker each) and the validation loss."""
+        steps, losses = _curve(self.folder / "metrics.jsonl", "loss")
         if not steps:
             return
+        val_steps, val_losses = _curve(self.folder / "metrics.jsonl", "val_loss")
         from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
         fig = Figure(figsize=(7, 4), layout="tight")
         ax = fig.subplots()
-        ax.plot(steps, losses)
+        ax.plot(steps, losses, marker=".", label="train loss")
+        if val_steps:
+            ax.plot(val_steps, val_losses, marker="o", label="validation loss")
         ax.set(xlabel="step", ylabel="loss", title=f"loss ({self.folder.name})")
+        ax.legend()
         ax.grid(alpha=0.3)
         fig.savefig(self.folder / "loss.png", dpi=100)
 
@@ -203,9 +241,39 @@ class MetricsLogger:
         self.close()
 
 
-def _loss_curve(jsonl: Path) -> tuple[list[int], list[float]]:
-    """(steps, losses) of every logged line, sorted by step. A resumed run re-logs the steps
-    after its checkpoint: the later line wins."""
+def _number(value: float | None, fmt: str, unit: str = "") -> str:
+    return "-" if value is None else f"{format(value, fmt)}{unit}"
+
+
+def format_step_line(record: dict[str, Any], total_steps: int) -> str:
+    """One plain log line per logged step, TorchTitan style; "-" marks what was not measured."""
+    get = record.get
+    memory = _number(get("memory_peak_gib"), ".2f", " GiB peak")
+    if get("memory_in_use_gib") is not None:
+        memory += f" / {get('memory_in_use_gib'):.2f} GiB in use"
+    parts = [
+        f"step {record['step']:>{len(str(total_steps))}}/{total_steps}",
+        f"loss {_number(get('loss'), '.4f')}",
+        f"grad_norm {_number(get('grad_norm'), '.3f')}",
+        f"lr {_number(get('lr'), '.2e')}",
+        f"tokens/s {_number(get('tokens_per_sec'), ',.0f')}",
+        f"mfu {_number(get('mfu_pct'), '.1f', '%')}",
+        f"step_time {_number(get('step_time_s'), '.2f', ' s')}",
+        f"memory {memory}",
+    ]
+    return "  ".join(parts)
+
+
+def format_validation_line(step: int, values: dict[str, Any]) -> str:
+    """The text line of one validation (its numbers go into the step's metrics line)."""
+    return (f"validation at step {step}: val_loss {_number(values.get('val_loss'), '.4f')}  "
+            f"val_perplexity {_number(values.get('val_perplexity'), ',.1f')}  "
+            f"({values['val_batches']} batches, {values['val_tokens']:,} tokens)")
+
+
+def _curve(jsonl: Path, key: str) -> tuple[list[int], list[float]]:
+    """(steps, values of `key`) of every logged line holding it, sorted by step. A resumed run
+    re-logs the steps after its checkpoint: the later line wins."""
     loss_by_step: dict[int, float] = {}
     with open(jsonl) as f:
         for line in f:
@@ -213,7 +281,7 @@ def _loss_curve(jsonl: Path) -> tuple[list[int], list[float]]:
                 record = json.loads(line)
             except ValueError:  # a line torn by a crash
                 continue
-            if record.get("loss") is not None:
-                loss_by_step[int(record["step"])] = record["loss"]
+            if record.get(key) is not None:
+                loss_by_step[int(record["step"])] = record[key]
     steps = sorted(loss_by_step)
     return steps, [loss_by_step[s] for s in steps]

@@ -1,0 +1,49 @@
+"""Tests for titan_jax/jax_platform.py: CPU hosts default to JAX_PLATFORMS=cpu, nothing else."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from titan_jax import jax_platform
+
+
+@pytest.fixture
+def no_platform_env(monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+
+
+def test_cpu_host_gets_cpu(no_platform_env, monkeypatch):
+    monkeypatch.setattr(jax_platform.glob, "glob", lambda pattern: [])
+    assert jax_platform.default_to_cpu_without_accelerator() == "cpu"
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+
+
+@pytest.mark.parametrize("node", ["/dev/accel0", "/dev/vfio/0", "/dev/nvidia0"])
+def test_accelerator_host_is_left_to_jax(no_platform_env, monkeypatch, node):
+    present = {"/dev/accel*": "/dev/accel0", "/dev/vfio/*": "/dev/vfio/0",
+               "/dev/nvidia0": "/dev/nvidia0"}
+    monkeypatch.setattr(jax_platform.glob, "glob",
+                        lambda pattern: [node] if present[pattern] == node else [])
+    assert jax_platform.default_to_cpu_without_accelerator() is None
+    assert "JAX_PLATFORMS" not in os.environ
+
+
+def test_user_value_is_kept(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    monkeypatch.setattr(jax_platform.glob, "glob", lambda pattern: [])
+    assert jax_platform.default_to_cpu_without_accelerator() == "tpu"
+
+
+@pytest.mark.slow
+def test_cli_on_this_cpu_host_prints_no_tpu_noise():
+    if jax_platform.has_accelerator_device():
+        pytest.skip("this host has an accelerator")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = ("import sys; from titan_jax.cli import main; main(['train', '--print-config']);"
+            "import jax; print(jax.default_backend())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip().endswith("cpu")
+    assert "TPU" not in out.stderr and "INVALID_ARGUMENT" not in out.stderr, out.stderr

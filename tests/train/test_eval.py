@@ -1,0 +1,101 @@
+"""Tests for titan_jax/train/eval.py: the eval step and validation during training."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from titan_jax.config import ConfigError, load_config
+from titan_jax.data.tokenizer import load_tokenizer
+from titan_jax.models.qwen3 import Qwen3Args
+from titan_jax.train import loop
+from titan_jax.train.eval import Validator
+from titan_jax.train.loss import token_cross_entropy_sum
+from titan_jax.train.trainer import build_trainer
+
+TINY = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
+                 vocab_size=2048, max_seq_len=64)  # vocab fits the shipped tokenizer
+VALIDATION = ["--validation.enable", "true", "--validation.seq_len", "16",
+              "--validation.local_batch_size", "1", "--validation.steps", "2"]
+
+
+def make_config(folder, *overrides):
+    return load_config(None, [
+        "--job.dump_folder", str(folder), "--training.seq_len", "16",
+        "--training.local_batch_size", "1", "--training.global_batch_size", "4",
+        "--training.steps", "4", "--lr_scheduler.warmup_steps", "1",
+        "--metrics.log_freq", "2", "--metrics.progress_bar", "false", *VALIDATION, *overrides])
+
+
+def reference_loss(trainer, params, batches):
+    """Mean CE over all tokens of `batches`, from the model's logits on one device."""
+    total = count = 0.0
+    for b in batches:
+        logits = trainer.model.apply(params, jnp.asarray(b["inputs"]))
+        total += float(token_cross_entropy_sum(logits.reshape(-1, logits.shape[-1]),
+                                               jnp.asarray(b["labels"]).reshape(-1)))
+        count += b["labels"].size
+    return total / count
+
+
+@pytest.mark.parametrize("mesh", [
+    [],
+    ["--job.cpu_devices", "4", "--parallelism.data_parallel_shard_degree", "4"],
+    ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+     "--parallelism.fsdp_implementation", "shard_map"],
+])
+def test_validation_loss_equals_the_model_on_any_mesh(tmp_path, mesh):
+    config = make_config(tmp_path, *mesh, "--validation.local_batch_size", "2")
+    devices = jax.devices()[:1] if not mesh else jax.devices()[:4]
+    trainer = build_trainer(config, devices, model_args=TINY)
+    validator = Validator(config, trainer, load_tokenizer(""))
+    state = trainer.init_state()
+    params, buffers = state["params"], state["buffers"]
+    result = validator.validate(params, buffers)
+    one = build_trainer(make_config(tmp_path), jax.devices()[:1], model_args=TINY)
+    host_params = jax.device_get(params)
+    batches = list(validator._batches(2))
+    assert result["val_batches"] == 2
+    assert result["val_tokens"] == 2 * validator.global_batch_size * 16
+    assert result["val_loss"] == pytest.approx(reference_loss(one, host_params, batches), rel=1e-6)
+    assert result["val_perplexity"] == pytest.approx(math.exp(result["val_loss"]))
+    assert result == validator.validate(params, buffers)  # the same batches every time
+
+
+def test_too_small_validation_set_names_the_fields(tmp_path):
+    config = make_config(tmp_path, "--validation.local_batch_size", "1000",
+                         "--validation.seq_len", "64")
+    trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
+    with pytest.raises(ConfigError, match="validation.local_batch_size or validation.seq_len"):
+        Validator(config, trainer, load_tokenizer(""))
+
+
+def test_training_logs_validation(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(loop, "build_trainer",
+                        lambda config, devices=None: build_trainer(config, devices,
+                                                                   model_args=TINY))
+    config = make_config(tmp_path, "--validation.freq", "3", "--metrics.enable_tensorboard",
+                         "true")
+    loop.train(config, jax.devices()[:1])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # Every validation.freq steps and the last, on its step's line (logged for it).
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 4]
+    assert all(np.isclose(r["val_perplexity"], math.exp(r["val_loss"])) for r in rows[2:])
+    # Steps 3 and 4 ran with a validation in their wall time: no step time, not a wrong one.
+    assert rows[2]["step_time_s"] is None and rows[3]["step_time_s"] is None
+    assert "validation at step 3: val_loss" in capsys.readouterr().out
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    assert b"validation_metrics/loss" in events.read_bytes()
+
+
+def test_bad_validation_source_names_the_field(tmp_path):
+    config = make_config(tmp_path, "--validation.dataset", "jsonl",
+                         "--validation.dataset_path", str(tmp_path / "missing.jsonl"))
+    trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
+    with pytest.raises(ConfigError, match=r"validation.dataset_path='.*missing.jsonl' does not"):
+        Validator(config, trainer, load_tokenizer(""))

@@ -1,0 +1,31 @@
+"""Choose JAX's platform before JAX starts: "cpu" on hosts without an accelerator.
+
+With libtpu installed (the `tpu` extra), every `import jax` on a machine without a TPU probes
+for one and prints pages of errors (host bounds, worker hostname, a source trace). Saying
+`JAX_PLATFORMS=cpu` up front silences that. The rule is the Makefile's: no TPU (`/dev/accel*`,
+`/dev/vfio/*`) and no NVIDIA GPU (`/dev/nvidia0`) device node means a CPU host. A value the
+user set is never overridden, and accelerator hosts are left to JAX's own choice.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+ACCELERATOR_DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/*", "/dev/nvidia0")
+
+
+def has_accelerator_device() -> bool:
+    """Whether the host exposes a TPU or GPU device node."""
+    return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICE_GLOBS)
+
+
+def default_to_cpu_without_accelerator() -> str | None:
+    """Sets JAX_PLATFORMS=cpu on hosts with no accelerator unless the variable is already set.
+
+    Call before the first `import jax`. Returns the JAX_PLATFORMS value now in effect (None:
+    JAX chooses).
+    """
+    if "JAX_PLATFORMS" not in os.environ and not has_accelerator_device():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    return os.environ.get("JAX_PLATFORMS")

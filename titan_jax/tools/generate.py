@@ -1,0 +1,117 @@
+"""`titan-jax generate`: text from a trained checkpoint or a HF Qwen3 directory.
+
+Weights are loaded straight onto the shardings the recipe's mesh gives them in training
+(`[parallelism]`, `job.cpu_devices`), and decoding (`models/qwen3/decode.py`: KV cache, jitted
+prefill and per-token step) runs on that mesh, in `training.mixed_precision_param`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from titan_jax.config import JobConfig
+from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
+from titan_jax.models.qwen3 import Qwen3Args, decode
+from titan_jax.models.qwen3.build import Params
+from titan_jax.models.qwen3.hf import load_hf_params
+from titan_jax.models.qwen3.hf_config import read_hf_config
+from titan_jax.train.checkpoint import Checkpointer
+from titan_jax.train.model_io import is_training_checkpoint, load_orbax, read_orbax_args
+from titan_jax.train.trainer import build_trainer, resolve_param_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    prompt: str
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature {self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p {self.top_p} must be in (0, 1]")
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run's checkpoint folder means its newest step; a step folder or an orbax model
+    directory (`titan-jax convert --to orbax`) is taken as given."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"--checkpoint {path} does not exist")
+    if is_training_checkpoint(path) or (path / "model_args.json").is_file():
+        return path
+    steps = [p for p in path.iterdir() if is_training_checkpoint(p)]
+    if not steps:
+        raise ValueError(f"--checkpoint {path} is neither a checkpoint step folder, a folder of "
+                         "them, nor an orbax model directory (model_args.json + params/)")
+    return max(steps, key=lambda p: int(p.name))
+
+
+def _orbax_args(path: Path) -> Qwen3Args:
+    if is_training_checkpoint(path):
+        with Checkpointer(path.parent, read_only=True) as ckpt:
+            return Qwen3Args(**ckpt.meta(int(path.name))["model_args"])
+    return read_orbax_args(path)
+
+
+def load_model(config: JobConfig, checkpoint: str | None, hf_checkpoint: str | None
+               ) -> tuple[Qwen3Args, Params, Tokenizer, jax.sharding.Mesh, str]:
+    """(args, params on the recipe's mesh, tokenizer, mesh, a description of the source)."""
+    if (checkpoint is None) == (hf_checkpoint is None):
+        raise ValueError("give exactly one of --checkpoint PATH or --hf-checkpoint DIR")
+    if hf_checkpoint is not None:
+        source = Path(hf_checkpoint)
+        args = read_hf_config(source)
+    else:
+        source = resolve_checkpoint(checkpoint)
+        args = _orbax_args(source)
+    # The mesh and shardings of training; its seq_len only has to fit the loaded model.
+    mesh_config = copy.deepcopy(config)
+    mesh_config.training.seq_len = min(config.training.seq_len, args.max_seq_len)
+    trainer = build_trainer(mesh_config, model_args=args)
+    shardings = trainer.state_shardings["params"]
+    if hf_checkpoint is not None:
+        params = load_hf_params(source, args, shardings)
+        # A HF model directory ships its tokenizer; the recipe's is the fallback.
+        tokenizer_path = str(source) if (source / "tokenizer.json").is_file() else \
+            config.model.tokenizer_path
+    else:
+        _, params = load_orbax(source, shardings)
+        tokenizer_path = config.model.tokenizer_path
+    tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer_path or '(shipped)'} has vocab size "
+                         f"{tokenizer.vocab_size}, larger than the model's {args.vocab_size}")
+    return args, params, tokenizer, trainer.mesh, str(source)
+
+
+def generate_text(config: JobConfig, checkpoint: str | None, hf_checkpoint: str | None,
+                  options: GenerateOptions) -> tuple[str, str]:
+    """(the prompt's continuation, the weights' source); stops at EOS or max_new_tokens."""
+    options.validate()
+    args, params, tokenizer, mesh, source = load_model(config, checkpoint, hf_checkpoint)
+    prompt_ids = tokenizer.encode(options.prompt)
+    if tokenizer.bos_id is not None and (not prompt_ids or prompt_ids[0] != tokenizer.bos_id):
+        prompt_ids = [tokenizer.bos_id, *prompt_ids]
+    if not prompt_ids:
+        raise ValueError("--prompt is empty and the tokenizer has no BOS token to start from")
+    dtype = resolve_param_dtype(config.training.mixed_precision_param, list(mesh.devices.flat))
+    with jax.set_mesh(mesh):
+        tokens = decode.generate(
+            params, args, np.asarray([prompt_ids], np.int32), options.max_new_tokens,
+            temperature=options.temperature, top_p=options.top_p, seed=options.seed,
+            eos_id=tokenizer.eos_id, dtype=dtype)
+    new = [int(t) for t in np.asarray(tokens)[0, len(prompt_ids):]]
+    if tokenizer.eos_id in new:
+        new = new[:new.index(tokenizer.eos_id)]
+    return tokenizer.decode(new), source
