@@ -14,6 +14,7 @@ import titan_jax.parity  # noqa: F401  (imported before torch: it sets OMP_WAIT_
 from titan_jax.models.qwen3 import build_model_def
 from titan_jax.models.qwen3.hf import iter_hf_tensors, load_hf_params, save_hf
 from titan_jax.models.qwen3.hf_config import HFCheckpointError, read_hf_config
+from titan_jax.models.qwen3.hf_tensors import fused_expert_layout
 from titan_jax.parity.metrics import kl_per_token
 from titan_jax.train.loss import cross_entropy_sum
 
@@ -26,7 +27,7 @@ SEQ = 512
 @pytest.fixture(scope="module")
 def hf_moe(tmp_path_factory):
     config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        vocab_size=2048, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, output_router_logits=False,
         max_position_embeddings=SEQ, tie_word_embeddings=False,
@@ -73,20 +74,6 @@ def test_logits_kl_and_argmax_equal_hf(hf_moe):
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
 
 
-def fused(tensors: dict[str, np.ndarray], args) -> dict[str, np.ndarray]:
-    """Hub (per-expert) names -> transformers 5's in-memory layout: `experts.gate_up_proj`
-    (E, 2F, D), gate rows first, and `experts.down_proj` (E, D, F)."""
-    out = {k: v for k, v in tensors.items() if ".experts." not in k}
-    for i in range(args.n_layers):
-        p = f"model.layers.{i}.mlp.experts"
-        get = lambda j, name, p=p: tensors[f"{p}.{j}.{name}.weight"]  # noqa: E731
-        out[f"{p}.gate_up_proj"] = np.stack([np.concatenate([get(j, "gate_proj"),
-                                                             get(j, "up_proj")])
-                                             for j in range(args.num_experts)])
-        out[f"{p}.down_proj"] = np.stack([get(j, "down_proj") for j in range(args.num_experts)])
-    return out
-
-
 def test_gradients_equal_hf(hf_moe):
     model, path = hf_moe
     args = read_hf_config(path)
@@ -99,7 +86,7 @@ def test_gradients_equal_hf(hf_moe):
         h, w, _ = ours.forward(p, ours.init_buffers(), jnp.asarray(inputs, jnp.int32))
         return cross_entropy_sum(h, w, jnp.asarray(labels, jnp.int32)) / labels.size
 
-    grads = fused(dict(iter_hf_tensors(jax.grad(loss)(params), args)), args)
+    grads = fused_expert_layout(dict(iter_hf_tensors(jax.grad(loss)(params), args)), args)
     model.zero_grad()
     # HF shifts the labels itself: the whole sequence as input and labels is the same loss
     # (causal: the last position's logits take no part).
@@ -132,3 +119,22 @@ def test_a_missing_expert_tensor_names_it(hf_moe, tmp_path):
     with pytest.raises(HFCheckpointError,
                        match="missing tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"):
         load_hf_params(tmp_path)
+
+
+def test_parity_cli_on_a_moe_checkpoint(hf_moe, tmp_path, capsys):
+    """`titan-jax parity` on a Qwen3-MoE checkpoint: HF compared (logits, KL, greedy decode,
+    gradients, a 3-step trajectory with the bias update off), torchtitan reported as not wired."""
+    from titan_jax.cli import main
+
+    _, path = hf_moe
+    out = tmp_path / "parity.json"
+    code = main(["parity", "--config", "configs/qwen3_debug.toml", "--hf-checkpoint", str(path),
+                 "--trajectory-steps", "3", "--training.seq_len", "32",
+                 "--training.local_batch_size", "2", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert out.exists(), printed.out + printed.err
+    report = json.loads(out.read_text())
+    assert report["greedy_match"] is True and report["kl_max"] <= 1e-9, printed.out
+    assert report["grads_max_rel_diff"] <= 1e-4 and report["trajectory_max_rel_diff"] <= 1e-5
+    assert "not wired" in printed.out  # the torchtitan column says why it is absent
+    assert code == 1  # a requested reference that could not run fails the run, as for dense

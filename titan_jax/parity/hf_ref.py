@@ -1,6 +1,6 @@
-"""HF transformers' `Qwen3ForCausalLM` as the reference: forward, TorchTitan's loss and its
-gradients, and a PyTorch training loop running TorchTitan's recipe. fp32 on CPU (torch's bf16
-matmuls are ~100x slower than fp32 on CPUs without bf16 kernels)."""
+"""HF transformers' `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` as the reference: forward,
+TorchTitan's loss and its gradients, and a PyTorch training loop running TorchTitan's recipe.
+fp32 on CPU (torch's bf16 matmuls are ~100x slower than fp32 on CPUs without bf16 kernels)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ from titan_jax.train.loss import IGNORE_INDEX
 
 
 def load_model(path: str | Path) -> torch.nn.Module:
-    """The HF model directory `path` as a fp32 `Qwen3ForCausalLM`, eval mode."""
-    from transformers import Qwen3ForCausalLM  # slow to import; torchtitan runs need only torch
+    """The HF model directory `path` as a fp32 `Qwen3ForCausalLM` or `Qwen3MoeForCausalLM`
+    (from its config.json), eval mode."""
+    from transformers import AutoModelForCausalLM  # slow; torchtitan runs need only torch
     from transformers.utils import logging as hf_logging
 
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per load clutters the report
     try:
-        return Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     finally:
         if shown:
             hf_logging.enable_progress_bar()

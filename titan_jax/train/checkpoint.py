@@ -296,7 +296,7 @@ class Checkpointer:
         restore_args = ocp.checkpoint_utils.construct_restore_args(restore_target)
         items = {"state": ocp.args.PyTreeRestore(
             restore_target, restore_args=restore_args,
-            partial_restore=model_only and not meta["model_only"])}
+            partial_restore=model_only)}  # a subset of what was saved
         if not model_only:
             items["data"] = ocp.args.JsonRestore()
         with self._reading(step):

@@ -129,3 +129,20 @@ def to_hf_layout(t: HFTensor, x: np.ndarray) -> np.ndarray:
         return x
     n_in = math.prod(t.shape[:t.n_in])
     return x.reshape(n_in, -1).T
+
+
+def fused_expert_layout(tensors: dict[str, np.ndarray], args: Qwen3Args
+                        ) -> dict[str, np.ndarray]:
+    """Hub-layout tensors (per expert) in transformers 5's in-memory layout, where each MoE
+    layer holds `mlp.experts.gate_up_proj` (E, 2F, D), gate rows first, and
+    `mlp.experts.down_proj` (E, D, F): what a live model's `named_parameters` names."""
+    out = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+    for i in range(args.n_layers):
+        prefix = f"model.layers.{i}.mlp.experts"
+        per_expert = [{name: tensors[f"{prefix}.{j}.{name}.weight"]
+                       for name in ("gate_proj", "up_proj", "down_proj")}
+                      for j in range(args.num_experts)]
+        out[f"{prefix}.gate_up_proj"] = np.stack(
+            [np.concatenate([e["gate_proj"], e["up_proj"]]) for e in per_expert])
+        out[f"{prefix}.down_proj"] = np.stack([e["down_proj"] for e in per_expert])
+    return out
