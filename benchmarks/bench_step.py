@@ -31,7 +31,8 @@ from titan_jax.train.trainer import build_trainer
 # ~100M parameters: GPT-2-small width with Qwen3's structure (GQA, QK-norm, SwiGLU), untied.
 QWEN3_100M = Qwen3Args(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64,
                        hidden_dim=3072, vocab_size=2048, tie_embeddings=False)
-SHAPES = {"debugmodel": get_flavor("debugmodel"), "qwen3-100M": QWEN3_100M}
+SHAPES = {"debugmodel": get_flavor("debugmodel"), "qwen3-100M": QWEN3_100M,
+          "debugmodel_moe": get_flavor("debugmodel_moe")}
 BEGIN, END = "<!-- bench_step:begin -->", "<!-- bench_step:end -->"
 
 
@@ -67,12 +68,13 @@ def time_jax(args: Qwen3Args, batch: int, seq: int, warmup: int, steps: int, ac:
 def time_torch(args: Qwen3Args, batch: int, seq: int, warmup: int, steps: int) -> float | None:
     try:
         import torch
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         return None
     torch.manual_seed(0)
-    hf = Qwen3Config(**hf_config_from_args(args), attn_implementation="sdpa")
-    model = Qwen3ForCausalLM(hf).float()
+    config = hf_config_from_args(args)  # Qwen3Config, or Qwen3MoeConfig for MoE flavours
+    hf = AutoConfig.for_model(config.pop("model_type"), **config, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(hf).float()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1))
     times = []
@@ -122,12 +124,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--ac", default="none", choices=["none", "full", "selective"])
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--models", default=",".join(SHAPES),
+                        help=f"comma-separated shapes to time (default: {','.join(SHAPES)})")
     parser.add_argument("--write", help="markdown file whose bench_step table is replaced")
     opts = parser.parse_args()
+    unknown = sorted(set(opts.models.split(",")) - set(SHAPES))
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(SHAPES)}")
 
     peak = peak_flops_per_device(jax.devices()[0], "float32")
     results = []
-    for name, args in SHAPES.items():
+    for name in opts.models.split(","):
+        args = SHAPES[name]
         tokens = opts.batch * opts.seq_len
         jax_s = time_jax(args, opts.batch, opts.seq_len, opts.warmup, opts.steps, opts.ac)
         torch_s = None if opts.no_torch else time_torch(args, opts.batch, opts.seq_len,

@@ -31,3 +31,16 @@ def test_make_bench_does_not_rewrite_benchmarks_md():
     bench = makefile.split("\nbench:\n", 1)[1].split("\n\n", 1)[0]
     assert "--write" not in bench
     assert "--write BENCHMARKS.md" in makefile.split("\nbench-update:\n", 1)[1].split("\n\n")[0]
+
+
+def test_the_pytorch_side_builds_moe_models_too():
+    """The MoE row times HF's Qwen3MoeForCausalLM (picked from the config's model_type)."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from titan_jax.models.qwen3 import Qwen3Args
+
+    bench = load_bench()
+    args = Qwen3Args(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, vocab_size=64,
+                     tie_embeddings=False, num_experts=4, top_k=2, moe_inter_dim=16)
+    assert bench.time_torch(args, 1, 8, 0, 1) > 0
