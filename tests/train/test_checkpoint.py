@@ -170,7 +170,8 @@ def test_a_failed_async_save_surfaces_as_an_error(tmp_path, monkeypatch):
                         "_background_wait_for_commit_futures", disk_full)
     ckpt = Checkpointer(tmp_path)
     ckpt.save(1, small_state(), data_state={}, tokens_seen=0)  # returns before the failure
-    with pytest.raises(CheckpointSaveError, match="checkpoint step 1 .* No space left"):
+    with pytest.raises(CheckpointSaveError, match="^No space left on device: saving checkpoint "
+                       "step 1 to .* failed$"):
         ckpt.wait()
     assert ckpt.steps() == []
     ckpt.close()

@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from titan_jax.config import JobConfig
+from titan_jax.errors import TitanJaxError, root_cause
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer
 
@@ -44,11 +45,11 @@ MODEL_KEYS = ("params",)  # the TrainState keys a model-only checkpoint holds
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TitanJaxError, ValueError):
     """A checkpoint that cannot be used: missing, corrupt, another model, or another run."""
 
 
-class CheckpointSaveError(OSError):
+class CheckpointSaveError(TitanJaxError, OSError):
     """Writing a checkpoint failed (an async save fails in the background and shows up here at
     the next save or at exit)."""
 
@@ -248,8 +249,10 @@ class Checkpointer:
             yield
         except Exception as e:
             which = "a checkpoint" if step is None else f"checkpoint step {step}"
-            raise CheckpointSaveError(
-                f"saving {which} to {self.directory} failed: {_first_line(e)}") from e
+            what = f"saving {which} to {self.directory} failed"
+            cause = root_cause(e)  # first: orbax's own first line can bury it
+            raise CheckpointSaveError(f"{cause}: {what}" if cause else
+                                      f"{what}: {_first_line(e)}") from e
 
     # Restore.
 
