@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from titan_jax.atomic_dir import atomic_dir
 from titan_jax.config import JobConfig
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def
 from titan_jax.models.qwen3.build import Params
@@ -33,17 +33,17 @@ ARGS_FILE = "model_args.json"
 PARAMS_DIR = "params"
 
 
-def save_orbax(path: str | Path, params: Params, args: Qwen3Args) -> None:
-    """Writes the model-only orbax checkpoint described in the module docstring."""
-    path = Path(path).resolve()
-    if (path / PARAMS_DIR).exists():
-        raise FileExistsError(f"{path / PARAMS_DIR} already exists; choose a new destination")
-    path.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        (path / ARGS_FILE).write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path / PARAMS_DIR, params)
-    checkpointer.wait_until_finished()
+def save_orbax(path: str | Path, params: Params, args: Qwen3Args, *, overwrite: bool = False,
+               source: str | Path | None = None) -> None:
+    """Writes the model-only orbax checkpoint described in the module docstring, whole or not at
+    all (`atomic_dir`: a non-empty `path` is replaced only with `overwrite`, never the source)."""
+    writer = jax.process_index() == 0
+    with atomic_dir(path, overwrite=overwrite, source=source, writer=writer) as tmp:
+        if writer:
+            (tmp / ARGS_FILE).write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(tmp / PARAMS_DIR, params)
+        checkpointer.wait_until_finished()
 
 
 def read_orbax_args(path: str | Path) -> Qwen3Args:
@@ -97,8 +97,5 @@ def export_hf(config: JobConfig, trainer: Trainer, params: Any, step: int) -> Pa
     final = Path(config.job.dump_folder) / config.checkpoint.folder / f"hf-{step}"
     if final.exists():
         raise CheckpointSaveError(f"{final} already exists; not overwriting it")
-    tmp = final.with_name(f"{final.name}.tmp")
-    save_hf(tmp, params, trainer.model.args, dtype=config.checkpoint.export_dtype)
-    if jax.process_index() == 0:
-        os.replace(tmp, final)
+    save_hf(final, params, trainer.model.args, dtype=config.checkpoint.export_dtype)
     return final
