@@ -207,7 +207,8 @@ def test_a_damaged_checkpoint_is_refused_and_left_alone(tmp_path, damage, messag
     before = digests(tmp_path)
     with pytest.raises(CheckpointError, match=message) as error:
         Checkpointer(tmp_path).restore(2, target)
-    assert "--checkpoint.load_step (finalized: 1)" in str(error.value)
+    assert f"move {tmp_path / '2'} out of {tmp_path} and run again to resume from step 1" in \
+        str(error.value)
     assert "\n" not in str(error.value)
     assert digests(tmp_path) == before
     assert_trees_equal(Checkpointer(tmp_path).restore(1, target).state, state)
@@ -386,6 +387,25 @@ def test_a_signal_saves_the_current_step_and_the_resume_is_bitwise(tmp_path, tin
     third = run(config)
     assert third.final_step == 6 and third.losses == {}
     assert "nothing to train" in capsys.readouterr().out
+
+
+def test_a_resume_after_a_crash_logs_each_step_once(tmp_path, tiny_loop):
+    config = make_config(tmp_path, "--checkpoint.interval", "3")
+
+    def crash_at_6(step):
+        if step == 6:
+            raise RuntimeError("simulated crash")
+
+    tiny_loop.on_step = crash_at_6
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(config)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # step 4 is past checkpoint 3
+    tiny_loop.on_step = lambda n: None
+    second = run(config)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[3]["loss"] == second.losses[4]  # this run's row, not the crashed one's
 
 
 def test_several_processes_stop_where_jax_preemption_sync_point_says(monkeypatch):

@@ -41,7 +41,9 @@ from titan_jax.train.checkpoint import (
 from titan_jax.train.metrics import MetricsLogger, memory_stats
 from titan_jax.train.model_io import export_hf
 from titan_jax.train.peak_flops import peak_flops_per_device
-from titan_jax.train.start import load_start
+from titan_jax.train.run_lock import RunLock
+from titan_jax.train.run_log import RunLog
+from titan_jax.train.start import check_initial_load_path, load_start
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer, build_trainer
 
@@ -187,7 +189,12 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
     data = build_data(config, trainer)
     m, c = config.metrics, config.checkpoint
     total = config.training.steps
+    check_initial_load_path(config)
     with contextlib.ExitStack() as stack:
+        # One run per dump folder, taken before anything is written there.
+        if jax.process_index() == 0:
+            stack.enter_context(RunLock(config.job.dump_folder))
+        stack.enter_context(RunLog(config.job.dump_folder))
         # Closed (waiting for an in-flight save) on every exit, errors and signals included.
         ckpt = stack.enter_context(Checkpointer.from_config(config, trainer)) if c.enable else None
         # Before any log is opened: a bad checkpoint or config change fails with nothing written.
@@ -195,7 +202,7 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
         logger = stack.enter_context(MetricsLogger(
             config.job.dump_folder, m.log_freq, total, enable_tensorboard=m.enable_tensorboard,
             tensorboard_folder=m.save_tb_folder, progress_bar=m.progress_bar,
-            is_main_process=jax.process_index() == 0))
+            is_main_process=jax.process_index() == 0, keep_through=start.step))
         stop = stack.enter_context(StopSignals(logger.info))
         args = trainer.model.args
         logger.info(

@@ -26,7 +26,12 @@ from titan_jax.config import JobConfig
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def
 from titan_jax.models.qwen3.build import Params
 from titan_jax.models.qwen3.hf import save_hf
-from titan_jax.train.checkpoint import Checkpointer, CheckpointSaveError
+from titan_jax.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointSaveError,
+    is_checkpoint_dir,
+)
 from titan_jax.train.trainer import Trainer
 
 ARGS_FILE = "model_args.json"
@@ -51,15 +56,20 @@ def read_orbax_args(path: str | Path) -> Qwen3Args:
     try:
         fields = json.loads(file.read_text())
     except FileNotFoundError:
-        raise ValueError(f"{path}: no {ARGS_FILE} (not a titan-jax orbax model directory)"
-                         ) from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: not valid JSON: {e}") from None
+        what = "does not exist" if not Path(path).exists() else \
+            f"has no {ARGS_FILE} (not a titan-jax orbax model directory)"
+        raise CheckpointError(f"{path} {what}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON: {e}") from None
     known = {f.name for f in dataclasses.fields(Qwen3Args)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ValueError(f"{file}: unknown fields {unknown}; valid: {', '.join(sorted(known))}")
-    return Qwen3Args(**fields)
+    if not isinstance(fields, dict) or set(fields) - known:
+        unknown = sorted(set(fields) - known) if isinstance(fields, dict) else fields
+        raise CheckpointError(f"{file}: unknown fields {unknown}; valid: "
+                              f"{', '.join(sorted(known))}")
+    try:
+        return Qwen3Args(**fields)
+    except (TypeError, ValueError) as e:  # Qwen3Args checks its own fields
+        raise CheckpointError(f"{file}: {e}") from None
 
 
 def _abstract_params(args: Qwen3Args, shardings: Params | None) -> Params:
@@ -70,17 +80,11 @@ def _abstract_params(args: Qwen3Args, shardings: Params | None) -> Params:
                         abstract, shardings)
 
 
-def is_training_checkpoint(path: str | Path) -> bool:
-    """A step folder of a training run (`{dump_folder}/checkpoint/{step}`)."""
-    path = Path(path)
-    return path.name.isdigit() and (path / "meta").is_dir() and (path / "state").is_dir()
-
-
 def load_orbax(path: str | Path, shardings: Params | None = None) -> tuple[Qwen3Args, Params]:
     """(args, params) of a model-only orbax checkpoint, or of one step of a training run's
     checkpoints (its params only), restored onto `shardings` (None: the default device)."""
     path = Path(path).resolve()
-    if is_training_checkpoint(path):
+    if is_checkpoint_dir(path):
         with Checkpointer(path.parent, read_only=True) as ckpt:
             step = int(path.name)
             args = Qwen3Args(**ckpt.meta(step)["model_args"])
