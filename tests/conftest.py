@@ -1,6 +1,10 @@
-"""Tests run on 8 simulated CPU devices (set before JAX starts its backend)."""
+"""Tests run on 8 simulated CPU devices (set before JAX starts its backend), with every cache
+(XLA's compiled steps, the measured CPU peak) in a temporary folder, not the user's ~/.cache."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Once JAX's thread pool has run, torch's spinning OpenMP workers slow it ~20x on 2 cores.
@@ -10,6 +14,11 @@ os.environ["XLA_FLAGS"] = " ".join(
      if not f.startswith("--xla_force_host_platform_device_count")]
     + ["--xla_force_host_platform_device_count=8"]
 )
+
+_CACHE = tempfile.mkdtemp(prefix="titan_jax_test_cache_")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = _CACHE
+os.environ["TITAN_JAX_COMPILATION_CACHE"] = os.path.join(_CACHE, "titan_jax", "xla")
 
 import jax  # noqa: E402
 

@@ -59,6 +59,13 @@ def _big_tokenizer(path):
     (["--training.dataset", "jsonl", "--training.dataset_path", "/nonexistent/x.jsonl"],
      "/nonexistent/x.jsonl"),
     (["--parallelism.data_parallel_shard_degree", "3"], "= 3 but there are 8 devices"),
+    (["--training.steps", "3000000000"], "training.steps=3000000000 is out of range"),
+    (["--optimizer.lr", "inf"], "optimizer.lr=inf must be a finite number"),
+    (["--training.seed", "-1"], "training.seed=-1 must be in [0, 2**31)"),
+    (["--checkpoint.folder", "../elsewhere"], "checkpoint.folder='../elsewhere' must name a "
+     "folder inside job.dump_folder"),
+    (["--checkpoint.enable", "true", "--checkpoint.initial_load_path", "/nonexistent/w"],
+     "checkpoint.initial_load_path=/nonexistent/w does not exist"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, capsys, args, message):
     code, out = run_cli(capsys, "train", "--config", "configs/qwen3_debug.toml",
@@ -78,3 +85,42 @@ def test_empty_dataset_and_big_tokenizer(tmp_path, capsys):
     code, out = run_cli(capsys, "train", "--model.tokenizer_path",
                         str(_big_tokenizer(tmp_path / "tokenizer.json")), *FAST)
     assert code == 2 and "vocab size 3001, larger than" in out.err
+
+
+def test_a_failure_that_is_not_bad_input_keeps_its_traceback(tmp_path):
+    """A RuntimeError from JAX or orbax is not disguised as bad input: traceback, exit 1."""
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "from titan_jax import cli\n"
+              "from titan_jax.train import loop\n"
+              "def broken(config, devices=None):\n"
+              "    raise RuntimeError('XLA went wrong')\n"
+              "loop.train = broken\n"
+              "sys.exit(cli.main(sys.argv[1:]))\n")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, "train", "--job.dump_folder", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "RuntimeError: XLA went wrong" in proc.stderr
+    assert "titan-jax: error:" not in proc.stderr
+
+
+def test_bad_config_is_one_line_and_exit_2(tmp_path, capsys):
+    config = tmp_path / "empty.toml"
+    config.write_text("")
+    code, out = run_cli(capsys, "train", "--config", str(config))
+    assert code == 2 and out.err == f"titan-jax: error: config file {config} is empty; " \
+        "give a recipe such as configs/qwen3_debug.toml, or no --config for the defaults\n"
+
+
+def test_a_dump_folder_that_is_a_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("jax.devices", lambda *a: jax.local_devices()[:1])
+    (tmp_path / "file").write_text("mine")
+    code, out = run_cli(capsys, "train", *FAST, "--job.dump_folder", str(tmp_path / "file"))
+    assert code == 2
+    assert out.err == f"titan-jax: error: job.dump_folder={tmp_path / 'file'} is a file, not a " \
+        "folder\n"
+    assert (tmp_path / "file").read_text() == "mine"

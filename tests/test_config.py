@@ -68,3 +68,39 @@ def test_shipped_recipes_load_and_name_real_flavours(path):
     config = load_config(path)
     args = get_flavor(config.model.flavor)
     assert config.training.seq_len <= args.max_seq_len
+
+
+@pytest.mark.parametrize("override,message", [
+    # Each passed validation before and failed later, far from the field that caused it.
+    (["--training.steps", "3000000000"], "training.steps=3000000000 is out of range; "
+     "at most 2147483647 (int32)"),
+    (["--optimizer.lr", "inf"], "optimizer.lr=inf must be a finite number"),
+    (["--optimizer.eps", "nan"], "optimizer.eps=nan must be a finite number"),
+    (["--training.max_norm", "inf"], "training.max_norm=inf must be a finite number"),
+    (["--checkpoint.interval", "9999999999"], "checkpoint.interval=9999999999 is out of range"),
+    (["--training.seed", "-1"], "training.seed=-1 must be in [0, 2**31)"),
+    (["--checkpoint.folder", "../elsewhere"], "checkpoint.folder='../elsewhere' must name a "
+     "folder inside job.dump_folder"),
+    (["--checkpoint.folder", "a/../../b"], "checkpoint.folder='a/../../b' must name"),
+    (["--checkpoint.folder", "."], "checkpoint.folder='.' must name"),
+])
+def test_numbers_the_step_cannot_represent_and_escaping_folders(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, override)
+    assert message in str(error.value)
+
+
+def test_an_absolute_checkpoint_folder_is_allowed(tmp_path):
+    assert load_config(None, ["--checkpoint.folder", str(tmp_path)]).checkpoint.folder == str(
+        tmp_path)
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"[training]\nsteps = 3\n\xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"config file .*binary.toml is not UTF-8 text"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match=r"config file .*empty.toml is empty"):
+        load_config(write(tmp_path, "").rename(tmp_path / "empty.toml"))
+    with pytest.raises(ConfigError, match=r"config file .* cannot be read"):
+        load_config(tmp_path)  # a directory

@@ -10,7 +10,8 @@ import os
 import sys
 from pathlib import Path
 
-from titan_jax.config import JobConfig, load_config
+from titan_jax.config import ConfigError, JobConfig, load_config
+from titan_jax.errors import TitanJaxError
 from titan_jax.jax_platform import default_to_cpu_without_accelerator
 
 
@@ -41,7 +42,19 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
         if overrides:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")
         return args, None
-    return args, load_config(args.config, overrides)
+    config = load_config(args.config, overrides)
+    _check_flavor(config)
+    return args, config
+
+
+def _check_flavor(config: JobConfig) -> None:
+    """An unknown `model.flavor` is bad input, named before anything is built."""
+    from titan_jax.models.qwen3 import get_flavor
+
+    try:
+        get_flavor(config.model.flavor)
+    except ValueError as e:  # get_flavor's message names the field and the valid flavours
+        raise ConfigError(str(e)) from None
 
 
 def _add_parity_parser(sub: argparse._SubParsersAction) -> None:
@@ -86,6 +99,8 @@ def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
                          help="dtype of HF output tensors")
     convert.add_argument("--max-shard-size", default="5GB",
                          help="split HF output into files of at most this size (e.g. 5GB, 500MiB)")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="replace a DST that exists and is not empty (never the source)")
 
 
 def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -151,7 +166,7 @@ def _parity(args: argparse.Namespace, config: JobConfig) -> int:
                 raise ValueError
             bars[name] = float(value)
         except ValueError:
-            raise ValueError(f"--bar {item!r}: expected NAME=NUMBER with NAME one of "
+            raise ConfigError(f"--bar {item!r}: expected NAME=NUMBER with NAME one of "
                              f"{', '.join(BARS)}") from None
     references = REFERENCES if args.reference == "all" else (args.reference,)
     report = run_from_config(config, args.hf_checkpoint, references=references,
@@ -167,7 +182,7 @@ def _convert(args: argparse.Namespace) -> int:
     from titan_jax.tools.convert import convert
 
     model = convert(args.src, args.dst, args.src_format, args.dst_format, dtype=args.dtype,
-                    max_shard_size=args.max_shard_size)
+                    max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     print(f"converted {args.src} ({args.src_format}) -> {args.dst} ({args.dst_format}): "
           f"{model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}")
     return 0
@@ -199,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             train(config)
-        except BadStepsError as e:
+        except BadStepsError as e:  # the run diverged: one line, but not bad input
             print(f"titan-jax: error: {e}", file=sys.stderr)
             return 1
-    except (ValueError, OSError) as e:  # ConfigError is a ValueError: bad input, one line
+    except TitanJaxError as e:  # bad input: one line. Anything else keeps its traceback.
         print(f"titan-jax: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C: the first one already asked for a clean stop
@@ -215,8 +230,9 @@ def _enable_compilation_cache() -> None:
     """Reuse compiled steps across runs (a resumed run starts without recompiling)."""
     import jax
 
+    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     cache = os.environ.get("TITAN_JAX_COMPILATION_CACHE",
-                           str(Path.home() / ".cache" / "titan_jax" / "xla"))
+                           str(Path(cache_home) / "titan_jax" / "xla"))
     if cache:
         jax.config.update("jax_compilation_cache_dir", cache)
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from titan_jax.errors import TitanJaxError
 
-class ConfigError(ValueError):
+
+class ConfigError(TitanJaxError, ValueError):
     """A bad configuration: the message names the field, the value, and what is valid."""
 
 
@@ -300,11 +303,19 @@ def load_config(
     if path is not None:
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); "
+                              "TOML files are UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        if not data:  # most likely a truncated or wrong file, not a wish for every default
+            raise ConfigError(f"config file {path} is empty; give a recipe such as "
+                              "configs/qwen3_debug.toml, or no --config for the defaults")
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(
@@ -324,8 +335,36 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+INT32_MAX = 2**31 - 1  # step counters and shapes inside the compiled step are int32
+
+
+def _check_numbers(config: JobConfig) -> None:
+    """Every int fits the step's int32 counters and every float is finite."""
+    for section, values in config.to_dict().items():
+        for key, value in values.items():
+            where = f"{section}.{key}={value}"
+            if isinstance(value, int) and not isinstance(value, bool):
+                _require(-INT32_MAX <= value <= INT32_MAX,
+                         f"{where} is out of range; at most {INT32_MAX} (int32)")
+            elif isinstance(value, float):
+                _require(math.isfinite(value), f"{where} must be a finite number")
+
+
+def _check_checkpoint_folder(config: JobConfig) -> None:
+    """`checkpoint.folder` is absolute or stays inside `job.dump_folder`: a relative path
+    that climbs out could land on folders of the user's that would be taken for checkpoints."""
+    folder = config.checkpoint.folder
+    if Path(folder).is_absolute():
+        return
+    _require(folder.strip() not in ("", ".") and ".." not in Path(folder).parts,
+             f"checkpoint.folder={folder!r} must name a folder inside job.dump_folder "
+             "(no '..', not the dump folder itself) or be an absolute path")
+
+
 def validate(config: JobConfig) -> None:
     """Checks values that are valid types but impossible; model/mesh checks happen where known."""
+    _check_numbers(config)
+    _check_checkpoint_folder(config)
     t, p = config.training, config.parallelism
     _require(t.local_batch_size >= 1,
              f"training.local_batch_size={t.local_batch_size} must be >= 1")
@@ -335,6 +374,7 @@ def validate(config: JobConfig) -> None:
     )
     _require(t.seq_len >= 1, f"training.seq_len={t.seq_len} must be >= 1")
     _require(t.steps >= 1, f"training.steps={t.steps} must be >= 1")
+    _require(0 <= t.seed < 2**31, f"training.seed={t.seed} must be in [0, 2**31)")
     _require(t.max_norm >= 0, f"training.max_norm={t.max_norm} must be >= 0 (0 disables)")
     _require(
         t.max_consecutive_bad_steps >= 1,

@@ -312,7 +312,7 @@ def test_convert_cli_hf_orbax_hf_is_bitwise(tmp_path, capsys):
     assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
     assert main(["convert", "--from", "hf", "--to", "orbax", str(src),
                  str(tmp_path / "orbax")]) == 2  # refuses to overwrite
-    assert "already exists" in capsys.readouterr().err
+    assert "exists and is not empty" in capsys.readouterr().err
     assert main(["convert", "--from", "hf", "--to", "hf", str(tmp_path / "nothing"),
                  str(tmp_path / "x")]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert "HF model directory" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -60,7 +60,7 @@ def test_parity_cli_bad_arguments(capsys):
         capsys.readouterr().err
     assert main(["parity", "--config", "configs/qwen3_debug.toml", "--hf-checkpoint",
                  "/nonexistent"]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert "HF model directory /nonexistent does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.slow

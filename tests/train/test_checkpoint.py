@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_model import TINY
 
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import Qwen3Args
@@ -30,9 +31,6 @@ from titan_jax.train.loss import IGNORE_INDEX
 from titan_jax.train.model_io import export_hf
 from titan_jax.train.start import load_start
 from titan_jax.train.trainer import build_trainer
-
-TINY = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
-                 vocab_size=2048, max_seq_len=64)  # vocab fits the shipped tokenizer
 
 
 def make_config(folder, *overrides):
@@ -181,7 +179,8 @@ def test_a_failed_async_save_surfaces_as_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr("orbax.checkpoint._src.checkpointers.async_checkpointer."
                         "_background_wait_for_commit_futures", disk_full)
     ckpt = Checkpointer(tmp_path)
-    with pytest.raises(CheckpointSaveError, match="checkpoint step 1 .* No space left"):
+    with pytest.raises(CheckpointSaveError, match="^No space left on device: saving checkpoint "
+                       "step 1 to .* failed$"):
         # save() usually returns before the background write fails; under load it may not.
         ckpt.save(1, small_state(), data_state={}, tokens_seen=0)
         ckpt.wait()
@@ -219,7 +218,8 @@ def test_a_damaged_checkpoint_is_refused_and_left_alone(tmp_path, damage, messag
     before = digests(tmp_path)
     with pytest.raises(CheckpointError, match=message) as error:
         Checkpointer(tmp_path).restore(2, target)
-    assert "--checkpoint.load_step (finalized: 1)" in str(error.value)
+    assert f"move {tmp_path / '2'} out of {tmp_path} and run again to resume from step 1" in \
+        str(error.value)
     assert "\n" not in str(error.value)
     assert digests(tmp_path) == before
     assert_trees_equal(Checkpointer(tmp_path).restore(1, target).state, state)
@@ -398,6 +398,45 @@ def test_a_signal_saves_the_current_step_and_the_resume_is_bitwise(tmp_path, tin
     third = run(config)
     assert third.final_step == 6 and third.losses == {}
     assert "nothing to train" in capsys.readouterr().out
+
+
+def test_a_resume_after_a_crash_logs_each_step_once(tmp_path, tiny_loop):
+    config = make_config(tmp_path, "--checkpoint.interval", "3")
+
+    def crash_at_6(step):
+        if step == 6:
+            raise RuntimeError("simulated crash")
+
+    tiny_loop.on_step = crash_at_6
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(config)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # step 4 is past checkpoint 3
+    tiny_loop.on_step = lambda n: None
+    second = run(config)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[3]["loss"] == second.losses[4]  # this run's row, not the crashed one's
+
+
+def test_a_full_disk_is_one_line_that_names_it_first(tmp_path, tiny_loop, capsys, monkeypatch):
+    from titan_jax.cli import main
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("orbax.checkpoint._src.checkpointers.async_checkpointer."
+                        "_background_wait_for_commit_futures", disk_full)
+    monkeypatch.setattr("jax.devices", lambda *a: jax.local_devices()[:1])
+    code = main(["train", "--job.dump_folder", str(tmp_path), "--training.seq_len", "16",
+                 "--training.local_batch_size", "8", "--training.steps", "2",
+                 "--metrics.progress_bar", "false", "--checkpoint.enable", "true",
+                 "--checkpoint.interval", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("titan-jax: error: No space left on device: saving checkpoint step 1 ")
+    assert err.endswith(f"(details in {tmp_path / 'titan-jax.log'})\n")
+    assert "OSError: [Errno 28] No space left on device" in (tmp_path / "titan-jax.log").read_text()
 
 
 def test_several_processes_stop_where_jax_preemption_sync_point_says(monkeypatch):

@@ -238,7 +238,7 @@ def test_resumed_run_appends_and_plots_whole_curve(tmp_path):
             logger.log(step, step_metrics(step))
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "lo')  # killed mid-write
-    # Resumed from the step-1 checkpoint: steps 2 and 3 are re-run with other losses.
+    # Resumed without keep_through (a caller that does not know the step): appended.
     with MetricsLogger(str(tmp_path), log_freq=1, total_steps=4, progress_bar=False) as logger:
         for step in (2, 3, 4):
             logger.log(step, step_metrics(step, loss=float(step)))
@@ -248,6 +248,22 @@ def test_resumed_run_appends_and_plots_whole_curve(tmp_path):
     curve = metrics._curve(tmp_path / "metrics.jsonl", "loss")
     assert curve == ([1, 2, 3, 4], [10.0, 2.0, 3.0, 4.0])
     assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_a_resume_keeps_each_step_once(tmp_path):
+    """The loop passes the step it resumes from: rows past it (and torn lines) are dropped."""
+    with MetricsLogger(str(tmp_path), log_freq=1, total_steps=4, progress_bar=False) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, step_metrics(step))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # killed mid-write
+    with MetricsLogger(str(tmp_path), log_freq=1, total_steps=4, progress_bar=False,
+                       keep_through=1) as logger:
+        for step in (2, 3, 4):
+            logger.log(step, step_metrics(step, loss=float(step)))
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 10.0), (2, 2.0), (3, 3.0), (4, 4.0)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "metrics.jsonl"]
 
 
 def read_tensorboard_tags(folder: Path) -> set[str]:

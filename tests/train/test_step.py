@@ -3,25 +3,24 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from tiny_model import TINY
 
 from titan_jax.config import LRScheduler, Optimizer
-from titan_jax.models.qwen3 import Qwen3Args, build_model_def
+from titan_jax.models.qwen3 import build_model_def
 from titan_jax.train.loss import IGNORE_INDEX, cross_entropy_sum
 from titan_jax.train.optim import WSDSchedule, build_optimizer
 from titan_jax.train.step import StepOptions, init_train_state, split_microbatches, train_step
 
-TINY = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
-                 vocab_size=64, max_seq_len=64)
 
-
-def make_step(n_microbatches=1, steps=10):
+def make_step(n_microbatches=1, steps=10, max_norm=1.0):
     model = build_model_def(TINY)
     schedule = WSDSchedule.from_config(1e-3, LRScheduler(warmup_steps=2), steps)
     optimizer = build_optimizer(Optimizer(), schedule)
     step = jax.jit(functools.partial(
         train_step, model=model, optimizer=optimizer, schedule=schedule,
-        options=StepOptions(n_microbatches=n_microbatches)))
+        options=StepOptions(n_microbatches=n_microbatches, max_norm=max_norm)))
     state = init_train_state(model.init(jax.random.key(0)), model.init_buffers(), optimizer)
     return step, state
 
@@ -90,16 +89,30 @@ def test_finite_guard_leaves_state_untouched_on_nan():
     assert int(after["step"]) == 1
 
 
-@pytest.mark.parametrize("max_norm", [0.0, 1e-3])
-def test_clipping_scales_to_max_norm(max_norm):
-    step, state = make_step()
-    _, metrics = step(state, batches(1)[0])
+def test_clipping_scales_to_max_norm():
+    """The step clips by `max_norm` (0 disables): Adam's first moment after one step is
+    (1 - beta1) x the clipped gradient, so it shrinks by max_norm / (norm + 1e-6), as torch's
+    clip_grad_norm_ (which norms below max_norm leave alone: test_clip_by_global_norm...)."""
+    max_norm = 1e-3
+    batch = batches(1)[0]
+    after = {}
+    for norm_limit in (0.0, max_norm):
+        step, state = make_step(max_norm=norm_limit)
+        after[norm_limit], metrics = step(state, batch)
     grad_norm = float(metrics["grad_norm"])  # reported before clipping
-    assert grad_norm > 1e-3
-    # A clipped update is smaller; exact semantics (norm + 1e-6) follow torch's clip_grad_norm_.
+    assert grad_norm > 10 * max_norm
+    scale = max_norm / (grad_norm + 1e-6)
+    mu = {k: optax.tree_utils.tree_get(after[k]["opt_state"], "mu") for k in after}
+    jax.tree.map(lambda clipped, raw: np.testing.assert_allclose(clipped, raw * scale,
+                                                                 rtol=1e-5, atol=1e-12),
+                 mu[max_norm], mu[0.0])
+
+
+def test_clip_by_global_norm_follows_torch():
     from titan_jax.train.step import clip_by_global_norm
+
     grads = {"a": jnp.full((4,), 3.0)}
-    clipped, norm = clip_by_global_norm(grads, max_norm)
-    expected = 1.0 if max_norm == 0 else min(1.0, max_norm / (6.0 + 1e-6))
-    np.testing.assert_allclose(clipped["a"], 3.0 * expected, rtol=1e-6)
-    assert float(norm) == pytest.approx(6.0)
+    for max_norm, expected in [(0.0, 1.0), (1e-3, 1e-3 / (6.0 + 1e-6)), (10.0, 1.0)]:
+        clipped, norm = clip_by_global_norm(grads, max_norm)
+        np.testing.assert_allclose(clipped["a"], 3.0 * expected, rtol=1e-6)
+        assert float(norm) == pytest.approx(6.0)

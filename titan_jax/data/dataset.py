@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 from grain.experimental import ConcatThenSplitIterDataset
 
 from titan_jax.data.tokenizer import Tokenizer
+from titan_jax.errors import TitanJaxError
 
 DATASETS = ("pydoc", "text", "jsonl", "parquet", "hf_disk")
 STATE_VERSION = 1
@@ -53,6 +54,10 @@ PYDOC_HELD_OUT_EVERY = 10
 Split = Literal["train", "validation"]
 
 
+class DataError(TitanJaxError, ValueError):
+    """A dataset that cannot be read: the message names the path, file, line or field."""
+
+
 def load_documents(dataset: str, dataset_path: str, text_field: str,
                    split: Split = "train") -> Sequence[str]:
     """Random-access documents of one source; raises ValueError naming the bad path or field.
@@ -61,10 +66,10 @@ def load_documents(dataset: str, dataset_path: str, text_field: str,
     way: point validation at a file of its own.
     """
     if dataset not in DATASETS:
-        raise ValueError(f"dataset={dataset!r} is not one of {list(DATASETS)}")
+        raise DataError(f"dataset={dataset!r} is not one of {list(DATASETS)}")
     if dataset == "pydoc":
         if dataset_path:
-            raise ValueError(
+            raise DataError(
                 f"dataset='pydoc' is embedded and takes no dataset_path={dataset_path!r}"
             )
         from pydoc_data.topics import topics
@@ -75,7 +80,7 @@ def load_documents(dataset: str, dataset_path: str, text_field: str,
         docs: Sequence[str] = held_out if split == "validation" else [
             t for t in texts if t not in set(held_out)]
     elif not dataset_path:
-        raise ValueError(f"dataset={dataset!r} needs a dataset_path")
+        raise DataError(f"dataset={dataset!r} needs a dataset_path")
     elif dataset == "text":
         docs = [d for f in _files(dataset_path, ".txt") for d in _text_blocks(f)]
     elif dataset == "jsonl":
@@ -87,7 +92,7 @@ def load_documents(dataset: str, dataset_path: str, text_field: str,
     else:
         docs = _hf_disk_texts(dataset_path, text_field)
     if len(docs) == 0:
-        raise ValueError(f"dataset={dataset!r} at dataset_path={dataset_path!r} holds no documents")
+        raise DataError(f"dataset={dataset!r} at dataset_path={dataset_path!r} holds no documents")
     return docs
 
 
@@ -99,9 +104,9 @@ def _files(path: str, suffix: str) -> list[Path]:
     elif Path(path).is_file():
         files = [Path(path)]
     else:
-        raise ValueError(f"dataset_path={path!r} does not exist")
+        raise DataError(f"dataset_path={path!r} does not exist")
     if not files:
-        raise ValueError(f"dataset_path={path!r} matches no {suffix} files")
+        raise DataError(f"dataset_path={path!r} matches no {suffix} files")
     return files
 
 
@@ -109,7 +114,7 @@ def _read_text(file: Path) -> str:
     try:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{file}: not UTF-8 text ({e})") from e
+        raise DataError(f"{file}: not UTF-8 text ({e})") from e
 
 
 def _text_blocks(file: Path) -> list[str]:
@@ -126,11 +131,11 @@ def _jsonl_texts(file: Path, field: str) -> list[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{file}:{lineno}: not valid JSON ({e})") from e
+            raise DataError(f"{file}:{lineno}: not valid JSON ({e})") from e
         if not isinstance(record, dict) or field not in record:
-            raise ValueError(f"{file}:{lineno}: no field text_field={field!r}")
+            raise DataError(f"{file}:{lineno}: no field text_field={field!r}")
         if not isinstance(record[field], str):
-            raise ValueError(f"{file}:{lineno}: field {field!r} is not a string")
+            raise DataError(f"{file}:{lineno}: field {field!r} is not a string")
         texts.append(record[field])
     return texts
 
@@ -139,14 +144,14 @@ def _parquet_texts(file: Path, field: str) -> pa.ChunkedArray:
     try:
         names = pq.read_schema(file).names
     except pa.ArrowException as e:
-        raise ValueError(f"{file}: not a parquet file ({e})") from e
+        raise DataError(f"{file}: not a parquet file ({e})") from e
     if field not in names:
-        raise ValueError(f"{file}: no column text_field={field!r} (columns: {names})")
+        raise DataError(f"{file}: no column text_field={field!r} (columns: {names})")
     column = pq.read_table(file, columns=[field]).column(field)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise ValueError(f"{file}: column {field!r} has type {column.type}, not string")
+        raise DataError(f"{file}: column {field!r} has type {column.type}, not string")
     if column.null_count:
-        raise ValueError(f"{file}: column {field!r} has {column.null_count} null values")
+        raise DataError(f"{file}: column {field!r} has {column.null_count} null values")
     # large_string: offsets of many files together may overflow string's int32.
     return column.cast(pa.large_string())
 
@@ -184,19 +189,19 @@ def _hf_disk_texts(path: str, field: str) -> _HFTexts:
     try:
         import datasets  # imported here: slow to import, and only this source needs it
     except ImportError as e:
-        raise ValueError("dataset='hf_disk' needs the `datasets` package installed") from e
+        raise DataError("dataset='hf_disk' needs the `datasets` package installed") from e
     if not Path(path).is_dir():
-        raise ValueError(f"dataset_path={path!r} does not exist")
+        raise DataError(f"dataset_path={path!r} does not exist")
     try:
         ds = datasets.load_from_disk(path)
     except FileNotFoundError as e:
-        raise ValueError(f"dataset_path={path!r} is not a save_to_disk dataset ({e})") from e
+        raise DataError(f"dataset_path={path!r} is not a save_to_disk dataset ({e})") from e
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise ValueError(f"dataset_path={path!r} has splits {list(ds)}, no 'train'")
+            raise DataError(f"dataset_path={path!r} has splits {list(ds)}, no 'train'")
         ds = ds["train"]
     if field not in ds.column_names:
-        raise ValueError(
+        raise DataError(
             f"dataset_path={path!r}: no column text_field={field!r} (columns: {ds.column_names})"
         )
     return _HFTexts(ds, field)
@@ -229,13 +234,13 @@ class TrainIterator:
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION or "grain" not in state:
-            raise ValueError(
+            raise DataError(
                 f"data iterator state has no version {STATE_VERSION} position: {state}"
             )
         saved = state.get("config", {})
         diff = {k: (saved.get(k), v) for k, v in self._config.items() if saved.get(k) != v}
         if diff:
-            raise ValueError(
+            raise DataError(
                 "data iterator state belongs to another stream (saved, current): "
                 + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items())
             )
@@ -266,16 +271,16 @@ def build_train_iterator(
 ) -> TrainIterator:
     """The training stream of one process; see the module docstring for its semantics."""
     if seq_len < 1:
-        raise ValueError(f"seq_len={seq_len} must be >= 1")
+        raise DataError(f"seq_len={seq_len} must be >= 1")
     if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index={process_index} is not in [0, {process_count})")
+        raise DataError(f"process_index={process_index} is not in [0, {process_count})")
     if global_batch_size < 1 or global_batch_size % process_count:
-        raise ValueError(
+        raise DataError(
             f"global_batch_size={global_batch_size} must be a positive multiple of "
             f"process_count={process_count}"
         )
     if not 0 <= seed < 2**32:
-        raise ValueError(f"seed={seed} must be in [0, 2**32) (grain's shuffle seed)")
+        raise DataError(f"seed={seed} must be in [0, 2**32) (grain's shuffle seed)")
     docs = load_documents(dataset, dataset_path, text_field)
 
     ds = (

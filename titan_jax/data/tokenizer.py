@@ -12,8 +12,14 @@ from pathlib import Path
 
 import tokenizers
 
+from titan_jax.errors import TitanJaxError
+
 EOS_NAMES = ("<|endoftext|>", "<|im_end|>", "</s>", "<|end_of_text|>")
 BOS_NAMES = ("<|begin_of_text|>", "<s>")
+
+
+class TokenizerError(TitanJaxError, ValueError):
+    """A tokenizer that cannot be loaded: the message names the file and what is wrong."""
 
 
 class Tokenizer:
@@ -44,7 +50,7 @@ def load_tokenizer(path: str = "") -> Tokenizer:
     if file.is_dir():
         file = file / "tokenizer.json"
     if not file.is_file():
-        raise ValueError(f"tokenizer path {path!r}: no tokenizer.json file at {str(file)!r}")
+        raise TokenizerError(f"tokenizer path {path!r}: no tokenizer.json file at {str(file)!r}")
     config = _read_config(file.parent / "tokenizer_config.json")
     return _from_json(file.read_text(encoding="utf-8"), where=str(file), config=config)
 
@@ -55,9 +61,9 @@ def _read_config(file: Path) -> dict:
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"tokenizer config {str(file)!r} is not valid JSON: {e}") from e
+        raise TokenizerError(f"tokenizer config {str(file)!r} is not valid JSON: {e}") from e
     if not isinstance(config, dict):
-        raise ValueError(f"tokenizer config {str(file)!r} is not a JSON object")
+        raise TokenizerError(f"tokenizer config {str(file)!r} is not a JSON object")
     return config
 
 
@@ -72,17 +78,17 @@ def _from_json(text: str, *, where: str, config: dict) -> Tokenizer:
     try:
         tok = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # the Rust side raises bare Exception on malformed files
-        raise ValueError(f"tokenizer file {where!r} is not a valid tokenizer.json: {e}") from e
+        raise TokenizerError(f"tokenizer file {where!r} is not a valid tokenizer.json: {e}") from e
 
     eos_name = _token_name(config.get("eos_token"))
     if eos_name is not None:
         eos_id = tok.token_to_id(eos_name)
         if eos_id is None:
-            raise ValueError(f"tokenizer {where!r}: eos_token={eos_name!r} is not in the vocab")
+            raise TokenizerError(f"tokenizer {where!r}: eos_token={eos_name!r} is not in the vocab")
     else:
         eos_id = next((i for n in EOS_NAMES if (i := tok.token_to_id(n)) is not None), None)
         if eos_id is None:
-            raise ValueError(
+            raise TokenizerError(
                 f"tokenizer {where!r} has no EOS token: set eos_token in tokenizer_config.json "
                 f"or include one of {list(EOS_NAMES)}"
             )

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from titan_jax.config import JobConfig
+from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.dataset import build_train_iterator
 from titan_jax.data.tokenizer import load_tokenizer
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def, get_flavor
@@ -270,7 +270,7 @@ def run_parity(args: Qwen3Args, hf_dir: str | Path, *,
     if unknown or not references:
         raise ValueError(f"references={references!r}; valid: {', '.join(REFERENCES)}")
     if prompt_len < 1 or decode_tokens < 1:
-        raise ValueError(f"prompt_len={prompt_len} and decode_tokens={decode_tokens} must be >= 1")
+        raise ConfigError(f"prompt_len={prompt_len} and decode_tokens={decode_tokens} must be >= 1")
     hf_dir = Path(hf_dir)
     if args.is_moe:  # HF's router has no expert bias: a trajectory must not grow one
         args = dataclasses.replace(args, load_balance_coeff=0.0)
@@ -363,7 +363,7 @@ def corpus_batches(config: JobConfig, vocab_size: int, steps: int
     """The recipe's first `steps` batches of one data-parallel rank (local_batch_size rows)."""
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     if tokenizer.vocab_size > vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"tokenizer {config.model.tokenizer_path or '(shipped)'} has vocab size "
             f"{tokenizer.vocab_size}, larger than the model's vocab_size={vocab_size}"
         )
@@ -386,7 +386,7 @@ def run_from_config(config: JobConfig, hf_checkpoint: str | Path | None = None, 
     exported to a temporary HF directory that both sides then load.
     """
     if trajectory_steps < 0:
-        raise ValueError(f"--trajectory-steps={trajectory_steps} must be >= 0")
+        raise ConfigError(f"--trajectory-steps={trajectory_steps} must be >= 0")
     seed = config.training.seed
     with tempfile.TemporaryDirectory(prefix="titan_jax_parity_") as tmp:
         if hf_checkpoint is None:

@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from titan_jax.config import JobConfig
+from titan_jax.errors import TitanJaxError, root_cause
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer
 
@@ -44,11 +45,11 @@ MODEL_KEYS = ("params", "buffers")  # the TrainState keys a model-only checkpoin
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TitanJaxError, ValueError):
     """A checkpoint that cannot be used: missing, corrupt, another model, or another run."""
 
 
-class CheckpointSaveError(OSError):
+class CheckpointSaveError(TitanJaxError, OSError):
     """Writing a checkpoint failed (an async save fails in the background and shows up here at
     the next save or at exit)."""
 
@@ -135,6 +136,25 @@ def _checksums(tree: Any) -> tuple[dict[str, int], bool]:
     return {name: int(v) for name, v in zip(named, sums[:-1], strict=True)}, bool(sums[-1])
 
 
+def is_checkpoint_dir(path: str | Path) -> bool:
+    """A step folder written by this project: a number holding its `state/` and `meta/` items.
+    Anything else in a checkpoint folder is never read, listed or suggested for deletion."""
+    path = Path(path)
+    return path.name.isdigit() and (path / "meta").is_dir() and (path / "state").is_dir()
+
+
+def _refuse_foreign_steps(directory: Path) -> None:
+    """A numbered folder that is not ours would be taken for a step by orbax, and deleted by
+    `keep_latest_k`: the run stops before touching it."""
+    foreign = sorted((p for p in directory.iterdir() if p.name.isdigit()
+                      and not is_checkpoint_dir(p)), key=lambda p: int(p.name))
+    if foreign:
+        raise CheckpointError(
+            f"checkpoint folder {directory} holds {foreign[0].name}/, which is not a titan-jax "
+            "checkpoint (no state/ and meta/); move it out of that folder, or set "
+            "checkpoint.folder to a folder that holds only this run's checkpoints")
+
+
 def _ensure_writable(directory: Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -175,6 +195,8 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint folder {self.directory} does not exist")
         else:
             _ensure_writable(self.directory)
+            _refuse_foreign_steps(self.directory)
+        self.read_only = read_only
         self.run_info = run_info or {}
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_latest_k or None,  # 0 keeps all
@@ -197,8 +219,9 @@ class Checkpointer:
                    async_save=c.async_mode == "async", run_info=run_info)
 
     def steps(self) -> list[int]:
-        """Finalized steps, oldest first."""
-        return sorted(self._manager.all_steps())
+        """Finalized steps, oldest first (our own step folders only: see is_checkpoint_dir)."""
+        return sorted(s for s in self._manager.all_steps()
+                      if is_checkpoint_dir(self.directory / str(s)))
 
     def save(self, step: int, state: TrainState, *, data_state: dict[str, Any] | None,
              tokens_seen: int, model_only: bool = False, dtype: str | None = None) -> None:
@@ -248,8 +271,10 @@ class Checkpointer:
             yield
         except Exception as e:
             which = "a checkpoint" if step is None else f"checkpoint step {step}"
-            raise CheckpointSaveError(
-                f"saving {which} to {self.directory} failed: {_first_line(e)}") from e
+            what = f"saving {which} to {self.directory} failed"
+            cause = root_cause(e)  # first: orbax's own first line can bury it
+            raise CheckpointSaveError(f"{cause}: {what}" if cause else
+                                      f"{what}: {_first_line(e)}") from e
 
     # Restore.
 
@@ -274,9 +299,7 @@ class Checkpointer:
         if not model_only and meta["model_only"]:
             raise CheckpointError(
                 f"{where} holds only the model (checkpoint.last_save_model_only); it cannot "
-                "resume training. Load it as weights with --checkpoint.initial_load_path "
-                f"{self.directory / str(step)}, or resume from a full checkpoint with "
-                f"--checkpoint.load_step (steps here: {listing(self.steps())})")
+                f"resume training. {self._model_only_hint(step)}")
         wanted = {k: abstract_state[k] for k in MODEL_KEYS if k in abstract_state} \
             if model_only else abstract_state
         with self._reading(step):
@@ -327,12 +350,34 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)} is unreadable (corrupt or truncated): "
                 f"{_first_line(e)}; {self._others(step)}") from e
 
+    # Hints: each one works when followed (tests/train/test_hints.py follows them).
+
     def _others(self, step: int) -> str:
+        """What to do about an unusable `step`."""
         others = [s for s in self.steps() if s != step]
+        here = self.directory / str(step)
+        if self.read_only:  # someone else's checkpoints, read as a source
+            if not others:
+                return "no other checkpoint here"
+            return (f"read another step's folder instead, e.g. {self.directory / str(others[-1])}"
+                    f" (finalized: {listing(others)})")
         if not others:
-            return "delete it (no other checkpoint here) or use a new job.dump_folder"
-        return (f"delete it, or pick another step with --checkpoint.load_step "
-                f"(finalized: {listing(others)})")
+            return (f"move {here} out of {self.directory} to start afresh (no other checkpoint "
+                    "here), or use a new job.dump_folder")
+        return (f"move {here} out of {self.directory} and run again to resume from step "
+                f"{others[-1]} (finalized: {listing(others)})")
+
+    def _model_only_hint(self, step: int) -> str:
+        here = self.directory / str(step)
+        if self.read_only:
+            return "Load it as weights with checkpoint.initial_load_model_only=true"
+        older = [s for s in self.steps() if s < step]
+        hint = (f"To train on from its weights, use a new job.dump_folder with "
+                f"--checkpoint.initial_load_path {here}")
+        if older:
+            hint += (f"; to resume the full state of step {older[-1]} instead, move {here} out "
+                     f"of {self.directory}")
+        return hint
 
 
 def listing(steps: list[int]) -> str:

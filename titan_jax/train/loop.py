@@ -42,7 +42,9 @@ from titan_jax.train.metrics import MetricsLogger, format_validation_line, memor
 from titan_jax.train.model_io import export_hf
 from titan_jax.train.peak_flops import peak_flops_per_device
 from titan_jax.train.profiling import StepProfiler
-from titan_jax.train.start import load_start
+from titan_jax.train.run_lock import RunLock
+from titan_jax.train.run_log import RunLog
+from titan_jax.train.start import check_initial_load_path, load_start
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer, build_trainer
 
@@ -222,7 +224,12 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
                  if config.validation.enable else None)
     m, c = config.metrics, config.checkpoint
     total = config.training.steps
+    check_initial_load_path(config)
     with contextlib.ExitStack() as stack:
+        # One run per dump folder, taken before anything is written there.
+        if jax.process_index() == 0:
+            stack.enter_context(RunLock(config.job.dump_folder))
+        stack.enter_context(RunLog(config.job.dump_folder))
         # Closed (waiting for an in-flight save) on every exit, errors and signals included.
         ckpt = stack.enter_context(Checkpointer.from_config(config, trainer)) if c.enable else None
         # Before any log is opened: a bad checkpoint or config change fails with nothing written.
@@ -231,7 +238,7 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
             config.job.dump_folder, m.log_freq, total, enable_tensorboard=m.enable_tensorboard,
             tensorboard_folder=m.save_tb_folder, progress_bar=m.progress_bar,
             is_main_process=jax.process_index() == 0, enable_wandb=m.enable_wandb,
-            run_config=config.to_dict()))
+            run_config=config.to_dict(), keep_through=start.step))
         stop = stack.enter_context(StopSignals(logger.info))
         profiler = stack.enter_context(StepProfiler(config))
         args = trainer.model.args

@@ -85,6 +85,26 @@ def _ends_mid_line(path: Path) -> bool:
         return f.read(1) != b"\n"
 
 
+def _keep_rows_through(path: Path, step: int) -> None:
+    """Drops the rows of steps after `step` (and lines torn by a crash) from `path`, rewriting
+    it atomically: a resumed run logs those steps again, and each step is in the file once."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            if int(json.loads(line)["step"]) <= step and line.endswith("\n"):
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):  # torn by a crash
+            continue
+    if kept == lines:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 def _json_number(value: Any) -> int | float | None:
     """A JSON-safe number: NaN, inf and unmeasured (None) become null."""
     if value is None:
@@ -97,7 +117,8 @@ def _json_number(value: Any) -> int | float | None:
 
 class MetricsLogger:
     """Writes metrics of logged steps to JSONL / TensorBoard / a tqdm bar; no-ops off the main
-    process. Use as a context manager or call `close()`, which also draws `loss.png`."""
+    process. Use as a context manager or call `close()`, which also draws `loss.png`.
+    `keep_through`: the step a run starts after; earlier runs' rows past it are dropped."""
 
     def __init__(
         self,
@@ -110,6 +131,7 @@ class MetricsLogger:
         is_main_process: bool = True,
         enable_wandb: bool = False,
         run_config: dict[str, Any] | None = None,
+        keep_through: int | None = None,
     ) -> None:
         if log_freq < 1:
             raise ValueError(f"log_freq={log_freq} must be >= 1")
@@ -123,6 +145,8 @@ class MetricsLogger:
         path = self.folder / "metrics.jsonl"
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            if keep_through is not None:
+                _keep_rows_through(path, keep_through)
             torn = _ends_mid_line(path)
             self._jsonl = open(path, "a", buffering=1)  # line-buffered: a crash loses no line
             if torn:  # start our first line on a fresh line

@@ -15,35 +15,40 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from titan_jax.atomic_dir import atomic_dir
 from titan_jax.config import JobConfig
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def
 from titan_jax.models.qwen3.build import Params
 from titan_jax.models.qwen3.hf import save_hf
-from titan_jax.train.checkpoint import Checkpointer, CheckpointSaveError
+from titan_jax.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointSaveError,
+    is_checkpoint_dir,
+)
 from titan_jax.train.trainer import Trainer
 
 ARGS_FILE = "model_args.json"
 PARAMS_DIR = "params"
 
 
-def save_orbax(path: str | Path, params: Params, args: Qwen3Args) -> None:
-    """Writes the model-only orbax checkpoint described in the module docstring."""
-    path = Path(path).resolve()
-    if (path / PARAMS_DIR).exists():
-        raise FileExistsError(f"{path / PARAMS_DIR} already exists; choose a new destination")
-    path.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        (path / ARGS_FILE).write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path / PARAMS_DIR, params)
-    checkpointer.wait_until_finished()
+def save_orbax(path: str | Path, params: Params, args: Qwen3Args, *, overwrite: bool = False,
+               source: str | Path | None = None) -> None:
+    """Writes the model-only orbax checkpoint described in the module docstring, whole or not at
+    all (`atomic_dir`: a non-empty `path` is replaced only with `overwrite`, never the source)."""
+    writer = jax.process_index() == 0
+    with atomic_dir(path, overwrite=overwrite, source=source, writer=writer) as tmp:
+        if writer:
+            (tmp / ARGS_FILE).write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(tmp / PARAMS_DIR, params)
+        checkpointer.wait_until_finished()
 
 
 def read_orbax_args(path: str | Path) -> Qwen3Args:
@@ -51,15 +56,20 @@ def read_orbax_args(path: str | Path) -> Qwen3Args:
     try:
         fields = json.loads(file.read_text())
     except FileNotFoundError:
-        raise ValueError(f"{path}: no {ARGS_FILE} (not a titan-jax orbax model directory)"
-                         ) from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: not valid JSON: {e}") from None
+        what = "does not exist" if not Path(path).exists() else \
+            f"has no {ARGS_FILE} (not a titan-jax orbax model directory)"
+        raise CheckpointError(f"{path} {what}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON: {e}") from None
     known = {f.name for f in dataclasses.fields(Qwen3Args)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ValueError(f"{file}: unknown fields {unknown}; valid: {', '.join(sorted(known))}")
-    return Qwen3Args(**fields)
+    if not isinstance(fields, dict) or set(fields) - known:
+        unknown = sorted(set(fields) - known) if isinstance(fields, dict) else fields
+        raise CheckpointError(f"{file}: unknown fields {unknown}; valid: "
+                              f"{', '.join(sorted(known))}")
+    try:
+        return Qwen3Args(**fields)
+    except (TypeError, ValueError) as e:  # Qwen3Args checks its own fields
+        raise CheckpointError(f"{file}: {e}") from None
 
 
 def _abstract_params(args: Qwen3Args, shardings: Params | None) -> Params:
@@ -70,17 +80,11 @@ def _abstract_params(args: Qwen3Args, shardings: Params | None) -> Params:
                         abstract, shardings)
 
 
-def is_training_checkpoint(path: str | Path) -> bool:
-    """A step folder of a training run (`{dump_folder}/checkpoint/{step}`)."""
-    path = Path(path)
-    return path.name.isdigit() and (path / "meta").is_dir() and (path / "state").is_dir()
-
-
 def load_orbax(path: str | Path, shardings: Params | None = None) -> tuple[Qwen3Args, Params]:
     """(args, params) of a model-only orbax checkpoint, or of one step of a training run's
     checkpoints (its params only), restored onto `shardings` (None: the default device)."""
     path = Path(path).resolve()
-    if is_training_checkpoint(path):
+    if is_checkpoint_dir(path):
         with Checkpointer(path.parent, read_only=True) as ckpt:
             step = int(path.name)
             args = Qwen3Args(**ckpt.meta(step)["model_args"])
@@ -97,8 +101,5 @@ def export_hf(config: JobConfig, trainer: Trainer, params: Any, step: int) -> Pa
     final = Path(config.job.dump_folder) / config.checkpoint.folder / f"hf-{step}"
     if final.exists():
         raise CheckpointSaveError(f"{final} already exists; not overwriting it")
-    tmp = final.with_name(f"{final.name}.tmp")
-    save_hf(tmp, params, trainer.model.args, dtype=config.checkpoint.export_dtype)
-    if jax.process_index() == 0:
-        os.replace(tmp, final)
+    save_hf(final, params, trainer.model.args, dtype=config.checkpoint.export_dtype)
     return final

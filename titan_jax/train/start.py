@@ -12,6 +12,7 @@ from titan_jax.train.checkpoint import (
     CheckpointError,
     Restored,
     check_shapes,
+    is_checkpoint_dir,
     listing,
     named_leaves,
     resume_signature,
@@ -41,8 +42,19 @@ def _resume_step(config: JobConfig, ckpt: Checkpointer) -> int | None:
         # crash in between would leave a mix of both.
         raise CheckpointError(
             f"checkpoint.load_step={load_step} is older than checkpoints {listing(newer)} in "
-            f"{ckpt.directory}, which this run would overwrite; move them away to roll back")
+            f"{ckpt.directory}, which this run would overwrite; move those out of that folder "
+            "to roll back")
     return load_step
+
+
+def check_initial_load_path(config: JobConfig) -> None:
+    """A missing `initial_load_path` fails before the run creates any folder. Only a run with
+    checkpoints of its own may skip it (a resume ignores it); those need an existing folder."""
+    c = config.checkpoint
+    own = Path(config.job.dump_folder) / c.folder
+    if c.initial_load_path and not Path(c.initial_load_path).exists() and not (
+            c.enable and own.is_dir()):
+        raise CheckpointError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist")
 
 
 def load_start(config: JobConfig, trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
@@ -71,7 +83,7 @@ def load_start(config: JobConfig, trainer: Trainer, ckpt: Checkpointer | None) -
         raise CheckpointError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist")
     if c.initial_load_in_hf or (path / "model_args.json").is_file():
         return _load_params(path, trainer)
-    if path.name.isdigit() and (path / "state").is_dir():
+    if is_checkpoint_dir(path):
         root, step = path.parent, int(path.name)
     else:
         root, step = path, None

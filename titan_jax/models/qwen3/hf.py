@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from titan_jax.atomic_dir import atomic_dir
 from titan_jax.models.qwen3.args import Qwen3Args
 from titan_jax.models.qwen3.hf_config import (
     CONFIG_FILE,
@@ -282,17 +283,28 @@ def parse_size(text: str | int) -> int:
 
 
 def save_hf(path: str | Path, params: Params, args: Qwen3Args, dtype: str = "float32",
-            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:
+            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, *, overwrite: bool = False,
+            source: str | Path | None = None) -> list[Path]:
     """Writes `params` as a HF Qwen3 model directory: config.json + safetensors.
 
     Tied models have no lm_head.weight (as HF saves them). Files larger than `max_shard_size`
     are split into model-0000k-of-0000n.safetensors with a model.safetensors.index.json.
     Every process must call this (gathers are collective); process 0 writes. Returns the files.
+    The directory appears whole or not at all (`atomic_dir`): a non-empty `path` is replaced
+    only with `overwrite`, and never when it is (or holds, or is inside) `source`.
     """
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype={dtype!r}; valid: {', '.join(SAVE_DTYPES)}")
     np_dtype, limit = SAVE_DTYPES[dtype], parse_size(max_shard_size)
-    path = Path(path)
+    writer = jax.process_index() == 0
+    with atomic_dir(path, overwrite=overwrite, source=source, writer=writer) as tmp:
+        names = _write_hf(tmp, params, args, np_dtype, limit, writer)
+    return [Path(path) / name for name in names]
+
+
+def _write_hf(path: Path, params: Params, args: Qwen3Args, np_dtype: np.dtype, limit: int,
+              writer: bool) -> list[str]:
+    """save_hf's files, written into `path`; returns their names."""
     tensors = hf_tensors(args)
     # Plan the files from shapes alone, so names and the index are known before any gather.
     shards: list[list[str]] = [[]]
@@ -307,11 +319,9 @@ def save_hf(path: str | Path, params: Params, args: Qwen3Args, dtype: str = "flo
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{k:05d}-of-{n:05d}.safetensors"
                                            for k in range(1, n + 1)]
-    writer = jax.process_index() == 0
     if writer:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / CONFIG_FILE).write_text(json.dumps(hf_config_from_args(args, dtype), indent=2)
-                                        + "\n")
+        (path / CONFIG_FILE).write_text(
+            json.dumps(hf_config_from_args(args, np_dtype.name), indent=2) + "\n")
     values = iter_hf_tensors(params, args, np_dtype)
     for file, shard in zip(names, shards, strict=True):
         data = dict(next(values) for _ in shard)
@@ -322,5 +332,4 @@ def save_hf(path: str | Path, params: Params, args: Qwen3Args, dtype: str = "flo
                       for name in shard}
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return [path / CONFIG_FILE, *(path / f for f in names)] + (
-        [path / INDEX_FILE] if n > 1 else [])
+    return [CONFIG_FILE, *names] + ([INDEX_FILE] if n > 1 else [])

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from titan_jax.errors import TitanJaxError
 from titan_jax.models.qwen3.args import Qwen3Args
 
 CONFIG_FILE = "config.json"
@@ -18,7 +19,7 @@ _WEIGHT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidde
                   "top_k", "moe_inter_dim", "norm_topk_prob")
 
 
-class HFCheckpointError(ValueError):
+class HFCheckpointError(TitanJaxError, ValueError):
     """A HF checkpoint that cannot be read as Qwen3: the message names the file, field or tensor."""
 
 
@@ -148,6 +149,8 @@ def hf_config_from_args(args: Qwen3Args, dtype: str = "float32") -> dict[str, An
 def read_hf_config(path: str | Path) -> Qwen3Args:
     """Qwen3Args of the HF model directory `path` (from its config.json)."""
     file = Path(path) / CONFIG_FILE
+    if not Path(path).exists():
+        raise HFCheckpointError(f"HF model directory {path} does not exist")
     if not file.is_file():
         raise HFCheckpointError(f"{path}: no {CONFIG_FILE} (not a HF model directory)")
     try:

@@ -1,0 +1,87 @@
+"""Writing a directory the user owns: into a temporary sibling, renamed into place when complete.
+
+A crash (even kill -9) part way leaves the destination exactly as it was, plus a hidden
+`.{name}.titan-jax-tmp` sibling that the next write to that destination clears. An existing
+non-empty destination is replaced only when the caller says so (`--overwrite`), and never when
+it is, holds, or lies inside the source being read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from titan_jax.errors import TitanJaxError
+
+
+class DestinationError(TitanJaxError, ValueError):
+    """A destination that must not be written: the source itself, or a folder of the user's."""
+
+
+def _temporary(path: Path, what: str) -> Path:
+    return path.with_name(f".{path.name}.titan-jax-{what}")
+
+
+def check_destination(dst: str | Path, *, overwrite: bool = False,
+                      source: str | Path | None = None) -> Path:
+    """`dst` resolved, or a DestinationError saying why it must not be written."""
+    dst = Path(dst).resolve()
+    if source is not None:
+        src = Path(source).resolve()
+        if dst == src or src in dst.parents or dst in src.parents:
+            raise DestinationError(
+                f"destination {dst} is, holds or lies inside the source {src}; write to a new "
+                "folder (a source is never overwritten)")
+    if dst.exists() and not dst.is_dir():
+        raise DestinationError(f"destination {dst} is a file, not a folder")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise DestinationError(
+            f"destination {dst} exists and is not empty; choose a new folder, or pass "
+            "--overwrite to replace it")
+    return dst
+
+
+def _normal_modes(root: Path) -> None:
+    """Files readable as any file the user creates (0644 under the usual umask): some writers
+    (safetensors) create 0600 temporary files and rename them into place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in root.rglob("*"):
+        if file.is_file() and not file.is_symlink():
+            file.chmod(0o666 & ~umask)
+
+
+@contextlib.contextmanager
+def atomic_dir(dst: str | Path, *, overwrite: bool = False, source: str | Path | None = None,
+               writer: bool = True) -> Iterator[Path]:
+    """Yields a temporary sibling of `dst` to write into; on success it becomes `dst` (an old
+    `dst` is replaced only with `overwrite`), on any error it is removed and `dst` is untouched.
+
+    With several processes every one writes into the same temporary path; only the `writer`
+    (process 0) prepares, renames and cleans up.
+    """
+    dst = check_destination(dst, overwrite=overwrite, source=source)
+    tmp = _temporary(dst, "tmp")
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+        tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not writer:
+        return
+    _normal_modes(tmp)
+    if dst.exists():  # empty, or replaced as asked
+        old = _temporary(dst, "old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, dst)

@@ -1,0 +1,117 @@
+"""One run per dump folder: an flock'd `{job.dump_folder}/.titan-jax.lock` naming its holder.
+
+Two runs writing one folder would delete each other's in-flight checkpoints and interleave
+their metrics. The lock is taken before a run writes anything and released (file removed) when
+it ends; the kernel drops it if the process dies, so a lock file left behind by a killed run
+names a dead process and is taken over with a warning. Where the filesystem has no flock, the
+host and PID written in the file decide: a live process on this host still holds it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+from pathlib import Path
+
+from titan_jax.config import ConfigError
+from titan_jax.errors import TitanJaxError
+
+LOCK_FILE = ".titan-jax.lock"
+log = logging.getLogger(__name__)
+
+
+class RunLockError(TitanJaxError):
+    """Another run holds the dump folder."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def _holder(text: str) -> tuple[str, int] | None:
+    host, _, pid = text.strip().rpartition(" pid ")
+    return (host, int(pid)) if host and pid.isdigit() else None
+
+
+def prepare_dump_folder(folder: str | Path) -> Path:
+    """`job.dump_folder`, created if needed; a ConfigError if it is a file or cannot be made."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"job.dump_folder={folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"job.dump_folder={folder} is not writable: {e.strerror or e}"
+                          ) from None
+    return folder
+
+
+class RunLock:
+    """Context manager holding the lock of `folder` (which it creates) for one run."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_FILE
+        self._fd: int | None = None
+        self.me = f"{socket.gethostname()} pid {os.getpid()}"
+
+    def __enter__(self) -> RunLock:
+        prepare_dump_folder(self.folder)
+        while self._fd is None:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise ConfigError(f"job.dump_folder={self.folder} is not writable: "
+                                  f"{e.strerror or e}") from None
+            try:
+                self._take(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            # A run that released the lock between our open and flock removed the file: lock
+            # the file that now has the name instead.
+            if os.path.exists(self.path) and os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                self._fd = fd
+            else:
+                os.close(fd)
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{self.me}\n".encode(), 0)
+        return self
+
+    def _take(self, fd: int) -> None:
+        previous = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        holder = _holder(previous)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise RunLockError(self._busy(previous)) from None
+            # No flock on this filesystem: the file's host and PID decide.
+            if holder and holder[0] == socket.gethostname() and _pid_alive(holder[1]):
+                raise RunLockError(self._busy(previous)) from None
+        if previous:  # the kernel released it: its holder died without cleaning up
+            log.warning(f"{self.path}: taking over the lock of a run that is gone "
+                        f"({previous}); it did not exit cleanly")
+
+    def _busy(self, previous: str) -> str:
+        return (f"job.dump_folder={self.folder} is in use by another run ({previous or 'unknown'}"
+                f", lock {self.path}); wait for it to finish, or use another job.dump_folder")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)  # still locked: a newcomer that opened it re-checks the name
+        except OSError:
+            pass
+        os.close(self._fd)  # releases the flock
+        self._fd = None
