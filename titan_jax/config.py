@@ -17,187 +17,26 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from titan_jax.errors import TitanJaxError
+from titan_jax.config_schema import (
+    ActivationCheckpoint,
+    Checkpoint,
+    ConfigError,
+    Job,
+    JobConfig,
+    LRScheduler,
+    Metrics,
+    Model,
+    Optimizer,
+    Parallelism,
+    Profiling,
+    Training,
+    Validation,
+)
 
-
-class ConfigError(TitanJaxError, ValueError):
-    """A bad configuration: the message names the field, the value, and what is valid."""
-
-
-@dataclasses.dataclass
-class Job:
-    dump_folder: str = "./outputs"  # metrics.jsonl, loss.png, tb/ and checkpoint/ go here
-    description: str = ""
-    # Simulated CPU devices (XLA host platform); 0 leaves JAX's default. Set before JAX starts.
-    cpu_devices: int = 0
-
-
-@dataclasses.dataclass
-class Model:
-    name: str = "qwen3"
-    flavor: str = "debugmodel"
-    # tokenizer.json (or a directory holding one); "" = the tokenizer shipped with titan-jax.
-    tokenizer_path: str = ""
-
-
-@dataclasses.dataclass
-class Training:
-    # Data: "pydoc" (embedded corpus) | "text" | "jsonl" | "parquet" | "hf_disk".
-    dataset: str = "pydoc"
-    dataset_path: str = ""
-    text_field: str = "text"
-    local_batch_size: int = 8  # sequences per data-parallel rank per optimizer step
-    # Sequences per optimizer step over all ranks; -1 = local x data-parallel degree. A larger
-    # multiple of that means gradient accumulation over microbatches.
-    global_batch_size: int = -1
-    seq_len: int = 2048
-    steps: int = 10000
-    max_norm: float = 1.0  # global-norm gradient clipping; 0 disables
-    # Dtype weights are cast to at use (SimpleFSDP param_dtype). "auto": float32 on CPU (bf16
-    # matmuls are slower there), bfloat16 on accelerators.
-    mixed_precision_param: Literal["auto", "float32", "bfloat16"] = "auto"
-    # Dtype of gradient reductions across data-parallel ranks (SimpleFSDP reduce_dtype).
-    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
-    seed: int = 42
-    max_consecutive_bad_steps: int = 3  # non-finite steps in a row before the run stops
-
-
-@dataclasses.dataclass
-class Parallelism:
-    data_parallel_replicate_degree: int = 1
-    data_parallel_shard_degree: int = -1  # -1: all devices left after the other degrees
-    tensor_parallel_degree: int = 1
-    # Experts split over this many of the data-parallel shard ranks (MoE flavours only); the
-    # token dispatch and combine are all-to-alls over it.
-    expert_parallel_degree: int = 1
-    # "default" = "always": free the gathered weight after forward, re-gather in backward.
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit
-    # all_gather/psum_scatter twin (same rules, same losses), which also hosts expert
-    # parallelism's all-to-alls. "auto": shard_map with expert parallelism, else jit.
-    fsdp_implementation: Literal["auto", "jit", "shard_map"] = "auto"
-
-
-@dataclasses.dataclass
-class Optimizer:
-    name: Literal["AdamW"] = "AdamW"
-    lr: float = 8e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-
-
-@dataclasses.dataclass
-class LRScheduler:
-    warmup_steps: int = 200
-    # Fraction of steps spent decaying; None = decay over everything after warmup.
-    decay_ratio: float | None = None
-    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
-    min_lr_factor: float = 0.0
-
-
-@dataclasses.dataclass
-class ActivationCheckpoint:
-    # none: keep all activations; full: recompute each block in backward; selective: save the
-    # matmul outputs and attention, recompute the cheap elementwise ops.
-    mode: Literal["none", "full", "selective"] = "selective"
-
-
-@dataclasses.dataclass
-class Checkpoint:
-    enable: bool = False
-    folder: str = "checkpoint"  # relative to job.dump_folder
-    interval: int = 500
-    keep_latest_k: int = 10
-    async_mode: Literal["disabled", "async"] = "async"
-    load_step: int = -1  # -1 = newest finalized
-    initial_load_path: str = ""
-    initial_load_in_hf: bool = False
-    initial_load_model_only: bool = True
-    last_save_model_only: bool = True
-    last_save_in_hf: bool = False
-    export_dtype: Literal["float32", "bfloat16"] = "float32"
-
-
-@dataclasses.dataclass
-class Metrics:
-    log_freq: int = 10
-    enable_tensorboard: bool = False
-    save_tb_folder: str = "tb"
-    progress_bar: bool = True
-    # Per-layer RMS of the residual stream (`activation_rms`), through the model's aux channel.
-    log_activation_stats: bool = False
-    # Weights & Biases (the `wandb` extra); WANDB_PROJECT names the project, WANDB_MODE=offline
-    # logs without a network.
-    enable_wandb: bool = False
-    # MFU denominator per device in FLOP/s; None = the published bf16 peak of a known TPU/GPU,
-    # or a matmul peak measured at the start of the run on CPU (see train/peak_flops.py).
-    peak_flops: float | None = None
-
-
-@dataclasses.dataclass
-class Validation:
-    """Held-out loss during training (TorchTitan's [validation] keys)."""
-
-    enable: bool = False
-    # "pydoc": the embedded corpus's held-out slice (training never sees it); a file source
-    # ("text", "jsonl", "parquet", "hf_disk", with dataset_path) is read whole, in order.
-    dataset: str = "pydoc"
-    dataset_path: str = ""
-    freq: int = 500  # validate every N steps, and at the last step
-    steps: int = -1  # batches per validation; -1 = the whole validation set once
-    local_batch_size: int = 8  # sequences per data-parallel rank per validation batch
-    seq_len: int = 2048
-
-
-@dataclasses.dataclass
-class Profiling:
-    """jax.profiler traces (TensorBoard / Perfetto) in {dump_folder}/{save_traces_folder}."""
-
-    enable_profiling: bool = False
-    save_traces_folder: str = "profile"
-    profile_freq: int = 10  # trace the last `profile_steps` steps of every `profile_freq`
-    profile_steps: int = 1
-
-
-@dataclasses.dataclass
-class JobConfig:
-    job: Job = dataclasses.field(default_factory=Job)
-    model: Model = dataclasses.field(default_factory=Model)
-    training: Training = dataclasses.field(default_factory=Training)
-    parallelism: Parallelism = dataclasses.field(default_factory=Parallelism)
-    optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
-    lr_scheduler: LRScheduler = dataclasses.field(default_factory=LRScheduler)
-    activation_checkpoint: ActivationCheckpoint = dataclasses.field(
-        default_factory=ActivationCheckpoint
-    )
-    checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
-    metrics: Metrics = dataclasses.field(default_factory=Metrics)
-    validation: Validation = dataclasses.field(default_factory=Validation)
-    profiling: Profiling = dataclasses.field(default_factory=Profiling)
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
-
-    def to_toml(self) -> str:
-        """The resolved config as TOML (None values are omitted: TOML has no null)."""
-        lines = []
-        for section, values in self.to_dict().items():
-            lines.append(f"[{section}]")
-            for key, value in values.items():
-                if value is not None:
-                    lines.append(f"{key} = {_toml_value(value)}")
-            lines.append("")
-        return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
+# The schema's names are part of this module's interface (`from titan_jax.config import ...`).
+__all__ = ["ActivationCheckpoint", "Checkpoint", "ConfigError", "Job", "JobConfig",
+           "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling",
+           "Training", "Validation", "load_config", "parse_overrides", "validate"]
 
 
 def _suggest(name: str, valid: typing.Iterable[str]) -> str:
