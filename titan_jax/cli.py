@@ -48,13 +48,11 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
 
 
 def _check_flavor(config: JobConfig) -> None:
-    """An unknown `model.flavor` is bad input, named before anything is built."""
-    from titan_jax.models.qwen3 import get_flavor
+    """An unknown `model.name` or `model.flavor` is bad input (a ConfigError naming the valid
+    ones), reported before anything is built."""
+    from titan_jax.models import get_model_spec
 
-    try:
-        get_flavor(config.model.flavor)
-    except ValueError as e:  # get_flavor's message names the field and the valid flavours
-        raise ConfigError(str(e)) from None
+    get_model_spec(config.model.name).flavor(config.model.flavor)
 
 
 def _add_parity_parser(sub: argparse._SubParsersAction) -> None:

@@ -16,13 +16,18 @@ import numpy as np
 
 from titan_jax.config import JobConfig
 from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
+from titan_jax.errors import TitanJaxError
 from titan_jax.models.qwen3 import Qwen3Args, decode
 from titan_jax.models.qwen3.build import Params
 from titan_jax.models.qwen3.hf import load_hf_params
 from titan_jax.models.qwen3.hf_config import read_hf_config
-from titan_jax.train.checkpoint import Checkpointer
-from titan_jax.train.model_io import is_training_checkpoint, load_orbax, read_orbax_args
+from titan_jax.train.checkpoint import Checkpointer, is_checkpoint_dir
+from titan_jax.train.model_io import load_orbax, read_orbax_args
 from titan_jax.train.trainer import build_trainer, resolve_param_dtype
+
+
+class GenerateError(TitanJaxError, ValueError):
+    """Bad `titan-jax generate` input: the message names the flag or path."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +40,11 @@ class GenerateOptions:
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
+            raise GenerateError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
         if self.temperature < 0:
-            raise ValueError(f"--temperature {self.temperature} must be >= 0 (0 = greedy)")
+            raise GenerateError(f"--temperature {self.temperature} must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top-p {self.top_p} must be in (0, 1]")
+            raise GenerateError(f"--top-p {self.top_p} must be in (0, 1]")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -47,18 +52,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
     directory (`titan-jax convert --to orbax`) is taken as given."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"--checkpoint {path} does not exist")
-    if is_training_checkpoint(path) or (path / "model_args.json").is_file():
+        raise GenerateError(f"--checkpoint {path} does not exist")
+    if is_checkpoint_dir(path) or (path / "model_args.json").is_file():
         return path
-    steps = [p for p in path.iterdir() if is_training_checkpoint(p)]
+    steps = [p for p in path.iterdir() if is_checkpoint_dir(p)]
     if not steps:
-        raise ValueError(f"--checkpoint {path} is neither a checkpoint step folder, a folder of "
+        raise GenerateError(f"--checkpoint {path} is neither a checkpoint step folder, a folder of "
                          "them, nor an orbax model directory (model_args.json + params/)")
     return max(steps, key=lambda p: int(p.name))
 
 
 def _orbax_args(path: Path) -> Qwen3Args:
-    if is_training_checkpoint(path):
+    if is_checkpoint_dir(path):
         with Checkpointer(path.parent, read_only=True) as ckpt:
             return Qwen3Args(**ckpt.meta(int(path.name))["model_args"])
     return read_orbax_args(path)
@@ -68,7 +73,7 @@ def load_model(config: JobConfig, checkpoint: str | None, hf_checkpoint: str | N
                ) -> tuple[Qwen3Args, Params, Tokenizer, jax.sharding.Mesh, str]:
     """(args, params on the recipe's mesh, tokenizer, mesh, a description of the source)."""
     if (checkpoint is None) == (hf_checkpoint is None):
-        raise ValueError("give exactly one of --checkpoint PATH or --hf-checkpoint DIR")
+        raise GenerateError("give exactly one of --checkpoint PATH or --hf-checkpoint DIR")
     if hf_checkpoint is not None:
         source = Path(hf_checkpoint)
         args = read_hf_config(source)
@@ -90,7 +95,7 @@ def load_model(config: JobConfig, checkpoint: str | None, hf_checkpoint: str | N
         tokenizer_path = config.model.tokenizer_path
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer.vocab_size > args.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer_path or '(shipped)'} has vocab size "
+        raise GenerateError(f"tokenizer {tokenizer_path or '(shipped)'} has vocab size "
                          f"{tokenizer.vocab_size}, larger than the model's {args.vocab_size}")
     return args, params, tokenizer, trainer.mesh, str(source)
 
@@ -104,7 +109,7 @@ def generate_text(config: JobConfig, checkpoint: str | None, hf_checkpoint: str 
     if tokenizer.bos_id is not None and (not prompt_ids or prompt_ids[0] != tokenizer.bos_id):
         prompt_ids = [tokenizer.bos_id, *prompt_ids]
     if not prompt_ids:
-        raise ValueError("--prompt is empty and the tokenizer has no BOS token to start from")
+        raise GenerateError("--prompt is empty and the tokenizer has no BOS token to start from")
     dtype = resolve_param_dtype(config.training.mixed_precision_param, list(mesh.devices.flat))
     with jax.set_mesh(mesh):
         tokens = decode.generate(
