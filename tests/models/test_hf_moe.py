@@ -138,3 +138,24 @@ def test_parity_cli_on_a_moe_checkpoint(hf_moe, tmp_path, capsys):
     assert report["grads_max_rel_diff"] <= 1e-4 and report["trajectory_max_rel_diff"] <= 1e-5
     assert "not wired" in printed.out  # the torchtitan column says why it is absent
     assert code == 1  # a requested reference that could not run fails the run, as for dense
+
+
+def test_router_aux_loss_equals_hfs(hf_moe):
+    """HF's optional load-balancing loss (router_aux_loss_coef, with output_router_logits):
+    the same value over the same tokens."""
+    import dataclasses
+
+    model, path = hf_moe
+    x = tokens()
+    with torch.no_grad():
+        want = float(model(torch.from_numpy(x), output_router_logits=True).aux_loss)
+    args = read_hf_config(path)
+    assert args.router_aux_loss_coef == 0.0  # off unless the checkpoint outputs router logits
+    params = load_hf_params(path, args)
+    coef = 0.01
+    on = build_model_def(dataclasses.replace(args, router_aux_loss_coef=coef))
+    _, _, aux = on.forward(params, on.init_buffers(), jnp.asarray(x, jnp.int32))
+    n = x.size
+    # Contributed as a sum over the batch's tokens: the step's division by the token count
+    # makes it HF's coef * aux when every label is valid.
+    np.testing.assert_allclose(float(aux["loss"]) / (coef * n), want, rtol=1e-5)
