@@ -26,6 +26,7 @@ from titan_jax.config_schema import (
     LRScheduler,
     Metrics,
     Model,
+    Moe,
     Optimizer,
     Parallelism,
     Profiling,
@@ -35,7 +36,7 @@ from titan_jax.config_schema import (
 
 # The schema's names are part of this module's interface (`from titan_jax.config import ...`).
 __all__ = ["ActivationCheckpoint", "Checkpoint", "ConfigError", "Job", "JobConfig",
-           "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling",
+           "LRScheduler", "Metrics", "Model", "Moe", "Optimizer", "Parallelism", "Profiling",
            "Training", "Validation", "load_config", "parse_overrides", "validate"]
 
 
@@ -235,6 +236,9 @@ def validate(config: JobConfig) -> None:
              f"optimizer betas ({o.beta1}, {o.beta2}) must be in [0, 1)")
     _require(o.eps > 0, f"optimizer.eps={o.eps} must be > 0")
     _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0")
+    for key in ("load_balance_coeff", "router_aux_loss_coef"):
+        value = getattr(config.moe, key)
+        _require(value >= 0, f"moe.{key}={value} must be >= 0 (0 turns it off)")
     s = config.lr_scheduler
     _require(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps={s.warmup_steps} must be >= 0")
     _require(

@@ -110,6 +110,17 @@ class Checkpoint:
 
 
 @dataclasses.dataclass
+class Moe:
+    """Mixture-of-experts training knobs (MoE flavours only)."""
+
+    # Aux-loss-free balancing (TorchTitan / DeepSeek-V3): each layer's expert bias moves by this
+    # per optimizer step toward equal load; 0 turns it off.
+    load_balance_coeff: float = 1e-3
+    # HF's auxiliary load-balancing loss, added times this coefficient (0 = off, as TorchTitan).
+    router_aux_loss_coef: float = 0.0
+
+
+@dataclasses.dataclass
 class Metrics:
     log_freq: int = 10
     enable_tensorboard: bool = False
@@ -162,6 +173,7 @@ class JobConfig:
         default_factory=ActivationCheckpoint
     )
     checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
+    moe: Moe = dataclasses.field(default_factory=Moe)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
     validation: Validation = dataclasses.field(default_factory=Validation)
     profiling: Profiling = dataclasses.field(default_factory=Profiling)

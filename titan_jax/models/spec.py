@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from titan_jax.config import ConfigError
+from titan_jax.config import ConfigError, JobConfig
 
 Params = dict[str, Any]
 Aux = dict[str, Any]  # {"loss": scalar, "stats": {name: array}}
@@ -98,6 +98,8 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int], float]  # training FLOPs per token at a seq_len
     args_type: type  # the dataclass of a flavour's args (checkpoints record its fields)
     hf: HFAdapter
+    # The run's config applied to a flavour's args (e.g. the [moe] knobs); identity by default.
+    configure: Callable[[Any, JobConfig], Any] = lambda args, config: args
     display_name: str = ""  # for messages; defaults to `name`
 
     def __post_init__(self) -> None:

@@ -134,7 +134,8 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     """`model_args` replaces `model.flavor`'s shape (tests and notebooks use tiny models)."""
     t = config.training
     spec = get_model_spec(config.model.name)
-    args = spec.flavor(config.model.flavor) if model_args is None else model_args
+    args = spec.configure(spec.flavor(config.model.flavor) if model_args is None else model_args,
+                          config)
     if t.seq_len > args.max_seq_len:
         raise ConfigError(
             f"training.seq_len={t.seq_len} exceeds the maximum sequence length "

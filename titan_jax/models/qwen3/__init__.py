@@ -1,6 +1,9 @@
 """Qwen3 model family: flavours, Flax modules, the pure-function view used by the trainer, and
 its registration as model.name = "qwen3"."""
 
+import dataclasses
+
+from titan_jax.config import JobConfig
 from titan_jax.models.qwen3 import hf, hf_config
 from titan_jax.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args, get_flavor
 from titan_jax.models.qwen3.build import ModelDef, build_model_def
@@ -17,9 +20,17 @@ class _HF:
     save = staticmethod(hf.save_hf)
 
 
+def configure(args: Qwen3Args, config: JobConfig) -> Qwen3Args:
+    """The run's `[moe]` knobs on a MoE flavour's args."""
+    if not args.is_moe:
+        return args
+    return dataclasses.replace(args, load_balance_coeff=config.moe.load_balance_coeff,
+                               router_aux_loss_coef=config.moe.router_aux_loss_coef)
+
+
 QWEN3 = ModelSpec(name="qwen3", flavors=QWEN3_FLAVORS, build=build_model_def,
                   flops_per_token=flops_per_token, args_type=Qwen3Args, hf=_HF(),
-                  display_name="Qwen3")
+                  configure=configure, display_name="Qwen3")
 register_model(QWEN3)
 
 __all__ = ["QWEN3", "QWEN3_FLAVORS", "ModelDef", "Qwen3", "Qwen3Args", "build_model_def",

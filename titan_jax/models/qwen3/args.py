@@ -29,6 +29,8 @@ class Qwen3Args:
     norm_topk_prob: bool = True  # renormalise the top-k gate weights (HF; TorchTitan route_norm)
     # Aux-loss-free balancing (TorchTitan / DeepSeek-V3): expert bias step per optimizer step.
     load_balance_coeff: float = 1e-3
+    # HF's auxiliary load-balancing loss, added to the loss times this (0 = off, as TorchTitan).
+    router_aux_loss_coef: float = 0.0
 
     @property
     def is_moe(self) -> bool:

@@ -68,6 +68,25 @@ class _Reader:
             self.files = {name: single for name in self._open(single).keys()}
         else:
             raise HFCheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}")
+        self.fused = self._fused_experts()
+
+    def _fused_experts(self) -> dict[str, tuple[str, int, int]]:
+        """Per-expert names -> (fused tensor, expert, first row) for files in transformers 5's
+        in-memory layout: `mlp.experts.gate_up_proj` (E, 2F, D), gate rows first, and
+        `mlp.experts.down_proj` (E, D, F). Reads then see the hub's per-expert tensors."""
+        virtual = {}
+        for name in list(self.files):
+            prefix, _, fused = name.rpartition(".")
+            if not prefix.endswith(".mlp.experts") or fused not in ("gate_up_proj", "down_proj"):
+                continue
+            experts, rows = self._open(self.files[name]).get_slice(name).get_shape()[:2]
+            parts = (("gate_proj", 0), ("up_proj", rows // 2)) if fused == "gate_up_proj" \
+                else (("down_proj", 0),)
+            for j in range(experts):
+                for part, first in parts:
+                    virtual[f"{prefix}.{j}.{part}.weight"] = (name, j, first)
+                    self.files[f"{prefix}.{j}.{part}.weight"] = self.files[name]
+        return virtual
 
     def _open(self, file: Path) -> Any:
         if file not in self._handles:
@@ -79,9 +98,18 @@ class _Reader:
         return self._handles[file]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.fused:
+            fused, _, _ = self.fused[name]
+            _, rows, cols = self._open(self.files[fused]).get_slice(fused).get_shape()
+            return (rows // 2 if fused.endswith("gate_up_proj") else rows, cols)
         return tuple(self._open(self.files[name]).get_slice(name).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if name in self.fused:
+            fused, expert, first = self.fused[name]
+            rows, cols = index
+            rows = slice(first + (rows.start or 0), first + rows.stop)
+            return self._open(self.files[fused]).get_slice(fused)[expert, rows, cols]
         return self._open(self.files[name]).get_slice(name)[index]
 
 
@@ -96,7 +124,7 @@ def _check_tensors(reader: _Reader, tensors: list[HFTensor], args: Qwen3Args) ->
                 f"{reader.files[t.name]}: tensor {t.name!r} has shape {shape}, expected "
                 f"{t.hf_shape} from config.json"
             )
-    known = {t.name for t in tensors}
+    known = {t.name for t in tensors} | {fused for fused, _, _ in reader.fused.values()}
     # HF ties by copying: a tied checkpoint may still store lm_head.weight; it is not used.
     if args.tie_embeddings:
         known.add("lm_head.weight")

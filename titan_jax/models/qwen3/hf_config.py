@@ -87,7 +87,10 @@ def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwe
         moe = {"num_experts": field(experts, int),
                "top_k": field("num_experts_per_tok", int),
                "moe_inter_dim": field("moe_intermediate_size", int),
-               "norm_topk_prob": field("norm_topk_prob", bool, False)}
+               "norm_topk_prob": field("norm_topk_prob", bool, False),
+               # HF adds its auxiliary loss only when the router logits are output.
+               "router_aux_loss_coef": field("router_aux_loss_coef", float, 0.0)
+               if config.get("output_router_logits") else 0.0}
     dim = field("hidden_size", int)
     n_heads = field("num_attention_heads", int)
     if n_heads <= 0 or dim <= 0:
@@ -120,7 +123,9 @@ def hf_config_from_args(args: Qwen3Args, dtype: str = "float32") -> dict[str, An
     moe = {"num_experts": args.num_experts, "num_local_experts": args.num_experts,
            "num_experts_per_tok": args.top_k,
            "moe_intermediate_size": args.moe_inter_dim, "norm_topk_prob": args.norm_topk_prob,
-           "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+           "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "output_router_logits": args.router_aux_loss_coef > 0,
+           "router_aux_loss_coef": args.router_aux_loss_coef,
            } if args.is_moe else {}
     return {
         "architectures": [ARCHITECTURES[model_type]],

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.qwen3.args import Qwen3Args
-from titan_jax.models.qwen3.moe import MoE
+from titan_jax.models.qwen3.moe import MoE, router_aux_loss
 from titan_jax.models.sharding_hooks import constrain, use_param
 
 Array = jax.Array
@@ -188,18 +188,18 @@ class Block(nnx.Module):
             self.feed_forward = FeedForward(args, rngs)
 
     def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
-                 expert_bias_E: Array | None = None) -> tuple[Array, Array | None]:
-        """(output, tokens per expert (E,) for MoE blocks, else None)."""
+                 expert_bias_E: Array | None = None) -> tuple[Array, dict[str, Array]]:
+        """(output, the MoE router's statistics for MoE blocks (see `MoE`), else {})."""
         with jax.named_scope("attention"):
             x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH)
-        counts_E = None
+        router = {}
         with jax.named_scope("feed_forward"):
             if expert_bias_E is None:
                 x_BTD = x_BTD + self.feed_forward(self.ffn_norm(x_BTD))
             else:
-                y_BTD, counts_E = self.moe(self.ffn_norm(x_BTD), expert_bias_E)
+                y_BTD, router = self.moe(self.ffn_norm(x_BTD), expert_bias_E)
                 x_BTD = x_BTD + y_BTD
-        return constrain(x_BTD, ACT_AXES), counts_E
+        return constrain(x_BTD, ACT_AXES), router
 
 
 class Qwen3(nnx.Module):
@@ -224,14 +224,16 @@ class Qwen3(nnx.Module):
 
     def hidden_states(self, tokens_BT: Array, dtype: jnp.dtype, remat: Callable | None = None,
                       activation_stats: bool = False, expert_bias_LE: Array | None = None
-                      ) -> tuple[Array, dict[str, Array]]:
-        """(final-normed hidden states (B, T, D) in `dtype`, aux stats).
+                      ) -> tuple[Array, dict[str, Array], Array]:
+        """(final-normed hidden states (B, T, D) in `dtype`, aux stats, aux loss).
 
         remat: the scanned block's `jax.checkpoint` policy (None: no remat).
         activation_stats: also return each layer's output sum of squares and element count
         (`activation_sq_sum`, `activation_count`), for per-layer RMS in the metrics.
         expert_bias_LE: MoE flavours' per-layer expert bias (zeros when None); then the stats
-        hold each layer's tokens per expert (`tokens_per_expert`, (L, E)).
+        hold each layer's tokens per expert (`tokens_per_expert`, (L, E)), and with
+        `router_aux_loss_coef` > 0 the aux loss is HF's load-balancing loss times that
+        coefficient, summed over this batch's tokens (the step divides by the token count).
         """
         if self.args.is_moe and expert_bias_LE is None:
             expert_bias_LE = jnp.zeros((self.args.n_layers, self.args.num_experts), jnp.float32)
@@ -244,9 +246,8 @@ class Qwen3(nnx.Module):
         def body(x_BTD: Array, layer: tuple[nnx.State, Array | None]
                  ) -> tuple[Array, dict[str, Array]]:
             layer_state, expert_bias_E = layer
-            y_BTD, counts_E = nnx.merge(layers_def, layer_state)(x_BTD, cos_TH, sin_TH,
-                                                                 expert_bias_E)
-            stats = {} if counts_E is None else {"tokens_per_expert": counts_E}
+            y_BTD, stats = nnx.merge(layers_def, layer_state)(x_BTD, cos_TH, sin_TH,
+                                                              expert_bias_E)
             if activation_stats:
                 y32 = y_BTD.astype(jnp.float32)
                 stats["activation_sq_sum"] = jnp.sum(y32 * y32)
@@ -256,7 +257,14 @@ class Qwen3(nnx.Module):
         if remat is not None:
             body = jax.checkpoint(body, policy=remat, prevent_cse=False)
         x_BTD, stats = jax.lax.scan(body, x_BTD, (layers_state, expert_bias_LE))
-        return self.norm(x_BTD), stats
+        aux_loss = jnp.zeros((), jnp.float32)
+        if self.args.is_moe:
+            prob_sum = stats.pop("router_prob_sum")
+            if self.args.router_aux_loss_coef > 0:
+                n = tokens_BT.size
+                aux_loss = self.args.router_aux_loss_coef * n * router_aux_loss(
+                    stats["tokens_per_expert"], prob_sum, n)
+        return self.norm(x_BTD), stats, aux_loss
 
     def output_weight(self, dtype: jnp.dtype) -> Array:
         """The (D, V) output projection: lm_head, or the embedding transposed when tied."""
@@ -265,7 +273,7 @@ class Qwen3(nnx.Module):
         return use_param(self.lm_head, dtype)
 
     def __call__(self, tokens_BT: Array, dtype: jnp.dtype = jnp.float32) -> Array:
-        h_BTD, _ = self.hidden_states(tokens_BT, dtype)
+        h_BTD, _, _ = self.hidden_states(tokens_BT, dtype)
         return jnp.einsum("btd,dv->btv", h_BTD, self.output_weight(dtype),
                           preferred_element_type=jnp.float32)
 

@@ -127,7 +127,10 @@ def update_expert_bias(bias_LE: Array, counts_LE: Array, coeff: float) -> Array:
 
 
 class MoE(nnx.Module):
-    """Router + routed SwiGLU experts. `__call__(x_BTD, expert_bias_E) -> (y_BTD, counts_E)`."""
+    """Router + routed SwiGLU experts.
+
+    `__call__(x_BTD, expert_bias_E) -> (y_BTD, {"tokens_per_expert": (E,) picks, no gradient;
+    "router_prob_sum": (E,) summed router probabilities, with gradient (HF's aux loss)})`."""
 
     def __init__(self, dim: int, num_experts: int, inter_dim: int, top_k: int,
                  norm_topk_prob: bool, w2_std: float, grouped_matmul: str, rngs: nnx.Rngs):
@@ -145,13 +148,27 @@ class MoE(nnx.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
         self.grouped_matmul = grouped_matmul
 
-    def __call__(self, x_BTD: Array, expert_bias_E: Array) -> tuple[Array, Array]:
+    def __call__(self, x_BTD: Array, expert_bias_E: Array) -> tuple[Array, dict[str, Array]]:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        experts, weights, _ = route(x_ND, use_param(self.gate, jnp.float32), expert_bias_E,
-                                    self.top_k, self.norm_topk_prob)
+        experts, weights, probs = route(x_ND, use_param(self.gate, jnp.float32), expert_bias_E,
+                                        self.top_k, self.norm_topk_prob)
         dtype = x_BTD.dtype
         y_ND = routed_experts(x_ND, experts, weights, use_param(self.w1, dtype),
                               use_param(self.w3, dtype), use_param(self.w2, dtype),
                               self.grouped_matmul)
         counts = jnp.bincount(experts.reshape(-1), length=self.num_experts)
-        return y_ND.reshape(x_BTD.shape), jax.lax.stop_gradient(counts.astype(jnp.float32))
+        return y_ND.reshape(x_BTD.shape), {
+            "tokens_per_expert": jax.lax.stop_gradient(counts.astype(jnp.float32)),
+            "router_prob_sum": jnp.sum(probs, axis=0)}
+
+
+def router_aux_loss(tokens_per_expert_LE: Array, router_prob_sum_LE: Array, n_tokens: int
+                    ) -> Array:
+    """HF's `load_balancing_loss_func` over all layers of one batch: E * sum_e f_e * P_e, with
+    f_e the share of (token, layer) pairs whose top-k picked e and P_e the mean router
+    probability of e (gradient through P only). Balanced routing gives top_k."""
+    layers, experts = tokens_per_expert_LE.shape
+    pairs = layers * n_tokens
+    f_E = jnp.sum(tokens_per_expert_LE, axis=0) / pairs
+    p_E = jnp.sum(router_prob_sum_LE, axis=0) / pairs
+    return experts * jnp.sum(f_E * p_E)
