@@ -28,10 +28,10 @@ train:
 	$(BIN)/titan-jax train --config configs/qwen3_debug.toml
 
 test:
-	$(BIN)/python -m pytest -q tests --nbmake notebooks
+	$(BIN)/python -m pytest -q --durations=15 tests --nbmake notebooks
 
 test-fast:
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q --durations=15 -m "not slow" tests
 
 lint:
 	$(BIN)/ruff check titan_jax tests scripts benchmarks

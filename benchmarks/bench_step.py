@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from titan_jax.atomic_dir import write_text_atomic
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import Qwen3Args, get_flavor
 from titan_jax.models.qwen3.flops import count_params, flops_per_token
@@ -155,8 +156,8 @@ def write_table(path: Path, table: str) -> None:
     """Replaces the text between the bench_step markers of `path` (created if absent)."""
     text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
     block = f"{BEGIN}\n{table}\n{END}"
-    path.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text,
-                           flags=re.S))
+    write_text_atomic(path, re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block,
+                                   text, flags=re.S))
 
 
 if __name__ == "__main__":

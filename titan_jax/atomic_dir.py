@@ -85,3 +85,16 @@ def atomic_dir(dst: str | Path, *, overwrite: bool = False, source: str | Path |
         shutil.rmtree(old)
     else:
         os.replace(tmp, dst)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Writes a report file: into a temporary sibling, renamed over `path` when complete, so a
+    crash leaves the old file (or none) rather than half of the new one."""
+    path = Path(path)
+    tmp = _temporary(path, f"tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+

@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from titan_jax.atomic_dir import write_text_atomic
 from titan_jax.config import ConfigError, JobConfig, load_config
 from titan_jax.errors import TitanJaxError
 from titan_jax.jax_platform import default_to_cpu_without_accelerator
@@ -144,7 +145,7 @@ def _inspect(config: JobConfig, json_out: str | None) -> int:
     report = inspect_trainer(build_trainer(config))
     print(format_report(report))
     if json_out:
-        Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
+        write_text_atomic(json_out, json.dumps(report, indent=2) + "\n")
     return 0
 
 
@@ -172,7 +173,7 @@ def _parity(args: argparse.Namespace, config: JobConfig) -> int:
                              bars=bars, progress=_progress)
     print(report.table())
     if args.json:
-        Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        write_text_atomic(args.json, json.dumps(report.to_json(), indent=2) + "\n")
     return 1 if report.failures() else 0
 
 
