@@ -7,14 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_model import TIED, UNTIED
 
 import titan_jax.parity  # noqa: F401  (imported before torch: it sets OMP_WAIT_POLICY)
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def, decode, hf
 
-UNTIED = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=48,
-                   vocab_size=64, max_seq_len=64, tie_embeddings=False)
-TIED = Qwen3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, head_dim=8, hidden_dim=40,
-                 vocab_size=48, max_seq_len=64, tie_embeddings=True, rope_theta=5e6, norm_eps=1e-5)
 MOE = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=64,
                 max_seq_len=64, tie_embeddings=False, num_experts=4, top_k=2, moe_inter_dim=24)
 
@@ -62,8 +59,8 @@ def test_generate_stops_at_eos_and_checks_length():
     eos = int(greedy[0, 4])  # make the second generated token the EOS
     stopped = decode.generate(params, UNTIED, prompt, 6, eos_id=eos)
     assert stopped[0].tolist() == greedy[0, :5].tolist()
-    with pytest.raises(ValueError, match="exceeds the model's max_seq_len=64"):
-        decode.generate(params, UNTIED, prompt, 62)
+    with pytest.raises(ValueError, match=f"exceeds the model's max_seq_len={UNTIED.max_seq_len}"):
+        decode.generate(params, UNTIED, prompt, UNTIED.max_seq_len - 2)
 
 
 @pytest.mark.parametrize("args", [UNTIED, TIED], ids=["untied", "tied"])

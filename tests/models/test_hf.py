@@ -13,6 +13,7 @@ from hf_fixtures import random_hf_model
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
+from tiny_model import TIED, UNTIED
 
 import titan_jax.parity  # noqa: F401  (imported before torch: it sets OMP_WAIT_POLICY)
 from titan_jax.cli import main
@@ -28,11 +29,6 @@ except ImportError as e:
     pytest.skip(f"needs the parity extra: {e}", allow_module_level=True)
 
 # GQA 2, head_dim (16) != dim / heads (8), untied: every layout the mapping has.
-UNTIED = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=48,
-                   vocab_size=64, max_seq_len=128, tie_embeddings=False)
-TIED = Qwen3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, head_dim=8, hidden_dim=40,
-                 vocab_size=48, max_seq_len=128, tie_embeddings=True, rope_theta=5e6,
-                 norm_eps=1e-5)
 
 
 hf_model = random_hf_model

@@ -4,14 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_model import TINY
 
 from titan_jax.models import BuildOptions
-from titan_jax.models.qwen3 import QWEN3_FLAVORS, Qwen3Args, build_model_def
+from titan_jax.models.qwen3 import QWEN3_FLAVORS, build_model_def
 from titan_jax.models.qwen3.args import get_flavor
 from titan_jax.models.qwen3.model import apply_rope, rope_tables
-
-TINY = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
-                 vocab_size=64, max_seq_len=64)
 
 # Published totals (HF safetensors metadata counts the tied lm_head twice; these count it once).
 PUBLISHED = {"0.6B": 596_049_920, "1.7B": 1_720_574_976, "4B": 4_022_468_096,

@@ -3,18 +3,17 @@
 import jax
 import numpy as np
 import pytest
+from tiny_model import TINY
 
 from titan_jax.cli import main
 from titan_jax.config import load_config
 from titan_jax.data.tokenizer import load_tokenizer
-from titan_jax.models.qwen3 import Qwen3Args, build_model_def, decode
+from titan_jax.models.qwen3 import build_model_def, decode
 from titan_jax.models.qwen3.hf import save_hf
 from titan_jax.train import loop
 from titan_jax.train.model_io import save_orbax
 from titan_jax.train.trainer import build_trainer
 
-TINY = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
-                 vocab_size=2048, max_seq_len=64)  # vocab fits the shipped tokenizer
 PROMPT = "The for statement"
 
 

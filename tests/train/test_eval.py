@@ -7,17 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_model import TINY
 
 from titan_jax.config import ConfigError, load_config
 from titan_jax.data.tokenizer import load_tokenizer
-from titan_jax.models.qwen3 import Qwen3Args
 from titan_jax.train import loop
 from titan_jax.train.eval import Validator
 from titan_jax.train.loss import token_cross_entropy_sum
 from titan_jax.train.trainer import build_trainer
 
-TINY = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
-                 vocab_size=2048, max_seq_len=64)  # vocab fits the shipped tokenizer
 VALIDATION = ["--validation.enable", "true", "--validation.seq_len", "16",
               "--validation.local_batch_size", "1", "--validation.steps", "2"]
 

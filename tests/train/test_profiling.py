@@ -2,15 +2,12 @@
 
 import jax
 import pytest
+from tiny_model import TINY
 
 from titan_jax.config import load_config
-from titan_jax.models.qwen3 import Qwen3Args
 from titan_jax.train import loop, profiling
 from titan_jax.train.profiling import StepProfiler
 from titan_jax.train.trainer import build_trainer
-
-TINY = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
-                 vocab_size=2048, max_seq_len=64)
 
 
 def config(folder, *overrides):
