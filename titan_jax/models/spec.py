@@ -86,8 +86,8 @@ class HFAdapter(Protocol):
 
     def load_params(self, path: str | Path, args: Any, shardings: Params | None) -> Params: ...
 
-    def save(self, path: str | Path, params: Params, args: Any, dtype: str,
-             max_shard_size: int | str) -> Any: ...
+    def save(self, path: str | Path, params: Params, args: Any, dtype: str = "float32",
+             **options: Any) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)

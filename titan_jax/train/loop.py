@@ -243,7 +243,8 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
         profiler = stack.enter_context(StepProfiler(config))
         args = trainer.model.args
         logger.info(
-            f"qwen3 {config.model.flavor}: {trainer.model.num_params() / 1e6:.1f}M params, "
+            f"{config.model.name} {config.model.flavor}: "
+            f"{trainer.model.num_params() / 1e6:.1f}M params, "
             f"mesh {dict(trainer.mesh.shape)} ({trainer.degrees.mode}), "
             f"{trainer.global_batch_size} x {config.training.seq_len} tokens/step in "
             f"{trainer.options.n_microbatches} microbatch(es), "

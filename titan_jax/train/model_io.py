@@ -25,7 +25,6 @@ from titan_jax.atomic_dir import atomic_dir
 from titan_jax.config import JobConfig
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def
 from titan_jax.models.qwen3.build import Params
-from titan_jax.models.qwen3.hf import save_hf
 from titan_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -101,5 +100,6 @@ def export_hf(config: JobConfig, trainer: Trainer, params: Any, step: int) -> Pa
     final = Path(config.job.dump_folder) / config.checkpoint.folder / f"hf-{step}"
     if final.exists():
         raise CheckpointSaveError(f"{final} already exists; not overwriting it")
-    save_hf(final, params, trainer.model.args, dtype=config.checkpoint.export_dtype)
+    trainer.model_spec.hf.save(final, params, trainer.model.args,
+                               dtype=config.checkpoint.export_dtype)
     return final
