@@ -33,10 +33,6 @@ Params = dict[str, Any]
 Aux = dict[str, Any]  # {"loss": scalar, "stats": {name: array}}
 
 
-def empty_aux() -> Aux:
-    return {"loss": jnp.zeros((), jnp.float32), "stats": {}}
-
-
 class ModelDef(Protocol):
     """One built model: abstract shapes and logical axes of its params and buffers, and pure
     functions over them."""
@@ -82,8 +78,6 @@ class BuildOptions:
 class HFAdapter(Protocol):
     """HF transformers checkpoints (config.json + safetensors) of one family."""
 
-    def read_config(self, path: str | Path) -> Any: ...
-
     def load_params(self, path: str | Path, args: Any, shardings: Params | None) -> Params: ...
 
     def save(self, path: str | Path, params: Params, args: Any, dtype: str = "float32",
@@ -96,7 +90,6 @@ class ModelSpec:
     flavors: Mapping[str, Any]
     build: Callable[[Any, BuildOptions], ModelDef]
     flops_per_token: Callable[[Any, int], float]  # training FLOPs per token at a seq_len
-    args_type: type  # the dataclass of a flavour's args (checkpoints record its fields)
     hf: HFAdapter
     # The run's config applied to a flavour's args (e.g. the [moe] knobs); identity by default.
     configure: Callable[[Any, JobConfig], Any] = lambda args, config: args

@@ -7,7 +7,7 @@ splits it. Every sharding in a run is derived here, once:
 - a parameter's *storage* spec: the table as it stands (SimpleFSDP: weights live sharded over
   `fsdp` on their `embed` dimension);
 - its *compute* spec, the layout the forward uses it in: the storage spec with the data-parallel
-  axes gathered (`gathered_axes`), tensor-parallel splits kept;
+  axes (`data_axes`, the batch's) gathered, tensor-parallel splits kept;
 - an activation's spec: the compute view too, so the data-parallel axes split only `batch`.
 `expert` keeps its split in compute too: expert parallelism (`ep`, carved out of the FSDP
 ranks as in TorchTitan) means each rank computes only the experts it holds.
@@ -65,16 +65,12 @@ class ShardingRuleError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
-    """The table on one mesh. `gathered_axes`: the data-parallel mesh axes a weight is gathered
-    over at use (and its gradient reduced over); by default those the batch is split over."""
+    """The table on one mesh."""
 
     mesh: Mesh
     table: Mapping[str, MeshAxes] = dataclasses.field(default_factory=lambda: DEFAULT_TABLE)
-    gathered_axes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.gathered_axes is None:
-            object.__setattr__(self, "gathered_axes", _as_tuple(self.table.get("batch")))
         for name, axes in self.table.items():
             unknown = [a for a in _as_tuple(axes) if a not in self.mesh.shape]
             if unknown:
@@ -83,7 +79,8 @@ class ShardingRules:
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        """Mesh axes the batch is split over (tokens differ across them)."""
+        """Mesh axes the batch is split over (tokens differ across them): the data-parallel
+        axes a weight is gathered over at use and its gradient reduced over."""
         return _as_tuple(self.table.get("batch"))
 
     def storage_spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...]
@@ -96,12 +93,12 @@ class ShardingRules:
         """How a weight is used, or an activation laid out: data-parallel axes split only the
         batch and the experts. `shape` None skips the divisibility check (activations inside
         a trace)."""
-        return self._spec(name, axes, shape, drop=self.gathered_axes)
+        return self._spec(name, axes, shape, drop=self.data_axes)
 
     def local_compute_spec(self, name: str, axes: LogicalAxes) -> PartitionSpec:
         """The compute spec with every data axis dropped, for code that already runs per data
         shard (SimpleFSDP's per-shard vmap or shard_map): only model-parallel splits remain."""
-        return self._spec(name, axes, None, drop=self.gathered_axes + self.data_axes,
+        return self._spec(name, axes, None, drop=self.data_axes,
                           keep_data_splits=False)
 
     def gathered_dims(self, axes: LogicalAxes) -> tuple[tuple[int, str], ...]:
@@ -113,7 +110,7 @@ class ShardingRules:
             if axis in KEPT_IN_COMPUTE:
                 continue
             for mesh_axis in reversed(self._mesh_axes(axis)):
-                if mesh_axis in self.gathered_axes:
+                if mesh_axis in self.data_axes:
                     dims.append((dim, mesh_axis))
         return tuple(dims)
 

@@ -4,7 +4,7 @@ its registration as model.name = "qwen3"."""
 import dataclasses
 
 from titan_jax.config import JobConfig
-from titan_jax.models.qwen3 import hf, hf_config
+from titan_jax.models.qwen3 import hf
 from titan_jax.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args, get_flavor
 from titan_jax.models.qwen3.build import ModelDef, build_model_def
 from titan_jax.models.qwen3.flops import flops_per_token
@@ -15,7 +15,6 @@ from titan_jax.models.spec import ModelSpec, register_model
 class _HF:
     """HF transformers `Qwen3ForCausalLM` checkpoints."""
 
-    read_config = staticmethod(hf_config.read_hf_config)
     load_params = staticmethod(hf.load_hf_params)
     save = staticmethod(hf.save_hf)
 
@@ -29,7 +28,7 @@ def configure(args: Qwen3Args, config: JobConfig) -> Qwen3Args:
 
 
 QWEN3 = ModelSpec(name="qwen3", flavors=QWEN3_FLAVORS, build=build_model_def,
-                  flops_per_token=flops_per_token, args_type=Qwen3Args, hf=_HF(),
+                  flops_per_token=flops_per_token, hf=_HF(),
                   configure=configure, display_name="Qwen3")
 register_model(QWEN3)
 
