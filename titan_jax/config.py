@@ -229,6 +229,8 @@ def validate(config: JobConfig) -> None:
         f"parallelism.data_parallel_shard_degree={p.data_parallel_shard_degree} "
         "must be >= 1 or -1 (fill the remaining devices)",
     )
+    _require(p.num_slices == -1 or p.num_slices >= 1,
+             f"parallelism.num_slices={p.num_slices} must be >= 1 or -1 (from the devices)")
     _require(config.job.cpu_devices >= 0, f"job.cpu_devices={config.job.cpu_devices} must be >= 0")
     o = config.optimizer
     _require(o.lr > 0, f"optimizer.lr={o.lr} must be > 0")

@@ -65,6 +65,10 @@ class Parallelism:
     # all_gather/psum_scatter twin (same rules, same losses), which also hosts expert
     # parallelism's all-to-alls. "auto": shard_map with expert parallelism, else jit.
     fsdp_implementation: Literal["auto", "jit", "shard_map"] = "auto"
+    # Slices joined over the data-centre network (DCN); -1: from the devices (TPU multislice
+    # devices know their slice; others make one slice). The DCN axis carries HSDP's replicate
+    # degree when it divides it, else the FSDP degree; every other axis stays inside a slice.
+    num_slices: int = -1
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""Device mesh from `[parallelism]`: axes (dp_replicate, fsdp, tp), checked against devices."""
+"""Device mesh from `[parallelism]`: axes (dp_replicate, fsdp, ep, tp), checked against the
+devices and laid on their topology: ICI axes inside a slice, one data-parallel axis over DCN."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from titan_jax.config import ConfigError, Parallelism
@@ -82,15 +84,61 @@ def resolve_degrees(p: Parallelism, n_devices: int) -> MeshDegrees:
     return degrees
 
 
-def build_mesh(degrees: MeshDegrees, devices: list[jax.Device] | None = None) -> Mesh:
-    """A mesh over all (global) devices; tp innermost so its collectives stay on fast links,
-    ep next (its all-to-alls are the next most frequent)."""
+def slices_of(devices: list[jax.Device], num_slices: int = -1) -> list[list[jax.Device]]:
+    """The devices grouped by slice. TPU multislice devices carry `slice_index`; elsewhere
+    `num_slices` (-1 = 1) splits the list into equal contiguous blocks, which is how simulated
+    CPU devices (and one slice per process) stand in for slices."""
+    if hasattr(devices[0], "slice_index"):
+        groups: dict[int, list[jax.Device]] = {}
+        for d in devices:
+            groups.setdefault(d.slice_index, []).append(d)
+        found = [groups[k] for k in sorted(groups)]
+        if num_slices not in (-1, len(found)):
+            raise ConfigError(f"parallelism.num_slices={num_slices} but the devices form "
+                              f"{len(found)} slices (use -1 to follow the devices)")
+        return found
+    n = 1 if num_slices == -1 else num_slices
+    if len(devices) % n:
+        raise ConfigError(f"parallelism.num_slices={n} does not divide {len(devices)} devices")
+    size = len(devices) // n
+    return [devices[i * size:(i + 1) * size] for i in range(n)]
+
+
+def dcn_axis(degrees: MeshDegrees, num_slices: int) -> int:
+    """Which mesh axis spans the slices: HSDP's replicate axis when the slice count divides it
+    (only the once-per-step gradient all-reduce crosses the slow network), else FSDP (its
+    gathers cross it every layer). TP and EP always stay inside a slice."""
+    if degrees.dp_replicate % num_slices == 0:
+        return MESH_AXES.index("dp_replicate")
+    if degrees.fsdp % num_slices == 0:
+        return MESH_AXES.index("fsdp")
+    raise ConfigError(
+        f"{num_slices} slices must divide parallelism.data_parallel_replicate_degree="
+        f"{degrees.dp_replicate} or the FSDP degree {degrees.fsdp}: only data parallelism "
+        "crosses slices (set data_parallel_replicate_degree to a multiple of the slice count)")
+
+
+def build_mesh(degrees: MeshDegrees, devices: list[jax.Device] | None = None,
+               num_slices: int = -1) -> Mesh:
+    """A mesh over all (global) devices that follows the hardware: inside each slice the axes
+    are laid on the physical topology (`mesh_utils.create_device_mesh`; tp innermost so its
+    collectives stay on the nearest links, ep next), and with several slices one data-parallel
+    axis spans them over DCN (`dcn_axis`), as MaxText's hybrid meshes do."""
     devices = jax.devices() if devices is None else devices
     shape = (degrees.dp_replicate, degrees.fsdp, degrees.ep, degrees.tp)
-    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    slices = slices_of(devices, num_slices)
+    axis = dcn_axis(degrees, len(slices)) if len(slices) > 1 else 0
+    slice_shape = list(shape)
+    slice_shape[axis] //= len(slices)
+    device_array = np.concatenate(
+        [_slice_mesh(tuple(slice_shape), s) for s in slices], axis=axis)
+    return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _slice_mesh(shape: tuple[int, ...], devices: list[jax.Device]) -> np.ndarray:
+    """Devices of one slice arranged in `shape` along its physical links where the platform
+    describes them (TPU), in order otherwise."""
     try:
-        device_array = jax.make_mesh(shape, MESH_AXES, devices=devices,
-                                     axis_types=axis_types).devices
-    except (ValueError, NotImplementedError):
-        device_array = np.asarray(devices).reshape(shape)
-    return Mesh(device_array, MESH_AXES, axis_types=axis_types)
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError):
+        return np.asarray(devices).reshape(shape)

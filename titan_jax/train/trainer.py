@@ -143,7 +143,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
         )
     devices = jax.devices() if devices is None else devices
     degrees = resolve_degrees(config.parallelism, len(devices))
-    mesh = build_mesh(degrees, devices)
+    mesh = build_mesh(degrees, devices, config.parallelism.num_slices)
     if args.n_heads % degrees.tp or args.n_kv_heads % degrees.tp:
         raise ConfigError(
             f"parallelism.tensor_parallel_degree={degrees.tp} must divide n_heads={args.n_heads} "

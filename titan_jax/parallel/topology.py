@@ -1,0 +1,129 @@
+"""TPU slices by their Cloud names (`v5p-128`, `v6e-8`, ...): chip constants, and compile-only
+devices from libtpu, so a pod job can be compiled and measured on a CPU host.
+
+Cloud names count chips for v5e/v6e but TensorCores for v4/v5p (two per chip, one megacore JAX
+device): v5p-8 is 4 chips. The chip constants are the published per-chip figures cited below;
+they feed `titan-jax compile`'s roofline estimate only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+from typing import Any
+
+from titan_jax.errors import TitanJaxError
+
+GiB = 2**30
+
+
+class TopologyError(TitanJaxError):
+    """An unknown TPU slice name, or no libtpu to compile for one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """Published per-chip figures of one TPU generation."""
+
+    generation: str
+    peak_bf16_flops: float  # dense bf16 FLOP/s
+    hbm_bytes: int
+    ici_bytes_per_s: float  # bidirectional inter-chip interconnect bandwidth, all links
+    dcn_bytes_per_s: float  # data-centre network bandwidth per chip (host NICs / chips per host)
+    cores_per_chip: int  # TensorCores per chip, as counted in Cloud slice names
+    source: str
+
+
+# Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}).
+CHIPS = {
+    "v4": Chip("v4", 275e12, 32 * GiB, 300e9, 6.25e9, 2,
+               "cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM, 2400 Gbps ICI"),
+    "v5e": Chip("v5e", 197e12, 16 * GiB, 200e9, 3.125e9, 1,
+                "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM, 1600 Gbps ICI, "
+                "2 x 100 Gbps NIC per 8-chip host"),
+    "v5p": Chip("v5p", 459e12, 95 * GiB, 1200e9, 6.25e9, 2,
+                "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM, 1200 GBps "
+                "bidirectional ICI, 50 Gbps DCN per chip"),
+    "v6e": Chip("v6e", 918e12, 32 * GiB, 448e9, 12.5e9, 1,
+                "cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM, 3584 Gbps ICI, "
+                "4 x 200 Gbps NIC per 8-chip host"),
+}
+
+# Chips -> physical shape of the single-slice topologies Cloud offers (3-D torus for v4/v5p,
+# 2-D for v5e/v6e), as libtpu names them ("v5p:2x2x1").
+_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+              256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+              256: "16x16"}
+_NAME = re.compile(r"^(v4|v5e|v5p|v6e)-(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+    name: str  # as Cloud names it, e.g. "v5p-8"
+    chip: Chip
+    chips: int  # per slice
+    num_slices: int
+
+    @property
+    def libtpu_name(self) -> str:
+        shapes = _SHAPES_3D if self.chip.generation in ("v4", "v5p") else _SHAPES_2D
+        return f"{self.chip.generation}:{shapes[self.chips]}"
+
+    @property
+    def total_chips(self) -> int:
+        return self.chips * self.num_slices
+
+
+def valid_names() -> list[str]:
+    names = []
+    for generation, chip in CHIPS.items():
+        shapes = _SHAPES_3D if generation in ("v4", "v5p") else _SHAPES_2D
+        names += [f"{generation}-{chips * chip.cores_per_chip}" for chips in shapes]
+    return names
+
+
+def parse_slice(name: str, num_slices: int = 1) -> TpuSlice:
+    """The slice called `name`; a TopologyError listing the valid names otherwise."""
+    match = _NAME.match(name.strip().lower())
+    if num_slices < 1:
+        raise TopologyError(f"--num-slices={num_slices}: must be >= 1")
+    if match:
+        chip = CHIPS[match[1]]
+        cores = int(match[2])
+        shapes = _SHAPES_3D if chip.generation in ("v4", "v5p") else _SHAPES_2D
+        if cores % chip.cores_per_chip == 0 and cores // chip.cores_per_chip in shapes:
+            return TpuSlice(match[0], chip, cores // chip.cores_per_chip, num_slices)
+    raise TopologyError(
+        f"--topology {name!r} is not a TPU slice titan-jax knows; valid names (v4 and v5p count "
+        f"TensorCores, two per chip): {', '.join(valid_names())}")
+
+
+def require_libtpu() -> None:
+    if importlib.util.find_spec("libtpu") is None:
+        raise TopologyError(
+            "compiling for a TPU slice needs libtpu, which is not installed: install the `tpu` "
+            "extra with `pip install -e '.[tpu]'` in the titan-jax checkout (`make install` "
+            "includes it)")
+
+
+def compile_only_devices(tpu: TpuSlice) -> list[Any]:
+    """The slice's devices, from libtpu, for ahead-of-time compiles (nothing runs on them);
+    multislice devices carry `slice_index`."""
+    require_libtpu()
+    from jax.experimental import topologies
+
+    kwargs = {"num_slices": tpu.num_slices} if tpu.num_slices > 1 else {}
+    return list(topologies.get_topology_desc(
+        platform="tpu", topology_name=tpu.libtpu_name, **kwargs).devices)
+
+
+def chip_of(device: Any) -> Chip | None:
+    """The chip constants of a TPU device (by its device_kind), None for other devices."""
+    kind = device.device_kind.lower()
+    for needle, generation in (("v5 lite", "v5e"), ("v5e", "v5e"), ("v6 lite", "v6e"),
+                               ("v6e", "v6e"), ("v5", "v5p"), ("v4", "v4")):
+        if kind.startswith("tpu") and needle in kind:
+            return CHIPS[generation]
+    return None
