@@ -1,4 +1,4 @@
-"""`titan-jax` command line: `titan-jax {train,inspect,parity,generate} --config PATH
+"""`titan-jax` command line: `titan-jax {train,inspect,compile,parity,generate} --config PATH
 [--section.key value ...]` and `titan-jax convert --from FMT --to FMT SRC DST`."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
     )
     inspect.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_debug.toml")
     inspect.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
+    _add_compile_parser(sub)
     _add_parity_parser(sub)
     _add_convert_parser(sub)
     _add_generate_parser(sub)
@@ -54,6 +55,22 @@ def _check_flavor(config: JobConfig) -> None:
     from titan_jax.models import get_model_spec
 
     get_model_spec(config.model.name).flavor(config.model.flavor)
+
+
+def _add_compile_parser(sub: argparse._SubParsersAction) -> None:
+    compile_ = sub.add_parser(
+        "compile", help="compile the train step for a TPU slice from this host, to plan a job",
+        description="Compile the recipe's whole train step ahead of time for a named TPU slice "
+        "(needs libtpu, no TPU) and report per-chip memory against HBM, FLOPs per step, the "
+        "collectives and a roofline estimate of step time and MFU; config overrides as for "
+        "train. The parallelism degrees must multiply to the slice's chips (x --num-slices).")
+    compile_.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_8b.toml")
+    compile_.add_argument("--topology", required=True, metavar="NAME",
+                          help="a Cloud TPU slice name: v4-16, v5e-256, v5p-128, v6e-8, ... "
+                          "(v4/v5p count TensorCores: v5p-8 is 4 chips)")
+    compile_.add_argument("--num-slices", type=int, default=1, metavar="N",
+                          help="slices joined over DCN (multislice; default 1)")
+    compile_.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
 
 
 def _add_parity_parser(sub: argparse._SubParsersAction) -> None:
@@ -149,6 +166,16 @@ def _inspect(config: JobConfig, json_out: str | None) -> int:
     return 0
 
 
+def _compile(args: argparse.Namespace, config: JobConfig) -> int:
+    from titan_jax.tools.aot_compile import compile_report, format_report
+
+    report = compile_report(config, args.topology, args.num_slices)
+    print(format_report(report))
+    if args.json:
+        write_text_atomic(args.json, json.dumps(report, indent=2) + "\n")
+    return 0
+
+
 def _progress(message: str) -> None:
     print(f"titan-jax parity: {message} ...", file=sys.stderr, flush=True)
 
@@ -195,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         args, config = _parse(argv)
         if args.command == "inspect":
             return _inspect(config, args.json)
+        if args.command == "compile":
+            return _compile(args, config)
         if args.command == "parity":
             return _parity(args, config)
         if args.command == "convert":

@@ -14,9 +14,7 @@ once, though it runs once per layer.
 
 from __future__ import annotations
 
-import collections
 import math
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,15 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from titan_jax.tools import hlo_stats
 from titan_jax.train.trainer import Trainer
 
-COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                  "ragged-all-to-all", "collective-permute")
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s+"
-    r"(?P<op>" + "|".join(COLLECTIVE_OPS) + r")(?P<start>-start)?\("
-)
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
                  "temp_size_in_bytes", "generated_code_size_in_bytes", "peak_memory_in_bytes")
 
@@ -42,7 +34,7 @@ def _nbytes(dtype: jnp.dtype | str, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def _leaf_bytes_per_device(x: jax.ShapeDtypeStruct) -> int:
+def leaf_bytes_per_device(x: jax.ShapeDtypeStruct) -> int:
     return _nbytes(x.dtype, x.sharding.shard_shape(x.shape))
 
 
@@ -50,14 +42,14 @@ def param_table(trainer: Trainer) -> list[dict[str, Any]]:
     """Every stored parameter: name, global shape, dtype, PartitionSpec, bytes per device."""
     params = trainer.abstract_state()["params"]
     return [{"name": name, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
-             "spec": str(tuple(x.sharding.spec)), "bytes_per_device": _leaf_bytes_per_device(x)}
+             "spec": str(tuple(x.sharding.spec)), "bytes_per_device": leaf_bytes_per_device(x)}
             for name, x in trainer.model.named_leaves(params)]
 
 
 def state_bytes(trainer: Trainer) -> tuple[int, int]:
     """(per-device, total) bytes of the whole train state: params, optimizer state, step."""
     leaves = jax.tree.leaves(trainer.abstract_state())
-    return (sum(_leaf_bytes_per_device(x) for x in leaves),
+    return (sum(leaf_bytes_per_device(x) for x in leaves),
             sum(_nbytes(x.dtype, x.shape) for x in leaves))
 
 
@@ -67,41 +59,8 @@ def collectives(hlo_text: str) -> list[dict[str, Any]]:
     `count`: instructions; `bytes`: their result sizes per device, summed. Async `-start` ops
     count as their op (their `-done` halves are skipped); a combined op counts once per dtype.
     """
-    groups: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
-    for line in hlo_text.splitlines():
-        match = _INSTRUCTION.match(line)
-        if not match:
-            continue
-        op = match["op"]
-        arrays = [(dtype, tuple(int(d) for d in dims.split(",") if d))
-                  for dtype, dims in _ARRAY.findall(match["type"])]
-        if match["start"]:
-            arrays = _start_results(op, arrays)
-        for dtype in sorted({dtype for dtype, _ in arrays}):
-            group = groups[(op, dtype)]
-            group[0] += 1
-            group[1] += sum(_hlo_nbytes(d, shape) for d, shape in arrays if d == dtype)
-    return [{"op": op, "dtype": dtype, "count": count, "bytes": nbytes}
-            for (op, dtype), (count, nbytes) in sorted(groups.items())]
-
-
-def _start_results(op: str, arrays: list[tuple[str, tuple[int, ...]]]
-                   ) -> list[tuple[str, tuple[int, ...]]]:
-    """The result arrays of an async `-start` op, whose type also holds its operands/context."""
-    if op == "all-gather":  # (operands..., results...)
-        return arrays[len(arrays) // 2:]
-    if op == "collective-permute":  # (operand, result, context scalars...)
-        return arrays[1:2]
-    return arrays
-
-
-_HLO_DTYPES = {"pred": "bool", "bf16": "bfloat16", "f16": "float16", "f32": "float32",
-               "f64": "float64", "s8": "int8", "s16": "int16", "s32": "int32", "s64": "int64",
-               "u8": "uint8", "u16": "uint16", "u32": "uint32", "u64": "uint64"}
-
-
-def _hlo_nbytes(hlo_dtype: str, shape: tuple[int, ...]) -> int:
-    return _nbytes(_HLO_DTYPES.get(hlo_dtype, "uint8"), shape)
+    return [{k: g[k] for k in ("op", "dtype", "count", "bytes")}
+            for g in hlo_stats.summarize(hlo_stats.collective_ops(hlo_stats.parse(hlo_text)))]
 
 
 def abstract_batch(trainer: Trainer) -> dict[str, jax.ShapeDtypeStruct]:
