@@ -1,0 +1,184 @@
+"""`titan-jax compile` (tools/aot_compile.py, tools/hlo_stats.py, parallel/topology.py): the train
+step compiled for named TPU slices on this CPU with libtpu, and the HLO arithmetic behind it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from titan_jax.cli import main
+from titan_jax.parallel import topology
+from titan_jax.tools import hlo_stats
+from titan_jax.tools.aot_compile import _moved_bytes
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
+
+# A scan of 3 iterations whose body holds a loop of 4: dots run 1, 3 and 12 times.
+LOOPS = """
+HloModule m
+
+%inner_body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  %w = f32[16,16]{1,0} constant({...})
+  %d3 = f32[8,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ag = bf16[64,16]{1,0} all-gather(%x), replica_groups=[2,4]<=[8], dimensions={0}
+}
+
+%inner_cond (p: (s32[], f32[8,16])) -> pred[] {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%outer_body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  %w = f32[16,32]{1,0} constant({...})
+  %d2 = f32[8,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %loop = (s32[], f32[8,16]{1,0}) while(%p), condition=%inner_cond, body=%inner_body
+}
+
+%outer_cond (p: (s32[], f32[8,16])) -> pred[] {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8,16]) -> f32[8,16] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %b = f32[16,4]{1,0} constant({...})
+  %d1 = f32[8,4]{1,0} dot(f32[8,16]{1,0} %a, f32[16,4]{1,0} %b), lhs_contracting_dims={1}
+  %t = (s32[], f32[8,16]{1,0}) tuple(%i0, %a)
+  %loop = (s32[], f32[8,16]{1,0}) while(%t), condition=%outer_cond, body=%outer_body
+  %ar = f32[8,16]{1,0} all-reduce(%a), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
+}
+"""
+
+
+def test_flops_count_every_loop_iteration():
+    module = hlo_stats.parse(LOOPS)
+    counts, unknown = hlo_stats.executions(module)
+    assert (counts["main"], counts["outer_body"], counts["inner_body"], unknown) == (1, 3, 12, 0)
+    flops, _ = hlo_stats.dot_flops(module)
+    assert flops == 2 * (8 * 4 * 16 + 3 * 8 * 32 * 16 + 12 * 8 * 16 * 16)
+
+
+def test_collectives_carry_groups_and_executions():
+    ops = {c["op"]: c for c in hlo_stats.collective_ops(hlo_stats.parse(LOOPS))}
+    assert ops["all-gather"]["groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert ops["all-gather"]["executions"] == 12 and ops["all-gather"]["bytes"] == 64 * 16 * 2
+    assert ops["all-reduce"]["groups"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    iota = hlo_stats.Instruction("x", "f32[4]", "all-gather",
+                                 "%a), replica_groups=[4,2]<=[2,4]T(1,0)")
+    assert hlo_stats.replica_groups(iota) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_ring_traffic_per_device():
+    assert _moved_bytes("all-gather", 800, 4) == 600  # receives the 3 shards it lacks
+    assert _moved_bytes("reduce-scatter", 200, 4) == 600
+    assert _moved_bytes("all-reduce", 800, 4) == 1200
+    assert _moved_bytes("all-reduce", 800, 1) == 0
+
+
+def test_slice_names_follow_cloud():
+    assert topology.parse_slice("v5p-8").chips == 4  # v5p counts TensorCores
+    assert topology.parse_slice("v5p-128").libtpu_name == "v5p:4x4x4"
+    assert topology.parse_slice("v6e-8").libtpu_name == "v6e:2x4"
+    assert topology.parse_slice("v5e-256").chips == 256
+    assert topology.parse_slice("v4-16").libtpu_name == "v4:2x2x2"
+
+
+def test_unknown_topology_lists_the_valid_names(capsys):
+    rc = main(["compile", "--config", "configs/qwen3_debug.toml", "--topology", "v5p-6"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--topology 'v5p-6'" in err and "v5p-8" in err and "v6e-256" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_missing_libtpu_says_how_to_install_it(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "libtpu" else real(name, *a))
+    rc = main(["compile", "--config", "configs/qwen3_debug.toml", "--topology", "v5e-4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "pip install -e '.[tpu]'" in err
+    # The hint works: the `tpu` extra exists and brings libtpu with the pinned jax.
+    extras = tomllib.loads(Path("pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert any(req.startswith("jax[tpu]==") for req in extras["tpu"])
+
+
+@needs_libtpu
+def test_degrees_must_match_the_chips(capsys):
+    rc = main(["compile", "--config", "configs/qwen3_debug.toml", "--topology", "v5p-8",
+               "--parallelism.data_parallel_shard_degree", "8"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--topology v5p-8 x 1 slice(s) = 4 devices" in err
+    assert "but there are 4 devices" in err
+
+
+def _compile(tmp_path: Path, topology_name: str, *extra: str) -> dict:
+    out = tmp_path / "report.json"
+    assert main(["compile", "--config", "configs/qwen3_debug.toml", "--topology", topology_name,
+                 "--training.seq_len", "256", "--training.local_batch_size", "2",
+                 "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("topology_name", ["v5e-4", "v5p-8"])
+def test_debug_model_fits_and_counts_its_flops(tmp_path, topology_name, capsys):
+    report = _compile(tmp_path, topology_name)
+    for key in ("fits", "per_chip_bytes", "hbm_bytes", "flops_per_step",
+                "analytic_flops_per_step", "collectives", "compile_s", "est_step_time_s",
+                "est_mfu_pct"):
+        assert key in report
+    assert report["fits"] and 0 < report["per_chip_bytes"] < report["hbm_bytes"]
+    # The recipe does not remat, so the executed matmuls are the analytic 6N + attention.
+    assert abs(report["flops_per_step"] / report["analytic_flops_per_step"] - 1) < 0.1
+    # XLA's own count sees the scanned layers once: several times fewer FLOPs.
+    assert report["cost_analysis_flops_per_chip"] * report["chips"] < (
+        0.5 * report["analytic_flops_per_step"])
+    found = report["collectives"]
+    assert any(c["op"] == "all-gather" and c["dtype"] == "bf16" and c["in_layer_loop"]
+               for c in found)
+    assert sum(c["bytes_per_step"] for c in found if c["dtype"] == "f32"
+               and c["op"] in ("all-reduce", "reduce-scatter")) > 1e6  # fp32 gradients
+    assert 0 < report["est_mfu_pct"] <= 100
+    assert "fits" in capsys.readouterr().out
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_multislice_hsdp_reduces_gradients_over_dcn(tmp_path):
+    report = _compile(tmp_path, "v5p-8", "--num-slices", "2",
+                      "--parallelism.data_parallel_replicate_degree", "2")
+    assert report["chips"] == 8 and report["mesh"]["dp_replicate"] == 2
+    dcn = [c for c in report["collectives"] if c["network"] == "dcn"]
+    assert {(c["op"], c["dtype"]) for c in dcn} >= {("all-reduce", "f32")}
+    assert not any(c["op"] == "all-gather" for c in dcn)  # FSDP's gathers stay in the slice
+    assert report["dcn_s"] > 0
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_a_recipe_that_cannot_fit_says_so_with_numbers(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert main(["compile", "--config", "configs/qwen3_32b.toml", "--topology", "v5e-4",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["fits"] is False
+    assert report["per_chip_bytes"] > report["hbm_bytes"] == 16 * 2**30
+    # 32.8B fp32 parameters + AdamW's two moments (12 bytes each) over 4 chips: ~98 GB.
+    assert report["memory"]["argument_size_in_bytes"] > 90e9
+    assert "DOES NOT FIT" in capsys.readouterr().out
