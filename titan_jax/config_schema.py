@@ -27,6 +27,11 @@ class Model:
     flavor: str = "debugmodel"
     # tokenizer.json (or a directory holding one); "" = the tokenizer shipped with titan-jax.
     tokenizer_path: str = ""
+    # Attention kernel: "xla" (einsum + softmax, scores materialised: memory ~ seq_len^2),
+    # "splash" (Pallas TPU flash kernel; seq_len a multiple of 128; interpreted, slowly, on
+    # CPU), "cudnn" (cuDNN fused attention, GPU, bf16). "auto": splash on TPU, cudnn on GPU with
+    # bf16 compute, xla otherwise (by the devices trained on, also when compiling ahead of time).
+    attention: Literal["auto", "xla", "splash", "cudnn"] = "auto"
 
 
 @dataclasses.dataclass

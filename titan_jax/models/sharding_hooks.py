@@ -2,12 +2,13 @@
 
 Every module reads its weights through `use_param` and pins the layout of the few activations
 that matter through `constrain`, naming dimensions by logical axis only (`("batch", "seq",
-"embed")`); an MoE layer sends its routed tokens through `dispatch_to_experts`. By default a
-weight read is a cast to the compute dtype, a constraint does nothing, and every expert is
-local. Parallelism installs `ShardingHooks` for the duration of a trace (`sharding_hooks`):
-SimpleFSDP's cast + all-gather, whose backward reduces the gradient in fp32, and sharding
-constraints derived from the one rules table (`titan_jax/parallel/rules.py`). So the model never
-knows the mesh.
+"embed")`); an MoE layer sends its routed tokens through `dispatch_to_experts`, and a kernel
+the compiler cannot partition (Pallas) runs through `run_per_shard`. By default a weight read is
+a cast to the compute dtype, a constraint does nothing, every expert is local and a kernel sees
+the whole arrays. Parallelism installs `ShardingHooks` for the duration of a trace
+(`sharding_hooks`): SimpleFSDP's cast + all-gather, whose backward reduces the gradient in fp32,
+sharding constraints derived from the one rules table (`titan_jax/parallel/rules.py`), and
+kernels under shard_map. So the model never knows the mesh.
 
 Gathered weights carry the checkpoint name `GATHERED_PARAM`; that name alone is how remat
 policies find them (`is_gathered_param`).
@@ -56,6 +57,15 @@ class ExpertDispatch(Protocol):
                  n_local: int, ffn: ExpertFFN) -> jax.Array: ...
 
 
+class PerShard(Protocol):
+    """(kernel, its array arguments, their logical axes, the output's logical axes) -> the
+    kernel run on each device's own shard of the arguments (as the rules table splits those
+    axes), the shards' outputs forming the result. For kernels GSPMD cannot partition."""
+
+    def __call__(self, kernel: Callable[..., jax.Array], args: tuple[jax.Array, ...],
+                 in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array: ...
+
+
 def local_dispatch(x_ND: jax.Array, experts_NK: jax.Array, weights_NK: jax.Array,
                    n_local: int, ffn: ExpertFFN) -> jax.Array:
     """Every expert is here: each pick's row through its expert, summed over the k slots in
@@ -77,11 +87,18 @@ def unconstrained(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
     return x
 
 
+def whole_arrays(kernel: Callable[..., jax.Array], args: tuple[jax.Array, ...],
+                 in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+    del in_axes, out_axes
+    return kernel(*args)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingHooks:
     param: ParamUse = cast_param
     activation: ActivationUse = unconstrained
     experts: ExpertDispatch = local_dispatch  # expert parallelism swaps in an all-to-all
+    per_shard: PerShard = whole_arrays  # a mesh runs the kernel under shard_map
 
 
 NO_SHARDING = ShardingHooks()  # one device, or a trace without a mesh
@@ -114,6 +131,13 @@ def dispatch_to_experts(x_ND: jax.Array, experts_NK: jax.Array, weights_NK: jax.
                         n_local: int, ffn: ExpertFFN) -> jax.Array:
     """The MoE layer's routed experts, through the active expert dispatch (see ExpertDispatch)."""
     return _ACTIVE.get().experts(x_ND, experts_NK, weights_NK, n_local, ffn)
+
+
+def run_per_shard(kernel: Callable[..., jax.Array], args: tuple[jax.Array, ...],
+                  in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+    """`kernel(*args)` run on each device's shard of `args` (see PerShard): for a kernel that
+    works on any slice of the split axes (rows, heads) but that the compiler cannot split."""
+    return _ACTIVE.get().per_shard(kernel, args, in_axes, out_axes)
 
 
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:

@@ -67,12 +67,14 @@ class BuildOptions:
       reshard_after_forward=never) instead of gathering them again.
     activation_stats: report per-layer activation RMS through the aux channel.
     platform: "cpu", "tpu" or "gpu", the target devices' (not the host's) platform.
+    attention: `model.attention` ("auto" picks by platform; see models/attention.py).
     """
 
     remat_mode: str = "none"
     save_gathered_params: bool = True
     activation_stats: bool = False
     platform: str = "cpu"  # of the devices the model will run on, for kernel choices
+    attention: str = "auto"
 
 
 class HFAdapter(Protocol):

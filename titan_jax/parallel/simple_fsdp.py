@@ -52,6 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from titan_jax.models.sharding_hooks import GATHERED_PARAM, LogicalAxes, ShardingHooks
 from titan_jax.models.spec import Aux, Params
 from titan_jax.parallel.expert_parallel import all_to_all_dispatch
+from titan_jax.parallel.per_shard import jit_per_shard, manual_per_shard
 from titan_jax.parallel.rules import ShardingRules
 
 # vmap axis name of the data shards in the jit path.
@@ -237,10 +238,11 @@ class SimpleFSDP:
 
     def hooks(self) -> ShardingHooks:
         ep = self.mesh.shape.get("ep", 1)
+        hooks = ShardingHooks(param=self.param_use, activation=self.activation_use,
+                              per_shard=self.per_shard)
         if ep == 1:
-            return ShardingHooks(param=self.param_use, activation=self.activation_use)
-        return ShardingHooks(param=self.param_use, activation=self.activation_use,
-                             experts=all_to_all_dispatch("ep", ep))
+            return hooks
+        return dataclasses.replace(hooks, experts=all_to_all_dispatch("ep", ep))
 
     def param_use(self, value: jax.Array, path: str, logical_axes: LogicalAxes,
                   dtype: jnp.dtype) -> jax.Array:
@@ -265,6 +267,18 @@ class SimpleFSDP:
         if self.implementation == "shard_map":  # inside: the data axes are manual
             return lax.with_sharding_constraint(x, spec)
         return lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def per_shard(self, kernel: Callable[..., jax.Array], args: tuple[jax.Array, ...],
+                  in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+        """A kernel GSPMD cannot partition (Pallas), run on each device's own rows and heads
+        under shard_map (`parallel/per_shard.py`); the specs are the table's model-parallel
+        part of the activations' layout (the data axes are the per-shard map's). Runs inside
+        `loss_map`."""
+        local = lambda axes: self.rules.local_compute_spec("activation", axes)  # noqa: E731
+        in_specs, out_spec = tuple(local(axes) for axes in in_axes), local(out_axes)
+        if self.implementation == "shard_map":
+            return manual_per_shard(kernel, args, in_specs, out_spec, self.data_axes)
+        return jit_per_shard(self.mesh, kernel, args, in_specs, out_spec)
 
     def loss_map(self, summed_loss: SummedLoss) -> SummedLoss:
         """The step's summed loss (and aux), computed per data shard and summed over shards."""

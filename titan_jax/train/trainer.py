@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.models import BuildOptions, ModelDef, ModelSpec, get_model_spec
+from titan_jax.models.attention import resolve_attention
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
 from titan_jax.parallel.simple_fsdp import SimpleFSDP, nested, weight_layouts
@@ -165,10 +166,17 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
             "training.mixed_precision_reduce=bfloat16 with parallelism.fsdp_implementation="
             "shard_map does not compile on CPU devices; use float32, or the jit implementation")
     reshard = config.parallelism.fsdp_reshard_after_forward in ("default", "always")
+    param_dtype = resolve_param_dtype(t.mixed_precision_param, devices)
+    platform = devices[0].platform
+    seq_lens = {"training.seq_len": t.seq_len}
+    if config.validation.enable:
+        seq_lens["validation.seq_len"] = config.validation.seq_len
+    attention = resolve_attention(config.model.attention, platform, param_dtype, seq_lens)
     model = spec.build(args, BuildOptions(
         remat_mode=config.activation_checkpoint.mode,
         save_gathered_params=not (reshard and degrees.dp_shard > 1),
-        activation_stats=config.metrics.log_activation_stats, platform=devices[0].platform))
+        activation_stats=config.metrics.log_activation_stats, platform=platform,
+        attention=attention))
     rules = ShardingRules(mesh)
     try:  # every weight's storage and compute layout, derived once from the table
         layouts = weight_layouts(rules, model.abstract_params, model.logical_axes)
@@ -179,7 +187,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     schedule = WSDSchedule.from_config(config.optimizer.lr, config.lr_scheduler, t.steps)
     optimizer = build_optimizer(config.optimizer, schedule)
     options = StepOptions(n_microbatches=global_batch // per_step,
-                          param_dtype=resolve_param_dtype(t.mixed_precision_param, devices),
+                          param_dtype=param_dtype,
                           max_norm=t.max_norm)
 
     # Optimizer moments inherit their parameter's sharding; scalars are replicated.

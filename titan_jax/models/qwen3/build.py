@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from titan_jax.models.attention import resolve_attention
 from titan_jax.models.qwen3.args import Qwen3Args
-from titan_jax.models.qwen3.model import SAVED_ACTIVATIONS, Qwen3, stacked_logical_axes
+from titan_jax.models.qwen3.model import SAVED_ACTIVATIONS, Kernels, Qwen3, stacked_logical_axes
 from titan_jax.models.qwen3.moe import grouped_matmul_for, update_expert_bias
 from titan_jax.models.remat import remat_policy
 from titan_jax.models.sharding_hooks import PATH_METADATA
@@ -108,8 +109,9 @@ class ModelDef:
 def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> ModelDef:
     """Traces the module once abstractly (no weights allocated) to get its structure."""
     options = options or BuildOptions()
-    kernel = grouped_matmul_for(options.platform)
-    abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernel))
+    kernels = Kernels(grouped_matmul_for(options.platform),
+                      resolve_attention(options.attention, options.platform), options.platform)
+    abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernels))
     for path, var in nnx.iter_graph(abstract):  # each weight knows its path when used
         if isinstance(var, nnx.Param):
             var.set_metadata(**{PATH_METADATA: ".".join(map(str, path))})

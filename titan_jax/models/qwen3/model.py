@@ -16,6 +16,7 @@ norm weights 1. Tied models read the embedding as the output projection.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from titan_jax.models.attention import KV_AXES, Q_AXES, attention
 from titan_jax.models.qwen3.args import Qwen3Args
 from titan_jax.models.qwen3.moe import MoE, router_aux_loss
 from titan_jax.models.sharding_hooks import constrain, use_param
@@ -35,8 +37,15 @@ Array = jax.Array
 SAVED_ACTIVATIONS = ("q_proj", "k_proj", "v_proj", "attn_out", "wo_out", "ffn_hidden", "ffn_out")
 # Logical axes of the activations the layout is pinned at (rules: titan_jax/parallel/rules.py).
 ACT_AXES = ("batch", "seq", "embed")
-Q_AXES = ("batch", "seq", "heads", "head_dim")
-KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Kernel choices, made for the target devices' platform (build.py)."""
+
+    grouped_matmul: str = "blocked"  # the MoE experts' (`moe.GROUPED_MATMULS`)
+    attention: str = "xla"  # a resolved backend of `titan_jax/models/attention.py`
+    platform: str = "cpu"  # of the target devices (splash runs interpreted off TPU)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
@@ -119,7 +128,7 @@ embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)
 
 
 class Attention(nnx.Module):
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs):
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels):
         d, n, k, h = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
         wo_std = 0.02 / math.sqrt(2 * args.n_layers) if args.is_moe else 0.02
         self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), 0.02)
@@ -130,6 +139,7 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(h, args.norm_eps, "head_dim")
         self.n_rep = n // k
         self.scale = h**-0.5
+        self.backend, self.platform = kernels.attention, kernels.platform
 
     def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array) -> Array:
         name = checkpoint_name
@@ -140,21 +150,9 @@ class Attention(nnx.Module):
         q_BTNH = constrain(apply_rope(self.q_norm(q_BTNH), cos_TH, sin_TH), Q_AXES)
         k_BTKH = constrain(apply_rope(self.k_norm(k_BTKH), cos_TH, sin_TH), KV_AXES)
         v_BTKH = constrain(v_BTKH, KV_AXES)
-        out_BTNH = name(causal_gqa_attention(q_BTNH, k_BTKH, v_BTKH, self.scale), "attn_out")
+        out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, self.scale, self.backend, self.platform)
+        out_BTNH = name(out_BTNH, "attn_out")
         return name(project(out_BTNH, self.wo, 2), "wo_out")
-
-
-def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float) -> Array:
-    """Causal softmax attention; each group of n_heads/n_kv query heads shares one kv head."""
-    b, t, n, h = q_BTNH.shape
-    kv = k_BSKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    causal_TS = jnp.tril(jnp.ones((t, k_BSKH.shape[1]), dtype=bool))
-    scores = jnp.where(causal_TS, scores * scale, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)  # fp32 softmax, as HF
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH)
-    return out.reshape(b, t, n, h)
 
 
 class FeedForward(nnx.Module):
@@ -176,14 +174,14 @@ class FeedForward(nnx.Module):
 class Block(nnx.Module):
     """Attention + SwiGLU feed-forward, or + routed experts (`moe`) for MoE flavours."""
 
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, grouped_matmul: str = "blocked"):
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, rngs)
+        self.attention = Attention(args, rngs, kernels)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if args.is_moe:
             self.moe = MoE(args.dim, args.num_experts, args.moe_inter_dim, args.top_k,
                            args.norm_topk_prob, 0.02 / math.sqrt(2 * args.n_layers),
-                           grouped_matmul, rngs)
+                           kernels.grouped_matmul, rngs)
         else:
             self.feed_forward = FeedForward(args, rngs)
 
@@ -205,8 +203,8 @@ class Block(nnx.Module):
 class Qwen3(nnx.Module):
     """Qwen3 decoder. `__call__(tokens_BT) -> logits_BTV` (fp32)."""
 
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, grouped_matmul: str = "blocked"):
-        """grouped_matmul: the MoE experts' kernel (`moe.GROUPED_MATMULS`), by target platform."""
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels = Kernels()):
+        """kernels: attention and MoE kernels, chosen for the target platform (build.py)."""
         args.validate()
         self.args = args
         self.tok_embeddings = _param(rngs, (args.vocab_size, args.dim), ("vocab", "embed"), 0.02)
@@ -214,7 +212,7 @@ class Qwen3(nnx.Module):
         @nnx.split_rngs(splits=args.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs: nnx.Rngs) -> Block:
-            return Block(args, rngs, grouped_matmul)
+            return Block(args, rngs, kernels)
 
         # Stacked on a leading "layers" axis (see `stacked_logical_axes`).
         self.layers = make_layers(rngs)

@@ -1,0 +1,139 @@
+"""Causal GQA attention backends (`model.attention`), chosen by the target devices' platform.
+
+- "xla": einsum + fp32 masked softmax; materialises the (B, K, G, T, S) scores, so its memory
+  grows with T^2. The CPU default, and the reference the kernels are tested against.
+- "splash": the Pallas TPU kernel (`jax.experimental.pallas.ops.tpu.splash_attention`): blocked
+  online softmax, nothing of size T^2 is stored. On CPU it runs in Pallas interpret mode (slow;
+  for tests). A Pallas kernel is opaque to GSPMD, so it goes through the `run_per_shard` hook:
+  parallelism runs it on each device's rows and heads (a shard_map from the rules table).
+- "cudnn": cuDNN's fused attention through `jax.nn.dot_product_attention` (GPU; bf16/fp16).
+- "auto": splash on TPU, cudnn on GPU (bf16/fp16 compute), xla otherwise.
+
+All take q (B, T, N, H) and k, v (B, S, K, H) with N a multiple of K (query head n uses kv head
+n // (N/K), as in HF) and return (B, T, N, H) in q's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from titan_jax.config import ConfigError
+from titan_jax.models.sharding_hooks import run_per_shard
+
+Array = jax.Array
+ATTENTION_BACKENDS = ("auto", "xla", "splash", "cudnn")
+Q_AXES = ("batch", "seq", "heads", "head_dim")
+KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
+# Splash tiles, largest first: the kernel needs kv blocks that are multiples of 128 lanes; 512
+# is what MaxText uses on v5p/v6e.
+SPLASH_BLOCKS = (512, 256, 128)
+
+
+def resolve_attention(choice: str, platform: str, dtype: jnp.dtype | None = None,
+                      seq_lens: dict[str, int] | None = None) -> str:
+    """The backend `model.attention = choice` means on `platform` ("cpu" | "tpu" | "gpu", the
+    target devices'), for compute in `dtype` (None: the platform's default, bf16 off CPU) and
+    the sequence lengths the run uses ({config key: length}; splash needs them tiled).
+
+    "auto" never fails: on TPU it falls back to xla for lengths splash cannot tile, on GPU for
+    fp32 compute. An explicit choice that cannot run is a ConfigError saying what would."""
+    if choice not in ATTENTION_BACKENDS:
+        raise ConfigError(f"model.attention={choice!r} is not valid; expected one of "
+                          f"{', '.join(ATTENTION_BACKENDS)}")
+    half = dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    seq_lens = seq_lens or {}
+    if choice == "auto":
+        if platform == "tpu":
+            tiled = all(n % SPLASH_BLOCKS[-1] == 0 for n in seq_lens.values())
+            return "splash" if tiled else "xla"
+        return "cudnn" if platform == "gpu" and half else "xla"
+    if choice == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention=cudnn needs GPU devices (the target devices are "
+                          f"{platform}); use auto or xla")
+    if choice == "cudnn" and not half:
+        raise ConfigError(f"model.attention=cudnn computes in bf16/fp16 only, not "
+                          f"{jnp.dtype(dtype).name}; set training.mixed_precision_param="
+                          "bfloat16, or use model.attention=xla")
+    if choice == "splash" and platform == "gpu":
+        raise ConfigError("model.attention=splash is a TPU kernel (the target devices are gpu); "
+                          "use auto or cudnn")
+    if choice == "splash":
+        for field, n in seq_lens.items():
+            splash_block(n, field)
+    return choice
+
+
+def splash_block(seq_len: int, field: str = "training.seq_len") -> int:
+    """The splash tile for sequences of `seq_len`: the largest of SPLASH_BLOCKS dividing it.
+    `field` is the config key that set the length (named in the error)."""
+    for block in SPLASH_BLOCKS:
+        if seq_len % block == 0:
+            return block
+    fit = max(SPLASH_BLOCKS[-1], seq_len // SPLASH_BLOCKS[-1] * SPLASH_BLOCKS[-1])
+    raise ConfigError(f"{field}={seq_len} must be a multiple of {SPLASH_BLOCKS[-1]} for "
+                      f"model.attention=splash (its block size); use e.g. {fit}, or "
+                      "model.attention=xla")
+
+
+def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float) -> Array:
+    """Causal softmax attention; each group of n_heads/n_kv query heads shares one kv head."""
+    b, t, n, h = q_BTNH.shape
+    kv = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    causal_TS = jnp.tril(jnp.ones((t, k_BSKH.shape[1]), dtype=bool))
+    scores = jnp.where(causal_TS, scores * scale, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)  # fp32 softmax, as HF
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH)
+    return out.reshape(b, t, n, h)
+
+
+def splash_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
+                     interpret: bool = False) -> Array:
+    """The splash kernel on these (local) arrays: one example per kernel call, vmapped over
+    the batch, heads-major layout. The kernel does not scale: q is pre-scaled."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    t, n = q_BTNH.shape[1], q_BTNH.shape[2]
+    if k_BSKH.shape[1] != t:
+        raise ValueError(f"splash attention here is self-attention: q has {t} positions, "
+                         f"k {k_BSKH.shape[1]}")
+    block = splash_block(t)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                              block_q_dq=block, block_kv_dq=block)
+    mask = splash.MultiHeadMask([splash.CausalMask((t, t))] * n)
+    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                    interpret=interpret)
+    heads_major = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # (B, T, N, H) <-> (B, N, T, H)
+    q = q_BTNH * jnp.asarray(scale, q_BTNH.dtype)
+    out_BNTH = jax.vmap(kernel)(heads_major(q), heads_major(k_BSKH), heads_major(v_BSKH))
+    return heads_major(out_BNTH)
+
+
+def cudnn_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
+                    implementation: str = "cudnn") -> Array:
+    """cuDNN's fused causal attention; (B, T, N, H) layout and GQA are native to it.
+    `implementation="xla"` runs the same call without cuDNN (tests check the arguments)."""
+    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale, is_causal=True,
+                                        implementation=implementation)
+
+
+def _kernel(backend: str, platform: str, scale: float) -> Callable[[Array, Array, Array], Array]:
+    if backend == "splash":
+        return functools.partial(splash_attention, scale=scale, interpret=platform != "tpu")
+    return functools.partial(cudnn_attention, scale=scale)
+
+
+def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, backend: str,
+              platform: str) -> Array:
+    """Causal GQA attention by `backend` (resolved: "xla" | "splash" | "cudnn"). The kernels
+    run per device shard (`run_per_shard`); XLA's einsums are partitioned by the compiler."""
+    if backend == "xla":
+        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale)
+    return run_per_shard(_kernel(backend, platform, scale), (q_BTNH, k_BSKH, v_BSKH),
+                         (Q_AXES, KV_AXES, KV_AXES), Q_AXES)
