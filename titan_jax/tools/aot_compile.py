@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from titan_jax.config import ConfigError, JobConfig
+from titan_jax.models.attention import resolve_attention
 from titan_jax.parallel.topology import Chip, TpuSlice, compile_only_devices, parse_slice
 from titan_jax.tools import hlo_stats, inspect
 from titan_jax.train.trainer import Trainer, build_trainer
@@ -124,6 +125,9 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
         "fsdp_implementation": trainer.fsdp.implementation,
         "param_dtype": np.dtype(trainer.options.param_dtype).name,
         "activation_checkpoint": config.activation_checkpoint.mode,
+        "attention": resolve_attention(config.model.attention, "tpu",
+                                       trainer.options.param_dtype,
+                                       {"training.seq_len": config.training.seq_len}),
         "tokens_per_step": trainer.tokens_per_step,
         "analytic_flops_per_step": analytic,
         # What the program executes (remat recomputation included), counted from its matmuls.
@@ -163,7 +167,8 @@ def format_report(r: dict[str, Any]) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [f"{r['model']} on {r['topology']} x {r['num_slices']} ({r['chips']} chips, "
              f"{r['tpu']}); mesh {mesh} ({r['mode']}, {r['fsdp_implementation']}), "
-             f"params {r['param_dtype']}, remat {r['activation_checkpoint']}"]
+             f"params {r['param_dtype']}, remat {r['activation_checkpoint']}, attention "
+             f"{r['attention']}"]
     m = r["memory"]
     lines.append(
         f"memory per chip: {_gb(r['per_chip_bytes'])} of {_gb(r['hbm_bytes'])} HBM -> "
