@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.models import BuildOptions, ModelDef, ModelSpec, get_model_spec
+from titan_jax.models.remat import remat_mode_for
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
 from titan_jax.parallel.simple_fsdp import SimpleFSDP, nested, weight_layouts
@@ -166,7 +167,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
             "shard_map does not compile on CPU devices; use float32, or the jit implementation")
     reshard = config.parallelism.fsdp_reshard_after_forward in ("default", "always")
     model = spec.build(args, BuildOptions(
-        remat_mode=config.activation_checkpoint.mode,
+        remat_mode=remat_mode_for(config.activation_checkpoint.mode, devices[0].platform),
         save_gathered_params=not (reshard and degrees.dp_shard > 1),
         activation_stats=config.metrics.log_activation_stats, platform=devices[0].platform))
     rules = ShardingRules(mesh)

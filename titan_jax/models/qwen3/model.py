@@ -26,13 +26,16 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.qwen3.args import Qwen3Args
-from titan_jax.models.qwen3.moe import MoE, router_aux_loss
+from titan_jax.models.qwen3.moe import MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
 from titan_jax.models.sharding_hooks import constrain, use_param
 
 Array = jax.Array
 
-# Names of intermediate values that the selective activation-checkpoint policy saves.
-SAVED_ACTIVATIONS = ("q_proj", "k_proj", "v_proj", "attn_out", "wo_out", "ffn_hidden", "ffn_out")
+# Names of the values the selective (and offload) activation-checkpoint policy saves: every
+# matmul output and attention's output, as TorchTitan's op-level selective AC. What lies
+# between them (norms, RoPE, SiLU * mul, residual adds) is recomputed in backward.
+SAVED_ACTIVATIONS = ("q_proj", "k_proj", "v_proj", "attn_out", "wo_out", "ffn_w1", "ffn_w3",
+                     "ffn_out", *MOE_SAVED_ACTIVATIONS)
 # Logical axes of the activations the layout is pinned at (rules: titan_jax/parallel/rules.py).
 ACT_AXES = ("batch", "seq", "embed")
 Q_AXES = ("batch", "seq", "heads", "head_dim")
@@ -168,8 +171,11 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x_BTD: Array) -> Array:
         name = checkpoint_name
-        hidden_BTF = jax.nn.silu(project(x_BTD, self.w1, 1)) * project(x_BTD, self.w3, 1)
-        hidden_BTF = name(constrain(hidden_BTF, ("batch", "seq", "mlp")), "ffn_hidden")
+        # The two matmul outputs are saved, not their product: SiLU's backward needs both,
+        # and recomputing them would redo two of the block's seven matmuls.
+        gate_BTF = name(project(x_BTD, self.w1, 1), "ffn_w1")
+        up_BTF = name(project(x_BTD, self.w3, 1), "ffn_w3")
+        hidden_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
         return name(project(hidden_BTF, self.w2, 1), "ffn_out")
 
 
