@@ -57,6 +57,7 @@ class RMSNorm(nnx.Module):
         self.weight = _ones((dim,), (axis_name,))
         self.eps = eps
 
+    @jax.named_scope("rms_norm")
     def __call__(self, x: Array) -> Array:
         # Statistics in fp32 even for bf16 activations; HF casts back before the weight multiply.
         x32 = x.astype(jnp.float32)
@@ -72,6 +73,7 @@ def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, A
     return jnp.cos(emb), jnp.sin(emb)
 
 
+@jax.named_scope("rope")
 def apply_rope(x_NKH: Array, cos_NH: Array, sin_NH: Array) -> Array:
     """Rotates (..., heads, head_dim) by tables of shape (..., head_dim), HF's rotate-half."""
     half = x_NKH.shape[-1] // 2
@@ -81,6 +83,7 @@ def apply_rope(x_NKH: Array, cos_NH: Array, sin_NH: Array) -> Array:
     return x_NKH * cos + rotated * sin
 
 
+@jax.named_scope("project")
 def project(x: Array, w: nnx.Param, n_in: int) -> Array:
     """`x (..., *in) @ w (*in, *out) -> (..., *out)`, the weight read through the param hook.
 
@@ -143,7 +146,9 @@ class Attention(nnx.Module):
         q_BTNH = constrain(apply_rope(self.q_norm(q_BTNH), cos_TH, sin_TH), Q_AXES)
         k_BTKH = constrain(apply_rope(self.k_norm(k_BTKH), cos_TH, sin_TH), KV_AXES)
         v_BTKH = constrain(v_BTKH, KV_AXES)
-        out_BTNH = name(causal_gqa_attention(q_BTNH, k_BTKH, v_BTKH, self.scale), "attn_out")
+        with jax.named_scope("sdpa"):  # scaled dot-product attention, the op profiles name
+            out_BTNH = causal_gqa_attention(q_BTNH, k_BTKH, v_BTKH, self.scale)
+        out_BTNH = name(out_BTNH, "attn_out")
         return name(project(out_BTNH, self.wo, 2), "wo_out")
 
 
@@ -175,7 +180,8 @@ class FeedForward(nnx.Module):
         # and recomputing them would redo two of the block's seven matmuls.
         gate_BTF = name(project(x_BTD, self.w1, 1), "ffn_w1")
         up_BTF = name(project(x_BTD, self.w3, 1), "ffn_w3")
-        hidden_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
+        with jax.named_scope("swiglu"):
+            hidden_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
         return name(project(hidden_BTF, self.w2, 1), "ffn_out")
 
 
@@ -245,7 +251,8 @@ class Qwen3(nnx.Module):
             expert_bias_LE = jnp.zeros((self.args.n_layers, self.args.num_experts), jnp.float32)
         t = tokens_BT.shape[1]
         table_VD = use_param(self.tok_embeddings, dtype)
-        x_BTD = constrain(embed_lookup(table_VD, tokens_BT, table_VD.shape[0]), ACT_AXES)
+        with jax.named_scope("embed"):
+            x_BTD = constrain(embed_lookup(table_VD, tokens_BT, table_VD.shape[0]), ACT_AXES)
         cos_TH, sin_TH = rope_tables(jnp.arange(t), self.args.head_dim, self.args.rope_theta)
         layers_def, layers_state = nnx.split(self.layers)
 
