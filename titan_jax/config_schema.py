@@ -98,8 +98,9 @@ class LRScheduler:
 @dataclasses.dataclass
 class ActivationCheckpoint:
     # none: keep all activations; full: recompute each block in backward; selective: save the
-    # matmul outputs and attention, recompute the cheap elementwise ops.
-    mode: Literal["none", "full", "selective"] = "selective"
+    # matmul outputs and attention's, recompute the cheap elementwise ops; offload: selective
+    # with the saved activations in host memory (TPU/GPU; runs as selective on CPU devices).
+    mode: Literal["none", "full", "selective", "offload"] = "selective"
 
 
 @dataclasses.dataclass

@@ -9,7 +9,8 @@ from tiny_model import TINY
 from titan_jax.models import BuildOptions
 from titan_jax.models.qwen3 import QWEN3_FLAVORS, build_model_def
 from titan_jax.models.qwen3.args import get_flavor
-from titan_jax.models.qwen3.model import apply_rope, rope_tables
+from titan_jax.models.qwen3.model import SAVED_ACTIVATIONS, Block, apply_rope, rope_tables
+from titan_jax.models.sharding_hooks import GATHERED_PARAM
 
 # Published totals (HF safetensors metadata counts the tied lm_head twice; these count it once).
 PUBLISHED = {"0.6B": 596_049_920, "1.7B": 1_720_574_976, "4B": 4_022_468_096,
@@ -81,18 +82,55 @@ def test_rope_is_rotate_half_and_preserves_norm():
     np.testing.assert_allclose(y[0, 3, 0, 5], x2 * np.cos(angle) + x1 * np.sin(angle), rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["none", "full", "selective"])
-def test_activation_checkpointing_does_not_change_gradients(mode):
-    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, TINY.vocab_size)
-    ref = build_model_def(TINY)
+# MoE: the experts' matmul outputs are named too (moe.MOE_SAVED_ACTIVATIONS).
+TINY_MOE = dataclasses.replace(TINY, num_experts=4, top_k=2, moe_inter_dim=16)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "offload"])
+@pytest.mark.parametrize("args", [TINY, TINY_MOE], ids=["dense", "moe"])
+def test_activation_checkpointing_does_not_change_loss_or_gradients(mode, args):
+    """Each remat preset against no remat. "offload" built directly runs its real policy (the
+    trainer swaps it for selective on CPU devices; XLA:CPU still runs the host copies)."""
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, args.vocab_size)
+    ref = build_model_def(args)
     params = ref.init(jax.random.key(0))
-    model = build_model_def(TINY, BuildOptions(remat_mode=mode))
+    model = build_model_def(args, BuildOptions(remat_mode=mode))
+    assert model.remat is not None
 
-    def grads(m):
-        return jax.grad(lambda p: m.apply(p, tokens).sum())(params)
+    def loss_and_grads(m):
+        return jax.value_and_grad(lambda p: m.apply(p, tokens).std())(params)
 
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
-                 grads(model), grads(ref))
+    loss, grads = loss_and_grads(model)
+    ref_loss, ref_grads = loss_and_grads(ref)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 grads, ref_grads)
+
+
+def test_selective_remat_saves_matmul_outputs_and_recomputes_elementwise_ops(capsys):
+    """What selective keeps of one block, from JAX's own residual report: the matmul outputs
+    backward needs (ffn_out is not needed) and attention's, the weights and the block input;
+    nothing unnamed, so every norm, RoPE and SiLU output is recomputed."""
+    from flax import nnx
+    from jax.ad_checkpoint import print_saved_residuals
+
+    policy = build_model_def(TINY, BuildOptions(remat_mode="selective")).remat
+    graphdef, state = nnx.split(Block(TINY, nnx.Rngs(0)))
+    cos, sin = rope_tables(jnp.arange(4), TINY.head_dim, TINY.rope_theta)
+
+    def block_sum(state, x):
+        return nnx.merge(graphdef, state)(x, cos, sin)[0].sum()
+
+    print_saved_residuals(jax.checkpoint(block_sum, policy=policy), state,
+                          jnp.ones((1, 4, TINY.dim)))
+    lines = capsys.readouterr().out.strip().splitlines()
+    named = {line.split("named '")[1].split("'")[0] for line in lines if "named '" in line}
+    assert named == {"q_proj", "k_proj", "v_proj", "attn_out", "wo_out", "ffn_w1", "ffn_w3",
+                     GATHERED_PARAM}, lines
+    assert set(SAVED_ACTIVATIONS) >= named - {GATHERED_PARAM}
+    unnamed = [line for line in lines if "named '" not in line
+               and not line.endswith(("from the argument x", "from a constant"))]
+    assert not unnamed, lines
 
 
 def test_bf16_weights_are_cast_at_use_and_logits_stay_fp32():

@@ -123,3 +123,51 @@ def test_moe_step_with_expert_parallelism_compiles_for_v5p():
     found = inspect.collectives(lowered.compile().as_text())
     ops = {(c["op"], c["dtype"]) for c in found}
     assert ("all-to-all", "bf16") in ops and ("all-gather", "bf16") in ops, found
+
+
+def test_offload_follows_the_target_devices_not_the_host(caplog):
+    """`activation_checkpoint.mode = "offload"`: kept for a TPU mesh compiled ahead of time,
+    selective (with a warning naming the field) on the host's CPU devices, which have no
+    separate host memory."""
+    import jax
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
+    config = tiny_config(*preset_overrides("fsdp8"), "--activation_checkpoint.mode", "offload")
+    tpu = build_trainer(config, list(topology.devices), model_args=TINY)
+    assert tpu.model.options.remat_mode == "offload"
+    assert not caplog.records
+    cpu = build_trainer(config, jax.devices(), model_args=TINY)
+    assert cpu.model.options.remat_mode == "selective"
+    assert "activation_checkpoint.mode=offload" in caplog.text
+
+
+@pytest.mark.slow
+def test_v5p_remat_modes_order_device_memory_and_offload_moves_activations_to_host():
+    """Per-chip temporaries of a 16-layer step for v5p: full < selective < none, and offload
+    keeps the selective activations in host memory (memory space S(5), host temporaries),
+    so its device temporaries drop below selective's."""
+    import dataclasses
+
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
+    args = dataclasses.replace(TINY, n_layers=16, hidden_dim=512, max_seq_len=256)
+    memory, hlo = {}, {}
+    for mode in ("none", "full", "selective", "offload"):
+        config = tiny_config(*preset_overrides("fsdp8"), "--training.seq_len", "256",
+                             "--training.mixed_precision_param", "bfloat16",
+                             "--activation_checkpoint.mode", mode)
+        trainer = build_trainer(config, list(topology.devices), model_args=args)
+        compiled = trainer.lower_step(trainer.abstract_state(),
+                                      inspect.abstract_batch(trainer)).compile()
+        memory[mode], hlo[mode] = compiled.memory_analysis(), compiled.as_text()
+    temp = {mode: m.temp_size_in_bytes for mode, m in memory.items()}
+    assert temp["full"] < temp["selective"] < temp["none"], temp
+    assert temp["offload"] < temp["selective"], temp
+    # Exactly what selective saves, now on the host: per layer and token (one sequence per
+    # chip, bf16) q 64, k 32, v 32, attn_out 64, wo_out 64, ffn_w1 512, ffn_w3 512 values.
+    saved_per_layer = 256 * (64 + 32 + 32 + 64 + 64 + 512 + 512) * 2
+    assert memory["offload"].host_temp_size_in_bytes == 16 * saved_per_layer, memory["offload"]
+    assert memory["selective"].host_temp_size_in_bytes == 0
+    assert "S(5)" in hlo["offload"] and "S(5)" not in hlo["selective"]

@@ -62,7 +62,7 @@ class ModelDef(Protocol):
 class BuildOptions:
     """How to build a model for training.
 
-    remat_mode: activation checkpointing ("none" | "full" | "selective").
+    remat_mode: activation checkpointing ("none" | "full" | "selective" | "offload").
     save_gathered_params: keep the gathered weights from forward for backward (SimpleFSDP
       reshard_after_forward=never) instead of gathering them again.
     activation_stats: report per-layer activation RMS through the aux channel.

@@ -71,7 +71,8 @@ def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batc
     def summed_loss(p: Params, b: Params, inputs: jax.Array, labels: jax.Array
                     ) -> tuple[jax.Array, Aux]:
         h, w_out, aux = model.forward(p, b, inputs, options.param_dtype)
-        return cross_entropy_sum(h, w_out, labels) + aux["loss"], aux
+        with jax.named_scope("loss"):
+            return cross_entropy_sum(h, w_out, labels) + aux["loss"], aux
 
     def microbatch_loss(p: Params, inputs: jax.Array, labels: jax.Array
                         ) -> tuple[jax.Array, dict[str, jax.Array]]:

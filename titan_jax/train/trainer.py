@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.models import BuildOptions, ModelDef, ModelSpec, get_model_spec
 from titan_jax.models.attention import resolve_attention
+from titan_jax.models.remat import remat_mode_for
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
 from titan_jax.parallel.simple_fsdp import SimpleFSDP, nested, weight_layouts
@@ -173,7 +174,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
         seq_lens["validation.seq_len"] = config.validation.seq_len
     attention = resolve_attention(config.model.attention, platform, param_dtype, seq_lens)
     model = spec.build(args, BuildOptions(
-        remat_mode=config.activation_checkpoint.mode,
+        remat_mode=remat_mode_for(config.activation_checkpoint.mode, platform),
         save_gathered_params=not (reshard and degrees.dp_shard > 1),
         activation_stats=config.metrics.log_activation_stats, platform=platform,
         attention=attention))

@@ -28,13 +28,16 @@ from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.attention import KV_AXES, Q_AXES, attention
 from titan_jax.models.qwen3.args import Qwen3Args
-from titan_jax.models.qwen3.moe import MoE, router_aux_loss
+from titan_jax.models.qwen3.moe import MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
 from titan_jax.models.sharding_hooks import constrain, use_param
 
 Array = jax.Array
 
-# Names of intermediate values that the selective activation-checkpoint policy saves.
-SAVED_ACTIVATIONS = ("q_proj", "k_proj", "v_proj", "attn_out", "wo_out", "ffn_hidden", "ffn_out")
+# Names of the values the selective (and offload) activation-checkpoint policy saves: every
+# matmul output and attention's output, as TorchTitan's op-level selective AC. What lies
+# between them (norms, RoPE, SiLU * mul, residual adds) is recomputed in backward.
+SAVED_ACTIVATIONS = ("q_proj", "k_proj", "v_proj", "attn_out", "wo_out", "ffn_w1", "ffn_w3",
+                     "ffn_out", *MOE_SAVED_ACTIVATIONS)
 # Logical axes of the activations the layout is pinned at (rules: titan_jax/parallel/rules.py).
 ACT_AXES = ("batch", "seq", "embed")
 
@@ -63,6 +66,7 @@ class RMSNorm(nnx.Module):
         self.weight = _ones((dim,), (axis_name,))
         self.eps = eps
 
+    @jax.named_scope("rms_norm")
     def __call__(self, x: Array) -> Array:
         # Statistics in fp32 even for bf16 activations; HF casts back before the weight multiply.
         x32 = x.astype(jnp.float32)
@@ -78,6 +82,7 @@ def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, A
     return jnp.cos(emb), jnp.sin(emb)
 
 
+@jax.named_scope("rope")
 def apply_rope(x_NKH: Array, cos_NH: Array, sin_NH: Array) -> Array:
     """Rotates (..., heads, head_dim) by tables of shape (..., head_dim), HF's rotate-half."""
     half = x_NKH.shape[-1] // 2
@@ -87,6 +92,7 @@ def apply_rope(x_NKH: Array, cos_NH: Array, sin_NH: Array) -> Array:
     return x_NKH * cos + rotated * sin
 
 
+@jax.named_scope("project")
 def project(x: Array, w: nnx.Param, n_in: int) -> Array:
     """`x (..., *in) @ w (*in, *out) -> (..., *out)`, the weight read through the param hook.
 
@@ -150,7 +156,8 @@ class Attention(nnx.Module):
         q_BTNH = constrain(apply_rope(self.q_norm(q_BTNH), cos_TH, sin_TH), Q_AXES)
         k_BTKH = constrain(apply_rope(self.k_norm(k_BTKH), cos_TH, sin_TH), KV_AXES)
         v_BTKH = constrain(v_BTKH, KV_AXES)
-        out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, self.scale, self.backend, self.platform)
+        with jax.named_scope("sdpa"):  # scaled dot-product attention, the op profiles name
+            out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, self.scale, self.backend, self.platform)
         out_BTNH = name(out_BTNH, "attn_out")
         return name(project(out_BTNH, self.wo, 2), "wo_out")
 
@@ -166,8 +173,12 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x_BTD: Array) -> Array:
         name = checkpoint_name
-        hidden_BTF = jax.nn.silu(project(x_BTD, self.w1, 1)) * project(x_BTD, self.w3, 1)
-        hidden_BTF = name(constrain(hidden_BTF, ("batch", "seq", "mlp")), "ffn_hidden")
+        # The two matmul outputs are saved, not their product: SiLU's backward needs both,
+        # and recomputing them would redo two of the block's seven matmuls.
+        gate_BTF = name(project(x_BTD, self.w1, 1), "ffn_w1")
+        up_BTF = name(project(x_BTD, self.w3, 1), "ffn_w3")
+        with jax.named_scope("swiglu"):
+            hidden_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
         return name(project(hidden_BTF, self.w2, 1), "ffn_out")
 
 
@@ -237,7 +248,8 @@ class Qwen3(nnx.Module):
             expert_bias_LE = jnp.zeros((self.args.n_layers, self.args.num_experts), jnp.float32)
         t = tokens_BT.shape[1]
         table_VD = use_param(self.tok_embeddings, dtype)
-        x_BTD = constrain(embed_lookup(table_VD, tokens_BT, table_VD.shape[0]), ACT_AXES)
+        with jax.named_scope("embed"):
+            x_BTD = constrain(embed_lookup(table_VD, tokens_BT, table_VD.shape[0]), ACT_AXES)
         cos_TH, sin_TH = rope_tables(jnp.arange(t), self.args.head_dim, self.args.rope_theta)
         layers_def, layers_state = nnx.split(self.layers)
 

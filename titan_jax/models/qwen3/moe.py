@@ -34,10 +34,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.sharding_hooks import dispatch_to_experts, use_param
 
 Array = jax.Array
+# The experts' matmul outputs, which selective activation checkpointing saves (model.py).
+MOE_SAVED_ACTIVATIONS = ("moe_w1", "moe_w3", "moe_w2")
 BLOCK = 64  # rows per block of the CPU grouped matmul
 
 
@@ -94,8 +97,10 @@ def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w
     order = jnp.argsort(experts_M, stable=True)
     group_sizes = jnp.bincount(experts_M, length=w1_EDF.shape[0]).astype(jnp.int32)
     x_MD = rows_MD[order]
-    hidden = jax.nn.silu(matmul(x_MD, w1_EDF, group_sizes)) * matmul(x_MD, w3_EDF, group_sizes)
-    return matmul(hidden, w2_EFD, group_sizes)[jnp.argsort(order)]
+    gate_MF = checkpoint_name(matmul(x_MD, w1_EDF, group_sizes), "moe_w1")
+    up_MF = checkpoint_name(matmul(x_MD, w3_EDF, group_sizes), "moe_w3")
+    y_MD = checkpoint_name(matmul(jax.nn.silu(gate_MF) * up_MF, w2_EFD, group_sizes), "moe_w2")
+    return y_MD[jnp.argsort(order)]
 
 
 def routed_experts(x_ND: Array, experts_NK: Array, weights_NK: Array, w1_EDF: Array,
