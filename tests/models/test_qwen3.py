@@ -9,7 +9,13 @@ from tiny_model import TINY
 from titan_jax.models import BuildOptions
 from titan_jax.models.qwen3 import QWEN3_FLAVORS, build_model_def
 from titan_jax.models.qwen3.args import get_flavor
-from titan_jax.models.qwen3.model import SAVED_ACTIVATIONS, Block, apply_rope, rope_tables
+from titan_jax.models.qwen3.model import (
+    SAVED_ACTIVATIONS,
+    Block,
+    Kernels,
+    apply_rope,
+    rope_tables,
+)
 from titan_jax.models.sharding_hooks import GATHERED_PARAM
 
 # Published totals (HF safetensors metadata counts the tied lm_head twice; these count it once).
@@ -115,7 +121,7 @@ def test_selective_remat_saves_matmul_outputs_and_recomputes_elementwise_ops(cap
     from jax.ad_checkpoint import print_saved_residuals
 
     policy = build_model_def(TINY, BuildOptions(remat_mode="selective")).remat
-    graphdef, state = nnx.split(Block(TINY, nnx.Rngs(0)))
+    graphdef, state = nnx.split(Block(TINY, nnx.Rngs(0), Kernels()))
     cos, sin = rope_tables(jnp.arange(4), TINY.head_dim, TINY.rope_theta)
 
     def block_sum(state, x):
