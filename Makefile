@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # GPU devices say "cpu" up front. On a TPU VM or GPU box JAX picks the accelerator itself.
 export JAX_PLATFORMS ?= $(if $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0),,cpu)
 
-.PHONY: install train test test-fast lint format bench bench-update tokenizer clean
+.PHONY: install train test test-fast lint format bench bench-update plans tokenizer clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,10 @@ bench:
 
 bench-update:
 	$(BIN)/python benchmarks/bench_step.py --write BENCHMARKS.md
+
+# The pod recipes compiled ahead of time for their TPU slices (libtpu, no TPU), into docs/TPU.md.
+plans:
+	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(BIN)/python benchmarks/tpu_plans.py --write docs/TPU.md
 
 tokenizer:
 	$(BIN)/python scripts/build_tokenizer.py
