@@ -182,3 +182,26 @@ def test_a_recipe_that_cannot_fit_says_so_with_numbers(tmp_path, capsys):
     # 32.8B fp32 parameters + AdamW's two moments (12 bytes each) over 4 chips: ~98 GB.
     assert report["memory"]["argument_size_in_bytes"] > 90e9
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("implementation", ["jit", "shard_map"])
+def test_lowered_step_flops_equal_the_analytic_count_on_both_fsdp_paths(implementation):
+    """shard_map bodies see one device's shapes: their FLOPs are scaled back to the global
+    count; the scanned layers' loop is read through the body's sharding annotations."""
+    import jax
+    from tiny_model import TINY
+
+    from titan_jax.config import load_config
+    from titan_jax.tools import inspect
+    from titan_jax.train.trainer import build_trainer
+
+    config = load_config(None, [
+        "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree",
+        "2", "--parallelism.fsdp_implementation", implementation, "--training.seq_len", "16",
+        "--training.local_batch_size", "2", "--activation_checkpoint.mode", "none",
+        "--training.mixed_precision_param", "float32"])
+    trainer = build_trainer(config, jax.devices()[:8], model_args=TINY)
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    flops, unknown = hlo_stats.dot_flops(hlo_stats.parse(lowered.as_text(dialect="hlo")))
+    analytic = trainer.flops_per_token() * trainer.tokens_per_step
+    assert unknown == 0 and abs(flops / analytic - 1) < 0.02

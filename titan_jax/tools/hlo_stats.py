@@ -26,6 +26,8 @@ _CALLED = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_c
                      r"=%?([\w.\-]+)")
 _CALLED_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_PASS_THROUGH = ("custom-call", "copy", "convert", "bitcast", "reshape")
+_MANUAL_BODY = "manual_computation_body"  # a shard_map body, as JAX names it
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _HLO_ITEMSIZE = {"pred": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s8": 1, "s16": 2,
                  "s32": 4, "s64": 8, "u8": 1, "u16": 2, "u32": 4, "u64": 8,
@@ -100,6 +102,10 @@ def trip_count(module: HloModule, loop: Instruction) -> int | None:
         if inst.op == "compare" and "direction=LT" in inst.rest:
             for operand in inst.operands:
                 source = defs.get(operand)
+                # Look through sharding annotations and copies (shard_map bodies wrap N in a
+                # `Sharding` custom call).
+                while source is not None and source.op in _PASS_THROUGH and source.operands:
+                    source = defs.get(source.operands[0])
                 if source is not None and source.op == "constant":
                     return int(source.rest.split(")")[0])
     return None
@@ -120,10 +126,7 @@ def executions(module: HloModule) -> tuple[dict[str, int], int]:
                 found = trip_count(module, inst)
                 unknown += found is None
                 loop_trips = found or 1
-            called = [(kind, c) for kind, c in _CALLED.findall(inst.rest)]
-            for group in _CALLED_LISTS.findall(inst.rest):
-                called += [("branch", c.strip().lstrip("%")) for c in group.split(",")]
-            for kind, callee in called:
+            for kind, callee in _called(inst):
                 if callee in module.computations and kind != "condition":
                     visit(callee, times * (loop_trips if kind == "body" else 1))
 
@@ -131,12 +134,55 @@ def executions(module: HloModule) -> tuple[dict[str, int], int]:
     return dict(counts), unknown
 
 
+def _called(inst: Instruction) -> list[tuple[str, str]]:
+    """(kind, computation) pairs `inst` calls: while bodies and conditions, fusions, calls."""
+    called = [(kind, c) for kind, c in _CALLED.findall(inst.rest)]
+    for group in _CALLED_LISTS.findall(inst.rest):
+        called += [("branch", c.strip().lstrip("%")) for c in group.split(",")]
+    return called
+
+
+def manual_scale(module: HloModule) -> int:
+    """How many devices share a shard_map body's work: its bodies see per-device shapes, so
+    their FLOPs count this many times in the (otherwise global) lowered module. Read from the
+    largest global/local size ratio of the values entering manual computations."""
+    best = 1
+    for name, instructions in module.computations.items():
+        defs = None
+        for inst in instructions:
+            if inst.op == "custom-call" and "GlobalToLocalShape" in inst.rest:
+                defs = defs or module.defining(name)
+                globals_ = [arrays(defs[o].type)[0][1] for o in inst.operands if o in defs]
+                for full, local in zip(globals_, (s for _, s in arrays(inst.type)),
+                                       strict=False):
+                    best = max(best, math.prod(full) // max(math.prod(local), 1))
+    return best
+
+
+def _inside_manual(module: HloModule) -> set[str]:
+    """Computations reached from a shard_map body (the bodies included)."""
+    found: set[str] = set()
+    todo = [n for n in module.computations if _MANUAL_BODY in n]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for inst in module.computations.get(name, []):
+            todo += [c for _, c in _called(inst) if c in module.computations]
+    return found
+
+
 def dot_flops(module: HloModule) -> tuple[float, int]:
-    """Matmul FLOPs of one run of the module (2 x output elements x contracted size per dot),
-    each weighted by how often its computation runs; and the count of loops of unknown length."""
+    """Matmul FLOPs of one run of the lowered (global) module: 2 x output elements x contracted
+    size per dot, each weighted by how often its computation runs, and shard_map bodies (which
+    see one device's shapes) by the devices that share them; and the count of loops of unknown
+    length."""
     counts, unknown = executions(module)
+    manual, scale = _inside_manual(module), manual_scale(module)
     total = 0.0
     for name, times in counts.items():
+        times *= scale if name in manual else 1
         defs = None
         for inst in module.computations[name]:
             if inst.op != "dot":
