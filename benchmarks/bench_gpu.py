@@ -58,6 +58,8 @@ def attention_overrides(requested: str) -> tuple[list[str], str]:
 def measure(flavor: str, batch: int, seq: int, warmup: int, steps: int, ac: str,
             overrides: list[str]) -> dict[str, Any]:
     """Times one flavour's whole step at `batch` x `seq` tokens on the first device."""
+    # "smoke" is SMOKE's shape passed as model_args; the flavour named in the config then only
+    # labels the run.
     config = load_config(None, ["--model.flavor", "debugmodel" if flavor == "smoke" else flavor,
                                 "--training.local_batch_size", str(batch),
                                 "--training.seq_len", str(seq),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import os
 import platform
 import re
 import statistics
@@ -30,6 +31,10 @@ from titan_jax.models.qwen3.flops import count_params, flops_per_token
 from titan_jax.models.qwen3.hf_config import hf_config_from_args
 from titan_jax.train.peak_flops import peak_flops_per_device
 from titan_jax.train.trainer import build_trainer
+
+# torch (imported later) reads this once: its idle OpenMP workers otherwise spin on the 2 cores
+# that the next row's JAX step needs (tests/conftest.py sets the same).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # ~100M parameters: GPT-2-small width with Qwen3's structure (GQA, QK-norm, SwiGLU), untied.
 QWEN3_100M = Qwen3Args(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64,
