@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -98,7 +99,9 @@ def time_maxtext(args: Qwen3Args, batch: int, seq: int, warmup: int, steps: int,
     try:
         if proc.returncode:
             raise ValueError(f"exit status {proc.returncode}")
-        return median_after_warmup(parse_step_times(log), warmup, steps)
+        median = median_after_warmup(parse_step_times(log), warmup, steps)
+        shutil.rmtree(workdir)  # kept, log included, only when the run failed
+        return median
     except ValueError as error:
         tail = "\n".join(log.splitlines()[-15:])
         print(f"MaxText run failed ({error}); log: {workdir / 'maxtext.log'}\n{tail}", flush=True)
