@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # GPU devices say "cpu" up front. On a TPU VM or GPU box JAX picks the accelerator itself.
 export JAX_PLATFORMS ?= $(if $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0),,cpu)
 
-.PHONY: install train test test-fast lint format bench bench-update plans tokenizer clean
+.PHONY: install train test test-fast lint format bench bench-update bench-deps plans tokenizer clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,7 +39,18 @@ lint:
 format:
 	$(BIN)/ruff format titan_jax tests scripts benchmarks
 
-# bench prints the table; bench-update also rewrites it in BENCHMARKS.md.
+# bench prints the table; bench-update also rewrites it in BENCHMARKS.md. The MaxText column
+# runs only when .venv-maxtext exists (`make bench-deps`, ~9 min): MaxText needs Python >= 3.12.
+# pyenv's shim exists even where 3.12 is not selected, so its versions folder comes first.
+PY_MAXTEXT ?= $(or $(lastword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12)),$(shell command -v python3.12))
+MAXTEXT_VENV := .venv-maxtext
+
+bench-deps:
+	@test -n "$(PY_MAXTEXT)" || { echo "bench-deps: MaxText needs Python 3.12; none found (set PY_MAXTEXT=/path/to/python3.12)"; exit 2; }
+	$(PY_MAXTEXT) -m venv $(MAXTEXT_VENV)
+	$(MAXTEXT_VENV)/bin/pip install --upgrade pip
+	$(MAXTEXT_VENV)/bin/pip install -c benchmarks/maxtext-constraints.txt 'maxtext[tpu]==0.2.4'
+
 bench:
 	$(BIN)/python benchmarks/bench_step.py
 

@@ -1,10 +1,11 @@
-"""Train-step throughput and MFU: titan-jax's jitted whole step vs a PyTorch step, side by side.
+"""Train-step throughput and MFU: titan-jax's jitted whole step vs PyTorch vs MaxText, side by side.
 
-For each model shape, times `Trainer.step_fn` (fp32, one device) and, when torch and
-transformers are installed, the same step in PyTorch (HF Qwen3ForCausalLM, AdamW, clipping)
-on the same batch shape. Reports medians over timed steps after warm-up, tokens/s, MFU against
-the matmul peak of this machine measured at start, and the JAX/PyTorch ratio. It prints the
-table; `--write FILE` (`make bench-update`) also replaces the table between the markers in FILE.
+For each model shape and batch size, times `Trainer.step_fn` (fp32, one device); when torch and
+transformers are installed, the same step in PyTorch (HF Qwen3ForCausalLM, AdamW, clipping);
+and when `.venv-maxtext` exists (`make bench-deps`), MaxText's own trainer on the same shape
+(maxtext_bench.py). Reports medians over timed steps after warm-up, tokens/s, MFU against the
+matmul peak of this machine measured at start, and titan-jax's speed relative to each. It prints
+the table; `--write FILE` (`make bench-update`) also replaces the table between the markers in FILE.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import os
 import platform
 import re
 import statistics
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from maxtext_bench import HOW_TO_ADD, maxtext_python, time_maxtext
 
 from titan_jax.atomic_dir import write_text_atomic
 from titan_jax.config import load_config
@@ -29,11 +32,16 @@ from titan_jax.models.qwen3.hf_config import hf_config_from_args
 from titan_jax.train.peak_flops import peak_flops_per_device
 from titan_jax.train.trainer import build_trainer
 
+# torch (imported later) reads this once: its idle OpenMP workers otherwise spin on the 2 cores
+# that the next row's JAX step needs (tests/conftest.py sets the same).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # ~100M parameters: GPT-2-small width with Qwen3's structure (GQA, QK-norm, SwiGLU), untied.
 QWEN3_100M = Qwen3Args(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64,
                        hidden_dim=3072, vocab_size=2048, tie_embeddings=False)
 SHAPES = {"debugmodel": get_flavor("debugmodel"), "qwen3-100M": QWEN3_100M,
           "debugmodel_moe": get_flavor("debugmodel_moe")}
+DEFAULT_MODELS = "debugmodel,qwen3-100M"  # the MoE row has no MaxText column: --models to add it
 BEGIN, END = "<!-- bench_step:begin -->", "<!-- bench_step:end -->"
 
 
@@ -41,9 +49,11 @@ BEGIN, END = "<!-- bench_step:begin -->", "<!-- bench_step:end -->"
 class Result:
     name: str
     params_m: float
+    batch: int
     tokens: int
     jax_s: float
     torch_s: float | None
+    maxtext_s: float | None
     flops_per_step: float
 
 
@@ -92,60 +102,87 @@ def time_torch(args: Qwen3Args, batch: int, seq: int, warmup: int, steps: int) -
     return statistics.median(times)
 
 
-def markdown(results: list[Result], peak: float, peak_desc: str, batch: int, seq: int,
-             ac: str) -> str:
+def _cells(step_s: float | None, r: Result, peak: float) -> str:
+    """Step time, tokens/s and MFU of one framework's column."""
+    if step_s is None:
+        return "n/a | n/a | n/a"
+    mfu = 100 * r.flops_per_step / step_s / peak
+    return f"{step_s:.3f} | {r.tokens / step_s:,.0f} | {mfu:.1f}%"
+
+
+def markdown(results: list[Result], peak: float, peak_desc: str, seq: int, ac: str,
+             notes: list[str]) -> str:
     lines = [
         f"Measured {datetime.date.today()} on {platform.processor() or platform.machine()}, "
-        f"jax {jax.__version__}, 1 CPU device, fp32, batch {batch} x {seq} tokens, "
-        f"activation_checkpoint={ac}. Medians of timed steps after warm-up. MFU peak: "
-        f"{peak / 1e9:.0f} GFLOP/s ({peak_desc}).",
+        f"jax {jax.__version__}, 1 CPU device, fp32, sequences of {seq} tokens, titan-jax "
+        f"activation_checkpoint={ac}. Medians of timed steps after warm-up. MFU: model FLOP/s "
+        f"(TorchTitan's formula, the same for all three) over {peak / 1e9:.0f} GFLOP/s "
+        f"({peak_desc}). Speed ratios: titan-jax tokens/s over the other's.",
+        *notes,
         "",
-        "| model | params | titan-jax step (s) | tokens/s | MFU | PyTorch step (s) | "
-        "PyTorch tokens/s | titan-jax / PyTorch speed |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | batch | params | titan-jax step (s) | tokens/s | MFU | PyTorch step (s) | "
+        "tokens/s | MFU | MaxText step (s) | tokens/s | MFU | titan-jax / PyTorch | "
+        "titan-jax / MaxText |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
     for r in results:
-        tps = r.tokens / r.jax_s
-        mfu = 100 * r.flops_per_step / r.jax_s / peak
-        if r.torch_s is None:
-            torch_cells = "n/a | n/a | n/a"
-        else:
-            torch_cells = (f"{r.torch_s:.3f} | {r.tokens / r.torch_s:,.0f} | "
-                           f"{r.torch_s / r.jax_s:.2f}x")
-        lines.append(f"| {r.name} | {r.params_m:.1f}M | {r.jax_s:.3f} | {tps:,.0f} | "
-                     f"{mfu:.1f}% | {torch_cells} |")
+        ratios = " | ".join("n/a" if other is None else f"{other / r.jax_s:.2f}x"
+                            for other in (r.torch_s, r.maxtext_s))
+        columns = " | ".join(_cells(s, r, peak) for s in (r.jax_s, r.torch_s, r.maxtext_s))
+        lines.append(f"| {r.name} | {r.batch} x {r.tokens // r.batch} | {r.params_m:.1f}M | "
+                     f"{columns} | {ratios} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", default="4,8", help="comma-separated batch sizes (default 4,8)")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps first (MaxText needs >= 2: maxtext_bench.py)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--ac", default="none", choices=["none", "full", "selective"])
     parser.add_argument("--no-torch", action="store_true")
-    parser.add_argument("--models", default=",".join(SHAPES),
-                        help=f"comma-separated shapes to time (default: {','.join(SHAPES)})")
+    parser.add_argument("--no-maxtext", action="store_true")
+    parser.add_argument("--models", default=DEFAULT_MODELS,
+                        help=f"comma-separated shapes to time, of {', '.join(SHAPES)} "
+                             f"(default: {DEFAULT_MODELS})")
     parser.add_argument("--write", help="markdown file whose bench_step table is replaced")
     opts = parser.parse_args()
     unknown = sorted(set(opts.models.split(",")) - set(SHAPES))
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(SHAPES)}")
+    try:
+        batches = [int(b) for b in opts.batch.split(",")]
+    except ValueError:
+        parser.error(f"--batch: {opts.batch!r} is not a comma-separated list of integers")
 
+    notes = []
+    maxtext = None if opts.no_maxtext else maxtext_python()
+    if maxtext is None and not opts.no_maxtext:
+        print(HOW_TO_ADD, flush=True)
+        notes.append(f"{HOW_TO_ADD}.")
     peak = peak_flops_per_device(jax.devices()[0], "float32")
     results = []
     for name in opts.models.split(","):
         args = SHAPES[name]
-        tokens = opts.batch * opts.seq_len
-        jax_s = time_jax(args, opts.batch, opts.seq_len, opts.warmup, opts.steps, opts.ac)
-        torch_s = None if opts.no_torch else time_torch(args, opts.batch, opts.seq_len,
-                                                        opts.warmup, opts.steps)
-        results.append(Result(name, count_params(args)["total"] / 1e6, tokens, jax_s, torch_s,
-                              flops_per_token(args, opts.seq_len) * tokens))
-        torch_text = "n/a" if torch_s is None else f"{torch_s:.3f} s"
-        print(f"{name}: titan-jax step {jax_s:.3f} s, PyTorch step {torch_text}", flush=True)
-    table = markdown(results, peak.flops_per_device, peak.source, opts.batch, opts.seq_len, opts.ac)
+        for batch in batches:
+            tokens = batch * opts.seq_len
+            times = {"titan-jax": time_jax(args, batch, opts.seq_len, opts.warmup, opts.steps,
+                                           opts.ac)}
+            if not opts.no_torch:
+                times["PyTorch"] = time_torch(args, batch, opts.seq_len, opts.warmup, opts.steps)
+            if maxtext is not None and not args.is_moe:
+                times["MaxText"] = time_maxtext(args, batch, opts.seq_len, opts.warmup,
+                                                opts.steps, maxtext)
+            results.append(Result(name, count_params(args)["total"] / 1e6, batch, tokens,
+                                  times["titan-jax"], times.get("PyTorch"), times.get("MaxText"),
+                                  flops_per_token(args, opts.seq_len) * tokens))
+            print(f"{name} batch {batch}: " + ", ".join(
+                f"{k} step {'n/a' if v is None else f'{v:.3f} s'}" for k, v in times.items()),
+                flush=True)
+    table = markdown(results, peak.flops_per_device, peak.source, opts.seq_len, opts.ac, notes)
     print(table)
     if opts.write:
         write_table(Path(opts.write), table)
