@@ -123,9 +123,20 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             return self._jitted_step.lower(state, batch)
 
-    def put_batch(self, local: dict[str, np.ndarray]) -> Batch:
-        """This process's rows -> global arrays sharded over the data-parallel axes."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+    def batch_rows(self, global_batch_size: int | None = None) -> list[int]:
+        """The rows of a global batch that this process's devices hold, ascending: read off the
+        batch sharding, not the process index (with tensor parallelism across hosts, several
+        processes hold the same rows)."""
+        n = self.global_batch_size if global_batch_size is None else global_batch_size
+        held = self.batch_sharding.addressable_devices_indices_map((n, 1))
+        return sorted({r for index in held.values() for r in range(n)[index[0]]})
+
+    def put_batch(self, local: dict[str, np.ndarray],
+                  global_batch_size: int | None = None) -> Batch:
+        """This process's `batch_rows` -> global arrays sharded over the data-parallel axes."""
+        n = self.global_batch_size if global_batch_size is None else global_batch_size
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v,
+                                                          (n, *v.shape[1:]))
                 for k, v in local.items()}
 
 
