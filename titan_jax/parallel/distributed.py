@@ -10,6 +10,7 @@ collective until a transport timeout, with a message about the transport, not th
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
@@ -38,7 +39,7 @@ def exit_job(message: str, code: int) -> None:
     """Print `message` as the CLI prints an error and end this process at once (no cleanup:
     it is called from a watcher thread while the main thread may be blocked in C++)."""
     print(f"titan-jax: error: {message}", file=sys.stderr, flush=True)
-    os._exit(code)
+    _exit_now(code)
 
 
 def _tpu_env_names_one_host() -> bool:
@@ -98,6 +99,12 @@ def initialize_distributed(d: Distributed) -> bool:
     return True
 
 
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _exit_code_and_message(error: BaseException) -> tuple[int, str]:
     if isinstance(error, KeyboardInterrupt):
         return 130, "interrupted"
@@ -116,7 +123,7 @@ class JobFailures:
         self.poll_s = poll_s
         self._client = None
         self._stop = threading.Event()
-        self._reported = False
+        self._reported: int | None = None  # the exit code of this process's own failure
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> JobFailures:
@@ -136,6 +143,13 @@ class JobFailures:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._reported is not None:
+            if jax.process_index() == 0:  # the service lives here: let the others read it first
+                time.sleep(4 * self.poll_s)
+            # JAX's own atexit would tell the coordination service this process shut down; the
+            # others, ending on this failure, may have taken it down already, and that aborts
+            # with a C++ trace under the message. Registered last, this runs first.
+            atexit.register(_exit_now, self._reported)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -149,10 +163,10 @@ class JobFailures:
 
     def report(self, error: BaseException) -> None:
         """Tells the other processes that this one fails with `error` (first report only)."""
-        if self._client is None or self._reported:
+        if self._client is None or self._reported is not None:
             return
-        self._reported = True
         code, message = _exit_code_and_message(error)
+        self._reported = code
         with contextlib.suppress(Exception):  # the service may be gone: JAX then ends the job
             self._client.key_value_set(f"{_FAILED_KEY}{jax.process_index()}",
                                        f"{code}\n{message}")
@@ -166,7 +180,7 @@ class JobFailures:
                 return
             failed = sorted((int(key.rsplit("/", 1)[-1]), value) for key, value in posted)
             failed = [(i, value) for i, value in failed if i != me]
-            if failed and not self._reported:
+            if failed and self._reported is None:
                 index, value = failed[0]
                 code, _, message = value.partition("\n")
                 if me == 0:  # the service lives here: let the others read the failure first

@@ -128,8 +128,7 @@ class Trainer:
         batch sharding, not the process index (with tensor parallelism across hosts, several
         processes hold the same rows)."""
         n = self.global_batch_size if global_batch_size is None else global_batch_size
-        held = self.batch_sharding.addressable_devices_indices_map((n, 1))
-        return sorted({r for index in held.values() for r in range(n)[index[0]]})
+        return held_rows(self.batch_sharding, n, jax.local_devices())
 
     def put_batch(self, local: dict[str, np.ndarray],
                   global_batch_size: int | None = None) -> Batch:
@@ -138,6 +137,12 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v,
                                                           (n, *v.shape[1:]))
                 for k, v in local.items()}
+
+
+def held_rows(sharding: NamedSharding, n_rows: int, devices: list[jax.Device]) -> list[int]:
+    """Rows of an (n_rows, ...) array sharded by `sharding` that `devices` hold, ascending."""
+    index = sharding.devices_indices_map((n_rows, 1))
+    return sorted({r for d in devices for r in range(n_rows)[index[d][0]]})
 
 
 def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
