@@ -14,10 +14,10 @@ from pathlib import Path
 import jax
 import pytest
 
+from tests.parallel.parallel_helpers import tiny_trainer
 from titan_jax.config import load_config
 from titan_jax.parallel import distributed
 from titan_jax.train.trainer import held_rows
-from tests.parallel.parallel_helpers import tiny_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -128,7 +128,7 @@ class Trainer:
         batch sharding, not the process index (with tensor parallelism across hosts, several
         processes hold the same rows)."""
         n = self.global_batch_size if global_batch_size is None else global_batch_size
-        return held_rows(self.batch_sharding, n, jax.local_devices())
+        return held_rows(self.batch_sharding, n, self.mesh.local_devices)
 
     def put_batch(self, local: dict[str, np.ndarray],
                   global_batch_size: int | None = None) -> Batch:
