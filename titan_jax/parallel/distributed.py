@@ -76,17 +76,18 @@ def initialize_distributed(d: Distributed) -> bool:
     deadline = time.monotonic() + d.initialization_timeout
     if d.num_processes == 0:  # a TPU cluster: JAX reads the hosts from its environment
         kwargs: dict = {}
-        who = "this process"
+        who, hint = "this process", "start the same command on every host of the slice"
     else:
         kwargs = {"coordinator_address": d.coordinator_address,
                   "num_processes": d.num_processes, "process_id": d.process_id}
         who = f"process {d.process_id} of {d.num_processes}"
+        hint = ("start the same command on every host, each with its own "
+                "distributed.process_id")
         if d.process_id != 0:
             _wait_for_coordinator(d, deadline)
     message = (f"{who}: not every process reached distributed.coordinator_address="
                f"{d.coordinator_address or '(auto-detected)'} within "
-               f"distributed.initialization_timeout={d.initialization_timeout} s; start the same "
-               "command on every host, each with its own distributed.process_id")
+               f"distributed.initialization_timeout={d.initialization_timeout} s; {hint}")
     remaining = max(deadline - time.monotonic(), 1.0)
     watchdog = threading.Timer(remaining, exit_job, (str(DistributedError(message)), 2))
     watchdog.daemon = True
