@@ -80,6 +80,21 @@ def test_stream_is_shuffled_documents_with_eos_reshuffled_each_epoch(tmp_path):
     assert orders[0] != list(range(20)) and len({tuple(o) for o in orders}) == 3
 
 
+def test_row_r_packs_documents_r_r_plus_g_r_plus_2g_of_the_stream(tmp_path):
+    from titan_jax.data.stream import _DocumentOrder
+
+    path = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    g, seq_len = 3, 40
+    batches = _take(_iterator(dataset="jsonl", dataset_path=str(path), seq_len=seq_len,
+                              global_batch_size=g, seed=5), 6)
+    order = _DocumentOrder(len(DOCS), 5)
+    for r in range(g):
+        lane = np.concatenate([[*TOK.encode(DOCS[order[r + j * g]]), TOK.eos_id]
+                               for j in range(40)])
+        windows = np.concatenate([np.r_[b["inputs"][r], b["labels"][r, -1:]] for b in batches])
+        np.testing.assert_array_equal(windows, lane[:len(windows)])
+
+
 def test_same_seed_same_batches_other_seed_differs():
     first = _take(_iterator(seed=7), 3)
     _assert_same(first, _take(_iterator(seed=7), 3))

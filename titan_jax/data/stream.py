@@ -37,9 +37,9 @@ class _DocumentOrder:
 
     def __init__(self, n: int, seed: int):
         self.n, self.seed = n, seed
+        self._epoch = functools.lru_cache(maxsize=_EPOCHS_CACHED)(self._permutation)
 
-    @functools.lru_cache(maxsize=_EPOCHS_CACHED)  # noqa: B019 (one instance per iterator)
-    def _epoch(self, epoch: int) -> np.ndarray:
+    def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n)
 
     def __getitem__(self, k: int) -> int:
