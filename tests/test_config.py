@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from titan_jax.config import ConfigError, load_config
@@ -104,3 +106,20 @@ def test_config_file_errors_name_the_file(tmp_path):
         load_config(write(tmp_path, "").rename(tmp_path / "empty.toml"))
     with pytest.raises(ConfigError, match=r"config file .* cannot be read"):
         load_config(tmp_path)  # a directory
+
+
+@pytest.mark.parametrize("override,message", [
+    (["--distributed.num_processes", "2"],
+     "distributed.coordinator_address='' must be host:port (process 0's) with "
+     "distributed.num_processes=2"),
+    (["--distributed.num_processes", "2", "--distributed.coordinator_address", "h:1"],
+     "distributed.process_id=-1 must be in [0, 2) with distributed.num_processes=2"),
+    (["--distributed.process_id", "1"],
+     "distributed.process_id=1 needs distributed.num_processes > 1"),
+    (["--distributed.initialization_timeout", "0"],
+     "distributed.initialization_timeout=0 must be >= 1 seconds"),
+    (["--distributed.num_processes", "-2"], "distributed.num_processes=-2 must be >= 1, or 0"),
+])
+def test_bad_distributed_settings_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, override)

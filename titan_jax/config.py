@@ -21,6 +21,7 @@ from titan_jax.config_schema import (
     ActivationCheckpoint,
     Checkpoint,
     ConfigError,
+    Distributed,
     Job,
     JobConfig,
     LRScheduler,
@@ -35,7 +36,7 @@ from titan_jax.config_schema import (
 )
 
 # The schema's names are part of this module's interface (`from titan_jax.config import ...`).
-__all__ = ["ActivationCheckpoint", "Checkpoint", "ConfigError", "Job", "JobConfig",
+__all__ = ["ActivationCheckpoint", "Checkpoint", "ConfigError", "Distributed", "Job", "JobConfig",
            "LRScheduler", "Metrics", "Model", "Moe", "Optimizer", "Parallelism", "Profiling",
            "Training", "Validation", "load_config", "parse_overrides", "validate"]
 
@@ -265,7 +266,29 @@ def validate(config: JobConfig) -> None:
     _require(1 <= pr.profile_steps <= pr.profile_freq,
              f"profiling.profile_steps={pr.profile_steps} must be in [1, profile_freq="
              f"{pr.profile_freq}]")
+    _check_distributed(config.distributed)
     c = config.checkpoint
     _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
     _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 "
              "(0 keeps all)")
+
+
+def _check_distributed(d: Distributed) -> None:
+    _require(d.initialization_timeout >= 1,
+             f"distributed.initialization_timeout={d.initialization_timeout} must be >= 1 seconds")
+    _require(d.num_processes >= 0,
+             f"distributed.num_processes={d.num_processes} must be >= 1, or 0 to auto-detect")
+    if d.num_processes > 1:
+        host, _, port = d.coordinator_address.rpartition(":")
+        _require(bool(host) and port.isdigit(),
+                 f"distributed.coordinator_address={d.coordinator_address!r} must be host:port "
+                 f"(process 0's) with distributed.num_processes={d.num_processes}")
+        _require(0 <= d.process_id < d.num_processes,
+                 f"distributed.process_id={d.process_id} must be in [0, "
+                 f"{d.num_processes}) with distributed.num_processes={d.num_processes}")
+    else:
+        explicit = [f"{k}={v!r}" for k, v in (("coordinator_address", d.coordinator_address),
+                                              ("process_id", d.process_id))
+                    if v not in ("", -1)]
+        _require(not explicit, f"distributed.{explicit[0] if explicit else ''} needs "
+                 "distributed.num_processes > 1 (the number of processes in the job)")

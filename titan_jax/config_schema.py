@@ -172,6 +172,23 @@ class Profiling:
 
 
 @dataclasses.dataclass
+class Distributed:
+    """Multi-process (multi-host) runs: `jax.distributed.initialize` before any device is used.
+
+    Explicit: the same command on every host with `num_processes` > 1, the same
+    `coordinator_address` (host:port of process 0) and each host's own `process_id`. Unset
+    (the defaults): one process, except on TPU hosts, where JAX detects the cluster (TPU VMs,
+    GKE, multislice) unless the environment names a single host.
+    """
+
+    coordinator_address: str = ""  # "host:port" of process 0; "" = auto-detect
+    num_processes: int = 0  # 0 = auto-detect (TPU hosts; 1 elsewhere); 1 = never initialize
+    process_id: int = -1  # this process's index in [0, num_processes); -1 = auto-detect
+    # Seconds to wait for every process to reach the coordinator before failing.
+    initialization_timeout: int = 300
+
+
+@dataclasses.dataclass
 class JobConfig:
     job: Job = dataclasses.field(default_factory=Job)
     model: Model = dataclasses.field(default_factory=Model)
@@ -187,6 +204,7 @@ class JobConfig:
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
     validation: Validation = dataclasses.field(default_factory=Validation)
     profiling: Profiling = dataclasses.field(default_factory=Profiling)
+    distributed: Distributed = dataclasses.field(default_factory=Distributed)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -29,3 +29,12 @@ def default_to_cpu_without_accelerator() -> str | None:
     if "JAX_PLATFORMS" not in os.environ and not has_accelerator_device():
         os.environ["JAX_PLATFORMS"] = "cpu"
     return os.environ.get("JAX_PLATFORMS")
+
+
+def is_tpu_host() -> bool:
+    """Whether JAX will run on TPUs here, decided before JAX starts: JAX_PLATFORMS names tpu,
+    or (unset) the host exposes a TPU device node."""
+    platforms = os.environ.get("JAX_PLATFORMS")
+    if platforms:
+        return "tpu" in platforms.split(",")
+    return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICE_GLOBS[:2])

@@ -5,7 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from titan_jax.data.dataset import build_train_iterator, load_documents
+from titan_jax.data.dataset import load_documents
+from titan_jax.data.stream import build_train_iterator
 from titan_jax.data.tokenizer import load_tokenizer
 
 TOK = load_tokenizer()
@@ -61,10 +62,11 @@ def test_batch_shapes_dtypes_and_shifted_labels():
 
 def test_stream_is_shuffled_documents_with_eos_reshuffled_each_epoch(tmp_path):
     path = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
-    it = _iterator(dataset="jsonl", dataset_path=str(path), seq_len=16, global_batch_size=4)
+    # One row: its lane is the whole document stream.
+    it = _iterator(dataset="jsonl", dataset_path=str(path), seq_len=16, global_batch_size=1)
     tokenized = [TOK.encode(d) for d in DOCS]
     three_epochs = 3 * sum(len(t) + 1 for t in tokenized)
-    stream = _windows(_take(it, three_epochs // (4 * 17) + 1)).reshape(-1).tolist()
+    stream = _windows(_take(it, three_epochs // 17 + 1)).reshape(-1).tolist()
 
     pieces, start = [], 0
     for i, token in enumerate(stream):
@@ -76,6 +78,21 @@ def test_stream_is_shuffled_documents_with_eos_reshuffled_each_epoch(tmp_path):
     for order in orders:
         assert sorted(order) == list(range(20))  # every document exactly once per epoch
     assert orders[0] != list(range(20)) and len({tuple(o) for o in orders}) == 3
+
+
+def test_row_r_packs_documents_r_r_plus_g_r_plus_2g_of_the_stream(tmp_path):
+    from titan_jax.data.stream import _DocumentOrder
+
+    path = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    g, seq_len = 3, 40
+    batches = _take(_iterator(dataset="jsonl", dataset_path=str(path), seq_len=seq_len,
+                              global_batch_size=g, seed=5), 6)
+    order = _DocumentOrder(len(DOCS), 5)
+    for r in range(g):
+        lane = np.concatenate([[*TOK.encode(DOCS[order[r + j * g]]), TOK.eos_id]
+                               for j in range(40)])
+        windows = np.concatenate([np.r_[b["inputs"][r], b["labels"][r, -1:]] for b in batches])
+        np.testing.assert_array_equal(windows, lane[:len(windows)])
 
 
 def test_same_seed_same_batches_other_seed_differs():
@@ -100,32 +117,48 @@ def test_state_restore_after_json_round_trip_at_every_step(tmp_path):
         _assert_same([next(it)], reference[step : step + 1])
 
 
-def test_process_slices_union_is_the_global_batch():
-    global_batches = _take(_iterator(), 3)
-    locals_ = [_take(_iterator(process_index=p, process_count=2), 3) for p in range(2)]
-    for step, batch in enumerate(global_batches):
-        for key in ("inputs", "labels"):
-            assert locals_[0][step][key].shape == (4, 32)
-            joined = np.concatenate([locals_[p][step][key] for p in range(2)])
-            np.testing.assert_array_equal(joined, batch[key])
+def test_row_subsets_are_the_global_batch_and_tokenize_only_their_rows():
+    full = _iterator()
+    global_batches = _take(full, 3)
+    for parts in ([range(4), range(4, 8)], [[0, 2, 5], [1, 3, 4, 6, 7]]):
+        iterators = [_iterator(rows=rows) for rows in parts]
+        locals_ = [_take(it, 3) for it in iterators]
+        for step, batch in enumerate(global_batches):
+            for key in ("inputs", "labels"):
+                for rows, local in zip(parts, locals_, strict=True):
+                    np.testing.assert_array_equal(local[step][key], batch[key][list(rows)])
+        # Each row is its own lane: the parts read the whole batch's documents between them.
+        assert sum(it.documents_read for it in iterators) == full.documents_read
+        assert all(0 < it.documents_read < full.documents_read for it in iterators)
 
 
 def test_state_moves_between_process_counts():
+    """Two processes' gathered state resumes one process, and one's resumes two."""
     single = _iterator()
     _take(single, 2)
     state = single.get_state()
     expected = _take(single, 2)
-    second_half = _iterator(process_index=1, process_count=2)
-    second_half.set_state(state)
-    for got, want in zip(_take(second_half, 2), expected, strict=True):
-        np.testing.assert_array_equal(got["inputs"], want["inputs"][4:])
+    # Each half's get_state gathers both halves' positions (as process_allgather would).
+    gather = lambda _: np.stack([h.positions() for h in halves])  # noqa: E731
+    halves = [_iterator(rows=range(4), all_gather=gather), _iterator(rows=range(4, 8))]
+    for half in halves:
+        half.set_state(state)
+    for step, want in enumerate(expected):
+        got = [next(half) for half in halves]
+        np.testing.assert_array_equal(np.concatenate([g["inputs"] for g in got]),
+                                      want["inputs"], err_msg=f"step {step}")
+    resumed = _iterator()
+    resumed.set_state(json.loads(json.dumps(halves[0].get_state())))
+    _assert_same(_take(resumed, 2), _take(single, 2))
+    with pytest.raises(ValueError, match=r"no process reads rows \[0, 1, 2, 3\]"):
+        halves[1].get_state()
 
 
 def test_state_from_another_stream_is_refused():
     state = _iterator(seq_len=32).get_state()
     with pytest.raises(ValueError, match="seq_len=32 vs 64"):
         _iterator(seq_len=64).set_state(state)
-    with pytest.raises(ValueError, match="no version 1 position"):
+    with pytest.raises(ValueError, match="no version 2 position"):
         _iterator().set_state({"step": 3})
 
 
@@ -249,11 +282,8 @@ def test_hf_disk_missing_column_and_split(tmp_path):
     "overrides, match",
     [
         (dict(seq_len=0), "seq_len=0 must be >= 1"),
-        (
-            dict(global_batch_size=6, process_count=4),
-            "global_batch_size=6 must be a positive multiple of process_count=4",
-        ),
-        (dict(process_index=2, process_count=2), r"process_index=2 is not in \[0, 2\)"),
+        (dict(rows=[3, 8]), r"rows \[3, 8\] are not rows of a global batch of 8"),
+        (dict(rows=[]), r"rows \[\] are not rows of a global batch of 8"),
         (dict(seed=-1), r"seed=-1 must be in \[0, 2\*\*32\)"),
     ],
 )
@@ -279,7 +309,7 @@ def test_validation_batches_are_deterministic_and_held_out():
     assert list(first[0]["inputs"][0]) + [first[0]["labels"][0, -1]] == expected
     everything = list(validation_batches(**kwargs))  # -1: the whole slice once
     assert len(everything) > 3
-    halves = [list(validation_batches(**kwargs, max_batches=2, process_index=i,
-                                      process_count=2)) for i in (0, 1)]
+    halves = [list(validation_batches(**kwargs, max_batches=2, rows=rows))
+              for rows in ([0, 1], [2, 3])]
     np.testing.assert_array_equal(np.concatenate([halves[0][0]["inputs"], halves[1][0]["inputs"]]),
                                   first[0]["inputs"])

@@ -1,4 +1,4 @@
-"""Document sources and the grain pipeline that turns them into packed (inputs, labels) batches.
+"""Document sources, and the validation batches cut from them in order.
 
 Sources (`dataset`, `dataset_path`, `text_field`):
   pydoc    CPython's embedded help text, `pydoc_data.topics.topics` (one document per topic,
@@ -12,19 +12,12 @@ Sources (`dataset`, `dataset_path`, `text_field`):
   hf_disk  a HF `datasets` dataset written by `save_to_disk` (split "train" of a DatasetDict).
 For text/jsonl/parquet, `dataset_path` is a file, a directory (searched recursively) or a glob.
 
-Pipeline (TorchTitan semantics): documents shuffled from `seed`, reshuffled every epoch, repeated
-forever -> tokenized lazily with EOS appended -> concatenated into one stream and cut into
-windows of seq_len + 1 tokens (a document that straddles a cut continues in the next window;
-no padding) -> global batches -> inputs = w[:-1], labels = w[1:].
+Training batches: `data/stream.py` (documents shuffled from a seed, tokenized with EOS,
+packed into seq_len + 1 windows, each process reading only its rows).
 
 Validation (`validation_batches`): a source's documents in order, read once, tokenized and cut
 into seq_len + 1 windows the same way; the same batches every time, so validation losses of
 different steps compare.
-
-Multi-process: every process computes the same global stream and keeps rows
-[process_index * local_rows, (process_index + 1) * local_rows) of each global batch. Tokenizing the
-global batch everywhere costs little next to a train step, and it makes the global batch, and the
-iterator state, independent of process_count: a run can resume on a different number of hosts.
 """
 
 import glob
@@ -34,20 +27,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import grain
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from grain.experimental import ConcatThenSplitIterDataset
 
 from titan_jax.data.tokenizer import Tokenizer
 from titan_jax.errors import TitanJaxError
 
 DATASETS = ("pydoc", "text", "jsonl", "parquet", "hf_disk")
-STATE_VERSION = 1
-# Documents tokenized ahead by one background thread: enough to hide tokenization behind a
-# train step, small enough that a few huge documents cannot eat the host's memory.
-PREFETCH_DOCS = 16
 # The embedded corpus's held-out slice: every 10th topic in sorted order (8 of 79 topics,
 # ~10k of ~128k tokens with the shipped tokenizer).
 PYDOC_HELD_OUT_EVERY = 10
@@ -207,112 +194,12 @@ def _hf_disk_texts(path: str, field: str) -> _HFTexts:
     return _HFTexts(ds, field)
 
 
-class TrainIterator:
-    """Yields {"inputs", "labels"}: int32 (global_batch_size // process_count, seq_len).
-
-    `get_state()` is a small JSON-serialisable dict: the position in the global stream plus the
-    settings that define the stream; `set_state()` refuses a state from a different stream.
-    """
-
-    def __init__(self, windows: grain.DatasetIterator, config: dict[str, Any]):
-        self._windows = windows
-        self._config = config
-
-    def __iter__(self) -> "TrainIterator":
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        w = next(self._windows)
-        return {"inputs": np.ascontiguousarray(w[:, :-1]), "labels": np.ascontiguousarray(w[:, 1:])}
-
-    def get_state(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "config": dict(self._config),
-            "grain": self._windows.get_state(),
-        }
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION or "grain" not in state:
-            raise DataError(
-                f"data iterator state has no version {STATE_VERSION} position: {state}"
-            )
-        saved = state.get("config", {})
-        diff = {k: (saved.get(k), v) for k, v in self._config.items() if saved.get(k) != v}
-        if diff:
-            raise DataError(
-                "data iterator state belongs to another stream (saved, current): "
-                + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items())
-            )
-        self._windows.set_state(_lists_to_tuples(state["grain"]))
-
-
-def _lists_to_tuples(x: Any) -> Any:
-    # JSON turns grain's (start, stop) slice tuples into lists; grain compares them against a
-    # (-1, -1) tuple sentinel, so a list would wrongly read as "has a remainder".
-    if isinstance(x, dict):
-        return {k: _lists_to_tuples(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return tuple(_lists_to_tuples(v) for v in x)
-    return x
-
-
-def build_train_iterator(
-    *,
-    dataset: str,
-    dataset_path: str,
-    text_field: str,
-    tokenizer: Tokenizer,
-    seq_len: int,
-    global_batch_size: int,
-    seed: int,
-    process_index: int = 0,
-    process_count: int = 1,
-) -> TrainIterator:
-    """The training stream of one process; see the module docstring for its semantics."""
-    if seq_len < 1:
-        raise DataError(f"seq_len={seq_len} must be >= 1")
-    if not 0 <= process_index < process_count:
-        raise DataError(f"process_index={process_index} is not in [0, {process_count})")
-    if global_batch_size < 1 or global_batch_size % process_count:
-        raise DataError(
-            f"global_batch_size={global_batch_size} must be a positive multiple of "
-            f"process_count={process_count}"
-        )
-    if not 0 <= seed < 2**32:
-        raise DataError(f"seed={seed} must be in [0, 2**32) (grain's shuffle seed)")
-    docs = load_documents(dataset, dataset_path, text_field)
-
-    ds = (
-        grain.MapDataset.source(docs)
-        .shuffle(seed=seed)
-        .repeat(None)  # reseeds the shuffle every epoch
-        .map(_tokenize_fn(tokenizer))
-        .to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=PREFETCH_DOCS))
-    )
-    ds = ConcatThenSplitIterDataset(ds, length_struct={"tokens": seq_len + 1})
-    local_rows = global_batch_size // process_count
-    rows = slice(process_index * local_rows, (process_index + 1) * local_rows)
-    windows = ds.batch(global_batch_size).map(lambda b: b["tokens"][rows])
-
-    config = {
-        "dataset": dataset,
-        "text_field": text_field,
-        "num_documents": len(docs),
-        "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id,
-        "seq_len": seq_len,
-        "global_batch_size": global_batch_size,
-        "seed": seed,
-    }
-    return TrainIterator(iter(windows), config)
-
-
-def _tokenize_fn(tokenizer: Tokenizer) -> Callable[[str], dict[str, np.ndarray]]:
+def tokenize_fn(tokenizer: Tokenizer) -> Callable[[str], np.ndarray]:
+    """A document -> its int32 tokens with EOS appended."""
     eos = tokenizer.eos_id
 
-    def tokenize(text: str) -> dict[str, np.ndarray]:
-        return {"tokens": np.array([*tokenizer.encode(text), eos], dtype=np.int32)}
+    def tokenize(text: str) -> np.ndarray:
+        return np.array([*tokenizer.encode(text), eos], dtype=np.int32)
 
     return tokenize
 
@@ -326,22 +213,22 @@ def validation_batches(
     seq_len: int,
     global_batch_size: int,
     max_batches: int = -1,
-    process_index: int = 0,
-    process_count: int = 1,
+    rows: Sequence[int] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """This process's rows of up to `max_batches` (-1: all) validation batches: the "validation"
+    """`rows` (None: all) of up to `max_batches` (-1: all) validation batches: the "validation"
     split's documents in order, with EOS, concatenated and cut into seq_len + 1 windows; a last
-    incomplete batch is dropped. Deterministic: every call yields the same batches."""
+    incomplete batch is dropped. Deterministic: every call yields the same batches. Every
+    process reads the whole (small) split; it keeps the rows its devices hold."""
     docs = load_documents(dataset, dataset_path, text_field, split="validation")
-    tokenize = _tokenize_fn(tokenizer)
-    window, local_rows = seq_len + 1, global_batch_size // process_count
-    rows = slice(process_index * local_rows, (process_index + 1) * local_rows)
+    tokenize = tokenize_fn(tokenizer)
+    window = seq_len + 1
+    rows = list(range(global_batch_size) if rows is None else sorted(set(rows)))
     buffer = np.zeros(0, np.int32)
     produced = 0
     for doc in docs:
         if produced == max_batches:
             return
-        buffer = np.concatenate([buffer, tokenize(doc)["tokens"]])
+        buffer = np.concatenate([buffer, tokenize(doc)])
         while len(buffer) >= window * global_batch_size and produced != max_batches:
             batch = buffer[: window * global_batch_size].reshape(global_batch_size, window)[rows]
             buffer = buffer[window * global_batch_size:]

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.data.dataset import build_train_iterator
+from titan_jax.data.stream import build_train_iterator
 from titan_jax.data.tokenizer import load_tokenizer
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def, get_flavor
 from titan_jax.models.qwen3.hf import iter_hf_tensors, load_hf_params, save_hf

@@ -77,8 +77,7 @@ class Validator:
             dataset=v.validation.dataset, dataset_path=v.validation.dataset_path,
             text_field=v.training.text_field, tokenizer=self.tokenizer,
             seq_len=v.validation.seq_len, global_batch_size=self.global_batch_size,
-            max_batches=max_batches, process_index=jax.process_index(),
-            process_count=jax.process_count())
+            max_batches=max_batches, rows=self.trainer.batch_rows(self.global_batch_size))
 
     def should_validate(self, step: int) -> bool:
         return step % self.config.validation.freq == 0 or step == self.config.training.steps
@@ -90,7 +89,8 @@ class Validator:
         n_batches = 0
         with jax.set_mesh(self.trainer.mesh):
             for local in self._batches(self.config.validation.steps):
-                out = self._step(params, buffers, self.trainer.put_batch(local))
+                batch = self.trainer.put_batch(local, self.global_batch_size)
+                out = self._step(params, buffers, batch)
                 loss_sum, n_tokens = loss_sum + out["loss_sum"], n_tokens + out["n_tokens"]
                 n_batches += 1
         loss_sum, n_tokens = (float(x) for x in jax.device_get((loss_sum, n_tokens)))

@@ -30,8 +30,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.data.dataset import TrainIterator, build_train_iterator
+from titan_jax.data.stream import TrainIterator, build_train_iterator
 from titan_jax.data.tokenizer import load_tokenizer
+from titan_jax.parallel.distributed import JobFailures, initialize_distributed
 from titan_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -42,7 +43,7 @@ from titan_jax.train.metrics import MetricsLogger, format_validation_line, memor
 from titan_jax.train.model_io import export_hf
 from titan_jax.train.peak_flops import peak_flops_per_device
 from titan_jax.train.profiling import StepProfiler
-from titan_jax.train.run_lock import RunLock
+from titan_jax.train.run_lock import RunLock, prepare_dump_folder
 from titan_jax.train.run_log import RunLog
 from titan_jax.train.start import check_initial_load_path, load_start
 from titan_jax.train.step import TrainState
@@ -122,8 +123,27 @@ def build_data(config: JobConfig, trainer: Trainer) -> TrainIterator:
     return build_train_iterator(
         dataset=t.dataset, dataset_path=t.dataset_path, text_field=t.text_field,
         tokenizer=tokenizer, seq_len=t.seq_len, global_batch_size=trainer.global_batch_size,
-        seed=t.seed, process_index=jax.process_index(), process_count=jax.process_count(),
+        seed=t.seed, rows=trainer.batch_rows(),
+        all_gather=multihost_utils.process_allgather if jax.process_count() > 1 else None,
     )
+
+
+def _rows_text(rows: np.ndarray) -> str:
+    """Row numbers as ranges: 0-3,8-11."""
+    runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs if len(r))
+
+
+def data_summary(data: TrainIterator) -> str:
+    """Which rows of the global batch each process read and how many documents it tokenized
+    (a collective: every process calls it)."""
+    mine = np.zeros(data.global_batch_size + 1, np.int32)
+    mine[data.rows] = 1
+    mine[-1] = data.documents_read
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    return "data: " + ", ".join(
+        f"process {p} read rows {_rows_text(np.flatnonzero(a[:-1]))} ({a[-1]} documents)"
+        for p, a in enumerate(every))
 
 
 class _StepReporter:
@@ -217,7 +237,18 @@ def _scalars(metrics: dict[str, np.ndarray]) -> dict[str, float]:
 
 
 def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResult:
-    """Trains (or resumes) up to `training.steps`; returns this run's losses and final state."""
+    """Trains (or resumes) up to `training.steps`; returns this run's losses and final state.
+
+    Joins the multi-process job of `[distributed]` first; with several processes, an error on
+    one of them ends all of them with its message (`JobFailures`).
+    """
+    initialize_distributed(config.distributed)
+    with JobFailures() as failures:
+        return _train(config, devices, failures)
+
+
+def _train(config: JobConfig, devices: list[jax.Device] | None,
+           failures: JobFailures) -> RunResult:
     trainer = build_trainer(config, devices)
     data = build_data(config, trainer)
     validator = (Validator(config, trainer, load_tokenizer(config.model.tokenizer_path))
@@ -229,6 +260,8 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
         # One run per dump folder, taken before anything is written there.
         if jax.process_index() == 0:
             stack.enter_context(RunLock(config.job.dump_folder))
+        else:  # the lock is process 0's; a host of its own may still lack the folder
+            prepare_dump_folder(config.job.dump_folder)
         stack.enter_context(RunLog(config.job.dump_folder))
         # Closed (waiting for an in-flight save) on every exit, errors and signals included.
         ckpt = stack.enter_context(Checkpointer.from_config(config, trainer)) if c.enable else None
@@ -241,6 +274,8 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
             run_config=config.to_dict(), keep_through=start.step))
         stop = stack.enter_context(StopSignals(logger.info))
         profiler = stack.enter_context(StepProfiler(config))
+        # Exits first: the other processes hear of an error before cleanups that wait on them.
+        stack.enter_context(failures.guard())
         args = trainer.model.args
         logger.info(
             f"{config.model.name} {config.model.flavor}: "
@@ -295,6 +330,8 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
             reporter.report(*pending)
         if ckpt is not None:
             ckpt.wait()
+        if jax.process_count() > 1:
+            logger.info(data_summary(data))
         losses = reporter.losses
         first = min(losses)
         if stopped and step < total:

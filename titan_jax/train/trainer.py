@@ -125,10 +125,26 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             return self._jitted_step.lower(state, batch)
 
-    def put_batch(self, local: dict[str, np.ndarray]) -> Batch:
-        """This process's rows -> global arrays sharded over the data-parallel axes."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+    def batch_rows(self, global_batch_size: int | None = None) -> list[int]:
+        """The rows of a global batch that this process's devices hold, ascending: read off the
+        batch sharding, not the process index (with tensor parallelism across hosts, several
+        processes hold the same rows)."""
+        n = self.global_batch_size if global_batch_size is None else global_batch_size
+        return held_rows(self.batch_sharding, n, self.mesh.local_devices)
+
+    def put_batch(self, local: dict[str, np.ndarray],
+                  global_batch_size: int | None = None) -> Batch:
+        """This process's `batch_rows` -> global arrays sharded over the data-parallel axes."""
+        n = self.global_batch_size if global_batch_size is None else global_batch_size
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v,
+                                                          (n, *v.shape[1:]))
                 for k, v in local.items()}
+
+
+def held_rows(sharding: NamedSharding, n_rows: int, devices: list[jax.Device]) -> list[int]:
+    """Rows of an (n_rows, ...) array sharded by `sharding` that `devices` hold, ascending."""
+    index = sharding.devices_indices_map((n_rows, 1))
+    return sorted({r for d in devices for r in range(n_rows)[index[d][0]]})
 
 
 def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,

@@ -1,0 +1,103 @@
+"""Two `titan-jax train` processes x 4 CPU devices (jax.distributed over 127.0.0.1) against one
+process with 8 devices: the same recipe gives the same losses, each process tokenizes only the
+rows its devices hold, and checkpoints move between the two layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.parallel.test_distributed import _free_port
+from titan_jax.data.stream import build_train_iterator
+from titan_jax.data.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 4
+COMMON = ["train", "--config", str(ROOT / "configs" / "qwen3_debug.toml"),
+          "--training.steps", str(STEPS), "--training.seq_len", "32",
+          "--training.local_batch_size", "1", "--lr_scheduler.warmup_steps", "2",
+          "--metrics.log_freq", "1", "--metrics.progress_bar", "false",
+          "--metrics.peak_flops", "1e12", "--validation.freq", str(STEPS),
+          "--validation.steps", "1", "--validation.local_batch_size", "1",
+          "--validation.seq_len", "32", "--checkpoint.enable", "true",
+          "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+pytestmark = pytest.mark.slow
+
+
+def train(dump: Path, processes: int) -> list[str]:
+    """Runs the recipe in `dump` on 1 process x 8 devices or 2 x 4; returns each one's stdout."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    port = _free_port()
+    distributed = lambda i: [] if processes == 1 else [  # noqa: E731
+        "--distributed.num_processes", str(processes), "--distributed.process_id", str(i),
+        "--distributed.coordinator_address", f"127.0.0.1:{port}"]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "titan_jax.cli", *COMMON, "--job.dump_folder", str(dump),
+         "--job.cpu_devices", str(8 // processes), *distributed(i)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(processes)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out + err
+    return [out for out, _ in outs]
+
+
+def metrics(dump: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert len({r["step"] for r in records}) == len(records)  # each step once: one writer
+    return {r["step"]: r for r in records}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multihost")
+    return {n: (root / f"p{n}", train(root / f"p{n}", n)) for n in (1, 2)}
+
+
+def _losses(dump: Path, key: str = "loss") -> dict[int, float]:
+    return {s: r[key] for s, r in metrics(dump).items() if r.get(key) is not None}
+
+
+def test_two_processes_train_like_one_and_read_only_their_rows(runs):
+    (single, _), (double, outs) = runs[1], runs[2]
+    for key in ("loss", "val_loss"):
+        assert _losses(double, key) == pytest.approx(_losses(single, key), rel=1e-6, abs=0)
+    assert len(_losses(double)) == STEPS
+    # Only process 0 prints (process 1's stdout holds at most the gloo library's own lines).
+    assert "step 1/4" in outs[0]
+    assert [line for line in outs[1].splitlines() if not line.startswith("[Gloo]")] == []
+    # Each process tokenized the documents of its own rows only: what the stream's rows 0-3 and
+    # 4-7 read in STEPS batches, which add up to what one process reads for all 8 rows.
+    kwargs = dict(dataset="pydoc", dataset_path="", text_field="text",
+                  tokenizer=load_tokenizer(""), seq_len=32, global_batch_size=8, seed=42)
+    counts = []
+    for rows in (range(4), range(4, 8), None):
+        it = build_train_iterator(**kwargs, rows=rows)
+        for _ in range(STEPS):
+            next(it)
+        counts.append(it.documents_read)
+    assert counts[0] + counts[1] == counts[2]
+    line = f"data: process 0 read rows 0-3 ({counts[0]} documents), process 1 read rows 4-7 " \
+           f"({counts[1]} documents)"
+    assert line in outs[0].splitlines()
+
+
+@pytest.mark.parametrize("saved_by, resumed_by", [(2, 1), (1, 2)])
+def test_a_checkpoint_moves_between_one_and_two_processes(runs, tmp_path, saved_by, resumed_by):
+    source, _ = runs[saved_by]
+    dump = tmp_path / "resumed"
+    shutil.copytree(source, dump)
+    shutil.rmtree(dump / "checkpoint" / str(STEPS))  # resume from step 2
+    outs = train(dump, resumed_by)
+    assert re.search(r"resuming at step 3 from checkpoint \S+/checkpoint/2", outs[0])
+    # The restore checks every array's checksum (bitwise), then trains on like the original.
+    resumed, original = _losses(dump), _losses(source)
+    assert resumed == pytest.approx(original, rel=1e-6, abs=0)
+    assert _losses(dump, "val_loss") == pytest.approx(_losses(source, "val_loss"), rel=1e-6)
