@@ -167,5 +167,7 @@ def save_anything_except_gathered_params(prim: Any, *_: Any, **params: Any) -> b
     """Remat policy: save every value except the gathered weights (reshard_after_forward).
 
     What is saved instead is the gather's input, this device's shard; backward gathers again.
+    Reshapes are not saved either: they are free to redo, and a reshaped gathered weight (a
+    kernel's 2-D view of it) would otherwise be kept in the weight's place.
     """
-    return not is_gathered_param(prim, params)
+    return prim.name != "reshape" and not is_gathered_param(prim, params)
