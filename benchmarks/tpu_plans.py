@@ -45,6 +45,8 @@ PLANS = (
          ("--activation_checkpoint.mode", "none")),
     Plan("8B v5p-8 remat selective", "configs/qwen3_8b.toml", "v5p-8",
          ("--activation_checkpoint.mode", "selective")),
+    Plan("8B v5p-8 remat offload", "configs/qwen3_8b.toml", "v5p-8",
+         ("--activation_checkpoint.mode", "offload")),
     Plan("8B v5p-8 xla attention", "configs/qwen3_8b.toml", "v5p-8",
          ("--model.attention", "xla")),
     Plan("32B v5p-32", "configs/qwen3_32b.toml", "v5p-32"),

@@ -41,7 +41,7 @@ def _moved_bytes(op: str, result_bytes: int, group: int) -> float:
 
 
 def _network(groups: list[list[int]], slice_of: list[int]) -> str:
-    """"dcn" when a device group spans slices, else "ici"."""
+    """`dcn` when a device group spans slices, else `ici`."""
     spans = any(len({slice_of[i] for i in g if i < len(slice_of)}) > 1 for g in groups)
     return "dcn" if spans else "ici"
 
