@@ -9,6 +9,9 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Once JAX's thread pool has run, torch's spinning OpenMP workers slow it ~20x on 2 cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The two test workers (pytest-xdist) both load libtpu for ahead-of-time TPU compiles; without
+# this the second one fails on libtpu's multi-process lockfile. No TPU is ever opened here.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split()
      if not f.startswith("--xla_force_host_platform_device_count")]
