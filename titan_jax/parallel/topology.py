@@ -71,9 +71,6 @@ class TpuSlice:
         shapes = _SHAPES_3D if self.chip.generation in ("v4", "v5p") else _SHAPES_2D
         return f"{self.chip.generation}:{shapes[self.chips]}"
 
-    @property
-    def total_chips(self) -> int:
-        return self.chips * self.num_slices
 
 
 def valid_names() -> list[str]:
@@ -118,12 +115,3 @@ def compile_only_devices(tpu: TpuSlice) -> list[Any]:
     return list(topologies.get_topology_desc(
         platform="tpu", topology_name=tpu.libtpu_name, **kwargs).devices)
 
-
-def chip_of(device: Any) -> Chip | None:
-    """The chip constants of a TPU device (by its device_kind), None for other devices."""
-    kind = device.device_kind.lower()
-    for needle, generation in (("v5 lite", "v5e"), ("v5e", "v5e"), ("v6 lite", "v6e"),
-                               ("v6e", "v6e"), ("v5", "v5p"), ("v4", "v4")):
-        if kind.startswith("tpu") and needle in kind:
-            return CHIPS[generation]
-    return None

@@ -18,7 +18,6 @@ import jax
 import numpy as np
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.models.attention import resolve_attention
 from titan_jax.parallel.topology import Chip, TpuSlice, compile_only_devices, parse_slice
 from titan_jax.tools import hlo_stats, inspect
 from titan_jax.train.trainer import Trainer, build_trainer
@@ -125,9 +124,7 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
         "fsdp_implementation": trainer.fsdp.implementation,
         "param_dtype": np.dtype(trainer.options.param_dtype).name,
         "activation_checkpoint": config.activation_checkpoint.mode,
-        "attention": resolve_attention(config.model.attention, "tpu",
-                                       trainer.options.param_dtype,
-                                       {"training.seq_len": config.training.seq_len}),
+        "attention": trainer.attention,
         "tokens_per_step": trainer.tokens_per_step,
         "analytic_flops_per_step": analytic,
         # What the program executes (remat recomputation included), counted from its matmuls.

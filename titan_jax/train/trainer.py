@@ -69,6 +69,7 @@ class Trainer:
     state_shardings: Any
     batch_sharding: NamedSharding
     fsdp: SimpleFSDP  # how weights are gathered at use and their gradients reduced
+    attention: str  # the attention kernel `model.attention` resolved to for the devices
 
     @property
     def global_batch_size(self) -> int:
@@ -223,4 +224,4 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     fsdp = SimpleFSDP(rules, layouts, buffer_specs, implementation,
                       jnp.dtype(t.mixed_precision_reduce))
     return Trainer(config, mesh, degrees, spec, model, rules, schedule, optimizer, options,
-                   state_shardings, batch_sharding, fsdp)
+                   state_shardings, batch_sharding, fsdp, attention)
