@@ -32,6 +32,15 @@ class Model:
     # CPU), "cudnn" (cuDNN fused attention, GPU, bf16). "auto": splash on TPU, cudnn on GPU with
     # bf16 compute, xla otherwise (by the devices trained on, also when compiling ahead of time).
     attention: Literal["auto", "xla", "splash", "cudnn"] = "auto"
+    # RoPE: "default" (the flavour's: plain) or "yarn" (YaRN as HF computes it, from the yarn_*
+    # keys; HF's rope_parameters). Qwen3 reaches 128K from its native 32K: factor 4, 32768.
+    rope_type: Literal["default", "yarn"] = "default"
+    yarn_factor: float = 4.0  # >= 1: how much longer than the original window
+    yarn_original_max_position_embeddings: int = 32768  # the window pre-training used
+    yarn_beta_fast: float = 32.0  # dims turning more often than this over it are kept
+    yarn_beta_slow: float = 1.0  # dims turning less often than this are interpolated
+    yarn_attention_factor: float = 0.0  # cos/sin scale; 0 = 0.1 * ln(factor) + 1 (HF)
+    yarn_truncate: bool = True  # round the ramp's ends to whole dims (HF's default)
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ import numpy as np
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.stream import build_train_iterator
 from titan_jax.data.tokenizer import load_tokenizer
-from titan_jax.models.qwen3 import Qwen3Args, build_model_def, get_flavor
+from titan_jax.models.qwen3 import QWEN3, Qwen3Args, build_model_def, get_flavor
 from titan_jax.models.qwen3.hf import iter_hf_tensors, load_hf_params, save_hf
 from titan_jax.models.qwen3.hf_config import read_hf_config
 from titan_jax.models.qwen3.hf_tensors import fused_expert_layout
@@ -292,6 +292,10 @@ def run_parity(args: Qwen3Args, hf_dir: str | Path, *,
             if result.unavailable is None:
                 _compare_hf(result, args, hf_dir, our_logits, our_loss, our_grads, tokens,
                             prompt_len, inputs, labels)
+        elif args.yarn is not None:
+            result.unavailable = ("torchtitan's YaRN RoPE leaves out HF's attention factor on "
+                                  "cos/sin, so it is no reference for it (compare with "
+                                  "--reference hf)")
         elif args.is_moe:
             result.unavailable = ("torchtitan's Qwen3-MoE reference is not wired into titan-jax "
                                   "parity yet (compare with --reference hf)")
@@ -391,7 +395,7 @@ def run_from_config(config: JobConfig, hf_checkpoint: str | Path | None = None, 
     with tempfile.TemporaryDirectory(prefix="titan_jax_parity_") as tmp:
         if hf_checkpoint is None:
             progress(f"random init of model.flavor={config.model.flavor}, export to HF")
-            args = get_flavor(config.model.flavor)
+            args = QWEN3.configure(get_flavor(config.model.flavor), config)
             params = jax.jit(build_model_def(args).init)(jax.random.key(seed))
             save_hf(tmp, params, args)
             del params  # every side loads its own copy from the files
