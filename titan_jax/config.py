@@ -222,7 +222,7 @@ def validate(config: JobConfig) -> None:
         f"training.max_consecutive_bad_steps={t.max_consecutive_bad_steps} must be >= 1",
     )
     for name in ("data_parallel_replicate_degree", "tensor_parallel_degree",
-                 "expert_parallel_degree"):
+                 "expert_parallel_degree", "context_parallel_degree"):
         degree = getattr(p, name)
         _require(degree >= 1, f"parallelism.{name}={degree} must be >= 1")
     _require(

@@ -77,11 +77,17 @@ class Parallelism:
     # Experts split over this many of the data-parallel shard ranks (MoE flavours only); the
     # token dispatch and combine are all-to-alls over it.
     expert_parallel_degree: int = 1
+    # Context parallelism: each sequence split over this many devices (a `cp` mesh axis), in
+    # 2 x cp chunks, rank i holding chunks i and 2cp-1-i so causal work is equal; attention
+    # all-gathers K/V over cp. Weights are also sharded over cp (one more FSDP axis).
+    # training.seq_len (and validation.seq_len) must divide by 2 x cp.
+    context_parallel_degree: int = 1
     # "default" = "always": free the gathered weight after forward, re-gather in backward.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit
     # all_gather/psum_scatter twin (same rules, same losses), which also hosts expert
-    # parallelism's all-to-alls. "auto": shard_map with expert parallelism, else jit.
+    # parallelism's all-to-alls and context parallelism's K/V gathers. "auto": shard_map with
+    # expert or context parallelism, else jit.
     fsdp_implementation: Literal["auto", "jit", "shard_map"] = "auto"
     # Slices joined over the data-centre network (DCN); -1: from the devices (TPU multislice
     # devices know their slice; others make one slice). The DCN axis carries HSDP's replicate

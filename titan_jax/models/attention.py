@@ -22,10 +22,12 @@ import jax
 import jax.numpy as jnp
 
 from titan_jax.config import ConfigError
-from titan_jax.models.sharding_hooks import run_per_shard
+from titan_jax.models.sharding_hooks import run_per_shard, sequence_split
 
 Array = jax.Array
 ATTENTION_BACKENDS = ("auto", "xla", "splash", "cudnn")
+# Backends that run under context parallelism (a query shard against gathered K/V).
+CP_ATTENTION = ("xla",)
 Q_AXES = ("batch", "seq", "heads", "head_dim")
 KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 # Splash tiles, largest first: the kernel needs kv blocks that are multiples of 128 lanes; 512
@@ -79,13 +81,19 @@ def splash_block(seq_len: int, field: str = "training.seq_len") -> int:
                       "model.attention=xla")
 
 
-def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float) -> Array:
-    """Causal softmax attention; each group of n_heads/n_kv query heads shares one kv head."""
+def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
+                         q_pos_T: Array | None = None, k_pos_S: Array | None = None) -> Array:
+    """Causal softmax attention; each group of n_heads/n_kv query heads shares one kv head.
+    q_pos_T, k_pos_S: the tokens' positions when they are not 0..T-1 and 0..S-1 (context
+    parallelism: a shard of queries against the gathered keys); the mask is then by position."""
     b, t, n, h = q_BTNH.shape
     kv = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    causal_TS = jnp.tril(jnp.ones((t, k_BSKH.shape[1]), dtype=bool))
+    if q_pos_T is None:
+        causal_TS = jnp.tril(jnp.ones((t, k_BSKH.shape[1]), dtype=bool))
+    else:
+        causal_TS = q_pos_T[:, None] >= k_pos_S[None, :]
     scores = jnp.where(causal_TS, scores * scale, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)  # fp32 softmax, as HF
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH)
@@ -132,7 +140,18 @@ def _kernel(backend: str, platform: str, scale: float) -> Callable[[Array, Array
 def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, backend: str,
               platform: str) -> Array:
     """Causal GQA attention by `backend` (resolved: "xla" | "splash" | "cudnn"). The kernels
-    run per device shard (`run_per_shard`); XLA's einsums are partitioned by the compiler."""
+    run per device shard (`run_per_shard`); XLA's einsums are partitioned by the compiler.
+    Under context parallelism (`sequence_split`) q holds this shard's tokens and K/V are
+    gathered over the whole sequence first."""
+    split = sequence_split()
+    if split.degree > 1:
+        t = q_BTNH.shape[1]
+        k_BSKH, v_BSKH = split.gather(k_BSKH), split.gather(v_BSKH)
+        if backend != "xla":
+            raise ValueError(f"attention backend {backend!r} cannot run under context "
+                             "parallelism; use xla")
+        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, split.positions(t),
+                                    split.gathered_positions(t))
     if backend == "xla":
         return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale)
     return run_per_shard(_kernel(backend, platform, scale), (q_BTNH, k_BSKH, v_BSKH),

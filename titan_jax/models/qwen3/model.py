@@ -29,7 +29,12 @@ from jax.ad_checkpoint import checkpoint_name
 from titan_jax.models.attention import KV_AXES, Q_AXES, attention
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 from titan_jax.models.qwen3.moe import MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
-from titan_jax.models.sharding_hooks import GATHERED_PARAM, constrain, use_param
+from titan_jax.models.sharding_hooks import (
+    GATHERED_PARAM,
+    constrain,
+    sequence_split,
+    use_param,
+)
 
 Array = jax.Array
 
@@ -286,8 +291,9 @@ class Qwen3(nnx.Module):
         table_VD = use_param(self.tok_embeddings, dtype)
         with jax.named_scope("embed"):
             x_BTD = constrain(embed_lookup(table_VD, tokens_BT, table_VD.shape[0]), ACT_AXES)
-        cos_TH, sin_TH = rope_tables(jnp.arange(t), self.args.head_dim, self.args.rope_theta,
-                                     self.args.yarn)
+        # Global positions: under context parallelism this shard's tokens are two chunks.
+        cos_TH, sin_TH = rope_tables(sequence_split().positions(t), self.args.head_dim,
+                                     self.args.rope_theta, self.args.yarn)
         layers_def, layers_state = nnx.split(self.layers)
 
         def body(x_BTD: Array, layer: tuple[nnx.State, Array | None]

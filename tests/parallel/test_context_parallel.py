@@ -1,0 +1,137 @@
+"""Context parallelism: attention over a split sequence equals the unsplit attention (forward and
+gradients), training on cp meshes gives the one-device losses, and what cp cannot split is
+refused with one line naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from parallel_helpers import TINY, make_batches, run_losses, single_device_overrides, tiny_config
+
+from titan_jax.config import ConfigError
+from titan_jax.models.attention import attention, causal_gqa_attention
+from titan_jax.models.sharding_hooks import ShardingHooks, sharding_hooks
+from titan_jax.parallel.context_parallel import ContextParallel, load_balanced_order
+from titan_jax.train.trainer import build_trainer, check_context_parallel
+
+STEPS = 10
+
+
+def test_load_balanced_order_gives_rank_i_chunks_i_and_2cp_minus_1_minus_i():
+    np.testing.assert_array_equal(load_balanced_order(8, 2), [0, 1, 6, 7, 2, 3, 4, 5])
+    order = load_balanced_order(48, 4)
+    assert sorted(order) == list(range(48))
+    work = [np.sum(order[r * 12:(r + 1) * 12] + 1) for r in range(4)]  # keys each query sees
+    assert len(set(work)) == 1  # equal causal work on every rank
+
+
+@pytest.mark.parametrize("cp, heads, kv_heads", [(2, 4, 2), (4, 4, 1), (8, 2, 2)])
+def test_attention_under_cp_equals_unsplit_attention(cp, heads, kv_heads):
+    b, t, h = 2, 32, 8
+    keys = jax.random.split(jax.random.key(cp), 4)
+    q = jax.random.normal(keys[0], (b, t, heads, h))
+    k, v = (jax.random.normal(key, (b, t, kv_heads, h)) for key in keys[1:3])
+    w = jax.random.normal(keys[3], (b, t, heads, h))  # a cotangent that weighs every output
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
+    order = load_balanced_order(t, cp)
+
+    def split_attention(q, k, v):
+        with sharding_hooks(ShardingHooks(sequence=ContextParallel(cp))):
+            return attention(q, k, v, h**-0.5, "xla", "cpu")
+
+    split = jax.shard_map(split_attention, mesh=mesh, in_specs=P(None, "cp"),
+                          out_specs=P(None, "cp"))
+    loss = lambda f, w: lambda q, k, v: jnp.sum(f(q, k, v) * w)  # noqa: E731
+    want = causal_gqa_attention(q, k, v, h**-0.5)
+    got = split(q[:, order], k[:, order], v[:, order])
+    np.testing.assert_allclose(got, want[:, order], atol=2e-6)
+    want_grads = jax.grad(loss(lambda *a: causal_gqa_attention(*a, h**-0.5), w),
+                          argnums=(0, 1, 2))(q, k, v)
+    got_grads = jax.jit(jax.grad(loss(split, w[:, order]), argnums=(0, 1, 2)))(
+        q[:, order], k[:, order], v[:, order])
+    for g, want_g in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, want_g[:, order], atol=2e-5)
+
+
+def cp_overrides(cp: int, fsdp: int = 1, tp: int = 1, ep: int = 1) -> list[str]:
+    return ["--parallelism.context_parallel_degree", str(cp),
+            "--parallelism.data_parallel_shard_degree", str(fsdp * ep),
+            "--parallelism.tensor_parallel_degree", str(tp),
+            "--parallelism.expert_parallel_degree", str(ep),
+            "--training.local_batch_size", str(8 // (fsdp * ep)), "--training.steps", str(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return make_batches(STEPS)
+
+
+def one_device_run(args, batches, init=None):
+    trainer = build_trainer(tiny_config(*single_device_overrides(), "--training.steps",
+                                        str(STEPS)), jax.devices()[:1], model_args=args)
+    init = jax.device_get(trainer.init_state()) if init is None else init
+    return init, run_losses(trainer, init, batches)
+
+
+@pytest.fixture(scope="module")
+def dense_reference(batches):
+    return one_device_run(TINY, batches)
+
+
+@pytest.mark.parametrize("mesh", [dict(cp=2, fsdp=4), dict(cp=4, tp=2), dict(cp=8)],
+                         ids=["cp2_fsdp4", "cp4_tp2", "cp8"])
+def test_cp_losses_equal_one_device(dense_reference, batches, mesh):
+    init, want = dense_reference
+    trainer = build_trainer(tiny_config(*cp_overrides(**mesh)), model_args=TINY)
+    assert trainer.fsdp.implementation == "shard_map" and trainer.degrees.cp == mesh["cp"]
+    assert trainer.batch_sharding.spec == P(("dp_replicate", "fsdp", "ep"), "cp")
+    embed = trainer.state_shardings["params"]["layers"]["attention"]["wq"].spec[1]
+    assert "cp" in (embed if isinstance(embed, tuple) else (embed,))  # weights sharded over cp
+    np.testing.assert_allclose(run_losses(trainer, init, batches), want, rtol=1e-5)
+
+
+def test_moe_cp_losses_and_expert_bias_equal_one_device(batches):
+    moe = dataclasses.replace(TINY, num_experts=4, top_k=2, moe_inter_dim=32)
+    trainer1 = build_trainer(tiny_config(*single_device_overrides(), "--training.steps",
+                                         str(STEPS)), jax.devices()[:1], model_args=moe)
+    init = jax.device_get(trainer1.init_state())
+    # A sharp router: near-uniform init probabilities would flip top-k near-ties on rounding.
+    init["params"]["layers"]["moe"]["gate"] = init["params"]["layers"]["moe"]["gate"] * 50
+    trainer = build_trainer(tiny_config(*cp_overrides(cp=2, ep=2, fsdp=2)), model_args=moe)
+    states = []
+    for t in (trainer1, trainer):
+        state = jax.device_put(init, t.state_shardings)
+        losses = []
+        for batch in batches:
+            state, metrics = t.step_fn(state, t.put_batch(batch))
+            losses.append(float(metrics["loss"]))
+        states.append((np.array(losses), np.asarray(state["buffers"]["expert_bias"])))
+    (want, want_bias), (got, bias) = states
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert np.abs(want_bias).max() > 0  # the bias moved: the counts were compared
+    np.testing.assert_allclose(bias, want_bias, atol=1e-7)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--training.seq_len", "12"], r"^training.seq_len=12 must be a multiple of 2 x "
+     r"parallelism.context_parallel_degree = 8 "),
+    (["--parallelism.fsdp_implementation", "jit"], r"^parallelism.fsdp_implementation=jit "
+     r"cannot host context parallelism"),
+])
+def test_what_cp_cannot_split_is_refused_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        build_trainer(tiny_config(*cp_overrides(cp=4, fsdp=2), *overrides), model_args=TINY)
+    assert "\n" not in str(e.value)
+
+
+def test_a_kernel_that_cannot_take_cp_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"^model.attention=auto \(resolved: cudnn\) cannot "
+                       r"run with parallelism.context_parallel_degree=2; use xla$"):
+        check_context_parallel(2, {"training.seq_len": 64}, "auto", "cudnn")
+    check_context_parallel(1, {"training.seq_len": 63}, "auto", "cudnn")  # no cp: no limits
