@@ -132,6 +132,37 @@ def test_what_cp_cannot_split_is_refused_naming_the_field(overrides, message):
 
 def test_a_kernel_that_cannot_take_cp_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match=r"^model.attention=auto \(resolved: cudnn\) cannot "
-                       r"run with parallelism.context_parallel_degree=2; use xla$"):
+                       r"run with parallelism.context_parallel_degree=2; use xla or splash$"):
         check_context_parallel(2, {"training.seq_len": 64}, "auto", "cudnn")
+    with pytest.raises(ConfigError, match=r"^validation.seq_len=768 must be a multiple of 2 x "
+                       r"parallelism.context_parallel_degree x 128 = 1024 for model.attention"):
+        check_context_parallel(4, {"validation.seq_len": 768}, "splash", "splash")
+    check_context_parallel(4, {"training.seq_len": 1024}, "splash", "splash")
     check_context_parallel(1, {"training.seq_len": 63}, "auto", "cudnn")  # no cp: no limits
+
+
+@pytest.mark.slow
+def test_splash_under_cp_equals_unsplit_attention():
+    """The splash kernel (Pallas interpreter on CPU) on each rank's two chunks, with its
+    shards of the block tables, against gathered K/V: forward and gradients."""
+    cp, b, t, n, kv, h = 2, 1, 512, 2, 1, 128  # chunks of 128: one splash block each
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, w = (jax.random.normal(key, (b, t, n, h)) for key in (keys[0], keys[3]))
+    k, v = (jax.random.normal(key, (b, t, kv, h)) for key in keys[1:3])
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
+    order = load_balanced_order(t, cp)
+
+    def split_attention(q, k, v):
+        with sharding_hooks(ShardingHooks(sequence=ContextParallel(cp))):
+            return attention(q, k, v, h**-0.5, "splash", "cpu")
+
+    split = jax.shard_map(split_attention, mesh=mesh, in_specs=P(None, "cp"),
+                          out_specs=P(None, "cp"), check_vma=False)  # Pallas: untyped
+    np.testing.assert_allclose(jax.jit(split)(q[:, order], k[:, order], v[:, order]),
+                               causal_gqa_attention(q, k, v, h**-0.5)[:, order], atol=1e-5)
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(split(*a) * w[:, order]), argnums=(0, 1, 2)))(
+        q[:, order], k[:, order], v[:, order])
+    want = jax.grad(lambda *a: jnp.sum(causal_gqa_attention(*a, h**-0.5) * w),
+                    argnums=(0, 1, 2))(q, k, v)
+    for g, want_g in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, want_g[:, order], atol=2e-5)

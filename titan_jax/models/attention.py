@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from titan_jax.config import ConfigError
-from titan_jax.models.sharding_hooks import run_per_shard, sequence_split
+from titan_jax.models.sharding_hooks import SequenceSplit, run_per_shard, sequence_split
 
 Array = jax.Array
 ATTENTION_BACKENDS = ("auto", "xla", "splash", "cudnn")
 # Backends that run under context parallelism (a query shard against gathered K/V).
-CP_ATTENTION = ("xla",)
+CP_ATTENTION = ("xla", "splash")
 Q_AXES = ("batch", "seq", "heads", "head_dim")
 KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 # Splash tiles, largest first: the kernel needs kv blocks that are multiples of 128 lanes; 512
@@ -123,6 +124,73 @@ def splash_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
     return heads_major(out_BNTH)
 
 
+def splash_cp_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, cp: int,
+                        chunks: Array, interpret: bool = False) -> Array:
+    """Splash under context parallelism: this rank's two query chunks (global chunks
+    `chunks` of 2 x cp, traced) against the whole sequence's K/V in position order. The
+    kernel is built for the whole causal mask split into 2 x cp query shards
+    (`q_seq_shards`); each chunk runs with its shard's slice of the mask's block tables,
+    whose query offsets keep the mask causal by global position."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    chunk, n, s = q_BTNH.shape[1] // 2, q_BTNH.shape[2], k_BSKH.shape[1]
+    block = splash_block(chunk)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                              block_q_dq=block, block_kv_dq=block)
+    mask = splash.MultiHeadMask([splash.CausalMask((s, s), shard_count=2 * cp)] * n)
+    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1,
+                                    q_seq_shards=2 * cp, interpret=interpret)
+    heads_major = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+    q = heads_major(q_BTNH * jnp.asarray(scale, q_BTNH.dtype))
+    k, v = heads_major(k_BSKH), heads_major(v_BSKH)
+    outs = [jax.vmap(_query_shard(kernel, chunks[i], 2 * cp))(
+        q[:, :, i * chunk:(i + 1) * chunk], k, v) for i in range(2)]
+    return heads_major(jnp.concatenate(outs, axis=2))
+
+
+def _query_shard(kernel: Any, shard: Array, n_shards: int) -> Any:
+    """The splash kernel restricted to query shard `shard` of `n_shards` (traced): the slice
+    of its block tables a shard_map over the query sequence would hand that shard
+    (`SplashAttentionKernel.manual_sharding_spec`)."""
+    def cut(x: Array | None, dim: int) -> Array | None:
+        if x is None:
+            return None
+        size = x.shape[dim] // n_shards
+        return jax.lax.dynamic_slice_in_dim(x, shard * size, size, dim)
+
+    def cut_info(info: Any) -> Any:
+        if info is None:
+            return None
+        return info._replace(data_next=cut(info.data_next, 1), mask_next=cut(info.mask_next, 1),
+                             block_mask=cut(info.block_mask, 1),
+                             q_sequence=cut(info.q_sequence, 0))
+
+    infos, kwargs = kernel.tree_flatten()
+    return type(kernel).tree_unflatten(kwargs, [cut_info(i) for i in infos])
+
+
+def _split_sequence_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
+                              backend: str, platform: str, split: SequenceSplit) -> Array:
+    """This shard's queries against the whole sequence's K/V, gathered over the split."""
+    t = q_BTNH.shape[1]
+    k_BSKH, v_BSKH = split.gather(k_BSKH), split.gather(v_BSKH)
+    if backend == "xla":
+        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, split.positions(t),
+                                    split.gathered_positions(t))
+    if backend != "splash":
+        raise ValueError(f"attention backend {backend!r} cannot run under context "
+                         f"parallelism; use one of {', '.join(CP_ATTENTION)}")
+
+    def kernel(q: Array, k: Array, v: Array) -> Array:
+        return splash_cp_attention(q, k, v, scale, split.degree, split.chunks(),
+                                   interpret=platform != "tpu")
+
+    return run_per_shard(kernel, (q_BTNH, split.in_position_order(k_BSKH),
+                                  split.in_position_order(v_BSKH)),
+                         (Q_AXES, KV_AXES, KV_AXES), Q_AXES)
+
+
 def cudnn_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
                     implementation: str = "cudnn") -> Array:
     """cuDNN's fused causal attention; (B, T, N, H) layout and GQA are native to it.
@@ -145,13 +213,8 @@ def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, backend
     gathered over the whole sequence first."""
     split = sequence_split()
     if split.degree > 1:
-        t = q_BTNH.shape[1]
-        k_BSKH, v_BSKH = split.gather(k_BSKH), split.gather(v_BSKH)
-        if backend != "xla":
-            raise ValueError(f"attention backend {backend!r} cannot run under context "
-                             "parallelism; use xla")
-        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, split.positions(t),
-                                    split.gathered_positions(t))
+        return _split_sequence_attention(q_BTNH, k_BSKH, v_BSKH, scale, backend, platform,
+                                         split)
     if backend == "xla":
         return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale)
     return run_per_shard(_kernel(backend, platform, scale), (q_BTNH, k_BSKH, v_BSKH),

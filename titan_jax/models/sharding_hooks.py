@@ -72,7 +72,9 @@ class SequenceSplit(Protocol):
     """How each sequence is split over devices (context parallelism). A forward sees its shard's
     tokens: `positions(t)` are their global positions (t = the local length), `gather(x)` the
     whole sequence of a (B, t, ...) activation (K/V) along dim 1, whose tokens sit at
-    `gathered_positions(t)`. `degree` 1: the whole sequence is here."""
+    `gathered_positions(t)`; `in_position_order` reorders such a gathered array by position.
+    Under degree > 1 a shard holds two of the 2 x degree equal chunks, `chunks()` their
+    indices. `degree` 1: the whole sequence is here."""
 
     degree: int
 
@@ -81,6 +83,10 @@ class SequenceSplit(Protocol):
     def gathered_positions(self, t_local: int) -> jax.Array: ...
 
     def gather(self, x: jax.Array) -> jax.Array: ...
+
+    def in_position_order(self, x: jax.Array) -> jax.Array: ...
+
+    def chunks(self) -> jax.Array: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +101,12 @@ class WholeSequence:
 
     def gather(self, x: jax.Array) -> jax.Array:
         return x
+
+    def in_position_order(self, x: jax.Array) -> jax.Array:
+        return x
+
+    def chunks(self) -> jax.Array:
+        return jnp.zeros((1,), jnp.int32)
 
 
 def local_dispatch(x_ND: jax.Array, experts_NK: jax.Array, weights_NK: jax.Array,

@@ -61,15 +61,23 @@ class ContextParallel:
     degree: int
     axis: str = CP
 
+    def chunks(self) -> jax.Array:
+        rank = lax.axis_index(self.axis)
+        return jnp.stack([rank, 2 * self.degree - 1 - rank])
+
     def positions(self, t_local: int) -> jax.Array:
         chunk = t_local // 2
-        rank = lax.axis_index(self.axis)
-        offsets = jnp.concatenate([jnp.full((chunk,), rank),
-                                   jnp.full((chunk,), 2 * self.degree - 1 - rank)]) * chunk
-        return offsets + jnp.tile(jnp.arange(chunk), 2)
+        return (jnp.repeat(self.chunks(), chunk) * chunk + jnp.tile(jnp.arange(chunk), 2))
 
     def gathered_positions(self, t_local: int) -> jax.Array:
         return jnp.asarray(load_balanced_order(t_local * self.degree, self.degree))
 
     def gather(self, x: jax.Array) -> jax.Array:
         return lax.all_gather(x, self.axis, axis=1, tiled=True)
+
+    def in_position_order(self, x: jax.Array) -> jax.Array:
+        """A gathered (B, T, ...) array with its 2 x cp chunks put back in position order."""
+        n = 2 * self.degree
+        by_chunk = x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:])
+        layout = [k for i in range(self.degree) for k in (i, n - 1 - i)]
+        return jnp.take(by_chunk, np.argsort(layout), axis=1).reshape(x.shape)

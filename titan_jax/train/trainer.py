@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.models import BuildOptions, ModelDef, ModelSpec, get_model_spec
-from titan_jax.models.attention import CP_ATTENTION, resolve_attention
+from titan_jax.models.attention import CP_ATTENTION, SPLASH_BLOCKS, resolve_attention
 from titan_jax.models.remat import remat_mode_for
 from titan_jax.parallel.context_parallel import check_seq_len, to_load_balanced
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
@@ -60,6 +60,12 @@ def check_context_parallel(cp: int, seq_lens: dict[str, int], choice: str,
     """Sequences cp can split, and an attention kernel that takes the split."""
     for field, n in seq_lens.items():
         check_seq_len(n, cp, field)
+        if cp > 1 and attention == "splash" and (n // (2 * cp)) % SPLASH_BLOCKS[-1]:
+            raise ConfigError(
+                f"{field}={n} must be a multiple of 2 x parallelism.context_parallel_degree x "
+                f"{SPLASH_BLOCKS[-1]} = {2 * cp * SPLASH_BLOCKS[-1]} for model.attention="
+                f"splash (each rank's two chunks are tiled by its blocks); or use "
+                "model.attention=xla")
     if cp > 1 and attention not in CP_ATTENTION:
         raise ConfigError(
             f"model.attention={choice} (resolved: {attention}) cannot run with parallelism."
