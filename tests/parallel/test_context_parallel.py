@@ -5,6 +5,7 @@ refused with one line naming the field."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +15,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from parallel_helpers import TINY, make_batches, run_losses, single_device_overrides, tiny_config
 
-from titan_jax.config import ConfigError
+from titan_jax.config import ConfigError, load_config
 from titan_jax.models.attention import attention, causal_gqa_attention
 from titan_jax.models.sharding_hooks import ShardingHooks, sharding_hooks
 from titan_jax.parallel.context_parallel import ContextParallel, load_balanced_order
+from titan_jax.train.checkpoint import Checkpointer
 from titan_jax.train.trainer import build_trainer, check_context_parallel
 
 STEPS = 10
@@ -96,6 +98,23 @@ def test_cp_losses_equal_one_device(dense_reference, batches, mesh):
     np.testing.assert_allclose(run_losses(trainer, init, batches), want, rtol=1e-5)
 
 
+def test_a_checkpoint_resumes_across_cp_degrees(dense_reference, batches, tmp_path):
+    init, want = dense_reference
+    first = build_trainer(tiny_config(*cp_overrides(cp=2, fsdp=4)), model_args=TINY)
+    state = jax.device_put(init, first.state_shardings)
+    for batch in batches[:5]:
+        state, _ = first.step_fn(state, first.put_batch(batch))
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(5, state, data_state={}, tokens_seen=0)
+        second = build_trainer(tiny_config(*cp_overrides(cp=4, tp=2)), model_args=TINY)
+        state = ckpt.restore(5, second.abstract_state()).state
+    losses = []
+    for batch in batches[5:]:
+        state, metrics = second.step_fn(state, second.put_batch(batch))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, want[5:], rtol=1e-5)
+
+
 def test_moe_cp_losses_and_expert_bias_equal_one_device(batches):
     moe = dataclasses.replace(TINY, num_experts=4, top_k=2, moe_inter_dim=32)
     trainer1 = build_trainer(tiny_config(*single_device_overrides(), "--training.steps",
@@ -139,6 +158,25 @@ def test_a_kernel_that_cannot_take_cp_is_refused_naming_the_field():
         check_context_parallel(4, {"validation.seq_len": 768}, "splash", "splash")
     check_context_parallel(4, {"training.seq_len": 1024}, "splash", "splash")
     check_context_parallel(1, {"training.seq_len": 63}, "auto", "cudnn")  # no cp: no limits
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
+@pytest.mark.parametrize("recipe, topology, mesh", [
+    ("configs/qwen3_8b_32k.toml", "v6e-8", {"fsdp": 4, "cp": 2}),
+    ("configs/qwen3_30b_a3b_32k.toml", "v5p-16", {"fsdp": 1, "ep": 4, "cp": 2})])
+def test_32k_recipes_build_for_their_slices(recipe, topology, mesh):
+    """Built (not compiled) on the slice's devices: the cp mesh, splash, 32K sequences and the
+    global batch the plans fix (`benchmarks/tpu_plans.py` compiles them)."""
+    from titan_jax.parallel.topology import compile_only_devices, parse_slice
+
+    trainer = build_trainer(load_config(recipe), compile_only_devices(parse_slice(topology)))
+    assert {k: v for k, v in trainer.mesh.shape.items() if v > 1} == {
+        k: v for k, v in mesh.items() if v > 1}
+    assert trainer.attention == "splash" and trainer.fsdp.implementation == "shard_map"
+    assert trainer.tokens_per_step == trainer.global_batch_size * 32768
+    assert trainer.global_batch_size == load_config(recipe).training.global_batch_size
+    assert trainer.model.args.yarn is None  # 32K is Qwen3's native window
 
 
 @pytest.mark.slow
