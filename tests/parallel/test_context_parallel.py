@@ -86,7 +86,8 @@ def dense_reference(batches):
     return one_device_run(TINY, batches)
 
 
-@pytest.mark.parametrize("mesh", [dict(cp=2, fsdp=4), dict(cp=4, tp=2), dict(cp=8)],
+@pytest.mark.parametrize("mesh", [dict(cp=2, fsdp=4), dict(cp=4, tp=2),
+                                  pytest.param(dict(cp=8), marks=pytest.mark.slow)],
                          ids=["cp2_fsdp4", "cp4_tp2", "cp8"])
 def test_cp_losses_equal_one_device(dense_reference, batches, mesh):
     init, want = dense_reference
@@ -98,6 +99,7 @@ def test_cp_losses_equal_one_device(dense_reference, batches, mesh):
     np.testing.assert_allclose(run_losses(trainer, init, batches), want, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_across_cp_degrees(dense_reference, batches, tmp_path):
     init, want = dense_reference
     first = build_trainer(tiny_config(*cp_overrides(cp=2, fsdp=4)), model_args=TINY)
@@ -115,6 +117,7 @@ def test_a_checkpoint_resumes_across_cp_degrees(dense_reference, batches, tmp_pa
     np.testing.assert_allclose(losses, want[5:], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_moe_cp_losses_and_expert_bias_equal_one_device(batches):
     moe = dataclasses.replace(TINY, num_experts=4, top_k=2, moe_inter_dim=32)
     trainer1 = build_trainer(tiny_config(*single_device_overrides(), "--training.steps",
@@ -204,3 +207,13 @@ def test_splash_under_cp_equals_unsplit_attention():
                     argnums=(0, 1, 2))(q, k, v)
     for g, want_g in zip(got, want, strict=True):
         np.testing.assert_allclose(g, want_g[:, order], atol=2e-5)
+
+
+def test_collectives_are_named_by_the_mesh_axes_they_span():
+    from titan_jax.tools.aot_compile import mesh_axes_of
+
+    shape = {"dp_replicate": 1, "fsdp": 4, "cp": 2, "ep": 1, "tp": 1}
+    assert mesh_axes_of([[0, 1], [2, 3], [4, 5], [6, 7]], shape) == "cp"
+    assert mesh_axes_of([[0, 2, 4, 6], [1, 3, 5, 7]], shape) == "fsdp"
+    assert mesh_axes_of([list(range(8))], shape) == "fsdp+cp"
+    assert mesh_axes_of([], shape) == "-"

@@ -45,11 +45,25 @@ def _network(groups: list[list[int]], slice_of: list[int]) -> str:
     return "dcn" if spans else "ici"
 
 
-def collectives(hlo_text: str, mesh_devices: list[Any]) -> list[dict[str, Any]]:
-    """The compiled step's collectives with their network, loop placement and ring time."""
+def mesh_axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> str:
+    """The mesh axes a collective's device groups span ("cp", "fsdp+cp", ...; "-" if none),
+    from each device's coordinates in the mesh (group ids index the mesh's devices)."""
+    names, shape = list(mesh_shape), tuple(mesh_shape.values())
+    spanned = set()
+    for group in groups:
+        coords = np.array(np.unravel_index([i for i in group if i < np.prod(shape)], shape))
+        spanned |= {names[a] for a in range(len(names)) if len(set(coords[a])) > 1}
+    return "+".join(n for n in names if n in spanned) or "-"
+
+
+def collectives(hlo_text: str, mesh_devices: list[Any],
+                mesh_shape: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """The compiled step's collectives with their network, loop placement, mesh axes (given
+    the mesh's shape) and ring time."""
     slice_of = [getattr(d, "slice_index", 0) for d in mesh_devices]
     ops = hlo_stats.collective_ops(hlo_stats.parse(hlo_text))
     for c in ops:
+        c["axes"] = mesh_axes_of(c["groups"], mesh_shape) if mesh_shape else "-"
         if c.get("network") == "dcn":  # a megascale transfer: one peer per slice
             group = len(set(slice_of))
         else:
@@ -145,8 +159,10 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
     report["compile_s"] = time.perf_counter() - start
     report.update(_memory(compiled, tpu.chip))
     report["cost_analysis_flops_per_chip"] = float(compiled.cost_analysis().get("flops", 0.0))
-    ops = collectives(compiled.as_text(), list(trainer.mesh.devices.flat))
-    report["collectives"] = hlo_stats.summarize(ops, ("op", "dtype", "network", "in_layer_loop"))
+    ops = collectives(compiled.as_text(), list(trainer.mesh.devices.flat),
+                      dict(trainer.mesh.shape))
+    report["collectives"] = hlo_stats.summarize(
+        ops, ("op", "dtype", "network", "in_layer_loop", "axes"))
     # The analytic count also has the norm weights' 6 FLOPs per parameter, which are not
     # matmuls: take the larger, so the estimate never claims more than 100%.
     estimate = roofline(tpu.chip, max(flops, analytic) / n, ops)
@@ -183,6 +199,7 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append("collectives per step (bytes: result size per chip x executions):")
         lines += [f"  {c['op']:<18} {c['dtype']:<5} {c['network']}  "
                   f"{'in layer loop' if c['in_layer_loop'] else 'once        '}  "
+                  f"over {c.get('axes', '-'):<10} "
                   f"{c['count']:>3} ops  {c['executions']:>5} runs  {_gb(c['bytes_per_step'])}"
                   for c in r["collectives"]]
     if r["est_step_time_s"] is not None:
