@@ -19,6 +19,7 @@ from titan_jax.config import ConfigError, load_config
 from titan_jax.models.attention import attention, causal_gqa_attention
 from titan_jax.models.sharding_hooks import ShardingHooks, sharding_hooks
 from titan_jax.parallel.context_parallel import ContextParallel, load_balanced_order
+from titan_jax.parallel.per_shard import manual_per_shard
 from titan_jax.train.checkpoint import Checkpointer
 from titan_jax.train.trainer import build_trainer, check_context_parallel
 
@@ -185,7 +186,8 @@ def test_32k_recipes_build_for_their_slices(recipe, topology, mesh):
 @pytest.mark.slow
 def test_splash_under_cp_equals_unsplit_attention():
     """The splash kernel (Pallas interpreter on CPU) on each rank's two chunks, with its
-    shards of the block tables, against gathered K/V: forward and gradients."""
+    shards of the block tables, against gathered K/V, run as the shard_map SimpleFSDP runs it
+    (`manual_per_shard`, type-checked): forward and gradients."""
     cp, b, t, n, kv, h = 2, 1, 512, 2, 1, 128  # chunks of 128: one splash block each
     keys = jax.random.split(jax.random.key(0), 4)
     q, w = (jax.random.normal(key, (b, t, n, h)) for key in (keys[0], keys[3]))
@@ -193,12 +195,16 @@ def test_splash_under_cp_equals_unsplit_attention():
     mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
     order = load_balanced_order(t, cp)
 
+    def per_shard(kernel, args, in_axes, out_axes):
+        return manual_per_shard(kernel, args, (P(),) * len(args), P(), ("cp",))
+
     def split_attention(q, k, v):
-        with sharding_hooks(ShardingHooks(sequence=ContextParallel(cp))):
+        hooks = ShardingHooks(sequence=ContextParallel(cp), per_shard=per_shard)
+        with sharding_hooks(hooks):
             return attention(q, k, v, h**-0.5, "splash", "cpu")
 
     split = jax.shard_map(split_attention, mesh=mesh, in_specs=P(None, "cp"),
-                          out_specs=P(None, "cp"), check_vma=False)  # Pallas: untyped
+                          out_specs=P(None, "cp"))
     np.testing.assert_allclose(jax.jit(split)(q[:, order], k[:, order], v[:, order]),
                                causal_gqa_attention(q, k, v, h**-0.5)[:, order], atol=1e-5)
     got = jax.jit(jax.grad(lambda *a: jnp.sum(split(*a) * w[:, order]), argnums=(0, 1, 2)))(
