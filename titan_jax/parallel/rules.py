@@ -101,7 +101,7 @@ class ShardingRules:
     def batch_spec(self) -> PartitionSpec:
         """The layout of a (rows, seq) batch of tokens: rows over the batch axes, each
         sequence (in context parallelism's load-balanced order) over the seq axes."""
-        seq = tuple(a for a in self.seq_axes if self.mesh.shape[a] > 1)
+        seq = self.seq_axes  # size-1 axes kept: the shard_map's tokens vary over every data axis
         return PartitionSpec(self.batch_axes, (seq[0] if len(seq) == 1 else seq) or None)
 
     def storage_spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...]
