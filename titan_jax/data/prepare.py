@@ -181,6 +181,10 @@ def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer
               if local else out_path)
     fs.makedirs(folder, exist_ok=True)
     entries = _write_shards(fs, folder, mine, dataset, text_field, tokenizer, workers, progress)
+    if not any(e["documents"] for e in entries):
+        raise DataError(f"dataset={dataset!r} at dataset_path={dataset_path!r} holds no "
+                        "documents" + (f" in shard {shard_index} of {num_shards}"
+                                       if num_shards > 1 else ""))
     manifest = {**request, "tokens": sum(e["tokens"] for e in entries),
                 "documents": sum(e["documents"] for e in entries), "shards": entries}
     _write_atomic(fs, join(folder, MANIFEST), json.dumps(manifest, indent=1).encode())
