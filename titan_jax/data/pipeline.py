@@ -14,7 +14,7 @@ import hashlib
 import json
 from collections.abc import Callable
 
-from titan_jax.config import JobConfig
+from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.dataset import Split, source_files
 from titan_jax.data.paths import filesystem, join
 from titan_jax.data.prepare import prepare_store
@@ -56,6 +56,24 @@ def cached_store(dataset: str, dataset_path: str, text_field: str, split: Split,
         if turn == "first":
             barrier(f"titan_jax token store {store}")
     return store
+
+
+def check_inputs(config: JobConfig, tokenizer: Tokenizer) -> None:
+    """Fails on a missing input or store, or another tokenizer's store, before anything is
+    written (listing files and reading manifests only)."""
+    t, v = config.training, config.validation
+    for spec in [m.path for m in t.mixture] or [t.dataset_path] * (t.dataset == "tokens"):
+        open_corpus(spec, tokenizer)
+    if not t.mixture and t.dataset != "tokens":
+        source_files(t.dataset, t.dataset_path, "train")
+    if v.enable:
+        try:
+            if v.dataset == "tokens":
+                open_corpus(v.dataset_path, tokenizer, what="dataset_path")
+            else:
+                source_files(v.dataset, v.dataset_path, "validation")
+        except ValueError as e:
+            raise ConfigError(f"validation.{e}") from None
 
 
 def training_sources(config: JobConfig, tokenizer: Tokenizer, *, is_first: bool,

@@ -77,6 +77,10 @@ class Validator:
                 f"{self.global_batch_size} x {v.seq_len + 1} tokens; lower validation."
                 "local_batch_size or validation.seq_len")
 
+    def batches(self, max_batches: int = -1) -> Any:
+        """This process's rows of the first `max_batches` (-1: all) validation batches."""
+        return self._windows.batches(max_batches)
+
     def should_validate(self, step: int) -> bool:
         return step % self.config.validation.freq == 0 or step == self.config.training.steps
 
@@ -86,7 +90,7 @@ class Validator:
         loss_sum = n_tokens = jnp.zeros((), jnp.float32)
         n_batches = 0
         with jax.set_mesh(self.trainer.mesh):
-            for local in self._windows.batches(self.config.validation.steps):
+            for local in self.batches(self.config.validation.steps):
                 batch = self.trainer.put_batch(local, self.global_batch_size)
                 out = self._step(params, buffers, batch)
                 loss_sum, n_tokens = loss_sum + out["loss_sum"], n_tokens + out["n_tokens"]

@@ -30,8 +30,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.data.pipeline import process_barrier, training_sources
-from titan_jax.data.tokenizer import load_tokenizer
+from titan_jax.data.pipeline import check_inputs, process_barrier, training_sources
+from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
 from titan_jax.data.windows import WindowStream
 from titan_jax.parallel.distributed import JobFailures, initialize_distributed
 from titan_jax.train.checkpoint import (
@@ -117,9 +117,8 @@ def _progress(message: str) -> None:
         print(f"titan-jax: {message}", flush=True)
 
 
-def build_data(config: JobConfig, trainer: Trainer) -> WindowStream:
-    """The training windows of this process's rows (small sources become a token store under
-    the dump folder first: data/pipeline.py)."""
+def check_data(config: JobConfig, trainer: Trainer) -> Tokenizer:
+    """The run's tokenizer, once its vocabulary fits the model and every input exists."""
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     if tokenizer.vocab_size > trainer.model.args.vocab_size:
         raise ConfigError(
@@ -127,6 +126,13 @@ def build_data(config: JobConfig, trainer: Trainer) -> WindowStream:
             f"{tokenizer.vocab_size}, larger than model.flavor={config.model.flavor}'s "
             f"vocab_size={trainer.model.args.vocab_size}"
         )
+    check_inputs(config, tokenizer)
+    return tokenizer
+
+
+def build_data(config: JobConfig, trainer: Trainer, tokenizer: Tokenizer) -> WindowStream:
+    """The training windows of this process's rows (small sources become a token store under
+    the dump folder first: data/pipeline.py)."""
     t = config.training
     sources = training_sources(config, tokenizer, is_first=jax.process_index() == 0,
                                barrier=process_barrier, progress=_progress)
@@ -258,6 +264,7 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
 def _train(config: JobConfig, devices: list[jax.Device] | None,
            failures: JobFailures) -> RunResult:
     trainer = build_trainer(config, devices)
+    tokenizer = check_data(config, trainer)  # before anything is written
     m, c = config.metrics, config.checkpoint
     total = config.training.steps
     check_initial_load_path(config)
@@ -269,9 +276,8 @@ def _train(config: JobConfig, devices: list[jax.Device] | None,
             prepare_dump_folder(config.job.dump_folder)
         stack.enter_context(RunLog(config.job.dump_folder))
         # Under the run lock: small sources are prepared into a store in the dump folder.
-        data = build_data(config, trainer)
-        validator = (Validator(config, trainer, load_tokenizer(config.model.tokenizer_path))
-                     if config.validation.enable else None)
+        data = build_data(config, trainer, tokenizer)
+        validator = Validator(config, trainer, tokenizer) if config.validation.enable else None
         # Closed (waiting for an in-flight save) on every exit, errors and signals included.
         ckpt = stack.enter_context(Checkpointer.from_config(config, trainer)) if c.enable else None
         # Before any log is opened: a bad checkpoint or config change fails with nothing written.
