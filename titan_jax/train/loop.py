@@ -275,13 +275,13 @@ def _train(config: JobConfig, devices: list[jax.Device] | None,
         else:  # the lock is process 0's; a host of its own may still lack the folder
             prepare_dump_folder(config.job.dump_folder)
         stack.enter_context(RunLog(config.job.dump_folder))
-        # Under the run lock: small sources are prepared into a store in the dump folder.
-        data = build_data(config, trainer, tokenizer)
-        validator = Validator(config, trainer, tokenizer) if config.validation.enable else None
         # Closed (waiting for an in-flight save) on every exit, errors and signals included.
         ckpt = stack.enter_context(Checkpointer.from_config(config, trainer)) if c.enable else None
         # Before any log is opened: a bad checkpoint or config change fails with nothing written.
         start = load_start(config, trainer, ckpt)
+        # Under the run lock: small sources are prepared into a store in the dump folder.
+        data = build_data(config, trainer, tokenizer)
+        validator = Validator(config, trainer, tokenizer) if config.validation.enable else None
         logger = stack.enter_context(MetricsLogger(
             config.job.dump_folder, m.log_freq, total, enable_tensorboard=m.enable_tensorboard,
             tensorboard_folder=m.save_tb_folder, progress_bar=m.progress_bar,
