@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
 import multiprocessing
 from collections.abc import Callable, Iterator
@@ -39,7 +40,7 @@ from titan_jax.data.store import (
 )
 from titan_jax.data.tokenizer import Tokenizer
 
-CHUNK_CHARS = 1 << 22  # ~4 MB of text per tokenizing task
+CHUNK_CHARS = 1 << 20  # ~1 MB of text per tokenizing task
 
 
 def _chunks(texts: Iterator[str]) -> Iterator[list[str]]:
@@ -81,8 +82,10 @@ def _encode_in_worker(texts: list[str], dtype: str) -> tuple[bytes, np.ndarray]:
 
 
 class _Encoder:
-    """Chunks -> encoded chunks in order, in this process or a pool (at most 2 chunks a worker
-    in flight, so memory stays bounded whatever the file size)."""
+    """(file index, chunk) items -> (file index, encoded chunk) in order, in this process or a
+    pool; an item with chunk None (a file's end) passes through. At most 2 chunks a worker are
+    in flight, so memory stays bounded whatever the file sizes; chunks of the next files are
+    encoded while the current file's are written."""
 
     def __init__(self, tok: Tokenizer, workers: int, dtype: str):
         self.tok, self.dtype = tok, dtype
@@ -91,17 +94,25 @@ class _Encoder:
             initializer=_init_worker, initargs=(tok.to_json(), tok.eos_id))
         self.depth = 2 * max(1, workers)
 
-    def map(self, chunks: Iterator[list[str]]) -> Iterator[tuple[bytes, np.ndarray]]:
+    def _submit(self, chunk: list[str] | None) -> Any:
+        if chunk is None:
+            return None
         if self.pool is None:
-            yield from (encode_chunk(self.tok, c, self.dtype) for c in chunks)
-            return
-        pending: collections.deque[Future] = collections.deque()
-        for chunk in chunks:
-            pending.append(self.pool.submit(_encode_in_worker, chunk, self.dtype))
+            return encode_chunk(self.tok, chunk, self.dtype)
+        return self.pool.submit(_encode_in_worker, chunk, self.dtype)
+
+    def map(self, items: Iterator[tuple[int, list[str] | None]]) -> Iterator[tuple[int, Any]]:
+        pending: collections.deque[tuple[int, Any]] = collections.deque()
+        for i, chunk in items:
+            pending.append((i, self._submit(chunk)))
             if len(pending) >= self.depth:
-                yield pending.popleft().result()
+                yield self._result(*pending.popleft())
         while pending:
-            yield pending.popleft().result()
+            yield self._result(*pending.popleft())
+
+    @staticmethod
+    def _result(i: int, job: Any) -> tuple[int, Any]:
+        return i, job.result() if isinstance(job, Future) else job
 
     def close(self) -> None:
         if self.pool is not None:
@@ -197,24 +208,34 @@ def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer
     return manifest
 
 
+def _items(todo: list[tuple[int, str]], dataset: str, text_field: str
+           ) -> Iterator[tuple[int, list[str] | None]]:
+    for i, file in todo:
+        yield from ((i, c) for c in _chunks(read_documents(dataset, file, text_field)))
+        yield i, None  # the file's end: its shard exists even when it holds no document
+
+
 def _write_shards(fs: Any, folder: str, mine: list[tuple[int, str]], dataset: str,
                   text_field: str, tok: Tokenizer, workers: int,
                   progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    entries = []
+    entries: dict[int, dict[str, Any]] = {}
+    for i, file in mine:
+        record = join(folder, f"shard-{i:05d}.json")
+        if fs.isfile(record):  # finished before a crash: kept
+            with fs.open(record, "rb") as f:
+                entries[i] = json.loads(f.read())
+            progress(f"{file}: kept from an earlier run")
+    todo = [(i, f) for i, f in mine if i not in entries]
+    files = dict(todo)
     encoder = _Encoder(tok, workers, token_dtype(tok.vocab_size).str)
     try:
-        for n, (i, file) in enumerate(mine, start=1):
-            record = join(folder, f"shard-{i:05d}.json")
-            if fs.isfile(record):  # finished before a crash: kept
-                with fs.open(record, "rb") as f:
-                    entries.append(json.loads(f.read()))
-                progress(f"[{n}/{len(mine)}] {file}: kept from an earlier run")
-                continue
-            blocks = encoder.map(_chunks(read_documents(dataset, file, text_field)))
-            entry = {**_write_shard(fs, folder, i, blocks), "source": file}
-            _write_atomic(fs, record, json.dumps(entry).encode())
-            entries.append(entry)
-            progress(f"[{n}/{len(mine)}] {file}: {entry['tokens']:,} tokens")
+        encoded = encoder.map(_items(todo, dataset, text_field))
+        for i, group in itertools.groupby(encoded, key=lambda item: item[0]):
+            blocks = (block for _, block in group if block is not None)
+            entry = {**_write_shard(fs, folder, i, blocks), "source": files[i]}
+            _write_atomic(fs, join(folder, f"shard-{i:05d}.json"), json.dumps(entry).encode())
+            entries[i] = entry
+            progress(f"[{len(entries)}/{len(mine)}] {files[i]}: {entry['tokens']:,} tokens")
     finally:
         encoder.close()
-    return entries
+    return [entries[i] for i, _ in mine]

@@ -68,6 +68,7 @@ class Shard:
         tokens, docs = shard_names(self.entry["file_index"])
         self.tokens_url, self.docs_url = join(self.store, tokens), join(self.store, docs)
         self.num_tokens = int(self.entry["tokens"])
+        self._local = is_local(self.tokens_url)
         self._tokens: Any = None
         self._docs: np.ndarray | None = None
 
@@ -96,7 +97,7 @@ class Shard:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of this shard."""
-        if is_local(self.tokens_url):
+        if self._local:
             if self._tokens is None:
                 self._tokens = np.memmap(filesystem(self.tokens_url)[1], self.dtype, mode="r")
             return self._tokens[start:stop]
@@ -109,7 +110,7 @@ class Shard:
     def document_ends(self) -> np.ndarray:
         if self._docs is None:
             fs, path = filesystem(self.docs_url)
-            if is_local(self.docs_url):
+            if self._local:
                 self._docs = np.memmap(path, np.int64, mode="r")
             else:  # 8 bytes a document: read once
                 self._docs = np.frombuffer(fs.cat_file(path), np.int64)
