@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import json
 import multiprocessing
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
@@ -73,6 +74,7 @@ _WORKER: Tokenizer | None = None
 
 def _init_worker(text: str, eos_id: int) -> None:
     global _WORKER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     _WORKER = Tokenizer(tokenizers.Tokenizer.from_str(text), eos_id=eos_id)
 
 
