@@ -145,22 +145,27 @@ def test_mixture_proportions_hold_and_are_counted_per_source(stores):
 
 def test_document_fields_mask_boundaries_and_restart_positions(stores):
     corpus, tokens = stores["a"]
-    stream = _stream(stores, document_mask=True, seq_len=64)
+    stream = _stream(stores, document_mask=True, document_positions=True, seq_len=64)
     batch = next(stream)
+    assert batch["inputs"].shape == (8, 64, 3)
+    ids, segments, positions = (batch["inputs"][..., i] for i in range(3))
     _, windows = stream.window_index(np.arange(8))
     ends = corpus.document_ends(0, corpus.num_tokens)
     for row, w in enumerate(windows):
         start = w * 64
+        np.testing.assert_array_equal(ids[row], tokens[start:start + 64])
         doc = np.searchsorted(ends, start + np.arange(64), side="right")  # global document
-        np.testing.assert_array_equal(batch["segment_ids"][row], doc - doc[0])
+        np.testing.assert_array_equal(segments[row], doc - doc[0])
         doc_start = np.concatenate([[0], ends])[doc]
-        np.testing.assert_array_equal(batch["positions"][row],
+        np.testing.assert_array_equal(positions[row],
                                       np.arange(64) + start - np.maximum(doc_start, start))
         last = np.isin(start + np.arange(64) + 1, ends)  # input is a document's EOS
-        assert (tokens[start:start + 64][last] == TOK.eos_id).all()
+        assert last.any() and (tokens[start:start + 64][last] == TOK.eos_id).all()
         labels = batch["labels"][row]
         assert (labels[last] == IGNORE_INDEX).all()
         np.testing.assert_array_equal(labels[~last], tokens[start + 1:start + 65][~last])
+    plain = next(_stream(stores, document_mask=True, seq_len=64))  # positions not restarted
+    np.testing.assert_array_equal(plain["inputs"][..., 2], np.tile(np.arange(64), (8, 1)))
 
 
 def test_validation_windows_are_in_order_and_the_same_every_time(stores):

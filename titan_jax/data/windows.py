@@ -13,10 +13,11 @@ So a batch is a function of the step alone: a process computes just the rows its
 samples consumed, valid on any number of processes. A resume with another seq_len continues at
 the same token position (samples x seq_len) and says so in `resume_note`.
 
-`document_mask`: each batch also carries `segment_ids` (which document each input token
-belongs to inside its window), `positions` (restarting at 0 with each document) and labels
-with the one predicting a document's first token from the previous document's EOS set to
-IGNORE_INDEX: one fewer loss token per document boundary inside a window.
+`document_mask`: "inputs" become (rows, S, 3) int32: per token its id, its segment id (which
+document it belongs to inside its window: the model attends only within a segment) and its RoPE
+position (restarting at 0 with each document with `document_positions`, else 0..S-1); and the
+label predicting a document's first token from the previous document's EOS is IGNORE_INDEX: one
+fewer loss token per document boundary inside a window.
 """
 
 from __future__ import annotations
@@ -78,16 +79,18 @@ class Mixture:
         return block * self.counts + self.before[:, p]
 
 
-def _document_fields(corpus: Corpus, start: int, window: np.ndarray, seq_len: int
-                     ) -> dict[str, np.ndarray]:
+def document_fields(corpus: Corpus, start: int, window: np.ndarray, seq_len: int,
+                    restart_positions: bool) -> dict[str, np.ndarray]:
+    """{"inputs": (S, 3) ids, segment ids, positions; "labels" with boundaries ignored}."""
     ends = corpus.document_ends(start, start + seq_len + 1) - start  # in (0, S + 1]
     t = np.arange(seq_len)
     segment = np.searchsorted(ends, t, side="right")
     first = np.concatenate([[0], ends])[segment]  # where each token's document starts here
     labels = window[1:].copy()
     labels[np.isin(t + 1, ends[ends <= seq_len])] = IGNORE_INDEX
-    return {"labels": labels, "segment_ids": segment.astype(np.int32),
-            "positions": (t - first).astype(np.int32)}
+    positions = t - first if restart_positions else t
+    return {"inputs": np.stack([window[:-1], segment, positions], axis=-1).astype(np.int32),
+            "labels": labels}
 
 
 class WindowStream:
@@ -95,7 +98,8 @@ class WindowStream:
     arrays "inputs" and "labels", plus "segment_ids" and "positions" with `document_mask`."""
 
     def __init__(self, sources: Sequence[Source], *, seq_len: int, global_batch_size: int,
-                 seed: int, rows: Sequence[int] | None = None, document_mask: bool = False):
+                 seed: int, rows: Sequence[int] | None = None, document_mask: bool = False,
+                 document_positions: bool = False):
         if seq_len < 1 or global_batch_size < 1:
             raise DataError(f"seq_len={seq_len} and global_batch_size={global_batch_size} "
                             "must be >= 1")
@@ -105,7 +109,7 @@ class WindowStream:
         if not self.rows or not 0 <= self.rows[0] <= self.rows[-1] < global_batch_size:
             raise DataError(f"rows {self.rows[:8]} are not rows of a global batch of "
                             f"{global_batch_size}")
-        self.document_mask = document_mask
+        self.document_mask, self.document_positions = document_mask, document_positions
         self.windows = [(s.corpus.num_tokens - 1) // seq_len for s in self.sources]
         for s, n in zip(self.sources, self.windows, strict=True):
             if n == 0:
@@ -152,7 +156,8 @@ class WindowStream:
             tokens = corpus.read(start, start + self.seq_len + 1)
             row = {"inputs": tokens[:-1], "labels": tokens[1:]}
             if self.document_mask:
-                row |= _document_fields(corpus, start, tokens, self.seq_len)
+                row = document_fields(corpus, start, tokens, self.seq_len,
+                                      self.document_positions)
             rows.append(row)
         return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 

@@ -126,6 +126,9 @@ def check_data(config: JobConfig, trainer: Trainer) -> Tokenizer:
             f"{tokenizer.vocab_size}, larger than model.flavor={config.model.flavor}'s "
             f"vocab_size={trainer.model.args.vocab_size}"
         )
+    if config.training.document_mask and trainer.attention == "cudnn":
+        raise ConfigError("training.document_mask=true needs model.attention=xla or splash: "
+                          "the cudnn attention here takes no segment ids")
     check_inputs(config, tokenizer)
     return tokenizer
 
@@ -137,7 +140,8 @@ def build_data(config: JobConfig, trainer: Trainer, tokenizer: Tokenizer) -> Win
     sources = training_sources(config, tokenizer, is_first=jax.process_index() == 0,
                                barrier=process_barrier, progress=_progress)
     return WindowStream(sources, seq_len=t.seq_len, global_batch_size=trainer.global_batch_size,
-                        seed=t.seed, rows=trainer.batch_rows(), document_mask=t.document_mask)
+                        seed=t.seed, rows=trainer.batch_rows(), document_mask=t.document_mask,
+                        document_positions=t.document_positions)
 
 
 def _rows_text(rows: np.ndarray) -> str:
