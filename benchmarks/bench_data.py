@@ -116,15 +116,20 @@ def time_to_first_step(dump: Path, *data_args: str) -> tuple[float, float]:
     return first, rss_kb / 2**20
 
 
-def loader_rate(store: Path, seq_len: int, batches: int = 200) -> float:
+def loader_rate(store: Path, seq_len: int, batches: int = 200) -> tuple[float, float]:
+    """Tokens/s of one host's 8 rows: first read of the windows (pages not yet mapped), then
+    the same batches again (in the page cache and mapped)."""
     corpus = open_corpus(str(store), load_tokenizer())
     stream = WindowStream([Source("store", corpus)], seq_len=seq_len, global_batch_size=64,
                           seed=0, rows=range(8))
-    next(stream)
-    start = time.perf_counter()
-    for _ in range(batches):
-        next(stream)
-    return batches * 8 * seq_len / (time.perf_counter() - start)
+    rates = []
+    for _ in range(2):
+        stream.set_state({**stream.get_state(), "samples": 0})
+        start = time.perf_counter()
+        for _ in range(batches):
+            next(stream)
+        rates.append(batches * 8 * seq_len / (time.perf_counter() - start))
+    return rates[0], rates[1]
 
 
 def host_consumption(flavor: str, seq_len: int) -> float:
@@ -137,27 +142,33 @@ def main() -> None:
     parser.add_argument("--prepare-mb", type=int, default=32)
     parser.add_argument("--store-gb", type=float, nargs="+", default=[1, 4])
     parser.add_argument("--tmp", default="/tmp")
+    parser.add_argument("--loader-only", action="store_true",
+                        help="only the loader figures (no prepare, no train runs)")
     a = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="titan_jax_bench_data_", dir=a.tmp))
     try:
-        make_jsonl(root / "jsonl", a.prepare_mb)
-        for workers in (1, 2):
+        make_jsonl(root / "jsonl", 0 if a.loader_only else a.prepare_mb)
+        for workers in () if a.loader_only else (1, 2):
             rate, tokens = bench_prepare(root / "jsonl", root / f"prepared{workers}", workers)
             print(f"| prepare-data, {a.prepare_mb} MB jsonl, {workers} worker(s) | "
                   f"{rate:,.0f} tokens/s ({tokens:,} tokens) |", flush=True)
-        first, rss = time_to_first_step(root / "run_pydoc")
-        print(f"| train, embedded corpus | first step {first:.1f} s, peak RSS {rss:.2f} GB |",
-              flush=True)
+        if not a.loader_only:
+            first, rss = time_to_first_step(root / "run_pydoc")
+            print(f"| train, embedded corpus | first step {first:.1f} s, peak RSS {rss:.2f} GB |",
+                  flush=True)
         for gb in a.store_gb:
             store = root / f"store_{gb:g}gb"
             make_store(store, gb)
+            if a.loader_only:
+                continue
             first, rss = time_to_first_step(root / f"run_{gb:g}", "--training.dataset",
                                             "tokens", "--training.dataset_path", str(store))
             print(f"| train, {gb:g} GB store | first step {first:.1f} s, peak RSS "
                   f"{rss:.2f} GB |", flush=True)
         for seq_len in (2048, 8192):
+            cold, warm = loader_rate(store, seq_len)
             print(f"| loader, 8 of 64 rows, seq_len {seq_len}, {a.store_gb[-1]:g} GB store | "
-                  f"{loader_rate(store, seq_len):,.0f} tokens/s |", flush=True)
+                  f"{cold:,.0f} tokens/s first read, {warm:,.0f} again |", flush=True)
             for flavor in ("8B", "235B-A22B"):
                 print(f"| one v5p host consumes, {flavor}, seq_len {seq_len}, 50% MFU | "
                       f"{host_consumption(flavor, seq_len):,.0f} tokens/s |", flush=True)

@@ -85,6 +85,11 @@ def test_a_rerun_keeps_finished_shards_and_a_done_store_is_left_alone(tmp_path):
     partial = tmp_path / ".store.titan-jax-partial"
     shutil.copytree(tmp_path / "clean", partial)
     (partial / "manifest.json").unlink()
+    messages = []
+    _prepare(tmp_path / "src", tmp_path / "elsewhere", progress=messages.append)
+    request = json.loads((tmp_path / "elsewhere" / "manifest.json").read_text())
+    (partial / "request.json").write_text(json.dumps(
+        {k: request[k] for k in ("format", "version", "dtype", "tokenizer", "source", "part")}))
     (partial / "shard-00001.json").write_text(json.dumps(
         {**_prepare(tmp_path / "src", tmp_path / "clean")["shards"][1],
          "source": str(tmp_path / "src" / "part-1.jsonl")}))
@@ -93,10 +98,20 @@ def test_a_rerun_keeps_finished_shards_and_a_done_store_is_left_alone(tmp_path):
     (partial / "tokens-00002.bin.tmp").write_bytes(b"torn")
     messages = []
     _prepare(tmp_path / "src", tmp_path / "store", progress=messages.append)
+    assert sum("kept from an earlier run" in m for m in messages) == 1
     assert any("part-1.jsonl: kept from an earlier run" in m for m in messages)
     assert _files(tmp_path / "store") == _files(tmp_path / "clean")
     assert _prepare(tmp_path / "src", tmp_path / "store", progress=messages.append)
     assert "already prepared" in messages[-1]
+    # What a crashed run of other inputs left is not taken for this one's.
+    shutil.copytree(tmp_path / "clean", partial)
+    (partial / "request.json").write_text("{}")
+    (partial / "shard-00000.json").write_text(json.dumps({"file_index": 0, "tokens": 1}))
+    (partial / "manifest.json").unlink()
+    messages = []
+    _prepare(tmp_path / "src", tmp_path / "store2", progress=messages.append)
+    assert not any("kept" in m for m in messages)
+    assert _files(tmp_path / "store2") == _files(tmp_path / "clean")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "mine.txt").write_text("a file of the user's")
     with pytest.raises(StoreError, match="exists and is not a token store"):

@@ -161,6 +161,18 @@ def _request(dataset: str, dataset_path: str, text_field: str, split: Split, tok
     }
 
 
+def _start_folder(fs: Any, folder: str, request: dict[str, Any]) -> None:
+    """Reuses what a crashed run of the same request left in `folder`, never another's."""
+    record = join(folder, "request.json")
+    if fs.isfile(record):
+        with fs.open(record, "rb") as f:
+            if json.loads(f.read()) == request:
+                return
+        fs.rm(folder, recursive=True)  # a crashed run of other inputs: start afresh
+    fs.makedirs(folder, exist_ok=True)
+    _write_atomic(fs, record, json.dumps(request).encode())
+
+
 def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer: Tokenizer,
                   output: str, split: Split = "train", workers: int = 1, num_shards: int = 1,
                   shard_index: int = 0, progress: Callable[[str], None] = lambda _: None
@@ -192,7 +204,7 @@ def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer
     local = is_local(output)
     folder = (join(out_path.rsplit("/", 1)[0], f".{out_path.rsplit('/', 1)[1]}.titan-jax-partial")
               if local else out_path)
-    fs.makedirs(folder, exist_ok=True)
+    _start_folder(fs, folder, request)
     entries = _write_shards(fs, folder, mine, dataset, text_field, tokenizer, workers, progress)
     if not any(e["documents"] for e in entries):
         raise DataError(f"dataset={dataset!r} at dataset_path={dataset_path!r} holds no "
@@ -203,6 +215,7 @@ def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer
     _write_atomic(fs, join(folder, MANIFEST), json.dumps(manifest, indent=1).encode())
     for i, _ in mine:
         fs.rm(join(folder, f"shard-{i:05d}.json"))
+    fs.rm(join(folder, "request.json"))
     if local:
         fs.mv(folder, out_path, recursive=True)
     progress(f"{output}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents "
