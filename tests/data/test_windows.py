@@ -151,6 +151,7 @@ def test_document_fields_mask_boundaries_and_restart_positions(stores):
     ids, segments, positions = (batch["inputs"][..., i] for i in range(3))
     _, windows = stream.window_index(np.arange(8))
     ends = corpus.document_ends(0, corpus.num_tokens)
+    boundaries = 0
     for row, w in enumerate(windows):
         start = w * 64
         np.testing.assert_array_equal(ids[row], tokens[start:start + 64])
@@ -160,10 +161,12 @@ def test_document_fields_mask_boundaries_and_restart_positions(stores):
         np.testing.assert_array_equal(positions[row],
                                       np.arange(64) + start - np.maximum(doc_start, start))
         last = np.isin(start + np.arange(64) + 1, ends)  # input is a document's EOS
-        assert last.any() and (tokens[start:start + 64][last] == TOK.eos_id).all()
+        assert (tokens[start:start + 64][last] == TOK.eos_id).all()
+        boundaries += last.sum()
         labels = batch["labels"][row]
         assert (labels[last] == IGNORE_INDEX).all()
         np.testing.assert_array_equal(labels[~last], tokens[start + 1:start + 65][~last])
+    assert boundaries >= 4  # the check saw masked labels
     plain = next(_stream(stores, document_mask=True, seq_len=64))  # positions not restarted
     np.testing.assert_array_equal(plain["inputs"][..., 2], np.tile(np.arange(64), (8, 1)))
 

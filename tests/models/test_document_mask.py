@@ -15,7 +15,7 @@ LENGTHS = (5, 11, 1, 8)  # documents packed into one 25-token window
 
 
 def _logits(model, params, tokens):
-    h, w, _ = model.forward(params, model.init_buffers(), tokens)
+    h, w = jax.jit(lambda p, t: model.forward(p, model.init_buffers(), t)[:2])(params, tokens)
     return jnp.einsum("btd,dv->btv", h, w), h, w
 
 
@@ -34,15 +34,22 @@ def test_each_packed_document_equals_running_it_alone():
     labels = np.where(np.isin(np.arange(len(window)), np.cumsum(LENGTHS) - 1), IGNORE_INDEX,
                       next_tokens)
     packed_loss = cross_entropy_sum(h, w, jnp.asarray(labels[None], jnp.int32))
-    alone_loss, start = 0.0, 0
-    for doc in docs:
-        alone, h1, w1 = _logits(model, params, jnp.asarray(doc[None], jnp.int32))
-        np.testing.assert_allclose(logits[0, start:start + len(doc)], alone[0], atol=1e-5,
-                                   rtol=1e-5)
-        doc_labels = np.append(doc[1:], IGNORE_INDEX)
-        alone_loss += float(cross_entropy_sum(h1, w1, jnp.asarray(doc_labels[None], jnp.int32)))
+    # Each document alone, one per row, padded at its end (causal: the padding cannot reach it).
+    width = max(LENGTHS)
+    alone_tokens = np.zeros((len(docs), width), np.int64)
+    alone_labels = np.full((len(docs), width), IGNORE_INDEX)
+    for i, doc in enumerate(docs):
+        alone_tokens[i, :len(doc)] = doc
+        alone_labels[i, :len(doc) - 1] = doc[1:]
+    alone, h1, w1 = _logits(model, params, jnp.asarray(alone_tokens, jnp.int32))
+    start = 0
+    for i, doc in enumerate(docs):
+        np.testing.assert_allclose(logits[0, start:start + len(doc)], alone[i, :len(doc)],
+                                   atol=1e-5, rtol=1e-5)
         start += len(doc)
-    np.testing.assert_allclose(float(packed_loss), alone_loss, rtol=1e-5)
+    alone_loss = cross_entropy_sum(h1, w1, jnp.asarray(alone_labels, jnp.int32))
+    np.testing.assert_allclose(float(packed_loss), float(alone_loss), rtol=1e-5)
+    assert (labels != IGNORE_INDEX).sum() == len(window) - len(docs)  # one per document
     # Without the mask the later documents see the earlier ones: the check can fail.
     unmasked, _, _ = _logits(model, params, jnp.asarray(window[None], jnp.int32))
     assert float(jnp.max(jnp.abs(unmasked[0, 5:16] - logits[0, 5:16]))) > 1e-3
