@@ -133,9 +133,11 @@ def check_data(config: JobConfig, trainer: Trainer) -> Tokenizer:
     return tokenizer
 
 
-def build_data(config: JobConfig, trainer: Trainer, tokenizer: Tokenizer) -> WindowStream:
+def build_data(config: JobConfig, trainer: Trainer, tokenizer: Tokenizer | None = None
+               ) -> WindowStream:
     """The training windows of this process's rows (small sources become a token store under
-    the dump folder first: data/pipeline.py)."""
+    the dump folder first: data/pipeline.py). `tokenizer`: from `check_data`, else checked here."""
+    tokenizer = check_data(config, trainer) if tokenizer is None else tokenizer
     t = config.training
     sources = training_sources(config, tokenizer, is_first=jax.process_index() == 0,
                                barrier=process_barrier, progress=_progress)
