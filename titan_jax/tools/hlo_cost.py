@@ -103,7 +103,7 @@ def _fused_operand_bytes(module: HloModule, fused: str, index: int, full: int) -
     if param is None:
         return full
     users = [i for i in insts if param.name in i.operands]
-    if users and all(u.op == "dynamic-slice" for u in users):
+    if users and all(u.op == "dynamic-slice" and u.operands[0] == param.name for u in users):
         return sum(hbm_bytes(u.type) for u in users)
     if users and all(u.op == "dynamic-update-slice" and u.operands[0] == param.name
                      for u in users):
@@ -120,7 +120,8 @@ def traffic(module: HloModule, inst: Instruction, defs: dict[str, Instruction]) 
         if source is None:
             continue
         full = hbm_bytes(source.type)
-        read += full if fused is None else _fused_operand_bytes(module, fused, index, full)
+        read += full if fused is None or not full else _fused_operand_bytes(
+            module, fused, index, full)
     written = hbm_bytes(inst.type)
     root = module.computations.get(fused, [])[-1:] if fused else []
     if root and root[0].op == "dynamic-update-slice":
