@@ -169,3 +169,34 @@ def test_fits_follows_the_compilers_edge_on_both_sides():
     verdict = aot_compile._out_of_memory(refused.value, CHIPS["v5e"], usable, 8 * 2**30)
     assert verdict["fits"] is False and verdict["per_chip_bytes"] == 16 * 2**30  # its message
     assert verdict["args_plus_temps_bytes"] == 8 * 2**30 < usable  # not the compared figure
+
+
+@needs_libtpu
+def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops():
+    """The EP step's grouped matmuls run over worst-case receive buffers (ep x each rank's
+    picks); at balanced routing they do the analytic expert work: tokens x top_k rows through
+    3 matmuls, forward and backward (x3)."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    from jax.experimental import topologies
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+    from parallel_helpers import TINY, preset_overrides, tiny_config
+
+    from titan_jax.tools import inspect
+    from titan_jax.train.trainer import build_trainer
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
+    args = dataclasses.replace(TINY, num_experts=8, top_k=2, moe_inter_dim=32)
+    config = tiny_config(*preset_overrides("fsdp8"), "--parallelism.expert_parallel_degree", "4",
+                         "--training.mixed_precision_param", "auto")
+    trainer = build_trainer(config, list(topology.devices), model_args=args)
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    picks = trainer.tokens_per_step * args.top_k
+    expected, bound = hlo_stats.ragged_dot_flops(
+        hlo_stats.parse(lowered.as_text(dialect="hlo")), picks)
+    analytic = args.n_layers * picks * 3 * (2 * args.dim * args.moe_inter_dim) * 3
+    assert expected == pytest.approx(analytic)
+    assert bound == pytest.approx(4 * analytic)  # ep x the picks: the buffers' shape bound
