@@ -200,3 +200,22 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
     analytic = args.n_layers * picks * 3 * (2 * args.dim * args.moe_inter_dim) * 3
     assert expected == pytest.approx(analytic)
     assert bound == pytest.approx(4 * analytic)  # ep x the picks: the buffers' shape bound
+
+
+def test_an_async_wrapped_all_gather_is_covered_by_the_work_between_start_and_done():
+    text = SCHEDULE.replace(
+        "%ags = (bf16[500000000]{0}, bf16[1000000000]{0}) all-gather-start(%w), "
+        "replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}",
+        "%ags = ((bf16[500000000]{0}), bf16[1000000000]{0}) async-start(%w), calls=%gather")
+    text = text.replace("all-gather-done(%ags)", "async-done(%ags)")
+    text = text.replace("ENTRY", """%gather (g: bf16[500000000]) -> bf16[1000000000] {
+  %g = bf16[500000000]{0} parameter(0)
+  ROOT %ag = bf16[1000000000]{0} all-gather(%g), replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}
+}
+
+ENTRY""")
+    r = hlo_cost.estimate(text, UNIT_CHIP, 8)
+    gather = next(c for c in r["collectives"] if c["op"] == "all-gather")
+    assert gather["seconds"] == pytest.approx(1.0) and gather["overlap"] == 1.0
+    assert r["exposed_collective_s"] == pytest.approx(1.0)  # the all-reduce only
+    assert r["compute_s"] == pytest.approx(6.0)  # the transfer itself is not compute

@@ -31,7 +31,7 @@ _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _CHAIN = re.compile(r'chain_id="(\d+)"')
 _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
          "partition-id", "replica-id", "copy-start", "copy-done", "slice-start", "slice-done",
-         "opt-barrier", "add-dependency")
+         "opt-barrier", "add-dependency", "async-start", "async-update", "async-done")
 _COLLECTIVE = tuple(hlo_stats.COLLECTIVE_OPS)
 
 
@@ -199,6 +199,8 @@ class _Walk:
                 spans[inst.operands[0]][2] = position
             elif op in _COLLECTIVE and inst.op.endswith("-start"):
                 spans[inst.name] = [self.collective(inst, op, defs), position, position]
+            elif inst.op == "async-start" and (inner := self.fused_collective(inst)):
+                spans[inst.name] = [inner, position, position]
             elif (op in _COLLECTIVE or op == "send") and not fused:
                 dcn = op == "send" and hlo_stats.MEGASCALE.search(inst.rest)
                 if op != "send" or dcn:
