@@ -91,7 +91,8 @@ class Parallelism:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit
     # all_gather/psum_scatter twin (same rules, same losses), which also hosts expert
-    # parallelism's all-to-alls. "auto": shard_map with expert parallelism, else jit.
+    # parallelism's all-to-alls. "auto": shard_map with expert parallelism or MoE on TPU/GPU
+    # (ragged_dot does not compile under the jit path's vmap), else jit.
     fsdp_implementation: Literal["auto", "jit", "shard_map"] = "auto"
     # Slices joined over the data-centre network (DCN); -1: from the devices (TPU multislice
     # devices know their slice; others make one slice). The DCN axis carries HSDP's replicate

@@ -293,9 +293,6 @@ def run_parity(args: Qwen3Args, hf_dir: str | Path, *,
             if result.unavailable is None:
                 _compare_hf(result, args, hf_dir, our_logits, our_loss, our_grads, tokens,
                             prompt_len, inputs, labels)
-        elif args.is_moe:
-            result.unavailable = ("torchtitan's Qwen3-MoE reference is not wired into titan-jax "
-                                  "parity yet (compare with --reference hf)")
         else:
             from titan_jax.parity import torchtitan_ref
 
