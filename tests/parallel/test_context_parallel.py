@@ -34,7 +34,9 @@ def test_load_balanced_order_gives_rank_i_chunks_i_and_2cp_minus_1_minus_i():
     assert len(set(work)) == 1  # equal causal work on every rank
 
 
-@pytest.mark.parametrize("cp, heads, kv_heads", [(2, 4, 2), (4, 4, 1), (8, 2, 2)])
+@pytest.mark.parametrize("cp, heads, kv_heads", [
+    (2, 4, 2), pytest.param(4, 4, 1, marks=pytest.mark.slow),
+    pytest.param(8, 2, 2, marks=pytest.mark.slow)])
 def test_attention_under_cp_equals_unsplit_attention(cp, heads, kv_heads):
     b, t, h = 2, 32, 8
     keys = jax.random.split(jax.random.key(cp), 4)
@@ -87,7 +89,8 @@ def dense_reference(batches):
     return one_device_run(TINY, batches)
 
 
-@pytest.mark.parametrize("mesh", [dict(cp=2, fsdp=4), dict(cp=4, tp=2),
+@pytest.mark.parametrize("mesh", [dict(cp=2, fsdp=4),
+                                  pytest.param(dict(cp=4, tp=2), marks=pytest.mark.slow),
                                   pytest.param(dict(cp=8), marks=pytest.mark.slow)],
                          ids=["cp2_fsdp4", "cp4_tp2", "cp8"])
 def test_cp_losses_equal_one_device(dense_reference, batches, mesh):
