@@ -186,7 +186,8 @@ class Trainer:
 
 def held_rows(sharding: NamedSharding, n_rows: int, devices: list[jax.Device]) -> list[int]:
     """Rows of an (n_rows, ...) array sharded by `sharding` that `devices` hold, ascending."""
-    index = sharding.devices_indices_map((n_rows, 1))
+    # Any seq length the sharding divides (context parallelism splits dim 1 too).
+    index = sharding.devices_indices_map((n_rows, sharding.mesh.size))
     return sorted({r for d in devices for r in range(n_rows)[index[d][0]]})
 
 
