@@ -215,32 +215,40 @@ def test_32k_recipes_build_for_their_slices(recipe, topology, mesh):
 
 
 @pytest.mark.slow
-def test_splash_under_cp_equals_unsplit_attention():
-    """The splash kernel (Pallas interpreter on CPU) on each rank's two chunks, with its
-    shards of the block tables, against gathered K/V, run as the shard_map SimpleFSDP runs it
-    (`manual_per_shard`, type-checked): forward and gradients."""
+@pytest.mark.parametrize("backend", ["splash", "xla"])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_attention_under_cp_as_the_trainer_runs_it(backend, documents):
+    """Each rank's two chunks against gathered K/V (splash: the Pallas interpreter on CPU,
+    with its query shards of the block tables), run as the shard_map SimpleFSDP runs it
+    (`manual_per_shard`, type-checked), with and without segment ids: forward and
+    gradients equal the unsplit attention's."""
     cp, b, t, n, kv, h = 2, 1, 512, 2, 1, 128  # chunks of 128: one splash block each
     keys = jax.random.split(jax.random.key(0), 4)
     q, w = (jax.random.normal(key, (b, t, n, h)) for key in (keys[0], keys[3]))
     k, v = (jax.random.normal(key, (b, t, kv, h)) for key in keys[1:3])
+    ids = jnp.asarray((np.arange(t)[None] >= 200) + (np.arange(t)[None] >= 390), jnp.int32)
+    ids = ids if documents else None
     mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
     order = load_balanced_order(t, cp)
+    laid_out = lambda x: None if x is None else x[:, order]  # noqa: E731
 
     def per_shard(kernel, args, in_axes, out_axes):
         return manual_per_shard(kernel, args, (P(),) * len(args), P(), ("cp",))
 
-    def split_attention(q, k, v):
+    def split_attention(q, k, v, ids):
         hooks = ShardingHooks(sequence=ContextParallel(cp), per_shard=per_shard)
         with sharding_hooks(hooks):
-            return attention(q, k, v, h**-0.5, "splash", "cpu")
+            return attention(q, k, v, h**-0.5, backend, "cpu", ids)
 
     split = jax.shard_map(split_attention, mesh=mesh, in_specs=P(None, "cp"),
                           out_specs=P(None, "cp"))
-    np.testing.assert_allclose(jax.jit(split)(q[:, order], k[:, order], v[:, order]),
-                               causal_gqa_attention(q, k, v, h**-0.5)[:, order], atol=1e-5)
-    got = jax.jit(jax.grad(lambda *a: jnp.sum(split(*a) * w[:, order]), argnums=(0, 1, 2)))(
-        q[:, order], k[:, order], v[:, order])
-    want = jax.grad(lambda *a: jnp.sum(causal_gqa_attention(*a, h**-0.5) * w),
+    inputs = (laid_out(q), laid_out(k), laid_out(v))
+    np.testing.assert_allclose(jax.jit(split)(*inputs, laid_out(ids)),
+                               causal_gqa_attention(q, k, v, h**-0.5, ids)[:, order],
+                               atol=1e-5)
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(split(*a, laid_out(ids)) * w[:, order]),
+                           argnums=(0, 1, 2)))(*inputs)
+    want = jax.grad(lambda *a: jnp.sum(causal_gqa_attention(*a, h**-0.5, ids) * w),
                     argnums=(0, 1, 2))(q, k, v)
     for g, want_g in zip(got, want, strict=True):
         np.testing.assert_allclose(g, want_g[:, order], atol=2e-5)
