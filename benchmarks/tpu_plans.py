@@ -33,7 +33,7 @@ class Plan:
     num_slices: int = 1
     # MaxText 0.2.4 at the same recipe (AOT on this CPU; NOTES.md): arguments, temporaries (GB)
     # and compile time (s); None where not measured.
-    maxtext: tuple[float, float, float] | None = None
+    maxtext: tuple[float, float, float | None] | None = None
 
 
 # The setting for 8B: 2 x 4096 tokens per chip, fp32 master weights, bf16 compute,
@@ -55,7 +55,12 @@ PLANS = (
     Plan("32B v5p-32", "configs/qwen3_32b.toml", "v5p-32"),
     Plan("235B-A22B v5p-256", "configs/qwen3_235b_a22b.toml", "v5p-256",
          ("--parallelism.tensor_parallel_degree", "1",
-          "--parallelism.expert_parallel_degree", "8")),
+          "--parallelism.expert_parallel_degree", "8"), maxtext=(22.05, 34.97, None)),
+    # The MoE recipes as shipped (`auto` picks shard_map for MoE on TPU).
+    Plan("30B-A3B v5p-16", "configs/qwen3_30b_a3b.toml", "v5p-16",
+         maxtext=(45.80, 29.37, None)),
+    Plan("30B-A3B v6e-32", "configs/qwen3_30b_a3b.toml", "v6e-32"),
+    Plan("235B-A22B v5p-256 as shipped", "configs/qwen3_235b_a22b.toml", "v5p-256"),
     Plan("8B 2 x v5p-8 (HSDP over DCN)", "configs/qwen3_8b.toml", "v5p-8",
          ("--parallelism.data_parallel_replicate_degree", "2"), num_slices=2),
 )
@@ -73,8 +78,8 @@ def _gb(n: float | None) -> str:
 def row(plan: Plan, r: dict[str, Any]) -> str:
     m = r["memory"]
     mt = plan.maxtext
-    maxtext = (f"{mt[0]:.2f} + {mt[1]:.2f} = {mt[0] + mt[1]:.2f}; {mt[2]:.0f} s" if mt
-               else "-")
+    maxtext = (f"{mt[0]:.2f} + {mt[1]:.2f} = {mt[0] + mt[1]:.2f}; "
+               f"{'-' if mt[2] is None else f'{mt[2]:.0f} s'}" if mt else "-")
     mesh = " ".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1)
     est = (f"{r['est_step_time_s']:.2f} s / {r['est_mfu_pct']:.0f}% (<= "
            f"{r['roofline_mfu_pct']:.0f}%)" if r["est_step_time_s"] is not None else "-")
