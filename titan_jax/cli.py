@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
 
         set_cpu_device_count(config.job.cpu_devices)
         _enable_compilation_cache()
-        from titan_jax.train.loop import BadStepsError, train
+        from titan_jax.train.bad_steps import BadStepsError
+        from titan_jax.train.loop import train
 
         try:
             train(config)

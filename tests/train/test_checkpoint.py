@@ -20,6 +20,7 @@ from tiny_model import TINY
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import Qwen3Args
 from titan_jax.train import loop
+from titan_jax.train import setup as run_setup
 from titan_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -29,6 +30,8 @@ from titan_jax.train.checkpoint import (
 )
 from titan_jax.train.loss import IGNORE_INDEX
 from titan_jax.train.model_io import export_hf
+from titan_jax.train.setup import build_data
+from titan_jax.train.signals import StopSignals
 from titan_jax.train.start import load_start
 from titan_jax.train.trainer import build_trainer
 
@@ -100,7 +103,7 @@ def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("saved")
     config = make_config(folder)
     trainer = make_trainer(config)
-    data = loop.build_data(config, trainer)
+    data = build_data(config, trainer)
     state = random_state(trainer)
     for _ in range(2):
         next(data)
@@ -131,7 +134,7 @@ def test_restore_onto_another_mesh_is_bit_exact(saved, mesh):
 def test_data_iterator_resumes_through_the_checkpoint(saved):
     trainer = make_trainer(saved.config)
     restored = Checkpointer.from_config(saved.config, trainer).restore(2, trainer.abstract_state())
-    data = loop.build_data(saved.config, trainer)
+    data = build_data(saved.config, trainer)
     data.set_state(json.loads(json.dumps(restored.data_state)))
     for expected in saved.next_batches:
         got = next(data)
@@ -346,7 +349,7 @@ def tiny_loop(monkeypatch):
         trainer.__dict__["step_fn"] = step  # replaces the cached_property's value
         return trainer
 
-    monkeypatch.setattr(loop, "build_trainer", hooked_trainer)
+    monkeypatch.setattr(run_setup, "build_trainer", hooked_trainer)
     return hooks
 
 
@@ -443,7 +446,7 @@ def test_several_processes_stop_where_jax_preemption_sync_point_says(monkeypatch
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(loop.multihost_utils, "reached_preemption_sync_point",
                         lambda step: step == 7)
-    with loop.StopSignals(print) as stop:
+    with StopSignals(print) as stop:
         # SIGTERM stays with JAX's preemption service; only Ctrl-C is ours (and forwarded).
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         assert signal.getsignal(signal.SIGINT) == stop._handle
@@ -453,4 +456,4 @@ def test_several_processes_stop_where_jax_preemption_sync_point_says(monkeypatch
         raise RuntimeError("Preemption sync manager has not been initialized")
 
     monkeypatch.setattr(loop.multihost_utils, "reached_preemption_sync_point", disabled)
-    assert not loop.StopSignals(print).should_stop(3)
+    assert not StopSignals(print).should_stop(3)
