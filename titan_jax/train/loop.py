@@ -154,7 +154,7 @@ def _open(stack: contextlib.ExitStack, config: JobConfig, setup: RunSetup
     if start.data_state is not None:
         try:
             setup.data.set_state(start.data_state)
-        except ValueError as e:
+        except (ValueError, KeyError, IndexError, TypeError) as e:  # a damaged data item
             raise CheckpointError(f"cannot resume from {start.source}: {e}") from e
     return ckpt, start
 
