@@ -90,6 +90,8 @@ def _files(path: str, suffix: str) -> list[Path]:
         files = sorted(p for p in Path(path).rglob(f"*{suffix}") if p.is_file())
     elif Path(path).is_file():
         files = [Path(path)]
+    elif Path(path).exists():
+        raise DataError(f"dataset_path={path!r} is neither a regular file nor a folder")
     else:
         raise DataError(f"dataset_path={path!r} does not exist")
     if not files:
@@ -102,6 +104,8 @@ def _read_text(file: Path) -> str:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{file}: not UTF-8 text ({e})") from e
+    except OSError as e:
+        raise DataError(f"{file} cannot be read: {e.strerror or e}") from None
 
 
 def _text_blocks(file: Path) -> list[str]:
@@ -130,17 +134,24 @@ def _jsonl_texts(file: Path, field: str) -> list[str]:
 def _parquet_texts(file: Path, field: str) -> pa.ChunkedArray:
     try:
         names = pq.read_schema(file).names
-    except pa.ArrowException as e:
-        raise DataError(f"{file}: not a parquet file ({e})") from e
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{file}: not a readable parquet file ({_one_line(e)})") from None
     if field not in names:
         raise DataError(f"{file}: no column text_field={field!r} (columns: {names})")
-    column = pq.read_table(file, columns=[field]).column(field)
+    try:
+        column = pq.read_table(file, columns=[field]).column(field)
+    except (pa.ArrowException, OSError) as e:  # damaged data pages under a good footer
+        raise DataError(f"{file}: column {field!r} is corrupt ({_one_line(e)})") from None
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise DataError(f"{file}: column {field!r} has type {column.type}, not string")
     if column.null_count:
         raise DataError(f"{file}: column {field!r} has {column.null_count} null values")
     # large_string: offsets of many files together may overflow string's int32.
     return column.cast(pa.large_string())
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 class _ArrowTexts(Sequence[str]):
@@ -183,6 +194,9 @@ def _hf_disk_texts(path: str, field: str) -> _HFTexts:
         ds = datasets.load_from_disk(path)
     except FileNotFoundError as e:
         raise DataError(f"dataset_path={path!r} is not a save_to_disk dataset ({e})") from e
+    except (ValueError, KeyError, TypeError, OSError) as e:  # a damaged state or info file
+        raise DataError(f"dataset_path={path!r} is a damaged save_to_disk dataset "
+                        f"({type(e).__name__}: {_one_line(e)})") from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise DataError(f"dataset_path={path!r} has splits {list(ds)}, no 'train'")
@@ -191,6 +205,9 @@ def _hf_disk_texts(path: str, field: str) -> _HFTexts:
         raise DataError(
             f"dataset_path={path!r}: no column text_field={field!r} (columns: {ds.column_names})"
         )
+    kind = getattr(ds.features[field], "dtype", None) or ds.features[field]
+    if kind not in ("string", "large_string"):
+        raise DataError(f"dataset_path={path!r}: column {field!r} holds {kind}, not strings")
     return _HFTexts(ds, field)
 
 

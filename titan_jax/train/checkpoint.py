@@ -167,7 +167,11 @@ def _ensure_writable(directory: Path) -> None:
         ) from None
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of the deepest cause: orbax wraps TensorStore's own words (the file and
+    what is wrong with it) in a message that dumps a whole spec."""
+    while e.__cause__ is not None:
+        e = e.__cause__
     text = str(e).strip().splitlines()
     line = text[0] if text else type(e).__name__
     return line if len(line) <= 200 else line[:200] + "..."
@@ -274,7 +278,7 @@ class Checkpointer:
             what = f"saving {which} to {self.directory} failed"
             cause = root_cause(e)  # first: orbax's own first line can bury it
             raise CheckpointSaveError(f"{cause}: {what}" if cause else
-                                      f"{what}: {_first_line(e)}") from e
+                                      f"{what}: {first_line(e)}") from e
 
     # Restore.
 
@@ -348,7 +352,7 @@ class Checkpointer:
         except Exception as e:
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} is unreadable (corrupt or truncated): "
-                f"{_first_line(e)}; {self._others(step)}") from e
+                f"{first_line(e)}; {self._others(step)}") from e
 
     # Hints: each one works when followed (tests/train/test_hints.py follows them).
 
