@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -401,6 +402,17 @@ def test_a_signal_saves_the_current_step_and_the_resume_is_bitwise(tmp_path, tin
     third = run(config)
     assert third.final_step == 6 and third.losses == {}
     assert "nothing to train" in capsys.readouterr().out
+
+
+def test_a_hung_step_ends_the_job_after_the_step_timeout(tmp_path, tiny_loop, monkeypatch):
+    hung = []
+    monkeypatch.setattr(loop, "exit_job", lambda message, code: hung.append((message, code)))
+    tiny_loop.on_step = lambda n: time.sleep(2.5) if n == 4 else None  # (for a while)
+    run(make_config(tmp_path, "--distributed.step_timeout", "1"))
+    assert hung == [("no step finished within distributed.step_timeout=1 s after step 2 (a "
+                     "stuck collective, a dead host or a wedged device); ending the job. Resume "
+                     "from its last checkpoint with the same command; raise "
+                     "distributed.step_timeout if steps are this slow", 1)]
 
 
 def test_a_resume_after_a_crash_logs_each_step_once(tmp_path, tiny_loop):

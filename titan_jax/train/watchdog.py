@@ -63,8 +63,8 @@ class StepWatchdog:
                 step = self._step
             if late:
                 self._on_hang(
-                    f"step {step + 1} did not finish within distributed.step_timeout="
-                    f"{self.timeout_s:g} s of step {step} (a stuck collective, a dead host or a "
-                    "wedged device); ending the job. Resume from its last checkpoint with the "
-                    "same command; raise distributed.step_timeout if steps are this slow")
+                    f"no step finished within distributed.step_timeout={self.timeout_s:g} s "
+                    f"after step {step} (a stuck collective, a dead host or a wedged device); "
+                    "ending the job. Resume from its last checkpoint with the same command; "
+                    "raise distributed.step_timeout if steps are this slow")
                 return
