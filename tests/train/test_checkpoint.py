@@ -469,3 +469,26 @@ def test_several_processes_stop_where_jax_preemption_sync_point_says(monkeypatch
 
     monkeypatch.setattr(loop.multihost_utils, "reached_preemption_sync_point", disabled)
     assert not StopSignals(print).should_stop(3)
+
+
+def test_device_checksums_equal_the_host_sum_of_the_saved_bits():
+    """The checksums recorded before this computed them on the device were sums of the raw
+    bits on the host: both must agree, whatever the sharding, so older checkpoints still
+    verify."""
+    from titan_jax.train.checkpoint import _checksums
+
+    rng = np.random.default_rng(0)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    host_tree = {"f32": rng.standard_normal((64, 3)).astype(np.float32),
+                 "bf16": rng.standard_normal((16, 5)).astype(jnp.bfloat16),
+                 "i32": rng.integers(-2**31, 2**31 - 1, (8, 7), dtype=np.int32),
+                 "flag": np.array([True, False, True])}
+    tree = {k: jax.device_put(v, sharded if v.shape[0] % 8 == 0 else None)
+            for k, v in host_tree.items()}
+    sums, finite = _checksums(tree)
+    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+    expected = {k: int(np.sum(v.view(uint[v.itemsize]), dtype=np.uint32))
+                for k, v in host_tree.items()}
+    assert sums == expected and finite
+    assert not _checksums({"w": jnp.array([1.0, jnp.inf])})[1]
