@@ -471,11 +471,11 @@ def test_several_processes_stop_where_jax_preemption_sync_point_says(monkeypatch
     assert not StopSignals(print).should_stop(3)
 
 
-def test_device_checksums_equal_the_host_sum_of_the_saved_bits():
-    """The checksums recorded before this computed them on the device were sums of the raw
-    bits on the host: both must agree, whatever the sharding, so older checkpoints still
-    verify."""
-    from titan_jax.train.checkpoint import _checksums
+def test_checksums_equal_the_host_sum_of_the_saved_bits():
+    """Both ways of computing them (on the devices, for accelerators; in place on the host, for
+    CPU devices) give what the host computes from the saved bits, whatever the sharding, so
+    checkpoints written by either verify."""
+    from titan_jax.train import checksums
 
     rng = np.random.default_rng(0)
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -486,9 +486,12 @@ def test_device_checksums_equal_the_host_sum_of_the_saved_bits():
                  "flag": np.array([True, False, True])}
     tree = {k: jax.device_put(v, sharded if v.shape[0] % 8 == 0 else None)
             for k, v in host_tree.items()}
-    sums, finite = _checksums(tree)
     uint = {1: np.uint8, 2: np.uint16, 4: np.uint32}
     expected = {k: int(np.sum(v.view(uint[v.itemsize]), dtype=np.uint32))
                 for k, v in host_tree.items()}
+    sums, finite = checksums.checksums(tree)
     assert sums == expected and finite
-    assert not _checksums({"w": jnp.array([1.0, jnp.inf])})[1]
+    on_device, finite = jax.device_get(checksums._summaries([tree[k] for k in expected]))
+    assert [int(s) for s in on_device] == list(expected.values()) and finite
+    assert not checksums.checksums({"w": jnp.array([1.0, jnp.inf])})[1]
+    assert not jax.device_get(checksums._summaries([jnp.array([1.0, jnp.nan])]))[1]

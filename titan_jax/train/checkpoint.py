@@ -16,9 +16,9 @@ checkpoint and anything else is a save that never finished (cleaned up at the ne
 Restores go straight into abstract targets that carry the current run's shardings, so a
 checkpoint saved on one mesh loads onto any other. Every array's checksum (a wrapping sum of its
 raw bits, independent of sharding) is recorded at save and checked at restore: orbax itself does
-not notice overwritten bytes (flipped bytes in a data file restore silently). Both passes run on
-the devices, fused with the finite check, so a save adds no host copy and no host pass to
-orbax's own (its one host copy of the state, written in the background).
+not notice overwritten bytes (flipped bytes in a data file restore silently). The pass runs
+where the arrays live, fused with the finite check: a save adds no host copy to orbax's own
+(its one host copy of the state, written in the background).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import orbax.checkpoint as ocp
 
 from titan_jax.config import JobConfig
 from titan_jax.errors import TitanJaxError, root_cause
+from titan_jax.train.checksums import checksums, leaf_name, named_leaves
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer
 
 FORMAT_VERSION = 1
 MODEL_KEYS = ("params", "buffers")  # the TrainState keys a model-only checkpoint holds
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 class CheckpointError(TitanJaxError, ValueError):
@@ -84,55 +84,6 @@ class Restored:
     data_state: dict[str, Any] | None = None
     tokens_seen: int = 0
     source: str = ""  # what was loaded, for the log
-
-
-def _leaf_name(path: tuple) -> str:
-    """A pytree path as a dotted name that orbax's metadata tree and the live state share
-    (orbax stores tuples as lists and namedtuples as dicts)."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
-
-
-def named_leaves(tree: Any) -> dict[str, Any]:
-    return {_leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _raw_bits_sum(x: jax.Array) -> jax.Array:
-    """Sum mod 2**32 of the raw bits of `x` (uint32 words, or uint16 / uint8 for narrower
-    dtypes): independent of the sharding and of the order of the sum."""
-    if x.dtype == jnp.bool_:
-        words = x.astype(jnp.uint8)
-    else:
-        words = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
-    return jnp.sum(words.astype(jnp.uint32), dtype=jnp.uint32)
-
-
-@jax.jit
-def _summaries(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """(the checksum of every leaf, whether every floating leaf is finite), on the devices."""
-    sums = jnp.stack([_raw_bits_sum(x) for x in leaves]) if leaves else jnp.zeros(0, jnp.uint32)
-    finite = [jnp.isfinite(x).all() for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
-    return sums, jnp.stack(finite).all() if finite else jnp.bool_(True)
-
-
-def _checksums(tree: Any) -> tuple[dict[str, int], bool]:
-    """(checksum of every leaf by name, whether every floating leaf is finite).
-
-    Computed where the arrays live, in one jitted pass that reads each element once (fused
-    bitcast + sum; nothing copied to the host but the sums); with several processes the sums
-    are global already. A checksum is a sum of the raw bits mod 2**32, changed by any
-    overwritten word; the same number the host computes from the saved bytes.
-    """
-    named = named_leaves(tree)
-    sums, finite = jax.device_get(_summaries(list(named.values())))
-    return {name: int(v) for name, v in zip(named, sums, strict=True)}, bool(finite)
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:
@@ -179,7 +130,7 @@ def first_line(e: BaseException) -> str:
 def _with_dtypes(target: Any, dtypes: dict[str, Any]) -> Any:
     """`target` with each leaf's dtype replaced by the saved one (its shape and sharding kept)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, s: jax.ShapeDtypeStruct(s.shape, dtypes[_leaf_name(p)], sharding=s.sharding),
+        lambda p, s: jax.ShapeDtypeStruct(s.shape, dtypes[leaf_name(p)], sharding=s.sharding),
         target)
 
 
@@ -235,12 +186,12 @@ class Checkpointer:
         if dtype is not None:
             tree = jax.tree.map(
                 lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-        checksums, finite = _checksums(tree)
+        sums, finite = checksums(tree)
         if not finite:
             raise NonFiniteStateError(
                 f"the train state at step {step} holds NaN or inf values; not saving it")
         meta = {**self.run_info, "format": FORMAT_VERSION, "step": step,
-                "tokens_seen": tokens_seen, "model_only": model_only, "checksums": checksums}
+                "tokens_seen": tokens_seen, "model_only": model_only, "checksums": sums}
         items = {"state": ocp.args.PyTreeSave(tree), "meta": ocp.args.JsonSave(meta)}
         if not model_only:
             items["data"] = ocp.args.JsonSave(data_state)
@@ -328,7 +279,7 @@ class Checkpointer:
         with self._reading(step):
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         state = {**restored["state"], **empty}
-        sums, _ = _checksums(state)
+        sums, _ = checksums(state)
         bad = next((n for n, v in sums.items() if meta["checksums"].get(n) != v), None)
         if bad is not None:
             raise CheckpointError(
