@@ -29,12 +29,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_step import QWEN3_100M  # noqa: E402
 
 from titan_jax.config import load_config  # noqa: E402
-from titan_jax.models.qwen3 import get_flavor  # noqa: E402
+from titan_jax.models.qwen3 import Qwen3Args, get_flavor  # noqa: E402
 from titan_jax.train.checkpoint import Checkpointer  # noqa: E402
 from titan_jax.train.trainer import build_trainer  # noqa: E402
 
+# ~300M: the largest whose state (3.8 GB) and orbax's write buffers fit in 10 GB here.
+QWEN3_300M = Qwen3Args(dim=1024, n_layers=20, n_heads=16, n_kv_heads=8, head_dim=64,
+                       hidden_dim=3072, vocab_size=32000, max_seq_len=2048,
+                       tie_embeddings=False)
 MODELS = {"debugmodel": get_flavor("debugmodel"), "qwen3-100M": QWEN3_100M,
-          "0.6B": get_flavor("0.6B")}
+          "qwen3-300M": QWEN3_300M, "0.6B": get_flavor("0.6B")}
 
 
 def _peak_rss_gib() -> float:
