@@ -37,11 +37,30 @@ class Model:
 
 
 @dataclasses.dataclass
+class MixtureSource:
+    """One `[[training.mixture]]` table: token stores and their share of the samples."""
+
+    path: str = ""  # token store folder(s): comma-separated, globs allowed, local or URL
+    weight: float = 1.0  # relative: the shares are weight / sum of weights
+
+
+@dataclasses.dataclass
 class Training:
-    # Data: "pydoc" (embedded corpus) | "text" | "jsonl" | "parquet" | "hf_disk".
+    # Data: "tokens" (token stores written by `titan-jax prepare-data`, at dataset_path: one
+    # folder, several comma-separated, or a glob; local or gs://... URLs) | "pydoc" (embedded
+    # corpus) | "text" | "jsonl" | "parquet" | "hf_disk" (prepared into a store under
+    # {dump_folder}/data on first use).
     dataset: str = "pydoc"
-    dataset_path: str = ""  # file, directory or glob for the file sources
+    dataset_path: str = ""  # store folder(s) for "tokens"; file, directory or glob for files
     text_field: str = "text"  # field/column holding the text (jsonl, parquet, hf_disk)
+    # Several token stores with weights (`[[training.mixture]]` tables of path and weight),
+    # interleaved deterministically; replaces dataset/dataset_path when given.
+    mixture: list[MixtureSource] = dataclasses.field(default_factory=list)
+    # Attention stays inside each document of a packed window, and the label that would predict
+    # the next document's first token is not trained on.
+    document_mask: bool = False
+    # With document_mask: RoPE positions restart at 0 with each document.
+    document_positions: bool = False
     local_batch_size: int = 8  # sequences per data-parallel rank per microbatch
     # Sequences per optimizer step over all ranks; -1 = local x data-parallel degree. A larger
     # multiple of that means gradient accumulation over microbatches.
@@ -72,7 +91,8 @@ class Parallelism:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit
     # all_gather/psum_scatter twin (same rules, same losses), which also hosts expert
-    # parallelism's all-to-alls. "auto": shard_map with expert parallelism, else jit.
+    # parallelism's all-to-alls. "auto": shard_map with expert parallelism or MoE on TPU/GPU
+    # (ragged_dot does not compile under the jit path's vmap), else jit.
     fsdp_implementation: Literal["auto", "jit", "shard_map"] = "auto"
     # Slices joined over the data-centre network (DCN); -1: from the devices (TPU multislice
     # devices know their slice; others make one slice). The DCN axis carries HSDP's replicate
@@ -159,10 +179,11 @@ class Validation:
     """Held-out loss during training (TorchTitan's [validation] keys)."""
 
     enable: bool = False  # evaluate a held-out loss during training
-    # "pydoc": the embedded corpus's held-out slice (training never sees it); a file source
-    # ("text", "jsonl", "parquet", "hf_disk", with dataset_path) is read whole, in order.
+    # "pydoc": the embedded corpus's held-out slice (training never sees it); "tokens": a
+    # held-out token store at dataset_path; a file source ("text", "jsonl", "parquet",
+    # "hf_disk", with dataset_path) is prepared into a store and read whole, in order.
     dataset: str = "pydoc"
-    dataset_path: str = ""  # file, directory or glob of a file source
+    dataset_path: str = ""  # store folder(s) for "tokens"; file, directory or glob of files
     freq: int = 500  # validate every N steps, and at the last step
     steps: int = -1  # batches per validation; -1 = the whole validation set once
     local_batch_size: int = 8  # sequences per data-parallel rank per validation batch
@@ -234,6 +255,9 @@ class JobConfig:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, list):  # of tables: an inline array of inline tables
+        return "[" + ", ".join("{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in t.items())
+                               + "}" for t in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):

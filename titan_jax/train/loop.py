@@ -27,7 +27,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from titan_jax.config import JobConfig
-from titan_jax.data.stream import TrainIterator
+from titan_jax.data.windows import WindowStream
 from titan_jax.parallel.distributed import JobFailures, exit_job, initialize_distributed
 from titan_jax.train.bad_steps import BadStepsError
 from titan_jax.train.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError, Restored
@@ -37,7 +37,7 @@ from titan_jax.train.preflight import check_history
 from titan_jax.train.profiling import StepProfiler
 from titan_jax.train.run_lock import RunLock, prepare_dump_folder
 from titan_jax.train.run_log import RunLog
-from titan_jax.train.setup import RunSetup, assemble_run
+from titan_jax.train.setup import RunSetup, assemble_run, open_data
 from titan_jax.train.signals import StopSignals
 from titan_jax.train.start import load_start
 from titan_jax.train.step import TrainState
@@ -78,7 +78,7 @@ def _rows_text(rows: np.ndarray) -> str:
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs if len(r))
 
 
-def data_summary(data: TrainIterator) -> str:
+def data_summary(data: WindowStream) -> str:
     """Which rows of the global batch each process read and how many documents it tokenized
     (a collective: every process calls it)."""
     mine = np.zeros(data.global_batch_size + 1, np.int32)
@@ -126,7 +126,13 @@ def _train(config: JobConfig, devices: list[jax.Device] | None,
                         "on, or use a new job.dump_folder")
             return RunResult(start.step, {}, None)
         state = _first_state(setup.trainer, start, logger)
+        if start.data_state is not None and setup.data.resume_note:
+            logger.info(setup.data.resume_note)
         run.reporter = StepReporter(config, setup.trainer, logger, start.tokens_seen)
+        if len(setup.data.sources) > 1:  # a mixture: tokens per source in the metrics
+            run.reporter.data_metrics = lambda step: {
+                f"tokens_seen/{name}": n
+                for name, n in setup.data.source_tokens(step - start.step).items()}
         step, state, stopped = _run_steps(run, state, start.step)
         with run.watchdog.paused():
             return _finish(run, step, state, stopped)
@@ -151,6 +157,7 @@ def _open(stack: contextlib.ExitStack, config: JobConfig, setup: RunSetup
         # Closed (waiting for an in-flight save) on every exit, errors and signals included.
         ckpt = stack.enter_context(Checkpointer.from_config(config, setup.trainer))
     start = load_start(config, setup.trainer, ckpt)
+    open_data(config, setup)
     if start.data_state is not None:
         try:
             setup.data.set_state(start.data_state)

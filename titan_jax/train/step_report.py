@@ -4,6 +4,8 @@ step's line, and the bad-step policy (`bad_steps.BadSteps`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import numpy as np
 
@@ -50,6 +52,7 @@ class StepReporter:
         self.bad_steps = BadSteps(config.training.max_consecutive_bad_steps)
         self.losses: dict[int, float] = {}
         self.validations: dict[int, dict[str, float]] = {}  # by step, until that step is logged
+        self.data_metrics: Callable[[int], dict[str, int]] = lambda step: {}
         logger.info(f"MFU peak: {peak.flops_per_device / 1e12:.3f} TFLOP/s per device "
                     f"({peak.source})")
         logger.write_header({**peak.to_json(), "flops_per_token": token_flops,
@@ -85,5 +88,6 @@ class StepReporter:
             "lr": values["lr"], **speed, "n_tokens": values["n_tokens"],
             "tokens_seen": self.tokens_seen, "memory_peak_gib": mem["peak_bytes"] / 2**30,
             "memory_in_use_gib": None if in_use is None else in_use / 2**30, **validation,
+            **self.data_metrics(step),
             **{k: v for k, v in values.items() if k not in _STEP_METRICS},  # the model's own
         })
