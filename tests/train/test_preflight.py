@@ -106,6 +106,8 @@ def test_a_resume_that_fails_its_checks_has_written_nothing(tmp_path, tiny):
         loop.train(make_config(dump))
     after = digests(dump)
     assert after.pop("titan-jax.log")  # the error's causes, which its message points at
+    # The token store of the embedded corpus (a cache, derived from the inputs) may be built.
+    after = {k: v for k, v in after.items() if not k.startswith("data/")}
     assert after == before  # metrics.jsonl still holds step 4
 
 

@@ -86,7 +86,10 @@ def _pydoc(split: str) -> list[str]:
 
 def _open_text(file: str) -> IO[str]:
     fs, path = filesystem(file)
-    raw: Any = fs.open(path, "rb")
+    try:
+        raw: Any = fs.open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{file} cannot be read: {e.strerror or e}") from None
     if file.endswith(".gz"):
         raw = gzip.GzipFile(fileobj=raw)
     elif file.endswith(".zst"):
