@@ -105,7 +105,7 @@ CASES = {
     ],
     "corrupt": [
         (["--training.dataset", "parquet", "--training.dataset_path", "TMP/bad_footer.parquet"],
-         "TMP/bad_footer.parquet: not a readable parquet file (Parquet magic bytes not found"),
+         "TMP/bad_footer.parquet: not a parquet file (Parquet magic bytes not found"),
         (["--training.dataset", "parquet", "--training.dataset_path", "TMP/bad_pages.parquet"],
          "TMP/bad_pages.parquet: column 'text' is corrupt"),
         (["--model.tokenizer_path", "TMP/latin1.json"],

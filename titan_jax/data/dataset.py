@@ -144,7 +144,7 @@ def _parquet_texts(file: str, field: str) -> Iterator[str]:
         try:
             parquet = pq.ParquetFile(f)
         except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{file}: not a readable parquet file ({_one_line(e)})") from None
+            raise DataError(f"{file}: not a parquet file ({_one_line(e)})") from None
         names = parquet.schema_arrow.names
         if field not in names:
             raise DataError(f"{file}: no column text_field={field!r} (columns: {names})")
