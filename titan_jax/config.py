@@ -234,7 +234,11 @@ def validate(config: JobConfig) -> None:
     _check_numbers(config)
     _check_dump_folder(config)
     _check_checkpoint_folder(config)
-    t, p = config.training, config.parallelism
+    _check_training(config.training)
+    _check_rest(config)
+
+
+def _check_training(t: Training) -> None:
     _require(t.local_batch_size >= 1,
              f"training.local_batch_size={t.local_batch_size} must be >= 1")
     _require(
@@ -250,6 +254,10 @@ def validate(config: JobConfig) -> None:
         f"training.max_consecutive_bad_steps={t.max_consecutive_bad_steps} must be >= 1",
     )
     _check_data(t)
+
+
+def _check_rest(config: JobConfig) -> None:
+    p = config.parallelism
     for name in ("data_parallel_replicate_degree", "tensor_parallel_degree",
                  "expert_parallel_degree"):
         degree = getattr(p, name)

@@ -171,35 +171,37 @@ def held_rows(sharding: NamedSharding, n_rows: int, devices: list[jax.Device]) -
     return sorted({r for d in devices for r in range(n_rows)[index[d][0]]})
 
 
-def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
-                  model_args: Any = None) -> Trainer:
-    """`model_args` replaces `model.flavor`'s shape (tests and notebooks use tiny models)."""
+def _check_shapes(config: JobConfig, args: Any, degrees: MeshDegrees) -> tuple[int, int]:
+    """(sequences per step per microbatch, per step), once the model and the mesh fit them."""
     t = config.training
-    spec = get_model_spec(config.model.name)
-    args = spec.configure(spec.flavor(config.model.flavor) if model_args is None else model_args,
-                          config)
-    check_moe_knobs(config, args)
     if t.seq_len > args.max_seq_len:
         raise ConfigError(
             f"training.seq_len={t.seq_len} exceeds the maximum sequence length "
-            f"{args.max_seq_len} of model.flavor={config.model.flavor}"
-        )
-    devices = jax.devices() if devices is None else devices
-    degrees = resolve_degrees(config.parallelism, len(devices))
-    mesh = build_mesh(degrees, devices, config.parallelism.num_slices)
+            f"{args.max_seq_len} of model.flavor={config.model.flavor}")
     if args.n_heads % degrees.tp or args.n_kv_heads % degrees.tp:
         raise ConfigError(
             f"parallelism.tensor_parallel_degree={degrees.tp} must divide n_heads={args.n_heads} "
-            f"and n_kv_heads={args.n_kv_heads} of model.flavor={config.model.flavor}"
-        )
-
+            f"and n_kv_heads={args.n_kv_heads} of model.flavor={config.model.flavor}")
     per_step = t.local_batch_size * degrees.dp
     global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
     if global_batch % per_step:
         raise ConfigError(
             f"training.global_batch_size={global_batch} must be a multiple of "
-            f"local_batch_size x data-parallel degree = {t.local_batch_size} x {degrees.dp}"
-        )
+            f"local_batch_size x data-parallel degree = {t.local_batch_size} x {degrees.dp}")
+    return per_step, global_batch
+
+
+def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
+                  model_args: Any = None) -> Trainer:
+    """`model_args` replaces `model.flavor`'s shape (tests and notebooks use tiny models)."""
+    t, spec = config.training, get_model_spec(config.model.name)
+    args = spec.configure(spec.flavor(config.model.flavor) if model_args is None else model_args,
+                          config)
+    check_moe_knobs(config, args)
+    devices = jax.devices() if devices is None else devices
+    degrees = resolve_degrees(config.parallelism, len(devices))
+    per_step, global_batch = _check_shapes(config, args, degrees)  # before the mesh is built
+    mesh = build_mesh(degrees, devices, config.parallelism.num_slices)
 
     implementation = resolve_implementation(config, degrees, args, devices[0].platform)
     if (t.mixed_precision_reduce == "bfloat16" and all(d.platform == "cpu" for d in devices)
