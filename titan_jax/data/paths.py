@@ -42,6 +42,8 @@ def glob_files(pattern: str, suffixes: tuple[str, ...], error: type[Exception]) 
         found = [p for p in fs.find(path) if p.endswith(suffixes)]
     elif fs.isfile(path):
         found = [path]
+    elif fs.exists(path):
+        raise error(f"dataset_path={pattern!r} is neither a regular file nor a folder")
     else:
         raise error(f"dataset_path={pattern!r} does not exist")
     if not found:
