@@ -87,8 +87,10 @@ def _add_compile_parser(sub: argparse._SubParsersAction) -> None:
         "compile", help="compile the train step for a TPU slice from this host, to plan a job",
         description="Compile the recipe's whole train step ahead of time for a named TPU slice "
         "(needs libtpu, no TPU) and report per-chip memory against HBM, FLOPs per step, the "
-        "collectives and a roofline estimate of step time and MFU; config overrides as for "
-        "train. The parallelism degrees must multiply to the slice's chips (x --num-slices).")
+        "collectives and an estimate of step time and MFU (each instruction at the MXU peak or "
+        "HBM bandwidth, plus the collectives the schedule leaves exposed; the roofline bound "
+        "beside it); config overrides as for train. The parallelism degrees must multiply to "
+        "the slice's chips (x --num-slices).")
     compile_.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_8b.toml")
     compile_.add_argument("--topology", required=True, metavar="NAME",
                           help="a Cloud TPU slice name: v4-16, v5e-256, v5p-128, v6e-8, ... "
