@@ -147,9 +147,13 @@ def test_a_store_of_another_tokenizer_is_refused_naming_both(tmp_path):
     assert f"not this run's {other_dir / 'tokenizer.json'} (sha256 {other.sha256[:12]})" in message
 
 
-def test_a_corrupted_or_truncated_shard_is_named(tmp_path):
+def test_a_corrupted_or_truncated_shard_is_named(tmp_path, capsys):
+    from titan_jax.cli import main
+
     _jsonl_files(tmp_path / "src")
     _prepare(tmp_path / "src", tmp_path / "store")
+    verify = ["prepare-data", "--output", str(tmp_path / "store"), "--verify"]
+    assert main(verify) == 0 and "every checksum matches" in capsys.readouterr().err
     shard = tmp_path / "store" / "tokens-00001.bin"
     data = bytearray(shard.read_bytes())
     data[10] ^= 0xFF
@@ -157,6 +161,9 @@ def test_a_corrupted_or_truncated_shard_is_named(tmp_path):
     corpus = open_corpus(str(tmp_path / "store"), TOK)  # sizes agree: opens
     with pytest.raises(StoreError, match=f"shard {shard} is corrupted .sha256"):
         corpus.verify()
+    assert main(verify) == 2
+    assert capsys.readouterr().err == (f"titan-jax: error: shard {shard} is corrupted (sha256 "
+                                       "differs from the manifest); prepare the store again\n")
     shard.write_bytes(bytes(data[:-2]))
     with pytest.raises(StoreError, match=f"shard {shard} is corrupted: {len(data) - 2} bytes"):
         open_corpus(str(tmp_path / "store"), TOK)

@@ -32,10 +32,15 @@ def prepare_data(config: JobConfig, output: str, *, workers: int = 1, num_shards
                           "reads a source: pydoc, text, jsonl, parquet or hf_disk")
     start = time.perf_counter()
     messages: list[str] = []
+
+    def progress(message: str) -> None:
+        messages.append(message)
+        _progress(message)
+
     manifest = prepare_store(dataset=t.dataset, dataset_path=t.dataset_path,
                              text_field=t.text_field, tokenizer=tokenizer, output=output,
                              workers=workers, num_shards=num_shards, shard_index=shard_index,
-                             progress=lambda m: (messages.append(m), _progress(m)))
+                             progress=progress)
     seconds = time.perf_counter() - start
     if messages and "already prepared" in messages[-1]:
         return manifest
