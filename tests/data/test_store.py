@@ -128,6 +128,11 @@ def test_a_remote_store_is_written_and_read_by_byte_range(tmp_path):
         str(tmp_path / "local"), TOK)
     np.testing.assert_array_equal(remote.read(5, 400), local.read(5, 400))
     np.testing.assert_array_equal(remote.document_ends(0, 400), local.document_ends(0, 400))
+    fs.pipe("/bucket/store/tokens-00002.bin", b"\0\0")  # checked at the shard's first read
+    damaged = open_corpus("memory://bucket/store", TOK)
+    with pytest.raises(StoreError, match="shard memory://bucket/store/tokens-00002.bin is "
+                       "corrupted: 2 bytes"):
+        damaged.read(0, damaged.num_tokens)
     fs.rm("/bucket", recursive=True)
 
 
