@@ -59,6 +59,9 @@ def test_store_holds_each_files_documents_with_eos_in_file_order(tmp_path):
     np.testing.assert_array_equal(corpus.document_ends(0, len(expected)), ends)
     np.testing.assert_array_equal(corpus.document_ends(40, 200), ends[(ends > 40) & (ends <= 200)])
     assert not list(tmp_path.glob(".store.titan-jax-partial"))  # renamed into place
+    (tmp_path / "empty").mkdir()  # an empty folder given as --output becomes the store
+    _prepare(tmp_path / "src", tmp_path / "empty")
+    assert _files(tmp_path / "empty") == _files(tmp_path / "store")
     assert [s["file_index"] for s in manifest["shards"]] == [0, 1, 2]
 
 
