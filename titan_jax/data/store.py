@@ -121,9 +121,8 @@ class Shard:
 class Corpus:
     """Several stores' shards as one token sequence."""
 
-    def __init__(self, shards: Sequence[Shard], where: str):
+    def __init__(self, shards: Sequence[Shard]):
         self.shards = list(shards)
-        self.where = where
         sizes = np.array([s.num_tokens for s in self.shards], np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])
         self.num_tokens = int(self.starts[-1])
@@ -193,7 +192,7 @@ def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.datase
     for shard in shards:  # remote shards: at their first read (thousands of requests otherwise)
         if shard.local:
             shard.check_sizes()
-    corpus = Corpus(shards, spec)
+    corpus = Corpus(shards)
     if corpus.num_tokens < 2:
         raise StoreError(f"{what}={spec!r} holds {corpus.num_tokens} tokens")
     return corpus
