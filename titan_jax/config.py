@@ -241,7 +241,7 @@ def validate(config: JobConfig) -> None:
     )
     _check_data(t)
     for name in ("data_parallel_replicate_degree", "tensor_parallel_degree",
-                 "expert_parallel_degree"):
+                 "expert_parallel_degree", "context_parallel_degree"):
         degree = getattr(p, name)
         _require(degree >= 1, f"parallelism.{name}={degree} must be >= 1")
     _require(
@@ -286,10 +286,22 @@ def validate(config: JobConfig) -> None:
              f"profiling.profile_steps={pr.profile_steps} must be in [1, profile_freq="
              f"{pr.profile_freq}]")
     _check_distributed(config.distributed)
+    _check_yarn(config.model)
     c = config.checkpoint
     _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
     _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 "
              "(0 keeps all)")
+
+
+def _check_yarn(m: Model) -> None:
+    if m.rope_type != "yarn":
+        return
+    _require(m.yarn_factor >= 1, f"model.yarn_factor={m.yarn_factor} must be >= 1")
+    _require(m.yarn_original_max_position_embeddings >= 1,
+             f"model.yarn_original_max_position_embeddings="
+             f"{m.yarn_original_max_position_embeddings} must be >= 1")
+    _require(m.yarn_attention_factor >= 0, f"model.yarn_attention_factor="
+             f"{m.yarn_attention_factor} must be >= 0 (0: from the factor)")
 
 
 def _check_data(t: Training) -> None:
