@@ -1,5 +1,5 @@
-"""`titan-jax` command line: `titan-jax {train,inspect,compile,parity,generate} --config PATH
-[--section.key value ...]` and `titan-jax convert --from FMT --to FMT SRC DST`."""
+"""`titan-jax` command line: `titan-jax {train,inspect,compile,parity,generate,prepare-data}
+--config PATH [--section.key value ...]` and `titan-jax convert --from FMT --to FMT SRC DST`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Local paths and fsspec URLs (gs://, s3://, memory://, file://) behind one small interface.
 
-Remote files are read by byte range (`read_range`), never downloaded whole; a local file is
-memory-mapped by its reader instead.
+Remote files are read by byte range (fsspec's `cat_file(path, start, end)`), never downloaded
+whole; a local file is memory-mapped by its reader instead (data/store.py).
 """
 
 from __future__ import annotations
@@ -64,8 +64,3 @@ def glob_dirs(spec: str) -> list[str]:
         else:
             out.append(item)
     return out
-
-
-def read_range(url: str, start: int, stop: int) -> bytes:
-    fs, path = filesystem(url)
-    return fs.cat_file(path, start=start, end=stop)
