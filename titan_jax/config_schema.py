@@ -230,6 +230,10 @@ class Distributed:
     process_id: int = -1  # this process's index in [0, num_processes); -1 = auto-detect
     # Seconds to wait for every process to reach the coordinator before failing.
     initialization_timeout: int = 300
+    # Seconds a training step may take (after the first, which compiles; validations and
+    # saves not counted) before the job is ended as hung: a stuck collective or a dead host,
+    # as TorchTitan's comm.train_timeout_seconds. 0 = wait forever.
+    step_timeout: int = 600
 
 
 @dataclasses.dataclass

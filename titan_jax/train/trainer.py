@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from titan_jax.config import ConfigError, JobConfig
+from titan_jax.config import ConfigError, JobConfig, Moe
 from titan_jax.models import BuildOptions, ModelDef, ModelSpec, get_model_spec
 from titan_jax.models.attention import CP_ATTENTION, SPLASH_BLOCKS, resolve_attention
 from titan_jax.models.remat import remat_mode_for
@@ -26,6 +26,18 @@ from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
 from titan_jax.parallel.simple_fsdp import SimpleFSDP, nested, weight_layouts
 from titan_jax.train.optim import WSDSchedule, build_optimizer
 from titan_jax.train.step import Batch, StepOptions, TrainState, init_train_state, train_step
+
+
+def check_moe_knobs(config: JobConfig, args: Any) -> None:
+    """`[moe]` keys set on a dense flavour are refused, as an expert degree is: nothing reads
+    them there."""
+    if getattr(args, "is_moe", False):
+        return
+    changed = [f"moe.{f.name}={getattr(config.moe, f.name)}" for f in dataclasses.fields(Moe)
+               if getattr(config.moe, f.name) != f.default]
+    if changed:
+        raise ConfigError(f"{changed[0]} applies to MoE flavours only; model.flavor="
+                          f"{config.model.flavor} is dense (leave [moe] out)")
 
 
 def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
@@ -206,6 +218,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     spec = get_model_spec(config.model.name)
     args = spec.configure(spec.flavor(config.model.flavor) if model_args is None else model_args,
                           config)
+    check_moe_knobs(config, args)
     if t.seq_len > args.max_seq_len:
         raise ConfigError(
             f"training.seq_len={t.seq_len} exceeds the maximum sequence length "
