@@ -51,7 +51,8 @@ def test_commands_are_found_and_use_the_venv():
 @pytest.mark.parametrize("command", TITAN)
 def test_titan_jax_command_parses(command):
     args, config = _parse(argv(command)[1:])
-    assert args.command in ("train", "inspect", "compile", "parity", "convert", "generate")
+    assert args.command in ("train", "inspect", "compile", "parity", "convert", "generate",
+                            "prepare-data")
     if args.command != "convert":
         assert config is not None  # every override named a real key with a valid value
     for word in argv(command):

@@ -34,14 +34,42 @@ class Model:
     # CPU), "cudnn" (cuDNN fused attention, GPU, bf16). "auto": splash on TPU, cudnn on GPU with
     # bf16 compute, xla otherwise (by the devices trained on, also when compiling ahead of time).
     attention: Literal["auto", "xla", "splash", "cudnn"] = "auto"
+    # RoPE: "default" (the flavour's: plain) or "yarn" (YaRN as HF computes it, from the yarn_*
+    # keys; HF's rope_parameters). Qwen3 reaches 128K from its native 32K: factor 4, 32768.
+    rope_type: Literal["default", "yarn"] = "default"
+    yarn_factor: float = 4.0  # >= 1: how much longer than the original window
+    yarn_original_max_position_embeddings: int = 32768  # the window pre-training used
+    yarn_beta_fast: float = 32.0  # dims turning more often than this over it are kept
+    yarn_beta_slow: float = 1.0  # dims turning less often than this are interpolated
+    yarn_attention_factor: float = 0.0  # cos/sin scale; 0 = 0.1 * ln(factor) + 1 (HF)
+    yarn_truncate: bool = True  # round the ramp's ends to whole dims (HF's default)
+
+
+@dataclasses.dataclass
+class MixtureSource:
+    """One `[[training.mixture]]` table: token stores and their share of the samples."""
+
+    path: str = ""  # token store folder(s): comma-separated, globs allowed, local or URL
+    weight: float = 1.0  # relative: the shares are weight / sum of weights
 
 
 @dataclasses.dataclass
 class Training:
-    # Data: "pydoc" (embedded corpus) | "text" | "jsonl" | "parquet" | "hf_disk".
+    # Data: "tokens" (token stores written by `titan-jax prepare-data`, at dataset_path: one
+    # folder, several comma-separated, or a glob; local or gs://... URLs) | "pydoc" (embedded
+    # corpus) | "text" | "jsonl" | "parquet" | "hf_disk" (prepared into a store under
+    # {dump_folder}/data on first use).
     dataset: str = "pydoc"
-    dataset_path: str = ""  # file, directory or glob for the file sources
+    dataset_path: str = ""  # store folder(s) for "tokens"; file, directory or glob for files
     text_field: str = "text"  # field/column holding the text (jsonl, parquet, hf_disk)
+    # Several token stores with weights (`[[training.mixture]]` tables of path and weight),
+    # interleaved deterministically; replaces dataset/dataset_path when given.
+    mixture: list[MixtureSource] = dataclasses.field(default_factory=list)
+    # Attention stays inside each document of a packed window, and the label that would predict
+    # the next document's first token is not trained on.
+    document_mask: bool = False
+    # With document_mask: RoPE positions restart at 0 with each document.
+    document_positions: bool = False
     local_batch_size: int = 8  # sequences per data-parallel rank per microbatch
     # Sequences per optimizer step over all ranks; -1 = local x data-parallel degree. A larger
     # multiple of that means gradient accumulation over microbatches.
@@ -68,12 +96,18 @@ class Parallelism:
     # Experts split over this many of the data-parallel shard ranks (MoE flavours only); the
     # token dispatch and combine are all-to-alls over it.
     expert_parallel_degree: int = 1
+    # Context parallelism: each sequence split over this many devices (a `cp` mesh axis), in
+    # 2 x cp chunks, rank i holding chunks i and 2cp-1-i so causal work is equal; attention
+    # all-gathers K/V over cp. Weights are also sharded over cp (one more FSDP axis).
+    # training.seq_len (and validation.seq_len) must divide by 2 x cp.
+    context_parallel_degree: int = 1
     # "default" = "always": free the gathered weight after forward, re-gather in backward.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit
     # all_gather/psum_scatter twin (same rules, same losses), which also hosts expert
-    # parallelism's all-to-alls. "auto": shard_map with expert parallelism or MoE on TPU/GPU
-    # (ragged_dot does not compile under the jit path's vmap), else jit.
+    # parallelism's all-to-alls and context parallelism's K/V gathers. "auto": shard_map with
+    # expert or context parallelism, or MoE on TPU/GPU (ragged_dot does not compile under the
+    # jit path's vmap), else jit.
     fsdp_implementation: Literal["auto", "jit", "shard_map"] = "auto"
     # Slices joined over the data-centre network (DCN); -1: from the devices (TPU multislice
     # devices know their slice; others make one slice). The DCN axis carries HSDP's replicate
@@ -160,10 +194,11 @@ class Validation:
     """Held-out loss during training (TorchTitan's [validation] keys)."""
 
     enable: bool = False  # evaluate a held-out loss during training
-    # "pydoc": the embedded corpus's held-out slice (training never sees it); a file source
-    # ("text", "jsonl", "parquet", "hf_disk", with dataset_path) is read whole, in order.
+    # "pydoc": the embedded corpus's held-out slice (training never sees it); "tokens": a
+    # held-out token store at dataset_path; a file source ("text", "jsonl", "parquet",
+    # "hf_disk", with dataset_path) is prepared into a store and read whole, in order.
     dataset: str = "pydoc"
-    dataset_path: str = ""  # file, directory or glob of a file source
+    dataset_path: str = ""  # store folder(s) for "tokens"; file, directory or glob of files
     freq: int = 500  # validate every N steps, and at the last step
     steps: int = -1  # batches per validation; -1 = the whole validation set once
     local_batch_size: int = 8  # sequences per data-parallel rank per validation batch
@@ -231,6 +266,9 @@ class JobConfig:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, list):  # of tables: an inline array of inline tables
+        return "[" + ", ".join("{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in t.items())
+                               + "}" for t in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):

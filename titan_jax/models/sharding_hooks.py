@@ -2,13 +2,15 @@
 
 Every module reads its weights through `use_param` and pins the layout of the few activations
 that matter through `constrain`, naming dimensions by logical axis only (`("batch", "seq",
-"embed")`); an MoE layer sends its routed tokens through `dispatch_to_experts`, and a kernel
-the compiler cannot partition (Pallas) runs through `run_per_shard`. By default a weight read is
-a cast to the compute dtype, a constraint does nothing, every expert is local and a kernel sees
-the whole arrays. Parallelism installs `ShardingHooks` for the duration of a trace
-(`sharding_hooks`): SimpleFSDP's cast + all-gather, whose backward reduces the gradient in fp32,
-sharding constraints derived from the one rules table (`titan_jax/parallel/rules.py`), and
-kernels under shard_map. So the model never knows the mesh.
+"embed")`); an MoE layer sends its routed tokens through `dispatch_to_experts`, a kernel
+the compiler cannot partition (Pallas) runs through `run_per_shard`, and RoPE and attention
+ask `sequence_split` where their tokens sit in the sequence (context parallelism). By default a
+weight read is a cast to the compute dtype, a constraint does nothing, every expert is local, a
+kernel sees the whole arrays and the whole sequence is here. Parallelism installs
+`ShardingHooks` for the duration of a trace (`sharding_hooks`): SimpleFSDP's cast + all-gather,
+whose backward reduces the gradient in fp32, sharding constraints derived from the one rules
+table (`titan_jax/parallel/rules.py`), kernels under shard_map, and context parallelism's
+positions and K/V gathers. So the model never knows the mesh.
 
 Gathered weights carry the checkpoint name `GATHERED_PARAM`; that name alone is how remat
 policies find them (`is_gathered_param`).
@@ -66,6 +68,47 @@ class PerShard(Protocol):
                  in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array: ...
 
 
+class SequenceSplit(Protocol):
+    """How each sequence is split over devices (context parallelism). A forward sees its shard's
+    tokens: `positions(t)` are their global positions (t = the local length), `gather(x)` the
+    whole sequence of a (B, t, ...) activation (K/V) along dim 1, whose tokens sit at
+    `gathered_positions(t)`; `in_position_order` reorders such a gathered array by position.
+    Under degree > 1 a shard holds two of the 2 x degree equal chunks, `chunks()` their
+    indices. `degree` 1: the whole sequence is here."""
+
+    degree: int
+
+    def positions(self, t_local: int) -> jax.Array: ...
+
+    def gathered_positions(self, t_local: int) -> jax.Array: ...
+
+    def gather(self, x: jax.Array) -> jax.Array: ...
+
+    def in_position_order(self, x: jax.Array) -> jax.Array: ...
+
+    def chunks(self) -> jax.Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeSequence:
+    degree: int = 1
+
+    def positions(self, t_local: int) -> jax.Array:
+        return jnp.arange(t_local)
+
+    def gathered_positions(self, t_local: int) -> jax.Array:
+        return jnp.arange(t_local)
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        return x
+
+    def in_position_order(self, x: jax.Array) -> jax.Array:
+        return x
+
+    def chunks(self) -> jax.Array:
+        return jnp.zeros((1,), jnp.int32)
+
+
 def local_dispatch(x_ND: jax.Array, experts_NK: jax.Array, weights_NK: jax.Array,
                    n_local: int, ffn: ExpertFFN) -> jax.Array:
     """Every expert is here: each pick's row through its expert, summed over the k slots in
@@ -99,6 +142,7 @@ class ShardingHooks:
     activation: ActivationUse = unconstrained
     experts: ExpertDispatch = local_dispatch  # expert parallelism swaps in an all-to-all
     per_shard: PerShard = whole_arrays  # a mesh runs the kernel under shard_map
+    sequence: SequenceSplit = WholeSequence()  # context parallelism splits it
 
 
 NO_SHARDING = ShardingHooks()  # one device, or a trace without a mesh
@@ -138,6 +182,11 @@ def run_per_shard(kernel: Callable[..., jax.Array], args: tuple[jax.Array, ...],
     """`kernel(*args)` run on each device's shard of `args` (see PerShard): for a kernel that
     works on any slice of the split axes (rows, heads) but that the compiler cannot split."""
     return _ACTIVE.get().per_shard(kernel, args, in_axes, out_axes)
+
+
+def sequence_split() -> SequenceSplit:
+    """How the sequences of the running forward are split (see SequenceSplit)."""
+    return _ACTIVE.get().sequence
 
 
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:

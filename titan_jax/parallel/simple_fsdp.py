@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from titan_jax.models.sharding_hooks import GATHERED_PARAM, LogicalAxes, ShardingHooks
 from titan_jax.models.spec import Aux, Params
+from titan_jax.parallel.context_parallel import CP, ContextParallel
 from titan_jax.parallel.expert_parallel import all_to_all_dispatch
 from titan_jax.parallel.per_shard import jit_per_shard, manual_per_shard
 from titan_jax.parallel.rules import ShardingRules
@@ -215,6 +216,9 @@ class SimpleFSDP:
         if self.implementation == "jit" and self.mesh.shape.get("ep", 1) > 1:
             raise ValueError("expert parallelism needs the shard_map implementation (the "
                              "partitioner does not lower the jit path's dispatch to all-to-alls)")
+        if self.implementation == "jit" and self.mesh.shape.get(CP, 1) > 1:
+            raise ValueError("context parallelism needs the shard_map implementation (its K/V "
+                             "gathers run over the manual cp axis)")
 
     def layout(self, path: str, ndim: int) -> WeightLayout:
         """The layout of weight `path` as used: whole, or one layer of a stacked weight."""
@@ -237,9 +241,11 @@ class SimpleFSDP:
         return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
     def hooks(self) -> ShardingHooks:
-        ep = self.mesh.shape.get("ep", 1)
+        ep, cp = self.mesh.shape.get("ep", 1), self.mesh.shape.get(CP, 1)
         hooks = ShardingHooks(param=self.param_use, activation=self.activation_use,
                               per_shard=self.per_shard)
+        if cp > 1:
+            hooks = dataclasses.replace(hooks, sequence=ContextParallel(cp))
         if ep == 1:
             return hooks
         return dataclasses.replace(hooks, experts=all_to_all_dispatch("ep", ep))
@@ -304,7 +310,7 @@ class SimpleFSDP:
             name: only_axes(layout.storage, data) for name, layout in self.layouts.items()})
         buffer_specs = jax.tree.map(lambda _: PartitionSpec(), self.buffer_specs,  # whole
                                     is_leaf=lambda s: isinstance(s, PartitionSpec))
-        rows = PartitionSpec(data)
+        rows = self.rules.batch_spec  # rows, and under context parallelism sequence chunks
 
         def local(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
                   ) -> tuple[jax.Array, Aux]:

@@ -69,7 +69,7 @@ def forward(params: Params, args: Qwen3Args, tokens_BT: jax.Array, start: jax.Ar
     their keys and values written in. Earlier positions come from the cache."""
     b, t = tokens_BT.shape
     x_BTD = jnp.take(params["tok_embeddings"].astype(dtype), tokens_BT, axis=0)
-    cos, sin = rope_tables(start + jnp.arange(t), args.head_dim, args.rope_theta)
+    cos, sin = rope_tables(start + jnp.arange(t), args.head_dim, args.rope_theta, args.yarn)
     eps, scale = args.norm_eps, args.head_dim**-0.5
 
     def layer(x_BTD: jax.Array, xs: tuple[Params, jax.Array, jax.Array]

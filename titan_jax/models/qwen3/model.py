@@ -27,9 +27,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.attention import KV_AXES, Q_AXES, attention
-from titan_jax.models.qwen3.args import Qwen3Args
+from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 from titan_jax.models.qwen3.moe import MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
-from titan_jax.models.sharding_hooks import GATHERED_PARAM, constrain, use_param
+from titan_jax.models.sharding_hooks import (
+    GATHERED_PARAM,
+    constrain,
+    sequence_split,
+    use_param,
+)
 
 Array = jax.Array
 
@@ -74,12 +79,39 @@ class RMSNorm(nnx.Module):
         return use_param(self.weight, x.dtype) * normed.astype(x.dtype)
 
 
-def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-    """cos/sin tables (*positions.shape, head_dim) in fp32, rotate-half layout (halves repeated)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+def rope_frequencies(head_dim: int, theta: float, yarn: YarnScaling | None = None) -> Array:
+    """RoPE inverse frequencies (head_dim / 2,) in fp32, as HF computes them (its op order:
+    the fp32 tables then match to the last bit), YaRN-scaled when `yarn` is given."""
+    pos_freqs = theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if yarn is None:
+        return 1.0 / pos_freqs
+
+    def correction_dim(rotations: float) -> float:  # the dim turning `rotations` times
+        n = yarn.original_max_position_embeddings
+        return head_dim * math.log(n / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp  # 1: keep the frequency (fast dims), 0: interpolate it (slow dims)
+    return ((1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolated)
+            + (1.0 / pos_freqs) * extrapolated)
+
+
+def rope_tables(positions: Array, head_dim: int, theta: float,
+                yarn: YarnScaling | None = None) -> tuple[Array, Array]:
+    """cos/sin tables (*positions.shape, head_dim) in fp32, rotate-half layout (halves repeated),
+    times YaRN's attention factor when scaled (HF scales the tables, not the scores)."""
+    freqs = positions.astype(jnp.float32)[..., None] * rope_frequencies(head_dim, theta, yarn)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if yarn is None:
+        return jnp.cos(emb), jnp.sin(emb)
+    scale = yarn.cos_sin_scale
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
 @jax.named_scope("rope")
@@ -155,7 +187,9 @@ class Attention(nnx.Module):
         self.scale = h**-0.5
         self.backend, self.platform = kernels.attention, kernels.platform
 
-    def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array) -> Array:
+    def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
+                 segment_ids_BT: Array | None = None) -> Array:
+        """segment_ids_BT: attend only within equal ids (documents packed in one window)."""
         name = checkpoint_name
         flat = self.platform == "cpu"  # a CPU kernel choice (see `project`)
         q_BTNH = name(project(x_BTD, self.wq, 1, flat), "q_proj")
@@ -166,7 +200,8 @@ class Attention(nnx.Module):
         k_BTKH = constrain(apply_rope(self.k_norm(k_BTKH), cos_TH, sin_TH), KV_AXES)
         v_BTKH = constrain(v_BTKH, KV_AXES)
         with jax.named_scope("sdpa"):  # scaled dot-product attention, the op profiles name
-            out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, self.scale, self.backend, self.platform)
+            out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, self.scale, self.backend, self.platform,
+                                 segment_ids_BT)
         out_BTNH = name(out_BTNH, "attn_out")
         return name(project(out_BTNH, self.wo, 2), "wo_out")
 
@@ -206,10 +241,12 @@ class Block(nnx.Module):
             self.feed_forward = FeedForward(args, rngs)
 
     def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
-                 expert_bias_E: Array | None = None) -> tuple[Array, dict[str, Array]]:
+                 expert_bias_E: Array | None = None, segment_ids_BT: Array | None = None
+                 ) -> tuple[Array, dict[str, Array]]:
         """(output, the MoE router's statistics for MoE blocks (see `MoE`), else {})."""
         with jax.named_scope("attention"):
-            x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH)
+            x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH,
+                                           segment_ids_BT)
         router = {}
         with jax.named_scope("feed_forward"):
             if expert_bias_E is None:
@@ -248,6 +285,8 @@ class Qwen3(nnx.Module):
         remat: the scanned block's `jax.checkpoint` policy (None: no remat).
         activation_stats: also return each layer's output sum of squares and element count
         (`activation_sq_sum`, `activation_count`), for per-layer RMS in the metrics.
+        tokens_BT may be (B, T, 3): per token (id, segment id, RoPE position), for documents
+        packed in a window (`training.document_mask`): attention stays within a segment.
         expert_bias_LE: MoE flavours' per-layer expert bias (zeros when None); then the stats
         hold each layer's tokens per expert (`tokens_per_expert`, (L, E)), and with
         `router_aux_loss_coef` > 0 the aux loss is HF's load-balancing loss times that
@@ -256,17 +295,23 @@ class Qwen3(nnx.Module):
         if self.args.is_moe and expert_bias_LE is None:
             expert_bias_LE = jnp.zeros((self.args.n_layers, self.args.num_experts), jnp.float32)
         t = tokens_BT.shape[1]
+        # Global positions: under context parallelism this shard's tokens are two chunks.
+        segment_ids_BT, positions = None, sequence_split().positions(t)
+        if tokens_BT.ndim == 3:
+            tokens_BT, segment_ids_BT, positions = (tokens_BT[..., i] for i in range(3))
         table_VD = use_param(self.tok_embeddings, dtype)
         with jax.named_scope("embed"):
             x_BTD = constrain(embed_lookup(table_VD, tokens_BT, table_VD.shape[0]), ACT_AXES)
-        cos_TH, sin_TH = rope_tables(jnp.arange(t), self.args.head_dim, self.args.rope_theta)
+        # (T, H) tables, or (B, T, H) for per-token positions.
+        cos_TH, sin_TH = rope_tables(positions, self.args.head_dim, self.args.rope_theta,
+                                     self.args.yarn)
         layers_def, layers_state = nnx.split(self.layers)
 
         def body(x_BTD: Array, layer: tuple[nnx.State, Array | None]
                  ) -> tuple[Array, dict[str, Array]]:
             layer_state, expert_bias_E = layer
             y_BTD, stats = nnx.merge(layers_def, layer_state)(x_BTD, cos_TH, sin_TH,
-                                                              expert_bias_E)
+                                                              expert_bias_E, segment_ids_BT)
             if activation_stats:
                 y32 = y_BTD.astype(jnp.float32)
                 stats["activation_sq_sum"] = jnp.sum(y32 * y32)
