@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -61,25 +62,69 @@ def ragged_matmul(x_MD: Array, w_EDF: Array, group_sizes_E: Array) -> Array:
     return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
 
 
+@jax.custom_vjp
 def blocked_matmul(x_MD: Array, w_EDF: Array, group_sizes_E: Array) -> Array:
-    """Rows of `x` sorted by group, times their group's weight, block by block."""
-    m, d = x_MD.shape
-    e = w_EDF.shape[0]
+    """Rows of `x` sorted by group, times their group's weight, block by block. Rows past
+    sum(group_sizes) (padding) are not computed; their output is zero.
+
+    A custom VJP that saves only its inputs: the per-block weight copies (blocks x D x F,
+    several times the expert weights) are remade in backward rather than kept per layer."""
+    return _blocked(x_MD, w_EDF, group_sizes_E)
+
+
+def _blocks(group_sizes_E: Array, m: int) -> tuple[Array, Array, int]:
+    """(each row's place in the blocked layout (M,), one past the end for padding rows; each
+    block's group (n_blocks,); n_blocks)."""
+    e = group_sizes_E.shape[0]
     n_blocks = m // BLOCK + e  # sum_e ceil(size_e / BLOCK) never exceeds this
     starts = jnp.cumsum(group_sizes_E) - group_sizes_E
     padded_sizes = -(-group_sizes_E // BLOCK) * BLOCK
     padded_ends = jnp.cumsum(padded_sizes)
     row_group = jnp.repeat(jnp.arange(e), group_sizes_E, total_repeat_length=m)
     row_dest = (padded_ends - padded_sizes)[row_group] + jnp.arange(m) - starts[row_group]
-    blocks = jnp.zeros((n_blocks * BLOCK, d), x_MD.dtype).at[row_dest].set(
-        x_MD, unique_indices=True)
+    row_dest = jnp.where(jnp.arange(m) < jnp.sum(group_sizes_E), row_dest, n_blocks * BLOCK)
     # The group whose padded range holds each block (trailing spare blocks: the last group).
     # A comparison count rather than jnp.searchsorted, which fails inside shard_map.
     block_start = jnp.arange(n_blocks) * BLOCK
     block_group = jnp.minimum(jnp.sum(padded_ends[None, :] <= block_start[:, None], axis=1),
                               e - 1)
-    out = jnp.einsum("nbd,ndf->nbf", blocks.reshape(n_blocks, BLOCK, d), w_EDF[block_group])
-    return out.reshape(n_blocks * BLOCK, -1)[row_dest]
+    return row_dest, block_group, n_blocks
+
+
+def _to_blocks(x_MD: Array, row_dest: Array, n_blocks: int) -> Array:
+    blocks = jnp.zeros((n_blocks * BLOCK, x_MD.shape[1]), x_MD.dtype).at[row_dest].set(
+        x_MD, unique_indices=True, mode="drop")
+    return blocks.reshape(n_blocks, BLOCK, -1)
+
+
+def _from_blocks(blocks_NBF: Array, row_dest: Array) -> Array:
+    flat = blocks_NBF.reshape(-1, blocks_NBF.shape[-1])
+    return flat.at[row_dest].get(mode="fill", fill_value=0)
+
+
+def _blocked(x_MD: Array, w_EDF: Array, group_sizes_E: Array) -> Array:
+    row_dest, block_group, n_blocks = _blocks(group_sizes_E, x_MD.shape[0])
+    out = jnp.einsum("nbd,ndf->nbf", _to_blocks(x_MD, row_dest, n_blocks), w_EDF[block_group])
+    return _from_blocks(out, row_dest)
+
+
+def _blocked_fwd(x_MD: Array, w_EDF: Array, group_sizes_E: Array
+                 ) -> tuple[Array, tuple[Array, Array, Array]]:
+    return _blocked(x_MD, w_EDF, group_sizes_E), (x_MD, w_EDF, group_sizes_E)
+
+
+def _blocked_bwd(res: tuple[Array, Array, Array], g_MF: Array
+                 ) -> tuple[Array, Array, np.ndarray]:
+    x_MD, w_EDF, group_sizes_E = res
+    row_dest, block_group, n_blocks = _blocks(group_sizes_E, x_MD.shape[0])
+    g_blocks = _to_blocks(g_MF, row_dest, n_blocks)
+    dx = _from_blocks(jnp.einsum("nbf,ndf->nbd", g_blocks, w_EDF[block_group]), row_dest)
+    dw_blocks = jnp.einsum("nbd,nbf->ndf", _to_blocks(x_MD, row_dest, n_blocks), g_blocks)
+    dw = jax.ops.segment_sum(dw_blocks, block_group, num_segments=w_EDF.shape[0])
+    return dx, dw.astype(w_EDF.dtype), np.zeros(group_sizes_E.shape, jax.dtypes.float0)
+
+
+blocked_matmul.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 GROUPED_MATMULS: dict[str, Callable[[Array, Array, Array], Array]] = {
@@ -93,13 +138,13 @@ def grouped_matmul_for(platform: str) -> str:
 def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
                grouped_matmul: str) -> Array:
     """Each row through its expert's SwiGLU (dropless): sorted by expert, grouped matmuls,
-    un-sorted by the inverse permutation (a gather both ways, no scatter-add)."""
+    un-sorted by the inverse permutation (a gather both ways, no scatter-add). Rows whose id
+    is not an expert held here (>= the number of experts: padding of an exchange buffer) sort
+    last, are left out of the group sizes, not computed, and come back zero."""
     order = jnp.argsort(experts_M, stable=True)
     group_sizes = jnp.bincount(experts_M, length=w1_EDF.shape[0]).astype(jnp.int32)
     swiglu = functools.partial(grouped_swiglu, GROUPED_MATMULS[grouped_matmul])
-    if grouped_matmul == "blocked":
-        # Its per-block weight copies (blocks x D x F, several times the expert weights) would
-        # otherwise be saved for backward, per layer: recompute them there instead.
+    if grouped_matmul == "blocked":  # CPU: recompute the (rows, F) activations in backward
         swiglu = jax.checkpoint(swiglu, policy=jax.checkpoint_policies.nothing_saveable)
     y_MD = swiglu(rows_MD[order], w1_EDF, w3_EDF, w2_EFD, group_sizes)
     return y_MD[jnp.argsort(order)]
