@@ -180,22 +180,23 @@ def test_a_weight_split_over_two_mesh_axes_gathers_in_order():
 
     from titan_jax.parallel.mesh import MeshDegrees, build_mesh
     from titan_jax.parallel.rules import ShardingRules
-    from titan_jax.parallel.simple_fsdp import SimpleFSDP, weight_layouts
+    from titan_jax.parallel.simple_fsdp import SimpleFSDP
 
     mesh = build_mesh(MeshDegrees(1, 4, 1, ep=2))
     rules = ShardingRules(mesh)
     w = jnp.arange(16 * 3, dtype=jnp.float32).reshape(16, 3)
-    layouts = weight_layouts(rules, {"w": w}, {"w": ("embed", None)})
-    assert layouts["w"].storage == P(("fsdp", "ep"))
-    fsdp = SimpleFSDP(rules, layouts, {}, "shard_map")
+    specs = rules.storage_specs({"w": w}, {"w": ("embed", None)})
+    assert specs["w"] == P(("fsdp", "ep"))
+    assert rules.weight_layout(("embed", None)).gathered_dims == ((0, "ep"), (0, "fsdp"))
+    fsdp = SimpleFSDP(rules, specs, {}, "shard_map")
     data = rules.data_axes
 
     def gather(shard):
-        return fsdp.param_use(shard, "w", ("embed", None), jnp.float32)[None]
+        return fsdp.use_param(shard, ("embed", None), jnp.float32)[None]
 
     with jax.set_mesh(mesh):
         gathered = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(("fsdp", "ep")),
                                          out_specs=P(data), axis_names=frozenset(data)))(
-            jax.device_put(w, NamedSharding(mesh, layouts["w"].storage)))
+            jax.device_put(w, NamedSharding(mesh, specs["w"])))
     for copy in gathered:
         np.testing.assert_array_equal(copy, w)

@@ -16,34 +16,26 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from titan_jax.models.sharding_hooks import ExpertDispatch, ExpertFFN
+from titan_jax.models.sharding_hooks import ExpertFFN
 
 
-def all_to_all_dispatch(axis: str, ep: int) -> ExpertDispatch:
-    """The expert dispatch over mesh axis `axis` of size `ep` (see the module docstring)."""
-
-    def dispatch(x_ND: jax.Array, experts_NK: jax.Array, weights_NK: jax.Array, n_local: int,
-                 ffn: ExpertFFN) -> jax.Array:
-        n, k = experts_NK.shape
-        m, d = n * k, x_ND.shape[-1]
-        flat = experts_NK.reshape(-1)
-        dest = flat // n_local  # the rank that holds each pick's expert
-        # Each pick's slot in its destination's buffer: picks to the same rank, in order.
-        to_rank = dest[:, None] == jnp.arange(ep)[None, :]
-        slot = jnp.take_along_axis(jnp.cumsum(to_rank, axis=0), dest[:, None], 1)[:, 0] - 1
-        send = jnp.zeros((ep, m, d), x_ND.dtype).at[dest, slot].set(
-            x_ND[jnp.arange(m) // k], unique_indices=True)
-        send_ids = jnp.full((ep, m), -1, jnp.int32).at[dest, slot].set(
-            flat % n_local, unique_indices=True)
-        # [s] = what rank s sent here.
-        received = lax.all_to_all(send, axis, 0, 0)
-        received_ids = lax.all_to_all(send_ids, axis, 0, 0).reshape(-1)
-        valid = received_ids >= 0
-        y = ffn(received.reshape(ep * m, d), jnp.where(valid, received_ids, 0))
-        y = jnp.where(valid[:, None], y, 0).reshape(ep, m, d)
-        returned = lax.all_to_all(y, axis, 0, 0)  # [r] = results of what was sent to rank r
-        y_NKD = returned[dest, slot].reshape(n, k, d)
-        out = jnp.einsum("nk,nkd->nd", weights_NK, y_NKD.astype(jnp.float32))
-        return out.astype(x_ND.dtype)
-
-    return dispatch
+def all_to_all_dispatch(rows_MD: jax.Array, experts_M: jax.Array, n_local: int,
+                        ffn: ExpertFFN, axis: str, ep: int) -> jax.Array:
+    """Each row (one pick) through its expert, held by rank `experts_M // n_local` of mesh
+    axis `axis` (size `ep`); the results in the rows' order (see the module docstring)."""
+    m, d = rows_MD.shape
+    dest = experts_M // n_local  # the rank that holds each pick's expert
+    # Each pick's slot in its destination's buffer: picks to the same rank, in order.
+    to_rank = dest[:, None] == jnp.arange(ep)[None, :]
+    slot = jnp.take_along_axis(jnp.cumsum(to_rank, axis=0), dest[:, None], 1)[:, 0] - 1
+    send = jnp.zeros((ep, m, d), rows_MD.dtype).at[dest, slot].set(rows_MD, unique_indices=True)
+    send_ids = jnp.full((ep, m), -1, jnp.int32).at[dest, slot].set(
+        experts_M % n_local, unique_indices=True)
+    # [s] = what rank s sent here.
+    received = lax.all_to_all(send, axis, 0, 0)
+    received_ids = lax.all_to_all(send_ids, axis, 0, 0).reshape(-1)
+    valid = received_ids >= 0
+    y = ffn(received.reshape(ep * m, d), jnp.where(valid, received_ids, 0))
+    y = jnp.where(valid[:, None], y, 0).reshape(ep, m, d)
+    returned = lax.all_to_all(y, axis, 0, 0)  # [r] = results of what was sent to rank r
+    return returned[dest, slot]

@@ -99,7 +99,7 @@ def inspect_trainer(trainer: Trainer, compile: bool = True) -> dict[str, Any]:
     report: dict[str, Any] = {
         "mesh": dict(trainer.mesh.shape),
         "mode": trainer.degrees.mode,
-        "fsdp_implementation": trainer.fsdp.implementation,
+        "fsdp_implementation": trainer.parallelism.implementation,
         "param_dtype": np.dtype(trainer.options.param_dtype).name,
         "params": params,
         "per_device_param_bytes": sum(p["bytes_per_device"] for p in params),

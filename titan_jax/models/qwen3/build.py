@@ -22,7 +22,6 @@ from titan_jax.models.qwen3.args import Qwen3Args
 from titan_jax.models.qwen3.model import SAVED_ACTIVATIONS, Kernels, Qwen3, stacked_logical_axes
 from titan_jax.models.qwen3.moe import grouped_matmul_for, update_expert_bias
 from titan_jax.models.remat import remat_policy
-from titan_jax.models.sharding_hooks import PATH_METADATA
 from titan_jax.models.spec import Aux, BuildOptions, Params
 
 EXPERT_BIAS = "expert_bias"
@@ -112,9 +111,6 @@ def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> Mod
     kernels = Kernels(grouped_matmul_for(options.platform),
                       resolve_attention(options.attention, options.platform), options.platform)
     abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernels))
-    for path, var in nnx.iter_graph(abstract):  # each weight knows its path when used
-        if isinstance(var, nnx.Param):
-            var.set_metadata(**{PATH_METADATA: ".".join(map(str, path))})
     graphdef, state = nnx.split(abstract, nnx.Param)
     flat = jax.tree_util.tree_flatten_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)

@@ -11,7 +11,8 @@ gathered, three grouped matmuls run SwiGLU per expert, the results are un-sorted
 permutation (a gather, whose backward is a gather too, not a scatter-add) and summed over the
 k slots in fp32, weighted by the gate weights. The picks go through the active expert dispatch
 (`sharding_hooks.dispatch_to_experts`): local by default, an all-to-all over the `ep` mesh axis
-under expert parallelism (`titan_jax/parallel/expert_parallel.py`).
+under expert parallelism (`titan_jax/parallel/expert_parallel.py`), which only moves rows: the
+routing and the weighted sum stay here.
 
 Grouped matmul kernels (`GROUPED_MATMULS`), chosen by the target platform:
 - "ragged": `jax.lax.ragged_dot`, a grouped-matmul kernel on TPU and GPU;
@@ -105,13 +106,18 @@ def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w
 
 def routed_experts(x_ND: Array, experts_NK: Array, weights_NK: Array, w1_EDF: Array,
                    w3_EDF: Array, w2_EFD: Array, grouped_matmul: str) -> Array:
-    """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]), dropless, in x's dtype; through
-    the active expert dispatch (local, or all-to-all under expert parallelism), where the
-    weights are the experts held here."""
+    """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]), dropless, in x's dtype. Each
+    (token, slot) pick is one row through the active expert dispatch (local, or all-to-all
+    under expert parallelism, where the weights are the experts held here); the k slots are
+    summed in fp32, weighted by the gate."""
     def ffn(rows_MD: Array, experts_M: Array) -> Array:
         return expert_ffn(rows_MD, experts_M, w1_EDF, w3_EDF, w2_EFD, grouped_matmul)
 
-    return dispatch_to_experts(x_ND, experts_NK, weights_NK, w1_EDF.shape[0], ffn)
+    n, k = experts_NK.shape
+    rows_MD = x_ND[jnp.arange(n * k) // k]
+    y_MD = dispatch_to_experts(rows_MD, experts_NK.reshape(-1), w1_EDF.shape[0], ffn)
+    y_NKD = y_MD.reshape(n, k, -1).astype(jnp.float32)
+    return jnp.einsum("nk,nkd->nd", weights_NK, y_NKD).astype(x_ND.dtype)
 
 
 def dense_reference(x_ND: Array, experts_NK: Array, weights_NK: Array, w1_EDF: Array,
