@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # GPU devices say "cpu" up front. On a TPU VM or GPU box JAX picks the accelerator itself.
 export JAX_PLATFORMS ?= $(if $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0),,cpu)
 
-.PHONY: install train test test-fast lint format bench bench-update bench-deps plans tokenizer clean
+.PHONY: install train test test-fast lint format docs bench bench-update bench-deps plans tokenizer clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,10 @@ lint:
 
 format:
 	$(BIN)/ruff format titan_jax tests scripts benchmarks
+
+# docs/CONFIG.md from the field comments of titan_jax/config_schema.py.
+docs:
+	$(BIN)/python -m titan_jax.tools.config_reference
 
 # bench prints the table; bench-update also rewrites it in BENCHMARKS.md. The MaxText column
 # runs only when .venv-maxtext exists (`make bench-deps`, ~9 min): MaxText needs Python >= 3.12.

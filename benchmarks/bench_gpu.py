@@ -38,9 +38,27 @@ from titan_jax.train.metrics import memory_stats
 from titan_jax.train.peak_flops import peak_flops_per_device
 from titan_jax.train.trainer import build_trainer
 
+# What the lent GPU machine's stack is made of (it differs from this project's pins).
+PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
+            "flax", "optax", "orbax-checkpoint", "tokenizers", "safetensors", "numpy",
+            "pyarrow", "tqdm", "tensorboardX", "datasets")
 SMOKE = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
                   vocab_size=256, max_seq_len=64)
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory")
+
+
+def versions() -> dict[str, str]:
+    """Python, every package of PACKAGES ('-' where absent), and JAX's devices."""
+    from importlib import metadata
+
+    found = {"python": sys.version.split()[0]}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "-"
+    found["devices"] = ", ".join(f"{d.platform}:{d.device_kind}" for d in jax.devices())
+    return found
 
 
 def attention_overrides(requested: str) -> tuple[list[str], str]:
@@ -190,7 +208,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="0.6B,1.7B", help="comma-separated Qwen3 flavours")
+    parser.add_argument("--models", default="0.6B,1.7B,debugmodel_moe",
+                        help="comma-separated Qwen3 flavours")
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (halved on OOM)")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--warmup", type=int, default=2)
@@ -205,16 +224,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny model, 2 x 32 tokens, 1 + 2 steps, default attention: "
                              "checks the path on any device")
+    parser.add_argument("--versions", action="store_true",
+                        help="print the versions and devices; exit 1 without a GPU")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process of run_isolated
     parser.add_argument("--overrides", default="[]", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
+    if opts.versions:
+        found = versions()
+        print("\n".join(f"{k}: {v}" for k, v in found.items()), flush=True)
+        if "gpu:" not in found["devices"] and "cuda:" not in found["devices"]:
+            raise SystemExit(1)
+        return []
     if opts.one:
         row = measure(opts.one, opts.batch, opts.seq_len, opts.warmup, opts.steps, opts.ac,
                       json.loads(opts.overrides))
         print(json.dumps(row))
         return [row]
     if opts.smoke:
-        plan = Plan(["smoke"], 2, 32, 1, 2, opts.ac, "default", opts.budget_s)
+        plan = Plan(["smoke"], 2, 32, min(opts.warmup, 1), min(opts.steps, 2), opts.ac,
+                    "default", opts.budget_s)
     else:
         plan = Plan(opts.models.split(","), opts.batch, opts.seq_len, opts.warmup, opts.steps,
                     opts.ac, opts.attention, opts.budget_s)

@@ -33,7 +33,7 @@ class Plan:
     num_slices: int = 1
     # MaxText 0.2.4 at the same recipe (AOT on this CPU; NOTES.md): arguments, temporaries (GB)
     # and compile time (s); None where not measured.
-    maxtext: tuple[float, float, float] | None = None
+    maxtext: tuple[float, float, float | None] | None = None
 
 
 # The issue's setting for 8B: 2 x 4096 tokens per chip, fp32 master weights, bf16 compute,
@@ -41,6 +41,9 @@ class Plan:
 PLANS = (
     Plan("8B v5p-8", "configs/qwen3_8b.toml", "v5p-8", maxtext=(24.58, 19.99, 284)),
     Plan("8B v6e-8", "configs/qwen3_8b.toml", "v6e-8", maxtext=(12.29, 16.03, 433)),
+    # The TorchTitan TPU fork's measured recipe (35-36% MFU on a real v6e-8; docs/TPU.md).
+    Plan("8B v6e-8 6 x 2048 (fork)", "configs/qwen3_8b.toml", "v6e-8",
+         ("--training.local_batch_size", "6", "--training.seq_len", "2048")),
     Plan("8B v5p-8 remat none", "configs/qwen3_8b.toml", "v5p-8",
          ("--activation_checkpoint.mode", "none")),
     Plan("8B v5p-8 remat selective", "configs/qwen3_8b.toml", "v5p-8",
@@ -52,7 +55,12 @@ PLANS = (
     Plan("32B v5p-32", "configs/qwen3_32b.toml", "v5p-32"),
     Plan("235B-A22B v5p-256", "configs/qwen3_235b_a22b.toml", "v5p-256",
          ("--parallelism.tensor_parallel_degree", "1",
-          "--parallelism.expert_parallel_degree", "8")),
+          "--parallelism.expert_parallel_degree", "8"), maxtext=(22.05, 34.97, None)),
+    # The MoE recipes as shipped (`auto` picks shard_map for MoE on TPU).
+    Plan("30B-A3B v5p-16", "configs/qwen3_30b_a3b.toml", "v5p-16",
+         maxtext=(45.80, 29.37, None)),
+    Plan("30B-A3B v6e-32", "configs/qwen3_30b_a3b.toml", "v6e-32"),
+    Plan("235B-A22B v5p-256 as shipped", "configs/qwen3_235b_a22b.toml", "v5p-256"),
     Plan("8B 2 x v5p-8 (HSDP over DCN)", "configs/qwen3_8b.toml", "v5p-8",
          ("--parallelism.data_parallel_replicate_degree", "2"), num_slices=2),
 )
@@ -70,16 +78,18 @@ def _gb(n: float | None) -> str:
 def row(plan: Plan, r: dict[str, Any]) -> str:
     m = r["memory"]
     mt = plan.maxtext
-    maxtext = (f"{mt[0]:.2f} + {mt[1]:.2f} = {mt[0] + mt[1]:.2f}; {mt[2]:.0f} s" if mt
-               else "-")
+    maxtext = (f"{mt[0]:.2f} + {mt[1]:.2f} = {mt[0] + mt[1]:.2f}; "
+               f"{'-' if mt[2] is None else f'{mt[2]:.0f} s'}" if mt else "-")
     mesh = " ".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1)
-    est = (f"{r['est_step_time_s']:.2f} s / {r['est_mfu_pct']:.0f}%"
-           if r["est_step_time_s"] is not None else "-")
+    est = (f"{r['est_step_time_s']:.2f} s / {r['est_mfu_pct']:.0f}% (<= "
+           f"{r['roofline_mfu_pct']:.0f}%)" if r["est_step_time_s"] is not None else "-")
+    overlap = r.get("in_loop_all_gather_overlap_pct")
+    overlap = "-" if overlap is None else f"{overlap:.0f}%"
     return (f"| {plan.name} | {mesh} | {r['activation_checkpoint']} | {r['attention']} | "
-            f"{_gb(m.get('argument_size_in_bytes'))} + {_gb(m.get('temp_size_in_bytes'))} = "
-            f"{_gb(r['per_chip_bytes'])} of {_gb(r['hbm_bytes'])} | "
+            f"{_gb(m.get('argument_size_in_bytes'))} + {_gb(m.get('temp_size_in_bytes'))} | "
+            f"{_gb(r['per_chip_bytes'])} of {_gb(r['usable_hbm_bytes'])} | "
             f"{'yes' if r['fits'] else '**no**'} | {r['compile_s']:.0f} s | {est} | "
-            f"{maxtext} |")
+            f"{overlap} | {maxtext} |")
 
 
 def markdown(rows: list[str]) -> str:
@@ -89,12 +99,16 @@ def markdown(rows: list[str]) -> str:
         "docs/TPU.md`): jax 0.10.2, libtpu 0.0.42.1, compiled on a 2-core CPU host (compile "
         "times are this host's). Memory per chip from the compiled program "
         "(`memory_analysis()`, GB = 1e9 bytes): arguments (sharded params + AdamW state + "
-        "batch) + temporaries; outputs alias the donated arguments. The estimate is a roofline "
-        "(bf16 peak, ring collectives at published ICI/DCN bandwidth, fully overlapped), not a "
-        "measurement.", "",
-        "| recipe | mesh | remat | attention | per chip: args + temps = total of HBM (GB) | "
-        "fits | compile | est. step / MFU | MaxText 0.2.4 args + temps (GB); compile |",
-        "|---|---|---|---|---|---|---|---|---|", *rows])
+        "batch) and temporaries; `fits` compares the program's peak of live buffers with the "
+        "HBM XLA:TPU lets a program use, as the compiler does. The estimate prices each "
+        "compiled op at max(FLOPs at bf16 peak, bytes at HBM bandwidth) plus exposed "
+        "collectives; in brackets the roofline bound. Overlap: the share of the in-loop "
+        "all-gathers' ICI time the schedule covers with compute. Estimates, not measurements.",
+        "",
+        "| recipe | mesh | remat | attention | args + temps (GB) | peak of usable (GB) | "
+        "fits | compile | est. step / MFU (bound) | gather overlap | "
+        "MaxText 0.2.4 args + temps (GB); compile |",
+        "|---|---|---|---|---|---|---|---|---|---|---|", *rows])
 
 
 def write_table(path: Path, table: str) -> None:

@@ -23,3 +23,26 @@ def random_hf_model(args: Qwen3Args, seed: int = 0):
             if p.ndim == 1:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
     return model.eval()
+
+
+def random_hf_moe_model(seq_len: int, norm_topk_prob: bool = True, seed: int = 0):
+    """A small transformers Qwen3MoeForCausalLM (8 experts, top 2, 2 layers, aux loss off) with
+    random norms and weights 4x their init, so routing is decided by clear margins."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=2048, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+        output_router_logits=False, max_position_embeddings=seq_len, tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norms away from 1, so a misplaced one shows
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:  # larger than init so routing is decided by clear margins
+                p.mul_(4.0)
+    return model

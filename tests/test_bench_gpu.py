@@ -77,3 +77,14 @@ def test_an_out_of_memory_row_is_retried_at_half_the_batch(bench, monkeypatch):
     assert [r["batch"] for r in rows] == [8, 4, 2, 8, 4, 2] and written == [1, 2, 3, 4, 5, 6]
     table = bench.markdown(rows)
     assert "| 0.6B | 8 | default | failed: exit 1: RESOURCE_EXHAUSTED: oom |" in table
+
+
+def test_versions_name_every_package_and_the_devices(bench, capsys):
+    import jax
+
+    found = bench.versions()
+    assert found["jax"] == jax.__version__ and found["devices"].startswith("cpu:")
+    assert set(bench.PACKAGES) <= set(found)
+    with pytest.raises(SystemExit):  # no GPU here: gpu.sh stops before the timed rows
+        bench.main(["--versions"])
+    assert f"jax: {jax.__version__}" in capsys.readouterr().out

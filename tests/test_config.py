@@ -123,3 +123,26 @@ def test_config_file_errors_name_the_file(tmp_path):
 def test_bad_distributed_settings_name_the_field(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, override)
+
+
+def test_training_mixture_tables_parse_validate_and_print(tmp_path):
+    import tomllib
+
+    recipe = tmp_path / "mix.toml"
+    recipe.write_text('[[training.mixture]]\npath = "gs://b/web-*"\nweight = 3\n'
+                      '[[training.mixture]]\npath = "/data/code"\n')
+    config = load_config(recipe)
+    assert [(m.path, m.weight) for m in config.training.mixture] == [("gs://b/web-*", 3.0),
+                                                                    ("/data/code", 1.0)]
+    assert tomllib.loads(config.to_toml())["training"]["mixture"] == [
+        {"path": "gs://b/web-*", "weight": 3.0}, {"path": "/data/code", "weight": 1.0}]
+    recipe.write_text('[[training.mixture]]\npath = "x"\nshare = 3\n')
+    with pytest.raises(ConfigError, match=r"unknown key training.mixture\[0\].share"):
+        load_config(recipe)
+    recipe.write_text('[[training.mixture]]\npath = "x"\nweight = 0\n')
+    with pytest.raises(ConfigError, match=r"training.mixture\[0\].weight=0.0 must be a number > 0"):
+        load_config(recipe)
+    with pytest.raises(ConfigError, match="training.mixture must be TOML tables"):
+        load_config(None, ["--training.mixture", "x"])
+    with pytest.raises(ConfigError, match="training.dataset='tokens' needs training.dataset_path"):
+        load_config(None, ["--training.dataset", "tokens"])

@@ -1,5 +1,6 @@
-"""The README works verbatim: every `titan-jax` command in its bash blocks parses (config
-overrides included), the cheap ones run, its `make` targets and paths exist.
+"""The README and docs/*.md work verbatim: every `titan-jax` command in their bash blocks
+parses (config overrides included), the cheap ones run, their `make` targets, paths and links
+exist.
 
 A command whose trailing comment says it needs the network, a TPU slice, a downloaded
 checkpoint or a finished `make train` is parsed but not run.
@@ -16,14 +17,17 @@ import pytest
 from titan_jax.cli import _parse
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TEXTS = {page: page.read_text() for page in PAGES}
+README = TEXTS[ROOT / "README.md"]
 CLI = ".venv/bin/titan-jax"
 
 
 def bash_commands() -> list[str]:
-    """Every command line of the README's ```bash blocks, continuation lines joined."""
+    """Every command line of the pages' ```bash blocks, continuation lines joined."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+    blocks = [b for text in TEXTS.values() for b in re.findall(r"```bash\n(.*?)```", text, re.S)]
+    for block in blocks:
         text = block.replace("\\\n", " ")
         commands += [line.strip() for line in text.splitlines()
                      if line.strip() and not line.lstrip().startswith("#")]
@@ -47,7 +51,8 @@ def test_commands_are_found_and_use_the_venv():
 @pytest.mark.parametrize("command", TITAN)
 def test_titan_jax_command_parses(command):
     args, config = _parse(argv(command)[1:])
-    assert args.command in ("train", "inspect", "compile", "parity", "convert", "generate")
+    assert args.command in ("train", "inspect", "compile", "parity", "convert", "generate",
+                            "prepare-data")
     if args.command != "convert":
         assert config is not None  # every override named a real key with a valid value
     for word in argv(command):
@@ -71,11 +76,21 @@ def test_cheap_commands_run(command):
     assert "[training]" in out.stdout
 
 
-def test_no_dangling_references():
-    assert "DESIGN.md" not in README
-    for path in re.findall(r"`((?:configs|notebooks|benchmarks|scripts|titan_jax|tests)/[^`* ]+)`",
-                           README):
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_no_dangling_references(page):
+    text = TEXTS[page]
+    assert "DESIGN.md" not in text
+    for path in re.findall(r"`((?:configs|notebooks|benchmarks|scripts|titan_jax|tests|docs)/"
+                           r"[^`* ]+)`", text):
         assert (ROOT / path).exists() or (ROOT / path.split(":")[0]).exists(), path
+    for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):  # relative markdown links
+        assert (page.parent / link).exists(), link
+
+
+def test_readme_is_short_and_links_every_doc():
+    assert len(README.splitlines()) <= 200
+    for page in PAGES[1:]:
+        assert f"docs/{page.name}" in README, page.name
 
 
 @pytest.mark.slow

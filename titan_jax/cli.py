@@ -39,6 +39,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
     _add_parity_parser(sub)
     _add_convert_parser(sub)
     _add_generate_parser(sub)
+    _add_prepare_data_parser(sub)
     args, overrides = parser.parse_known_args(argv)
     if args.command == "convert":  # no recipe: anything left over is a mistake
         if overrides:
@@ -138,6 +139,26 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     generate.add_argument("--seed", type=int, default=0)
 
 
+def _add_prepare_data_parser(sub: argparse._SubParsersAction) -> None:
+    prepare = sub.add_parser(
+        "prepare-data", help="tokenize the recipe's training source into a token store",
+        description="Read training.dataset / dataset_path / text_field streaming, tokenize with "
+        "model.tokenizer_path (EOS after each document) and write a token store to --output "
+        "(local or gs://...); train from it with --training.dataset tokens. A rerun after a "
+        "crash keeps finished shards. Several machines: the same command with --num-shards N "
+        "--shard-index I and an --output each; training reads the outputs together.")
+    prepare.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_debug.toml")
+    prepare.add_argument("--output", required=True, metavar="DIR", help="the store's folder")
+    prepare.add_argument("--workers", type=int, default=1, metavar="N",
+                         help="tokenizing processes (default 1)")
+    prepare.add_argument("--num-shards", type=int, default=1, metavar="N",
+                         help="machines splitting the input files (default 1)")
+    prepare.add_argument("--shard-index", type=int, default=0, metavar="I",
+                         help="this machine's part: input files i with i %% N == I")
+    prepare.add_argument("--verify", action="store_true",
+                         help="check the store at --output against its checksums, then exit")
+
+
 def _generate(args: argparse.Namespace, config: JobConfig) -> int:
     from titan_jax.parallel.mesh import set_cpu_device_count
 
@@ -230,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
             return _convert(args)
         if args.command == "generate":
             return _generate(args, config)
+        if args.command == "prepare-data":
+            from titan_jax.tools.prepare_data import prepare_data
+
+            prepare_data(config, args.output, workers=args.workers, num_shards=args.num_shards,
+                         shard_index=args.shard_index, verify=args.verify)
+            return 0
         if args.print_config:
             print(config.to_toml())
             return 0

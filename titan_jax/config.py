@@ -98,11 +98,29 @@ def _coerce(where: str, value: Any, hint: Any) -> Any:
             except ValueError:
                 pass
         raise ConfigError(f"{where}={value!r} is not a number")
+    if origin is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+        return _coerce_tables(where, value, typing.get_args(hint)[0])
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}={value!r} is not a string")
         return value
     raise TypeError(f"unsupported config type {hint} for {where}")
+
+
+def _coerce_tables(where: str, value: Any, cls: type) -> list[Any]:
+    """A TOML array of tables (`[[section.key]]`) -> a list of `cls`, each key checked."""
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ConfigError(f"{where} must be TOML tables ([[{where}]] with "
+                          f"{', '.join(f.name for f in dataclasses.fields(cls))})")
+    hints, out = _field_types(cls), []
+    for i, table in enumerate(value):
+        item = cls()
+        for key, v in table.items():
+            if key not in hints:
+                raise ConfigError(f"unknown key {where}[{i}].{key}; {_suggest(key, hints)}")
+            setattr(item, key, _coerce(f"{where}[{i}].{key}", v, hints[key]))
+        out.append(item)
+    return out
 
 
 def _set(config: JobConfig, section: str, key: str, value: Any) -> None:
@@ -221,6 +239,7 @@ def validate(config: JobConfig) -> None:
         t.max_consecutive_bad_steps >= 1,
         f"training.max_consecutive_bad_steps={t.max_consecutive_bad_steps} must be >= 1",
     )
+    _check_data(t)
     for name in ("data_parallel_replicate_degree", "tensor_parallel_degree",
                  "expert_parallel_degree"):
         degree = getattr(p, name)
@@ -271,6 +290,19 @@ def validate(config: JobConfig) -> None:
     _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
     _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 "
              "(0 keeps all)")
+
+
+def _check_data(t: Training) -> None:
+    for i, m in enumerate(t.mixture):
+        _require(bool(m.path.strip()),
+                 f"training.mixture[{i}].path is empty; name a token store folder")
+        _require(math.isfinite(m.weight) and m.weight > 0,
+                 f"training.mixture[{i}].weight={m.weight} must be a number > 0")
+    _require(t.dataset != "tokens" or bool(t.dataset_path) or bool(t.mixture),
+             "training.dataset='tokens' needs training.dataset_path (token store folders, "
+             "written by `titan-jax prepare-data`)")
+    _require(t.document_mask or not t.document_positions,
+             "training.document_positions=true needs training.document_mask=true")
 
 
 def _check_distributed(d: Distributed) -> None:

@@ -16,14 +16,16 @@ class ConfigError(TitanJaxError, ValueError):
 @dataclasses.dataclass
 class Job:
     dump_folder: str = "./outputs"  # metrics.jsonl, loss.png, tb/ and checkpoint/ go here
-    description: str = ""
+    description: str = ""  # free text, recorded in metrics_header.json
     # Simulated CPU devices (XLA host platform); 0 leaves JAX's default. Set before JAX starts.
     cpu_devices: int = 0
 
 
 @dataclasses.dataclass
 class Model:
-    name: str = "qwen3"
+    name: str = "qwen3"  # the model family (the registry in titan_jax/models)
+    # A flavour of the family: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B; MoE: debugmodel_moe,
+    # 30B-A3B, 235B-A22B.
     flavor: str = "debugmodel"
     # tokenizer.json (or a directory holding one); "" = the tokenizer shipped with titan-jax.
     tokenizer_path: str = ""
@@ -35,31 +37,52 @@ class Model:
 
 
 @dataclasses.dataclass
+class MixtureSource:
+    """One `[[training.mixture]]` table: token stores and their share of the samples."""
+
+    path: str = ""  # token store folder(s): comma-separated, globs allowed, local or URL
+    weight: float = 1.0  # relative: the shares are weight / sum of weights
+
+
+@dataclasses.dataclass
 class Training:
-    # Data: "pydoc" (embedded corpus) | "text" | "jsonl" | "parquet" | "hf_disk".
+    # Data: "tokens" (token stores written by `titan-jax prepare-data`, at dataset_path: one
+    # folder, several comma-separated, or a glob; local or gs://... URLs) | "pydoc" (embedded
+    # corpus) | "text" | "jsonl" | "parquet" | "hf_disk" (prepared into a store under
+    # {dump_folder}/data on first use).
     dataset: str = "pydoc"
-    dataset_path: str = ""
-    text_field: str = "text"
-    local_batch_size: int = 8  # sequences per data-parallel rank per optimizer step
+    dataset_path: str = ""  # store folder(s) for "tokens"; file, directory or glob for files
+    text_field: str = "text"  # field/column holding the text (jsonl, parquet, hf_disk)
+    # Several token stores with weights (`[[training.mixture]]` tables of path and weight),
+    # interleaved deterministically; replaces dataset/dataset_path when given.
+    mixture: list[MixtureSource] = dataclasses.field(default_factory=list)
+    # Attention stays inside each document of a packed window, and the label that would predict
+    # the next document's first token is not trained on.
+    document_mask: bool = False
+    # With document_mask: RoPE positions restart at 0 with each document.
+    document_positions: bool = False
+    local_batch_size: int = 8  # sequences per data-parallel rank per microbatch
     # Sequences per optimizer step over all ranks; -1 = local x data-parallel degree. A larger
     # multiple of that means gradient accumulation over microbatches.
     global_batch_size: int = -1
-    seq_len: int = 2048
-    steps: int = 10000
+    seq_len: int = 2048  # tokens per sequence
+    steps: int = 10000  # optimizer steps
     max_norm: float = 1.0  # global-norm gradient clipping; 0 disables
     # Dtype weights are cast to at use (SimpleFSDP param_dtype). "auto": float32 on CPU (bf16
     # matmuls are slower there), bfloat16 on accelerators.
     mixed_precision_param: Literal["auto", "float32", "bfloat16"] = "auto"
     # Dtype of gradient reductions across data-parallel ranks (SimpleFSDP reduce_dtype).
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
-    seed: int = 42
+    seed: int = 42  # init and data order
     max_consecutive_bad_steps: int = 3  # non-finite steps in a row before the run stops
 
 
 @dataclasses.dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = 1
+    data_parallel_replicate_degree: int = 1  # replicas (DDP, or HSDP's outer axis)
     data_parallel_shard_degree: int = -1  # -1: all devices left after the other degrees
+    # Megatron tensor parallelism over a `tp` axis: attention heads, MLP hidden and vocab
+    # split; must divide n_heads and n_kv_heads.
     tensor_parallel_degree: int = 1
     # Experts split over this many of the data-parallel shard ranks (MoE flavours only); the
     # token dispatch and combine are all-to-alls over it.
@@ -68,7 +91,8 @@ class Parallelism:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit
     # all_gather/psum_scatter twin (same rules, same losses), which also hosts expert
-    # parallelism's all-to-alls. "auto": shard_map with expert parallelism, else jit.
+    # parallelism's all-to-alls. "auto": shard_map with expert parallelism or MoE on TPU/GPU
+    # (ragged_dot does not compile under the jit path's vmap), else jit.
     fsdp_implementation: Literal["auto", "jit", "shard_map"] = "auto"
     # Slices joined over the data-centre network (DCN); -1: from the devices (TPU multislice
     # devices know their slice; others make one slice). The DCN axis carries HSDP's replicate
@@ -78,21 +102,21 @@ class Parallelism:
 
 @dataclasses.dataclass
 class Optimizer:
-    name: Literal["AdamW"] = "AdamW"
-    lr: float = 8e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    name: Literal["AdamW"] = "AdamW"  # optax AdamW, decoupled weight decay on every parameter
+    lr: float = 8e-4  # peak learning rate
+    beta1: float = 0.9  # first-moment decay
+    beta2: float = 0.95  # second-moment decay
+    eps: float = 1e-8  # added to the second moment's square root
+    weight_decay: float = 0.1  # decoupled (AdamW), applied to every parameter
 
 
 @dataclasses.dataclass
 class LRScheduler:
-    warmup_steps: int = 200
+    warmup_steps: int = 200  # linear warmup, (step+1)/warmup_steps
     # Fraction of steps spent decaying; None = decay over everything after warmup.
     decay_ratio: float | None = None
-    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
-    min_lr_factor: float = 0.0
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"  # shape of the decay
+    min_lr_factor: float = 0.0  # decay floor as a fraction of optimizer.lr
 
 
 @dataclasses.dataclass
@@ -105,18 +129,22 @@ class ActivationCheckpoint:
 
 @dataclasses.dataclass
 class Checkpoint:
-    enable: bool = False
-    folder: str = "checkpoint"  # relative to job.dump_folder
-    interval: int = 500
-    keep_latest_k: int = 10
+    enable: bool = False  # save checkpoints and resume from them
+    # Under job.dump_folder (no ".."), or an absolute path; holds only this run's checkpoints.
+    folder: str = "checkpoint"
+    interval: int = 500  # steps between saves (also at the last step and on SIGTERM/SIGINT)
+    keep_latest_k: int = 10  # newest checkpoints kept; 0 keeps all
+    # "async": training goes on while the files are written; "disabled": blocks until written.
     async_mode: Literal["disabled", "async"] = "async"
     load_step: int = -1  # -1 = newest finalized
+    # Weights (or a whole state) a new run starts from: an orbax checkpoint folder or step, a
+    # `titan-jax convert --to orbax` directory, or a HF directory (with initial_load_in_hf).
     initial_load_path: str = ""
-    initial_load_in_hf: bool = False
-    initial_load_model_only: bool = True
-    last_save_model_only: bool = True
-    last_save_in_hf: bool = False
-    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    initial_load_in_hf: bool = False  # initial_load_path is a HF Qwen3 directory
+    initial_load_model_only: bool = True  # load only the weights from an orbax initial_load_path
+    last_save_model_only: bool = True  # the final checkpoint holds only the params
+    last_save_in_hf: bool = False  # also write the final model as HF safetensors (hf-{step}/)
+    export_dtype: Literal["float32", "bfloat16"] = "float32"  # of model-only and HF saves
 
 
 @dataclasses.dataclass
@@ -132,10 +160,10 @@ class Moe:
 
 @dataclasses.dataclass
 class Metrics:
-    log_freq: int = 10
-    enable_tensorboard: bool = False
-    save_tb_folder: str = "tb"
-    progress_bar: bool = True
+    log_freq: int = 10  # log every N steps (and the first and last)
+    enable_tensorboard: bool = False  # TensorBoard scalars (tensorboardX)
+    save_tb_folder: str = "tb"  # under job.dump_folder
+    progress_bar: bool = True  # live tqdm bar; the per-step log lines print either way
     # Per-layer RMS of the residual stream (`activation_rms`), through the model's aux channel.
     log_activation_stats: bool = False
     # Weights & Biases (the `wandb` extra); WANDB_PROJECT names the project, WANDB_MODE=offline
@@ -150,25 +178,26 @@ class Metrics:
 class Validation:
     """Held-out loss during training (TorchTitan's [validation] keys)."""
 
-    enable: bool = False
-    # "pydoc": the embedded corpus's held-out slice (training never sees it); a file source
-    # ("text", "jsonl", "parquet", "hf_disk", with dataset_path) is read whole, in order.
+    enable: bool = False  # evaluate a held-out loss during training
+    # "pydoc": the embedded corpus's held-out slice (training never sees it); "tokens": a
+    # held-out token store at dataset_path; a file source ("text", "jsonl", "parquet",
+    # "hf_disk", with dataset_path) is prepared into a store and read whole, in order.
     dataset: str = "pydoc"
-    dataset_path: str = ""
+    dataset_path: str = ""  # store folder(s) for "tokens"; file, directory or glob of files
     freq: int = 500  # validate every N steps, and at the last step
     steps: int = -1  # batches per validation; -1 = the whole validation set once
     local_batch_size: int = 8  # sequences per data-parallel rank per validation batch
-    seq_len: int = 2048
+    seq_len: int = 2048  # tokens per validation sequence
 
 
 @dataclasses.dataclass
 class Profiling:
     """jax.profiler traces (TensorBoard / Perfetto) in {dump_folder}/{save_traces_folder}."""
 
-    enable_profiling: bool = False
-    save_traces_folder: str = "profile"
+    enable_profiling: bool = False  # jax.profiler traces of selected steps
+    save_traces_folder: str = "profile"  # under job.dump_folder
     profile_freq: int = 10  # trace the last `profile_steps` steps of every `profile_freq`
-    profile_steps: int = 1
+    profile_steps: int = 1  # steps traced per window
 
 
 @dataclasses.dataclass
@@ -222,6 +251,9 @@ class JobConfig:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, list):  # of tables: an inline array of inline tables
+        return "[" + ", ".join("{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in t.items())
+                               + "}" for t in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):

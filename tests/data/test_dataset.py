@@ -1,15 +1,11 @@
 import json
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from titan_jax.data.dataset import load_documents
-from titan_jax.data.stream import build_train_iterator
-from titan_jax.data.tokenizer import load_tokenizer
+from titan_jax.data.dataset import read_documents, source_files
 
-TOK = load_tokenizer()
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
 # 20 distinct documents of 5..172 tokens: shorter and longer than the windows used here.
 DOCS = [
@@ -22,144 +18,10 @@ def _write_jsonl(path, texts, field="text"):
     return path
 
 
-def _iterator(**overrides):
-    kwargs = dict(
-        dataset="pydoc",
-        dataset_path="",
-        text_field="text",
-        tokenizer=TOK,
-        seq_len=32,
-        global_batch_size=8,
-        seed=0,
-    )
-    return build_train_iterator(**(kwargs | overrides))
-
-
-def _take(it, n):
-    return [next(it) for _ in range(n)]
-
-
-def _windows(batches):
-    """Rows of seq_len + 1 tokens, in stream order, rebuilt from (inputs, labels)."""
-    return np.concatenate([np.concatenate([b["inputs"], b["labels"][:, -1:]], 1) for b in batches])
-
-
-def _assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        np.testing.assert_array_equal(x["inputs"], y["inputs"])
-        np.testing.assert_array_equal(x["labels"], y["labels"])
-
-
-def test_batch_shapes_dtypes_and_shifted_labels():
-    batch = next(_iterator())
-    assert set(batch) == {"inputs", "labels"}
-    for v in batch.values():
-        assert v.shape == (8, 32) and v.dtype == np.int32
-        assert v.min() >= 0 and v.max() < TOK.vocab_size
-    np.testing.assert_array_equal(batch["labels"][:, :-1], batch["inputs"][:, 1:])
-
-
-def test_stream_is_shuffled_documents_with_eos_reshuffled_each_epoch(tmp_path):
-    path = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
-    # One row: its lane is the whole document stream.
-    it = _iterator(dataset="jsonl", dataset_path=str(path), seq_len=16, global_batch_size=1)
-    tokenized = [TOK.encode(d) for d in DOCS]
-    three_epochs = 3 * sum(len(t) + 1 for t in tokenized)
-    stream = _windows(_take(it, three_epochs // 17 + 1)).reshape(-1).tolist()
-
-    pieces, start = [], 0
-    for i, token in enumerate(stream):
-        if token == TOK.eos_id:
-            pieces.append(stream[start:i])
-            start = i + 1
-    tokenized = [TOK.encode(d) for d in DOCS]
-    orders = [[tokenized.index(p) for p in pieces[e * 20 : (e + 1) * 20]] for e in range(3)]
-    for order in orders:
-        assert sorted(order) == list(range(20))  # every document exactly once per epoch
-    assert orders[0] != list(range(20)) and len({tuple(o) for o in orders}) == 3
-
-
-def test_row_r_packs_documents_r_r_plus_g_r_plus_2g_of_the_stream(tmp_path):
-    from titan_jax.data.stream import _DocumentOrder
-
-    path = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
-    g, seq_len = 3, 40
-    batches = _take(_iterator(dataset="jsonl", dataset_path=str(path), seq_len=seq_len,
-                              global_batch_size=g, seed=5), 6)
-    order = _DocumentOrder(len(DOCS), 5)
-    for r in range(g):
-        lane = np.concatenate([[*TOK.encode(DOCS[order[r + j * g]]), TOK.eos_id]
-                               for j in range(40)])
-        windows = np.concatenate([np.r_[b["inputs"][r], b["labels"][r, -1:]] for b in batches])
-        np.testing.assert_array_equal(windows, lane[:len(windows)])
-
-
-def test_same_seed_same_batches_other_seed_differs():
-    first = _take(_iterator(seed=7), 3)
-    _assert_same(first, _take(_iterator(seed=7), 3))
-    other = _take(_iterator(seed=8), 3)
-    assert not np.array_equal(first[0]["inputs"], other[0]["inputs"])
-
-
-def test_state_restore_after_json_round_trip_at_every_step(tmp_path):
-    path = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
-    kwargs = dict(dataset="jsonl", dataset_path=str(path), seq_len=8, global_batch_size=2)
-    it = _iterator(**kwargs)
-    reference = _take(_iterator(**kwargs), 34)
-    # Every position: a window cut inside a document and exactly at a document end.
-    for step in range(30):
-        state = json.loads(json.dumps(it.get_state()))
-        assert len(json.dumps(state)) < 1000
-        resumed = _iterator(**kwargs)
-        resumed.set_state(state)
-        _assert_same(_take(resumed, 4), reference[step : step + 4])
-        _assert_same([next(it)], reference[step : step + 1])
-
-
-def test_row_subsets_are_the_global_batch_and_tokenize_only_their_rows():
-    full = _iterator()
-    global_batches = _take(full, 3)
-    for parts in ([range(4), range(4, 8)], [[0, 2, 5], [1, 3, 4, 6, 7]]):
-        iterators = [_iterator(rows=rows) for rows in parts]
-        locals_ = [_take(it, 3) for it in iterators]
-        for step, batch in enumerate(global_batches):
-            for key in ("inputs", "labels"):
-                for rows, local in zip(parts, locals_, strict=True):
-                    np.testing.assert_array_equal(local[step][key], batch[key][list(rows)])
-        # Each row is its own lane: the parts read the whole batch's documents between them.
-        assert sum(it.documents_read for it in iterators) == full.documents_read
-        assert all(0 < it.documents_read < full.documents_read for it in iterators)
-
-
-def test_state_moves_between_process_counts():
-    """Two processes' gathered state resumes one process, and one's resumes two."""
-    single = _iterator()
-    _take(single, 2)
-    state = single.get_state()
-    expected = _take(single, 2)
-    # Each half's get_state gathers both halves' positions (as process_allgather would).
-    gather = lambda _: np.stack([h.positions() for h in halves])  # noqa: E731
-    halves = [_iterator(rows=range(4), all_gather=gather), _iterator(rows=range(4, 8))]
-    for half in halves:
-        half.set_state(state)
-    for step, want in enumerate(expected):
-        got = [next(half) for half in halves]
-        np.testing.assert_array_equal(np.concatenate([g["inputs"] for g in got]),
-                                      want["inputs"], err_msg=f"step {step}")
-    resumed = _iterator()
-    resumed.set_state(json.loads(json.dumps(halves[0].get_state())))
-    _assert_same(_take(resumed, 2), _take(single, 2))
-    with pytest.raises(ValueError, match=r"no process reads rows \[0, 1, 2, 3\]"):
-        halves[1].get_state()
-
-
-def test_state_from_another_stream_is_refused():
-    state = _iterator(seq_len=32).get_state()
-    with pytest.raises(ValueError, match="seq_len=32 vs 64"):
-        _iterator(seq_len=64).set_state(state)
-    with pytest.raises(ValueError, match="no version 2 position"):
-        _iterator().set_state({"step": 3})
+def load_documents(dataset, path, field, split="train"):
+    """Every document of a source, in order (the streams of its files, one after another)."""
+    files = source_files(dataset, path, split)
+    return [d for f in files for d in read_documents(dataset, f, field)]
 
 
 def test_pydoc_documents_are_topics_in_sorted_order():
@@ -183,8 +45,6 @@ def test_text_source_splits_blank_line_blocks(tmp_path):
     assert list(load_documents("text", str(tmp_path), "")) == expected
     assert list(load_documents("text", str(tmp_path / "a.txt"), "")) == expected[:2]
     assert list(load_documents("text", str(tmp_path / "**" / "b.txt"), "")) == expected[2:]
-    batch = next(_iterator(dataset="text", dataset_path=str(tmp_path), seq_len=4))
-    assert batch["inputs"].shape == (8, 4)
 
 
 def test_jsonl_source_with_custom_field(tmp_path):
@@ -199,9 +59,7 @@ def test_parquet_source(tmp_path):
         pa.table({"body": pa.array(DOCS[5:7], pa.large_string())}), tmp_path / "b.parquet"
     )
     docs = load_documents("parquet", str(tmp_path), "body")
-    assert len(docs) == 7 and [docs[i] for i in range(7)] == DOCS[:7]
-    batch = next(_iterator(dataset="parquet", dataset_path=str(tmp_path), text_field="body"))
-    assert batch["inputs"].shape == (8, 32)
+    assert docs == DOCS[:7]
 
 
 def test_hf_disk_source(tmp_path):
@@ -210,11 +68,8 @@ def test_hf_disk_source(tmp_path):
     ds.save_to_disk(str(tmp_path / "plain"))
     datasets.DatasetDict({"train": ds.select(range(2, 6))}).save_to_disk(str(tmp_path / "dict"))
     plain = load_documents("hf_disk", str(tmp_path / "plain"), "text")
-    assert [plain[i] for i in range(len(plain))] == DOCS[:6]
-    split = load_documents("hf_disk", str(tmp_path / "dict"), "text")
-    assert [split[i] for i in range(len(split))] == DOCS[2:6]
-    batch = next(_iterator(dataset="hf_disk", dataset_path=str(tmp_path / "plain"), seq_len=8))
-    assert batch["inputs"].shape == (8, 8)
+    assert plain == DOCS[:6]
+    assert load_documents("hf_disk", str(tmp_path / "dict"), "text") == DOCS[2:6]
 
 
 def _setup_bad_sources(tmp: "pytest.TempPathFactory"):
@@ -238,7 +93,6 @@ def _setup_bad_sources(tmp: "pytest.TempPathFactory"):
         ("text", "{tmp}/missing", "text", "dataset_path='{tmp}/missing' does not exist"),
         ("jsonl", "{tmp}/empty_dir", "text", "dataset_path='{tmp}/empty_dir' matches no .jsonl"),
         ("text", "{tmp}/*.none", "text", r"dataset_path='{tmp}/\*.none' matches no .txt"),
-        ("text", "{tmp}/blank.txt", "text", "dataset='text' at .*blank.txt' holds no documents"),
         ("text", "{tmp}/latin1.txt", "text", "{tmp}/latin1.txt: not UTF-8 text"),
         ("jsonl", "{tmp}/nofield.jsonl", "text", "nofield.jsonl:2: no field text_field='text'"),
         ("jsonl", "{tmp}/badjson.jsonl", "text", "badjson.jsonl:2: not valid JSON"),
@@ -278,38 +132,25 @@ def test_hf_disk_missing_column_and_split(tmp_path):
         load_documents("hf_disk", str(tmp_path / "dict"), "text")
 
 
-@pytest.mark.parametrize(
-    "overrides, match",
-    [
-        (dict(seq_len=0), "seq_len=0 must be >= 1"),
-        (dict(rows=[3, 8]), r"rows \[3, 8\] are not rows of a global batch of 8"),
-        (dict(rows=[]), r"rows \[\] are not rows of a global batch of 8"),
-        (dict(seed=-1), r"seed=-1 must be in \[0, 2\*\*32\)"),
-    ],
-)
-def test_bad_pipeline_settings(overrides, match):
-    with pytest.raises(ValueError, match=match):
-        _iterator(**overrides)
+def test_compressed_jsonl_streams(tmp_path):
+    import gzip
+
+    _write_jsonl(tmp_path / "a.jsonl", DOCS[:3])
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"text": t}) + "\n" for t in DOCS[3:5]))
+    with pa.CompressedOutputStream(str(tmp_path / "c.jsonl.zst"), "zstd") as f:
+        f.write("".join(json.dumps({"text": t}) + "\n" for t in DOCS[5:7]).encode())
+    assert load_documents("jsonl", str(tmp_path), "text") == DOCS[:7]
 
 
-def test_validation_batches_are_deterministic_and_held_out():
-    from titan_jax.data.dataset import validation_batches
+def test_sources_read_fsspec_urls():
+    import fsspec
 
-    tok = load_tokenizer("")
-    kwargs = dict(dataset="pydoc", dataset_path="", text_field="text", tokenizer=tok,
-                  seq_len=32, global_batch_size=4)
-    first = list(validation_batches(**kwargs, max_batches=3))
-    again = list(validation_batches(**kwargs, max_batches=3))
-    assert len(first) == 3 and all(b["inputs"].shape == (4, 32) for b in first)
-    for a, b in zip(first, again, strict=True):
-        np.testing.assert_array_equal(a["inputs"], b["inputs"])
-    np.testing.assert_array_equal(first[0]["labels"][:, :-1], first[0]["inputs"][:, 1:])
-    held_out = load_documents("pydoc", "", "text", split="validation")
-    expected = [*tok.encode(held_out[0]), tok.eos_id][:33]
-    assert list(first[0]["inputs"][0]) + [first[0]["labels"][0, -1]] == expected
-    everything = list(validation_batches(**kwargs))  # -1: the whole slice once
-    assert len(everything) > 3
-    halves = [list(validation_batches(**kwargs, max_batches=2, rows=rows))
-              for rows in ([0, 1], [2, 3])]
-    np.testing.assert_array_equal(np.concatenate([halves[0][0]["inputs"], halves[1][0]["inputs"]]),
-                                  first[0]["inputs"])
+    fs = fsspec.filesystem("memory")
+    with fs.open("/src/x/1.jsonl", "w") as f:
+        f.write("".join(json.dumps({"text": t}) + "\n" for t in DOCS[:2]))
+    with fs.open("/src/x/2.txt", "w") as f:
+        f.write("para one\n\npara two\n")
+    assert source_files("jsonl", "memory://src/x") == ["memory:///src/x/1.jsonl"]
+    assert load_documents("jsonl", "memory://src/x/*.jsonl", "text") == DOCS[:2]
+    assert load_documents("text", "memory://src/x", "") == ["para one", "para two"]

@@ -26,20 +26,9 @@ SEQ = 512
 
 @pytest.fixture(scope="module")
 def hf_moe(tmp_path_factory):
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=2048, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, output_router_logits=False,
-        max_position_embeddings=SEQ, tie_word_embeddings=False,
-        rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:  # norms away from 1, so a misplaced one shows
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:  # larger than init so routing is decided by clear margins
-                p.mul_(4.0)
+    from hf_fixtures import random_hf_moe_model
+
+    model = random_hf_moe_model(SEQ)
     path = tmp_path_factory.mktemp("hf_moe")
     model.save_pretrained(path, safe_serialization=True)
     return model, path
@@ -122,22 +111,28 @@ def test_a_missing_expert_tensor_names_it(hf_moe, tmp_path):
 
 
 def test_parity_cli_on_a_moe_checkpoint(hf_moe, tmp_path, capsys):
-    """`titan-jax parity` on a Qwen3-MoE checkpoint: HF compared (logits, KL, greedy decode,
-    gradients, a 3-step trajectory with the bias update off), torchtitan reported as not wired."""
+    """`titan-jax parity --reference all` on a Qwen3-MoE checkpoint: HF (logits, KL, greedy
+    decode, gradients, a 3-step trajectory with the bias update off) and torchtitan's own MoE
+    (forward) both within the bars."""
     from titan_jax.cli import main
+    from titan_jax.parity import torchtitan_ref
 
+    if torchtitan_ref.unavailable_reason():
+        pytest.skip(torchtitan_ref.unavailable_reason())
     _, path = hf_moe
     out = tmp_path / "parity.json"
     code = main(["parity", "--config", "configs/qwen3_debug.toml", "--hf-checkpoint", str(path),
-                 "--trajectory-steps", "3", "--training.seq_len", "32",
+                 "--reference", "all", "--trajectory-steps", "3", "--training.seq_len", "32",
                  "--training.local_batch_size", "2", "--json", str(out)])
     printed = capsys.readouterr()
     assert out.exists(), printed.out + printed.err
     report = json.loads(out.read_text())
+    assert report["failures"] == [] and code == 0, printed.out
+    tt = report["references"]["torchtitan"]
+    assert tt["unavailable"] is None and tt["greedy_match"] is True, printed.out
+    assert tt["kl_max"] <= 1e-9 and tt["logits_max_abs_diff"] <= 1e-4
     assert report["greedy_match"] is True and report["kl_max"] <= 1e-9, printed.out
     assert report["grads_max_rel_diff"] <= 1e-4 and report["trajectory_max_rel_diff"] <= 1e-5
-    assert "not wired" in printed.out  # the torchtitan column says why it is absent
-    assert code == 1  # a requested reference that could not run fails the run, as for dense
 
 
 def test_router_aux_loss_equals_hfs(hf_moe):

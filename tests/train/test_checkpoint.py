@@ -234,9 +234,8 @@ def test_a_checkpoint_of_another_flavour_names_the_parameter_and_shapes(saved):
 
 
 @pytest.mark.parametrize("override,message", [
-    (["--training.seq_len", "32"], "training.seq_len=32 (checkpoint: 16)"),
-    (["--training.global_batch_size", "16"], "training.global_batch_size=16 (checkpoint: 8)"),
     (["--training.seed", "7"], "training.seed=7 (checkpoint: 42)"),
+    (["--training.text_field", "body"], "training.text_field='body' (checkpoint: 'text')"),
 ])
 def test_a_config_change_that_breaks_resume_names_the_field(saved, override, message):
     config = make_config(saved.folder.parent, *override)

@@ -55,7 +55,7 @@ def test_validation_loss_equals_the_model_on_any_mesh(tmp_path, mesh):
     result = validator.validate(params, buffers)
     one = build_trainer(make_config(tmp_path), jax.devices()[:1], model_args=TINY)
     host_params = jax.device_get(params)
-    batches = list(validator._batches(2))
+    batches = list(validator.batches(2))
     assert result["val_batches"] == 2
     assert result["val_tokens"] == 2 * validator.global_batch_size * 16
     assert result["val_loss"] == pytest.approx(reference_loss(one, host_params, batches), rel=1e-6)

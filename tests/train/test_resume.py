@@ -184,8 +184,8 @@ def damage(step_dir, how):
     ("flavour", ["--model.flavor", "0.6B"], "checkpoint/10 does not fit this model: "
      "params.layers.attention.k_norm.weight has shape (8, 128) in the checkpoint but (28, 128) "
      "in the model (it was saved with model.flavor=debugmodel)"),
-    ("config", ["--training.seq_len", "64"], "the config changed training.seq_len=64 "
-     "(checkpoint: 32)"),
+    ("config", ["--training.seed", "7"], "the config changed training.seed=7 "
+     "(checkpoint: 42)"),
     ("load_step", ["--checkpoint.load_step", "3"], "checkpoint.load_step=3 is not a finalized "
      "checkpoint in"),
     ("model_only", ["--training.steps", "20"], "checkpoint/12 holds only the model"),

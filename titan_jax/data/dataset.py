@@ -1,4 +1,4 @@
-"""Document sources, and the validation batches cut from them in order.
+"""Document sources, read as streams of texts one input file at a time (never a file set whole).
 
 Sources (`dataset`, `dataset_path`, `text_field`):
   pydoc    CPython's embedded help text, `pydoc_data.topics.topics` (one document per topic,
@@ -7,34 +7,31 @@ Sources (`dataset`, `dataset_path`, `text_field`):
            "validation" split, whose texts the "train" split never contains.
   text     .txt files. Documents are blocks separated by blank (empty or whitespace-only) lines,
            so one big file such as a play or a book still shuffles at paragraph granularity.
-  jsonl    one JSON object per line, text in `text_field`.
-  parquet  column `text_field`, read with pyarrow.
+  jsonl    one JSON object per line, text in `text_field`; .jsonl, .jsonl.gz, .jsonl.zst.
+  parquet  column `text_field`, read a row group at a time.
   hf_disk  a HF `datasets` dataset written by `save_to_disk` (split "train" of a DatasetDict).
-For text/jsonl/parquet, `dataset_path` is a file, a directory (searched recursively) or a glob.
-
-Training batches: `data/stream.py` (documents shuffled from a seed, tokenized with EOS,
-packed into seq_len + 1 windows, each process reading only its rows).
-
-Validation (`validation_batches`): a source's documents in order, read once, tokenized and cut
-into seq_len + 1 windows the same way; the same batches every time, so validation losses of
-different steps compare.
+For text/jsonl/parquet, `dataset_path` is a file, a directory (searched recursively) or a glob,
+local or any fsspec URL (gs://, s3://, memory://). `prepare-data` (data/prepare.py) turns a source
+into a token store; training reads only stores.
 """
 
-import glob
-import json
-import re
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from __future__ import annotations
 
-import numpy as np
+import gzip
+import io
+import json
+from collections.abc import Iterator
+from typing import IO, Any, Literal
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from titan_jax.data.tokenizer import Tokenizer
+from titan_jax.data.paths import filesystem, glob_files
 from titan_jax.errors import TitanJaxError
 
 DATASETS = ("pydoc", "text", "jsonl", "parquet", "hf_disk")
+SUFFIXES = {"text": (".txt",), "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.zst"),
+            "parquet": (".parquet",)}
 # The embedded corpus's held-out slice: every 10th topic in sorted order (8 of 79 topics,
 # ~10k of ~128k tokens with the shipped tokenizer).
 PYDOC_HELD_OUT_EVERY = 10
@@ -45,74 +42,84 @@ class DataError(TitanJaxError, ValueError):
     """A dataset that cannot be read: the message names the path, file, line or field."""
 
 
-def load_documents(dataset: str, dataset_path: str, text_field: str,
-                   split: Split = "train") -> Sequence[str]:
-    """Random-access documents of one source; raises ValueError naming the bad path or field.
-
-    `split` matters for `pydoc` only (its held-out slice); a file source is read whole either
-    way: point validation at a file of its own.
-    """
+def source_files(dataset: str, dataset_path: str, split: Split = "train") -> list[str]:
+    """The input files of a source in their fixed (sorted) order; `pydoc` and `hf_disk` are one
+    pseudo-file each. `split` matters for `pydoc` only (its held-out slice)."""
     if dataset not in DATASETS:
         raise DataError(f"dataset={dataset!r} is not one of {list(DATASETS)}")
     if dataset == "pydoc":
         if dataset_path:
             raise DataError(
-                f"dataset='pydoc' is embedded and takes no dataset_path={dataset_path!r}"
-            )
-        from pydoc_data.topics import topics
-
-        texts = [topics[k] for k in sorted(topics)]
-        held_out = texts[::PYDOC_HELD_OUT_EVERY]
-        # Some topics share one text ("if" and "else"): train on none of a held-out text.
-        docs: Sequence[str] = held_out if split == "validation" else [
-            t for t in texts if t not in set(held_out)]
-    elif not dataset_path:
+                f"dataset='pydoc' is embedded and takes no dataset_path={dataset_path!r}")
+        return [f"pydoc:{split}"]
+    if not dataset_path:
         raise DataError(f"dataset={dataset!r} needs a dataset_path")
-    elif dataset == "text":
-        docs = [d for f in _files(dataset_path, ".txt") for d in _text_blocks(f)]
-    elif dataset == "jsonl":
-        docs = [d for f in _files(dataset_path, ".jsonl") for d in _jsonl_texts(f, text_field)]
+    if dataset == "hf_disk":
+        return [dataset_path]
+    return glob_files(dataset_path, SUFFIXES[dataset], DataError)
+
+
+def read_documents(dataset: str, file: str, text_field: str) -> Iterator[str]:
+    """The documents of one input file, in file order, streamed."""
+    if dataset == "pydoc":
+        yield from _pydoc(file.partition(":")[2])
+    elif dataset == "hf_disk":
+        yield from _hf_disk_texts(file, text_field)
     elif dataset == "parquet":
-        docs = _ArrowTexts(
-            [_parquet_texts(f, text_field) for f in _files(dataset_path, ".parquet")]
-        )
+        yield from _parquet_texts(file, text_field)
     else:
-        docs = _hf_disk_texts(dataset_path, text_field)
-    if len(docs) == 0:
-        raise DataError(f"dataset={dataset!r} at dataset_path={dataset_path!r} holds no documents")
-    return docs
+        with _open_text(file) as f:
+            yield from (_text_blocks(f) if dataset == "text" else _jsonl_texts(f, file,
+                                                                               text_field))
 
 
-def _files(path: str, suffix: str) -> list[Path]:
-    if any(c in path for c in "*?["):
-        files = sorted(p for p in map(Path, glob.glob(path, recursive=True)) if p.is_file())
-    elif Path(path).is_dir():
-        files = sorted(p for p in Path(path).rglob(f"*{suffix}") if p.is_file())
-    elif Path(path).is_file():
-        files = [Path(path)]
-    else:
-        raise DataError(f"dataset_path={path!r} does not exist")
-    if not files:
-        raise DataError(f"dataset_path={path!r} matches no {suffix} files")
-    return files
+def _pydoc(split: str) -> list[str]:
+    from pydoc_data.topics import topics
+
+    texts = [topics[k] for k in sorted(topics)]
+    held_out = texts[::PYDOC_HELD_OUT_EVERY]
+    if split == "validation":
+        return held_out
+    # Some topics share one text ("if" and "else"): train on none of a held-out text.
+    return [t for t in texts if t not in set(held_out)]
 
 
-def _read_text(file: Path) -> str:
+def _open_text(file: str) -> IO[str]:
+    fs, path = filesystem(file)
+    raw: Any = fs.open(path, "rb")
+    if file.endswith(".gz"):
+        raw = gzip.GzipFile(fileobj=raw)
+    elif file.endswith(".zst"):
+        try:
+            import zstandard  # faster where installed; pyarrow's codec otherwise
+        except ImportError:
+            raw = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd")
+        else:
+            raw = zstandard.ZstdDecompressor().stream_reader(raw)
+    return io.TextIOWrapper(raw, encoding="utf-8", newline="")
+
+
+def _lines(f: IO[str], file: str) -> Iterator[tuple[int, str]]:
     try:
-        return file.read_text(encoding="utf-8")
+        yield from enumerate(f, start=1)
     except UnicodeDecodeError as e:
         raise DataError(f"{file}: not UTF-8 text ({e})") from e
 
 
-def _text_blocks(file: Path) -> list[str]:
-    # `\s*` backtracks to the last newline of the run, so the next block keeps its indentation.
-    blocks = re.split(r"\n\s*\n", _read_text(file))
-    return [b.rstrip() for b in blocks if b.strip()]
+def _text_blocks(f: IO[str]) -> Iterator[str]:
+    block: list[str] = []
+    for _, line in _lines(f, getattr(f, "name", "text file")):
+        if line.strip():
+            block.append(line)
+        elif block:
+            yield "".join(block).rstrip()
+            block = []
+    if block:
+        yield "".join(block).rstrip()
 
 
-def _jsonl_texts(file: Path, field: str) -> list[str]:
-    texts = []
-    for lineno, line in enumerate(_read_text(file).splitlines(), start=1):
+def _jsonl_texts(f: IO[str], file: str, field: str) -> Iterator[str]:
+    for lineno, line in _lines(f, file):
         if not line.strip():
             continue
         try:
@@ -123,61 +130,36 @@ def _jsonl_texts(file: Path, field: str) -> list[str]:
             raise DataError(f"{file}:{lineno}: no field text_field={field!r}")
         if not isinstance(record[field], str):
             raise DataError(f"{file}:{lineno}: field {field!r} is not a string")
-        texts.append(record[field])
-    return texts
+        yield record[field]
 
 
-def _parquet_texts(file: Path, field: str) -> pa.ChunkedArray:
-    try:
-        names = pq.read_schema(file).names
-    except pa.ArrowException as e:
-        raise DataError(f"{file}: not a parquet file ({e})") from e
-    if field not in names:
-        raise DataError(f"{file}: no column text_field={field!r} (columns: {names})")
-    column = pq.read_table(file, columns=[field]).column(field)
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise DataError(f"{file}: column {field!r} has type {column.type}, not string")
-    if column.null_count:
-        raise DataError(f"{file}: column {field!r} has {column.null_count} null values")
-    # large_string: offsets of many files together may overflow string's int32.
-    return column.cast(pa.large_string())
+def _parquet_texts(file: str, field: str) -> Iterator[str]:
+    fs, path = filesystem(file)
+    with fs.open(path, "rb") as f:
+        try:
+            parquet = pq.ParquetFile(f)
+        except pa.ArrowException as e:
+            raise DataError(f"{file}: not a parquet file ({e})") from e
+        names = parquet.schema_arrow.names
+        if field not in names:
+            raise DataError(f"{file}: no column text_field={field!r} (columns: {names})")
+        kind = parquet.schema_arrow.field(field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise DataError(f"{file}: column {field!r} has type {kind}, not string")
+        for batch in parquet.iter_batches(columns=[field], batch_size=1024):
+            column = batch.column(0)
+            if column.null_count:
+                raise DataError(f"{file}: column {field!r} has {column.null_count} null values")
+            yield from column.to_pylist()
 
 
-class _ArrowTexts(Sequence[str]):
-    """Strings of several Arrow columns, indexed as one sequence without copies into Python."""
-
-    def __init__(self, columns: list[pa.ChunkedArray]):
-        self._texts = pa.chunked_array(
-            [c for col in columns for c in col.chunks], type=pa.large_string()
-        ).combine_chunks()  # one contiguous array: O(1) indexing
-
-    def __len__(self) -> int:
-        return len(self._texts)
-
-    def __getitem__(self, i: int) -> str:
-        return self._texts[i].as_py()
-
-
-class _HFTexts(Sequence[str]):
-    """One column of a memory-mapped HF dataset, read a row at a time."""
-
-    def __init__(self, ds: Any, field: str):
-        self._ds = ds.select_columns([field])
-        self._field = field
-
-    def __len__(self) -> int:
-        return len(self._ds)
-
-    def __getitem__(self, i: int) -> str:
-        return self._ds[i][self._field]
-
-
-def _hf_disk_texts(path: str, field: str) -> _HFTexts:
+def _hf_disk_texts(path: str, field: str) -> Iterator[str]:
     try:
         import datasets  # imported here: slow to import, and only this source needs it
     except ImportError as e:
         raise DataError("dataset='hf_disk' needs the `datasets` package installed") from e
-    if not Path(path).is_dir():
+    fs, local = filesystem(path)
+    if not fs.isdir(local):
         raise DataError(f"dataset_path={path!r} does not exist")
     try:
         ds = datasets.load_from_disk(path)
@@ -191,47 +173,5 @@ def _hf_disk_texts(path: str, field: str) -> _HFTexts:
         raise DataError(
             f"dataset_path={path!r}: no column text_field={field!r} (columns: {ds.column_names})"
         )
-    return _HFTexts(ds, field)
-
-
-def tokenize_fn(tokenizer: Tokenizer) -> Callable[[str], np.ndarray]:
-    """A document -> its int32 tokens with EOS appended."""
-    eos = tokenizer.eos_id
-
-    def tokenize(text: str) -> np.ndarray:
-        return np.array([*tokenizer.encode(text), eos], dtype=np.int32)
-
-    return tokenize
-
-
-def validation_batches(
-    *,
-    dataset: str,
-    dataset_path: str,
-    text_field: str,
-    tokenizer: Tokenizer,
-    seq_len: int,
-    global_batch_size: int,
-    max_batches: int = -1,
-    rows: Sequence[int] | None = None,
-) -> Iterator[dict[str, np.ndarray]]:
-    """`rows` (None: all) of up to `max_batches` (-1: all) validation batches: the "validation"
-    split's documents in order, with EOS, concatenated and cut into seq_len + 1 windows; a last
-    incomplete batch is dropped. Deterministic: every call yields the same batches. Every
-    process reads the whole (small) split; it keeps the rows its devices hold."""
-    docs = load_documents(dataset, dataset_path, text_field, split="validation")
-    tokenize = tokenize_fn(tokenizer)
-    window = seq_len + 1
-    rows = list(range(global_batch_size) if rows is None else sorted(set(rows)))
-    buffer = np.zeros(0, np.int32)
-    produced = 0
-    for doc in docs:
-        if produced == max_batches:
-            return
-        buffer = np.concatenate([buffer, tokenize(doc)])
-        while len(buffer) >= window * global_batch_size and produced != max_batches:
-            batch = buffer[: window * global_batch_size].reshape(global_batch_size, window)[rows]
-            buffer = buffer[window * global_batch_size:]
-            produced += 1
-            yield {"inputs": np.ascontiguousarray(batch[:, :-1]),
-                   "labels": np.ascontiguousarray(batch[:, 1:])}
+    for batch in ds.select_columns([field]).iter(batch_size=1024):
+        yield from batch[field]

@@ -6,6 +6,7 @@ way. EOS comes from `eos_token` in a tokenizer_config.json next to the file, els
 well-known special-token name.
 """
 
+import hashlib
 import json
 from importlib import resources
 from pathlib import Path
@@ -25,16 +26,30 @@ class TokenizerError(TitanJaxError, ValueError):
 class Tokenizer:
     """Text <-> token ids; `vocab_size` bounds every id (the embedding needs that many rows)."""
 
-    def __init__(self, tok: tokenizers.Tokenizer, *, eos_id: int, bos_id: int | None = None):
+    def __init__(self, tok: tokenizers.Tokenizer, *, eos_id: int, bos_id: int | None = None,
+                 where: str = "", sha256: str = ""):
         self._tok = tok
         self.eos_id = eos_id
         self.bos_id = bos_id
+        self.where = where  # the file it was loaded from, for messages
+        # Of the tokenizer.json text and the EOS id: what a token store records to refuse
+        # another tokenizer's tokens.
+        self.sha256 = sha256 or hashlib.sha256(
+            f"{tok.to_str()}\0{eos_id}".encode()).hexdigest()
         # Max id + 1 rather than a token count: ids need not be contiguous in a HF file.
         self.vocab_size: int = max(tok.get_vocab(with_added_tokens=True).values()) + 1
 
     def encode(self, text: str) -> list[int]:
         # No BOS/EOS here: the data pipeline decides where document boundaries go.
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Many documents at once (the Rust side spreads them over its threads)."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def to_json(self) -> str:
+        """The tokenizer.json text: how worker processes rebuild it (`from_json_text`)."""
+        return self._tok.to_str()
 
     def decode(self, ids: list[int]) -> str:
         # Keep special tokens so document boundaries stay visible in decoded samples.
@@ -98,4 +113,5 @@ def _from_json(text: str, *, where: str, config: dict) -> Tokenizer:
         bos_id = None if bos_name is None else tok.token_to_id(bos_name)
     else:
         bos_id = next((i for n in BOS_NAMES if (i := tok.token_to_id(n)) is not None), None)
-    return Tokenizer(tok, eos_id=eos_id, bos_id=bos_id)
+    sha256 = hashlib.sha256(f"{text}\0{eos_id}".encode()).hexdigest()
+    return Tokenizer(tok, eos_id=eos_id, bos_id=bos_id, where=where, sha256=sha256)

@@ -10,7 +10,9 @@
 - "auto": splash on TPU, cudnn on GPU (bf16/fp16 compute), xla otherwise.
 
 All take q (B, T, N, H) and k, v (B, S, K, H) with N a multiple of K (query head n uses kv head
-n // (N/K), as in HF) and return (B, T, N, H) in q's dtype.
+n // (N/K), as in HF) and return (B, T, N, H) in q's dtype. Optional segment ids (B, T) keep
+attention within equal ids (documents packed in one window): the xla path masks, splash takes
+them as its `SegmentIds`; cudnn does not take them here (the trainer refuses the setting).
 """
 
 from __future__ import annotations
@@ -79,21 +81,25 @@ def splash_block(seq_len: int, field: str = "training.seq_len") -> int:
                       "model.attention=xla")
 
 
-def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float) -> Array:
+def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
+                         segment_ids_BT: Array | None = None) -> Array:
     """Causal softmax attention; each group of n_heads/n_kv query heads shares one kv head."""
     b, t, n, h = q_BTNH.shape
     kv = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    causal_TS = jnp.tril(jnp.ones((t, k_BSKH.shape[1]), dtype=bool))
-    scores = jnp.where(causal_TS, scores * scale, jnp.finfo(jnp.float32).min)
+    allowed = jnp.tril(jnp.ones((t, k_BSKH.shape[1]), dtype=bool))  # (T, S) causal
+    if segment_ids_BT is not None:  # and within one document: (B, 1, 1, T, S)
+        same = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+        allowed = (allowed & same)[:, None, None]
+    scores = jnp.where(allowed, scores * scale, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)  # fp32 softmax, as HF
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH)
     return out.reshape(b, t, n, h)
 
 
 def splash_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
-                     interpret: bool = False) -> Array:
+                     interpret: bool = False, segment_ids_BT: Array | None = None) -> Array:
     """The splash kernel on these (local) arrays: one example per kernel call, vmapped over
     the batch, heads-major layout. The kernel does not scale: q is pre-scaled."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
@@ -111,7 +117,13 @@ def splash_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
                                     interpret=interpret)
     heads_major = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # (B, T, N, H) <-> (B, N, T, H)
     q = q_BTNH * jnp.asarray(scale, q_BTNH.dtype)
-    out_BNTH = jax.vmap(kernel)(heads_major(q), heads_major(k_BSKH), heads_major(v_BSKH))
+    if segment_ids_BT is None:
+        out_BNTH = jax.vmap(kernel)(heads_major(q), heads_major(k_BSKH), heads_major(v_BSKH))
+    else:
+        with_ids = lambda q, k, v, ids: kernel(  # noqa: E731
+            q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids))
+        out_BNTH = jax.vmap(with_ids)(heads_major(q), heads_major(k_BSKH), heads_major(v_BSKH),
+                                      segment_ids_BT)
     return heads_major(out_BNTH)
 
 
@@ -123,17 +135,26 @@ def cudnn_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
                                         implementation=implementation)
 
 
-def _kernel(backend: str, platform: str, scale: float) -> Callable[[Array, Array, Array], Array]:
+def _kernel(backend: str, platform: str, scale: float) -> Callable[..., Array]:
+    """The per-shard kernel: (q, k, v) -> out, for splash also (q, k, v, segment ids)."""
     if backend == "splash":
-        return functools.partial(splash_attention, scale=scale, interpret=platform != "tpu")
+        interpret = platform != "tpu"
+        return lambda q, k, v, *ids: splash_attention(q, k, v, scale, interpret, *ids)
     return functools.partial(cudnn_attention, scale=scale)
 
 
 def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, backend: str,
-              platform: str) -> Array:
+              platform: str, segment_ids_BT: Array | None = None) -> Array:
     """Causal GQA attention by `backend` (resolved: "xla" | "splash" | "cudnn"). The kernels
     run per device shard (`run_per_shard`); XLA's einsums are partitioned by the compiler."""
     if backend == "xla":
-        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale)
-    return run_per_shard(_kernel(backend, platform, scale), (q_BTNH, k_BSKH, v_BSKH),
-                         (Q_AXES, KV_AXES, KV_AXES), Q_AXES)
+        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT)
+    if segment_ids_BT is None:
+        return run_per_shard(_kernel(backend, platform, scale), (q_BTNH, k_BSKH, v_BSKH),
+                             (Q_AXES, KV_AXES, KV_AXES), Q_AXES)
+    if backend != "splash":
+        raise ValueError(f"segment ids (document masking) need the xla or splash attention, "
+                         f"not {backend}")
+    return run_per_shard(_kernel(backend, platform, scale),
+                         (q_BTNH, k_BSKH, v_BSKH, segment_ids_BT),
+                         (Q_AXES, KV_AXES, KV_AXES, ("batch", "seq")), Q_AXES)

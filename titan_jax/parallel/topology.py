@@ -29,6 +29,7 @@ class Chip:
     generation: str
     peak_bf16_flops: float  # dense bf16 FLOP/s
     hbm_bytes: int
+    hbm_bytes_per_s: float  # HBM bandwidth
     ici_bytes_per_s: float  # bidirectional inter-chip interconnect bandwidth, all links
     dcn_bytes_per_s: float  # data-centre network bandwidth per chip (host NICs / chips per host)
     cores_per_chip: int  # TensorCores per chip, as counted in Cloud slice names
@@ -37,17 +38,18 @@ class Chip:
 
 # Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}).
 CHIPS = {
-    "v4": Chip("v4", 275e12, 32 * GiB, 300e9, 6.25e9, 2,
-               "cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM, 2400 Gbps ICI"),
-    "v5e": Chip("v5e", 197e12, 16 * GiB, 200e9, 3.125e9, 1,
-                "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM, 1600 Gbps ICI, "
-                "2 x 100 Gbps NIC per 8-chip host"),
-    "v5p": Chip("v5p", 459e12, 95 * GiB, 1200e9, 6.25e9, 2,
-                "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM, 1200 GBps "
-                "bidirectional ICI, 50 Gbps DCN per chip"),
-    "v6e": Chip("v6e", 918e12, 32 * GiB, 448e9, 12.5e9, 1,
-                "cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM, 3584 Gbps ICI, "
-                "4 x 200 Gbps NIC per 8-chip host"),
+    "v4": Chip("v4", 275e12, 32 * GiB, 1200e9, 300e9, 6.25e9, 2,
+               "cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM at 1200 GBps, "
+               "2400 Gbps ICI"),
+    "v5e": Chip("v5e", 197e12, 16 * GiB, 819e9, 200e9, 3.125e9, 1,
+                "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM at 819 GBps, "
+                "1600 Gbps ICI, 2 x 100 Gbps NIC per 8-chip host"),
+    "v5p": Chip("v5p", 459e12, 95 * GiB, 2765e9, 1200e9, 6.25e9, 2,
+                "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM at 2765 GBps, "
+                "1200 GBps bidirectional ICI, 50 Gbps DCN per chip"),
+    "v6e": Chip("v6e", 918e12, 32 * GiB, 1640e9, 448e9, 12.5e9, 1,
+                "cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM at 1640 GBps, "
+                "3584 Gbps ICI, 4 x 200 Gbps NIC per 8-chip host"),
 }
 
 # Chips -> physical shape of the single-slice topologies Cloud offers (3-D torus for v4/v5p,

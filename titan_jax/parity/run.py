@@ -20,8 +20,9 @@ import jax
 import numpy as np
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.data.stream import build_train_iterator
+from titan_jax.data.pipeline import training_sources
 from titan_jax.data.tokenizer import load_tokenizer
+from titan_jax.data.windows import WindowStream
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def, get_flavor
 from titan_jax.models.qwen3.hf import iter_hf_tensors, load_hf_params, save_hf
 from titan_jax.models.qwen3.hf_config import read_hf_config
@@ -292,9 +293,6 @@ def run_parity(args: Qwen3Args, hf_dir: str | Path, *,
             if result.unavailable is None:
                 _compare_hf(result, args, hf_dir, our_logits, our_loss, our_grads, tokens,
                             prompt_len, inputs, labels)
-        elif args.is_moe:
-            result.unavailable = ("torchtitan's Qwen3-MoE reference is not wired into titan-jax "
-                                  "parity yet (compare with --reference hf)")
         else:
             from titan_jax.parity import torchtitan_ref
 
@@ -368,10 +366,9 @@ def corpus_batches(config: JobConfig, vocab_size: int, steps: int
             f"{tokenizer.vocab_size}, larger than the model's vocab_size={vocab_size}"
         )
     t = config.training
-    data = build_train_iterator(
-        dataset=t.dataset, dataset_path=t.dataset_path, text_field=t.text_field,
-        tokenizer=tokenizer, seq_len=t.seq_len, global_batch_size=t.local_batch_size,
-        seed=t.seed)
+    sources = training_sources(config, tokenizer, is_first=True, barrier=lambda _: None)
+    data = WindowStream(sources, seq_len=t.seq_len, global_batch_size=t.local_batch_size,
+                        seed=t.seed)
     return [next(data) for _ in range(steps)]
 
 

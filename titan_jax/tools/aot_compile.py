@@ -1,17 +1,23 @@
 """`titan-jax compile`: the exact train step compiled ahead of time for a named TPU slice, from a
 CPU host, to plan a pod job before paying for one.
 
-Reports per-chip memory from the compiled program (does the recipe fit in HBM?), FLOPs per step
-(analytic, and the compiler's matmul count weighted by loop trip counts), the collectives of the
-compiled HLO, and a roofline estimate of step time and MFU. The estimate assumes compute at the
-chip's bf16 peak, collectives at the published ICI/DCN bandwidth with ring algorithms, and the
-two fully overlapped: a lower bound on step time, not a measurement.
+Reports per-chip memory from the compiled program and whether it fits as XLA:TPU decides it
+(the program's peak of live buffers, arguments included, against the HBM the compiler says it
+can use), the largest buffers, FLOPs per step (analytic, and the program's matmuls, grouped
+matmuls and splash kernels weighted by loop trip counts), the collectives of the compiled HLO
+and how much of each in-loop all-gather the schedule overlaps with compute, and two step-time
+estimates: `est_*`, each compiled instruction at max(FLOPs at the bf16 peak, HBM bytes at the
+HBM bandwidth) plus the collectives the schedule leaves exposed (tools/hlo_cost.py); and
+`roofline_*`, compute at peak with collectives fully overlapped (an upper bound on MFU).
 """
 
 from __future__ import annotations
 
+import functools
 import re
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -19,24 +25,39 @@ import numpy as np
 
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.parallel.topology import Chip, TpuSlice, compile_only_devices, parse_slice
-from titan_jax.tools import hlo_stats, inspect
+from titan_jax.tools import hlo_cost, hlo_stats, inspect, kernel_flops
 from titan_jax.train.trainer import Trainer, build_trainer
 
 _OOM_TEMPORARIES = re.compile(r"HLO temporaries \(([0-9.]+)([GMK]?)\)")
+_AVAILABLE_HBM = re.compile(r"available HBM \(([0-9.]+)([GMK]?)\)")
 _UNITS = {"G": 2**30, "M": 2**20, "K": 2**10, "": 1}
+# libtpu flags the compiled schedule's collective overlap depends on (their values are read
+# from the compile's flag dump into the report).
+SCHEDULER_FLAGS = ("xla_enable_async_all_gather", "xla_max_concurrent_async_all_gathers",
+                   "xla_tpu_enable_async_collective_fusion",
+                   "xla_tpu_enable_async_collective_fusion_fuse_all_gather",
+                   "xla_tpu_enable_async_collective_fusion_multiple_steps",
+                   "xla_tpu_enable_async_collective_fusion_while_loops",
+                   "xla_enable_async_reduce_scatter_fusion", "xla_enable_async_all_reduce",
+                   "xla_tpu_enable_latency_hiding_scheduler",
+                   "xla_latency_hiding_scheduler_rerun")
 
 
-def _moved_bytes(op: str, result_bytes: int, group: int) -> float:
-    """Bytes one device sends for a collective with a ring algorithm over `group` devices."""
-    if group <= 1:
-        return 0.0
-    share = (group - 1) / group
-    return {"all-gather": result_bytes * share,
-            "reduce-scatter": result_bytes * (group - 1),  # the result is one shard
-            "all-reduce": 2 * result_bytes * share,
-            "all-to-all": result_bytes * share,
-            "ragged-all-to-all": result_bytes * share,
-            "collective-permute": float(result_bytes)}[op]
+@functools.cache
+def usable_hbm_bytes(device: Any) -> int | None:
+    """The HBM XLA:TPU lets one program use on `device` (v6e: 31.25 GiB of 32): read from the
+    compiler's refusal of a program that cannot fit (a sort of 2^40 bytes), as the compiler
+    states it; None if it does not say."""
+    import jax.numpy as jnp
+
+    big = jax.ShapeDtypeStruct((1 << 17, 1 << 17), jnp.float32,
+                               sharding=jax.sharding.SingleDeviceSharding(device))
+    try:
+        jax.jit(lambda x: jnp.sort(x, axis=0)[:1]).lower(big).compile()
+    except jax.errors.JaxRuntimeError as e:
+        if found := _AVAILABLE_HBM.search(str(e)):
+            return int(float(found[1]) * _UNITS[found[2]])
+    return None
 
 
 def _network(groups: list[list[int]], slice_of: list[int]) -> str:
@@ -53,10 +74,11 @@ def collectives(hlo_text: str, mesh_devices: list[Any]) -> list[dict[str, Any]]:
         if c.get("network") == "dcn":  # a megascale transfer: one peer per slice
             group = len(set(slice_of))
         else:
-            group = max((len(g) for g in c["groups"]), default=len(mesh_devices))
+            group = c["group"] or len(mesh_devices)
             c["network"] = _network(c["groups"], slice_of)
         c["in_layer_loop"] = c["executions"] > 1
-        c["moved_bytes_per_step"] = _moved_bytes(c["op"], c["bytes"], group) * c["executions"]
+        moved = hlo_cost.moved_bytes(c["op"], c["bytes"], group)
+        c["moved_bytes_per_step"] = moved * c["executions"]
     return ops
 
 
@@ -70,30 +92,63 @@ def roofline(chip: Chip, flops_per_chip: float, ops: list[dict[str, Any]]
             "est_step_time_s": max(compute_s, ici_s + dcn_s)}
 
 
-def _memory(compiled: Any, chip: Chip) -> dict[str, Any]:
-    stats = inspect.memory(compiled)
-    per_chip = (stats.get("argument_size_in_bytes", 0) + stats.get("output_size_in_bytes", 0)
-                - stats.get("alias_size_in_bytes", 0) + stats.get("temp_size_in_bytes", 0))
-    return {"memory": stats, "per_chip_bytes": per_chip, "hbm_bytes": chip.hbm_bytes,
-            "fits": per_chip <= chip.hbm_bytes, "headroom_bytes": chip.hbm_bytes - per_chip}
+def _verdict(memory: dict[str, Any], chip: Chip, usable: int | None, accepted: bool
+             ) -> dict[str, Any]:
+    """Fit as XLA:TPU decides it: on the compiler's accept/refuse edge (docs/TPU.md) the figure
+    it holds against its usable HBM is the program's peak of live buffers, arguments included
+    (`peak_memory_in_bytes`; the "HLO temporaries" of its refusal message), not temporaries
+    alone nor arguments + temporaries, whose buffers partly live at different times."""
+    usable = usable or chip.hbm_bytes
+    args_temps = memory.get("argument_size_in_bytes", 0) + memory.get("temp_size_in_bytes", 0)
+    peak = memory.get("peak_memory_in_bytes", args_temps)
+    return {"memory": memory, "per_chip_bytes": peak, "args_plus_temps_bytes": args_temps,
+            "hbm_bytes": chip.hbm_bytes, "usable_hbm_bytes": usable,
+            "fits": accepted and peak <= usable, "headroom_bytes": usable - peak}
 
 
-def _out_of_memory(error: Exception, chip: Chip, argument_bytes: int) -> dict[str, Any] | None:
+def _out_of_memory(error: Exception, chip: Chip, usable: int | None, argument_bytes: int
+                   ) -> dict[str, Any] | None:
     """The compiler's own verdict when the program cannot fit: XLA:TPU refuses to compile it
     ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO
-    temporaries (140.31G) exceeds available HBM (15.75G)"). Arguments (the sharded train state
-    and batch) are known without compiling; temporaries come from the message when it has them."""
+    temporaries (140.31G) exceeds available HBM (15.75G)"); the figure it names is the peak of
+    live buffers, arguments included. Arguments are known without compiling."""
     text = str(error)
     if "RESOURCE_EXHAUSTED" not in text or "memory" not in text.lower():
         return None
-    temps = _OOM_TEMPORARIES.search(text)
-    memory = {"argument_size_in_bytes": argument_bytes}
-    if temps:
-        memory["temp_size_in_bytes"] = int(float(temps[1]) * _UNITS[temps[2]])
-    per_chip = sum(memory.values())
-    return {"memory": memory, "per_chip_bytes": per_chip, "hbm_bytes": chip.hbm_bytes,
-            "fits": False, "headroom_bytes": chip.hbm_bytes - per_chip,
+    memory: dict[str, Any] = {"argument_size_in_bytes": argument_bytes}
+    if peak := _OOM_TEMPORARIES.search(text):
+        memory["peak_memory_in_bytes"] = int(float(peak[1]) * _UNITS[peak[2]])
+    if available := _AVAILABLE_HBM.search(text):
+        usable = int(float(available[1]) * _UNITS[available[2]])
+    return {**_verdict(memory, chip, usable, accepted=False),
             "compiler_error": text.strip().splitlines()[0][:500]}
+
+
+def top_buffers(report_text: str, n: int = 8) -> list[dict[str, Any]]:
+    """The largest allocations of XLA's buffer-assignment report (`*memory-usage-report.txt`):
+    size and the shapes of the values that share it."""
+    rows = re.findall(r"^\s*[0-9.]+\w*\(\s*\d+%\);\s*([0-9.]+)(\w*);\s*\d+;\s*(\d+);\s*(.*)$",
+                      report_text, flags=re.M)
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    found = [{"bytes": int(float(size) * units.get(unit or "B", 1)), "values": int(values),
+              "shapes": shapes.strip()[:200]} for size, unit, values, shapes in rows]
+    return sorted(found, key=lambda b: -b["bytes"])[:n]
+
+
+def _compile_with_dumps(lowered: Any) -> tuple[Any, list[dict[str, Any]], dict[str, str]]:
+    """The compiled step, its largest buffers and the scheduler flags it was compiled with."""
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = lowered.compile(compiler_options={
+            "xla_dump_to": dump, "xla_dump_hlo_pass_re": "^$", "xla_dump_disable_metadata": True})
+        reports = sorted(Path(dump).glob("*memory-usage-report.txt"))
+        buffers = top_buffers(reports[-1].read_text()) if reports else []
+        flags = {}
+        for flagfile in sorted(Path(dump).glob("*.flagfile"))[-1:]:
+            for line in flagfile.read_text().splitlines():
+                name, _, value = line.removeprefix("--").partition("=")
+                if name in SCHEDULER_FLAGS:
+                    flags[name] = value.strip("'")
+    return compiled, buffers, flags
 
 
 def _build(config: JobConfig, tpu: TpuSlice, devices: list[Any], model_args: Any) -> Trainer:
@@ -104,17 +159,65 @@ def _build(config: JobConfig, tpu: TpuSlice, devices: list[Any], model_args: Any
                           f"{len(devices)} devices: {e}") from None
 
 
+def _flops(trainer: Trainer, lowered: Any) -> dict[str, Any]:
+    """FLOPs per step of the lowered (global) program: dots, and grouped matmuls at the rows
+    balanced routing fills (their buffer's shape bound beside them)."""
+    module = hlo_stats.parse(lowered.as_text(dialect="hlo"))
+    dots, unknown_loops = hlo_stats.dot_flops(module)
+    top_k = getattr(trainer.model.args, "top_k", 0) if getattr(
+        trainer.model.args, "num_experts", 0) else 0
+    grouped, grouped_bound = hlo_stats.ragged_dot_flops(
+        module, trainer.tokens_per_step * top_k if top_k else None)
+    return {"dot_flops_per_step": dots, "grouped_matmul_flops_per_step": grouped,
+            "grouped_matmul_flops_bound_per_step": grouped_bound,
+            "flops_loops_of_unknown_length": unknown_loops}
+
+
+def _estimates(report: dict[str, Any], hlo: str, chip: Chip, n: int,
+               mesh_devices: list[Any]) -> dict[str, Any]:
+    """Kernel FLOPs, the collectives, the predictive estimate and the roofline bound."""
+    module = hlo_stats.parse(hlo)
+    counts, _ = hlo_stats.executions(module)
+    attention = n * sum(times * kernel_flops.kernel_flops(i) for name, times in counts.items()
+                        for i in module.computations[name] if i.name.startswith("splash"))
+    flops = report["dot_flops_per_step"] + report["grouped_matmul_flops_per_step"] + attention
+    ops = collectives(hlo, mesh_devices)
+    cost = hlo_cost.estimate(hlo, chip, n)
+    gathers = [c for c in cost["collectives"] if c["op"] == "all-gather" and c["executions"] > 1]
+    gather_s = sum(c["seconds"] * c["executions"] for c in gathers)
+    covered_s = sum(min(c["covered_s"], c["seconds"]) * c["executions"] for c in gathers)
+    # The analytic count also has the norm weights' 6 FLOPs per parameter, which are not
+    # matmuls: take the larger, so the bound never claims more than 100%.
+    bound = roofline(chip, max(flops, report["analytic_flops_per_step"]) / n, ops)
+    peak = n * chip.peak_bf16_flops
+    return {
+        "attention_kernel_flops_per_step": attention, "flops_per_step": flops,
+        "collectives": hlo_stats.summarize(ops, ("op", "dtype", "network", "in_layer_loop")),
+        "est_step_time_s": cost["step_s"], "est_compute_s": cost["compute_s"],
+        "est_exposed_collective_s": cost["exposed_collective_s"],
+        "est_hbm_bytes_per_chip": cost["hbm_bytes_per_chip"],
+        "est_mfu_pct": 100 * report["analytic_flops_per_step"] / (peak * cost["step_s"]),
+        "in_loop_all_gathers": len(gathers),
+        "in_loop_all_gather_s": gather_s,
+        "in_loop_all_gather_overlap_pct": 100 * covered_s / gather_s if gather_s else None,
+        "in_loop_all_gather_min_overlap_pct": min(
+            (100 * c["overlap"] for c in gathers), default=None),
+        "roofline_step_time_s": bound["est_step_time_s"], "compute_s": bound["compute_s"],
+        "ici_s": bound["ici_s"], "dcn_s": bound["dcn_s"],
+        "roofline_mfu_pct": 100 * report["analytic_flops_per_step"] / (
+            peak * bound["est_step_time_s"])}
+
+
 def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
                    model_args: Any = None) -> dict[str, Any]:
     """Compile the train step for `topology` with abstract inputs and report what it costs."""
     tpu = parse_slice(topology, num_slices)
     devices = compile_only_devices(tpu)
     trainer = _build(config, tpu, devices, model_args)
+    usable = usable_hbm_bytes(devices[0])
     start = time.perf_counter()
     lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
     lower_s = time.perf_counter() - start
-    flops, unknown_loops = hlo_stats.dot_flops(hlo_stats.parse(lowered.as_text(dialect="hlo")))
-    analytic = trainer.flops_per_token() * trainer.tokens_per_step
     n = len(devices)
     report: dict[str, Any] = {
         "topology": tpu.name, "num_slices": num_slices, "chips": n,
@@ -126,33 +229,28 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
         "activation_checkpoint": config.activation_checkpoint.mode,
         "attention": trainer.attention,
         "tokens_per_step": trainer.tokens_per_step,
-        "analytic_flops_per_step": analytic,
-        # What the program executes (remat recomputation included), counted from its matmuls.
-        "flops_per_step": flops, "flops_loops_of_unknown_length": unknown_loops,
-        "lower_s": lower_s,
+        "analytic_flops_per_step": trainer.flops_per_token() * trainer.tokens_per_step,
+        **_flops(trainer, lowered), "lower_s": lower_s,
     }
     start = time.perf_counter()
     try:
-        compiled = lowered.compile()
+        compiled, buffers, flags = _compile_with_dumps(lowered)
     except jax.errors.JaxRuntimeError as e:
         arguments = inspect.state_bytes(trainer)[0] + sum(
             inspect.leaf_bytes_per_device(x) for x in inspect.abstract_batch(trainer).values())
-        verdict = _out_of_memory(e, tpu.chip, arguments)
+        verdict = _out_of_memory(e, tpu.chip, usable, arguments)
         if verdict is None:
             raise
         return {**report, **verdict, "compile_s": time.perf_counter() - start,
-                "collectives": [], "est_step_time_s": None, "est_mfu_pct": None}
+                "flops_per_step": report["dot_flops_per_step"], "collectives": [],
+                "est_step_time_s": None, "est_mfu_pct": None, "roofline_step_time_s": None,
+                "roofline_mfu_pct": None, "top_buffers": [], "scheduler_flags": {}}
     report["compile_s"] = time.perf_counter() - start
-    report.update(_memory(compiled, tpu.chip))
+    report.update(_verdict(inspect.memory(compiled), tpu.chip, usable, accepted=True))
+    report["top_buffers"], report["scheduler_flags"] = buffers, flags
     report["cost_analysis_flops_per_chip"] = float(compiled.cost_analysis().get("flops", 0.0))
-    ops = collectives(compiled.as_text(), list(trainer.mesh.devices.flat))
-    report["collectives"] = hlo_stats.summarize(ops, ("op", "dtype", "network", "in_layer_loop"))
-    # The analytic count also has the norm weights' 6 FLOPs per parameter, which are not
-    # matmuls: take the larger, so the estimate never claims more than 100%.
-    estimate = roofline(tpu.chip, max(flops, analytic) / n, ops)
-    report.update(estimate)
-    report["est_mfu_pct"] = 100 * analytic / (n * tpu.chip.peak_bf16_flops
-                                              * estimate["est_step_time_s"])
+    report.update(_estimates(report, compiled.as_text(), tpu.chip, n,
+                             list(trainer.mesh.devices.flat)))
     return report
 
 
@@ -160,24 +258,39 @@ def _gb(n: float | None) -> str:
     return "?" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def _memory_lines(r: dict[str, Any]) -> list[str]:
+    m = r["memory"]
+    lines = [f"memory per chip: peak {_gb(r['per_chip_bytes'])} of the {_gb(r['usable_hbm_bytes'])}"
+             f" XLA:TPU can use ({_gb(r['hbm_bytes'])} HBM) -> "
+             f"{'fits' if r['fits'] else 'DOES NOT FIT'}, headroom {_gb(r['headroom_bytes'])}",
+             "  (peak: live buffers at the program's fullest, arguments included, the figure "
+             "XLA:TPU holds against its usable HBM; "
+             + ", ".join(f"{k.removesuffix('_size_in_bytes')} {_gb(v)}" for k, v in m.items()
+                         if k != "peak_memory_in_bytes")
+             + f"; arguments + temporaries {_gb(r['args_plus_temps_bytes'])}, an overcount: "
+             "their buffers partly live at different times)"]
+    if "compiler_error" in r:
+        lines.append(f"compiler: {r['compiler_error']}")
+    if r.get("top_buffers"):
+        lines.append("largest buffers: " + "; ".join(
+            f"{_gb(b['bytes'])} {b['shapes'][:60]}" for b in r["top_buffers"][:5]))
+    return lines
+
+
 def format_report(r: dict[str, Any]) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [f"{r['model']} on {r['topology']} x {r['num_slices']} ({r['chips']} chips, "
              f"{r['tpu']}); mesh {mesh} ({r['mode']}, {r['fsdp_implementation']}), "
              f"params {r['param_dtype']}, remat {r['activation_checkpoint']}, attention "
-             f"{r['attention']}"]
-    m = r["memory"]
-    lines.append(
-        f"memory per chip: {_gb(r['per_chip_bytes'])} of {_gb(r['hbm_bytes'])} HBM -> "
-        f"{'fits' if r['fits'] else 'DOES NOT FIT'} ("
-        + ", ".join(f"{k.removesuffix('_size_in_bytes')} {_gb(v)}" for k, v in m.items()
-                    if k != "peak_memory_in_bytes") + ")")
-    if "compiler_error" in r:
-        lines.append(f"compiler: {r['compiler_error']}")
+             f"{r['attention']}", *_memory_lines(r)]
+    grouped = (f", grouped matmuls {r['grouped_matmul_flops_per_step']:.4g} at balanced "
+               f"routing (buffer bound {r['grouped_matmul_flops_bound_per_step']:.4g})"
+               if r["grouped_matmul_flops_bound_per_step"] else "")
     lines.append(f"FLOPs per step: analytic {r['analytic_flops_per_step']:.4g}, compiled "
-                 f"matmuls {r['flops_per_step']:.4g} "
+                 f"{r['flops_per_step']:.4g} "
                  f"(x{r['flops_per_step'] / r['analytic_flops_per_step']:.2f}: remat recompute "
-                 "included; loop bodies counted per iteration)")
+                 f"included; loop bodies counted per iteration; attention kernels "
+                 f"{r.get('attention_kernel_flops_per_step', 0):.4g}{grouped})")
     lines.append(f"lowering {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s")
     if r["collectives"]:
         lines.append("collectives per step (bytes: result size per chip x executions):")
@@ -185,10 +298,23 @@ def format_report(r: dict[str, Any]) -> str:
                   f"{'in layer loop' if c['in_layer_loop'] else 'once        '}  "
                   f"{c['count']:>3} ops  {c['executions']:>5} runs  {_gb(c['bytes_per_step'])}"
                   for c in r["collectives"]]
+    if r.get("in_loop_all_gather_overlap_pct") is not None:
+        flags = ", ".join(f"{k}={v}" for k, v in r["scheduler_flags"].items())
+        lines.append(
+            f"in-loop all-gathers: {r['in_loop_all_gathers']} ops, "
+            f"{r['in_loop_all_gather_s'] * 1e3:.1f} ms on ICI per step, "
+            f"{r['in_loop_all_gather_overlap_pct']:.0f}% covered by the compute the schedule "
+            f"places under them (worst {r['in_loop_all_gather_min_overlap_pct']:.0f}%); "
+            f"libtpu flags: {flags}")
     if r["est_step_time_s"] is not None:
         lines.append(
-            f"roofline estimate (compute at bf16 peak, ring collectives at published ICI/DCN "
-            f"bandwidth, fully overlapped): step {r['est_step_time_s'] * 1e3:.1f} ms "
-            f"(compute {r['compute_s'] * 1e3:.1f}, ICI {r['ici_s'] * 1e3:.1f}, DCN "
-            f"{r['dcn_s'] * 1e3:.1f}), MFU <= {r['est_mfu_pct']:.1f}%")
+            f"estimate (each compiled op at max(FLOPs at bf16 peak, bytes at HBM bandwidth) + "
+            f"exposed collectives): step {r['est_step_time_s'] * 1e3:.1f} ms (compute "
+            f"{r['est_compute_s'] * 1e3:.1f}, exposed collectives "
+            f"{r['est_exposed_collective_s'] * 1e3:.1f}), MFU {r['est_mfu_pct']:.1f}%")
+        lines.append(
+            f"roofline bound (compute at peak, collectives fully overlapped): step "
+            f"{r['roofline_step_time_s'] * 1e3:.1f} ms (compute {r['compute_s'] * 1e3:.1f}, "
+            f"ICI {r['ici_s'] * 1e3:.1f}, DCN {r['dcn_s'] * 1e3:.1f}), MFU <= "
+            f"{r['roofline_mfu_pct']:.1f}%")
     return "\n".join(lines)

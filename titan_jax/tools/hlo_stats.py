@@ -3,8 +3,10 @@
 XLA's `cost_analysis()` counts a while loop's body once, so for a step whose layers are scanned
 it reports several times fewer FLOPs than run. Here every computation is weighted by how often
 it runs: a while body by its trip count (from the loop condition's `i < N` or XLA's
-`known_trip_count`), nested loops multiplied. Only dots are counted (the matmul FLOPs that MFU
-is about); kernels in custom calls (Pallas) are invisible to it.
+`known_trip_count`), nested loops multiplied. Dots and grouped matmuls (`ragged-dot`) are counted
+(the matmul FLOPs that MFU is about); Pallas kernels in custom calls are counted from their
+shapes where this module knows the kernel (`kernel_flops`: splash attention, XLA:TPU's
+grouped-matmul kernel).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ _ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
 _CALLED = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
                      r"=%?([\w.\-]+)")
 _CALLED_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _PASS_THROUGH = ("custom-call", "copy", "convert", "bitcast", "reshape")
 _MANUAL_BODY = "manual_computation_body"  # a shard_map body, as JAX names it
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -65,10 +67,22 @@ class HloModule:
         return {i.name: i for i in self.computations[computation]}
 
 
+def _joined_lines(text: str) -> list[str]:
+    """Lines with continuations joined: compiled custom calls spread their kernel metadata
+    over lines that start with a quote or with `}}`."""
+    lines: list[str] = []
+    for line in text.splitlines():
+        if lines and (line.startswith('"') or line.startswith("}}")):
+            lines[-1] += line
+        else:
+            lines.append(line)
+    return lines
+
+
 def parse(text: str) -> HloModule:
     computations: dict[str, list[Instruction]] = {}
     entry, current = "", None
-    for line in text.splitlines():
+    for line in _joined_lines(text):
         if not line.startswith((" ", "\t", "}")) and line.rstrip().endswith("{"):
             if header := _HEADER.match(line):
                 current = header[2]
@@ -126,7 +140,7 @@ def executions(module: HloModule) -> tuple[dict[str, int], int]:
                 found = trip_count(module, inst)
                 unknown += found is None
                 loop_trips = found or 1
-            for kind, callee in _called(inst):
+            for kind, callee in called(inst):
                 if callee in module.computations and kind != "condition":
                     visit(callee, times * (loop_trips if kind == "body" else 1))
 
@@ -134,7 +148,7 @@ def executions(module: HloModule) -> tuple[dict[str, int], int]:
     return dict(counts), unknown
 
 
-def _called(inst: Instruction) -> list[tuple[str, str]]:
+def called(inst: Instruction) -> list[tuple[str, str]]:
     """(kind, computation) pairs `inst` calls: while bodies and conditions, fusions, calls."""
     called = [(kind, c) for kind, c in _CALLED.findall(inst.rest)]
     for group in _CALLED_LISTS.findall(inst.rest):
@@ -169,33 +183,68 @@ def _inside_manual(module: HloModule) -> set[str]:
             continue
         found.add(name)
         for inst in module.computations.get(name, []):
-            todo += [c for _, c in _called(inst) if c in module.computations]
+            todo += [c for _, c in called(inst) if c in module.computations]
     return found
+
+
+def _weighted(module: HloModule, ops: tuple[str, ...]):
+    """(times it runs, instruction, its computation's definitions, the devices sharing its
+    shapes) for each instruction of `ops` in the lowered (global) module: shard_map bodies see
+    one device's shapes, so they run once per device of the body."""
+    counts, _ = executions(module)
+    manual, scale = _inside_manual(module), manual_scale(module)
+    for name, times in counts.items():
+        sharing = scale if name in manual else 1
+        defs = None
+        for inst in module.computations[name]:
+            if inst.op in ops:
+                defs = defs or module.defining(name)
+                yield times * sharing, inst, defs, sharing
 
 
 def dot_flops(module: HloModule) -> tuple[float, int]:
     """Matmul FLOPs of one run of the lowered (global) module: 2 x output elements x contracted
-    size per dot, each weighted by how often its computation runs, and shard_map bodies (which
-    see one device's shapes) by the devices that share them; and the count of loops of unknown
-    length."""
-    counts, unknown = executions(module)
-    manual, scale = _inside_manual(module), manual_scale(module)
+    size per dot, each weighted by how often its computation runs; and the count of loops of
+    unknown length. Grouped matmuls are `ragged_dot_flops`'."""
     total = 0.0
-    for name, times in counts.items():
-        times *= scale if name in manual else 1
-        defs = None
-        for inst in module.computations[name]:
-            if inst.op != "dot":
-                continue
-            defs = defs or module.defining(name)
-            lhs = defs.get(inst.operands[0])
-            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", inst.rest)
-            if lhs is None or contracting is None:
-                continue
-            lhs_shape = arrays(lhs.type)[0][1]
-            k = math.prod(lhs_shape[int(d)] for d in contracting[1].split(",") if d)
-            total += times * 2.0 * math.prod(arrays(inst.type)[0][1]) * k
-    return total, unknown
+    for times, inst, defs, _ in _weighted(module, ("dot",)):
+        lhs = defs.get(inst.operands[0])
+        contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", inst.rest)
+        if lhs is None or contracting is None:
+            continue
+        lhs_shape = arrays(lhs.type)[0][1]
+        k = math.prod(lhs_shape[int(d)] for d in contracting[1].split(",") if d)
+        total += times * 2.0 * math.prod(arrays(inst.type)[0][1]) * k
+    return total, executions(module)[1]
+
+
+def ragged_dot_flops(module: HloModule, expected_rows: float | None = None
+                     ) -> tuple[float, float]:
+    """(expected, bound) FLOPs of the grouped matmuls (`ragged-dot`) of the lowered module.
+
+    Each multiplies every row of its ragged dimension (the buffer the groups are cut from)
+    by one group's weight: 2 x lhs elements x rhs free size. `bound` is that for the whole
+    buffer; only the rows the group sizes cover are work, and at balanced routing those are
+    `expected_rows` globally (tokens x top_k: each pick is one row), so `expected` scales each
+    op by min(1, expected_rows / its buffer's global rows)."""
+    expected = bound = 0.0
+    for times, inst, defs, sharing in _weighted(module, ("ragged-dot",)):
+        lhs, rhs = (defs.get(o) for o in inst.operands[:2])
+        ragged = re.search(r"lhs_ragged_dims=\{([0-9,]*)\}", inst.rest)
+        if lhs is None or rhs is None or ragged is None:
+            continue
+        lhs_shape, rhs_shape = arrays(lhs.type)[0][1], arrays(rhs.type)[0][1]
+        fixed = set()
+        for key in ("rhs_contracting_dims", "rhs_group_dims"):
+            if found := re.search(key + r"=\{([0-9,]*)\}", inst.rest):
+                fixed |= {int(d) for d in found[1].split(",") if d}
+        free = math.prod(n for i, n in enumerate(rhs_shape) if i not in fixed)
+        flops = times * 2.0 * math.prod(lhs_shape) * free
+        rows = lhs_shape[int(ragged[1].split(",")[0])] * sharing
+        bound += flops
+        share = 1.0 if expected_rows is None else min(1.0, expected_rows / rows)
+        expected += flops * share
+    return expected, bound
 
 
 def replica_groups(inst: Instruction) -> list[list[int]]:
@@ -214,7 +263,7 @@ def replica_groups(inst: Instruction) -> list[list[int]]:
     return []
 
 
-def _result_arrays(inst: Instruction, op: str) -> list[tuple[str, tuple[int, ...]]]:
+def result_arrays(inst: Instruction, op: str) -> list[tuple[str, tuple[int, ...]]]:
     """The result arrays of a collective; an async `-start` op's type also holds its operands
     (all-gather: operands then results) or context scalars (collective-permute)."""
     found = arrays(inst.type)
@@ -235,20 +284,25 @@ def collective_ops(module: HloModule) -> list[dict[str, Any]]:
     for name, times in counts.items():
         for inst in module.computations[name]:
             op = inst.op.removesuffix("-start")
-            if dcn := _MEGASCALE.search(inst.rest) if op == "send" else None:
+            if dcn := MEGASCALE.search(inst.rest) if op == "send" else None:
                 # Multislice: XLA:TPU hands cross-slice collectives to the megascale runtime as
                 # host-transfer sends; their result's first array is the data sent.
                 dtype, shape = arrays(inst.type)[0]
                 found.append({"op": dcn[1].lower().replace("_", "-"), "dtype": dtype,
                               "executions": times, "bytes": nbytes(dtype, shape),
-                              "groups": [], "network": "dcn"})
+                              "groups": [], "group": 0, "network": "dcn"})
             if op not in COLLECTIVE_OPS:
                 continue
-            for dtype in sorted({d for d, _ in _result_arrays(inst, op)}):
+            sized = result_arrays(inst, op)
+            if op == "ragged-all-to-all" and inst.operands:
+                # its result is a worst-case buffer: count what it sends, its first operand
+                source = module.defining(name).get(inst.operands[0])
+                sized = arrays(source.type) if source is not None else sized
+            for dtype in sorted({d for d, _ in sized}):
                 found.append({"op": op, "dtype": dtype, "executions": times,
-                              "bytes": sum(nbytes(d, s) for d, s in _result_arrays(inst, op)
-                                           if d == dtype),
-                              "groups": replica_groups(inst)})
+                              "bytes": sum(nbytes(d, s) for d, s in sized if d == dtype),
+                              "groups": replica_groups(inst),
+                              "group": group_size(inst, 0)})
     return found
 
 
@@ -266,3 +320,12 @@ def summarize(ops: list[dict[str, Any]], keys: tuple[str, ...] = ("op", "dtype")
         g["bytes"] += c["bytes"]
         g["bytes_per_step"] += c["bytes"] * c["executions"]
     return [groups[k] for k in sorted(groups)]
+
+
+def group_size(inst: Instruction, default: int) -> int:
+    """Devices in each of a collective's groups: explicit or iota groups, or XLA:TPU's mesh
+    form `replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}` (the named axes' product)."""
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", inst.rest):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m[1]))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m[2]) if a in sizes)
+    return max((len(g) for g in replica_groups(inst)), default=default)

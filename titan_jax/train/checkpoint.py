@@ -61,14 +61,14 @@ class NonFiniteStateError(RuntimeError):
 def resume_signature(config: JobConfig, global_batch_size: int) -> dict[str, Any]:
     """The config fields an exact resume depends on: the model's shapes and the data stream.
 
-    Anything else (lr, steps, parallelism, mixed precision, ...) may change between runs.
+    Anything else (lr, steps, parallelism, mixed precision, ...) may change between runs. So
+    may `seq_len` and the global batch size: the data continues at the same token position
+    (a long-context continuation; `data.windows.WindowStream.set_state` says where).
     """
     t = config.training
+    del global_batch_size  # kept in the signature's interface: the data state handles it
     return {
         "model.flavor": config.model.flavor,
-        "training.seq_len": t.seq_len,
-        # Resolved: -1 means local_batch_size x data-parallel degree.
-        "training.global_batch_size": global_batch_size,
         "training.dataset": t.dataset,
         "training.text_field": t.text_field,
         "training.seed": t.seed,

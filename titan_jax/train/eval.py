@@ -4,8 +4,9 @@
 parallelism (SimpleFSDP's hooks and `loss_map`), the same fp32 summed cross-entropy (aux
 losses left out). It is jitted once with the training run's parameter and batch shardings, so
 it needs no resharding and no second copy of the weights. `Validator` runs it over the
-`[validation]` batches (the same batches every time, see `data.dataset.validation_batches`)
-and returns the loss over all valid tokens, TorchTitan's reduction, and its perplexity.
+`[validation]` batches (the same batches every time: windows of a held-out token store in
+order, `data.windows.ValidationWindows`) and returns the loss over all valid tokens,
+TorchTitan's reduction, and its perplexity.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.data.dataset import validation_batches
+from titan_jax.data.pipeline import process_barrier, validation_corpus
 from titan_jax.data.tokenizer import Tokenizer
+from titan_jax.data.windows import ValidationWindows
 from titan_jax.models.sharding_hooks import Parallelism
 from titan_jax.models.spec import Aux, ModelDef, Params
 from titan_jax.train.loss import count_valid_tokens, cross_entropy_sum
@@ -60,23 +62,23 @@ class Validator:
                                                  trainer.state_shardings["buffers"],
                                                  trainer.batch_sharding))
         # Fail before training starts, naming the setting, if there is not one batch.
+        first = jax.process_index() == 0
         try:
-            first = next(self._batches(max_batches=1), None)
+            corpus = validation_corpus(config, tokenizer, is_first=first, barrier=process_barrier)
         except ValueError as e:  # a bad source or path, named by the data module
             raise ConfigError(f"validation.{e}") from None
-        if first is None:
+        self._windows = ValidationWindows(
+            corpus, seq_len=v.seq_len, global_batch_size=self.global_batch_size,
+            rows=trainer.batch_rows(self.global_batch_size))
+        if self._windows.num_batches == 0:
             raise ConfigError(
                 f"validation.dataset={v.dataset!r} holds less than one batch of "
                 f"{self.global_batch_size} x {v.seq_len + 1} tokens; lower validation."
                 "local_batch_size or validation.seq_len")
 
-    def _batches(self, max_batches: int) -> Any:
-        v = self.config
-        return validation_batches(
-            dataset=v.validation.dataset, dataset_path=v.validation.dataset_path,
-            text_field=v.training.text_field, tokenizer=self.tokenizer,
-            seq_len=v.validation.seq_len, global_batch_size=self.global_batch_size,
-            max_batches=max_batches, rows=self.trainer.batch_rows(self.global_batch_size))
+    def batches(self, max_batches: int = -1) -> Any:
+        """This process's rows of the first `max_batches` (-1: all) validation batches."""
+        return self._windows.batches(max_batches)
 
     def should_validate(self, step: int) -> bool:
         return step % self.config.validation.freq == 0 or step == self.config.training.steps
@@ -87,7 +89,7 @@ class Validator:
         loss_sum = n_tokens = jnp.zeros((), jnp.float32)
         n_batches = 0
         with jax.set_mesh(self.trainer.mesh):
-            for local in self._batches(self.config.validation.steps):
+            for local in self.batches(self.config.validation.steps):
                 batch = self.trainer.put_batch(local, self.global_batch_size)
                 out = self._step(params, buffers, batch)
                 loss_sum, n_tokens = loss_sum + out["loss_sum"], n_tokens + out["n_tokens"]

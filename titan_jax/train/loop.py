@@ -30,8 +30,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.data.stream import TrainIterator, build_train_iterator
-from titan_jax.data.tokenizer import load_tokenizer
+from titan_jax.data.pipeline import check_inputs, process_barrier, training_sources
+from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
+from titan_jax.data.windows import WindowStream
 from titan_jax.parallel.distributed import JobFailures, initialize_distributed
 from titan_jax.train.checkpoint import (
     Checkpointer,
@@ -111,7 +112,13 @@ class StopSignals:
         return self.received or "preemption notice"
 
 
-def build_data(config: JobConfig, trainer: Trainer) -> TrainIterator:
+def _progress(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"titan-jax: {message}", flush=True)
+
+
+def check_data(config: JobConfig, trainer: Trainer) -> Tokenizer:
+    """The run's tokenizer, once its vocabulary fits the model and every input exists."""
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     if tokenizer.vocab_size > trainer.model.args.vocab_size:
         raise ConfigError(
@@ -119,13 +126,24 @@ def build_data(config: JobConfig, trainer: Trainer) -> TrainIterator:
             f"{tokenizer.vocab_size}, larger than model.flavor={config.model.flavor}'s "
             f"vocab_size={trainer.model.args.vocab_size}"
         )
+    if config.training.document_mask and trainer.attention == "cudnn":
+        raise ConfigError("training.document_mask=true needs model.attention=xla or splash: "
+                          "the cudnn attention here takes no segment ids")
+    check_inputs(config, tokenizer)
+    return tokenizer
+
+
+def build_data(config: JobConfig, trainer: Trainer, tokenizer: Tokenizer | None = None
+               ) -> WindowStream:
+    """The training windows of this process's rows (small sources become a token store under
+    the dump folder first: data/pipeline.py). `tokenizer`: from `check_data`, else checked here."""
+    tokenizer = check_data(config, trainer) if tokenizer is None else tokenizer
     t = config.training
-    return build_train_iterator(
-        dataset=t.dataset, dataset_path=t.dataset_path, text_field=t.text_field,
-        tokenizer=tokenizer, seq_len=t.seq_len, global_batch_size=trainer.global_batch_size,
-        seed=t.seed, rows=trainer.batch_rows(),
-        all_gather=multihost_utils.process_allgather if jax.process_count() > 1 else None,
-    )
+    sources = training_sources(config, tokenizer, is_first=jax.process_index() == 0,
+                               barrier=process_barrier, progress=_progress)
+    return WindowStream(sources, seq_len=t.seq_len, global_batch_size=trainer.global_batch_size,
+                        seed=t.seed, rows=trainer.batch_rows(), document_mask=t.document_mask,
+                        document_positions=t.document_positions)
 
 
 def _rows_text(rows: np.ndarray) -> str:
@@ -134,15 +152,15 @@ def _rows_text(rows: np.ndarray) -> str:
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs if len(r))
 
 
-def data_summary(data: TrainIterator) -> str:
-    """Which rows of the global batch each process read and how many documents it tokenized
-    (a collective: every process calls it)."""
+def data_summary(data: WindowStream) -> str:
+    """Which rows of the global batch each process read, and how many windows (a collective:
+    every process calls it)."""
     mine = np.zeros(data.global_batch_size + 1, np.int32)
     mine[data.rows] = 1
-    mine[-1] = data.documents_read
+    mine[-1] = (data.samples - data.samples_at_start) // data.global_batch_size * len(data.rows)
     every = np.asarray(multihost_utils.process_allgather(mine))
     return "data: " + ", ".join(
-        f"process {p} read rows {_rows_text(np.flatnonzero(a[:-1]))} ({a[-1]} documents)"
+        f"process {p} read rows {_rows_text(np.flatnonzero(a[:-1]))} ({a[-1]} windows)"
         for p, a in enumerate(every))
 
 
@@ -164,6 +182,7 @@ class _StepReporter:
         self.losses: dict[int, float] = {}
         self.last_ready: float | None = None
         self.validations: dict[int, dict[str, float]] = {}  # by step, until that step is logged
+        self.data_metrics: Callable[[int], dict[str, int]] = lambda step: {}
         logger.info(f"MFU peak: {self.peak / 1e12:.3f} TFLOP/s per device ({peak.source})")
         logger.write_header({**peak.to_json(), "flops_per_token": token_flops,
                              "tokens_per_step": trainer.tokens_per_step,
@@ -216,6 +235,7 @@ class _StepReporter:
             "step_time_s": step_time, "n_tokens": values["n_tokens"],
             "tokens_seen": self.tokens_seen, "memory_peak_gib": mem["peak_bytes"] / 2**30,
             "memory_in_use_gib": None if in_use is None else in_use / 2**30, **validation,
+            **self.data_metrics(step),
             **{k: v for k, v in values.items() if k not in _STEP_METRICS},  # the model's own
         })
 
@@ -250,9 +270,7 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResu
 def _train(config: JobConfig, devices: list[jax.Device] | None,
            failures: JobFailures) -> RunResult:
     trainer = build_trainer(config, devices)
-    data = build_data(config, trainer)
-    validator = (Validator(config, trainer, load_tokenizer(config.model.tokenizer_path))
-                 if config.validation.enable else None)
+    tokenizer = check_data(config, trainer)  # before anything is written
     m, c = config.metrics, config.checkpoint
     total = config.training.steps
     check_initial_load_path(config)
@@ -267,6 +285,9 @@ def _train(config: JobConfig, devices: list[jax.Device] | None,
         ckpt = stack.enter_context(Checkpointer.from_config(config, trainer)) if c.enable else None
         # Before any log is opened: a bad checkpoint or config change fails with nothing written.
         start = load_start(config, trainer, ckpt)
+        # Under the run lock: small sources are prepared into a store in the dump folder.
+        data = build_data(config, trainer, tokenizer)
+        validator = Validator(config, trainer, tokenizer) if config.validation.enable else None
         logger = stack.enter_context(MetricsLogger(
             config.job.dump_folder, m.log_freq, total, enable_tensorboard=m.enable_tensorboard,
             tensorboard_folder=m.save_tb_folder, progress_bar=m.progress_bar,
@@ -302,8 +323,14 @@ def _train(config: JobConfig, devices: list[jax.Device] | None,
                 data.set_state(start.data_state)
             except ValueError as e:
                 raise CheckpointError(f"cannot resume from {start.source}: {e}") from e
+            if data.resume_note:
+                logger.info(data.resume_note)
 
         reporter = _StepReporter(config, trainer, logger, start.tokens_seen)
+        if len(data.sources) > 1:  # a mixture: tokens per source in the metrics
+            reporter.data_metrics = lambda step: {
+                f"tokens_seen/{name}": n
+                for name, n in data.source_tokens(step - start.step).items()}
         pending: tuple[int, Any] | None = None
         stopped = False
         step = start.step
@@ -348,7 +375,7 @@ def _train(config: JobConfig, devices: list[jax.Device] | None,
 
 
 def _save(ckpt: Checkpointer, config: JobConfig, step: int, state: TrainState,
-          data: TrainIterator, reporter: _StepReporter, logger: MetricsLogger) -> None:
+          data: WindowStream, reporter: _StepReporter, logger: MetricsLogger) -> None:
     c = config.checkpoint
     model_only = step == config.training.steps and c.last_save_model_only
     start = time.perf_counter()

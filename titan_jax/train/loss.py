@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from titan_jax.data.windows import IGNORE_INDEX  # the data layer marks the ignored labels
 from titan_jax.models.sharding_hooks import constrain
 
-IGNORE_INDEX = -100
 # Above this many logits per microbatch the loss is computed chunk by chunk over tokens, so the
 # full (tokens, vocab) fp32 logits never exist at once (e.g. 4096 tokens x 151936 vocab = 2.5 GB).
 MAX_LOGITS_PER_CHUNK = 2**26

@@ -27,9 +27,20 @@ from titan_jax.train.optim import WSDSchedule, build_optimizer
 from titan_jax.train.step import Batch, StepOptions, TrainState, init_train_state, train_step
 
 
-def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any) -> str:
-    """SimpleFSDP's implementation, with the checks expert parallelism needs."""
+def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
+                           platform: str = "cpu") -> str:
+    """SimpleFSDP's implementation, with the checks expert parallelism needs. MoE on TPU/GPU
+    takes shard_map: the jit path maps the loss over data shards with vmap, which makes the
+    experts' `ragged_dot` a batched op that XLA:TPU rejects ("number of batch dimensions
+    should be 0"); inside shard_map it stays unbatched."""
     p = config.parallelism
+    ragged = getattr(args, "is_moe", False) and platform != "cpu"  # CPU: blocked einsums
+    if ragged and degrees.ep == 1:
+        if p.fsdp_implementation == "jit":
+            raise ConfigError(
+                f"parallelism.fsdp_implementation=jit cannot compile MoE experts for {platform} "
+                "(ragged_dot under the jit path's per-shard vmap); use auto or shard_map")
+        return "shard_map"
     if degrees.ep > 1:
         if not getattr(args, "is_moe", False):
             raise ConfigError(
@@ -177,7 +188,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
             f"local_batch_size x data-parallel degree = {t.local_batch_size} x {degrees.dp}"
         )
 
-    implementation = resolve_implementation(config, degrees, args)
+    implementation = resolve_implementation(config, degrees, args, devices[0].platform)
     if (t.mixed_precision_reduce == "bfloat16" and all(d.platform == "cpu" for d in devices)
             and implementation == "shard_map"):
         raise ConfigError(  # XLA:CPU aborts on a bf16 reduce-scatter ("opcode copy")

@@ -155,7 +155,9 @@ class Attention(nnx.Module):
         self.scale = h**-0.5
         self.backend, self.platform = kernels.attention, kernels.platform
 
-    def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array) -> Array:
+    def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
+                 segment_ids_BT: Array | None = None) -> Array:
+        """segment_ids_BT: attend only within equal ids (documents packed in one window)."""
         name = checkpoint_name
         flat = self.platform == "cpu"  # a CPU kernel choice (see `project`)
         q_BTNH = name(project(x_BTD, self.wq, 1, flat), "q_proj")
@@ -166,7 +168,8 @@ class Attention(nnx.Module):
         k_BTKH = constrain(apply_rope(self.k_norm(k_BTKH), cos_TH, sin_TH), KV_AXES)
         v_BTKH = constrain(v_BTKH, KV_AXES)
         with jax.named_scope("sdpa"):  # scaled dot-product attention, the op profiles name
-            out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, self.scale, self.backend, self.platform)
+            out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, self.scale, self.backend, self.platform,
+                                 segment_ids_BT)
         out_BTNH = name(out_BTNH, "attn_out")
         return name(project(out_BTNH, self.wo, 2), "wo_out")
 
@@ -206,10 +209,12 @@ class Block(nnx.Module):
             self.feed_forward = FeedForward(args, rngs)
 
     def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
-                 expert_bias_E: Array | None = None) -> tuple[Array, dict[str, Array]]:
+                 expert_bias_E: Array | None = None, segment_ids_BT: Array | None = None
+                 ) -> tuple[Array, dict[str, Array]]:
         """(output, the MoE router's statistics for MoE blocks (see `MoE`), else {})."""
         with jax.named_scope("attention"):
-            x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH)
+            x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH,
+                                           segment_ids_BT)
         router = {}
         with jax.named_scope("feed_forward"):
             if expert_bias_E is None:
@@ -248,6 +253,8 @@ class Qwen3(nnx.Module):
         remat: the scanned block's `jax.checkpoint` policy (None: no remat).
         activation_stats: also return each layer's output sum of squares and element count
         (`activation_sq_sum`, `activation_count`), for per-layer RMS in the metrics.
+        tokens_BT may be (B, T, 3): per token (id, segment id, RoPE position), for documents
+        packed in a window (`training.document_mask`): attention stays within a segment.
         expert_bias_LE: MoE flavours' per-layer expert bias (zeros when None); then the stats
         hold each layer's tokens per expert (`tokens_per_expert`, (L, E)), and with
         `router_aux_loss_coef` > 0 the aux loss is HF's load-balancing loss times that
@@ -256,17 +263,21 @@ class Qwen3(nnx.Module):
         if self.args.is_moe and expert_bias_LE is None:
             expert_bias_LE = jnp.zeros((self.args.n_layers, self.args.num_experts), jnp.float32)
         t = tokens_BT.shape[1]
+        segment_ids_BT, positions = None, jnp.arange(t)
+        if tokens_BT.ndim == 3:
+            tokens_BT, segment_ids_BT, positions = (tokens_BT[..., i] for i in range(3))
         table_VD = use_param(self.tok_embeddings, dtype)
         with jax.named_scope("embed"):
             x_BTD = constrain(embed_lookup(table_VD, tokens_BT, table_VD.shape[0]), ACT_AXES)
-        cos_TH, sin_TH = rope_tables(jnp.arange(t), self.args.head_dim, self.args.rope_theta)
+        # (T, H) tables, or (B, T, H) for per-token positions.
+        cos_TH, sin_TH = rope_tables(positions, self.args.head_dim, self.args.rope_theta)
         layers_def, layers_state = nnx.split(self.layers)
 
         def body(x_BTD: Array, layer: tuple[nnx.State, Array | None]
                  ) -> tuple[Array, dict[str, Array]]:
             layer_state, expert_bias_E = layer
             y_BTD, stats = nnx.merge(layers_def, layer_state)(x_BTD, cos_TH, sin_TH,
-                                                              expert_bias_E)
+                                                              expert_bias_E, segment_ids_BT)
             if activation_stats:
                 y32 = y_BTD.astype(jnp.float32)
                 stats["activation_sq_sum"] = jnp.sum(y32 * y32)

@@ -30,6 +30,7 @@ the optimizer, moves each layer's bias by `coeff * sign(mean(counts) - counts)`,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -94,14 +95,24 @@ def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w
                grouped_matmul: str) -> Array:
     """Each row through its expert's SwiGLU (dropless): sorted by expert, grouped matmuls,
     un-sorted by the inverse permutation (a gather both ways, no scatter-add)."""
-    matmul = GROUPED_MATMULS[grouped_matmul]
     order = jnp.argsort(experts_M, stable=True)
     group_sizes = jnp.bincount(experts_M, length=w1_EDF.shape[0]).astype(jnp.int32)
-    x_MD = rows_MD[order]
-    gate_MF = checkpoint_name(matmul(x_MD, w1_EDF, group_sizes), "moe_w1")
-    up_MF = checkpoint_name(matmul(x_MD, w3_EDF, group_sizes), "moe_w3")
-    y_MD = checkpoint_name(matmul(jax.nn.silu(gate_MF) * up_MF, w2_EFD, group_sizes), "moe_w2")
+    swiglu = functools.partial(grouped_swiglu, GROUPED_MATMULS[grouped_matmul])
+    if grouped_matmul == "blocked":
+        # Its per-block weight copies (blocks x D x F, several times the expert weights) would
+        # otherwise be saved for backward, per layer: recompute them there instead.
+        swiglu = jax.checkpoint(swiglu, policy=jax.checkpoint_policies.nothing_saveable)
+    y_MD = swiglu(rows_MD[order], w1_EDF, w3_EDF, w2_EFD, group_sizes)
     return y_MD[jnp.argsort(order)]
+
+
+def grouped_swiglu(matmul: Callable[[Array, Array, Array], Array], x_MD: Array, w1_EDF: Array,
+                   w3_EDF: Array, w2_EFD: Array, group_sizes_E: Array) -> Array:
+    """Rows sorted by expert through their expert's SwiGLU, one grouped matmul per weight."""
+    gate_MF = checkpoint_name(matmul(x_MD, w1_EDF, group_sizes_E), "moe_w1")
+    up_MF = checkpoint_name(matmul(x_MD, w3_EDF, group_sizes_E), "moe_w3")
+    return checkpoint_name(matmul(jax.nn.silu(gate_MF) * up_MF, w2_EFD, group_sizes_E),
+                           "moe_w2")
 
 
 def routed_experts(x_ND: Array, experts_NK: Array, weights_NK: Array, w1_EDF: Array,

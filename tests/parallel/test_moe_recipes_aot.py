@@ -1,0 +1,61 @@
+"""The shipped Qwen3-MoE recipes compile for the smallest TPU slices their state fits, as shipped
+(`fsdp_implementation = "auto"`), ahead of time on this CPU with libtpu.
+
+Layers are cut to 2 (what fails to compile fails at any depth; every other dimension is the
+recipe's), and each recipe compiles once per module, shared by the tests that read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+from test_tpu_aot import bf16_reductions
+
+from titan_jax.config import ConfigError, load_config
+from titan_jax.models.qwen3 import get_flavor
+from titan_jax.parallel.topology import compile_only_devices, parse_slice
+from titan_jax.tools import inspect
+from titan_jax.train.trainer import build_trainer
+
+pytestmark = [pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)"), pytest.mark.slow]
+
+RECIPES = {  # name -> (config, slice)
+    "30B-A3B v5p-16": ("configs/qwen3_30b_a3b.toml", "v5p-16"),
+    "235B-A22B v5p-256": ("configs/qwen3_235b_a22b.toml", "v5p-256"),
+}
+
+
+def build(name: str, *overrides: str):
+    path, topology = RECIPES[name]
+    config = load_config(path, list(overrides))
+    args = dataclasses.replace(get_flavor(config.model.flavor), n_layers=2)
+    return build_trainer(config, compile_only_devices(parse_slice(topology)), model_args=args)
+
+
+@pytest.fixture(scope="module", params=list(RECIPES))
+def compiled_recipe(request):
+    """(name, trainer, compiled step) of one shipped recipe at 2 layers."""
+    trainer = build(request.param)
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    return request.param, trainer, lowered.compile()
+
+
+def test_shipped_moe_recipe_compiles_and_fits(compiled_recipe):
+    name, trainer, compiled = compiled_recipe
+    assert trainer.parallelism.implementation == "shard_map"  # what `auto` picks for MoE on TPU
+    memory = compiled.memory_analysis()
+    per_chip = memory.argument_size_in_bytes + memory.temp_size_in_bytes
+    assert per_chip < 95 * 2**30, (name, per_chip)  # v5p HBM
+    hlo = compiled.as_text()
+    assert "ragged-dot" in hlo  # the experts' grouped matmul, unbatched
+    if trainer.mesh.shape["tp"] == 1:  # (TP's activation partial sums are bf16 by design)
+        assert not bf16_reductions(hlo)
+
+
+def test_jit_implementation_with_moe_on_tpu_is_a_config_error():
+    with pytest.raises(ConfigError, match="fsdp_implementation=jit cannot compile MoE experts"):
+        build("30B-A3B v5p-16", "--parallelism.fsdp_implementation", "jit")

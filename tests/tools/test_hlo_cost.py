@@ -1,0 +1,221 @@
+# ruff: noqa: E501 (HLO text keeps its lines whole)
+"""The compiled-program cost model (tools/hlo_cost.py), kernel FLOPs (tools/kernel_flops.py),
+grouped-matmul FLOPs (tools/hlo_stats.py) and `fits` on both sides of XLA:TPU's memory edge."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from titan_jax.parallel.topology import Chip
+from titan_jax.tools import aot_compile, hlo_cost, hlo_stats, kernel_flops
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
+
+# 1 TFLOP/s, 1 GB/s HBM, 1 GB/s ICI: seconds read as TFLOPs / GB.
+UNIT_CHIP = Chip("test", 1e12, 2**40, 1e9, 1e9, 1e9, 1, "test")
+
+# A scheduled program: a 2 GB all-gather started before a fusion whose dot is 3 TFLOPs (3 s at
+# the test chip's peak) and done after it; then a synchronous all-reduce of 1 GB over 2 devices.
+SCHEDULE = """
+HloModule m, is_scheduled=true
+
+%fused_dot (p0: bf16[1000,1000], p1: bf16[1000,1500000]) -> bf16[1000,1500000] {
+  %p0 = bf16[1000,1000]{1,0} parameter(0)
+  %p1 = bf16[1000,1500000]{1,0} parameter(1)
+  ROOT %d = bf16[1000,1500000]{1,0:S(1)} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: bf16[1000,1000], b: bf16[1000,1500000], w: bf16[500000000]) -> f32[250000000] {
+  %a = bf16[1000,1000]{1,0:S(1)} parameter(0)
+  %b = bf16[1000,1500000]{1,0:S(1)} parameter(1)
+  %w = bf16[500000000]{0} parameter(2)
+  %ags = (bf16[500000000]{0}, bf16[1000000000]{0}) all-gather-start(%w), replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}
+  %f = bf16[1000,1500000]{1,0:S(1)} fusion(%a, %b), kind=kOutput, calls=%fused_dot
+  %agd = bf16[1000000000]{0} all-gather-done(%ags)
+  %c = f32[250000000]{0} convert(%agd)
+  %ar = f32[250000000]{0} all-reduce(%c), replica_groups={{0,1},{2,3}}, to_apply=%add
+}
+"""
+
+
+def test_schedule_costs_each_op_by_its_slower_unit_and_exposes_what_compute_does_not_cover():
+    r = hlo_cost.estimate(SCHEDULE, UNIT_CHIP, 8)
+    found = {c["op"]: c for c in r["collectives"]}
+    gather, reduce = found["all-gather"], found["all-reduce"]
+    # all-gather over 'x' (2 devices): 1 GB of the 2 GB result arrives over ICI: 1 s, under
+    # the 3 s dot.
+    assert gather["group"] == 2 and gather["seconds"] == pytest.approx(1.0)
+    assert gather["covered_s"] == pytest.approx(3.0) and gather["overlap"] == 1.0
+    # all-reduce of 1 GB over 2: a ring moves 2 x 1 GB x 1/2 = 1 GB: 1 s, all exposed.
+    assert reduce["seconds"] == pytest.approx(1.0) and reduce["overlap"] == 0.0
+    # The convert reads 2 GB and writes 1 GB of HBM (3 s); the dot's operands and result
+    # are in VMEM (S(1)), so it costs its FLOPs.
+    assert r["compute_s"] == pytest.approx(3.0 + 3.0)
+    assert r["exposed_collective_s"] == pytest.approx(1.0)
+    assert r["step_s"] == pytest.approx(7.0)
+
+
+def test_group_size_reads_the_mesh_form_of_replica_groups():
+    inst = hlo_stats.parse(SCHEDULE).defining("main")["ags"]
+    assert hlo_stats.group_size(inst, 8) == 2
+    plain = hlo_stats.Instruction("x", "f32[4]", "all-reduce", "%a), replica_groups={{0,1,2}}")
+    assert hlo_stats.group_size(plain, 8) == 3
+
+
+def test_a_fused_dynamic_slice_reads_only_the_slice():
+    text = """
+%fused (p0: f32[36,1000], p1: s32[]) -> f32[1,1000] {
+  %p0 = f32[36,1000]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,1000]{1,0} dynamic-slice(%p0, %p1, %z), dynamic_slice_sizes={1,1000}
+}
+
+ENTRY %main (w: f32[36,1000], i: s32[]) -> f32[1,1000] {
+  %w = f32[36,1000]{1,0} parameter(0)
+  %i = s32[]{:S(2)} parameter(1)
+  ROOT %f = f32[1,1000]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused
+}
+"""
+    module = hlo_stats.parse(text)
+    fusion = module.defining("main")["f"]
+    assert hlo_cost.traffic(module, fusion, module.defining("main")) == 2 * 4000
+
+
+RAGGED = """
+HloModule m
+
+ENTRY %main (x: bf16[96,64], w: bf16[8,64,32], g: s32[8], dy: bf16[96,32]) -> bf16[8,64,32] {
+  %x = bf16[96,64]{1,0} parameter(0)
+  %w = bf16[8,64,32]{2,1,0} parameter(1)
+  %g = s32[8]{0} parameter(2)
+  %dy = bf16[96,32]{1,0} parameter(3)
+  %y = bf16[96,32]{1,0} ragged-dot(%x, %w, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}
+  ROOT %dw = bf16[8,64,32]{2,1,0} ragged-dot(%x, %dy, %g), lhs_contracting_dims={0}, rhs_contracting_dims={0}, lhs_ragged_dims={0}
+}
+"""
+
+
+def test_grouped_matmuls_count_their_rows_and_scale_to_balanced_routing():
+    module = hlo_stats.parse(RAGGED)
+    per_op = 2 * 96 * 64 * 32  # each of the 96 rows times one group's 64 x 32 weight
+    assert hlo_stats.ragged_dot_flops(module) == (2 * per_op, 2 * per_op)
+    # 24 picks fill a buffer of 96 rows (say, a worst-case EP receive buffer): a quarter.
+    assert hlo_stats.ragged_dot_flops(module, expected_rows=24) == (per_op / 2, 2 * per_op)
+    assert hlo_stats.dot_flops(module)[0] == 0  # not dots
+
+
+SPLASH = ('  %splash_mha_fwd_residuals.3 = (f32[2,512,128]{2,1,0}, bf16[2,16,512,128]{3,2,1,0}) '
+          'custom-call(%a, %b, %q, %k, %v, %i), custom_call_target="tpu_custom_call", '
+          'operand_layout_constraints={s8[1,1,1]{2,1,0}, s8[1,1,1]{2,1,0}, '
+          'bf16[2,16,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}, '
+          's32[512,128]{1,0}}, frontend_attributes={kernel_metadata={\n'
+          '"xprof_metadata":"{\\"block_q\\": 256, \\"block_kv\\": 256, \\"block_q_dkv\\": 256, '
+          '\\"block_kv_dkv\\": 256, \\"block_q_dq\\": 128, \\"block_kv_dq\\": 128, '
+          '\\"use_fused_bwd_kernel\\": false}"\n}}, backend_config={}\n')
+
+
+def test_splash_kernels_count_the_causal_blocks_they_compute():
+    module = hlo_stats.parse("ENTRY %main () -> f32[] {\n" + SPLASH + "}\n")
+    (inst,) = module.computations["main"]
+    assert kernel_flops.causal_blocks(512, 512, 256, 256) == 3  # of 4: one block is masked
+    assert kernel_flops.causal_blocks(512, 512, 128, 128) == 10
+    per_pair = 2 * 2 * 16 * 128 * 256 * 256  # batch 2, 16 heads, head_dim 128
+    assert kernel_flops.kernel_flops(inst) == 2 * 3 * per_pair  # q k^T and p v
+    dq = hlo_stats.Instruction("splash_mha_dq_no_residuals.1", inst.type, inst.op, inst.rest)
+    assert kernel_flops.kernel_flops(dq) == 3 * 10 * per_pair / 4  # 128-blocks: a quarter each
+    other = hlo_stats.Instruction("my_kernel.1", inst.type, inst.op, inst.rest)
+    assert kernel_flops.kernel_flops(other) == 0
+
+
+def _compile_pair(gib: float):
+    """(a + 1, b * 2) of two f32 arrays of `gib` GiB each, not donated, on one v5e chip:
+    its live buffers peak at 4 x gib (two arguments, two results), with no temporaries."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+
+    device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
+    x = jax.ShapeDtypeStruct((int(gib * 2**30) // 4,), jnp.float32,
+                             sharding=jax.sharding.SingleDeviceSharding(device))
+    return device, jax.jit(lambda a, b: (a + 1, b * 2)).lower(x, x)
+
+
+@needs_libtpu
+def test_fits_follows_the_compilers_edge_on_both_sides():
+    """XLA:TPU accepts a program whose live peak (arguments included) is within the HBM it can
+    use (v5e: 15.75 GiB) and refuses one above it, however small its temporaries."""
+    import jax
+
+    from titan_jax.parallel.topology import CHIPS
+
+    device, below = _compile_pair(3.75)  # peak 15.0 GiB
+    usable = aot_compile.usable_hbm_bytes(device)
+    assert usable == int(15.75 * 2**30)
+    memory = below.compile().memory_analysis()
+    verdict = aot_compile._verdict({"argument_size_in_bytes": memory.argument_size_in_bytes,
+                                    "temp_size_in_bytes": memory.temp_size_in_bytes,
+                                    "peak_memory_in_bytes": memory.peak_memory_in_bytes},
+                                   CHIPS["v5e"], usable, accepted=True)
+    assert verdict["fits"] and abs(verdict["per_chip_bytes"] - 15 * 2**30) < 2**20
+    assert abs(verdict["headroom_bytes"] - 0.75 * 2**30) < 2**20
+    _, above = _compile_pair(4.0)  # peak 16 GiB; arguments + temporaries only 8
+    with pytest.raises(jax.errors.JaxRuntimeError) as refused:
+        above.compile()
+    verdict = aot_compile._out_of_memory(refused.value, CHIPS["v5e"], usable, 8 * 2**30)
+    assert verdict["fits"] is False and verdict["per_chip_bytes"] == 16 * 2**30  # its message
+    assert verdict["args_plus_temps_bytes"] == 8 * 2**30 < usable  # not the compared figure
+
+
+@needs_libtpu
+def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops():
+    """The EP step's grouped matmuls run over worst-case receive buffers (ep x each rank's
+    picks); at balanced routing they do the analytic expert work: tokens x top_k rows through
+    3 matmuls, forward and backward (x3)."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    from jax.experimental import topologies
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+    from parallel_helpers import TINY, preset_overrides, tiny_config
+
+    from titan_jax.tools import inspect
+    from titan_jax.train.trainer import build_trainer
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
+    args = dataclasses.replace(TINY, num_experts=8, top_k=2, moe_inter_dim=32)
+    config = tiny_config(*preset_overrides("fsdp8"), "--parallelism.expert_parallel_degree", "4",
+                         "--training.mixed_precision_param", "auto")
+    trainer = build_trainer(config, list(topology.devices), model_args=args)
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    picks = trainer.tokens_per_step * args.top_k
+    expected, bound = hlo_stats.ragged_dot_flops(
+        hlo_stats.parse(lowered.as_text(dialect="hlo")), picks)
+    analytic = args.n_layers * picks * 3 * (2 * args.dim * args.moe_inter_dim) * 3
+    assert expected == pytest.approx(analytic)
+    assert bound == pytest.approx(4 * analytic)  # ep x the picks: the buffers' shape bound
+
+
+def test_an_async_wrapped_all_gather_is_covered_by_the_work_between_start_and_done():
+    text = SCHEDULE.replace(
+        "%ags = (bf16[500000000]{0}, bf16[1000000000]{0}) all-gather-start(%w), "
+        "replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}",
+        "%ags = ((bf16[500000000]{0}), bf16[1000000000]{0}) async-start(%w), calls=%gather")
+    text = text.replace("all-gather-done(%ags)", "async-done(%ags)")
+    text = text.replace("ENTRY", """%gather (g: bf16[500000000]) -> bf16[1000000000] {
+  %g = bf16[500000000]{0} parameter(0)
+  ROOT %ag = bf16[1000000000]{0} all-gather(%g), replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}
+}
+
+ENTRY""")
+    r = hlo_cost.estimate(text, UNIT_CHIP, 8)
+    gather = next(c for c in r["collectives"] if c["op"] == "all-gather")
+    assert gather["seconds"] == pytest.approx(1.0) and gather["overlap"] == 1.0
+    assert r["exposed_collective_s"] == pytest.approx(1.0)  # the all-reduce only
+    assert r["compute_s"] == pytest.approx(6.0)  # the transfer itself is not compute

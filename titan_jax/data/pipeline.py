@@ -1,0 +1,102 @@
+"""From the run's config to the corpora training and validation read: one path, token stores.
+
+`training.dataset = "tokens"` reads the stores at `training.dataset_path`; `[[training.mixture]]`
+reads several, with weights. Any other source (pydoc, text, jsonl, ...) is prepared into a store
+on first use under `{dump_folder}/data/` (named by a hash of the source, its files' sizes and
+times, and the tokenizer, so a changed input is prepared again) by process 0 while the others
+wait; a process that cannot see process 0's folder (no shared filesystem) prepares its own
+copy. For large corpora and pods, run `titan-jax prepare-data` ahead instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+
+from titan_jax.config import ConfigError, JobConfig
+from titan_jax.data.dataset import Split, source_files
+from titan_jax.data.paths import filesystem, join
+from titan_jax.data.prepare import prepare_store
+from titan_jax.data.store import Corpus, open_corpus, read_manifest
+from titan_jax.data.tokenizer import Tokenizer
+from titan_jax.data.windows import Source
+
+Barrier = Callable[[str], None]  # every process waits there until all arrive
+
+
+def process_barrier(name: str) -> None:
+    """All JAX processes meet here (a no-op with one)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def cached_store(dataset: str, dataset_path: str, text_field: str, split: Split,
+                 tokenizer: Tokenizer, root: str, *, is_first: bool, barrier: Barrier,
+                 progress: Callable[[str], None] = lambda _: None) -> str:
+    """The store of a (small) source under `root`, prepared by the first process if needed."""
+    files = source_files(dataset, dataset_path, split)
+    stamps = []
+    for file in files if dataset != "pydoc" else ():
+        fs, path = filesystem(file)
+        info = fs.info(path)
+        stamps.append([file, info.get("size"), info.get("mtime")])
+    key = json.dumps([dataset, dataset_path, text_field, split, tokenizer.sha256, stamps],
+                     default=str)
+    store = join(root, f"{dataset}-{split}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    for turn in ("first", "rest"):  # process 0 prepares; the others only if they cannot see it
+        if (turn == "first") == is_first and read_manifest(store) is None:
+            progress(f"preparing {dataset} ({split}) as a token store in {store}")
+            prepare_store(dataset=dataset, dataset_path=dataset_path, text_field=text_field,
+                          tokenizer=tokenizer, output=store, split=split)
+        if turn == "first":
+            barrier(f"titan_jax token store {store}")
+    return store
+
+
+def check_inputs(config: JobConfig, tokenizer: Tokenizer) -> None:
+    """Fails on a missing input or store, or another tokenizer's store, before anything is
+    written (listing files and reading manifests only)."""
+    t, v = config.training, config.validation
+    for spec in [m.path for m in t.mixture] or [t.dataset_path] * (t.dataset == "tokens"):
+        open_corpus(spec, tokenizer)
+    if not t.mixture and t.dataset != "tokens":
+        source_files(t.dataset, t.dataset_path, "train")
+    if v.enable:
+        try:
+            if v.dataset == "tokens":
+                open_corpus(v.dataset_path, tokenizer, what="dataset_path")
+            else:
+                source_files(v.dataset, v.dataset_path, "validation")
+        except ValueError as e:
+            raise ConfigError(f"validation.{e}") from None
+
+
+def training_sources(config: JobConfig, tokenizer: Tokenizer, *, is_first: bool,
+                     barrier: Barrier, progress: Callable[[str], None] = lambda _: None
+                     ) -> list[Source]:
+    t = config.training
+    if t.mixture:
+        return [Source(m.path, open_corpus(m.path, tokenizer, what="training.mixture.path"),
+                       m.weight) for m in t.mixture]
+    if t.dataset == "tokens":
+        return [Source(t.dataset_path, open_corpus(t.dataset_path, tokenizer))]
+    store = cached_store(t.dataset, t.dataset_path, t.text_field, "train", tokenizer,
+                         join(config.job.dump_folder, "data"), is_first=is_first,
+                         barrier=barrier, progress=progress)
+    return [Source(t.dataset, open_corpus(store, tokenizer))]
+
+
+def validation_corpus(config: JobConfig, tokenizer: Tokenizer, *, is_first: bool,
+                      barrier: Barrier) -> Corpus:
+    v = config.validation
+    if v.dataset == "tokens":
+        return open_corpus(v.dataset_path, tokenizer, what="validation.dataset_path")
+    store = cached_store(v.dataset, v.dataset_path, config.training.text_field, "validation",
+                         tokenizer, join(config.job.dump_folder, "data"), is_first=is_first,
+                         barrier=barrier)
+    return open_corpus(store, tokenizer, what="validation.dataset_path")

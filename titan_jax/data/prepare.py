@@ -1,0 +1,256 @@
+"""`prepare-data`: a source's documents -> a token store (format: data/store.py), streamed.
+
+Each input file is read a chunk of documents at a time, tokenized (HF tokenizers' batch
+encoding, EOS after each document) in `workers` processes, and appended to its shard in input
+order, so the bytes never depend on the worker count. A local store is built in a hidden
+sibling (`.NAME.titan-jax-partial`) renamed into place when its manifest is written; a remote one
+(gs://...) is written in place, its manifest last (a folder without one is not a store). Each
+shard's files are written as temporaries and renamed, then recorded in `shard-NNNNN.json`: a
+rerun after a crash (kill -9 included) keeps the recorded shards and redoes the rest, and ends
+with the same bytes as an uninterrupted run.
+
+Several machines: `num_shards` N and `shard_index` I give machine I the input files i with
+i % N == I; each writes a store of its own, and training reads them together (store.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+import numpy as np
+import tokenizers
+
+from titan_jax.data.dataset import DataError, Split, read_documents, source_files
+from titan_jax.data.paths import filesystem, is_local, join
+from titan_jax.data.store import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    StoreError,
+    read_manifest,
+    shard_names,
+    token_dtype,
+)
+from titan_jax.data.tokenizer import Tokenizer
+
+CHUNK_CHARS = 1 << 20  # ~1 MB of text per tokenizing task
+
+
+def _chunks(texts: Iterator[str]) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    size = 0
+    for text in texts:
+        chunk.append(text)
+        size += len(text)
+        if size >= CHUNK_CHARS:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def encode_chunk(tok: Tokenizer, texts: list[str], dtype: str) -> tuple[bytes, np.ndarray]:
+    """(tokens with EOS after each document, as `dtype` bytes; each document's length)."""
+    ids = tok.encode_batch(texts)
+    lengths = np.array([len(x) + 1 for x in ids], np.int64)
+    out = np.empty(int(lengths.sum()), dtype)
+    ends = np.cumsum(lengths)
+    out[ends - 1] = tok.eos_id
+    for end, length, x in zip(ends, lengths, ids, strict=True):
+        out[end - length:end - 1] = x
+    return out.tobytes(), lengths
+
+
+_WORKER: Tokenizer | None = None
+
+
+def _init_worker(text: str, eos_id: int) -> None:
+    global _WORKER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+    _WORKER = Tokenizer(tokenizers.Tokenizer.from_str(text), eos_id=eos_id)
+
+
+def _encode_in_worker(texts: list[str], dtype: str) -> tuple[bytes, np.ndarray]:
+    assert _WORKER is not None
+    return encode_chunk(_WORKER, texts, dtype)
+
+
+class _Encoder:
+    """(file index, chunk) items -> (file index, encoded chunk) in order, in this process or a
+    pool; an item with chunk None (a file's end) passes through. At most 2 chunks a worker are
+    in flight, so memory stays bounded whatever the file sizes; chunks of the next files are
+    encoded while the current file's are written."""
+
+    def __init__(self, tok: Tokenizer, workers: int, dtype: str):
+        self.tok, self.dtype = tok, dtype
+        self.pool = None if workers <= 1 else ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker, initargs=(tok.to_json(), tok.eos_id))
+        self.depth = 2 * max(1, workers)
+
+    def _submit(self, chunk: list[str] | None) -> Any:
+        if chunk is None:
+            return None
+        if self.pool is None:
+            return encode_chunk(self.tok, chunk, self.dtype)
+        return self.pool.submit(_encode_in_worker, chunk, self.dtype)
+
+    def map(self, items: Iterator[tuple[int, list[str] | None]]) -> Iterator[tuple[int, Any]]:
+        pending: collections.deque[tuple[int, Any]] = collections.deque()
+        for i, chunk in items:
+            pending.append((i, self._submit(chunk)))
+            if len(pending) >= self.depth:
+                yield self._result(*pending.popleft())
+        while pending:
+            yield self._result(*pending.popleft())
+
+    @staticmethod
+    def _result(i: int, job: Any) -> tuple[int, Any]:
+        return i, job.result() if isinstance(job, Future) else job
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+
+def _write_atomic(fs: Any, path: str, data: bytes) -> None:
+    with fs.open(path + ".tmp", "wb") as f:
+        f.write(data)
+    fs.mv(path + ".tmp", path)
+
+
+def _write_shard(fs: Any, folder: str, index: int, blocks: Iterator[tuple[bytes, np.ndarray]]
+                 ) -> dict[str, Any]:
+    """Streams one input file's encoded chunks into its shard; returns its manifest entry."""
+    tokens_name, docs_name = shard_names(index)
+    tokens_path, docs_path = join(folder, tokens_name), join(folder, docs_name)
+    digests = hashlib.sha256(), hashlib.sha256()
+    n_tokens = n_docs = 0
+    with fs.open(tokens_path + ".tmp", "wb") as ft, fs.open(docs_path + ".tmp", "wb") as fd:
+        for data, lengths in blocks:
+            ends = (np.cumsum(lengths) + n_tokens).astype("<i8").tobytes()
+            for f, digest, b in ((ft, digests[0], data), (fd, digests[1], ends)):
+                f.write(b)
+                digest.update(b)
+            n_tokens += int(lengths.sum())
+            n_docs += len(lengths)
+    fs.mv(tokens_path + ".tmp", tokens_path)
+    fs.mv(docs_path + ".tmp", docs_path)
+    return {"file_index": index, "tokens": n_tokens, "documents": n_docs,
+            "tokens_sha256": digests[0].hexdigest(), "docs_sha256": digests[1].hexdigest()}
+
+
+def _request(dataset: str, dataset_path: str, text_field: str, split: Split, tok: Tokenizer,
+             files: list[str], num_shards: int, shard_index: int) -> dict[str, Any]:
+    inputs = hashlib.sha256("\n".join([dataset, text_field, split, *files]).encode()).hexdigest()
+    return {
+        "format": FORMAT, "version": VERSION, "dtype": token_dtype(tok.vocab_size).str,
+        "tokenizer": {"sha256": tok.sha256, "path": tok.where, "vocab_size": tok.vocab_size,
+                      "eos_id": tok.eos_id},
+        "source": {"dataset": dataset, "dataset_path": dataset_path, "text_field": text_field,
+                   "split": split, "files": len(files), "inputs_sha256": inputs},
+        "part": {"num_shards": num_shards, "shard_index": shard_index},
+    }
+
+
+def _start_folder(fs: Any, folder: str, request: dict[str, Any]) -> None:
+    """Reuses what a crashed run of the same request left in `folder`, never another's."""
+    record = join(folder, "request.json")
+    if fs.isfile(record):
+        with fs.open(record, "rb") as f:
+            if json.loads(f.read()) == request:
+                return
+        fs.rm(folder, recursive=True)  # a crashed run of other inputs: start afresh
+    fs.makedirs(folder, exist_ok=True)
+    _write_atomic(fs, record, json.dumps(request).encode())
+
+
+def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer: Tokenizer,
+                  output: str, split: Split = "train", workers: int = 1, num_shards: int = 1,
+                  shard_index: int = 0, progress: Callable[[str], None] = lambda _: None
+                  ) -> dict[str, Any]:
+    """Writes (or finishes, or finds already written) the store at `output`; its manifest."""
+    if workers < 1:
+        raise DataError(f"--workers={workers} must be >= 1")
+    if not 0 <= shard_index < num_shards:
+        raise DataError(f"--shard-index={shard_index} must be in [0, --num-shards={num_shards})")
+    files = source_files(dataset, dataset_path, split)
+    mine = [(i, f) for i, f in enumerate(files) if i % num_shards == shard_index]
+    if not mine:
+        raise DataError(f"--num-shards={num_shards} exceeds the {len(files)} input files of "
+                        f"dataset_path={dataset_path!r}: shard {shard_index} would be empty")
+    request = _request(dataset, dataset_path, text_field, split, tokenizer, files, num_shards,
+                       shard_index)
+    done = read_manifest(output)
+    if done is not None:
+        same = {**done, "tokenizer": {**done["tokenizer"], "path": tokenizer.where}}
+        if {k: same.get(k) for k in request} != request:
+            raise StoreError(f"{output} holds a token store of other inputs or another tokenizer;"
+                             " choose a new --output")
+        progress(f"{output}: already prepared ({done['tokens']:,} tokens)")
+        return done
+    fs, out_path = filesystem(output)
+    if fs.exists(out_path) and fs.ls(out_path):
+        raise StoreError(f"--output {output} exists and is not a token store; choose a new "
+                         "folder (nothing of yours is overwritten)")
+    local = is_local(output)
+    folder = (join(out_path.rsplit("/", 1)[0], f".{out_path.rsplit('/', 1)[1]}.titan-jax-partial")
+              if local else out_path)
+    _start_folder(fs, folder, request)
+    entries = _write_shards(fs, folder, mine, dataset, text_field, tokenizer, workers, progress)
+    if not any(e["documents"] for e in entries):
+        raise DataError(f"dataset={dataset!r} at dataset_path={dataset_path!r} holds no "
+                        "documents" + (f" in shard {shard_index} of {num_shards}"
+                                       if num_shards > 1 else ""))
+    manifest = {**request, "tokens": sum(e["tokens"] for e in entries),
+                "documents": sum(e["documents"] for e in entries), "shards": entries}
+    _write_atomic(fs, join(folder, MANIFEST), json.dumps(manifest, indent=1).encode())
+    for i, _ in mine:
+        fs.rm(join(folder, f"shard-{i:05d}.json"))
+    fs.rm(join(folder, "request.json"))
+    if local:
+        fs.mv(folder, out_path, recursive=True)
+    progress(f"{output}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents "
+             f"from {len(mine)} of {len(files)} input files")
+    return manifest
+
+
+def _items(todo: list[tuple[int, str]], dataset: str, text_field: str
+           ) -> Iterator[tuple[int, list[str] | None]]:
+    for i, file in todo:
+        yield from ((i, c) for c in _chunks(read_documents(dataset, file, text_field)))
+        yield i, None  # the file's end: its shard exists even when it holds no document
+
+
+def _write_shards(fs: Any, folder: str, mine: list[tuple[int, str]], dataset: str,
+                  text_field: str, tok: Tokenizer, workers: int,
+                  progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    entries: dict[int, dict[str, Any]] = {}
+    for i, file in mine:
+        record = join(folder, f"shard-{i:05d}.json")
+        if fs.isfile(record):  # finished before a crash: kept
+            with fs.open(record, "rb") as f:
+                entries[i] = json.loads(f.read())
+            progress(f"{file}: kept from an earlier run")
+    todo = [(i, f) for i, f in mine if i not in entries]
+    files = dict(todo)
+    encoder = _Encoder(tok, workers, token_dtype(tok.vocab_size).str)
+    try:
+        encoded = encoder.map(_items(todo, dataset, text_field))
+        for i, group in itertools.groupby(encoded, key=lambda item: item[0]):
+            blocks = (block for _, block in group if block is not None)
+            entry = {**_write_shard(fs, folder, i, blocks), "source": files[i]}
+            _write_atomic(fs, join(folder, f"shard-{i:05d}.json"), json.dumps(entry).encode())
+            entries[i] = entry
+            progress(f"[{len(entries)}/{len(mine)}] {files[i]}: {entry['tokens']:,} tokens")
+    finally:
+        encoder.close()
+    return [entries[i] for i, _ in mine]

@@ -1,0 +1,205 @@
+"""The token store: a corpus tokenized once, read by training as fixed windows at O(1) cost.
+
+A store is a folder (local or an fsspec URL) holding, per input file i of its source:
+  tokens-{i:05d}.bin   the file's documents' tokens, each document followed by EOS, as raw
+                       little-endian uint16 (vocabularies up to 65,536 ids) or uint32;
+  docs-{i:05d}.bin     int64 end offset (exclusive, in the shard's tokens) of each document;
+and `manifest.json`: the tokenizer's sha256, vocab size and EOS id, the source, token and
+document counts, and every shard's sha256. The manifest is written last: a folder without one is
+not a store. Shards are named by their input file's index in the source's sorted file list, so
+stores prepared by several machines (`--num-shards N --shard-index I`, one store each) read
+back, together, as the same token sequence as one store of all files.
+
+`open_corpus` reads one or several stores as one token sequence: stores of the same source
+(parts of one multi-machine prepare) merge by input file index, other stores follow in the
+order given. Local shards are memory-mapped; remote ones are read by byte range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from titan_jax.data.paths import filesystem, glob_dirs, is_local, join
+from titan_jax.data.tokenizer import Tokenizer
+from titan_jax.errors import TitanJaxError
+
+FORMAT, VERSION = "titan-jax-token-store", 1
+MANIFEST = "manifest.json"
+
+
+class StoreError(TitanJaxError, ValueError):
+    """A token store that cannot be used: the message names the store or shard and the fix."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def shard_names(file_index: int) -> tuple[str, str]:
+    return f"tokens-{file_index:05d}.bin", f"docs-{file_index:05d}.bin"
+
+
+def read_manifest(store: str) -> dict[str, Any] | None:
+    fs, path = filesystem(join(store, MANIFEST))
+    if not fs.isfile(path):
+        return None
+    with fs.open(path, "rb") as f:
+        manifest = json.loads(f.read())
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise StoreError(f"{store}/{MANIFEST} is not a version {VERSION} titan-jax token store")
+    return manifest
+
+
+@dataclass
+class Shard:
+    """One input file's tokens in one store."""
+
+    store: str
+    entry: dict[str, Any]  # the manifest's record of it
+    dtype: np.dtype
+
+    def __post_init__(self) -> None:
+        tokens, docs = shard_names(self.entry["file_index"])
+        self.tokens_url, self.docs_url = join(self.store, tokens), join(self.store, docs)
+        self.num_tokens = int(self.entry["tokens"])
+        self._local = is_local(self.tokens_url)
+        self._tokens: Any = None
+        self._docs: np.ndarray | None = None
+
+    def check_sizes(self) -> None:
+        for url, size in ((self.tokens_url, self.num_tokens * self.dtype.itemsize),
+                          (self.docs_url, int(self.entry["documents"]) * 8)):
+            fs, path = filesystem(url)
+            if not fs.isfile(path):
+                raise StoreError(f"shard {url} is missing; prepare the store again")
+            if fs.size(path) != size:
+                raise StoreError(f"shard {url} is corrupted: {fs.size(path)} bytes, the manifest "
+                                 f"says {size}; prepare the store again")
+
+    def verify(self) -> None:
+        """Every byte against the manifest's checksums (reads the whole shard)."""
+        self.check_sizes()
+        for url, key in ((self.tokens_url, "tokens_sha256"), (self.docs_url, "docs_sha256")):
+            fs, path = filesystem(url)
+            digest = hashlib.sha256()
+            with fs.open(path, "rb") as f:
+                while block := f.read(1 << 24):
+                    digest.update(block)
+            if digest.hexdigest() != self.entry[key]:
+                raise StoreError(f"shard {url} is corrupted (sha256 differs from the manifest); "
+                                 "prepare the store again")
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of this shard."""
+        if self._local:
+            if self._tokens is None:
+                self._tokens = np.memmap(filesystem(self.tokens_url)[1], self.dtype, mode="r")
+            return self._tokens[start:stop]
+        if self._tokens is None:
+            self._tokens = filesystem(self.tokens_url)
+        fs, path = self._tokens
+        size = self.dtype.itemsize
+        return np.frombuffer(fs.cat_file(path, start=start * size, end=stop * size), self.dtype)
+
+    def document_ends(self) -> np.ndarray:
+        if self._docs is None:
+            fs, path = filesystem(self.docs_url)
+            if self._local:
+                self._docs = np.memmap(path, np.int64, mode="r")
+            else:  # 8 bytes a document: read once
+                self._docs = np.frombuffer(fs.cat_file(path), np.int64)
+        return self._docs
+
+
+class Corpus:
+    """Several stores' shards as one token sequence."""
+
+    def __init__(self, shards: Sequence[Shard], where: str):
+        self.shards = list(shards)
+        self.where = where
+        sizes = np.array([s.num_tokens for s in self.shards], np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(sizes)])
+        self.num_tokens = int(self.starts[-1])
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) as int32."""
+        out = np.empty(stop - start, np.int32)
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pos = start
+        while pos < stop:
+            begin, end = int(self.starts[i]), int(self.starts[i + 1])
+            take = min(stop, end)
+            out[pos - start:take - start] = self.shards[i].read(pos - begin, take - begin)
+            pos, i = take, i + 1
+        return out
+
+    def document_ends(self, start: int, stop: int) -> np.ndarray:
+        """Positions in (start, stop] where a document ends (exclusive end offsets)."""
+        found = []
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while i < len(self.shards) and self.starts[i] < stop:
+            begin = int(self.starts[i])
+            ends = self.shards[i].document_ends()
+            lo, hi = np.searchsorted(ends, [start - begin, stop - begin], side="right")
+            found.append(np.asarray(ends[lo:hi]) + begin)
+            i += 1
+        return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+    def verify(self) -> None:
+        for shard in self.shards:
+            shard.verify()
+
+
+def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.dataset_path"
+                ) -> Corpus:
+    """The stores named by `spec` (folders, comma-separated, globs allowed) as one corpus, after
+    checking their tokenizer and their shard files' sizes."""
+    stores = glob_dirs(spec)
+    if not stores:
+        raise StoreError(f"{what}={spec!r} names no token store folder")
+    groups: dict[str, list[Shard]] = {}
+    files: dict[str, int] = {}
+    for store in stores:
+        manifest = read_manifest(store)
+        if manifest is None:
+            raise StoreError(f"{what}: {store} is not a token store (no {MANIFEST}); write one "
+                             f"with `titan-jax prepare-data --config ... --output {store}`")
+        _check_tokenizer(store, manifest["tokenizer"], tokenizer)
+        source = manifest["source"]
+        files[source["inputs_sha256"]] = source["files"]
+        dtype = np.dtype(manifest["dtype"])
+        groups.setdefault(source["inputs_sha256"], []).extend(
+            Shard(store, e, dtype) for e in manifest["shards"])
+    shards = []
+    for key, group in groups.items():
+        group.sort(key=lambda s: s.entry["file_index"])
+        indices = [s.entry["file_index"] for s in group]
+        if len(set(indices)) != len(indices):
+            dup = sorted({i for i in indices if indices.count(i) > 1})
+            raise StoreError(f"{what}={spec!r}: input files {dup[:8]} appear in two stores "
+                             "(the same part prepared twice?)")
+        missing = sorted(set(range(files[key])) - set(indices))
+        if missing:
+            raise StoreError(f"{what}={spec!r}: the stores of {group[0].store} lack input files "
+                             f"{missing[:8]} of {files[key]} (a --shard-index not prepared yet?)")
+        shards.extend(group)
+    for shard in shards:
+        shard.check_sizes()
+    corpus = Corpus(shards, spec)
+    if corpus.num_tokens < 2:
+        raise StoreError(f"{what}={spec!r} holds {corpus.num_tokens} tokens")
+    return corpus
+
+
+def _check_tokenizer(store: str, recorded: dict[str, Any], tokenizer: Tokenizer) -> None:
+    if recorded["sha256"] != tokenizer.sha256:
+        raise StoreError(
+            f"token store {store} was made with tokenizer {recorded['path'] or '(shipped)'} "
+            f"(sha256 {recorded['sha256'][:12]}), not this run's {tokenizer.where or '(shipped)'}"
+            f" (sha256 {tokenizer.sha256[:12]}); prepare it again with this model.tokenizer_path")

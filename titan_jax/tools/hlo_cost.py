@@ -1,0 +1,282 @@
+"""A step-time estimate read from the compiled (scheduled) TPU program, instruction by
+instruction, with published chip constants only.
+
+Each instruction that the schedule runs (fusions, custom calls such as splash and the grouped
+matmuls, copies, ...) costs max(its MXU FLOPs at the chip's bf16 peak, its HBM bytes at the
+chip's HBM bandwidth); a loop body counts once per iteration. Bytes are the operands and results
+that live in HBM (memory space 0 in the compiled layout: `S(1)` is on-chip VMEM, `S(5)` host
+memory); a fused operand read only through a dynamic-slice counts as the slice, an in-place
+dynamic-update-slice as its update. Collectives cost their ring-algorithm bytes at the published
+ICI (or DCN) bandwidth and are added only where the schedule leaves them exposed: a synchronous
+collective is exposed in full; an asynchronous one (XLA:TPU's `async-collective-start` ...
+continuation fusions ... `async-collective-done` chains, or `*-start`/`*-done` pairs) is covered
+by the estimated work the schedule places between its start and its done.
+It is an estimate: elementwise work on the vector units, per-op launch overhead and imperfect
+MXU utilisation are not priced, so it still errs on the fast side.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from titan_jax.parallel.topology import Chip
+from titan_jax.tools import hlo_stats
+from titan_jax.tools.hlo_stats import HloModule, Instruction
+from titan_jax.tools.kernel_flops import kernel_flops
+
+_ARRAY_LAYOUT = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+_CHAIN = re.compile(r'chain_id="(\d+)"')
+_FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+         "partition-id", "replica-id", "copy-start", "copy-done", "slice-start", "slice-done",
+         "opt-barrier", "add-dependency", "async-start", "async-update", "async-done")
+_COLLECTIVE = tuple(hlo_stats.COLLECTIVE_OPS)
+
+
+def hbm_bytes(hlo_type: str) -> int:
+    """Bytes of the arrays of `hlo_type` that live in HBM (default memory space)."""
+    total = 0
+    for dtype, dims, layout in _ARRAY_LAYOUT.findall(hlo_type):
+        space = _MEMORY_SPACE.search(layout or "")
+        if space is None or space[1] == "0":
+            total += hlo_stats.nbytes(dtype, tuple(int(d) for d in dims.split(",") if d))
+    return total
+
+
+def _dot_flops(inst: Instruction, defs: dict[str, Instruction]) -> float:
+    lhs = defs.get(inst.operands[0]) if inst.operands else None
+    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", inst.rest)
+    if lhs is None or contracting is None:
+        return 0.0
+    shape = hlo_stats.arrays(lhs.type)[0][1]
+    k = math.prod(shape[int(d)] for d in contracting[1].split(",") if d)
+    return 2.0 * math.prod(hlo_stats.arrays(inst.type)[0][1]) * k
+
+
+def _conv_flops(inst: Instruction, defs: dict[str, Instruction]) -> float:
+    """2 x output elements x (kernel input features x the window taps that meet the input,
+    not padding): XLA:TPU writes some matmuls as padded convolutions."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", inst.rest)
+    operands = [defs.get(o) for o in inst.operands[:2]]
+    if labels is None or None in operands:
+        return 0.0
+    lhs_shape = hlo_stats.arrays(operands[0].type)[0][1]
+    rhs_shape = hlo_stats.arrays(operands[1].type)[0][1]
+    taps = 1
+    for i, label in enumerate(labels[2]):
+        if label.isdigit():
+            spatial = lhs_shape[labels[1].index(label)]
+            taps *= min(rhs_shape[i], spatial)
+    features = rhs_shape[labels[2].index("i")]
+    return 2.0 * math.prod(hlo_stats.arrays(inst.type)[0][1]) * features * taps
+
+
+def computation_flops(module: HloModule, name: str, memo: dict[str, float]) -> float:
+    """MXU FLOPs of one run of a fused (or called) computation, nested fusions included."""
+    if name in memo:
+        return memo[name]
+    memo[name] = 0.0
+    defs = module.defining(name)
+    total = 0.0
+    for inst in module.computations.get(name, []):
+        if inst.op == "dot":
+            total += _dot_flops(inst, defs)
+        elif inst.op == "convolution":
+            total += _conv_flops(inst, defs)
+        elif inst.op == "custom-call":
+            total += kernel_flops(inst)
+        if inst.op in ("fusion", "call"):
+            total += sum(computation_flops(module, c, memo) for kind, c in
+                         hlo_stats.called(inst) if kind == "calls")
+    memo[name] = total
+    return total
+
+
+def _fused_operand_bytes(module: HloModule, fused: str, index: int, full: int) -> int:
+    """What a fusion reads of its operand `index`: the slices when the fused computation reads
+    it only through dynamic-slices (a scan reading one layer of a stacked weight)."""
+    insts = module.computations.get(fused, [])
+    param = next((i for i in insts if i.op == "parameter" and i.rest.startswith(f"{index})")),
+                 None)
+    if param is None:
+        return full
+    users = [i for i in insts if param.name in i.operands]
+    if users and all(u.op == "dynamic-slice" and u.operands[0] == param.name for u in users):
+        return sum(hbm_bytes(u.type) for u in users)
+    if users and all(u.op == "dynamic-update-slice" and u.operands[0] == param.name
+                     for u in users):
+        return 0  # updated in place: not read
+    return full
+
+
+def traffic(module: HloModule, inst: Instruction, defs: dict[str, Instruction]) -> int:
+    """HBM bytes an instruction reads and writes."""
+    fused = next((c for kind, c in hlo_stats.called(inst) if kind == "calls"), None)
+    read = 0
+    for index, operand in enumerate(inst.operands):
+        source = defs.get(operand)
+        if source is None:
+            continue
+        full = hbm_bytes(source.type)
+        read += full if fused is None or not full else _fused_operand_bytes(
+            module, fused, index, full)
+    written = hbm_bytes(inst.type)
+    root = module.computations.get(fused, [])[-1:] if fused else []
+    if root and root[0].op == "dynamic-update-slice":
+        update = module.defining(fused).get(root[0].operands[1])
+        written = hbm_bytes(update.type) if update is not None else written
+    return read + written
+
+
+def chains(module: HloModule, inst: Instruction) -> set[str]:
+    """The async collective chains an instruction takes part in (XLA:TPU's chain_id)."""
+    found = set(_CHAIN.findall(inst.rest))
+    for kind, callee in hlo_stats.called(inst):
+        if kind == "calls":
+            for inner in module.computations.get(callee, []):
+                if inner.op in _COLLECTIVE:
+                    found |= set(_CHAIN.findall(inner.rest))
+    return found
+
+
+def moved_bytes(op: str, result_bytes: float, group: int) -> float:
+    """Bytes one device sends for a collective with a ring algorithm over `group` devices."""
+    if group <= 1:
+        return 0.0
+    share = (group - 1) / group
+    return {"all-gather": result_bytes * share,
+            "reduce-scatter": result_bytes * (group - 1),  # the result is one shard
+            "all-reduce": 2 * result_bytes * share,
+            "all-to-all": result_bytes * share,
+            # counted by what it sends (its operand; see collective_bytes), not its buffer
+            "ragged-all-to-all": result_bytes * share,
+            "collective-permute": float(result_bytes)}[op]
+
+
+def collective_bytes(inst: Instruction, op: str, defs: dict[str, Instruction]) -> int:
+    """Bytes per device a collective's ring is sized by: its result, except a ragged
+    all-to-all, whose result is a worst-case buffer: the data it sends (its first operand)."""
+    if op == "ragged-all-to-all" and inst.operands and inst.operands[0] in defs:
+        return sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(
+            defs[inst.operands[0]].type))
+    return sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.result_arrays(inst, op))
+
+
+class _Walk:
+    """One pass over the scheduled control flow: per-instruction seconds, and each collective
+    with the compute the schedule places under it."""
+
+    def __init__(self, module: HloModule, chip: Chip, devices: int):
+        self.module, self.chip, self.devices = module, chip, devices
+        self.memo: dict[str, float] = {}
+        self.flops = self.hbm = self.compute_s = self.exposed_s = 0.0
+        self.collectives: list[dict[str, Any]] = []
+
+    def collective(self, inst: Instruction, op: str, defs: dict[str, Instruction]
+                   ) -> dict[str, Any]:
+        dcn = op == "send"
+        group = hlo_stats.group_size(inst, self.devices)
+        size = collective_bytes(inst, op, defs) if not dcn else hlo_stats.nbytes(
+            *hlo_stats.arrays(inst.type)[0])
+        moved = moved_bytes(op, size, group) if not dcn else float(size)
+        bandwidth = self.chip.dcn_bytes_per_s if dcn else self.chip.ici_bytes_per_s
+        return {"op": op, "name": inst.name, "bytes": size, "group": group,
+                "seconds": moved / bandwidth, "covered_s": 0.0}
+
+    def visit(self, name: str, times: float) -> float:
+        """Seconds of one run of control computation `name` (loops inside included)."""
+        defs = self.module.defining(name)
+        spans: dict[str, list] = {}  # chain or start name -> [collective, first, last]
+        seconds: list[float] = []
+        exposed = 0.0
+        for position, inst in enumerate(self.module.computations.get(name, [])):
+            seconds.append(self.run(inst, defs, times))
+            op = inst.op.removesuffix("-start")
+            fused = chains(self.module, inst)
+            if inst.op.endswith("-done") and inst.operands and inst.operands[0] in spans:
+                spans[inst.operands[0]][2] = position
+            elif op in _COLLECTIVE and inst.op.endswith("-start"):
+                spans[inst.name] = [self.collective(inst, op, defs), position, position]
+            elif inst.op == "async-start" and (inner := self.fused_collective(inst)):
+                spans[inst.name] = [inner, position, position]
+            elif (op in _COLLECTIVE or op == "send") and not fused:
+                dcn = op == "send" and hlo_stats.MEGASCALE.search(inst.rest)
+                if op != "send" or dcn:
+                    exposed += self.expose(self.collective(inst, op, defs), times, name)
+            elif inst.op == "fusion" and not fused and (inner := self.fused_collective(inst)):
+                exposed += self.expose(inner, times, name)
+            for chain in fused:
+                if chain not in spans:
+                    spans[chain] = [self.fused_collective(inst), position, position]
+                spans[chain][2] = position
+        for found, first, last in spans.values():
+            found["covered_s"] = sum(seconds[first:last + 1])
+            exposed += self.expose(found, times, name)
+        return sum(seconds) + exposed
+
+    def fused_collective(self, inst: Instruction) -> dict[str, Any] | None:
+        """The collective a fusion runs, if any. XLA:TPU's `all-reduce-scatter` fusions (an
+        all-reduce whose result is sliced to this device's shard) are reduce-scatters."""
+        for kind, callee in hlo_stats.called(inst):
+            for inner in self.module.computations.get(callee, []) if kind == "calls" else []:
+                if inner.op.removesuffix("-start") not in _COLLECTIVE:
+                    continue
+                if callee.startswith("all-reduce-scatter"):
+                    shard = {"op": "reduce-scatter", "name": inst.name}
+                    found = self.collective(inner, "all-reduce", self.module.defining(callee))
+                    size = sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(inst.type))
+                    group = found["group"]
+                    return {**found, **shard, "bytes": size, "seconds": moved_bytes(
+                        "reduce-scatter", size, group) / self.chip.ici_bytes_per_s}
+                return self.collective(inner, inner.op.removesuffix("-start"),
+                                       self.module.defining(callee))
+        return None
+
+    def expose(self, found: dict[str, Any], times: float, computation: str) -> float:
+        """Records a collective; returns its seconds the schedule leaves uncovered."""
+        exposed = max(0.0, found["seconds"] - found["covered_s"])
+        self.exposed_s += times * exposed
+        found.update(executions=times, computation=computation,
+                     overlap=min(1.0, found["covered_s"] / found["seconds"])
+                     if found["seconds"] else 1.0)
+        self.collectives.append(found)
+        return exposed
+
+    def run(self, inst: Instruction, defs: dict[str, Instruction], times: float) -> float:
+        """Seconds of one execution of a scheduled instruction (a loop: all its iterations)."""
+        if inst.op == "while":
+            body = re.search(r"\bbody=%?([\w.\-]+)", inst.rest)
+            trips = hlo_stats.trip_count(self.module, inst) or 1
+            return trips * self.visit(body[1], times * trips) if body else 0.0
+        if inst.op in ("call", "conditional"):
+            return max((self.visit(c, times) for k, c in hlo_stats.called(inst)
+                        if k in ("to_apply", "calls", "branch", "true_computation",
+                                 "false_computation")), default=0.0)
+        op = inst.op.removesuffix("-start").removesuffix("-done")
+        if inst.op in _FREE or op in _COLLECTIVE or op in ("send", "recv"):
+            return 0.0
+        flops = (computation_flops(self.module, c, self.memo) for k, c in
+                 hlo_stats.called(inst) if k == "calls")
+        flops = sum(flops) + (kernel_flops(inst) if inst.op == "custom-call" else 0)
+        if inst.op in ("dot", "convolution"):
+            flops = _dot_flops(inst, defs) if inst.op == "dot" else _conv_flops(inst, defs)
+        hbm = traffic(self.module, inst, defs)
+        self.flops += times * flops
+        self.hbm += times * hbm
+        spent = max(flops / self.chip.peak_bf16_flops, hbm / self.chip.hbm_bytes_per_s)
+        self.compute_s += times * spent
+        return spent
+
+
+def estimate(hlo_text: str, chip: Chip, devices: int) -> dict[str, Any]:
+    """The compiled step's estimated time per chip: `step_s` = `compute_s` (each instruction
+    at max(FLOPs at peak, HBM bytes at bandwidth)) + `exposed_collective_s`; `collectives`
+    lists each with its `seconds` on the network and the `overlap` share its schedule covers."""
+    module = hlo_stats.parse(hlo_text)
+    walk = _Walk(module, chip, devices)
+    step_s = walk.visit(module.entry, 1)
+    return {"step_s": step_s, "compute_s": walk.compute_s,
+            "exposed_collective_s": walk.exposed_s, "flops_per_chip": walk.flops,
+            "hbm_bytes_per_chip": walk.hbm, "collectives": walk.collectives}

@@ -1,0 +1,75 @@
+"""MXU FLOPs of the Pallas/Mosaic kernels of a compiled TPU program, from their shapes.
+
+XLA's FLOP counts skip custom calls. Two kernel families run titan-jax's heavy matmuls on TPU:
+- splash attention (`splash_mha_fwd*`, `splash_mha_dkv*`, `splash_mha_dq*`, as the compiled
+  program names them): per (query block, key block) pair the kernel computes, 2 x block_q x
+  block_kv x head_dim FLOPs per matmul and head; the forward runs 2 matmuls (q k^T, p v), the
+  dK/dV kernel 4 (q k^T again, dO v^T, p^T dO, dS^T q; 5 with dQ fused), the dQ kernel 3. The
+  pairs are those a causal mask leaves unmasked (titan-jax's only splash mask), from the block
+  sizes the kernel records in its metadata.
+- XLA:TPU's grouped matmul (`ragged-dot-*`, what `jax.lax.ragged_dot` compiles to): lhs
+  (rows, k) x rhs (groups, k, n), 2 x rows x k x n at its buffer's rows (the shape bound).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from titan_jax.tools import hlo_stats
+from titan_jax.tools.hlo_stats import Instruction
+
+_CONSTRAINTS = re.compile(r"operand_layout_constraints=\{(.*?)\}(?:, [a-z_]+=|$)")
+_METADATA = re.compile(r'"xprof_metadata":"(\{.*?\})"')
+_SPLASH_MATMULS = {"splash_mha_fwd": 2, "splash_mha_dkv": 4, "splash_mha_dq": 3}
+
+
+def operand_shapes(inst: Instruction) -> list[tuple[str, tuple[int, ...]]]:
+    """The operand (dtype, shape)s a custom call declares in its layout constraints."""
+    found = _CONSTRAINTS.search(inst.rest)
+    return hlo_stats.arrays(found[1]) if found else []
+
+
+def causal_blocks(seq_q: int, seq_kv: int, block_q: int, block_kv: int) -> int:
+    """(query block, key block) pairs holding at least one unmasked causal entry."""
+    n_kv = math.ceil(seq_kv / block_kv)
+    return sum(min(n_kv, ((i + 1) * block_q - 1) // block_kv + 1)
+               for i in range(math.ceil(seq_q / block_q)))
+
+
+def splash_flops(inst: Instruction, kind: str) -> float:
+    shapes = [s for _, s in operand_shapes(inst) if len(s) == 4]
+    if len(shapes) < 2:
+        return 0.0
+    (batch, heads, seq_q, head_dim), (_, _, seq_kv, _) = shapes[0], shapes[1]
+    meta = _METADATA.search(inst.rest)
+    blocks = json.loads(meta[1].replace('\\"', '"')) if meta else {}
+    suffix = {"splash_mha_fwd": "", "splash_mha_dkv": "_dkv", "splash_mha_dq": "_dq"}[kind]
+    block_q = blocks.get(f"block_q{suffix}", seq_q)
+    block_kv = blocks.get(f"block_kv{suffix}", seq_kv)
+    matmuls = _SPLASH_MATMULS[kind] + (kind == "splash_mha_dkv"
+                                       and bool(blocks.get("use_fused_bwd_kernel")))
+    pairs = causal_blocks(seq_q, seq_kv, block_q, block_kv)
+    return 2.0 * matmuls * batch * heads * head_dim * block_q * block_kv * pairs
+
+
+def grouped_matmul_flops(inst: Instruction) -> float:
+    shapes = [s for _, s in operand_shapes(inst) if len(s) >= 2]
+    lhs = next((s for s in shapes if len(s) == 2), None)
+    rhs = next((s for s in shapes if len(s) == 3), None)
+    if lhs is None or rhs is None:
+        return 0.0
+    return 2.0 * lhs[0] * lhs[1] * rhs[2]
+
+
+def kernel_flops(inst: Instruction) -> float:
+    """FLOPs of one run of a compiled custom call this module knows; 0 for any other."""
+    if inst.op != "custom-call":
+        return 0.0
+    for kind in _SPLASH_MATMULS:
+        if inst.name.startswith(kind):
+            return splash_flops(inst, kind)
+    if inst.name.startswith("ragged-dot") and "metadata" not in inst.name:
+        return grouped_matmul_flops(inst)
+    return 0.0
