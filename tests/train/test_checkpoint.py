@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from tiny_model import TINY
 
@@ -453,3 +454,20 @@ def test_several_processes_stop_where_jax_preemption_sync_point_says(monkeypatch
 
     monkeypatch.setattr(loop.multihost_utils, "reached_preemption_sync_point", disabled)
     assert not loop.StopSignals(print).should_stop(3)
+
+
+def test_a_checkpoint_from_before_the_update_count_resumes_with_its_count(saved, tmp_path):
+    """Checkpoints written before the train state had `applied_updates` kept the count in the
+    optimizer's state, as the LR schedule's (a state the optimizer no longer has)."""
+    trainer = make_trainer(saved.config, jax.devices()[:1])
+    adam, decay, _ = saved.state["opt_state"]
+    adam = adam._replace(count=np.int32(6))  # Adam's count may differ: it is not the one read
+    old = {"params": saved.state["params"], "buffers": saved.state["buffers"], "step": np.int32(7),
+           "opt_state": (adam, decay, optax.ScaleByScheduleState(count=np.int32(5)))}
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(7, jax.device_put(old, jax.devices()[0]), data_state={}, tokens_seen=256)
+        restored = ckpt.restore(7, trainer.abstract_state())
+    assert_trees_equal(restored.state, {**old, "opt_state": (adam, decay, optax.EmptyState()),
+                                        "applied_updates": np.int32(5)})
+    assert restored.state["applied_updates"].sharding.is_equivalent_to(
+        trainer.state_shardings["applied_updates"], 0)

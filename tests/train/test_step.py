@@ -26,7 +26,7 @@ from titan_jax.train.step import (
 def make_step(n_microbatches=1, steps=10, max_norm=1.0):
     model = build_model_def(TINY)
     schedule = WSDSchedule.from_config(1e-3, LRScheduler(warmup_steps=2), steps)
-    optimizer = build_optimizer(Optimizer(), schedule)
+    optimizer = build_optimizer(Optimizer())
     step = jax.jit(functools.partial(
         train_step, model=model, optimizer=optimizer, schedule=schedule,
         options=StepOptions(n_microbatches=n_microbatches, max_norm=max_norm)))
@@ -95,7 +95,28 @@ def test_finite_guard_leaves_state_untouched_on_nan():
     for b, a in zip(jax.tree.leaves(before["opt_state"]), jax.tree.leaves(after["opt_state"]),
                     strict=True):
         np.testing.assert_array_equal(a, b)  # moments and the LR count did not move
-    assert int(after["step"]) == 1
+    assert int(after["step"]) == 1 and int(after["applied_updates"]) == 0
+
+
+def test_the_lr_follows_the_count_of_applied_updates():
+    """A skipped (non-finite) step counts as a step but not as an update: the next update, and
+    the LR it logs, are still the schedule's first."""
+    step, state = make_step()
+    schedule = WSDSchedule.from_config(1e-3, LRScheduler(warmup_steps=2), 10)
+    poisoned = jax.tree.map(jnp.copy, state)
+    poisoned["params"]["norm"]["weight"] = poisoned["params"]["norm"]["weight"].at[0].set(jnp.nan)
+    skipped, _ = step(poisoned, batches(1)[0])
+    skipped["params"] = state["params"]
+    data = batches(2)
+    after, first = step(skipped, data[0])
+    after, second = step(after, data[1])
+    assert (int(after["step"]), int(after["applied_updates"])) == (3, 2)
+    np.testing.assert_allclose([float(first["lr"]), float(second["lr"])],
+                               [float(schedule(0)), float(schedule(1))], rtol=1e-6)
+    # The update applied is the LR's: the same as a run that never skipped.
+    clean, _ = step(state, data[0])
+    jax.tree.map(np.testing.assert_array_equal, step(clean, data[1])[0]["params"],
+                 after["params"])
 
 
 def test_clipping_scales_to_max_norm():

@@ -67,7 +67,7 @@ def train_trajectory(model: ModelDef, params: Params, recipe: JobConfig,
     one microbatch per step. `params` is not consumed (the step donates a copy).
     """
     schedule = WSDSchedule.from_config(recipe.optimizer.lr, recipe.lr_scheduler, len(batches))
-    optimizer = build_optimizer(recipe.optimizer, schedule)
+    optimizer = build_optimizer(recipe.optimizer)
     options = StepOptions(n_microbatches=1, param_dtype=jnp.float32,
                           max_norm=recipe.training.max_norm)
     step = jax.jit(functools.partial(train_step, model=model, optimizer=optimizer,

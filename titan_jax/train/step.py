@@ -22,7 +22,10 @@ from titan_jax.models.sharding_hooks import NO_PARALLELISM, Parallelism
 from titan_jax.models.spec import Aux, ModelDef, Params
 from titan_jax.train.loss import count_valid_tokens, cross_entropy_sum
 
-TrainState = dict[str, Any]  # {"params", "buffers", "opt_state", "step"}
+TrainState = dict[str, Any]  # {"params", "buffers", "opt_state", "step", "applied_updates"}
+# The train state's count of optimizer updates applied (skipped, non-finite steps excluded): the
+# LR schedule's step. `step` counts every step.
+APPLIED_UPDATES = "applied_updates"
 Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "labels": (B, T) int32}
 
 
@@ -36,7 +39,7 @@ class StepOptions:
 def init_train_state(params: Params, buffers: Params, optimizer: optax.GradientTransformation
                      ) -> TrainState:
     return {"params": params, "buffers": buffers, "opt_state": optimizer.init(params),
-            "step": jnp.zeros((), jnp.int32)}
+            "step": jnp.zeros((), jnp.int32), APPLIED_UPDATES: jnp.zeros((), jnp.int32)}
 
 
 def split_microbatches(x_BT: jax.Array, n: int) -> jax.Array:
@@ -110,14 +113,9 @@ def clip_by_global_norm(grads: Params, max_norm: float) -> tuple[Params, jax.Arr
     return jax.tree.map(lambda g: g * scale, grads), norm
 
 
-def optimizer_count(opt_state: Any) -> jax.Array:
-    """Updates applied so far (the LR schedule's step), read from the schedule's own state."""
-    counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
-    return counts[-1][1]
-
-
 def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
-               optimizer: optax.GradientTransformation, schedule: Any, options: StepOptions,
+               optimizer: optax.GradientTransformationExtraArgs, schedule: Any,
+               options: StepOptions,
                parallelism: Parallelism = NO_PARALLELISM,
                ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step. A non-finite loss or grad norm leaves the whole state as it was.
@@ -129,16 +127,16 @@ def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
     loss, grads, n_tokens, stats = loss_and_grads(model, params, buffers, batch, options,
                                                   parallelism)
     grads, grad_norm = clip_by_global_norm(grads, options.max_norm)
-    # The LR of this update: optax's count before the update (skipped steps do not advance it).
-    lr = schedule(optimizer_count(opt_state))
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    lr = schedule(state[APPLIED_UPDATES])  # this update's LR, the one logged
+    updates, new_opt_state = optimizer.update(grads, opt_state, params, learning_rate=lr)
     new_params = optax.apply_updates(params, updates)
     new_buffers = model.update_buffers(buffers, stats)  # after the optimizer, as TorchTitan
 
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     new_state = {"params": keep(new_params, params), "buffers": keep(new_buffers, buffers),
-                 "opt_state": keep(new_opt_state, opt_state), "step": state["step"] + 1}
+                 "opt_state": keep(new_opt_state, opt_state), "step": state["step"] + 1,
+                 APPLIED_UPDATES: state[APPLIED_UPDATES] + finite.astype(jnp.int32)}
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "n_tokens": n_tokens,
                "finite": finite, **model.aux_metrics(stats, n_tokens)}
     return new_state, metrics

@@ -24,7 +24,14 @@ from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
 from titan_jax.parallel.simple_fsdp import SimpleFSDP
 from titan_jax.train.optim import WSDSchedule, build_optimizer
-from titan_jax.train.step import Batch, StepOptions, TrainState, init_train_state, train_step
+from titan_jax.train.step import (
+    APPLIED_UPDATES,
+    Batch,
+    StepOptions,
+    TrainState,
+    init_train_state,
+    train_step,
+)
 
 
 def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
@@ -75,7 +82,7 @@ class Trainer:
     model: ModelDef
     rules: ShardingRules
     schedule: WSDSchedule
-    optimizer: optax.GradientTransformation
+    optimizer: optax.GradientTransformationExtraArgs
     options: StepOptions
     state_shardings: Any
     batch_sharding: NamedSharding
@@ -214,7 +221,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
         raise ConfigError(f"cannot shard model.flavor={config.model.flavor} on this mesh: {e}"
                           ) from None
     schedule = WSDSchedule.from_config(config.optimizer.lr, config.lr_scheduler, t.steps)
-    optimizer = build_optimizer(config.optimizer, schedule)
+    optimizer = build_optimizer(config.optimizer)
     options = StepOptions(n_microbatches=global_batch // per_step,
                           param_dtype=param_dtype,
                           max_norm=t.max_norm)
@@ -228,8 +235,9 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
         optimizer, lambda _, sharding: sharding, abstract_opt, param_shardings,
         transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()),
     )
+    scalar = NamedSharding(mesh, PartitionSpec())
     state_shardings = {"params": param_shardings, "buffers": named(buffer_specs),
-                       "opt_state": opt_shardings, "step": NamedSharding(mesh, PartitionSpec())}
+                       "opt_state": opt_shardings, "step": scalar, APPLIED_UPDATES: scalar}
     batch_sharding = NamedSharding(mesh, PartitionSpec(rules.data_axes))
     parallelism = SimpleFSDP(rules, param_specs, buffer_specs, implementation,
                              jnp.dtype(t.mixed_precision_reduce))
