@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh
 from titan_jax.parallel.rules import ShardingRules
 from titan_jax.parallel.simple_fsdp import SHARDS, SimpleFSDP
-from titan_jax.tools import inspect
+from titan_jax.tools import inspect_step
 
 N_SHARDS, TOKENS, D = 8, 16, 8  # per shard: TOKENS tokens, one group of TOKENS/8 per expert
 AXES = ("expert", "embed", "mlp")
@@ -74,7 +74,7 @@ def test_all_to_all_dispatch_composes_with_simple_fsdp(implementation):
     want, want_grad = jax.value_and_grad(reference)(w, x)
     np.testing.assert_allclose(value, want, rtol=1e-5)
     np.testing.assert_allclose(grads["experts"], want_grad, rtol=1e-4, atol=1e-5)
-    collectives = {c["op"] for c in inspect.collectives(hlo)}
+    collectives = {c["op"] for c in inspect_step.collectives(hlo)}
     if implementation == "shard_map":
         assert "all-to-all" in collectives, collectives
     else:

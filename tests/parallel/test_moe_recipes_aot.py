@@ -16,7 +16,7 @@ from test_tpu_aot import bf16_reductions
 from titan_jax.config import ConfigError, load_config
 from titan_jax.models.qwen3 import get_flavor
 from titan_jax.parallel.topology import compile_only_devices, parse_slice
-from titan_jax.tools import inspect
+from titan_jax.tools import inspect_step
 from titan_jax.train.trainer import build_trainer
 
 pytestmark = [pytest.mark.skipif(
@@ -40,7 +40,7 @@ def build(name: str, *overrides: str):
 def compiled_recipe(request):
     """(name, trainer, compiled step) of one shipped recipe at 2 layers."""
     trainer = build(request.param)
-    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     return request.param, trainer, lowered.compile()
 
 

@@ -81,12 +81,12 @@ def test_expert_parallel_losses_and_expert_bias_equal_one_device(reference, pres
 
 
 def test_expert_parallel_compiles_to_all_to_alls():
-    from titan_jax.tools import inspect
+    from titan_jax.tools import inspect_step
 
     trainer = build_trainer(tiny_config(*preset_overrides("fsdp8"),
                                         "--parallelism.expert_parallel_degree", "4"),
                             model_args=TINY_MOE)
-    report = inspect.inspect_trainer(trainer)
+    report = inspect_step.inspect_trainer(trainer)
     assert any(c["op"] == "all-to-all" for c in report["collectives"]), report["collectives"]
 
 

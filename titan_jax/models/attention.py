@@ -82,13 +82,17 @@ def splash_block(seq_len: int, field: str = "training.seq_len") -> int:
 
 
 def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
-                         segment_ids_BT: Array | None = None) -> Array:
-    """Causal softmax attention; each group of n_heads/n_kv query heads shares one kv head."""
+                         segment_ids_BT: Array | None = None, q_start: Array | None = None
+                         ) -> Array:
+    """Causal softmax attention; each group of n_heads/n_kv query heads shares one kv head.
+    q_start: the queries' first position among the keys' (a KV cache's); None: 0, S = T."""
     b, t, n, h = q_BTNH.shape
     kv = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    allowed = jnp.tril(jnp.ones((t, k_BSKH.shape[1]), dtype=bool))  # (T, S) causal
+    s = k_BSKH.shape[1]
+    allowed = (jnp.tril(jnp.ones((t, s), dtype=bool)) if q_start is None  # (T, S) causal
+               else jnp.arange(s)[None, :] <= (q_start + jnp.arange(t))[:, None])
     if segment_ids_BT is not None:  # and within one document: (B, 1, 1, T, S)
         same = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
         allowed = (allowed & same)[:, None, None]
@@ -144,11 +148,15 @@ def _kernel(backend: str, platform: str, scale: float) -> Callable[..., Array]:
 
 
 def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, backend: str,
-              platform: str, segment_ids_BT: Array | None = None) -> Array:
+              platform: str, segment_ids_BT: Array | None = None,
+              q_start: Array | None = None) -> Array:
     """Causal GQA attention by `backend` (resolved: "xla" | "splash" | "cudnn"). The kernels
-    run per device shard (`run_per_shard`); XLA's einsums are partitioned by the compiler."""
+    run per device shard (`run_per_shard`); XLA's einsums are partitioned by the compiler.
+    q_start: queries after a KV cache's first position (decoding: the xla path only)."""
     if backend == "xla":
-        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT)
+        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT, q_start)
+    if q_start is not None:
+        raise ValueError(f"a KV cache (decoding) needs the xla attention, not {backend}")
     if segment_ids_BT is None:
         return run_per_shard(_kernel(backend, platform, scale), (q_BTNH, k_BSKH, v_BSKH),
                              (Q_AXES, KV_AXES, KV_AXES), Q_AXES)

@@ -32,14 +32,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from titan_jax.config import JobConfig
 from titan_jax.errors import TitanJaxError, root_cause
-from titan_jax.train.step import APPLIED_UPDATES, TrainState
+from titan_jax.train.state_formats import count_from_schedule, schedule_counted
+from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer
+from titan_jax.trees import leaf_name, named_leaves
 
 FORMAT_VERSION = 1
 MODEL_KEYS = ("params", "buffers")  # the TrainState keys a model-only checkpoint holds
@@ -85,24 +86,6 @@ class Restored:
     data_state: dict[str, Any] | None = None
     tokens_seen: int = 0
     source: str = ""  # what was loaded, for the log
-
-
-def _leaf_name(path: tuple) -> str:
-    """A pytree path as a dotted name that orbax's metadata tree and the live state share
-    (orbax stores tuples as lists and namedtuples as dicts)."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
-
-
-def named_leaves(tree: Any) -> dict[str, Any]:
-    return {_leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _local_summary(x: jax.Array) -> tuple[int, bool]:
@@ -177,7 +160,7 @@ def _first_line(e: BaseException) -> str:
 def _with_dtypes(target: Any, dtypes: dict[str, Any]) -> Any:
     """`target` with each leaf's dtype replaced by the saved one (its shape and sharding kept)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, s: jax.ShapeDtypeStruct(s.shape, dtypes[_leaf_name(p)], sharding=s.sharding),
+        lambda p, s: jax.ShapeDtypeStruct(s.shape, dtypes[leaf_name(p)], sharding=s.sharding),
         target)
 
 
@@ -312,7 +295,7 @@ class Checkpointer:
         target = {k: v for k, v in wanted.items() if k not in empty}
         # A model-only restore reads the MODEL_KEYS of a full checkpoint and ignores the rest.
         saved = {n: m for n, m in named_leaves(saved).items() if n.split(".")[0] in target}
-        target, uncounted = _schedule_counted(target, saved)
+        target, uncounted = schedule_counted(target, saved)
         check_shapes(where, saved, named_leaves(target), meta)
         if signature is not None and not model_only:
             _check_signature(where, meta.get("resume", {}), signature)
@@ -334,7 +317,7 @@ class Checkpointer:
                 f"{where} is corrupt: {bad} does not match the checksum recorded when it was "
                 f"saved; {self._others(step)}")
         if uncounted:
-            state = _count_from_schedule(state)
+            state = count_from_schedule(state)
         # A bf16 export restored into fp32 master weights (exact: bf16 values are fp32 values).
         state = jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype),
                              state, wanted)
@@ -386,45 +369,6 @@ class Checkpointer:
 
 def listing(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if steps else "none"
-
-
-def _schedule_counted(target: dict[str, Any], saved: dict[str, Any]
-                      ) -> tuple[dict[str, Any], bool]:
-    """A checkpoint from before the train state counted its applied updates kept the count as
-    the LR schedule's state in the optimizer's (`ScaleByScheduleState`), where the optimizer
-    now has an empty state: (the target reading that state back, without `applied_updates`;
-    whether the checkpoint is such)."""
-    if APPLIED_UPDATES not in target or any(n.split(".")[0] == APPLIED_UPDATES for n in saved):
-        return target, False
-    count = target[APPLIED_UPDATES]
-
-    def old(path: tuple, node: Any) -> Any:
-        if isinstance(node, optax.EmptyState) and f"opt_state.{_leaf_name(path)}.count" in saved:
-            return optax.ScaleByScheduleState(count=count)
-        return node
-
-    opt_state = jax.tree_util.tree_map_with_path(old, target["opt_state"], is_leaf=_is_empty)
-    return {**{k: v for k, v in target.items() if k != APPLIED_UPDATES},
-            "opt_state": opt_state}, True
-
-
-def _is_empty(x: Any) -> bool:
-    return isinstance(x, optax.EmptyState)
-
-
-def _count_from_schedule(state: TrainState) -> TrainState:
-    """The state of a `_schedule_counted` checkpoint in today's form."""
-    counts = []
-
-    def new(node: Any) -> Any:
-        if isinstance(node, optax.ScaleByScheduleState):
-            counts.append(node.count)
-            return optax.EmptyState()
-        return node
-
-    opt_state = jax.tree.map(new, state["opt_state"],
-                             is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
-    return {**state, "opt_state": opt_state, APPLIED_UPDATES: counts[-1]}
 
 
 def check_shapes(where: str, saved: dict[str, Any], expected: dict[str, Any],
