@@ -65,6 +65,19 @@ PLANS = (
          ("--parallelism.data_parallel_replicate_degree", "2"), num_slices=2),
 )
 
+# Long context (issue 20): 32K sequences with the global batch fixed so that context
+# parallelism is needed (fewer sequences than chips x their memory allows).
+LONG_CONTEXT_PLANS = (
+    Plan("8B 32K v6e-8 cp2 (4 seqs)", "configs/qwen3_8b_32k.toml", "v6e-8"),
+    Plan("8B 32K v5p-8 cp2 (4 seqs)", "configs/qwen3_8b_32k.toml", "v5p-8"),
+    Plan("30B-A3B 32K v5p-16 cp4 (8 seqs)", "configs/qwen3_30b_a3b_32k.toml", "v5p-16"),
+    Plan("235B-A22B 32K v5p-256 cp2 (64 seqs)", "configs/qwen3_235b_a22b.toml", "v5p-256",
+         ("--training.seq_len", "32768", "--training.global_batch_size", "64",
+          "--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
+          "1", "--parallelism.expert_parallel_degree", "8")),
+)
+PLANS = PLANS + LONG_CONTEXT_PLANS
+
 
 def run(plan: Plan) -> dict[str, Any]:
     config = load_config(plan.config, list(plan.overrides))

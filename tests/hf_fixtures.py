@@ -1,6 +1,6 @@
 """A random HF transformers Qwen3 model for the tests that compare against it."""
 
-from titan_jax.models.qwen3 import Qwen3Args
+from titan_jax.models.qwen3 import Qwen3Args, hf_config
 
 
 def random_hf_model(args: Qwen3Args, seed: int = 0):
@@ -15,7 +15,7 @@ def random_hf_model(args: Qwen3Args, seed: int = 0):
         num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
         tie_word_embeddings=args.tie_embeddings, rms_norm_eps=args.norm_eps,
         max_position_embeddings=args.max_seq_len,
-        rope_parameters={"rope_theta": args.rope_theta, "rope_type": "default"})
+        rope_parameters=hf_config.hf_config_from_args(args)["rope_parameters"])
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(config).float()
     with torch.no_grad():

@@ -1,9 +1,10 @@
-"""`titan-jax` command line: `titan-jax {train,inspect,compile,parity,generate} --config PATH
-[--section.key value ...]` and `titan-jax convert --from FMT --to FMT SRC DST`."""
+"""`titan-jax` command line: `titan-jax {train,inspect,compile,parity,generate,prepare-data}
+--config PATH [--section.key value ...]` and `titan-jax convert --from FMT --to FMT SRC DST`."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 from titan_jax.atomic_dir import write_text_atomic
 from titan_jax.config import ConfigError, JobConfig, load_config
 from titan_jax.errors import TitanJaxError
-from titan_jax.jax_platform import default_to_cpu_without_accelerator
+from titan_jax.jax_platform import compile_only_libtpu, default_to_cpu_without_accelerator
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
@@ -40,14 +41,37 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
     _add_convert_parser(sub)
     _add_generate_parser(sub)
     _add_prepare_data_parser(sub)
-    args, overrides = parser.parse_known_args(argv)
+    rest, overrides = _split_overrides(argv)
+    args = parser.parse_args(rest)
     if args.command == "convert":  # no recipe: anything left over is a mistake
         if overrides:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")
         return args, None
+    if getattr(args, "json", None):  # a report written at the end: checked before the work
+        from titan_jax.train.preflight import check_output_file
+
+        check_output_file(args.json, "--json")
     config = load_config(args.config, overrides)
     _check_flavor(config)
     return args, config
+
+
+def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the command's own arguments, the `--section.key value` overrides). Taken out before
+    argparse reads the rest, so that an override's value is never read as a flag (`-h...`
+    would print the help)."""
+    rest, overrides = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "." in arg[2:].split("=", 1)[0]:
+            takes_next = "=" not in arg and i + 1 < len(argv)
+            overrides.extend(argv[i:i + 2] if takes_next else [arg])
+            i += 2 if takes_next else 1
+        else:
+            rest.append(arg)
+            i += 1
+    return rest, overrides
 
 
 def _check_flavor(config: JobConfig) -> None:
@@ -63,8 +87,10 @@ def _add_compile_parser(sub: argparse._SubParsersAction) -> None:
         "compile", help="compile the train step for a TPU slice from this host, to plan a job",
         description="Compile the recipe's whole train step ahead of time for a named TPU slice "
         "(needs libtpu, no TPU) and report per-chip memory against HBM, FLOPs per step, the "
-        "collectives and a roofline estimate of step time and MFU; config overrides as for "
-        "train. The parallelism degrees must multiply to the slice's chips (x --num-slices).")
+        "collectives and an estimate of step time and MFU (each instruction at the MXU peak or "
+        "HBM bandwidth, plus the collectives the schedule leaves exposed; the roofline bound "
+        "beside it); config overrides as for train. The parallelism degrees must multiply to "
+        "the slice's chips (x --num-slices).")
     compile_.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_8b.toml")
     compile_.add_argument("--topology", required=True, metavar="NAME",
                           help="a Cloud TPU slice name: v4-16, v5e-256, v5p-128, v6e-8, ... "
@@ -215,6 +241,7 @@ def _parity(args: argparse.Namespace, config: JobConfig) -> int:
         except ValueError:
             raise ConfigError(f"--bar {item!r}: expected NAME=NUMBER with NAME one of "
                              f"{', '.join(BARS)}") from None
+    _check_parity_lengths(args, config)
     references = REFERENCES if args.reference == "all" else (args.reference,)
     report = run_from_config(config, args.hf_checkpoint, references=references,
                              seq_len=args.seq_len, trajectory_steps=args.trajectory_steps,
@@ -223,6 +250,27 @@ def _parity(args: argparse.Namespace, config: JobConfig) -> int:
     if args.json:
         write_text_atomic(args.json, json.dumps(report.to_json(), indent=2) + "\n")
     return 1 if report.failures() else 0
+
+
+def _check_parity_lengths(args: argparse.Namespace, config: JobConfig) -> None:
+    """The prompt fits the model's positions (RoPE past them compares nothing real)."""
+    from titan_jax.models import get_model_spec
+    from titan_jax.models.qwen3.hf_config import read_hf_config
+
+    if args.hf_checkpoint:
+        model, where = read_hf_config(Path(args.hf_checkpoint)), f"{args.hf_checkpoint}'s"
+    else:
+        model = get_model_spec(config.model.name).flavor(config.model.flavor)
+        where = f"model.flavor={config.model.flavor}'s"
+    from titan_jax.parity.run import run_parity
+
+    decode = inspect.signature(run_parity).parameters["decode_tokens"].default
+    most = model.max_seq_len - decode  # the greedy continuation must fit too
+    if not 1 <= args.seq_len <= most:
+        raise ConfigError(f"--seq-len {args.seq_len} must be in [1, {most}]: {where} "
+                          f"{model.max_seq_len} positions less the {decode} greedy tokens")
+    if args.trajectory_steps < 0:
+        raise ConfigError(f"--trajectory-steps {args.trajectory_steps} must be >= 0")
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -237,7 +285,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    default_to_cpu_without_accelerator()  # before anything imports JAX
+    if argv[:1] == ["compile"]:
+        compile_only_libtpu()  # before anything imports JAX
+    default_to_cpu_without_accelerator()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args, config = _parse(argv)
@@ -265,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
 
         set_cpu_device_count(config.job.cpu_devices)
         _enable_compilation_cache()
-        from titan_jax.train.loop import BadStepsError, train
+        from titan_jax.train.bad_steps import BadStepsError
+        from titan_jax.train.loop import train
 
         try:
             train(config)

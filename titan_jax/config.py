@@ -220,11 +220,25 @@ def _check_checkpoint_folder(config: JobConfig) -> None:
              "(no '..', not the dump folder itself) or be an absolute path")
 
 
+def _check_dump_folder(config: JobConfig) -> None:
+    """The dump folder is the run's own: never the current directory, whose files (a
+    metrics.jsonl of the user's) the run would rewrite."""
+    folder = config.job.dump_folder
+    _require(folder.strip() != "" and Path(folder).absolute() != Path.cwd().absolute(),
+             f"job.dump_folder={folder!r} is the current directory; name a folder of its own "
+             "for the run's outputs, e.g. outputs/my_run")
+
+
 def validate(config: JobConfig) -> None:
     """Checks values that are valid types but impossible; model/mesh checks happen where known."""
     _check_numbers(config)
+    _check_dump_folder(config)
     _check_checkpoint_folder(config)
-    t, p = config.training, config.parallelism
+    _check_training(config.training)
+    _check_rest(config)
+
+
+def _check_training(t: Training) -> None:
     _require(t.local_batch_size >= 1,
              f"training.local_batch_size={t.local_batch_size} must be >= 1")
     _require(
@@ -240,8 +254,12 @@ def validate(config: JobConfig) -> None:
         f"training.max_consecutive_bad_steps={t.max_consecutive_bad_steps} must be >= 1",
     )
     _check_data(t)
+
+
+def _check_rest(config: JobConfig) -> None:
+    p = config.parallelism
     for name in ("data_parallel_replicate_degree", "tensor_parallel_degree",
-                 "expert_parallel_degree"):
+                 "expert_parallel_degree", "context_parallel_degree"):
         degree = getattr(p, name)
         _require(degree >= 1, f"parallelism.{name}={degree} must be >= 1")
     _require(
@@ -286,10 +304,22 @@ def validate(config: JobConfig) -> None:
              f"profiling.profile_steps={pr.profile_steps} must be in [1, profile_freq="
              f"{pr.profile_freq}]")
     _check_distributed(config.distributed)
+    _check_yarn(config.model)
     c = config.checkpoint
     _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
     _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 "
              "(0 keeps all)")
+
+
+def _check_yarn(m: Model) -> None:
+    if m.rope_type != "yarn":
+        return
+    _require(m.yarn_factor >= 1, f"model.yarn_factor={m.yarn_factor} must be >= 1")
+    _require(m.yarn_original_max_position_embeddings >= 1,
+             f"model.yarn_original_max_position_embeddings="
+             f"{m.yarn_original_max_position_embeddings} must be >= 1")
+    _require(m.yarn_attention_factor >= 0, f"model.yarn_attention_factor="
+             f"{m.yarn_attention_factor} must be >= 0 (0: from the factor)")
 
 
 def _check_data(t: Training) -> None:
@@ -308,6 +338,8 @@ def _check_data(t: Training) -> None:
 def _check_distributed(d: Distributed) -> None:
     _require(d.initialization_timeout >= 1,
              f"distributed.initialization_timeout={d.initialization_timeout} must be >= 1 seconds")
+    _require(d.step_timeout >= 0,
+             f"distributed.step_timeout={d.step_timeout} must be >= 0 seconds (0 = no limit)")
     _require(d.num_processes >= 0,
              f"distributed.num_processes={d.num_processes} must be >= 1, or 0 to auto-detect")
     if d.num_processes > 1:
@@ -315,6 +347,9 @@ def _check_distributed(d: Distributed) -> None:
         _require(bool(host) and port.isdigit(),
                  f"distributed.coordinator_address={d.coordinator_address!r} must be host:port "
                  f"(process 0's) with distributed.num_processes={d.num_processes}")
+        _require(1 <= int(port) <= 65535,
+                 f"distributed.coordinator_address={d.coordinator_address!r}: port {port} is "
+                 "not a TCP port (1-65535)")
         _require(0 <= d.process_id < d.num_processes,
                  f"distributed.process_id={d.process_id} must be in [0, "
                  f"{d.num_processes}) with distributed.num_processes={d.num_processes}")

@@ -34,6 +34,15 @@ class Model:
     # CPU), "cudnn" (cuDNN fused attention, GPU, bf16). "auto": splash on TPU, cudnn on GPU with
     # bf16 compute, xla otherwise (by the devices trained on, also when compiling ahead of time).
     attention: Literal["auto", "xla", "splash", "cudnn"] = "auto"
+    # RoPE: "default" (the flavour's: plain) or "yarn" (YaRN as HF computes it, from the yarn_*
+    # keys; HF's rope_parameters). Qwen3 reaches 128K from its native 32K: factor 4, 32768.
+    rope_type: Literal["default", "yarn"] = "default"
+    yarn_factor: float = 4.0  # >= 1: how much longer than the original window
+    yarn_original_max_position_embeddings: int = 32768  # the window pre-training used
+    yarn_beta_fast: float = 32.0  # dims turning more often than this over it are kept
+    yarn_beta_slow: float = 1.0  # dims turning less often than this are interpolated
+    yarn_attention_factor: float = 0.0  # cos/sin scale; 0 = 0.1 * ln(factor) + 1 (HF)
+    yarn_truncate: bool = True  # round the ramp's ends to whole dims (HF's default)
 
 
 @dataclasses.dataclass
@@ -87,12 +96,18 @@ class Parallelism:
     # Experts split over this many of the data-parallel shard ranks (MoE flavours only); the
     # token dispatch and combine are all-to-alls over it.
     expert_parallel_degree: int = 1
+    # Context parallelism: each sequence split over this many devices (a `cp` mesh axis), in
+    # 2 x cp chunks, rank i holding chunks i and 2cp-1-i so causal work is equal; attention
+    # all-gathers K/V over cp. Weights are also sharded over cp (one more FSDP axis).
+    # training.seq_len (and validation.seq_len) must divide by 2 x cp.
+    context_parallel_degree: int = 1
     # "default" = "always": free the gathered weight after forward, re-gather in backward.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit
     # all_gather/psum_scatter twin (same rules, same losses), which also hosts expert
-    # parallelism's all-to-alls. "auto": shard_map with expert parallelism or MoE on TPU/GPU
-    # (ragged_dot does not compile under the jit path's vmap), else jit.
+    # parallelism's all-to-alls and context parallelism's K/V gathers. "auto": shard_map with
+    # expert or context parallelism, or MoE on TPU/GPU (ragged_dot does not compile under the
+    # jit path's vmap), else jit.
     fsdp_implementation: Literal["auto", "jit", "shard_map"] = "auto"
     # Slices joined over the data-centre network (DCN); -1: from the devices (TPU multislice
     # devices know their slice; others make one slice). The DCN axis carries HSDP's replicate
@@ -215,6 +230,10 @@ class Distributed:
     process_id: int = -1  # this process's index in [0, num_processes); -1 = auto-detect
     # Seconds to wait for every process to reach the coordinator before failing.
     initialization_timeout: int = 300
+    # Seconds a training step may take (after the first, which compiles; validations and
+    # saves not counted) before the job is ended as hung: a stuck collective or a dead host,
+    # as TorchTitan's comm.train_timeout_seconds. 0 = wait forever.
+    step_timeout: int = 600
 
 
 @dataclasses.dataclass

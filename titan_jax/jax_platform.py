@@ -38,3 +38,13 @@ def is_tpu_host() -> bool:
     if platforms:
         return "tpu" in platforms.split(",")
     return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICE_GLOBS[:2])
+
+
+def compile_only_libtpu() -> None:
+    """For `titan-jax compile` (AOT for a named slice): JAX runs on the host CPU, so a TPU VM's
+    own chips are never opened, and libtpu, loaded only to compile, skips its multi-process
+    lockfile (`/tmp/libtpu_lockfile`, held by a training job on those chips: waiting for it,
+    or deleting it as libtpu's message suggests, would break that job). Call before JAX starts.
+    """
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"

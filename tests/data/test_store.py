@@ -59,6 +59,9 @@ def test_store_holds_each_files_documents_with_eos_in_file_order(tmp_path):
     np.testing.assert_array_equal(corpus.document_ends(0, len(expected)), ends)
     np.testing.assert_array_equal(corpus.document_ends(40, 200), ends[(ends > 40) & (ends <= 200)])
     assert not list(tmp_path.glob(".store.titan-jax-partial"))  # renamed into place
+    (tmp_path / "empty").mkdir()  # an empty folder given as --output becomes the store
+    _prepare(tmp_path / "src", tmp_path / "empty")
+    assert _files(tmp_path / "empty") == _files(tmp_path / "store")
     assert [s["file_index"] for s in manifest["shards"]] == [0, 1, 2]
 
 
@@ -128,6 +131,11 @@ def test_a_remote_store_is_written_and_read_by_byte_range(tmp_path):
         str(tmp_path / "local"), TOK)
     np.testing.assert_array_equal(remote.read(5, 400), local.read(5, 400))
     np.testing.assert_array_equal(remote.document_ends(0, 400), local.document_ends(0, 400))
+    fs.pipe("/bucket/store/tokens-00002.bin", b"\0\0")  # checked at the shard's first read
+    damaged = open_corpus("memory://bucket/store", TOK)
+    with pytest.raises(StoreError, match="shard memory://bucket/store/tokens-00002.bin is "
+                       "corrupted: 2 bytes"):
+        damaged.read(0, damaged.num_tokens)
     fs.rm("/bucket", recursive=True)
 
 
@@ -147,9 +155,13 @@ def test_a_store_of_another_tokenizer_is_refused_naming_both(tmp_path):
     assert f"not this run's {other_dir / 'tokenizer.json'} (sha256 {other.sha256[:12]})" in message
 
 
-def test_a_corrupted_or_truncated_shard_is_named(tmp_path):
+def test_a_corrupted_or_truncated_shard_is_named(tmp_path, capsys):
+    from titan_jax.cli import main
+
     _jsonl_files(tmp_path / "src")
     _prepare(tmp_path / "src", tmp_path / "store")
+    verify = ["prepare-data", "--output", str(tmp_path / "store"), "--verify"]
+    assert main(verify) == 0 and "every checksum matches" in capsys.readouterr().err
     shard = tmp_path / "store" / "tokens-00001.bin"
     data = bytearray(shard.read_bytes())
     data[10] ^= 0xFF
@@ -157,6 +169,9 @@ def test_a_corrupted_or_truncated_shard_is_named(tmp_path):
     corpus = open_corpus(str(tmp_path / "store"), TOK)  # sizes agree: opens
     with pytest.raises(StoreError, match=f"shard {shard} is corrupted .sha256"):
         corpus.verify()
+    assert main(verify) == 2
+    assert capsys.readouterr().err == (f"titan-jax: error: shard {shard} is corrupted (sha256 "
+                                       "differs from the manifest); prepare the store again\n")
     shard.write_bytes(bytes(data[:-2]))
     with pytest.raises(StoreError, match=f"shard {shard} is corrupted: {len(data) - 2} bytes"):
         open_corpus(str(tmp_path / "store"), TOK)

@@ -18,6 +18,8 @@ from tiny_model import TIED, UNTIED
 import titan_jax.parity  # noqa: F401  (imported before torch: it sets OMP_WAIT_POLICY)
 from titan_jax.cli import main
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def, hf, hf_config
+from titan_jax.models.qwen3.args import YarnScaling
+from titan_jax.models.qwen3.model import rope_frequencies
 from titan_jax.train.model_io import load_orbax
 
 try:  # the `parity` extra; CI installs it, so there a missing one is a failure, not a skip
@@ -67,6 +69,42 @@ def test_config_defaults_and_old_rope_theta():
     assert hf_config.args_from_hf_config(config).rope_theta == 5e6  # transformers 5 wins
 
 
+YARN = dataclasses.replace(UNTIED, max_seq_len=1024, yarn=YarnScaling(
+    factor=8.0, original_max_position_embeddings=128, beta_fast=16.0, beta_slow=2.0))
+
+
+@pytest.mark.parametrize("yarn", [YARN.yarn, dataclasses.replace(YARN.yarn, truncate=False,
+                                                                  attention_factor=1.25)])
+def test_yarn_config_roundtrip_and_hf_computes_our_frequencies(yarn):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    args = dataclasses.replace(YARN, yarn=yarn)
+    config = hf_config.hf_config_from_args(args)
+    assert config["rope_parameters"]["rope_type"] == "yarn" and "rope_scaling" not in config
+    assert hf_config.args_from_hf_config(config) == args
+    theirs = transformers.Qwen3Config.from_dict(config)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](theirs)
+    ours = rope_frequencies(args.head_dim, args.rope_theta, args.yarn)
+    np.testing.assert_array_equal(np.asarray(ours), inv_freq.numpy())
+    assert yarn.cos_sin_scale == pytest.approx(attention_factor, rel=1e-12)
+    plain = rope_frequencies(args.head_dim, args.rope_theta)
+    assert ours[0] == plain[0] and ours[-1] == pytest.approx(plain[-1] / 8)  # kept, interpolated
+
+
+def test_yarn_from_an_older_rope_scaling_file():
+    config = {k: v for k, v in hf_config.hf_config_from_args(UNTIED).items()
+              if k != "rope_parameters"}
+    config["rope_scaling"] = {"type": "yarn", "factor": 4.0, "mscale": 0.707,
+                              "mscale_all_dim": 1.0}
+    args = hf_config.args_from_hf_config(config)
+    assert args.yarn.original_max_position_embeddings == UNTIED.max_seq_len  # HF's default
+    assert (args.yarn.beta_fast, args.yarn.beta_slow, args.yarn.truncate) == (32, 1, True)
+    m = lambda s: 0.1 * s * np.log(4.0) + 1  # noqa: E731
+    assert args.yarn.attention_factor == pytest.approx(m(0.707) / m(1.0))
+    assert hf_config.hf_config_from_args(args)["rope_parameters"]["attention_factor"] == \
+        args.yarn.attention_factor
+
+
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "qwen3_moe"}, "expected ['Qwen3MoeForCausalLM']"),
     ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
@@ -79,7 +117,9 @@ def test_config_defaults_and_old_rope_theta():
     ({"hidden_size": None}, "missing field 'hidden_size'"),
     ({"num_hidden_layers": "2"}, "num_hidden_layers='2' is not of type int"),
     ({"tie_word_embeddings": 1}, "tie_word_embeddings=1 is not of type bool"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 0.5}}, "factor=0.5 must be >= 1"),
+    ({"rope_scaling": {"type": "yarn", "factor": "4"}}, "rope_scaling.factor='4' is not a"),
     ({"use_sliding_window": True}, "use_sliding_window=True"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"num_key_value_heads": 3}, "n_kv_heads=3"),

@@ -1,4 +1,5 @@
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +7,10 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
+from titan_jax.config import ConfigError, load_config
 from titan_jax.models import BuildOptions
-from titan_jax.models.qwen3 import QWEN3_FLAVORS, build_model_def
-from titan_jax.models.qwen3.args import get_flavor
+from titan_jax.models.qwen3 import QWEN3, QWEN3_FLAVORS, Qwen3Args, build_model_def
+from titan_jax.models.qwen3.args import YarnScaling, get_flavor
 from titan_jax.models.qwen3.model import (
     SAVED_ACTIVATIONS,
     Block,
@@ -87,6 +89,20 @@ def test_rope_is_rotate_half_and_preserves_norm():
     x1, x2 = x[0, 3, 0, 1], x[0, 3, 0, 5]
     np.testing.assert_allclose(y[0, 3, 0, 1], x1 * np.cos(angle) - x2 * np.sin(angle), rtol=1e-5)
     np.testing.assert_allclose(y[0, 3, 0, 5], x2 * np.cos(angle) + x1 * np.sin(angle), rtol=1e-5)
+
+
+def test_yarn_keys_of_the_model_section_reach_the_args_and_survive_json():
+    config = load_config(None, ["--model.rope_type", "yarn", "--model.yarn_factor", "2",
+                                "--model.yarn_original_max_position_embeddings", "64"])
+    args = QWEN3.configure(TINY, config)
+    assert args.yarn == YarnScaling(factor=2.0, original_max_position_embeddings=64)
+    assert args.yarn.cos_sin_scale == pytest.approx(0.1 * np.log(2) + 1)
+    assert Qwen3Args(**json.loads(json.dumps(dataclasses.asdict(args)))) == args  # model_io
+    assert QWEN3.configure(args, load_config(None, [])) == args  # "default": the args' own
+    cos, _ = rope_tables(jnp.arange(3), 8, 1e6, args.yarn)
+    np.testing.assert_allclose(cos[0], args.yarn.cos_sin_scale)  # HF scales the tables
+    with pytest.raises(ConfigError, match=r"^model.yarn_factor=0.5 must be >= 1$"):
+        load_config(None, ["--model.rope_type", "yarn", "--model.yarn_factor", "0.5"])
 
 
 # MoE: the experts' matmul outputs are named too (moe.MOE_SAVED_ACTIVATIONS).

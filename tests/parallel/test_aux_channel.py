@@ -24,7 +24,7 @@ from titan_jax.models.qwen3 import QWEN3, build_model_def
 from titan_jax.models.qwen3.build import Qwen3Def
 from titan_jax.models.qwen3.model import rope_tables
 from titan_jax.train.checkpoint import Checkpointer
-from titan_jax.train.loop import _scalars
+from titan_jax.train.step_report import _scalars
 from titan_jax.train.trainer import build_trainer
 
 

@@ -19,8 +19,8 @@ def test_mesh_axes_are_auto_and_ordered():
     trainer = tiny_trainer("--parallelism.data_parallel_replicate_degree", "2",
                            "--parallelism.tensor_parallel_degree", "2",
                            "--training.local_batch_size", "2")
-    assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 2, "ep": 1, "tp": 2}
-    assert trainer.mesh.axis_names == ("dp_replicate", "fsdp", "ep", "tp")
+    assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 2, "cp": 1, "ep": 1, "tp": 2}
+    assert trainer.mesh.axis_names == ("dp_replicate", "fsdp", "cp", "ep", "tp")
     assert set(trainer.mesh.axis_types) == {AxisType.Auto}
 
 
@@ -28,7 +28,7 @@ def test_fill_shard_degree():
     config = tiny_config("--parallelism.data_parallel_replicate_degree", "2")
     degrees = resolve_degrees(config.parallelism, 8)
     assert (degrees.dp_replicate, degrees.fsdp, degrees.tp, degrees.ep) == (2, 4, 1, 1)
-    assert build_mesh(degrees, jax.devices()).devices.shape == (2, 4, 1, 1)
+    assert build_mesh(degrees, jax.devices()).devices.shape == (2, 4, 1, 1, 1)
 
 
 def test_expert_parallelism_is_carved_out_of_the_shard_degree():
@@ -41,10 +41,11 @@ def test_expert_parallelism_is_carved_out_of_the_shard_degree():
 
 @pytest.mark.parametrize("overrides, message", [
     (["--parallelism.data_parallel_shard_degree", "3"],
-     "dp_replicate=1 x fsdp=3 x tp=1 = 3 but there are 8 devices"),
+     "dp_replicate=1 x fsdp=3 x cp=1 x tp=1 = 3 but there are 8 devices"),
     (["--parallelism.data_parallel_shard_degree", "4"], "= 4 but there are 8 devices"),
     (["--parallelism.data_parallel_replicate_degree", "3"],
-     "data_parallel_replicate_degree x tensor_parallel_degree = 3 does not divide 8 devices"),
+     "data_parallel_replicate_degree x tensor_parallel_degree x context_parallel_degree = 3 does "
+     "not divide 8 devices"),
     (["--parallelism.tensor_parallel_degree", "8"],
      "tensor_parallel_degree=8 must divide n_heads=8 and n_kv_heads=4"),
     (["--parallelism.data_parallel_shard_degree", "8", "--training.local_batch_size", "2"],

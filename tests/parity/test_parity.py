@@ -1,11 +1,14 @@
 """titan-jax against HF transformers and TorchTitan on tiny fp32 models: DESIGN.md section 4's
 bars on >= 512-token prompts, a 20-step training trajectory, and a bug that must be caught."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def
+from titan_jax.models.qwen3.args import YarnScaling
 from titan_jax.models.qwen3.hf import load_hf_params
 from titan_jax.parity import BARS, metrics
 from titan_jax.parity import run as parity_run
@@ -37,6 +40,19 @@ def test_matches_hf_and_torchtitan(name, tmp_path, save_hf_checkpoint, torchtita
         assert len(ref.kl_per_token) == 512 + 32 - 1
     assert report.references["hf"].grads_max_rel_diff <= 1e-4
     assert report.references["torchtitan"].grads_max_rel_diff is None  # forward-only on CPU
+
+
+def test_yarn_matches_hf(tmp_path, save_hf_checkpoint):
+    """YaRN (factor 8 over an original window of 128 positions) on 512 + 32 tokens: positions
+    far past the original window, where every interpolated, ramped and kept dim shows."""
+    args = dataclasses.replace(SHAPES["tied-gqa2-hd32"], max_seq_len=1024, yarn=YarnScaling(
+        factor=8.0, original_max_position_embeddings=128))
+    report = run_parity(args, save_hf_checkpoint(args, tmp_path), references=("hf",),
+                        prompt_len=512)
+    hf = report.references["hf"]
+    assert report.failures() == [], report.failures()
+    assert hf.logits_max_abs_diff <= 1e-4 and hf.kl_max <= 1e-9, hf
+    assert hf.greedy_match and hf.grads_max_rel_diff <= 1e-4, hf
 
 
 def learnable_batches(vocab: int, steps: int, rows: int = 2, seq_len: int = 64, seed: int = 0):

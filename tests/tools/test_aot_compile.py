@@ -145,7 +145,9 @@ def test_debug_model_fits_and_counts_its_flops(tmp_path, topology_name, capsys):
                 "in_loop_all_gather_overlap_pct"):
         assert key in report
     assert report["fits"] and 0 < report["per_chip_bytes"] < report["usable_hbm_bytes"]
-    assert report["usable_hbm_bytes"] < report["hbm_bytes"]  # XLA:TPU keeps some back
+    # The compiler's own figure, near the published HBM (v5e 15.75 of 16 GiB; v5p 95.74 GiB
+    # against the 95 GiB Cloud publishes)
+    assert abs(report["usable_hbm_bytes"] / report["hbm_bytes"] - 1) < 0.03
     assert report["top_buffers"] and report["top_buffers"][0]["bytes"] > 0
     # The predictive estimate prices HBM traffic and exposed collectives: slower than the bound.
     assert 0 < report["est_mfu_pct"] <= report["roofline_mfu_pct"] <= 100

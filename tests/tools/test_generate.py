@@ -11,6 +11,7 @@ from titan_jax.data.tokenizer import load_tokenizer
 from titan_jax.models.qwen3 import build_model_def, decode
 from titan_jax.models.qwen3.hf import save_hf
 from titan_jax.train import loop
+from titan_jax.train import setup as run_setup
 from titan_jax.train.model_io import save_orbax
 from titan_jax.train.trainer import build_trainer
 
@@ -52,7 +53,7 @@ def test_from_orbax_and_hf_directories(tmp_path, capsys):
 
 
 def test_from_a_training_run_newest_step(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(loop, "build_trainer",
+    monkeypatch.setattr(run_setup, "build_trainer",
                         lambda cfg, devices=None: build_trainer(cfg, devices, model_args=TINY))
     config = load_config("configs/qwen3_debug.toml", [
         "--job.dump_folder", str(tmp_path), "--training.seq_len", "16", "--training.steps", "2",

@@ -219,3 +219,22 @@ ENTRY""")
     assert gather["seconds"] == pytest.approx(1.0) and gather["overlap"] == 1.0
     assert r["exposed_collective_s"] == pytest.approx(1.0)  # the all-reduce only
     assert r["compute_s"] == pytest.approx(6.0)  # the transfer itself is not compute
+
+
+def test_the_report_hints_the_async_gather_flags_only_when_gathers_lie_exposed():
+    report = {
+        "model": "qwen3 8B", "topology": "v6e-8", "num_slices": 1, "chips": 8, "tpu": "v6e:2x4",
+        "mesh": {"fsdp": 8}, "mode": "fully_shard", "fsdp_implementation": "jit",
+        "param_dtype": "bfloat16", "activation_checkpoint": "full", "attention": "splash",
+        "memory": {"argument_size_in_bytes": 1}, "per_chip_bytes": 2, "usable_hbm_bytes": 4,
+        "hbm_bytes": 5, "fits": True, "headroom_bytes": 2, "args_plus_temps_bytes": 3,
+        "analytic_flops_per_step": 1.0, "flops_per_step": 1.0,
+        "grouped_matmul_flops_bound_per_step": 0, "lower_s": 1.0, "compile_s": 1.0,
+        "collectives": [], "in_loop_all_gathers": 18, "in_loop_all_gather_s": 0.05,
+        "in_loop_all_gather_overlap_pct": 0.0, "in_loop_all_gather_min_overlap_pct": 0.0,
+        "scheduler_flags": {"xla_enable_async_all_gather": "auto"}, "est_step_time_s": None}
+    assert aot_compile.ASYNC_GATHER_FLAGS in aot_compile.format_report(report)
+    report["scheduler_flags"] = {"xla_enable_async_all_gather": "true"}
+    assert "hint" not in aot_compile.format_report(report)
+    report.update(scheduler_flags={}, in_loop_all_gather_overlap_pct=95.0)
+    assert "hint" not in aot_compile.format_report(report)

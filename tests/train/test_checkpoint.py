@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ from tiny_model import TINY
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import Qwen3Args
 from titan_jax.train import loop
+from titan_jax.train import setup as run_setup
 from titan_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -30,6 +32,8 @@ from titan_jax.train.checkpoint import (
 )
 from titan_jax.train.loss import IGNORE_INDEX
 from titan_jax.train.model_io import export_hf
+from titan_jax.train.setup import build_data
+from titan_jax.train.signals import StopSignals
 from titan_jax.train.start import load_start
 from titan_jax.train.trainer import build_trainer
 
@@ -101,7 +105,7 @@ def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("saved")
     config = make_config(folder)
     trainer = make_trainer(config)
-    data = loop.build_data(config, trainer)
+    data = build_data(config, trainer)
     state = random_state(trainer)
     for _ in range(2):
         next(data)
@@ -117,7 +121,7 @@ def test_restore_onto_another_mesh_is_bit_exact(saved, mesh):
         config = make_config(saved.folder.parent, "--parallelism.data_parallel_replicate_degree",
                              "2")
         trainer = make_trainer(config)
-        assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 4, "ep": 1, "tp": 1}
+        assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 4, "ep": 1, "cp": 1, "tp": 1}
     else:
         trainer = make_trainer(saved.config, jax.devices()[:1])
     restored = Checkpointer.from_config(saved.config, trainer).restore(
@@ -132,7 +136,7 @@ def test_restore_onto_another_mesh_is_bit_exact(saved, mesh):
 def test_data_iterator_resumes_through_the_checkpoint(saved):
     trainer = make_trainer(saved.config)
     restored = Checkpointer.from_config(saved.config, trainer).restore(2, trainer.abstract_state())
-    data = loop.build_data(saved.config, trainer)
+    data = build_data(saved.config, trainer)
     data.set_state(json.loads(json.dumps(restored.data_state)))
     for expected in saved.next_batches:
         got = next(data)
@@ -346,7 +350,7 @@ def tiny_loop(monkeypatch):
         trainer.__dict__["step_fn"] = step  # replaces the cached_property's value
         return trainer
 
-    monkeypatch.setattr(loop, "build_trainer", hooked_trainer)
+    monkeypatch.setattr(run_setup, "build_trainer", hooked_trainer)
     return hooks
 
 
@@ -400,6 +404,17 @@ def test_a_signal_saves_the_current_step_and_the_resume_is_bitwise(tmp_path, tin
     assert "nothing to train" in capsys.readouterr().out
 
 
+def test_a_hung_step_ends_the_job_after_the_step_timeout(tmp_path, tiny_loop, monkeypatch):
+    hung = []
+    monkeypatch.setattr(loop, "exit_job", lambda message, code: hung.append((message, code)))
+    tiny_loop.on_step = lambda n: time.sleep(2.5) if n == 4 else None  # (for a while)
+    run(make_config(tmp_path, "--distributed.step_timeout", "1"))
+    assert hung == [("no step finished within distributed.step_timeout=1 s after step 2 (a "
+                     "stuck collective, a dead host or a wedged device); ending the job. Resume "
+                     "from its last checkpoint with the same command; raise "
+                     "distributed.step_timeout if steps are this slow", 1)]
+
+
 def test_a_resume_after_a_crash_logs_each_step_once(tmp_path, tiny_loop):
     config = make_config(tmp_path, "--checkpoint.interval", "3")
 
@@ -443,7 +458,7 @@ def test_several_processes_stop_where_jax_preemption_sync_point_says(monkeypatch
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(loop.multihost_utils, "reached_preemption_sync_point",
                         lambda step: step == 7)
-    with loop.StopSignals(print) as stop:
+    with StopSignals(print) as stop:
         # SIGTERM stays with JAX's preemption service; only Ctrl-C is ours (and forwarded).
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         assert signal.getsignal(signal.SIGINT) == stop._handle
@@ -453,7 +468,33 @@ def test_several_processes_stop_where_jax_preemption_sync_point_says(monkeypatch
         raise RuntimeError("Preemption sync manager has not been initialized")
 
     monkeypatch.setattr(loop.multihost_utils, "reached_preemption_sync_point", disabled)
-    assert not loop.StopSignals(print).should_stop(3)
+    assert not StopSignals(print).should_stop(3)
+
+
+def test_checksums_equal_the_host_sum_of_the_saved_bits():
+    """Both ways of computing them (on the devices, for accelerators; in place on the host, for
+    CPU devices) give what the host computes from the saved bits, whatever the sharding, so
+    checkpoints written by either verify."""
+    from titan_jax.train import checksums
+
+    rng = np.random.default_rng(0)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    host_tree = {"f32": rng.standard_normal((64, 3)).astype(np.float32),
+                 "bf16": rng.standard_normal((16, 5)).astype(jnp.bfloat16),
+                 "i32": rng.integers(-2**31, 2**31 - 1, (8, 7), dtype=np.int32),
+                 "flag": np.array([True, False, True])}
+    tree = {k: jax.device_put(v, sharded if v.shape[0] % 8 == 0 else None)
+            for k, v in host_tree.items()}
+    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+    expected = {k: int(np.sum(v.view(uint[v.itemsize]), dtype=np.uint32))
+                for k, v in host_tree.items()}
+    sums, finite = checksums.checksums(tree)
+    assert sums == expected and finite
+    on_device, finite = jax.device_get(checksums._summaries([tree[k] for k in expected]))
+    assert [int(s) for s in on_device] == list(expected.values()) and finite
+    assert not checksums.checksums({"w": jnp.array([1.0, jnp.inf])})[1]
+    assert not jax.device_get(checksums._summaries([jnp.array([1.0, jnp.nan])]))[1]
 
 
 def test_a_checkpoint_from_before_the_update_count_resumes_with_its_count(saved, tmp_path):

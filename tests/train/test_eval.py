@@ -12,6 +12,7 @@ from tiny_model import TINY
 from titan_jax.config import ConfigError, load_config
 from titan_jax.data.tokenizer import load_tokenizer
 from titan_jax.train import loop
+from titan_jax.train import setup as run_setup
 from titan_jax.train.eval import Validator
 from titan_jax.train.loss import token_cross_entropy_sum
 from titan_jax.train.trainer import build_trainer
@@ -72,7 +73,7 @@ def test_too_small_validation_set_names_the_fields(tmp_path):
 
 
 def test_training_logs_validation(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(loop, "build_trainer",
+    monkeypatch.setattr(run_setup, "build_trainer",
                         lambda config, devices=None: build_trainer(config, devices,
                                                                    model_args=TINY))
     config = make_config(tmp_path, "--validation.freq", "3", "--metrics.enable_tensorboard",

@@ -14,7 +14,7 @@ from tensorboardX.proto import event_pb2
 from titan_jax.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 from titan_jax.models.qwen3.flops import count_params, flops_per_token
 from titan_jax.train import metrics, peak_flops
-from titan_jax.train.metrics import MetricsLogger, memory_stats
+from titan_jax.train.metrics import MetricsFileError, MetricsLogger, memory_stats
 from titan_jax.train.peak_flops import peak_flops_per_device
 
 # Published totals with a tied embedding counted once (model cards: 0.6B / 1.7B / 4B total with
@@ -340,10 +340,10 @@ def test_header_file(tmp_path):
         "peak_flops_method": "measured"}
 
 
-def test_unwritable_dump_folder_names_it(tmp_path):
+def test_unwritable_metrics_file_names_it(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")  # a file where a folder should be: fails for root too, unlike chmod
-    with pytest.raises(OSError, match=r"metrics dump folder .*a_file/run.* is not writable"):
+    with pytest.raises(MetricsFileError, match=r"a_file/run/metrics.jsonl cannot be written"):
         MetricsLogger(str(blocker / "run"), log_freq=1, total_steps=1)
 
 

@@ -6,6 +6,7 @@ from tiny_model import TINY
 
 from titan_jax.config import load_config
 from titan_jax.train import loop, profiling
+from titan_jax.train import setup as run_setup
 from titan_jax.train.profiling import StepProfiler
 from titan_jax.train.trainer import build_trainer
 
@@ -44,7 +45,7 @@ def test_disabled_does_nothing(tmp_path, monkeypatch):
 
 
 def test_training_writes_a_trace(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(loop, "build_trainer",
+    monkeypatch.setattr(run_setup, "build_trainer",
                         lambda cfg, devices=None: build_trainer(cfg, devices, model_args=TINY))
     loop.train(config(tmp_path, "--profiling.profile_freq", "2"), jax.devices()[:1])
     for step in (2, 4):

@@ -1,14 +1,17 @@
-"""`titan-jax prepare-data`, then `train` from a mixture of token stores with validation from a
-held-out store: the whole data path through the CLI."""
+"""`titan-jax prepare-data`, then `train` from a mixture of token stores with document masking
+and validation from a held-out store: the whole data path through the CLI."""
 
 import json
+from types import SimpleNamespace
 
 import jax
+import pytest
 
 from titan_jax.cli import main
 
 
-def test_prepare_then_train_on_a_mixture_with_a_held_out_store(tmp_path, capsys, monkeypatch):
+def test_prepare_then_train_on_a_masked_mixture_with_a_held_out_store(tmp_path, capsys,
+                                                                      monkeypatch):
     monkeypatch.setattr("jax.devices", lambda *a: jax.local_devices()[:1])
     for name, n in (("web", 60), ("code", 30), ("held_out", 20)):
         src = tmp_path / f"{name}.jsonl"
@@ -22,6 +25,8 @@ def test_prepare_then_train_on_a_mixture_with_a_held_out_store(tmp_path, capsys,
 seq_len = 16
 local_batch_size = 4
 steps = 3
+document_mask = true
+document_positions = true
 [[training.mixture]]
 path = "{tmp_path / 'web'}"
 weight = 3
@@ -52,4 +57,18 @@ progress_bar = false
         64, 128, 192]
     assert 0.6 < held[f"tokens_seen/{web}"] / 192 < 0.9
     assert held["val_loss"] > 0
+    # Documents of 5-15 tokens: several boundaries per 16-token window, their labels ignored.
+    assert all(32 < r["n_tokens"] < 64 for r in rows)
     assert not (tmp_path / "run" / "data").exists()  # stores given: nothing prepared
+
+
+def test_document_masking_with_cudnn_attention_is_refused_in_one_line():
+    from titan_jax.config import ConfigError, load_config
+    from titan_jax.train.loop import check_data
+
+    config = load_config(None, ["--training.document_mask", "true"])
+    trainer = SimpleNamespace(attention="cudnn", model=SimpleNamespace(
+        args=SimpleNamespace(vocab_size=2048)))
+    with pytest.raises(ConfigError, match="document_mask=true needs model.attention=xla or "
+                       "splash: the cudnn attention here takes no segment ids"):
+        check_data(config, trainer)

@@ -86,7 +86,10 @@ def _pydoc(split: str) -> list[str]:
 
 def _open_text(file: str) -> IO[str]:
     fs, path = filesystem(file)
-    raw: Any = fs.open(path, "rb")
+    try:
+        raw: Any = fs.open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{file} cannot be read: {e.strerror or e}") from None
     if file.endswith(".gz"):
         raw = gzip.GzipFile(fileobj=raw)
     elif file.endswith(".zst"):
@@ -104,6 +107,8 @@ def _lines(f: IO[str], file: str) -> Iterator[tuple[int, str]]:
         yield from enumerate(f, start=1)
     except UnicodeDecodeError as e:
         raise DataError(f"{file}: not UTF-8 text ({e})") from e
+    except OSError as e:
+        raise DataError(f"{file} cannot be read: {e.strerror or e}") from None
 
 
 def _text_blocks(f: IO[str]) -> Iterator[str]:
@@ -138,19 +143,30 @@ def _parquet_texts(file: str, field: str) -> Iterator[str]:
     with fs.open(path, "rb") as f:
         try:
             parquet = pq.ParquetFile(f)
-        except pa.ArrowException as e:
-            raise DataError(f"{file}: not a parquet file ({e})") from e
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{file}: not a parquet file ({_one_line(e)})") from None
         names = parquet.schema_arrow.names
         if field not in names:
             raise DataError(f"{file}: no column text_field={field!r} (columns: {names})")
         kind = parquet.schema_arrow.field(field).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise DataError(f"{file}: column {field!r} has type {kind}, not string")
-        for batch in parquet.iter_batches(columns=[field], batch_size=1024):
+        for batch in _batches(parquet, file, field):
             column = batch.column(0)
             if column.null_count:
                 raise DataError(f"{file}: column {field!r} has {column.null_count} null values")
             yield from column.to_pylist()
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _batches(parquet: pq.ParquetFile, file: str, field: str) -> Iterator[pa.RecordBatch]:
+    try:
+        yield from parquet.iter_batches(columns=[field], batch_size=1024)
+    except (pa.ArrowException, OSError) as e:  # damaged data pages under a good footer
+        raise DataError(f"{file}: column {field!r} is corrupt ({_one_line(e)})") from None
 
 
 def _hf_disk_texts(path: str, field: str) -> Iterator[str]:
@@ -165,6 +181,9 @@ def _hf_disk_texts(path: str, field: str) -> Iterator[str]:
         ds = datasets.load_from_disk(path)
     except FileNotFoundError as e:
         raise DataError(f"dataset_path={path!r} is not a save_to_disk dataset ({e})") from e
+    except (ValueError, KeyError, TypeError, OSError) as e:  # a damaged state or info file
+        raise DataError(f"dataset_path={path!r} is a damaged save_to_disk dataset "
+                        f"({type(e).__name__}: {_one_line(e)})") from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise DataError(f"dataset_path={path!r} has splits {list(ds)}, no 'train'")
@@ -173,5 +192,8 @@ def _hf_disk_texts(path: str, field: str) -> Iterator[str]:
         raise DataError(
             f"dataset_path={path!r}: no column text_field={field!r} (columns: {ds.column_names})"
         )
+    kind = getattr(ds.features[field], "dtype", None) or ds.features[field]
+    if kind not in ("string", "large_string"):
+        raise DataError(f"dataset_path={path!r}: column {field!r} holds {kind}, not strings")
     for batch in ds.select_columns([field]).iter(batch_size=1024):
         yield from batch[field]

@@ -1,7 +1,7 @@
 """Local paths and fsspec URLs (gs://, s3://, memory://, file://) behind one small interface.
 
-Remote files are read by byte range (`read_range`), never downloaded whole; a local file is
-memory-mapped by its reader instead.
+Remote files are read by byte range (fsspec's `cat_file(path, start, end)`), never downloaded
+whole; a local file is memory-mapped by its reader instead (data/store.py).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def glob_files(pattern: str, suffixes: tuple[str, ...], error: type[Exception]) 
         found = [p for p in fs.find(path) if p.endswith(suffixes)]
     elif fs.isfile(path):
         found = [path]
+    elif fs.exists(path):
+        raise error(f"dataset_path={pattern!r} is neither a regular file nor a folder")
     else:
         raise error(f"dataset_path={pattern!r} does not exist")
     if not found:
@@ -62,8 +64,3 @@ def glob_dirs(spec: str) -> list[str]:
         else:
             out.append(item)
     return out
-
-
-def read_range(url: str, start: int, stop: int) -> bytes:
-    fs, path = filesystem(url)
-    return fs.cat_file(path, start=start, end=stop)

@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.data.dataset import Split, source_files
+from titan_jax.data.dataset import Split, read_documents, source_files
 from titan_jax.data.paths import filesystem, join
 from titan_jax.data.prepare import prepare_store
 from titan_jax.data.store import Corpus, open_corpus, read_manifest
@@ -65,7 +65,10 @@ def check_inputs(config: JobConfig, tokenizer: Tokenizer) -> None:
     for spec in [m.path for m in t.mixture] or [t.dataset_path] * (t.dataset == "tokens"):
         open_corpus(spec, tokenizer)
     if not t.mixture and t.dataset != "tokens":
-        source_files(t.dataset, t.dataset_path, "train")
+        for file in source_files(t.dataset, t.dataset_path, "train"):
+            # Each file opens and yields its first document: unreadable, damaged or mistyped
+            # files fail here, before the store is written.
+            next(iter(read_documents(t.dataset, file, t.text_field)), None)
     if v.enable:
         try:
             if v.dataset == "tokens":

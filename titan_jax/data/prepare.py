@@ -217,6 +217,8 @@ def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer
         fs.rm(join(folder, f"shard-{i:05d}.json"))
     fs.rm(join(folder, "request.json"))
     if local:
+        if fs.exists(out_path):  # empty (checked above): a move would land inside it
+            fs.rmdir(out_path)
         fs.mv(folder, out_path, recursive=True)
     progress(f"{output}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents "
              f"from {len(mine)} of {len(files)} input files")

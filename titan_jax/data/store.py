@@ -58,7 +58,7 @@ def read_manifest(store: str) -> dict[str, Any] | None:
 
 @dataclass
 class Shard:
-    """One input file's tokens in one store."""
+    """One input file's tokens in one store; `local`: memory-mapped, else read by range."""
 
     store: str
     entry: dict[str, Any]  # the manifest's record of it
@@ -68,7 +68,7 @@ class Shard:
         tokens, docs = shard_names(self.entry["file_index"])
         self.tokens_url, self.docs_url = join(self.store, tokens), join(self.store, docs)
         self.num_tokens = int(self.entry["tokens"])
-        self._local = is_local(self.tokens_url)
+        self.local = is_local(self.tokens_url)
         self._tokens: Any = None
         self._docs: np.ndarray | None = None
 
@@ -97,11 +97,12 @@ class Shard:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of this shard."""
-        if self._local:
+        if self.local:
             if self._tokens is None:
                 self._tokens = np.memmap(filesystem(self.tokens_url)[1], self.dtype, mode="r")
             return self._tokens[start:stop]
-        if self._tokens is None:
+        if self._tokens is None:  # checked at first use: a request per file, not per window
+            self.check_sizes()
             self._tokens = filesystem(self.tokens_url)
         fs, path = self._tokens
         size = self.dtype.itemsize
@@ -110,7 +111,7 @@ class Shard:
     def document_ends(self) -> np.ndarray:
         if self._docs is None:
             fs, path = filesystem(self.docs_url)
-            if self._local:
+            if self.local:
                 self._docs = np.memmap(path, np.int64, mode="r")
             else:  # 8 bytes a document: read once
                 self._docs = np.frombuffer(fs.cat_file(path), np.int64)
@@ -120,9 +121,8 @@ class Shard:
 class Corpus:
     """Several stores' shards as one token sequence."""
 
-    def __init__(self, shards: Sequence[Shard], where: str):
+    def __init__(self, shards: Sequence[Shard]):
         self.shards = list(shards)
-        self.where = where
         sizes = np.array([s.num_tokens for s in self.shards], np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])
         self.num_tokens = int(self.starts[-1])
@@ -189,9 +189,10 @@ def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.datase
             raise StoreError(f"{what}={spec!r}: the stores of {group[0].store} lack input files "
                              f"{missing[:8]} of {files[key]} (a --shard-index not prepared yet?)")
         shards.extend(group)
-    for shard in shards:
-        shard.check_sizes()
-    corpus = Corpus(shards, spec)
+    for shard in shards:  # remote shards: at their first read (thousands of requests otherwise)
+        if shard.local:
+            shard.check_sizes()
+    corpus = Corpus(shards)
     if corpus.num_tokens < 2:
         raise StoreError(f"{what}={spec!r} holds {corpus.num_tokens} tokens")
     return corpus

@@ -67,14 +67,25 @@ def load_tokenizer(path: str = "") -> Tokenizer:
     if not file.is_file():
         raise TokenizerError(f"tokenizer path {path!r}: no tokenizer.json file at {str(file)!r}")
     config = _read_config(file.parent / "tokenizer_config.json")
-    return _from_json(file.read_text(encoding="utf-8"), where=str(file), config=config)
+    return _from_json(_read_text(file), where=str(file), config=config)
+
+
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"tokenizer file {str(file)!r} is not UTF-8 text (byte {e.start}); "
+                             "tokenizer.json files are UTF-8 JSON") from None
+    except OSError as e:
+        raise TokenizerError(f"tokenizer file {str(file)!r} cannot be read: {e.strerror or e}"
+                             ) from None
 
 
 def _read_config(file: Path) -> dict:
     if not file.is_file():
         return {}
     try:
-        config = json.loads(file.read_text(encoding="utf-8"))
+        config = json.loads(_read_text(file))
     except json.JSONDecodeError as e:
         raise TokenizerError(f"tokenizer config {str(file)!r} is not valid JSON: {e}") from e
     if not isinstance(config, dict):

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from titan_jax.config import ConfigError
-from titan_jax.models.sharding_hooks import run_per_shard
+from titan_jax.models.sharding_hooks import SequenceSplit, run_per_shard, sequence_split
 
 Array = jax.Array
 ATTENTION_BACKENDS = ("auto", "xla", "splash", "cudnn")
+# Backends that run under context parallelism (a query shard against gathered K/V).
+CP_ATTENTION = ("xla", "splash")
 Q_AXES = ("batch", "seq", "heads", "head_dim")
 KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 # Splash tiles, largest first: the kernel needs kv blocks that are multiples of 128 lanes; 512
@@ -82,19 +85,25 @@ def splash_block(seq_len: int, field: str = "training.seq_len") -> int:
 
 
 def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
-                         segment_ids_BT: Array | None = None, q_start: Array | None = None
+                         segment_ids_BT: Array | None = None, q_pos_T: Array | None = None,
+                         k_pos_S: Array | None = None, kv_segment_ids_BS: Array | None = None
                          ) -> Array:
     """Causal softmax attention; each group of n_heads/n_kv query heads shares one kv head.
-    q_start: the queries' first position among the keys' (a KV cache's); None: 0, S = T."""
+    segment_ids_BT: attend within equal ids only (kv_segment_ids_BS: the keys' ids, when they
+    differ from the queries'). q_pos_T, k_pos_S: the tokens' positions when they are not
+    0..T-1 and 0..S-1 (context parallelism: a shard of queries against the gathered keys);
+    the causal mask is then by position."""
     b, t, n, h = q_BTNH.shape
     kv = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    s = k_BSKH.shape[1]
-    allowed = (jnp.tril(jnp.ones((t, s), dtype=bool)) if q_start is None  # (T, S) causal
-               else jnp.arange(s)[None, :] <= (q_start + jnp.arange(t))[:, None])
+    if q_pos_T is None:
+        allowed = jnp.tril(jnp.ones((t, k_BSKH.shape[1]), dtype=bool))  # (T, S) causal
+    else:
+        allowed = q_pos_T[:, None] >= k_pos_S[None, :]
     if segment_ids_BT is not None:  # and within one document: (B, 1, 1, T, S)
-        same = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+        kv_ids = segment_ids_BT if kv_segment_ids_BS is None else kv_segment_ids_BS
+        same = segment_ids_BT[:, :, None] == kv_ids[:, None, :]
         allowed = (allowed & same)[:, None, None]
     scores = jnp.where(allowed, scores * scale, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)  # fp32 softmax, as HF
@@ -131,6 +140,88 @@ def splash_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
     return heads_major(out_BNTH)
 
 
+def splash_cp_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, cp: int,
+                        chunks: Array, interpret: bool = False, q_ids_BT: Array | None = None,
+                        kv_ids_BS: Array | None = None) -> Array:
+    """Splash under context parallelism: this rank's two query chunks (global chunks
+    `chunks` of 2 x cp, traced) against the whole sequence's K/V in position order. The
+    kernel is built for the whole causal mask split into 2 x cp query shards
+    (`q_seq_shards`); each chunk runs with its shard's slice of the mask's block tables,
+    whose query offsets keep the mask causal by global position. q_ids_BT, kv_ids_BS: segment
+    ids of this rank's queries and of all keys (document masking)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    chunk, n, s = q_BTNH.shape[1] // 2, q_BTNH.shape[2], k_BSKH.shape[1]
+    block = splash_block(chunk)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                              block_q_dq=block, block_kv_dq=block)
+    mask = splash.MultiHeadMask([splash.CausalMask((s, s), shard_count=2 * cp)] * n)
+    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1,
+                                    q_seq_shards=2 * cp, interpret=interpret)
+    heads_major = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+    q = heads_major(q_BTNH * jnp.asarray(scale, q_BTNH.dtype))
+    k, v = heads_major(k_BSKH), heads_major(v_BSKH)
+    outs = []
+    for i in range(2):
+        part, rows = _query_shard(kernel, chunks[i], 2 * cp), slice(i * chunk, (i + 1) * chunk)
+        if q_ids_BT is None:
+            outs.append(jax.vmap(part)(q[:, :, rows], k, v))
+        else:
+            with_ids = lambda q, k, v, qi, ki, part=part: part(  # noqa: E731
+                q, k, v, segment_ids=splash.SegmentIds(q=qi, kv=ki))
+            outs.append(jax.vmap(with_ids)(q[:, :, rows], k, v, q_ids_BT[:, rows], kv_ids_BS))
+    return heads_major(jnp.concatenate(outs, axis=2))
+
+
+def _query_shard(kernel: Any, shard: Array, n_shards: int) -> Any:
+    """The splash kernel restricted to query shard `shard` of `n_shards` (traced): the slice
+    of its block tables a shard_map over the query sequence would hand that shard
+    (`SplashAttentionKernel.manual_sharding_spec`)."""
+    def cut(x: Array | None, dim: int) -> Array | None:
+        if x is None:
+            return None
+        size = x.shape[dim] // n_shards
+        return jax.lax.dynamic_slice_in_dim(x, shard * size, size, dim)
+
+    def cut_info(info: Any) -> Any:
+        if info is None:
+            return None
+        return info._replace(data_next=cut(info.data_next, 1), mask_next=cut(info.mask_next, 1),
+                             block_mask=cut(info.block_mask, 1),
+                             q_sequence=cut(info.q_sequence, 0))
+
+    infos, kwargs = kernel.tree_flatten()
+    return type(kernel).tree_unflatten(kwargs, [cut_info(i) for i in infos])
+
+
+def _split_sequence_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
+                              backend: str, platform: str, split: SequenceSplit,
+                              segment_ids_BT: Array | None) -> Array:
+    """This shard's queries against the whole sequence's K/V (and segment ids), gathered over
+    the split."""
+    t = q_BTNH.shape[1]
+    k_BSKH, v_BSKH = split.gather(k_BSKH), split.gather(v_BSKH)
+    kv_ids_BS = None if segment_ids_BT is None else split.gather(segment_ids_BT)
+    if backend == "xla":
+        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT,
+                                    split.positions(t), split.gathered_positions(t), kv_ids_BS)
+    if backend != "splash":
+        raise ValueError(f"attention backend {backend!r} cannot run under context "
+                         f"parallelism; use one of {', '.join(CP_ATTENTION)}")
+
+    def kernel(q: Array, k: Array, v: Array, *ids: Array) -> Array:
+        return splash_cp_attention(q, k, v, scale, split.degree, split.chunks(),
+                                   platform != "tpu", *ids)
+
+    args = (q_BTNH, split.in_position_order(k_BSKH), split.in_position_order(v_BSKH))
+    axes = (Q_AXES, KV_AXES, KV_AXES)
+    if segment_ids_BT is not None:
+        args += (segment_ids_BT, split.in_position_order(kv_ids_BS))
+        axes += (("batch", "seq"), ("batch", "seq"))
+    return run_per_shard(kernel, args, axes, Q_AXES)
+
+
 def cudnn_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
                     implementation: str = "cudnn") -> Array:
     """cuDNN's fused causal attention; (B, T, N, H) layout and GQA are native to it.
@@ -152,9 +243,19 @@ def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, backend
               q_start: Array | None = None) -> Array:
     """Causal GQA attention by `backend` (resolved: "xla" | "splash" | "cudnn"). The kernels
     run per device shard (`run_per_shard`); XLA's einsums are partitioned by the compiler.
-    q_start: queries after a KV cache's first position (decoding: the xla path only)."""
+    q_start: queries after a KV cache's first position (decoding: the xla path only).
+    Under context parallelism (`sequence_split`) q holds this shard's tokens and K/V are
+    gathered over the whole sequence first."""
+    split = sequence_split()
+    if split.degree > 1:
+        return _split_sequence_attention(q_BTNH, k_BSKH, v_BSKH, scale, backend, platform,
+                                         split, segment_ids_BT)
     if backend == "xla":
-        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT, q_start)
+        if q_start is None:
+            return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT)
+        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT,
+                                    q_start + jnp.arange(q_BTNH.shape[1]),
+                                    jnp.arange(k_BSKH.shape[1]))
     if q_start is not None:
         raise ValueError(f"a KV cache (decoding) needs the xla attention, not {backend}")
     if segment_ids_BT is None:

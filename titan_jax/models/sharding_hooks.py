@@ -6,13 +6,16 @@ A model calls four functions, naming dimensions by logical axis only (`("batch",
 - `constrain(x, logical_axes)`: an activation pinned to its layout;
 - `dispatch_to_experts(rows, experts, n_local, ffn)`: MoE picks through their experts' FFN;
 - `run_per_shard(kernel, args, in_axes, out_axes)`: a kernel the compiler cannot partition
-  (Pallas), run on each device's shard.
+  (Pallas), run on each device's shard;
+- `sequence_split()`: where this shard's tokens sit in the sequence, for RoPE and attention
+  (context parallelism splits it).
 The step adds a fifth, `loss_map`, around the summed loss (how the batch's computation is
 split). The base class is no parallelism: a weight read is a cast to the compute dtype, a
-constraint does nothing, every expert is local, a kernel sees the whole arrays and the loss is
-one computation. SimpleFSDP (`titan_jax/parallel/simple_fsdp.py`) overrides them from the one
-rules table; the step installs it (`installed()`) around its whole trace, so the hooks are
-active in custom_vjp backward rules too (they run after the forward has returned). So the
+constraint does nothing, every expert is local, a kernel sees the whole arrays, the whole
+sequence is here and the loss is one computation. SimpleFSDP
+(`titan_jax/parallel/simple_fsdp.py`) overrides them from the one rules table; the step
+installs it (`installed()`) around its whole trace, so the hooks are active in custom_vjp
+backward rules too (they run after the forward has returned). So the
 model never knows the mesh.
 
 Gathered weights carry the checkpoint name `GATHERED_PARAM`; that name alone is how remat
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +45,47 @@ ExpertFFN = Callable[[jax.Array, jax.Array], jax.Array]
 Kernel = Callable[..., jax.Array]
 # A batch's summed loss and its aux, (params, buffers, inputs_BT, labels_BT) -> (scalar, aux).
 SummedLoss = Callable[[Params, Params, jax.Array, jax.Array], tuple[jax.Array, Aux]]
+
+
+class SequenceSplit(Protocol):
+    """How each sequence is split over devices (context parallelism). A forward sees its shard's
+    tokens: `positions(t)` are their global positions (t = the local length), `gather(x)` the
+    whole sequence of a (B, t, ...) activation (K/V) along dim 1, whose tokens sit at
+    `gathered_positions(t)`; `in_position_order` reorders such a gathered array by position.
+    Under degree > 1 a shard holds two of the 2 x degree equal chunks, `chunks()` their
+    indices. `degree` 1: the whole sequence is here."""
+
+    degree: int
+
+    def positions(self, t_local: int) -> jax.Array: ...
+
+    def gathered_positions(self, t_local: int) -> jax.Array: ...
+
+    def gather(self, x: jax.Array) -> jax.Array: ...
+
+    def in_position_order(self, x: jax.Array) -> jax.Array: ...
+
+    def chunks(self) -> jax.Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeSequence:
+    degree: int = 1
+
+    def positions(self, t_local: int) -> jax.Array:
+        return jnp.arange(t_local)
+
+    def gathered_positions(self, t_local: int) -> jax.Array:
+        return jnp.arange(t_local)
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        return x
+
+    def in_position_order(self, x: jax.Array) -> jax.Array:
+        return x
+
+    def chunks(self) -> jax.Array:
+        return jnp.zeros((1,), jnp.int32)
 
 
 class Parallelism:
@@ -71,6 +117,10 @@ class Parallelism:
         del in_axes, out_axes
         return kernel(*args)
 
+    def sequence_split(self) -> SequenceSplit:
+        """How each sequence is split over devices (see SequenceSplit)."""
+        return WholeSequence()
+
     def loss_map(self, summed_loss: SummedLoss) -> SummedLoss:
         """A transform of the summed loss, applied before it is differentiated."""
         return summed_loss
@@ -98,6 +148,11 @@ def use_param(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
         raise ValueError(f"a weight of shape {value.shape} is used with logical axes {axes}; "
                          "a stacked weight is used one layer at a time, inside the layer scan")
     return checkpoint_name(_ACTIVE.get().use_param(value, axes, dtype), GATHERED_PARAM)
+
+
+def sequence_split() -> SequenceSplit:
+    """How the sequences of the running forward are split (see SequenceSplit)."""
+    return _ACTIVE.get().sequence_split()
 
 
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Device mesh from `[parallelism]`: axes (dp_replicate, fsdp, ep, tp), checked against the
+"""Device mesh from `[parallelism]`: axes (dp_replicate, fsdp, cp, ep, tp), checked against the
 devices and laid on their topology: ICI axes inside a slice, one data-parallel axis over DCN."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from jax.sharding import AxisType, Mesh
 
 from titan_jax.config import ConfigError, Parallelism
 
-MESH_AXES = ("dp_replicate", "fsdp", "ep", "tp")
+# cp (context parallelism) sits next to the model-parallel axes: its K/V all-gather runs in
+# every layer, so it wants the nearer links after tp and ep.
+MESH_AXES = ("dp_replicate", "fsdp", "cp", "ep", "tp")
 
 
 def set_cpu_device_count(n: int) -> None:
@@ -30,12 +32,14 @@ def set_cpu_device_count(n: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class MeshDegrees:
     """Sizes of the mesh axes. The data-parallel shard degree (TorchTitan's dp_shard) is
-    fsdp x ep: expert parallelism is carved out of it, as in TorchTitan."""
+    fsdp x ep: expert parallelism is carved out of it, as in TorchTitan. `cp` splits each
+    sequence; weights are sharded over it too (TorchTitan: over dp_shard x cp)."""
 
     dp_replicate: int
     fsdp: int
     tp: int
     ep: int = 1
+    cp: int = 1
 
     @property
     def dp_shard(self) -> int:
@@ -43,12 +47,18 @@ class MeshDegrees:
 
     @property
     def dp(self) -> int:
+        """Ranks holding different rows of the batch (cp ranks share rows, split sequences)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def weight_shard(self) -> int:
+        """Ranks a weight is sharded over (FSDP's dp_shard, with cp folded in)."""
+        return self.dp_shard * self.cp
 
     @property
     def mode(self) -> str:
         """SimpleFSDP's data-parallel mode for these degrees."""
-        if self.dp_replicate > 1 and self.dp_shard > 1:
+        if self.dp_replicate > 1 and self.weight_shard > 1:
             return "hybrid_shard"
         if self.dp_replicate > 1:
             return "replicate"
@@ -58,13 +68,14 @@ class MeshDegrees:
 def resolve_degrees(p: Parallelism, n_devices: int) -> MeshDegrees:
     """Fills data_parallel_shard_degree=-1, carves the ep axis out of it, and checks the
     product equals the device count."""
-    fixed = p.data_parallel_replicate_degree * p.tensor_parallel_degree
+    cp = p.context_parallel_degree
+    fixed = p.data_parallel_replicate_degree * p.tensor_parallel_degree * cp
     shard = p.data_parallel_shard_degree
     if shard == -1:
         if n_devices % fixed:
             raise ConfigError(
-                f"parallelism: data_parallel_replicate_degree x tensor_parallel_degree = {fixed} "
-                f"does not divide {n_devices} devices"
+                f"parallelism: data_parallel_replicate_degree x tensor_parallel_degree x "
+                f"context_parallel_degree = {fixed} does not divide {n_devices} devices"
             )
         shard = n_devices // fixed
     ep = p.expert_parallel_degree
@@ -73,12 +84,13 @@ def resolve_degrees(p: Parallelism, n_devices: int) -> MeshDegrees:
             f"parallelism.expert_parallel_degree={ep} must divide the data-parallel shard degree "
             f"{shard} (experts are split over part of the FSDP ranks, as in TorchTitan)")
     degrees = MeshDegrees(p.data_parallel_replicate_degree, shard // ep,
-                          p.tensor_parallel_degree, ep)
-    product = degrees.dp_replicate * degrees.dp_shard * degrees.tp
+                          p.tensor_parallel_degree, ep, cp)
+    product = degrees.dp_replicate * degrees.dp_shard * degrees.tp * cp
     if product != n_devices:
         raise ConfigError(
             f"parallelism degrees dp_replicate={degrees.dp_replicate} x fsdp={degrees.dp_shard} x "
-            f"tp={degrees.tp} = {product} but there are {n_devices} devices; the product must "
+            f"cp={cp} x tp={degrees.tp} = {product} but there are {n_devices} devices; the "
+            "product must "
             "equal the device count (set data_parallel_shard_degree = -1 to fill)"
         )
     return degrees
@@ -107,7 +119,7 @@ def slices_of(devices: list[jax.Device], num_slices: int = -1) -> list[list[jax.
 def dcn_axis(degrees: MeshDegrees, num_slices: int) -> int:
     """Which mesh axis spans the slices: HSDP's replicate axis when the slice count divides it
     (only the once-per-step gradient all-reduce crosses the slow network), else FSDP (its
-    gathers cross it every layer). TP and EP always stay inside a slice."""
+    gathers cross it every layer). TP, EP and CP always stay inside a slice."""
     if degrees.dp_replicate % num_slices == 0:
         return MESH_AXES.index("dp_replicate")
     if degrees.fsdp % num_slices == 0:
@@ -125,7 +137,7 @@ def build_mesh(degrees: MeshDegrees, devices: list[jax.Device] | None = None,
     collectives stay on the nearest links, ep next), and with several slices one data-parallel
     axis spans them over DCN (`dcn_axis`), as MaxText's hybrid meshes do."""
     devices = jax.devices() if devices is None else devices
-    shape = (degrees.dp_replicate, degrees.fsdp, degrees.ep, degrees.tp)
+    shape = (degrees.dp_replicate, degrees.fsdp, degrees.cp, degrees.ep, degrees.tp)
     slices = slices_of(devices, num_slices)
     axis = dcn_axis(degrees, len(slices)) if len(slices) > 1 else 0
     slice_shape = list(shape)

@@ -10,7 +10,10 @@ splits it. Every sharding in a run is derived here, once:
   axes (`data_axes`, the batch's) gathered, tensor-parallel splits kept;
 - an activation's spec: the compute view too, so the data-parallel axes split only `batch`.
 `expert` keeps its split in compute too: expert parallelism (`ep`, carved out of the FSDP
-ranks as in TorchTitan) means each rank computes only the experts it holds.
+ranks as in TorchTitan) means each rank computes only the experts it holds. Context
+parallelism splits `seq` over `cp`; since each cp rank sees different tokens, `cp` is one more
+data-parallel axis for the weights (stored sharded over it, gathered at use, gradients reduced
+over it: TorchTitan shards parameters over dp_shard x cp).
 
 SimpleFSDP's modes need no separate tables: weights are sharded over `fsdp`, which has size 1
 under pure replication (DDP), and the batch over (dp_replicate, fsdp). Tensor parallelism is
@@ -36,11 +39,11 @@ MeshAxes = str | tuple[str, ...] | None
 DEFAULT_TABLE: Mapping[str, MeshAxes] = {
     # Activations only.
     "batch": ("dp_replicate", "fsdp", "ep"),
-    "seq": None,
+    "seq": "cp",  # context parallelism (load-balanced chunks: parallel/context_parallel.py)
     # Parameters (and activations, in the compute view).
     "layers": None,  # scanned over, never split
-    "embed": ("fsdp", "ep"),  # the SimpleFSDP shard dimension of every weight that has it
-    "norm": ("fsdp", "ep"),
+    "embed": ("fsdp", "cp", "ep"),  # SimpleFSDP's shard dimension of every weight that has it
+    "norm": ("fsdp", "cp", "ep"),
     "vocab": "tp",
     "heads": "tp",
     "kv_heads": "tp",
@@ -48,11 +51,12 @@ DEFAULT_TABLE: Mapping[str, MeshAxes] = {
     "head_dim": None,
     # MoE experts: split over ep (expert parallelism), their model dim FSDP-split over the rest.
     "expert": "ep",
-    "moe_embed": "fsdp",
+    "moe_embed": ("fsdp", "cp"),
 }
-# Logical axes whose data-parallel splits survive into compute: the batch (it is the data) and
-# the experts (under expert parallelism each rank computes the experts it holds).
-KEPT_IN_COMPUTE = ("batch", "expert")
+# Logical axes whose data-parallel splits survive into compute: the batch and the sequence (they
+# are the data) and the experts (under expert parallelism each rank computes the experts it
+# holds).
+KEPT_IN_COMPUTE = ("batch", "seq", "expert")
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
@@ -98,10 +102,27 @@ class ShardingRules:
                                         f"{unknown[0]!r} (axes: {', '.join(self.mesh.shape)})")
 
     @property
-    def data_axes(self) -> tuple[str, ...]:
-        """Mesh axes the batch is split over (tokens differ across them): the data-parallel
-        axes a weight is gathered over at use and its gradient reduced over."""
+    def batch_axes(self) -> tuple[str, ...]:
+        """Mesh axes the batch's rows are split over."""
         return _as_tuple(self.table.get("batch"))
+
+    @property
+    def seq_axes(self) -> tuple[str, ...]:
+        """Mesh axes each sequence is split over (context parallelism)."""
+        return tuple(a for a in _as_tuple(self.table.get("seq")) if a not in self.batch_axes)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Mesh axes tokens differ across (rows, then sequence chunks): the data-parallel axes a
+        weight is gathered over at use and its gradient reduced over."""
+        return self.batch_axes + self.seq_axes
+
+    @property
+    def batch_spec(self) -> PartitionSpec:
+        """The layout of a (rows, seq) batch of tokens: rows over the batch axes, each
+        sequence (in context parallelism's load-balanced order) over the seq axes."""
+        seq = self.seq_axes  # size-1 axes kept: the shard_map's tokens vary over every data axis
+        return PartitionSpec(self.batch_axes, (seq[0] if len(seq) == 1 else seq) or None)
 
     def storage_spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...]
                      ) -> PartitionSpec:

@@ -55,9 +55,11 @@ from titan_jax.models.sharding_hooks import (
     Kernel,
     LogicalAxes,
     Parallelism,
+    SequenceSplit,
     SummedLoss,
 )
 from titan_jax.models.spec import Aux, Params
+from titan_jax.parallel.context_parallel import CP, ContextParallel
 from titan_jax.parallel.expert_parallel import all_to_all_dispatch
 from titan_jax.parallel.per_shard import jit_per_shard, manual_per_shard
 from titan_jax.parallel.rules import ShardingRules
@@ -184,6 +186,9 @@ class SimpleFSDP(Parallelism):
         if self.implementation == "jit" and self.ep > 1:
             raise ValueError("expert parallelism needs the shard_map implementation (the "
                              "partitioner does not lower the jit path's dispatch to all-to-alls)")
+        if self.implementation == "jit" and self.mesh.shape.get(CP, 1) > 1:
+            raise ValueError("context parallelism needs the shard_map implementation (its K/V "
+                             "gathers run over the manual cp axis)")
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -200,6 +205,10 @@ class SimpleFSDP(Parallelism):
     @property
     def ep(self) -> int:
         return self.mesh.shape.get("ep", 1)
+
+    @property
+    def cp(self) -> int:
+        return self.mesh.shape.get(CP, 1)
 
     def use_param(self, value: jax.Array, logical_axes: LogicalAxes, dtype: jnp.dtype
                   ) -> jax.Array:
@@ -232,6 +241,11 @@ class SimpleFSDP(Parallelism):
         if self.ep == 1:
             return super().dispatch_to_experts(rows_MD, experts_M, n_local, ffn)
         return all_to_all_dispatch(rows_MD, experts_M, n_local, ffn, "ep", self.ep)
+
+    def sequence_split(self) -> SequenceSplit:
+        """Under context parallelism each rank holds two chunks of every sequence and gathers
+        K/V over `cp` (`parallel/context_parallel.py`)."""
+        return ContextParallel(self.cp) if self.cp > 1 else super().sequence_split()
 
     def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
                       in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
@@ -270,7 +284,7 @@ class SimpleFSDP(Parallelism):
                                    is_leaf=is_spec)
         buffer_specs = jax.tree.map(lambda _: PartitionSpec(), self.buffer_specs,  # whole
                                     is_leaf=is_spec)
-        rows = PartitionSpec(data)
+        rows = self.rules.batch_spec  # rows, and under context parallelism sequence chunks
 
         def local(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
                   ) -> tuple[jax.Array, Aux]:

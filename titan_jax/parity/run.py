@@ -22,7 +22,7 @@ from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.pipeline import training_sources
 from titan_jax.data.tokenizer import load_tokenizer
 from titan_jax.data.windows import WindowStream
-from titan_jax.models.qwen3 import Qwen3Args, build_model_def, get_flavor
+from titan_jax.models.qwen3 import QWEN3, Qwen3Args, build_model_def, get_flavor
 from titan_jax.models.qwen3.hf import iter_hf_tensors, load_hf_params, save_hf
 from titan_jax.models.qwen3.hf_config import read_hf_config
 from titan_jax.models.qwen3.hf_tensors import fused_expert_layout
@@ -119,6 +119,11 @@ def _compare_reference(name: str, args: Qwen3Args, hf_dir: Path, our_logits: np.
             _compare_hf(result, args, hf_dir, our_logits, our_loss, our_grads, tokens,
                         prompt_len, inputs, labels)
         return result
+    if args.yarn is not None:
+        result.unavailable = ("torchtitan's YaRN RoPE leaves out HF's attention factor on "
+                              "cos/sin, so it is no reference for it (compare with "
+                              "--reference hf)")
+        return result
     from titan_jax.parity import torchtitan_ref
 
     result.unavailable = torch_unavailable_reason() or torchtitan_ref.unavailable_reason()
@@ -204,7 +209,7 @@ def run_from_config(config: JobConfig, hf_checkpoint: str | Path | None = None, 
     with tempfile.TemporaryDirectory(prefix="titan_jax_parity_") as tmp:
         if hf_checkpoint is None:
             progress(f"random init of model.flavor={config.model.flavor}, export to HF")
-            args = get_flavor(config.model.flavor)
+            args = QWEN3.configure(get_flavor(config.model.flavor), config)
             params = jax.jit(build_model_def(args).init)(jax.random.key(seed))
             save_hf(tmp, params, args)
             del params  # every side loads its own copy from the files

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_jax.atomic_dir import check_destination
+from titan_jax.atomic_dir import DestinationError, check_destination
 from titan_jax.config import ConfigError
 from titan_jax.models.qwen3 import Qwen3Args
 from titan_jax.models.qwen3.hf import (
@@ -18,6 +18,14 @@ from titan_jax.models.qwen3.hf_config import read_hf_config
 from titan_jax.train.model_io import load_orbax, save_orbax
 
 FORMATS = ("hf", "orbax")
+
+
+def _check_destination_parents(dst: Path) -> None:
+    for parent in dst.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise DestinationError(f"destination {dst} lies under {parent}, which is a file")
+            return
 
 
 def convert(src: str | Path, dst: str | Path, src_format: str, dst_format: str, *,
@@ -34,9 +42,13 @@ def convert(src: str | Path, dst: str | Path, src_format: str, dst_format: str, 
     if src_format == dst_format == "orbax":
         raise ConfigError("--from orbax --to orbax: nothing to convert")
     try:
-        parse_size(max_shard_size)
+        size = parse_size(max_shard_size)
     except ValueError as e:
         raise ConfigError(f"--max-shard-size: {e}") from None
+    if size < 1:
+        raise ConfigError(f"--max-shard-size {max_shard_size!r} must be at least 1 byte "
+                          "(e.g. 5GB)")
+    _check_destination_parents(Path(dst))
     check_destination(dst, overwrite=overwrite, source=src)
     if src_format == "hf":
         args = read_hf_config(src)

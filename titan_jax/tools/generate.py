@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from pathlib import Path
 
 import jax
@@ -41,10 +42,18 @@ class GenerateOptions:
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise GenerateError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
-        if self.temperature < 0:
-            raise GenerateError(f"--temperature {self.temperature} must be >= 0 (0 = greedy)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise GenerateError(f"--temperature {self.temperature} must be a number >= 0 "
+                                "(0 = greedy)")
         if not 0 < self.top_p <= 1:
             raise GenerateError(f"--top-p {self.top_p} must be in (0, 1]")
+        if not 0 <= self.seed < 2**31:
+            raise GenerateError(f"--seed {self.seed} must be in [0, 2**31)")
+        try:
+            self.prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # undecodable bytes in argv arrive as lone surrogates
+            raise GenerateError(f"--prompt is not UTF-8 text (character {e.start}); pass the "
+                                "prompt in UTF-8") from None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -53,6 +62,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise GenerateError(f"--checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise GenerateError(f"--checkpoint {path} is a file; give a run's checkpoint folder, "
+                            "one of its step folders, or an orbax model directory")
     if is_checkpoint_dir(path) or (path / "model_args.json").is_file():
         return path
     steps = [p for p in path.iterdir() if is_checkpoint_dir(p)]
@@ -69,47 +81,63 @@ def _orbax_args(path: Path) -> Qwen3Args:
     return read_orbax_args(path)
 
 
-def load_model(config: JobConfig, checkpoint: str | None, hf_checkpoint: str | None
-               ) -> tuple[Qwen3Args, Params, Tokenizer, jax.sharding.Mesh, str]:
-    """(args, params on the recipe's mesh, tokenizer, mesh, a description of the source)."""
+def _source(checkpoint: str | None, hf_checkpoint: str | None) -> tuple[Path, Qwen3Args]:
     if (checkpoint is None) == (hf_checkpoint is None):
         raise GenerateError("give exactly one of --checkpoint PATH or --hf-checkpoint DIR")
     if hf_checkpoint is not None:
-        source = Path(hf_checkpoint)
-        args = read_hf_config(source)
-    else:
-        source = resolve_checkpoint(checkpoint)
-        args = _orbax_args(source)
+        return Path(hf_checkpoint), read_hf_config(Path(hf_checkpoint))
+    source = resolve_checkpoint(checkpoint)
+    return source, _orbax_args(source)
+
+
+def _tokenizer(config: JobConfig, source: Path, from_hf: bool, args: Qwen3Args) -> Tokenizer:
+    # A HF model directory ships its tokenizer; the recipe's is the fallback.
+    path = str(source) if from_hf and (source / "tokenizer.json").is_file() else \
+        config.model.tokenizer_path
+    tokenizer = load_tokenizer(path)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise GenerateError(f"tokenizer {path or '(shipped)'} has vocab size "
+                            f"{tokenizer.vocab_size}, larger than the model's {args.vocab_size}")
+    return tokenizer
+
+
+def _prompt_ids(tokenizer: Tokenizer, options: GenerateOptions, args: Qwen3Args) -> list[int]:
+    ids = tokenizer.encode(options.prompt)
+    if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
+        ids = [tokenizer.bos_id, *ids]
+    if not ids:
+        raise GenerateError("--prompt is empty and the tokenizer has no BOS token to start from")
+    if len(ids) + options.max_new_tokens > args.max_seq_len:
+        room = args.max_seq_len - len(ids)
+        hint = f"lower --max-new-tokens to {room}" if room >= 1 else "shorten the prompt"
+        raise GenerateError(
+            f"--prompt of {len(ids)} tokens plus --max-new-tokens {options.max_new_tokens} "
+            f"exceeds the model's {args.max_seq_len} positions; {hint}")
+    return ids
+
+
+def _load_params(config: JobConfig, source: Path, from_hf: bool, args: Qwen3Args
+                 ) -> tuple[Params, jax.sharding.Mesh]:
+    """The weights on the shardings the recipe's mesh gives them in training."""
     # The mesh and shardings of training; its seq_len only has to fit the loaded model.
     mesh_config = copy.deepcopy(config)
     mesh_config.training.seq_len = min(config.training.seq_len, args.max_seq_len)
     trainer = build_trainer(mesh_config, model_args=args)
     shardings = trainer.state_shardings["params"]
-    if hf_checkpoint is not None:
-        params = load_hf_params(source, args, shardings)
-        # A HF model directory ships its tokenizer; the recipe's is the fallback.
-        tokenizer_path = str(source) if (source / "tokenizer.json").is_file() else \
-            config.model.tokenizer_path
-    else:
-        _, params = load_orbax(source, shardings)
-        tokenizer_path = config.model.tokenizer_path
-    tokenizer = load_tokenizer(tokenizer_path)
-    if tokenizer.vocab_size > args.vocab_size:
-        raise GenerateError(f"tokenizer {tokenizer_path or '(shipped)'} has vocab size "
-                         f"{tokenizer.vocab_size}, larger than the model's {args.vocab_size}")
-    return args, params, tokenizer, trainer.mesh, str(source)
+    if from_hf:
+        return load_hf_params(source, args, shardings), trainer.mesh
+    return load_orbax(source, shardings)[1], trainer.mesh
 
 
 def generate_text(config: JobConfig, checkpoint: str | None, hf_checkpoint: str | None,
                   options: GenerateOptions) -> tuple[str, str]:
     """(the prompt's continuation, the weights' source); stops at EOS or max_new_tokens."""
-    options.validate()
-    args, params, tokenizer, mesh, source = load_model(config, checkpoint, hf_checkpoint)
-    prompt_ids = tokenizer.encode(options.prompt)
-    if tokenizer.bos_id is not None and (not prompt_ids or prompt_ids[0] != tokenizer.bos_id):
-        prompt_ids = [tokenizer.bos_id, *prompt_ids]
-    if not prompt_ids:
-        raise GenerateError("--prompt is empty and the tokenizer has no BOS token to start from")
+    options.validate()  # every input checked before the weights are read
+    source, args = _source(checkpoint, hf_checkpoint)
+    from_hf = hf_checkpoint is not None
+    tokenizer = _tokenizer(config, source, from_hf, args)
+    prompt_ids = _prompt_ids(tokenizer, options, args)
+    params, mesh = _load_params(config, source, from_hf, args)
     dtype = resolve_param_dtype(config.training.mixed_precision_param, list(mesh.devices.flat))
     with jax.set_mesh(mesh):
         tokens = decode.generate(
@@ -119,4 +147,4 @@ def generate_text(config: JobConfig, checkpoint: str | None, hf_checkpoint: str 
     new = [int(t) for t in np.asarray(tokens)[0, len(prompt_ids):]]
     if tokenizer.eos_id in new:
         new = new[:new.index(tokenizer.eos_id)]
-    return tokenizer.decode(new), source
+    return tokenizer.decode(new), str(source)

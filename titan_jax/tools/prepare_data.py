@@ -31,11 +31,19 @@ def prepare_data(config: JobConfig, output: str, *, workers: int = 1, num_shards
         raise ConfigError("training.dataset='tokens' is already a token store; prepare-data "
                           "reads a source: pydoc, text, jsonl, parquet or hf_disk")
     start = time.perf_counter()
+    messages: list[str] = []
+
+    def progress(message: str) -> None:
+        messages.append(message)
+        _progress(message)
+
     manifest = prepare_store(dataset=t.dataset, dataset_path=t.dataset_path,
                              text_field=t.text_field, tokenizer=tokenizer, output=output,
                              workers=workers, num_shards=num_shards, shard_index=shard_index,
-                             progress=_progress)
+                             progress=progress)
     seconds = time.perf_counter() - start
+    if messages and "already prepared" in messages[-1]:
+        return manifest
     _progress(f"done in {seconds:.1f} s ({manifest['tokens'] / max(seconds, 1e-9):,.0f} "
               "tokens/s); train from it with --training.dataset tokens "
               f"--training.dataset_path {output}")

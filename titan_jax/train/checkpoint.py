@@ -16,7 +16,9 @@ checkpoint and anything else is a save that never finished (cleaned up at the ne
 Restores go straight into abstract targets that carry the current run's shardings, so a
 checkpoint saved on one mesh loads onto any other. Every array's checksum (a wrapping sum of its
 raw bits, independent of sharding) is recorded at save and checked at restore: orbax itself does
-not notice overwritten bytes.
+not notice overwritten bytes (flipped bytes in a data file restore silently). The pass runs
+where the arrays live, fused with the finite check: a save adds no host copy to orbax's own
+(its one host copy of the state, written in the background).
 """
 
 from __future__ import annotations
@@ -31,12 +33,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from titan_jax.config import JobConfig
 from titan_jax.errors import TitanJaxError, root_cause
+from titan_jax.train.checksums import checksums
 from titan_jax.train.state_formats import count_from_schedule, schedule_counted
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer
@@ -44,7 +45,6 @@ from titan_jax.trees import leaf_name, named_leaves
 
 FORMAT_VERSION = 1
 MODEL_KEYS = ("params", "buffers")  # the TrainState keys a model-only checkpoint holds
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
 class CheckpointError(TitanJaxError, ValueError):
@@ -88,38 +88,6 @@ class Restored:
     source: str = ""  # what was loaded, for the log
 
 
-def _local_summary(x: jax.Array) -> tuple[int, bool]:
-    """(sum mod 2**32 of the raw bits of this process's share of `x`, whether it is finite).
-
-    Computed on the host from each distinct shard: XLA:CPU reduces integers slowly, and the
-    shards are copied to the host for the save anyway.
-    """
-    total, finite = 0, True
-    floating = jnp.issubdtype(x.dtype, jnp.floating)
-    for shard in x.addressable_shards:
-        if shard.replica_id:  # each element counted once, whatever the replication
-            continue
-        a = np.asarray(shard.data)
-        total += int(np.sum(a.view(_UINT[a.itemsize]), dtype=np.uint32))
-        finite = finite and (not floating or bool(np.isfinite(a).all()))
-    return total % 2**32, finite
-
-
-def _checksums(tree: Any) -> tuple[dict[str, int], bool]:
-    """(checksum of every leaf by name, whether every floating leaf is finite).
-
-    A checksum is a sum of the raw bits mod 2**32: independent of the sharding and the order of
-    shards, and changed by any overwritten word.
-    """
-    named = named_leaves(tree)
-    summaries = [_local_summary(x) for x in named.values()]
-    sums = np.array([s for s, _ in summaries] + [all(f for _, f in summaries)], np.uint32)
-    if jax.process_count() > 1:  # add up every process's share
-        gathered = np.asarray(multihost_utils.process_allgather(sums)).astype(np.uint64)
-        sums = np.append(gathered[:, :-1].sum(0) % 2**32, gathered[:, -1].all())
-    return {name: int(v) for name, v in zip(named, sums[:-1], strict=True)}, bool(sums[-1])
-
-
 def is_checkpoint_dir(path: str | Path) -> bool:
     """A step folder written by this project: a number holding its `state/` and `meta/` items.
     Anything else in a checkpoint folder is never read, listed or suggested for deletion."""
@@ -151,7 +119,11 @@ def _ensure_writable(directory: Path) -> None:
         ) from None
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of the deepest cause: orbax wraps TensorStore's own words (the file and
+    what is wrong with it) in a message that dumps a whole spec."""
+    while e.__cause__ is not None:
+        e = e.__cause__
     text = str(e).strip().splitlines()
     line = text[0] if text else type(e).__name__
     return line if len(line) <= 200 else line[:200] + "..."
@@ -216,12 +188,12 @@ class Checkpointer:
         if dtype is not None:
             tree = jax.tree.map(
                 lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-        checksums, finite = _checksums(tree)
+        sums, finite = checksums(tree)
         if not finite:
             raise NonFiniteStateError(
                 f"the train state at step {step} holds NaN or inf values; not saving it")
         meta = {**self.run_info, "format": FORMAT_VERSION, "step": step,
-                "tokens_seen": tokens_seen, "model_only": model_only, "checksums": checksums}
+                "tokens_seen": tokens_seen, "model_only": model_only, "checksums": sums}
         items = {"state": ocp.args.PyTreeSave(tree), "meta": ocp.args.JsonSave(meta)}
         if not model_only:
             items["data"] = ocp.args.JsonSave(data_state)
@@ -258,7 +230,7 @@ class Checkpointer:
             what = f"saving {which} to {self.directory} failed"
             cause = root_cause(e)  # first: orbax's own first line can bury it
             raise CheckpointSaveError(f"{cause}: {what}" if cause else
-                                      f"{what}: {_first_line(e)}") from e
+                                      f"{what}: {first_line(e)}") from e
 
     # Restore.
 
@@ -310,7 +282,7 @@ class Checkpointer:
         with self._reading(step):
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         state = {**restored["state"], **empty}
-        sums, _ = _checksums(state)
+        sums, _ = checksums(state)
         bad = next((n for n, v in sums.items() if meta["checksums"].get(n) != v), None)
         if bad is not None:
             raise CheckpointError(
@@ -335,7 +307,7 @@ class Checkpointer:
         except Exception as e:
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} is unreadable (corrupt or truncated): "
-                f"{_first_line(e)}; {self._others(step)}") from e
+                f"{first_line(e)}; {self._others(step)}") from e
 
     # Hints: each one works when followed (tests/train/test_hints.py follows them).
 

@@ -1,4 +1,4 @@
-"""Training metrics: device memory, and the log sinks.
+"""Training metrics: throughput and MFU, device memory, and the log sinks.
 
 The sinks (`MetricsLogger`) are one JSON line per logged step in `{dump_folder}/metrics.jsonl`
 (a value that was not measured, such as step 1's throughput, is null; a validation's
@@ -17,11 +17,46 @@ import numbers
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
 from tqdm import tqdm
+
+from titan_jax.errors import TitanJaxError
+
+
+class MetricsFileError(TitanJaxError, OSError):
+    """metrics.jsonl cannot be written."""
+
+
+class Throughput:
+    """Step time, tokens/s and MFU from the wall time between consecutive finished steps.
+
+    `flops_per_step` / (step time x `peak` x devices) is TorchTitan's MFU. A step whose wall
+    time includes other work (compiling, a validation) is not measured: `restart()` first."""
+
+    def __init__(self, tokens_per_step: int, flops_per_step: float, peak_flops: float,
+                 n_devices: int):
+        self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
+        self.peak_flops, self.n_devices = peak_flops, n_devices
+        self._last: float | None = None
+
+    def restart(self) -> None:
+        self._last = None
+
+    def step_finished(self) -> dict[str, float | None]:
+        """{step_time_s, tokens_per_sec, mfu_pct} of the step that just finished (None: not
+        measured, as for the first step, which includes compilation)."""
+        now = time.perf_counter()
+        step_time = None if self._last is None else now - self._last
+        self._last = now
+        if not step_time:
+            return {"tokens_per_sec": None, "mfu_pct": None, "step_time_s": None}
+        return {"tokens_per_sec": self.tokens_per_step / step_time,
+                "mfu_pct": 100 * self.flops_per_step / step_time
+                / (self.peak_flops * self.n_devices), "step_time_s": step_time}
 
 
 def memory_stats() -> dict[str, Any]:
@@ -152,9 +187,7 @@ class MetricsLogger:
             if torn:  # start our first line on a fresh line
                 self._jsonl.write("\n")
         except OSError as e:
-            raise OSError(
-                f"metrics dump folder {str(self.folder)!r} is not writable: {e.strerror or e}"
-            ) from e
+            raise MetricsFileError(f"{path} cannot be written: {e.strerror or e}") from None
         if enable_tensorboard:
             from tensorboardX import SummaryWriter  # only imported when asked for
 

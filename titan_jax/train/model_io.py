@@ -29,6 +29,7 @@ from titan_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
     CheckpointSaveError,
+    first_line,
     is_checkpoint_dir,
 )
 from titan_jax.train.trainer import Trainer
@@ -91,7 +92,14 @@ def load_orbax(path: str | Path, shardings: Params | None = None) -> tuple[Qwen3
             return args, ckpt.restore(step, target, model_only=True).state["params"]
     args = read_orbax_args(path)
     target = _abstract_params(args, shardings)
-    return args, ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+    if not (path / PARAMS_DIR).is_dir():
+        raise CheckpointError(f"{path} has no {PARAMS_DIR}/ (not a titan-jax orbax model "
+                              "directory)")
+    try:
+        return args, ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+    except Exception as e:  # orbax and TensorStore raise bare Exception and ValueError
+        raise CheckpointError(f"orbax model {path} is unreadable (corrupt or truncated): "
+                              f"{first_line(e)}; convert it again from its source") from e
 
 
 def export_hf(config: JobConfig, trainer: Trainer, params: Any, step: int) -> Path:

@@ -1,4 +1,5 @@
-"""One run per dump folder: an flock'd `{job.dump_folder}/.titan-jax.lock` naming its holder.
+"""One run per folder: an flock'd `.titan-jax.lock` naming its holder, in the dump folder and in
+the checkpoint folder (which may lie elsewhere: an absolute `checkpoint.folder`).
 
 Two runs writing one folder would delete each other's in-flight checkpoints and interleave
 their metrics. The lock is taken before a run writes anything and released (file removed) when
@@ -42,35 +43,37 @@ def _holder(text: str) -> tuple[str, int] | None:
     return (host, int(pid)) if host and pid.isdigit() else None
 
 
-def prepare_dump_folder(folder: str | Path) -> Path:
-    """`job.dump_folder`, created if needed; a ConfigError if it is a file or cannot be made."""
+def prepare_dump_folder(folder: str | Path, field: str = "job.dump_folder") -> Path:
+    """`folder` (the value of `field`), created if needed; a ConfigError if it is a file or
+    cannot be made."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"job.dump_folder={folder} is a file, not a folder")
+        raise ConfigError(f"{field}={folder} is a file, not a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"job.dump_folder={folder} is not writable: {e.strerror or e}"
-                          ) from None
+        raise ConfigError(f"{field}={folder} is not writable: {e.strerror or e}") from None
     return folder
 
 
 class RunLock:
-    """Context manager holding the lock of `folder` (which it creates) for one run."""
+    """Context manager holding the lock of `folder` (which it creates) for one run; `field`
+    names the config field the folder comes from, in messages."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, field: str = "job.dump_folder"):
         self.folder = Path(folder)
+        self.field = field
         self.path = self.folder / LOCK_FILE
         self._fd: int | None = None
         self.me = f"{socket.gethostname()} pid {os.getpid()}"
 
     def __enter__(self) -> RunLock:
-        prepare_dump_folder(self.folder)
+        prepare_dump_folder(self.folder, self.field)
         while self._fd is None:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:
-                raise ConfigError(f"job.dump_folder={self.folder} is not writable: "
+                raise ConfigError(f"{self.field}={self.folder} is not writable: "
                                   f"{e.strerror or e}") from None
             try:
                 self._take(fd)
@@ -103,8 +106,8 @@ class RunLock:
                         f"({previous}); it did not exit cleanly")
 
     def _busy(self, previous: str) -> str:
-        return (f"job.dump_folder={self.folder} is in use by another run ({previous or 'unknown'}"
-                f", lock {self.path}); wait for it to finish, or use another job.dump_folder")
+        return (f"{self.field}={self.folder} is in use by another run ({previous or 'unknown'}"
+                f", lock {self.path}); wait for it to finish, or use another {self.field}")
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is None:

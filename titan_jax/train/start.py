@@ -47,16 +47,6 @@ def _resume_step(config: JobConfig, ckpt: Checkpointer) -> int | None:
     return load_step
 
 
-def check_initial_load_path(config: JobConfig) -> None:
-    """A missing `initial_load_path` fails before the run creates any folder. Only a run with
-    checkpoints of its own may skip it (a resume ignores it); those need an existing folder."""
-    c = config.checkpoint
-    own = Path(config.job.dump_folder) / c.folder
-    if c.initial_load_path and not Path(c.initial_load_path).exists() and not (
-            c.enable and own.is_dir()):
-        raise CheckpointError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist")
-
-
 def load_start(config: JobConfig, trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
     """Where a run starts: its own newest (or `load_step`) checkpoint, else
     `initial_load_path` (orbax or HF), else random init (`Restored()` with no state).

@@ -16,10 +16,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from titan_jax.config import ConfigError, JobConfig
+from titan_jax.config import ConfigError, JobConfig, Moe
 from titan_jax.models import BuildOptions, ModelDef, ModelSpec, get_model_spec
-from titan_jax.models.attention import resolve_attention
+from titan_jax.models.attention import CP_ATTENTION, SPLASH_BLOCKS, resolve_attention
 from titan_jax.models.remat import remat_mode_for
+from titan_jax.parallel.context_parallel import check_seq_len, to_load_balanced
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
 from titan_jax.parallel.simple_fsdp import SimpleFSDP
@@ -34,6 +35,18 @@ from titan_jax.train.step import (
 )
 
 
+def check_moe_knobs(config: JobConfig, args: Any) -> None:
+    """`[moe]` keys set on a dense flavour are refused, as an expert degree is: nothing reads
+    them there."""
+    if getattr(args, "is_moe", False):
+        return
+    changed = [f"moe.{f.name}={getattr(config.moe, f.name)}" for f in dataclasses.fields(Moe)
+               if getattr(config.moe, f.name) != f.default]
+    if changed:
+        raise ConfigError(f"{changed[0]} applies to MoE flavours only; model.flavor="
+                          f"{config.model.flavor} is dense (leave [moe] out)")
+
+
 def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
                            platform: str = "cpu") -> str:
     """SimpleFSDP's implementation, with the checks expert parallelism needs. MoE on TPU/GPU
@@ -41,6 +54,11 @@ def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
     experts' `ragged_dot` a batched op that XLA:TPU rejects ("number of batch dimensions
     should be 0"); inside shard_map it stays unbatched."""
     p = config.parallelism
+    if degrees.cp > 1 and p.fsdp_implementation == "jit":
+        raise ConfigError(
+            "parallelism.fsdp_implementation=jit cannot host context parallelism (its K/V "
+            "gathers run over the manual cp axis of the shard_map implementation); use auto or "
+            "shard_map")
     ragged = getattr(args, "is_moe", False) and platform != "cpu"  # CPU: blocked einsums
     if ragged and degrees.ep == 1:
         if p.fsdp_implementation == "jit":
@@ -62,7 +80,26 @@ def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
                 "parallelism.fsdp_implementation=jit cannot host expert parallelism (its token "
                 "all-to-alls need the shard_map implementation); use auto or shard_map")
         return "shard_map"
-    return "jit" if p.fsdp_implementation == "auto" else p.fsdp_implementation
+    if p.fsdp_implementation == "auto":
+        return "shard_map" if degrees.cp > 1 else "jit"
+    return p.fsdp_implementation
+
+
+def check_context_parallel(cp: int, seq_lens: dict[str, int], choice: str,
+                           attention: str) -> None:
+    """Sequences cp can split, and an attention kernel that takes the split."""
+    for field, n in seq_lens.items():
+        check_seq_len(n, cp, field)
+        if cp > 1 and attention == "splash" and (n // (2 * cp)) % SPLASH_BLOCKS[-1]:
+            raise ConfigError(
+                f"{field}={n} must be a multiple of 2 x parallelism.context_parallel_degree x "
+                f"{SPLASH_BLOCKS[-1]} = {2 * cp * SPLASH_BLOCKS[-1]} for model.attention="
+                f"splash (each rank's two chunks are tiled by its blocks); or use "
+                "model.attention=xla")
+    if cp > 1 and attention not in CP_ATTENTION:
+        raise ConfigError(
+            f"model.attention={choice} (resolved: {attention}) cannot run with parallelism."
+            f"context_parallel_degree={cp}; use {' or '.join(CP_ATTENTION)}")
 
 
 def resolve_param_dtype(name: str, devices: list[jax.Device]) -> jnp.dtype:
@@ -153,17 +190,32 @@ class Trainer:
 
     def put_batch(self, local: dict[str, np.ndarray],
                   global_batch_size: int | None = None) -> Batch:
-        """This process's `batch_rows` -> global arrays sharded over the data-parallel axes."""
+        """This process's `batch_rows` -> global arrays sharded over the data-parallel axes.
+        Under context parallelism each row is laid out in load-balanced order and only the
+        chunks this process's devices hold are put on them."""
         n = self.global_batch_size if global_batch_size is None else global_batch_size
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v,
-                                                          (n, *v.shape[1:]))
-                for k, v in local.items()}
+        out = {}
+        for k, v in local.items():
+            v = to_load_balanced(v, self.degrees.cp)
+            held = held_seq(self.batch_sharding, (n, v.shape[1]), self.mesh.local_devices)
+            out[k] = jax.make_array_from_process_local_data(self.batch_sharding, v[:, held],
+                                                            (n, *v.shape[1:]))
+        return out
 
 
 def held_rows(sharding: NamedSharding, n_rows: int, devices: list[jax.Device]) -> list[int]:
     """Rows of an (n_rows, ...) array sharded by `sharding` that `devices` hold, ascending."""
-    index = sharding.devices_indices_map((n_rows, 1))
+    # Any seq length the sharding divides (context parallelism splits dim 1 too).
+    index = sharding.devices_indices_map((n_rows, sharding.mesh.size))
     return sorted({r for d in devices for r in range(n_rows)[index[d][0]]})
+
+
+def held_seq(sharding: NamedSharding, shape: tuple[int, int], devices: list[jax.Device]
+             ) -> slice:
+    """The span of sequence positions (in load-balanced layout order) that `devices` hold."""
+    index = sharding.devices_indices_map(shape)
+    spans = [range(shape[1])[index[d][1]] for d in devices]
+    return slice(min(r.start for r in spans), max(r.stop for r in spans))
 
 
 def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
@@ -173,6 +225,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     spec = get_model_spec(config.model.name)
     args = spec.configure(spec.flavor(config.model.flavor) if model_args is None else model_args,
                           config)
+    check_moe_knobs(config, args)
     if t.seq_len > args.max_seq_len:
         raise ConfigError(
             f"training.seq_len={t.seq_len} exceeds the maximum sequence length "
@@ -208,9 +261,10 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     if config.validation.enable:
         seq_lens["validation.seq_len"] = config.validation.seq_len
     attention = resolve_attention(config.model.attention, platform, param_dtype, seq_lens)
+    check_context_parallel(degrees.cp, seq_lens, config.model.attention, attention)
     model = spec.build(args, BuildOptions(
         remat_mode=remat_mode_for(config.activation_checkpoint.mode, platform),
-        save_gathered_params=not (reshard and degrees.dp_shard > 1),
+        save_gathered_params=not (reshard and degrees.weight_shard > 1),
         activation_stats=config.metrics.log_activation_stats, platform=platform,
         attention=attention))
     rules = ShardingRules(mesh)
@@ -238,7 +292,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     scalar = NamedSharding(mesh, PartitionSpec())
     state_shardings = {"params": param_shardings, "buffers": named(buffer_specs),
                        "opt_state": opt_shardings, "step": scalar, APPLIED_UPDATES: scalar}
-    batch_sharding = NamedSharding(mesh, PartitionSpec(rules.data_axes))
+    batch_sharding = NamedSharding(mesh, rules.batch_spec)
     parallelism = SimpleFSDP(rules, param_specs, buffer_specs, implementation,
                              jnp.dtype(t.mixed_precision_reduce))
     return Trainer(config, mesh, degrees, spec, model, rules, schedule, optimizer, options,

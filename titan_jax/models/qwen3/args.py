@@ -3,8 +3,41 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from titan_jax.models.spec import pick_flavor
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling, HF's `rope_parameters` with rope_type "yarn" (transformers'
+    `_compute_yarn_parameters`): frequencies that turn fewer than `beta_slow` times over
+    `original_max_position_embeddings` are interpolated by `factor`, those turning more than
+    `beta_fast` times are kept, a linear ramp blends between; cos/sin are scaled by the
+    attention factor."""
+
+    factor: float = 4.0
+    original_max_position_embeddings: int = 32768
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0  # 0: HF's default, 0.1 * ln(factor) + 1 (1 when factor <= 1)
+    truncate: bool = True  # round the ramp's ends outward to whole dims (HF's default)
+
+    @property
+    def cos_sin_scale(self) -> float:
+        if self.attention_factor:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+    def validate(self) -> None:
+        if not self.factor >= 1:
+            raise ValueError(f"yarn factor={self.factor} must be >= 1")
+        if self.original_max_position_embeddings < 1:
+            raise ValueError(f"yarn original_max_position_embeddings="
+                             f"{self.original_max_position_embeddings} must be >= 1")
+        if self.attention_factor < 0:
+            raise ValueError(f"yarn attention_factor={self.attention_factor} must be >= 0 "
+                             "(0: from the factor)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +54,7 @@ class Qwen3Args:
     norm_eps: float = 1e-6
     rope_theta: float = 1e6
     max_seq_len: int = 4096
+    yarn: YarnScaling | None = None  # RoPE scaling; None: plain RoPE
     tie_embeddings: bool = True
     # Mixture of experts (0 experts = dense); every layer is MoE when enabled, no shared experts.
     num_experts: int = 0
@@ -31,6 +65,10 @@ class Qwen3Args:
     load_balance_coeff: float = 1e-3
     # HF's auxiliary load-balancing loss, added to the loss times this (0 = off, as TorchTitan).
     router_aux_loss_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.yarn, dict):  # read back from JSON (checkpoint metadata)
+            object.__setattr__(self, "yarn", YarnScaling(**self.yarn))
 
     @property
     def is_moe(self) -> bool:
@@ -51,6 +89,8 @@ class Qwen3Args:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.yarn is not None:
+            self.yarn.validate()
         if self.is_moe and not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
 

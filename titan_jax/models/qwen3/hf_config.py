@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from titan_jax.errors import TitanJaxError
-from titan_jax.models.qwen3.args import Qwen3Args
+from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 
 CONFIG_FILE = "config.json"
 # model_type -> architecture: dense Qwen3 and Qwen3-MoE.
@@ -61,20 +62,7 @@ def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwe
     if any(t != "full_attention" for t in layer_types):
         raise HFCheckpointError(f"{where}: layer_types={layer_types!r}; only full_attention "
                                 "layers are supported")
-    if config.get("rope_scaling"):
-        raise HFCheckpointError(f"{where}: rope_scaling={config['rope_scaling']!r} is not "
-                                "supported (plain RoPE only)")
-    rope = config.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        raise HFCheckpointError(f"{where}: rope_parameters={rope!r} is not an object")
-    if rope.get("rope_type", "default") != "default":
-        raise HFCheckpointError(f"{where}: rope_parameters.rope_type={rope['rope_type']!r} is not "
-                                "supported (only 'default')")
-    # transformers 5 keeps rope_theta in rope_parameters; older files have it at the top level.
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, int | float):
-        raise HFCheckpointError(f"{where}: rope_theta={theta!r} is not a number")
-
+    theta, yarn = _rope_from_config(config, where)
     moe = {}
     if model_type == "qwen3_moe":
         if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
@@ -105,8 +93,9 @@ def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwe
         hidden_dim=field("intermediate_size", int),
         vocab_size=field("vocab_size", int),
         norm_eps=field("rms_norm_eps", float, 1e-6),
-        rope_theta=float(theta),
+        rope_theta=theta,
         max_seq_len=field("max_position_embeddings", int, 32768),
+        yarn=yarn,
         tie_embeddings=field("tie_word_embeddings", bool, False),
         **moe,
     )
@@ -115,6 +104,68 @@ def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwe
     except ValueError as e:
         raise HFCheckpointError(f"{where}: {e}") from None
     return args
+
+
+def _rope_from_config(config: dict[str, Any], where: str) -> tuple[float, YarnScaling | None]:
+    """(rope_theta, YaRN scaling or None) from transformers 5's `rope_parameters` or older
+    files' `rope_scaling` (rope_theta at the top level); HF's defaults fill the gaps."""
+    # As transformers 5 reads them: a non-empty rope_scaling wins over rope_parameters.
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(key) or {}
+    if not isinstance(rope, dict):
+        raise HFCheckpointError(f"{where}: {key}={rope!r} is not an object")
+    # transformers 5 keeps rope_theta in rope_parameters; older files have it at the top level.
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float):
+        raise HFCheckpointError(f"{where}: rope_theta={theta!r} is not a number")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "yarn":
+        raise HFCheckpointError(f"{where}: {key}.rope_type={rope_type!r} is not supported "
+                                "(only 'default' and 'yarn')")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFCheckpointError(f"{where}: {key}.partial_rotary_factor="
+                                f"{rope['partial_rotary_factor']!r} is not supported (Qwen3: 1)")
+
+    def number(name: str, default: float | None) -> float | None:
+        value = rope.get(name)
+        value = default if value is None else value
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise HFCheckpointError(f"{where}: {key}.{name}={value!r} is not a number")
+        return value
+
+    max_len = config.get("max_position_embeddings", 32768)
+    original = int(number("original_max_position_embeddings", max_len))
+    factor = float(number("factor", None) or max_len / original)
+    attention = number("attention_factor", None)
+    mscale, mscale_all_dim = number("mscale", None), number("mscale_all_dim", None)
+    if attention is None and mscale and mscale_all_dim:  # DeepSeek's form of the same factor
+        m = lambda s: 1.0 if factor <= 1 else 0.1 * s * math.log(factor) + 1.0  # noqa: E731
+        attention = m(mscale) / m(mscale_all_dim)
+    truncate = rope.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise HFCheckpointError(f"{where}: {key}.truncate={truncate!r} is not true or false")
+    yarn = YarnScaling(factor=factor, original_max_position_embeddings=original,
+                       beta_fast=float(number("beta_fast", 32.0) or 32.0),
+                       beta_slow=float(number("beta_slow", 1.0) or 1.0),
+                       attention_factor=float(attention or 0.0), truncate=truncate)
+    try:
+        yarn.validate()
+    except ValueError as e:
+        raise HFCheckpointError(f"{where}: {key}: {e}") from None
+    return float(theta), yarn
+
+
+def _rope_parameters(args: Qwen3Args) -> dict[str, Any]:
+    """`rope_parameters` as transformers 5 writes them."""
+    if args.yarn is None:
+        return {"rope_theta": args.rope_theta, "rope_type": "default"}
+    y = args.yarn
+    extra = {"attention_factor": y.attention_factor} if y.attention_factor else {}
+    return {"rope_theta": args.rope_theta, "rope_type": "yarn", "factor": y.factor,
+            "original_max_position_embeddings": y.original_max_position_embeddings,
+            "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "truncate": y.truncate, **extra}
 
 
 def hf_config_from_args(args: Qwen3Args, dtype: str = "float32") -> dict[str, Any]:
@@ -145,7 +196,7 @@ def hf_config_from_args(args: Qwen3Args, dtype: str = "float32") -> dict[str, An
         "attention_bias": False,
         "attention_dropout": 0.0,
         "use_sliding_window": False,
-        "rope_parameters": {"rope_theta": args.rope_theta, "rope_type": "default"},
+        "rope_parameters": _rope_parameters(args),
         "rope_theta": args.rope_theta,  # transformers 4 reads it here
         "dtype": dtype,
     }

@@ -33,9 +33,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.attention import KV_AXES, Q_AXES, attention
-from titan_jax.models.qwen3.args import Qwen3Args
+from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 from titan_jax.models.qwen3.moe import MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
-from titan_jax.models.sharding_hooks import GATHERED_PARAM, constrain, use_param
+from titan_jax.models.sharding_hooks import (
+    GATHERED_PARAM,
+    constrain,
+    sequence_split,
+    use_param,
+)
 
 Array = jax.Array
 
@@ -81,12 +86,39 @@ class RMSNorm(nnx.Module):
         return use_param(self.weight, x.dtype) * normed.astype(x.dtype)
 
 
-def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-    """cos/sin tables (*positions.shape, head_dim) in fp32, rotate-half layout (halves repeated)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+def rope_frequencies(head_dim: int, theta: float, yarn: YarnScaling | None = None) -> Array:
+    """RoPE inverse frequencies (head_dim / 2,) in fp32, as HF computes them (its op order:
+    the fp32 tables then match to the last bit), YaRN-scaled when `yarn` is given."""
+    pos_freqs = theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if yarn is None:
+        return 1.0 / pos_freqs
+
+    def correction_dim(rotations: float) -> float:  # the dim turning `rotations` times
+        n = yarn.original_max_position_embeddings
+        return head_dim * math.log(n / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp  # 1: keep the frequency (fast dims), 0: interpolate it (slow dims)
+    return ((1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolated)
+            + (1.0 / pos_freqs) * extrapolated)
+
+
+def rope_tables(positions: Array, head_dim: int, theta: float,
+                yarn: YarnScaling | None = None) -> tuple[Array, Array]:
+    """cos/sin tables (*positions.shape, head_dim) in fp32, rotate-half layout (halves repeated),
+    times YaRN's attention factor when scaled (HF scales the tables, not the scores)."""
+    freqs = positions.astype(jnp.float32)[..., None] * rope_frequencies(head_dim, theta, yarn)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if yarn is None:
+        return jnp.cos(emb), jnp.sin(emb)
+    scale = yarn.cos_sin_scale
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
 @jax.named_scope("rope")
@@ -286,14 +318,16 @@ class Qwen3(nnx.Module):
         if self.args.is_moe and expert_bias_LE is None:
             expert_bias_LE = jnp.zeros((self.args.n_layers, self.args.num_experts), jnp.float32)
         t = tokens_BT.shape[1]
-        segment_ids_BT, positions = None, start + jnp.arange(t)
+        # Global positions: under context parallelism this shard's tokens are two chunks.
+        segment_ids_BT, positions = None, start + sequence_split().positions(t)
         if tokens_BT.ndim == 3:
             tokens_BT, segment_ids_BT, positions = (tokens_BT[..., i] for i in range(3))
         table_VD = use_param(self.tok_embeddings, dtype)
         with jax.named_scope("embed"):
             x_BTD = constrain(embed_lookup(table_VD, tokens_BT, table_VD.shape[0]), ACT_AXES)
         # (T, H) tables, or (B, T, H) for per-token positions.
-        cos_TH, sin_TH = rope_tables(positions, self.args.head_dim, self.args.rope_theta)
+        cos_TH, sin_TH = rope_tables(positions, self.args.head_dim, self.args.rope_theta,
+                                     self.args.yarn)
         layers_def, layers_state = nnx.split(self.layers)
 
         def body(x_BTD: Array, layer: tuple[nnx.State, Array | None, KVPair | None]

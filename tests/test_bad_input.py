@@ -1,0 +1,214 @@
+"""Every path and field the CLI accepts, probed as a hostile user would, one class of input per
+test: missing, unreadable, of the wrong kind, corrupt, out of range. Each must end with one
+line `titan-jax: error: ...` naming the file or field, exit 2, and leave every file as it was."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tiny_model import TINY
+
+from titan_jax.cli import main
+from titan_jax.models.qwen3 import build_model_def
+from titan_jax.train import preflight
+from titan_jax.train.model_io import save_orbax
+
+TRAIN = ["train", "--config", "configs/qwen3_debug.toml", "--training.seq_len", "16"]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): "dir" if p.is_dir() else
+            hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def orbax_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    save_orbax(path, build_model_def(TINY).init(jax.random.key(0)), TINY)
+    return path
+
+
+def _files(tmp: Path, orbax_model: Path) -> None:
+    """What the cases point at: files of every kind, some of them damaged."""
+    (tmp / "file").write_text("a file")
+    (tmp / "folder").mkdir()
+    good = tmp / "good.parquet"
+    pq.write_table(pa.table({"text": ["hello world " * 50] * 200}), good)
+    data = bytearray(good.read_bytes())
+    (tmp / "bad_footer.parquet").write_bytes(bytes(data[:-12]) + b"\0" * 12)
+    data[200:1200] = b"\xab" * 1000
+    (tmp / "bad_pages.parquet").write_bytes(bytes(data))
+    (tmp / "latin1.json").write_bytes(b"{\"caf\xe9\": 1}")
+    (tmp / "hf").mkdir()
+    (tmp / "hf" / "config.json").write_text("{}")
+    (tmp / "hf" / "model.safetensors").write_text("")
+    (tmp / "run" / "checkpoint" / "hf-10").mkdir(parents=True)
+    (tmp / "run_metrics" / "metrics.jsonl").mkdir(parents=True)
+    (tmp / "run_tb").mkdir()
+    (tmp / "run_tb" / "tb").write_text("")
+    shutil.copytree(orbax_model, tmp / "truncated")
+    for f in (tmp / "truncated" / "params").rglob("d/*"):
+        f.write_bytes(f.read_bytes()[:100])
+
+
+def _check(tmp_path, capsys, argv, message):
+    before = snapshot(tmp_path)
+    assert main([a.replace("TMP", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("titan-jax: error: ") and err.count("\n") == 1, err
+    assert message.replace("TMP", str(tmp_path)) in err, err
+    assert snapshot(tmp_path) == before  # nothing written, nothing lost
+
+
+CASES = {
+    "missing": [
+        (["--model.tokenizer_path", "TMP/nope"], "tokenizer path 'TMP/nope': no tokenizer.json"),
+        (["--training.dataset", "text", "--training.dataset_path", "TMP/nope.txt"],
+         "dataset_path='TMP/nope.txt' does not exist"),
+        (["--checkpoint.initial_load_path", "TMP/nope"],
+         "checkpoint.initial_load_path=TMP/nope does not exist"),
+    ],
+    "unreadable": [  # /proc/self/mem fails to read (EIO) even for root, unlike chmod
+        (["--training.dataset", "jsonl", "--training.dataset_path", "/proc/self/mem"],
+         "/proc/self/mem cannot be read: "),
+        (["--model.tokenizer_path", "/proc/self/mem"],
+         "tokenizer file '/proc/self/mem' cannot be read: Input/output error"),
+    ],
+    "wrong kind": [
+        (["--job.dump_folder", "TMP/file/run"],
+         "job.dump_folder=TMP/file/run lies under TMP/file, which is a file, not a folder"),
+        (["--job.dump_folder", "TMP/run_metrics"], "TMP/run_metrics/metrics.jsonl is not a file"),
+        (["--job.dump_folder", "TMP/run_tb", "--metrics.enable_tensorboard", "true"],
+         "metrics.save_tb_folder=TMP/run_tb/tb is a file, not a folder"),
+        (["--job.dump_folder", "TMP/x", "--checkpoint.enable", "true", "--checkpoint.folder",
+          "TMP/file"], "checkpoint.folder=TMP/file is a file, not a folder"),
+        (["--training.dataset", "jsonl", "--training.dataset_path", "/dev/null"],
+         "dataset_path='/dev/null' is neither a regular file nor a folder"),
+        (["--checkpoint.initial_load_path", "TMP/hf"], "checkpoint.initial_load_path=TMP/hf is a "
+         "HF model directory (config.json + safetensors); add --checkpoint.initial_load_in_hf"),
+        (["--checkpoint.initial_load_path", "TMP/file"],
+         "checkpoint.initial_load_path=TMP/file is a file"),
+        (["--job.dump_folder", "TMP/run", "--training.steps", "10", "--checkpoint.enable", "true",
+          "--checkpoint.last_save_in_hf", "true"],
+         "checkpoint.last_save_in_hf: TMP/run/checkpoint/hf-10 already exists"),
+        (["--moe.load_balance_coeff", "0.01"],
+         "moe.load_balance_coeff=0.01 applies to MoE flavours only; model.flavor=debugmodel is "
+         "dense"),
+    ],
+    "corrupt": [
+        (["--training.dataset", "parquet", "--training.dataset_path", "TMP/bad_footer.parquet"],
+         "TMP/bad_footer.parquet: not a parquet file (Parquet magic bytes not found"),
+        (["--training.dataset", "parquet", "--training.dataset_path", "TMP/bad_pages.parquet"],
+         "TMP/bad_pages.parquet: column 'text' is corrupt"),
+        (["--model.tokenizer_path", "TMP/latin1.json"],
+         "tokenizer file 'TMP/latin1.json' is not UTF-8 text (byte 5)"),
+    ],
+    "out of range": [
+        (["--distributed.num_processes", "2", "--distributed.process_id", "0",
+          "--distributed.coordinator_address", "localhost:70000"],
+         "distributed.coordinator_address='localhost:70000': port 70000 is not a TCP port"),
+        (["--distributed.step_timeout", "-1"], "distributed.step_timeout=-1 must be >= 0"),
+    ],
+}
+
+
+@pytest.mark.parametrize("kind", CASES)
+def test_train_inputs(tmp_path, capsys, orbax_model, kind):
+    _files(tmp_path, orbax_model)
+    for args, message in CASES[kind]:
+        dump = [] if "--job.dump_folder" in args else ["--job.dump_folder", "TMP/out"]
+        _check(tmp_path, capsys, [*TRAIN, *dump, *args], message)
+        assert not (tmp_path / "out").exists()
+
+
+GENERATE = ["generate", "--config", "configs/qwen3_debug.toml", "--checkpoint"]
+OTHER_CASES = [
+    ([*GENERATE, "TMP/file", "--prompt", "x"], "--checkpoint TMP/file is a file"),
+    ([*GENERATE, "TMP/tiny", "--prompt", "x", "--max-new-tokens", "70"],
+     "--prompt of 1 tokens plus --max-new-tokens 70 exceeds the model's 64 positions; lower "
+     "--max-new-tokens to 63"),
+    ([*GENERATE, "TMP/tiny", "--prompt", "x", "--seed", str(2**70)], "--seed 118059162071741130"),
+    ([*GENERATE, "TMP/tiny", "--prompt", "x", "--temperature", "nan"],
+     "--temperature nan must be a number >= 0"),
+    ([*GENERATE, "TMP/tiny", "--prompt", "caf\udce9"], "--prompt is not UTF-8 text (character 3)"),
+    (["convert", "--from", "orbax", "--to", "hf", "TMP/tiny", "TMP/file/out"],
+     "destination TMP/file/out lies under TMP/file, which is a file"),
+    (["convert", "--from", "orbax", "--to", "hf", "TMP/tiny", "TMP/out", "--max-shard-size", "0"],
+     "--max-shard-size '0' must be at least 1 byte"),
+    (["convert", "--from", "orbax", "--to", "hf", "TMP/truncated", "TMP/out"],
+     "orbax model TMP/truncated is unreadable (corrupt or truncated): OUT_OF_RANGE"),
+    (["inspect", "--config", "configs/qwen3_debug.toml", "--json", "TMP/folder"],
+     "--json TMP/folder is a folder"),
+    (["compile", "--config", "configs/qwen3_debug.toml", "--topology", "v5p-8", "--json",
+      "TMP/nope/r.json"], "--json TMP/nope/r.json: folder TMP/nope does not exist"),
+    (["parity", "--config", "configs/qwen3_debug.toml", "--seq-len", "5000"],
+     "--seq-len 5000 must be in [1, 4064]: model.flavor=debugmodel's 4096 positions less the 32 "
+     "greedy tokens"),
+]
+
+
+def test_generate_convert_and_report_inputs(tmp_path, capsys, orbax_model):
+    _files(tmp_path, orbax_model)
+    shutil.copytree(orbax_model, tmp_path / "tiny")
+    for argv, message in OTHER_CASES:
+        _check(tmp_path, capsys, argv, message)
+
+
+def test_an_unwritable_metrics_file_is_named_before_anything_runs(tmp_path, monkeypatch):
+    (tmp_path / "metrics.jsonl").write_text("")
+    real = os.access
+    monkeypatch.setattr(preflight.os, "access", lambda p, mode: real(p, mode) and (
+        Path(p).name != "metrics.jsonl" or not mode & os.W_OK))  # root writes anything
+    from titan_jax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="metrics.jsonl is not writable: Permission denied"):
+        preflight.check_outputs(load_config(None, ["--job.dump_folder", str(tmp_path)]))
+
+
+def test_an_override_value_that_looks_like_a_flag_is_a_value(capsys):
+    assert main(["train", "--job.description", "-hello", "--print-config"]) == 0
+    assert 'description = "-hello"' in capsys.readouterr().out
+
+
+def test_compile_never_needs_libtpus_lockfile(tmp_path):
+    """Another process holds libtpu's TPU lock (as a training job on this TPU VM would): the
+    compile-only load `titan-jax compile` makes still gets its devices."""
+    env = {k: v for k, v in os.environ.items() if k != "ALLOW_MULTIPLE_LIBTPU_LOAD"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "from jax.experimental import topologies\n"
+         "topologies.get_topology_desc(platform='tpu', topology_name='v5e:2x2')\n"
+         "print('held', flush=True)\nimport time\ntime.sleep(120)"],
+        env={**env, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # or another process held it first
+        assert Path("/tmp/libtpu_lockfile").exists()
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-c", "from titan_jax import jax_platform\n"
+             "jax_platform.compile_only_libtpu()\n"
+             "from titan_jax.parallel.topology import compile_only_devices, parse_slice\n"
+             "print(len(compile_only_devices(parse_slice('v5e-4'))))"],
+            env={k: v for k, v in env.items() if k != "JAX_PLATFORMS"}, capture_output=True,
+            text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.strip() == "4", proc.stderr[-2000:]
+        assert time.monotonic() - start < 60
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_cli_loads_libtpu_compile_only_for_compile(monkeypatch, capsys):
+    monkeypatch.delenv("ALLOW_MULTIPLE_LIBTPU_LOAD", raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")  # as on a TPU VM
+    assert main(["compile", "--topology", "v9x-1"]) == 2  # stops at the slice name
+    assert "is not a TPU slice titan-jax knows" in capsys.readouterr().err
+    assert os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1" and os.environ["JAX_PLATFORMS"] == "cpu"

@@ -1,0 +1,37 @@
+"""A step that hangs ends the job with a message after `distributed.step_timeout`
+(titan_jax/train/watchdog.py), tested with faked hangs (the loop's own use of it:
+tests/train/test_checkpoint.py, which shares its compiled tiny step)."""
+
+import subprocess
+import sys
+import time
+
+from titan_jax.train.watchdog import StepWatchdog
+
+
+def test_a_hung_step_ends_the_process_with_the_message():
+    """The main thread blocked outside Python (as in a collective that never completes)."""
+    script = ("import threading\n"
+              "from titan_jax.parallel.distributed import exit_job\n"
+              "from titan_jax.train.watchdog import StepWatchdog\n"
+              "with StepWatchdog(1, lambda m: exit_job(m, 1)) as w:\n"
+              "    w.beat(7)\n"
+              "    threading.Event().wait()  # hangs forever\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1].startswith(
+        "titan-jax: error: no step finished within distributed.step_timeout=1 s after step 7")
+    assert time.monotonic() - start < 30
+
+
+def test_paused_work_and_the_first_step_are_not_timed():
+    hung = []
+    with StepWatchdog(0.5, hung.append) as w:
+        time.sleep(1.0)  # before the first beat: compiling
+        w.beat(1)
+        with w.paused():  # a validation or a save
+            time.sleep(1.0)
+        w.beat(2)
+    assert hung == []

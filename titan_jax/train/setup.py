@@ -1,0 +1,80 @@
+"""A run assembled, and checked, before anything is written or allocated on devices.
+
+config (validated once) -> the paths it writes (`preflight.check_outputs`) and the weights it
+starts from -> the trainer (mesh, model and shardings from the abstract model; nothing
+allocated) -> the tokenizer, loaded once, and every data input (`check_data`). Every
+bad-input error of a run's setup is raised from here, so a refused run leaves nothing behind;
+what needs the run's lock (another run's history in the folder, the checkpoints) is checked
+next, still before any write (`loop`), and the training stream is opened under that lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from titan_jax.config import ConfigError, JobConfig
+from titan_jax.data.pipeline import check_inputs, process_barrier, training_sources
+from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
+from titan_jax.data.windows import WindowStream
+from titan_jax.train.eval import Validator
+from titan_jax.train.preflight import check_initial_load_path, check_outputs
+from titan_jax.train.trainer import Trainer, build_trainer
+
+
+@dataclasses.dataclass
+class RunSetup:
+    trainer: Trainer
+    tokenizer: Tokenizer
+    # Built under the run's lock (a small source becomes a token store in the dump folder).
+    data: WindowStream | None = None
+    validator: Validator | None = None
+
+
+def _progress(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"titan-jax: {message}", flush=True)
+
+
+def check_data(config: JobConfig, trainer: Trainer) -> Tokenizer:
+    """The run's tokenizer, once its vocabulary fits the model and every input exists."""
+    tokenizer = load_tokenizer(config.model.tokenizer_path)
+    if tokenizer.vocab_size > trainer.model.args.vocab_size:
+        raise ConfigError(
+            f"tokenizer {config.model.tokenizer_path or '(shipped)'} has vocab size "
+            f"{tokenizer.vocab_size}, larger than model.flavor={config.model.flavor}'s "
+            f"vocab_size={trainer.model.args.vocab_size}")
+    if config.training.document_mask and trainer.attention == "cudnn":
+        raise ConfigError("training.document_mask=true needs model.attention=xla or splash: "
+                          "the cudnn attention here takes no segment ids")
+    check_inputs(config, tokenizer)
+    return tokenizer
+
+
+def build_data(config: JobConfig, trainer: Trainer, tokenizer: Tokenizer | None = None
+               ) -> WindowStream:
+    """The training windows of this process's rows (small sources become a token store under
+    the dump folder first: data/pipeline.py). `tokenizer`: from `check_data`, else checked here."""
+    tokenizer = check_data(config, trainer) if tokenizer is None else tokenizer
+    t = config.training
+    sources = training_sources(config, tokenizer, is_first=jax.process_index() == 0,
+                               barrier=process_barrier, progress=_progress)
+    return WindowStream(sources, seq_len=t.seq_len, global_batch_size=trainer.global_batch_size,
+                        seed=t.seed, rows=trainer.batch_rows(), document_mask=t.document_mask,
+                        document_positions=t.document_positions)
+
+
+def assemble_run(config: JobConfig, devices: list[jax.Device] | None = None) -> RunSetup:
+    """Everything a run needs before its first write, each input checked."""
+    check_outputs(config)
+    check_initial_load_path(config)
+    trainer = build_trainer(config, devices)
+    return RunSetup(trainer, check_data(config, trainer))
+
+
+def open_data(config: JobConfig, setup: RunSetup) -> None:
+    """The training stream and the validator (under the run's lock: they may write a store)."""
+    setup.data = build_data(config, setup.trainer, setup.tokenizer)
+    if config.validation.enable:
+        setup.validator = Validator(config, setup.trainer, setup.tokenizer)
