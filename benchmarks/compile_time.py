@@ -24,7 +24,7 @@ import jax
 
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import get_flavor
-from titan_jax.tools import inspect
+from titan_jax.tools import inspect_step
 from titan_jax.train.trainer import build_trainer
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "qwen3_0.6b.toml"
@@ -51,7 +51,7 @@ def measure(target: str, n_layers: int, seq_len: int, ac: str) -> tuple[float, f
     config = load_config(RECIPE, [*overrides, "--activation_checkpoint.mode", ac])
     args = dataclasses.replace(get_flavor("0.6B"), n_layers=n_layers)
     trainer = build_trainer(config, devices, model_args=args)
-    state, batch = trainer.abstract_state(), inspect.abstract_batch(trainer)
+    state, batch = trainer.abstract_state(), inspect_step.abstract_batch(trainer)
     t0 = time.perf_counter()
     lowered = trainer.lower_step(state, batch)
     t1 = time.perf_counter()

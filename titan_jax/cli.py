@@ -203,7 +203,7 @@ def _inspect(config: JobConfig, json_out: str | None) -> int:
     from titan_jax.parallel.mesh import set_cpu_device_count
 
     set_cpu_device_count(config.job.cpu_devices)  # before JAX starts, as for train
-    from titan_jax.tools.inspect import format_report, inspect_trainer
+    from titan_jax.tools.inspect_step import format_report, inspect_trainer
     from titan_jax.train.trainer import build_trainer
 
     report = inspect_trainer(build_trainer(config))

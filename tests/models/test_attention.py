@@ -162,7 +162,7 @@ def test_train_steps_with_splash_match_the_xla_path(xla_losses, n_devices, overr
 def _temp_bytes(attention: str) -> int:
     from jax.experimental import topologies
 
-    from titan_jax.tools import inspect
+    from titan_jax.tools import inspect_step
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
     args = dataclasses.replace(ARGS, head_dim=128, max_seq_len=2048)
@@ -171,7 +171,7 @@ def _temp_bytes(attention: str) -> int:
         "--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16",
         "--activation_checkpoint.mode", "selective"])
     trainer = build_trainer(config, list(topology.devices), model_args=args)
-    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     return lowered.compile().memory_analysis().temp_size_in_bytes
 
 

@@ -19,6 +19,7 @@ from titan_jax.models.qwen3.model import (
     rope_tables,
 )
 from titan_jax.models.sharding_hooks import GATHERED_PARAM
+from titan_jax.trees import is_axes, named_leaves
 
 # Published totals (HF safetensors metadata counts the tied lm_head twice; these count it once).
 PUBLISHED = {"0.6B": 596_049_920, "1.7B": 1_720_574_976, "4B": 4_022_468_096,
@@ -48,8 +49,8 @@ def test_unknown_flavour_is_a_clear_error():
 
 def test_logical_axes_cover_every_dimension():
     model = build_model_def(get_flavor("8B"))
-    axes = dict(model.named_leaves(model.logical_axes))
-    for name, sds in model.named_leaves(model.abstract_params):
+    axes = named_leaves(model.logical_axes, is_leaf=is_axes)
+    for name, sds in named_leaves(model.abstract_params).items():
         assert len(axes[name]) == len(sds.shape), name
     assert axes["layers.attention.wq"] == ("layers", "embed", "heads", "head_dim")
     assert axes["tok_embeddings"] == ("vocab", "embed")

@@ -21,7 +21,7 @@ from parallel_helpers import tiny_config as base_config
 
 from titan_jax.models import BuildOptions, register_model
 from titan_jax.models.qwen3 import QWEN3, build_model_def
-from titan_jax.models.qwen3.build import ModelDef
+from titan_jax.models.qwen3.build import Qwen3Def
 from titan_jax.models.qwen3.model import rope_tables
 from titan_jax.train.checkpoint import Checkpointer
 from titan_jax.train.step_report import _scalars
@@ -29,7 +29,7 @@ from titan_jax.train.trainer import build_trainer
 
 
 @dataclasses.dataclass(frozen=True)
-class CountingDef(ModelDef):
+class CountingDef(Qwen3Def):
     """Qwen3 plus a buffer counting the token ids it has been trained on."""
 
     def init_buffers(self):
@@ -104,7 +104,7 @@ def test_buffer_is_checkpointed_and_restored_onto_another_mesh(tmp_path):
         loader.state_shardings["buffers"]["token_counts"], 1)
 
 
-def direct_activation_rms(model: ModelDef, params, tokens_BT) -> np.ndarray:
+def direct_activation_rms(model: Qwen3Def, params, tokens_BT) -> np.ndarray:
     """Each block's output RMS, running the stacked layers one by one."""
     qwen = nnx.merge(model.graphdef, params)
     x = jnp.take(params["tok_embeddings"], tokens_BT, axis=0)
@@ -113,7 +113,7 @@ def direct_activation_rms(model: ModelDef, params, tokens_BT) -> np.ndarray:
     rms = []
     for i in range(TINY.n_layers):
         block = nnx.merge(layers_def, jax.tree.map(lambda a, i=i: a[i], layers_state))
-        x, _ = block(x, cos, sin)
+        x = block(x, cos, sin)[0]
         rms.append(float(jnp.sqrt(jnp.mean(x * x))))
     return np.array(rms)
 

@@ -18,13 +18,29 @@ from parallel_helpers import TINY, make_batches, run_losses, single_device_overr
 
 from titan_jax.config import ConfigError, load_config
 from titan_jax.models.attention import attention, causal_gqa_attention
-from titan_jax.models.sharding_hooks import ShardingHooks, sharding_hooks
+from titan_jax.models.sharding_hooks import Parallelism
 from titan_jax.parallel.context_parallel import ContextParallel, load_balanced_order
 from titan_jax.parallel.per_shard import manual_per_shard
 from titan_jax.train.checkpoint import Checkpointer
 from titan_jax.train.trainer import build_trainer, check_context_parallel
 
 STEPS = 10
+
+
+class SplitSequence(Parallelism):
+    """Only context parallelism over `cp` ranks (and, with per_shard_kernels, kernels run on
+    each rank's shard, manual over `cp`)."""
+
+    def __init__(self, cp, per_shard_kernels=False):
+        self.cp, self.per_shard_kernels = cp, per_shard_kernels
+
+    def sequence_split(self):
+        return ContextParallel(self.cp)
+
+    def run_per_shard(self, kernel, args, in_axes, out_axes):
+        if not self.per_shard_kernels:
+            return super().run_per_shard(kernel, args, in_axes, out_axes)
+        return manual_per_shard(kernel, args, (P(),) * len(args), P(), ("cp",))
 
 
 def test_load_balanced_order_gives_rank_i_chunks_i_and_2cp_minus_1_minus_i():
@@ -48,7 +64,7 @@ def test_attention_under_cp_equals_unsplit_attention(cp, heads, kv_heads):
     order = load_balanced_order(t, cp)
 
     def split_attention(q, k, v):
-        with sharding_hooks(ShardingHooks(sequence=ContextParallel(cp))):
+        with SplitSequence(cp).installed():
             return attention(q, k, v, h**-0.5, "xla", "cpu")
 
     split = jax.shard_map(split_attention, mesh=mesh, in_specs=P(None, "cp"),
@@ -97,7 +113,7 @@ def dense_reference(batches):
 def test_cp_losses_equal_one_device(dense_reference, batches, mesh):
     init, want = dense_reference
     trainer = build_trainer(tiny_config(*cp_overrides(**mesh)), model_args=TINY)
-    assert trainer.fsdp.implementation == "shard_map" and trainer.degrees.cp == mesh["cp"]
+    assert trainer.parallelism.implementation == "shard_map" and trainer.degrees.cp == mesh["cp"]
     assert trainer.batch_sharding.spec == P(("dp_replicate", "fsdp", "ep"), "cp")
     embed = trainer.state_shardings["params"]["layers"]["attention"]["wq"].spec[1]
     assert "cp" in (embed if isinstance(embed, tuple) else (embed,))  # weights sharded over cp
@@ -208,7 +224,7 @@ def test_32k_recipes_build_for_their_slices(recipe, topology, mesh):
     trainer = build_trainer(load_config(recipe), compile_only_devices(parse_slice(topology)))
     assert {k: v for k, v in trainer.mesh.shape.items() if v > 1} == {
         k: v for k, v in mesh.items() if v > 1}
-    assert trainer.attention == "splash" and trainer.fsdp.implementation == "shard_map"
+    assert trainer.attention == "splash" and trainer.parallelism.implementation == "shard_map"
     assert trainer.tokens_per_step == trainer.global_batch_size * 32768
     assert trainer.global_batch_size == load_config(recipe).training.global_batch_size
     assert trainer.model.args.yarn is None  # 32K is Qwen3's native window
@@ -232,12 +248,8 @@ def test_attention_under_cp_as_the_trainer_runs_it(backend, documents):
     order = load_balanced_order(t, cp)
     laid_out = lambda x: None if x is None else x[:, order]  # noqa: E731
 
-    def per_shard(kernel, args, in_axes, out_axes):
-        return manual_per_shard(kernel, args, (P(),) * len(args), P(), ("cp",))
-
     def split_attention(q, k, v, ids):
-        hooks = ShardingHooks(sequence=ContextParallel(cp), per_shard=per_shard)
-        with sharding_hooks(hooks):
+        with SplitSequence(cp, per_shard_kernels=True).installed():
             return attention(q, k, v, h**-0.5, backend, "cpu", ids)
 
     split = jax.shard_map(split_attention, mesh=mesh, in_specs=P(None, "cp"),

@@ -21,11 +21,10 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from titan_jax.models.sharding_hooks import sharding_hooks
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh
 from titan_jax.parallel.rules import ShardingRules
-from titan_jax.parallel.simple_fsdp import SHARDS, SimpleFSDP, weight_layouts
-from titan_jax.tools import inspect
+from titan_jax.parallel.simple_fsdp import SHARDS, SimpleFSDP
+from titan_jax.tools import inspect_step
 
 N_SHARDS, TOKENS, D = 8, 16, 8  # per shard: TOKENS tokens, one group of TOKENS/8 per expert
 AXES = ("expert", "embed", "mlp")
@@ -34,7 +33,7 @@ AXES = ("expert", "embed", "mlp")
 def expert_layer(fsdp: SimpleFSDP, axis: str):
     def summed_loss(params, buffers, x_ND, labels):
         del buffers, labels
-        w_EDF = fsdp.param_use(params["experts"], "experts", AXES, jnp.float32)
+        w_EDF = fsdp.use_param(params["experts"], AXES, jnp.float32)
         grouped = x_ND.reshape(N_SHARDS, -1, D)  # group e goes to shard e
         received = lax.all_to_all(grouped, axis, 0, 0)  # [s] = shard s's group for me
         shard = lax.axis_index(axis)
@@ -54,15 +53,14 @@ def reference(w_EDF, x_ND):
 def test_all_to_all_dispatch_composes_with_simple_fsdp(implementation):
     mesh = build_mesh(MeshDegrees(1, N_SHARDS, 1))
     rules = ShardingRules(mesh)
-    layouts = weight_layouts(rules, {"experts": jax.ShapeDtypeStruct((N_SHARDS, D, D),
-                                                                     jnp.float32)},
-                             {"experts": AXES})
-    spec = layouts["experts"].storage
-    fsdp = SimpleFSDP(rules, layouts, {}, implementation)
+    specs = rules.storage_specs({"experts": jax.ShapeDtypeStruct((N_SHARDS, D, D), jnp.float32)},
+                                {"experts": AXES})
+    spec = specs["experts"]
+    fsdp = SimpleFSDP(rules, specs, {}, implementation)
     axis = SHARDS if implementation == "jit" else "fsdp"
 
     def loss(params, x):
-        with sharding_hooks(fsdp.hooks()):
+        with fsdp.installed():
             return fsdp.loss_map(expert_layer(fsdp, axis))(params, {}, x, x)[0]
 
     w = jax.random.normal(jax.random.key(0), (N_SHARDS, D, D)) / np.sqrt(D)
@@ -76,7 +74,7 @@ def test_all_to_all_dispatch_composes_with_simple_fsdp(implementation):
     want, want_grad = jax.value_and_grad(reference)(w, x)
     np.testing.assert_allclose(value, want, rtol=1e-5)
     np.testing.assert_allclose(grads["experts"], want_grad, rtol=1e-4, atol=1e-5)
-    collectives = {c["op"] for c in inspect.collectives(hlo)}
+    collectives = {c["op"] for c in inspect_step.collectives(hlo)}
     if implementation == "shard_map":
         assert "all-to-all" in collectives, collectives
     else:

@@ -13,7 +13,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from titan_jax.models.qwen3.moe import expert_ffn
-from titan_jax.models.sharding_hooks import local_dispatch
 from titan_jax.parallel import expert_parallel
 from titan_jax.parallel.expert_parallel import all_to_all_dispatch, ragged_layout
 
@@ -25,11 +24,19 @@ def test_ragged_layout_puts_each_sources_rows_at_its_offset():
     np.testing.assert_array_equal(where, [[0, 1, 12, 12], [12, 12, 12, 12], [2, 3, 4, 12]])
 
 
+def local_dispatch(rows, experts, n_local, ffn):
+    del n_local
+    return ffn(rows, experts)
+
+
 def moe_out(dispatch, x, experts, weights, w1, w3, w2, n_local):
+    """sum_k weights * FFN_{expert}(x), each (token, slot) pick one row through `dispatch`."""
     def ffn(rows, ids):
         return expert_ffn(rows, ids, w1, w3, w2, "blocked")
 
-    return dispatch(x, experts, weights, n_local, ffn)
+    n, k = experts.shape
+    y = dispatch(x[jnp.arange(n * k) // k], experts.reshape(-1), n_local, ffn)
+    return jnp.einsum("nk,nkd->nd", weights, y.reshape(n, k, -1).astype(jnp.float32))
 
 
 def loss_fns(mesh):
@@ -37,7 +44,8 @@ def loss_fns(mesh):
         return jnp.sum(jnp.sin(moe_out(local_dispatch, x, experts, weights, w1, w3, w2, E)))
 
     def per_rank(x, experts, weights, w1, w3, w2):
-        out = moe_out(all_to_all_dispatch("ep", EP), x, experts, weights, w1, w3, w2, E // EP)
+        dispatch = functools.partial(all_to_all_dispatch, axis="ep", ep=EP)
+        out = moe_out(dispatch, x, experts, weights, w1, w3, w2, E // EP)
         return jax.lax.psum(jnp.sum(jnp.sin(out)), "ep")
 
     rows, experts_split = P("ep"), P("ep")

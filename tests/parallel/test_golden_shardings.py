@@ -14,7 +14,7 @@ import pytest
 from parallel_helpers import PRESETS, preset_overrides
 
 from titan_jax.config import load_config
-from titan_jax.tools import inspect
+from titan_jax.tools import inspect_step
 from titan_jax.train.trainer import build_trainer
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -25,7 +25,7 @@ KEYS = ("mesh", "mode", "params", "per_device_param_bytes", "total_param_bytes",
 
 def sharding_summary(flavor: str, preset: str) -> dict:
     config = load_config(None, ["--model.flavor", flavor, *preset_overrides(preset)])
-    report = inspect.inspect_trainer(build_trainer(config), compile=False)
+    report = inspect_step.inspect_trainer(build_trainer(config), compile=False)
     return {"flavor": flavor, "preset": preset, **{k: report[k] for k in KEYS}}
 
 

@@ -1,11 +1,12 @@
-"""`titan-jax inspect` (titan_jax/tools/inspect.py): the HLO collective parser and the report."""
+"""`titan-jax inspect` (titan_jax/tools/inspect_step.py): the HLO collective parser and the
+report."""
 
 from __future__ import annotations
 
 import json
 
 from titan_jax.cli import main
-from titan_jax.tools.inspect import collectives
+from titan_jax.tools.inspect_step import collectives
 
 HLO = """
 ENTRY %main {

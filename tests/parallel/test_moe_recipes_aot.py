@@ -16,7 +16,7 @@ from test_tpu_aot import bf16_reductions
 from titan_jax.config import ConfigError, load_config
 from titan_jax.models.qwen3 import get_flavor
 from titan_jax.parallel.topology import compile_only_devices, parse_slice
-from titan_jax.tools import inspect
+from titan_jax.tools import inspect_step
 from titan_jax.train.trainer import build_trainer
 
 pytestmark = [pytest.mark.skipif(
@@ -40,13 +40,13 @@ def build(name: str, *overrides: str):
 def compiled_recipe(request):
     """(name, trainer, compiled step) of one shipped recipe at 2 layers."""
     trainer = build(request.param)
-    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     return request.param, trainer, lowered.compile()
 
 
 def test_shipped_moe_recipe_compiles_and_fits(compiled_recipe):
     name, trainer, compiled = compiled_recipe
-    assert trainer.fsdp.implementation == "shard_map"  # what `auto` picks for MoE on TPU
+    assert trainer.parallelism.implementation == "shard_map"  # what `auto` picks for MoE on TPU
     memory = compiled.memory_analysis()
     per_chip = memory.argument_size_in_bytes + memory.temp_size_in_bytes
     assert per_chip < 95 * 2**30, (name, per_chip)  # v5p HBM

@@ -70,7 +70,7 @@ def test_expert_parallel_losses_and_expert_bias_equal_one_device(reference, pres
     trainer = build_trainer(tiny_config(*preset_overrides(preset),
                                         "--parallelism.expert_parallel_degree", str(ep)),
                             model_args=TINY_MOE)
-    assert trainer.degrees.ep == ep and trainer.fsdp.implementation == "shard_map"
+    assert trainer.degrees.ep == ep and trainer.parallelism.implementation == "shard_map"
     # Experts are split over ep; their model dim over what is left of the FSDP ranks.
     spec = (*trainer.state_shardings["params"]["layers"]["moe"]["w1"].spec, None, None)
     assert spec[1] == "ep" and (spec[2] == "fsdp") == (trainer.degrees.fsdp > 1), spec
@@ -81,12 +81,12 @@ def test_expert_parallel_losses_and_expert_bias_equal_one_device(reference, pres
 
 
 def test_expert_parallel_compiles_to_all_to_alls():
-    from titan_jax.tools import inspect
+    from titan_jax.tools import inspect_step
 
     trainer = build_trainer(tiny_config(*preset_overrides("fsdp8"),
                                         "--parallelism.expert_parallel_degree", "4"),
                             model_args=TINY_MOE)
-    report = inspect.inspect_trainer(trainer)
+    report = inspect_step.inspect_trainer(trainer)
     assert any(c["op"] == "all-to-all" for c in report["collectives"]), report["collectives"]
 
 

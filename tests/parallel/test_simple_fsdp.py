@@ -20,7 +20,7 @@ from parallel_helpers import (
 )
 
 from titan_jax.config import ConfigError, load_config
-from titan_jax.tools import inspect
+from titan_jax.tools import inspect_step
 from titan_jax.train.trainer import build_trainer
 
 FLOAT_DTYPES = {"bf16", "f16", "f32", "f64"}
@@ -83,7 +83,7 @@ def assert_bf16_gathers_fp32_reductions(report: dict) -> None:
 
 
 def bf16_report(*overrides: str) -> dict:
-    return inspect.inspect_trainer(
+    return inspect_step.inspect_trainer(
         tiny_trainer(*overrides, "--training.mixed_precision_param", "bfloat16"))
 
 
@@ -115,8 +115,8 @@ def test_the_checks_can_fail_unpinned_cast_gathers_fp32():
         return jax.lax.with_sharding_constraint(w.astype(jnp.bfloat16), NamedSharding(mesh, P()))
 
     with jax.set_mesh(mesh):
-        _, text = inspect.compile_lowered(jax.jit(unpinned).lower(stored))
-    assert {c["dtype"] for c in _float(inspect.collectives(text), "all-gather")} == {"f32"}
+        _, text = inspect_step.compile_lowered(jax.jit(unpinned).lower(stored))
+    assert {c["dtype"] for c in _float(inspect_step.collectives(text), "all-gather")} == {"f32"}
 
 
 def test_the_checks_can_fail_bf16_dot_reduces_in_bf16():
@@ -130,8 +130,8 @@ def test_the_checks_can_fail_bf16_dot_reduces_in_bf16():
         return jax.grad(lambda w: jnp.sum(jnp.einsum("bd,df->bf", x, w).astype(jnp.float32)))(w)
 
     with jax.set_mesh(mesh):
-        _, text = inspect.compile_lowered(jax.jit(weight_grad).lower(w, x))
-    assert {c["dtype"] for c in _float(inspect.collectives(text), "all-reduce")} == {"bf16"}
+        _, text = inspect_step.compile_lowered(jax.jit(weight_grad).lower(w, x))
+    assert {c["dtype"] for c in _float(inspect_step.collectives(text), "all-reduce")} == {"bf16"}
 
 
 @pytest.mark.parametrize("implementation, ac_mode", [
@@ -159,7 +159,7 @@ def test_reshard_after_forward_regathers_and_saves_memory(implementation, ac_mod
 
 def debugmodel_state_bytes(preset: str) -> tuple[int, int]:
     config = load_config(None, ["--model.flavor", "debugmodel", *preset_overrides(preset)])
-    return inspect.state_bytes(build_trainer(config))
+    return inspect_step.state_bytes(build_trainer(config))
 
 
 def test_fsdp8_params_and_optimizer_bytes_per_device_are_an_eighth():
@@ -180,22 +180,23 @@ def test_a_weight_split_over_two_mesh_axes_gathers_in_order():
 
     from titan_jax.parallel.mesh import MeshDegrees, build_mesh
     from titan_jax.parallel.rules import ShardingRules
-    from titan_jax.parallel.simple_fsdp import SimpleFSDP, weight_layouts
+    from titan_jax.parallel.simple_fsdp import SimpleFSDP
 
     mesh = build_mesh(MeshDegrees(1, 4, 1, ep=2))
     rules = ShardingRules(mesh)
     w = jnp.arange(16 * 3, dtype=jnp.float32).reshape(16, 3)
-    layouts = weight_layouts(rules, {"w": w}, {"w": ("embed", None)})
-    assert layouts["w"].storage == P(("fsdp", "ep"))
-    fsdp = SimpleFSDP(rules, layouts, {}, "shard_map")
+    specs = rules.storage_specs({"w": w}, {"w": ("embed", None)})
+    assert specs["w"] == P(("fsdp", "ep"))
+    assert rules.weight_layout(("embed", None)).gathered_dims == ((0, "ep"), (0, "fsdp"))
+    fsdp = SimpleFSDP(rules, specs, {}, "shard_map")
     data = rules.data_axes
 
     def gather(shard):
-        return fsdp.param_use(shard, "w", ("embed", None), jnp.float32)[None]
+        return fsdp.use_param(shard, ("embed", None), jnp.float32)[None]
 
     with jax.set_mesh(mesh):
         gathered = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(("fsdp", "ep")),
                                          out_specs=P(data), axis_names=frozenset(data)))(
-            jax.device_put(w, NamedSharding(mesh, layouts["w"].storage)))
+            jax.device_put(w, NamedSharding(mesh, specs["w"])))
     for copy in gathered:
         np.testing.assert_array_equal(copy, w)

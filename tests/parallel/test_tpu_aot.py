@@ -12,7 +12,7 @@ import re
 import pytest
 from parallel_helpers import TINY, preset_overrides, tiny_config
 
-from titan_jax.tools import inspect
+from titan_jax.tools import inspect_step
 from titan_jax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.skipif(
@@ -31,7 +31,7 @@ def compiled_hlo(preset: str, implementation: str, *overrides: str) -> str:
                          "bfloat16", "--parallelism.fsdp_implementation", implementation,
                          *overrides)
     trainer = build_trainer(config, list(topology.devices), model_args=TINY)
-    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     return lowered.compile().as_text()
 
 
@@ -69,7 +69,7 @@ def _source(defs: dict[str, str], name: str) -> str:
 ])
 def test_v5p_fsdp_gathers_bf16_and_reduces_fp32(preset, implementation):
     hlo = compiled_hlo(preset, implementation)
-    found = inspect.collectives(hlo)
+    found = inspect_step.collectives(hlo)
     gathers = {c["dtype"] for c in found if c["op"] == "all-gather"}
     assert gathers == ({"bf16"} if preset != "ddp8" else set()), found
     fp32_bytes = sum(c["bytes"] for c in found
@@ -99,7 +99,7 @@ def test_mixed_precision_reduce_bf16_reduces_gradients_in_bf16(implementation):
     """TorchTitan's `mixed_precision_reduce = "bfloat16"`: every gradient reduction is bf16
     (what is left in fp32 is the scalar loss and grad norm)."""
     hlo = compiled_hlo("fsdp8", implementation, "--training.mixed_precision_reduce", "bfloat16")
-    reductions = [c for c in inspect.collectives(hlo)
+    reductions = [c for c in inspect_step.collectives(hlo)
                   if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] in ("bf16", "f32")]
     big = [c for c in reductions if c["bytes"] > 1024]
     assert big and {c["dtype"] for c in big} == {"bf16"}, reductions
@@ -118,9 +118,9 @@ def test_moe_step_with_expert_parallelism_compiles_for_v5p():
                          "--training.mixed_precision_param", "auto")
     trainer = build_trainer(config, list(topology.devices), model_args=args)
     assert trainer.model.options.platform == "tpu"
-    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     assert "ragged_dot" in lowered.as_text()
-    found = inspect.collectives(lowered.compile().as_text())
+    found = inspect_step.collectives(lowered.compile().as_text())
     ops = {(c["op"], c["dtype"]) for c in found}
     assert ("all-to-all", "bf16") in ops and ("all-gather", "bf16") in ops, found
 
@@ -163,7 +163,7 @@ def test_v5p_remat_modes_order_device_memory_and_offload_moves_activations_to_ho
                              "--model.attention", "xla")
         trainer = build_trainer(config, list(topology.devices), model_args=args)
         compiled = trainer.lower_step(trainer.abstract_state(),
-                                      inspect.abstract_batch(trainer)).compile()
+                                      inspect_step.abstract_batch(trainer)).compile()
         memory[mode], hlo[mode] = compiled.memory_analysis(), compiled.as_text()
     temp = {mode: m.temp_size_in_bytes for mode, m in memory.items()}
     assert temp["full"] < temp["selective"] < temp["none"], temp

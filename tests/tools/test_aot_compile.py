@@ -199,7 +199,7 @@ def test_lowered_step_flops_equal_the_analytic_count_on_both_fsdp_paths(implemen
     from tiny_model import TINY
 
     from titan_jax.config import load_config
-    from titan_jax.tools import inspect
+    from titan_jax.tools import inspect_step
     from titan_jax.train.trainer import build_trainer
 
     config = load_config(None, [
@@ -208,7 +208,7 @@ def test_lowered_step_flops_equal_the_analytic_count_on_both_fsdp_paths(implemen
         "--training.local_batch_size", "2", "--activation_checkpoint.mode", "none",
         "--training.mixed_precision_param", "float32"])
     trainer = build_trainer(config, jax.devices()[:8], model_args=TINY)
-    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     flops, unknown = hlo_stats.dot_flops(hlo_stats.parse(lowered.as_text(dialect="hlo")))
     analytic = trainer.flops_per_token() * trainer.tokens_per_step
     assert unknown == 0 and abs(flops / analytic - 1) < 0.02

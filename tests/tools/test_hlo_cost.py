@@ -185,7 +185,7 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
     sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
     from parallel_helpers import TINY, preset_overrides, tiny_config
 
-    from titan_jax.tools import inspect
+    from titan_jax.tools import inspect_step
     from titan_jax.train.trainer import build_trainer
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
@@ -193,7 +193,7 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
     config = tiny_config(*preset_overrides("fsdp8"), "--parallelism.expert_parallel_degree", "4",
                          "--training.mixed_precision_param", "auto")
     trainer = build_trainer(config, list(topology.devices), model_args=args)
-    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     picks = trainer.tokens_per_step * args.top_k
     expected, bound = hlo_stats.ragged_dot_flops(
         hlo_stats.parse(lowered.as_text(dialect="hlo")), picks)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from tiny_model import TINY
 
@@ -120,7 +121,7 @@ def test_restore_onto_another_mesh_is_bit_exact(saved, mesh):
         config = make_config(saved.folder.parent, "--parallelism.data_parallel_replicate_degree",
                              "2")
         trainer = make_trainer(config)
-        assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 4, "ep": 1, "tp": 1}
+        assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 4, "ep": 1, "cp": 1, "tp": 1}
     else:
         trainer = make_trainer(saved.config, jax.devices()[:1])
     restored = Checkpointer.from_config(saved.config, trainer).restore(
@@ -494,3 +495,20 @@ def test_checksums_equal_the_host_sum_of_the_saved_bits():
     assert [int(s) for s in on_device] == list(expected.values()) and finite
     assert not checksums.checksums({"w": jnp.array([1.0, jnp.inf])})[1]
     assert not jax.device_get(checksums._summaries([jnp.array([1.0, jnp.nan])]))[1]
+
+
+def test_a_checkpoint_from_before_the_update_count_resumes_with_its_count(saved, tmp_path):
+    """Checkpoints written before the train state had `applied_updates` kept the count in the
+    optimizer's state, as the LR schedule's (a state the optimizer no longer has)."""
+    trainer = make_trainer(saved.config, jax.devices()[:1])
+    adam, decay, _ = saved.state["opt_state"]
+    adam = adam._replace(count=np.int32(6))  # Adam's count may differ: it is not the one read
+    old = {"params": saved.state["params"], "buffers": saved.state["buffers"], "step": np.int32(7),
+           "opt_state": (adam, decay, optax.ScaleByScheduleState(count=np.int32(5)))}
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(7, jax.device_put(old, jax.devices()[0]), data_state={}, tokens_seen=256)
+        restored = ckpt.restore(7, trainer.abstract_state())
+    assert_trees_equal(restored.state, {**old, "opt_state": (adam, decay, optax.EmptyState()),
+                                        "applied_updates": np.int32(5)})
+    assert restored.state["applied_updates"].sharding.is_equivalent_to(
+        trainer.state_shardings["applied_updates"], 0)

@@ -9,7 +9,7 @@ import pytest
 from tiny_model import TINY
 
 from titan_jax.config import load_config
-from titan_jax.tools import inspect
+from titan_jax.tools import inspect_step
 from titan_jax.train.trainer import build_trainer
 
 
@@ -18,7 +18,8 @@ def lowered_step_text(n_layers: int, ac: str) -> str:
                                 "--activation_checkpoint.mode", ac])
     args = dataclasses.replace(TINY, n_layers=n_layers)
     trainer = build_trainer(config, jax.devices()[:1], model_args=args)
-    return trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer)).as_text()
+    batch = inspect_step.abstract_batch(trainer)
+    return trainer.lower_step(trainer.abstract_state(), batch).as_text()
 
 
 @pytest.mark.parametrize("ac", ["none", "selective"])

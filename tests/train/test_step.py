@@ -1,4 +1,5 @@
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,15 +10,23 @@ from tiny_model import TINY
 
 from titan_jax.config import LRScheduler, Optimizer
 from titan_jax.models.qwen3 import build_model_def
+from titan_jax.models.sharding_hooks import Parallelism
+from titan_jax.train import loss as loss_module
 from titan_jax.train.loss import IGNORE_INDEX, cross_entropy_sum
 from titan_jax.train.optim import WSDSchedule, build_optimizer
-from titan_jax.train.step import StepOptions, init_train_state, split_microbatches, train_step
+from titan_jax.train.step import (
+    StepOptions,
+    init_train_state,
+    loss_and_grads,
+    split_microbatches,
+    train_step,
+)
 
 
 def make_step(n_microbatches=1, steps=10, max_norm=1.0):
     model = build_model_def(TINY)
     schedule = WSDSchedule.from_config(1e-3, LRScheduler(warmup_steps=2), steps)
-    optimizer = build_optimizer(Optimizer(), schedule)
+    optimizer = build_optimizer(Optimizer())
     step = jax.jit(functools.partial(
         train_step, model=model, optimizer=optimizer, schedule=schedule,
         options=StepOptions(n_microbatches=n_microbatches, max_norm=max_norm)))
@@ -86,7 +95,28 @@ def test_finite_guard_leaves_state_untouched_on_nan():
     for b, a in zip(jax.tree.leaves(before["opt_state"]), jax.tree.leaves(after["opt_state"]),
                     strict=True):
         np.testing.assert_array_equal(a, b)  # moments and the LR count did not move
-    assert int(after["step"]) == 1
+    assert int(after["step"]) == 1 and int(after["applied_updates"]) == 0
+
+
+def test_the_lr_follows_the_count_of_applied_updates():
+    """A skipped (non-finite) step counts as a step but not as an update: the next update, and
+    the LR it logs, are still the schedule's first."""
+    step, state = make_step()
+    schedule = WSDSchedule.from_config(1e-3, LRScheduler(warmup_steps=2), 10)
+    poisoned = jax.tree.map(jnp.copy, state)
+    poisoned["params"]["norm"]["weight"] = poisoned["params"]["norm"]["weight"].at[0].set(jnp.nan)
+    skipped, _ = step(poisoned, batches(1)[0])
+    skipped["params"] = state["params"]
+    data = batches(2)
+    after, first = step(skipped, data[0])
+    after, second = step(after, data[1])
+    assert (int(after["step"]), int(after["applied_updates"])) == (3, 2)
+    np.testing.assert_allclose([float(first["lr"]), float(second["lr"])],
+                               [float(schedule(0)), float(schedule(1))], rtol=1e-6)
+    # The update applied is the LR's: the same as a run that never skipped.
+    clean, _ = step(state, data[0])
+    jax.tree.map(np.testing.assert_array_equal, step(clean, data[1])[0]["params"],
+                 after["params"])
 
 
 def test_clipping_scales_to_max_norm():
@@ -116,3 +146,32 @@ def test_clip_by_global_norm_follows_torch():
         clipped, norm = clip_by_global_norm(grads, max_norm)
         np.testing.assert_allclose(clipped["a"], 3.0 * expected, rtol=1e-6)
         assert float(norm) == pytest.approx(6.0)
+
+
+class RecordingParallelism(Parallelism):
+    """No parallelism, but notes each `constrain` made from the chunked loss's backward rule."""
+
+    def __init__(self):
+        self.backward_constraints = []
+
+    def constrain(self, x, logical_axes):
+        frame = sys._getframe()
+        while frame is not None and frame.f_code is not loss_module._chunked_bwd.__code__:
+            frame = frame.f_back
+        if frame is not None:
+            self.backward_constraints.append(logical_axes)
+        return x
+
+
+@pytest.mark.parametrize("n_microbatches", [1, 2])
+def test_parallelism_answers_custom_vjp_backward_rules(monkeypatch, n_microbatches):
+    """The chunked loss's backward (a custom_vjp rule, traced after the forward has returned)
+    pins its logits through `constrain`: the step's parallelism must still be the one asked."""
+    monkeypatch.setattr(loss_module, "MAX_LOGITS_PER_CHUNK", 4 * TINY.vocab_size)  # chunked
+    model = build_model_def(TINY)
+    params = model.init(jax.random.key(0))
+    parallelism = RecordingParallelism()
+    jax.eval_shape(lambda p: loss_and_grads(model, p, {}, batches(1)[0],
+                                            StepOptions(n_microbatches), parallelism), params)
+    assert parallelism.backward_constraints
+    assert set(parallelism.backward_constraints) == {("batch", "vocab")}

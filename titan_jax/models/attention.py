@@ -239,9 +239,11 @@ def _kernel(backend: str, platform: str, scale: float) -> Callable[..., Array]:
 
 
 def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, backend: str,
-              platform: str, segment_ids_BT: Array | None = None) -> Array:
+              platform: str, segment_ids_BT: Array | None = None,
+              q_start: Array | None = None) -> Array:
     """Causal GQA attention by `backend` (resolved: "xla" | "splash" | "cudnn"). The kernels
     run per device shard (`run_per_shard`); XLA's einsums are partitioned by the compiler.
+    q_start: queries after a KV cache's first position (decoding: the xla path only).
     Under context parallelism (`sequence_split`) q holds this shard's tokens and K/V are
     gathered over the whole sequence first."""
     split = sequence_split()
@@ -249,7 +251,13 @@ def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, backend
         return _split_sequence_attention(q_BTNH, k_BSKH, v_BSKH, scale, backend, platform,
                                          split, segment_ids_BT)
     if backend == "xla":
-        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT)
+        if q_start is None:
+            return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT)
+        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT,
+                                    q_start + jnp.arange(q_BTNH.shape[1]),
+                                    jnp.arange(k_BSKH.shape[1]))
+    if q_start is not None:
+        raise ValueError(f"a KV cache (decoding) needs the xla attention, not {backend}")
     if segment_ids_BT is None:
         return run_per_shard(_kernel(backend, platform, scale), (q_BTNH, k_BSKH, v_BSKH),
                              (Q_AXES, KV_AXES, KV_AXES), Q_AXES)

@@ -4,14 +4,41 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
-from titan_jax.models.sharding_hooks import GATHERED_PARAM, save_anything_except_gathered_params
+from titan_jax.models.sharding_hooks import GATHERED_PARAM
 
 log = logging.getLogger(__name__)
 
 REMAT_MODES = ("none", "full", "selective", "offload")
+
+
+def is_gathered_param(prim: Any, params: dict[str, Any]) -> bool:
+    """Whether an equation (as a remat policy sees it) yields a gathered weight, by name only.
+
+    A gather that is a custom_vjp (its backward casts the gradient to fp32 before reducing it)
+    reaches the policy as one opaque `custom_vjp_call`, so its body is searched for the name;
+    other custom_vjps (kernels, permutes) are left alone.
+    """
+    if prim.name == "name":
+        return params["name"] == GATHERED_PARAM
+    body = params.get("call_jaxpr")
+    if body is None:
+        return False
+    return any(e.primitive.name == "name" and e.params.get("name") == GATHERED_PARAM
+               for e in getattr(body, "jaxpr", body).eqns)
+
+
+def save_anything_except_gathered_params(prim: Any, *_: Any, **params: Any) -> bool:
+    """Remat policy: save every value except the gathered weights (reshard_after_forward).
+
+    What is saved instead is the gather's input, this device's shard; backward gathers again.
+    Reshapes are not saved either: they are free to redo, and a reshaped gathered weight (a
+    kernel's 2-D view of it) would otherwise be kept in the weight's place.
+    """
+    return prim.name != "reshape" and not is_gathered_param(prim, params)
 
 
 def remat_policy(mode: str, save_gathered_params: bool, saved_activations: tuple[str, ...]

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from titan_jax.models.sharding_hooks import ExpertDispatch, ExpertFFN
+from titan_jax.models.sharding_hooks import ExpertFFN
 
 # Rows the expert FFN computes on its fast path, as a multiple of this rank's own picks.
 CAPACITY_FACTOR = 1.25
@@ -69,35 +69,27 @@ def bounded_ffn(ffn: ExpertFFN, rows_RD: jax.Array, ids_R: jax.Array, n_real: ja
     return either(rows_RD, ids_R, n_real)
 
 
-def all_to_all_dispatch(axis: str, ep: int) -> ExpertDispatch:
-    """The expert dispatch over mesh axis `axis` of size `ep` (see the module docstring)."""
-
-    def dispatch(x_ND: jax.Array, experts_NK: jax.Array, weights_NK: jax.Array, n_local: int,
-                 ffn: ExpertFFN) -> jax.Array:
-        n, k = experts_NK.shape
-        m, d = n * k, x_ND.shape[-1]
-        flat = experts_NK.reshape(-1)
-        dest = flat // n_local  # the rank that holds each pick's expert
-        # Each pick's slot in its destination's buffer: picks to the same rank, in order.
-        to_rank = dest[:, None] == jnp.arange(ep)[None, :]
-        slot = jnp.take_along_axis(jnp.cumsum(to_rank, axis=0), dest[:, None], 1)[:, 0] - 1
-        send_sizes = jnp.sum(to_rank, axis=0, dtype=jnp.int32)
-        send = jnp.zeros((ep, m, d), x_ND.dtype).at[dest, slot].set(
-            x_ND[jnp.arange(m) // k], unique_indices=True)
-        send_ids = jnp.full((ep, m), n_local, jnp.int32).at[dest, slot].set(
-            flat % n_local, unique_indices=True)
-        # [s] = what rank s sent here, and how many of its rows are real.
-        recv_sizes = lax.all_to_all(send_sizes[:, None], axis, 0, 0)[:, 0]
-        where = ragged_layout(recv_sizes, m)
-        rows = jnp.zeros((ep * m, d), x_ND.dtype).at[where].set(
-            lax.all_to_all(send, axis, 0, 0), unique_indices=True, mode="drop")
-        ids = jnp.full((ep * m,), n_local, jnp.int32).at[where].set(
-            lax.all_to_all(send_ids, axis, 0, 0), unique_indices=True, mode="drop")
-        y = bounded_ffn(ffn, rows, ids, jnp.sum(recv_sizes), expert_capacity(m, ep * m))
-        y = y.at[where].get(mode="fill", fill_value=0)  # back to each source's buffer
-        returned = lax.all_to_all(y, axis, 0, 0)  # [r] = results of what was sent to rank r
-        y_NKD = returned[dest, slot].reshape(n, k, d)
-        out = jnp.einsum("nk,nkd->nd", weights_NK, y_NKD.astype(jnp.float32))
-        return out.astype(x_ND.dtype)
-
-    return dispatch
+def all_to_all_dispatch(rows_MD: jax.Array, experts_M: jax.Array, n_local: int,
+                        ffn: ExpertFFN, axis: str, ep: int) -> jax.Array:
+    """Each row (one pick) through its expert, held by rank `experts_M // n_local` of mesh
+    axis `axis` (size `ep`); the results in the rows' order (see the module docstring)."""
+    m, d = rows_MD.shape
+    dest = experts_M // n_local  # the rank that holds each pick's expert
+    # Each pick's slot in its destination's buffer: picks to the same rank, in order.
+    to_rank = dest[:, None] == jnp.arange(ep)[None, :]
+    slot = jnp.take_along_axis(jnp.cumsum(to_rank, axis=0), dest[:, None], 1)[:, 0] - 1
+    send_sizes = jnp.sum(to_rank, axis=0, dtype=jnp.int32)
+    send = jnp.zeros((ep, m, d), rows_MD.dtype).at[dest, slot].set(rows_MD, unique_indices=True)
+    send_ids = jnp.full((ep, m), n_local, jnp.int32).at[dest, slot].set(
+        experts_M % n_local, unique_indices=True)
+    # [s] = what rank s sent here, and how many of its rows are real.
+    recv_sizes = lax.all_to_all(send_sizes[:, None], axis, 0, 0)[:, 0]
+    where = ragged_layout(recv_sizes, m)
+    rows = jnp.zeros((ep * m, d), rows_MD.dtype).at[where].set(
+        lax.all_to_all(send, axis, 0, 0), unique_indices=True, mode="drop")
+    ids = jnp.full((ep * m,), n_local, jnp.int32).at[where].set(
+        lax.all_to_all(send_ids, axis, 0, 0), unique_indices=True, mode="drop")
+    y = bounded_ffn(ffn, rows, ids, jnp.sum(recv_sizes), expert_capacity(m, ep * m))
+    y = y.at[where].get(mode="fill", fill_value=0)  # back to each source's buffer
+    returned = lax.all_to_all(y, axis, 0, 0)  # [r] = results of what was sent to rank r
+    return returned[dest, slot]

@@ -3,7 +3,7 @@
 GSPMD treats a Pallas kernel as an opaque call: left alone under a sharded jit it would be run
 on gathered (replicated) inputs, or fail to partition. Such a kernel works on any slice of its
 batch and head axes, so SimpleFSDP runs it under `jax.shard_map` with the activation specs of
-the rules table (`SimpleFSDP.per_shard`).
+the rules table (`SimpleFSDP.run_per_shard`).
 
 Pallas kernels carry no varying-axes types (their outputs are typed as replicated), so they
 need `check_vma=False`. Inside SimpleFSDP's shard_map twin, which is type-checked (its

@@ -27,7 +27,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
+import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from titan_jax.models.sharding_hooks import LogicalAxes
@@ -63,8 +65,24 @@ def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def mesh_axes_of(spec: PartitionSpec) -> set[str]:
+    """Every mesh axis `spec` splits some dim over."""
+    return {a for entry in spec if entry
+            for a in (entry if isinstance(entry, tuple) else (entry,))}
+
+
 class ShardingRuleError(ValueError):
     """A logical axis without a rule, two dims on one mesh axis, or an indivisible dim."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """How a weight is stored and used, from its logical axes alone."""
+
+    storage: PartitionSpec
+    compute: PartitionSpec
+    gathered_dims: tuple[tuple[int, str], ...]  # (dim, data axis) a use gathers, in order
+    replicated: tuple[str, ...]  # data axes it is stored whole on (its gradient sums over them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +91,8 @@ class ShardingRules:
 
     mesh: Mesh
     table: Mapping[str, MeshAxes] = dataclasses.field(default_factory=lambda: DEFAULT_TABLE)
+    _layouts: dict[LogicalAxes, WeightLayout] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, axes in self.table.items():
@@ -134,6 +154,30 @@ class ShardingRules:
                 if mesh_axis in self.data_axes:
                     dims.append((dim, mesh_axis))
         return tuple(dims)
+
+    def weight_layout(self, axes: LogicalAxes) -> WeightLayout:
+        """The layout of a weight with logical axes `axes`, as it is used (inside the layer
+        scan: one layer's, without `layers`), derived once per axes tuple. Shapes are checked
+        by `storage_specs`, which names each parameter, when the run is set up."""
+        layout = self._layouts.get(axes)
+        if layout is None:
+            name = f"a weight with logical axes {axes}"
+            storage = self._spec(name, axes, None, drop=())
+            layout = WeightLayout(
+                storage, self._spec(name, axes, None, drop=self.data_axes),
+                self.gathered_dims(axes),
+                tuple(a for a in self.data_axes if a not in mesh_axes_of(storage)))
+            self._layouts[axes] = layout
+        return layout
+
+    def storage_specs(self, abstract: Any, logical_axes: Any) -> Any:
+        """The storage PartitionSpec of every array in `abstract` (same tree as
+        `logical_axes`); a ShardingRuleError names the first array the table cannot split."""
+        def spec(path: tuple, x: Any, axes: LogicalAxes) -> PartitionSpec:
+            name = jax.tree_util.keystr(path, simple=True, separator=".")
+            return self.storage_spec(name, axes, x.shape)
+
+        return jax.tree_util.tree_map_with_path(spec, abstract, logical_axes)
 
     def _mesh_axes(self, axis: str | None) -> tuple[str, ...]:
         """Mesh axes of logical `axis` that split it (size-1 axes dropped: minimal specs)."""

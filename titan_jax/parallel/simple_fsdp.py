@@ -8,8 +8,9 @@ no separate code: the rules table shards weights over `fsdp` (size 1 under pure 
 over `dp_replicate`, so gathering to "storage spec minus the data axes" is the right collective
 for each. Tensor-parallel dims (`tp`) stay split in compute.
 
-Two implementations share the one rules table and plug into the step the same way (a
-`param_use` for the model's weight reads, a `loss_map` around the summed loss):
+Two implementations share the one rules table and plug into the step the same way (the
+`Parallelism` hooks of `titan_jax/models/sharding_hooks.py`: `use_param` for the model's weight
+reads, `loss_map` around the summed loss):
 - "jit" (the compiler path): sharding constraints; GSPMD places and schedules the collectives.
 - "shard_map" (the explicit twin): `jax.shard_map` over the data axes with `lax.all_gather`,
   `lax.psum_scatter` and `lax.psum` written out. It exists to prove the compiler path right.
@@ -40,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -49,7 +49,15 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from titan_jax.models.sharding_hooks import GATHERED_PARAM, LogicalAxes, ShardingHooks
+from titan_jax.models.sharding_hooks import (
+    GATHERED_PARAM,
+    ExpertFFN,
+    Kernel,
+    LogicalAxes,
+    Parallelism,
+    SequenceSplit,
+    SummedLoss,
+)
 from titan_jax.models.spec import Aux, Params
 from titan_jax.parallel.context_parallel import CP, ContextParallel
 from titan_jax.parallel.expert_parallel import all_to_all_dispatch
@@ -60,10 +68,6 @@ from titan_jax.parallel.rules import ShardingRules
 SHARDS = "data_shards"
 
 Implementation = Literal["jit", "shard_map"]
-# A batch's summed loss and its aux, (params, buffers, inputs_BT, labels_BT) -> (scalar, aux),
-# and a transform of it (how parallelism splits the batch's computation).
-SummedLoss = Callable[[Params, Params, jax.Array, jax.Array], tuple[jax.Array, Aux]]
-LossMap = Callable[[SummedLoss], SummedLoss]
 
 
 def only_axes(spec: PartitionSpec, keep: tuple[str, ...]) -> PartitionSpec:
@@ -159,52 +163,18 @@ all_gather_param.defvjp(_all_gather_param_fwd, _all_gather_param_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
-class WeightLayout:
-    """How one weight is stored and used, derived once from the rules table."""
+class SimpleFSDP(Parallelism):
+    """SimpleFSDP on one mesh: the model's hooks (weight reads, activation layouts, the expert
+    dispatch, per-shard kernels) and the `loss_map` around the step's summed loss.
 
-    storage: PartitionSpec
-    compute: PartitionSpec
-    gathered_dims: tuple[tuple[int, str], ...]  # (dim, data axis) a use gathers
-    replicated: tuple[str, ...]  # data axes it is stored whole on (its gradient sums over them)
-    ndim: int
-
-    def per_layer(self) -> WeightLayout:
-        """The layout of one slice along the leading (scanned, never split) layers axis."""
-        drop = lambda spec: PartitionSpec(*tuple(spec)[1:])  # noqa: E731
-        return WeightLayout(drop(self.storage), drop(self.compute),
-                            tuple((d - 1, a) for d, a in self.gathered_dims), self.replicated,
-                            self.ndim - 1)
-
-
-def weight_layouts(rules: ShardingRules, abstract: Any, logical_axes: Any
-                   ) -> dict[str, WeightLayout]:
-    """{dotted path: layout} of every array in `abstract` (same tree as `logical_axes`)."""
-    leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
-    axes = jax.tree.leaves(logical_axes, is_leaf=lambda x: isinstance(x, tuple))
-    layouts = {}
-    for (path, x), ax in zip(leaves, axes, strict=True):
-        name = ".".join(str(getattr(k, "key", k)) for k in path)
-        storage = rules.storage_spec(name, ax, x.shape)
-        split = {a for entry in storage for a in (entry if isinstance(entry, tuple) else (entry,))}
-        replicated = tuple(a for a in rules.data_axes if a not in split)
-        layouts[name] = WeightLayout(storage, rules.compute_spec(name, ax, x.shape),
-                                     rules.gathered_dims(ax), replicated, len(x.shape))
-    return layouts
-
-
-@dataclasses.dataclass(frozen=True)
-class SimpleFSDP:
-    """SimpleFSDP on one mesh: `hooks()` for the model's weight reads and activation layouts,
-    and `loss_map` around the step's summed loss.
-
-    layouts: every weight's `WeightLayout` by dotted path (`weight_layouts`), computed once;
-    a weight read looks its own up by path. buffer_specs: storage PartitionSpecs of the
-    buffers. reduce_dtype: dtype of gradient reductions (TorchTitan's `mixed_precision_reduce`;
-    fp32 by default).
+    A weight's layout comes from its logical axes as used (`ShardingRules.weight_layout`).
+    param_specs, buffer_specs: storage PartitionSpecs of the params and buffers (trees), the
+    in_specs of the shard_map twin. reduce_dtype: dtype of gradient reductions (TorchTitan's
+    `mixed_precision_reduce`; fp32 by default).
     """
 
     rules: ShardingRules
-    layouts: dict[str, WeightLayout]
+    param_specs: Any
     buffer_specs: Any = dataclasses.field(default_factory=dict)
     implementation: Implementation = "jit"
     reduce_dtype: Any = jnp.float32
@@ -213,20 +183,12 @@ class SimpleFSDP:
         if self.implementation not in ("jit", "shard_map"):
             raise ValueError(f"parallelism.fsdp_implementation={self.implementation!r}; "
                              "valid: jit, shard_map")
-        if self.implementation == "jit" and self.mesh.shape.get("ep", 1) > 1:
+        if self.implementation == "jit" and self.ep > 1:
             raise ValueError("expert parallelism needs the shard_map implementation (the "
                              "partitioner does not lower the jit path's dispatch to all-to-alls)")
         if self.implementation == "jit" and self.mesh.shape.get(CP, 1) > 1:
             raise ValueError("context parallelism needs the shard_map implementation (its K/V "
                              "gathers run over the manual cp axis)")
-
-    def layout(self, path: str, ndim: int) -> WeightLayout:
-        """The layout of weight `path` as used: whole, or one layer of a stacked weight."""
-        if path not in self.layouts:
-            raise ValueError(f"weight {path or '(unnamed)'!r} has no layout; SimpleFSDP knows "
-                             f"{', '.join(sorted(self.layouts))}")
-        layout = self.layouts[path]
-        return layout.per_layer() if ndim == layout.ndim - 1 else layout
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -240,21 +202,19 @@ class SimpleFSDP:
     def n_shards(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
-    def hooks(self) -> ShardingHooks:
-        ep, cp = self.mesh.shape.get("ep", 1), self.mesh.shape.get(CP, 1)
-        hooks = ShardingHooks(param=self.param_use, activation=self.activation_use,
-                              per_shard=self.per_shard)
-        if cp > 1:
-            hooks = dataclasses.replace(hooks, sequence=ContextParallel(cp))
-        if ep == 1:
-            return hooks
-        return dataclasses.replace(hooks, experts=all_to_all_dispatch("ep", ep))
+    @property
+    def ep(self) -> int:
+        return self.mesh.shape.get("ep", 1)
 
-    def param_use(self, value: jax.Array, path: str, logical_axes: LogicalAxes,
-                  dtype: jnp.dtype) -> jax.Array:
-        """The model's weight read; runs inside `loss_map`."""
-        del logical_axes  # the layout was derived from them once, at build time
-        layout = self.layout(path, value.ndim)
+    @property
+    def cp(self) -> int:
+        return self.mesh.shape.get(CP, 1)
+
+    def use_param(self, value: jax.Array, logical_axes: LogicalAxes, dtype: jnp.dtype
+                  ) -> jax.Array:
+        """Cast to `dtype` and gathered from storage to compute layout; runs inside
+        `loss_map`."""
+        layout = self.rules.weight_layout(logical_axes)
         dtype, reduce_dtype = jnp.dtype(dtype), jnp.dtype(self.reduce_dtype)
         value = value.astype(reduce_dtype)  # its transpose widens the reduced gradient
         if self.implementation == "shard_map":
@@ -264,7 +224,7 @@ class SimpleFSDP:
                             NamedSharding(self.mesh, layout.storage),
                             NamedSharding(self.mesh, layout.compute))
 
-    def activation_use(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+    def constrain(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         """Pins an activation of one data shard to its model-parallel layout from the table
         (nothing to pin without a model-parallel axis)."""
         spec = self.rules.local_compute_spec("activation", logical_axes)
@@ -274,8 +234,21 @@ class SimpleFSDP:
             return lax.with_sharding_constraint(x, spec)
         return lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-    def per_shard(self, kernel: Callable[..., jax.Array], args: tuple[jax.Array, ...],
-                  in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+    def dispatch_to_experts(self, rows_MD: jax.Array, experts_M: jax.Array, n_local: int,
+                            ffn: ExpertFFN) -> jax.Array:
+        """Under expert parallelism the picks travel to their expert's rank and back
+        (`parallel/expert_parallel.py`); otherwise every expert is local."""
+        if self.ep == 1:
+            return super().dispatch_to_experts(rows_MD, experts_M, n_local, ffn)
+        return all_to_all_dispatch(rows_MD, experts_M, n_local, ffn, "ep", self.ep)
+
+    def sequence_split(self) -> SequenceSplit:
+        """Under context parallelism each rank holds two chunks of every sequence and gathers
+        K/V over `cp` (`parallel/context_parallel.py`)."""
+        return ContextParallel(self.cp) if self.cp > 1 else super().sequence_split()
+
+    def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
+                      in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
         """A kernel GSPMD cannot partition (Pallas), run on each device's own rows and heads
         under shard_map (`parallel/per_shard.py`); the specs are the table's model-parallel
         part of the activations' layout (the data axes are the per-shard map's). Runs inside
@@ -306,10 +279,11 @@ class SimpleFSDP:
     def _shard_map_loss(self, summed_loss: SummedLoss) -> SummedLoss:
         # Manual over the data axes only: model-parallel splits are left to the partitioner.
         data = self.data_axes
-        param_specs = nested({
-            name: only_axes(layout.storage, data) for name, layout in self.layouts.items()})
+        is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
+        param_specs = jax.tree.map(lambda s: only_axes(s, data), self.param_specs,
+                                   is_leaf=is_spec)
         buffer_specs = jax.tree.map(lambda _: PartitionSpec(), self.buffer_specs,  # whole
-                                    is_leaf=lambda s: isinstance(s, PartitionSpec))
+                                    is_leaf=is_spec)
         rows = self.rules.batch_spec  # rows, and under context parallelism sequence chunks
 
         def local(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
@@ -325,15 +299,3 @@ class SimpleFSDP:
                                  )(params, buffers, inputs, labels)
 
         return mapped
-
-
-def nested(flat: dict[str, Any]) -> dict[str, Any]:
-    """A nested dict (the params tree's shape) from {dotted path: value}."""
-    tree: dict[str, Any] = {}
-    for name, value in flat.items():
-        *parents, leaf = name.split(".")
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return tree

@@ -25,7 +25,7 @@ import numpy as np
 
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.parallel.topology import Chip, TpuSlice, compile_only_devices, parse_slice
-from titan_jax.tools import hlo_cost, hlo_stats, inspect, kernel_flops
+from titan_jax.tools import hlo_cost, hlo_stats, inspect_step, kernel_flops
 from titan_jax.train.trainer import Trainer, build_trainer
 
 _OOM_TEMPORARIES = re.compile(r"HLO temporaries \(([0-9.]+)([GMK]?)\)")
@@ -238,7 +238,7 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
     trainer = _build(config, tpu, devices, model_args)
     usable = usable_hbm_bytes(devices[0])
     start = time.perf_counter()
-    lowered = trainer.lower_step(trainer.abstract_state(), inspect.abstract_batch(trainer))
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     lower_s = time.perf_counter() - start
     n = len(devices)
     report: dict[str, Any] = {
@@ -246,7 +246,7 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
         "tpu": tpu.libtpu_name, "chip_source": tpu.chip.source,
         "model": f"{config.model.name} {config.model.flavor}",
         "mesh": dict(trainer.mesh.shape), "mode": trainer.degrees.mode,
-        "fsdp_implementation": trainer.fsdp.implementation,
+        "fsdp_implementation": trainer.parallelism.implementation,
         "param_dtype": np.dtype(trainer.options.param_dtype).name,
         "activation_checkpoint": config.activation_checkpoint.mode,
         "attention": trainer.attention,
@@ -258,8 +258,9 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
     try:
         compiled, buffers, flags = _compile_with_dumps(lowered)
     except jax.errors.JaxRuntimeError as e:
-        arguments = inspect.state_bytes(trainer)[0] + sum(
-            inspect.leaf_bytes_per_device(x) for x in inspect.abstract_batch(trainer).values())
+        batch = inspect_step.abstract_batch(trainer).values()
+        arguments = inspect_step.state_bytes(trainer)[0] + sum(
+            inspect_step.leaf_bytes_per_device(x) for x in batch)
         verdict = _out_of_memory(e, tpu.chip, usable, arguments)
         if verdict is None:
             raise
@@ -268,7 +269,7 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
                 "est_step_time_s": None, "est_mfu_pct": None, "roofline_step_time_s": None,
                 "roofline_mfu_pct": None, "top_buffers": [], "scheduler_flags": {}}
     report["compile_s"] = time.perf_counter() - start
-    report.update(_verdict(inspect.memory(compiled), tpu.chip, usable, accepted=True))
+    report.update(_verdict(inspect_step.memory(compiled), tpu.chip, usable, accepted=True))
     report["top_buffers"], report["scheduler_flags"] = buffers, flags
     report["cost_analysis_flops_per_chip"] = float(compiled.cost_analysis().get("flops", 0.0))
     report.update(_estimates(report, compiled.as_text(), tpu.chip, n,

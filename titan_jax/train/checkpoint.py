@@ -37,9 +37,11 @@ import orbax.checkpoint as ocp
 
 from titan_jax.config import JobConfig
 from titan_jax.errors import TitanJaxError, root_cause
-from titan_jax.train.checksums import checksums, leaf_name, named_leaves
+from titan_jax.train.checksums import checksums
+from titan_jax.train.state_formats import count_from_schedule, schedule_counted
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer
+from titan_jax.trees import leaf_name, named_leaves
 
 FORMAT_VERSION = 1
 MODEL_KEYS = ("params", "buffers")  # the TrainState keys a model-only checkpoint holds
@@ -265,6 +267,7 @@ class Checkpointer:
         target = {k: v for k, v in wanted.items() if k not in empty}
         # A model-only restore reads the MODEL_KEYS of a full checkpoint and ignores the rest.
         saved = {n: m for n, m in named_leaves(saved).items() if n.split(".")[0] in target}
+        target, uncounted = schedule_counted(target, saved)
         check_shapes(where, saved, named_leaves(target), meta)
         if signature is not None and not model_only:
             _check_signature(where, meta.get("resume", {}), signature)
@@ -285,6 +288,8 @@ class Checkpointer:
             raise CheckpointError(
                 f"{where} is corrupt: {bad} does not match the checksum recorded when it was "
                 f"saved; {self._others(step)}")
+        if uncounted:
+            state = count_from_schedule(state)
         # A bf16 export restored into fp32 master weights (exact: bf16 values are fp32 values).
         state = jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype),
                              state, wanted)

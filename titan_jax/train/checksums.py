@@ -15,25 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from titan_jax.trees import named_leaves
+
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-
-
-def leaf_name(path: tuple) -> str:
-    """A pytree path as a dotted name that orbax's metadata tree and the live state share
-    (orbax stores tuples as lists and namedtuples as dicts)."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
-
-
-def named_leaves(tree: Any) -> dict[str, Any]:
-    return {leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _raw_bits_sum(x: jax.Array) -> jax.Array:

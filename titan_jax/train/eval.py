@@ -1,12 +1,12 @@
 """Validation: the held-out loss of the current weights, on the training mesh.
 
 `eval_step` is the train step's forward without gradients: the same model call, the same
-SimpleFSDP hooks and `loss_map`, the same fp32 summed cross-entropy (aux losses left out). It is
-jitted once with the training run's parameter and batch shardings, so it needs no resharding
-and no second copy of the weights. `Validator` runs it over the `[validation]` batches (the same
-batches every time: windows of a held-out token store in order, `data.windows.ValidationWindows`)
-and returns the loss over all valid
-tokens, TorchTitan's reduction, and its perplexity.
+parallelism (SimpleFSDP's hooks and `loss_map`), the same fp32 summed cross-entropy (aux
+losses left out). It is jitted once with the training run's parameter and batch shardings, so
+it needs no resharding and no second copy of the weights. `Validator` runs it over the
+`[validation]` batches (the same batches every time: windows of a held-out token store in
+order, `data.windows.ValidationWindows`) and returns the loss over all valid tokens,
+TorchTitan's reduction, and its perplexity.
 """
 
 from __future__ import annotations
@@ -22,17 +22,15 @@ from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.pipeline import process_barrier, validation_corpus
 from titan_jax.data.tokenizer import Tokenizer
 from titan_jax.data.windows import ValidationWindows
-from titan_jax.models.sharding_hooks import ShardingHooks, sharding_hooks
+from titan_jax.models.sharding_hooks import Parallelism
 from titan_jax.models.spec import Aux, ModelDef, Params
-from titan_jax.parallel.simple_fsdp import LossMap
 from titan_jax.train.loss import count_valid_tokens, cross_entropy_sum
 from titan_jax.train.step import Batch
 from titan_jax.train.trainer import Trainer
 
 
 def eval_step(params: Params, buffers: Params, batch: Batch, *, model: ModelDef,
-              param_dtype: Any, hooks: ShardingHooks, loss_map: LossMap
-              ) -> dict[str, jax.Array]:
+              param_dtype: Any, parallelism: Parallelism) -> dict[str, jax.Array]:
     """{"loss_sum": summed fp32 CE over valid tokens, "n_tokens": their count}; no gradients."""
 
     def summed_loss(p: Params, b: Params, inputs: jax.Array, labels: jax.Array
@@ -40,8 +38,9 @@ def eval_step(params: Params, buffers: Params, batch: Batch, *, model: ModelDef,
         h_BTD, w_DV, aux = model.forward(p, b, inputs, param_dtype)
         return cross_entropy_sum(h_BTD, w_DV, labels), {"loss": aux["loss"], "stats": {}}
 
-    with sharding_hooks(hooks):
-        loss_sum, _ = loss_map(summed_loss)(params, buffers, batch["inputs"], batch["labels"])
+    with parallelism.installed():
+        loss_sum, _ = parallelism.loss_map(summed_loss)(params, buffers, batch["inputs"],
+                                                        batch["labels"])
     return {"loss_sum": loss_sum, "n_tokens": count_valid_tokens(batch["labels"])}
 
 
@@ -58,7 +57,7 @@ class Validator:
         self.global_batch_size = v.local_batch_size * trainer.degrees.dp
         step = functools.partial(eval_step, model=trainer.model,
                                  param_dtype=trainer.options.param_dtype,
-                                 hooks=trainer.fsdp.hooks(), loss_map=trainer.fsdp.loss_map)
+                                 parallelism=trainer.parallelism)
         self._step = jax.jit(step, in_shardings=(trainer.state_shardings["params"],
                                                  trainer.state_shardings["buffers"],
                                                  trainer.batch_sharding))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -66,11 +68,26 @@ class WSDSchedule:
         return self.lr * self.factor(step)
 
 
-def build_optimizer(opt: Optimizer, schedule: WSDSchedule) -> optax.GradientTransformation:
-    """AdamW with decoupled weight decay on every parameter (TorchTitan: no no-decay group).
+def scale_by_given_learning_rate() -> optax.GradientTransformationExtraArgs:
+    """Updates times -`learning_rate`, a keyword argument of each `update`: the step passes the
+    schedule's value at the train state's count of applied updates, so no optimizer-internal
+    count (which a wrapped optimizer would move) decides the LR."""
+
+    def update(updates: Any, state: optax.EmptyState, params: Any = None, *,
+               learning_rate: jax.Array, **extra: Any) -> tuple[Any, optax.EmptyState]:
+        del params, extra
+        return jax.tree.map(lambda u: jnp.asarray(-learning_rate, u.dtype) * u, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def build_optimizer(opt: Optimizer) -> optax.GradientTransformationExtraArgs:
+    """AdamW with decoupled weight decay on every parameter (TorchTitan: no no-decay group):
+    optax's `adamw` chain, with the LR given at each update (`learning_rate=`).
 
     Clipping is done by the train step itself (it needs the norm for metrics and the finite
     guard), so it is not part of this chain.
     """
-    return optax.adamw(learning_rate=schedule, b1=opt.beta1, b2=opt.beta2, eps=opt.eps,
-                       weight_decay=opt.weight_decay)
+    return optax.chain(optax.scale_by_adam(b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
+                       optax.add_decayed_weights(opt.weight_decay),
+                       scale_by_given_learning_rate())

@@ -14,11 +14,11 @@ from titan_jax.train.checkpoint import (
     check_shapes,
     is_checkpoint_dir,
     listing,
-    named_leaves,
     resume_signature,
 )
 from titan_jax.train.model_io import load_orbax, read_orbax_args
 from titan_jax.train.trainer import Trainer
+from titan_jax.trees import named_leaves
 
 
 def _newest_step(ckpt: Checkpointer) -> int:

@@ -18,12 +18,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from titan_jax.models.sharding_hooks import NO_SHARDING, ShardingHooks, sharding_hooks
+from titan_jax.models.sharding_hooks import NO_PARALLELISM, Parallelism
 from titan_jax.models.spec import Aux, ModelDef, Params
-from titan_jax.parallel.simple_fsdp import LossMap, SummedLoss
 from titan_jax.train.loss import count_valid_tokens, cross_entropy_sum
 
-TrainState = dict[str, Any]  # {"params", "buffers", "opt_state", "step"}
+TrainState = dict[str, Any]  # {"params", "buffers", "opt_state", "step", "applied_updates"}
+# The train state's count of optimizer updates applied (skipped, non-finite steps excluded): the
+# LR schedule's step. `step` counts every step.
+APPLIED_UPDATES = "applied_updates"
 Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "labels": (B, T) int32}
 
 
@@ -37,7 +39,7 @@ class StepOptions:
 def init_train_state(params: Params, buffers: Params, optimizer: optax.GradientTransformation
                      ) -> TrainState:
     return {"params": params, "buffers": buffers, "opt_state": optimizer.init(params),
-            "step": jnp.zeros((), jnp.int32)}
+            "step": jnp.zeros((), jnp.int32), APPLIED_UPDATES: jnp.zeros((), jnp.int32)}
 
 
 def split_microbatches(x_BT: jax.Array, n: int) -> jax.Array:
@@ -50,21 +52,17 @@ def split_microbatches(x_BT: jax.Array, n: int) -> jax.Array:
     return x_BT.reshape(b // n, n, *x_BT.shape[1:]).swapaxes(0, 1)
 
 
-def whole_batch(summed_loss: SummedLoss) -> SummedLoss:
-    """The default `loss_map`: the loss of the batch as one computation."""
-    return summed_loss
-
-
 def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batch,
-                   options: StepOptions, hooks: ShardingHooks = NO_SHARDING,
-                   loss_map: LossMap = whole_batch
+                   options: StepOptions, parallelism: Parallelism = NO_PARALLELISM
                    ) -> tuple[jax.Array, Params, jax.Array, dict[str, jax.Array]]:
     """(mean loss over all valid tokens of the batch, its gradient, the token count, the
     forward's aux stats summed over the batch).
 
-    `loss_map` transforms the summed-loss function before it is differentiated; SimpleFSDP maps
-    it over data-parallel shards so that each shard's gradient exists, and is cast to the
-    reduce dtype, before it is reduced.
+    `parallelism.loss_map` transforms the summed-loss function before it is differentiated;
+    SimpleFSDP maps it over data-parallel shards so that each shard's gradient exists, and is
+    cast to the reduce dtype, before it is reduced. Its hooks answer the model's calls over
+    the whole differentiation: custom_vjp backward rules (the chunked loss's) are traced after
+    the forward has returned, and call them too.
     """
     n_tokens = count_valid_tokens(batch["labels"])
 
@@ -76,11 +74,15 @@ def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batc
 
     def microbatch_loss(p: Params, inputs: jax.Array, labels: jax.Array
                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        with sharding_hooks(hooks):
-            total, aux = loss_map(summed_loss)(p, buffers, inputs, labels)
+        total, aux = parallelism.loss_map(summed_loss)(p, buffers, inputs, labels)
         return total / n_tokens, aux["stats"]
 
-    grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
+    value_and_grad = jax.value_and_grad(microbatch_loss, has_aux=True)
+
+    def grad_fn(p: Params, inputs: jax.Array, labels: jax.Array) -> Any:
+        with parallelism.installed():
+            return value_and_grad(p, inputs, labels)
+
     if options.n_microbatches == 1:
         (loss, stats), grads = grad_fn(params, batch["inputs"], batch["labels"])
         return loss, grads, n_tokens, stats
@@ -111,34 +113,30 @@ def clip_by_global_norm(grads: Params, max_norm: float) -> tuple[Params, jax.Arr
     return jax.tree.map(lambda g: g * scale, grads), norm
 
 
-def optimizer_count(opt_state: Any) -> jax.Array:
-    """Updates applied so far (the LR schedule's step), read from the schedule's own state."""
-    counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
-    return counts[-1][1]
-
-
 def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
-               optimizer: optax.GradientTransformation, schedule: Any, options: StepOptions,
-               hooks: ShardingHooks = NO_SHARDING, loss_map: LossMap = whole_batch,
+               optimizer: optax.GradientTransformationExtraArgs, schedule: Any,
+               options: StepOptions,
+               parallelism: Parallelism = NO_PARALLELISM,
                ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step. A non-finite loss or grad norm leaves the whole state as it was.
 
-    `hooks` and `loss_map` are where parallelism plugs in (see `loss_and_grads`).
+    `parallelism` is where a parallelism plugs in: its hooks answer the model's calls, in
+    forward and backward, and its `loss_map` splits the batch's loss (see `loss_and_grads`).
     """
     params, buffers, opt_state = state["params"], state["buffers"], state["opt_state"]
     loss, grads, n_tokens, stats = loss_and_grads(model, params, buffers, batch, options,
-                                                  hooks, loss_map)
+                                                  parallelism)
     grads, grad_norm = clip_by_global_norm(grads, options.max_norm)
-    # The LR of this update: optax's count before the update (skipped steps do not advance it).
-    lr = schedule(optimizer_count(opt_state))
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    lr = schedule(state[APPLIED_UPDATES])  # this update's LR, the one logged
+    updates, new_opt_state = optimizer.update(grads, opt_state, params, learning_rate=lr)
     new_params = optax.apply_updates(params, updates)
     new_buffers = model.update_buffers(buffers, stats)  # after the optimizer, as TorchTitan
 
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     new_state = {"params": keep(new_params, params), "buffers": keep(new_buffers, buffers),
-                 "opt_state": keep(new_opt_state, opt_state), "step": state["step"] + 1}
+                 "opt_state": keep(new_opt_state, opt_state), "step": state["step"] + 1,
+                 APPLIED_UPDATES: state[APPLIED_UPDATES] + finite.astype(jnp.int32)}
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "n_tokens": n_tokens,
                "finite": finite, **model.aux_metrics(stats, n_tokens)}
     return new_state, metrics

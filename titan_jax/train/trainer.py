@@ -23,9 +23,16 @@ from titan_jax.models.remat import remat_mode_for
 from titan_jax.parallel.context_parallel import check_seq_len, to_load_balanced
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
-from titan_jax.parallel.simple_fsdp import SimpleFSDP, nested, weight_layouts
+from titan_jax.parallel.simple_fsdp import SimpleFSDP
 from titan_jax.train.optim import WSDSchedule, build_optimizer
-from titan_jax.train.step import Batch, StepOptions, TrainState, init_train_state, train_step
+from titan_jax.train.step import (
+    APPLIED_UPDATES,
+    Batch,
+    StepOptions,
+    TrainState,
+    init_train_state,
+    train_step,
+)
 
 
 def check_moe_knobs(config: JobConfig, args: Any) -> None:
@@ -112,11 +119,11 @@ class Trainer:
     model: ModelDef
     rules: ShardingRules
     schedule: WSDSchedule
-    optimizer: optax.GradientTransformation
+    optimizer: optax.GradientTransformationExtraArgs
     options: StepOptions
     state_shardings: Any
     batch_sharding: NamedSharding
-    fsdp: SimpleFSDP  # how weights are gathered at use and their gradients reduced
+    parallelism: SimpleFSDP  # the model's hooks and the loss map: gather at use, fp32 reduce
     attention: str  # the attention kernel `model.attention` resolved to for the devices
 
     @property
@@ -159,7 +166,7 @@ class Trainer:
     def _jitted_step(self) -> Any:
         step = functools.partial(train_step, model=self.model, optimizer=self.optimizer,
                                  schedule=self.schedule, options=self.options,
-                                 hooks=self.fsdp.hooks(), loss_map=self.fsdp.loss_map)
+                                 parallelism=self.parallelism)
         return jax.jit(step, donate_argnums=0,
                        in_shardings=(self.state_shardings, self.batch_sharding),
                        out_shardings=(self.state_shardings, None))
@@ -261,32 +268,32 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
         activation_stats=config.metrics.log_activation_stats, platform=platform,
         attention=attention))
     rules = ShardingRules(mesh)
-    try:  # every weight's storage and compute layout, derived once from the table
-        layouts = weight_layouts(rules, model.abstract_params, model.logical_axes)
-        buffer_layouts = weight_layouts(rules, model.abstract_buffers, model.buffer_logical_axes)
+    try:  # every array's storage layout, checked against its shape and named on error
+        param_specs = rules.storage_specs(model.abstract_params, model.logical_axes)
+        buffer_specs = rules.storage_specs(model.abstract_buffers, model.buffer_logical_axes)
     except ShardingRuleError as e:
         raise ConfigError(f"cannot shard model.flavor={config.model.flavor} on this mesh: {e}"
                           ) from None
     schedule = WSDSchedule.from_config(config.optimizer.lr, config.lr_scheduler, t.steps)
-    optimizer = build_optimizer(config.optimizer, schedule)
+    optimizer = build_optimizer(config.optimizer)
     options = StepOptions(n_microbatches=global_batch // per_step,
                           param_dtype=param_dtype,
                           max_norm=t.max_norm)
 
     # Optimizer moments inherit their parameter's sharding; scalars are replicated.
-    named = lambda layouts: nested(  # noqa: E731
-        {k: NamedSharding(mesh, v.storage) for k, v in layouts.items()})
-    param_shardings = named(layouts)
+    named = lambda specs: jax.tree.map(  # noqa: E731
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    param_shardings = named(param_specs)
     abstract_opt = jax.eval_shape(optimizer.init, model.abstract_params)
     opt_shardings = optax.tree_utils.tree_map_params(
         optimizer, lambda _, sharding: sharding, abstract_opt, param_shardings,
         transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()),
     )
-    state_shardings = {"params": param_shardings, "buffers": named(buffer_layouts),
-                       "opt_state": opt_shardings, "step": NamedSharding(mesh, PartitionSpec())}
+    scalar = NamedSharding(mesh, PartitionSpec())
+    state_shardings = {"params": param_shardings, "buffers": named(buffer_specs),
+                       "opt_state": opt_shardings, "step": scalar, APPLIED_UPDATES: scalar}
     batch_sharding = NamedSharding(mesh, rules.batch_spec)
-    buffer_specs = nested({k: v.storage for k, v in buffer_layouts.items()})
-    fsdp = SimpleFSDP(rules, layouts, buffer_specs, implementation,
-                      jnp.dtype(t.mixed_precision_reduce))
+    parallelism = SimpleFSDP(rules, param_specs, buffer_specs, implementation,
+                             jnp.dtype(t.mixed_precision_reduce))
     return Trainer(config, mesh, degrees, spec, model, rules, schedule, optimizer, options,
-                   state_shardings, batch_sharding, fsdp, attention)
+                   state_shardings, batch_sharding, parallelism, attention)

@@ -6,7 +6,7 @@ import dataclasses
 from titan_jax.config import JobConfig
 from titan_jax.models.qwen3 import hf
 from titan_jax.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args, YarnScaling, get_flavor
-from titan_jax.models.qwen3.build import ModelDef, build_model_def
+from titan_jax.models.qwen3.build import Qwen3Def, build_model_def
 from titan_jax.models.qwen3.flops import flops_per_token
 from titan_jax.models.qwen3.model import Qwen3
 from titan_jax.models.spec import ModelSpec, register_model
@@ -40,5 +40,5 @@ QWEN3 = ModelSpec(name="qwen3", flavors=QWEN3_FLAVORS, build=build_model_def,
                   configure=configure, display_name="Qwen3")
 register_model(QWEN3)
 
-__all__ = ["QWEN3", "QWEN3_FLAVORS", "ModelDef", "Qwen3", "Qwen3Args", "build_model_def",
+__all__ = ["QWEN3", "QWEN3_FLAVORS", "Qwen3", "Qwen3Def", "Qwen3Args", "build_model_def",
            "get_flavor"]

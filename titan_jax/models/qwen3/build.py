@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,23 +21,16 @@ from titan_jax.models.qwen3.args import Qwen3Args
 from titan_jax.models.qwen3.model import SAVED_ACTIVATIONS, Kernels, Qwen3, stacked_logical_axes
 from titan_jax.models.qwen3.moe import grouped_matmul_for, update_expert_bias
 from titan_jax.models.remat import remat_policy
-from titan_jax.models.sharding_hooks import PATH_METADATA
 from titan_jax.models.spec import Aux, BuildOptions, Params
+from titan_jax.trees import leaf_name, nested_set
 
 EXPERT_BIAS = "expert_bias"
 
 
-def _path_names(path: tuple) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", k)) for k in path)
-
-
-def path_name(path: tuple) -> str:
-    """A pytree key path as a dotted parameter name, e.g. "layers.attention.wq"."""
-    return ".".join(_path_names(path))
-
-
 @dataclasses.dataclass(frozen=True)
-class ModelDef:
+class Qwen3Def:
+    """Qwen3's `ModelDef` (titan_jax/models/spec.py)."""
+
     args: Qwen3Args
     graphdef: nnx.GraphDef
     abstract_params: Params  # nested dict of jax.ShapeDtypeStruct (fp32 master weights)
@@ -64,7 +56,7 @@ class ModelDef:
                 dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, jax.Array, Aux]:
         """(final hidden states (B, T, D), output projection (D, V), aux), for the loss."""
         model = nnx.merge(self.graphdef, params)
-        h_BTD, stats, aux_loss = model.hidden_states(tokens_BT, dtype, self.remat,
+        h_BTD, stats, aux_loss, _ = model.hidden_states(tokens_BT, dtype, self.remat,
                                                      self.options.activation_stats,
                                                      buffers.get(EXPERT_BIAS))
         return h_BTD, model.output_weight(dtype), {"loss": aux_loss, "stats": stats}
@@ -100,39 +92,25 @@ class ModelDef:
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.abstract_params))
 
-    def named_leaves(self, tree: Params) -> list[tuple[str, Any]]:
-        """[("layers.attention.wq", leaf), ...] in a stable order (tuple leaves kept whole)."""
-        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]
-        return [(path_name(p), leaf) for p, leaf in flat]
 
-
-def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> ModelDef:
+def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> Qwen3Def:
     """Traces the module once abstractly (no weights allocated) to get its structure."""
     options = options or BuildOptions()
     kernels = Kernels(grouped_matmul_for(options.platform),
                       resolve_attention(options.attention, options.platform), options.platform)
     abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernels))
-    for path, var in nnx.iter_graph(abstract):  # each weight knows its path when used
-        if isinstance(var, nnx.Param):
-            var.set_metadata(**{PATH_METADATA: ".".join(map(str, path))})
     graphdef, state = nnx.split(abstract, nnx.Param)
     flat = jax.tree_util.tree_flatten_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )[0]
     shapes, axes = {}, {}
     for path, var in flat:
-        names = _path_names(path)
-        _nested_set(shapes, names, jax.ShapeDtypeStruct(var.shape, var.dtype))
-        _nested_set(axes, names, stacked_logical_axes(names, var.logical_axes))
+        names = tuple(leaf_name(path).split("."))
+        nested_set(shapes, names, jax.ShapeDtypeStruct(var.shape, var.dtype))
+        nested_set(axes, names, stacked_logical_axes(names, var.logical_axes))
     buffers, buffer_axes = {}, {}
     if args.is_moe:  # non-trainable: never an nnx.Param, so never seen by the optimizer
         buffers[EXPERT_BIAS] = jax.ShapeDtypeStruct((args.n_layers, args.num_experts),
                                                     jnp.float32)
         buffer_axes[EXPERT_BIAS] = ("layers", "expert")
-    return ModelDef(args, graphdef, shapes, axes, options, buffers, buffer_axes)
-
-
-def _nested_set(tree: dict, names: tuple[str, ...], value: Any) -> None:
-    for name in names[:-1]:
-        tree = tree.setdefault(name, {})
-    tree[names[-1]] = value
+    return Qwen3Def(args, graphdef, shapes, axes, options, buffers, buffer_axes)

@@ -1,14 +1,12 @@
-"""KV-cached Qwen3 decoding as pure functions over the params dict (the trainer's tree).
+"""KV-cached Qwen3 decoding through the training model (model.py), over the params dict.
 
-The training model recomputes attention over the whole sequence; generation instead keeps every
-layer's keys and values in a cache of `max_len` positions, runs the prompt once (`prefill`),
-then one token per call (`decode_step`). Both are jitted by `generate`, the cache is donated so
-it is updated in place, and each compiles once per prompt length / once in all.
-
-Numerics are the training model's (model.py): fp32 norm statistics, RoPE tables and softmax,
-weights cast to `dtype` at use, logits in fp32. Params are the stored tree (see hf.py's mapping
-table): `layers` weights are stacked on a leading layer axis, so the layers run under `lax.scan`
-with the cache's layer axis scanned alongside.
+The training forward runs the whole sequence at once; generation instead keeps every layer's
+keys and values in a cache of `max_len` positions, runs the prompt once (`prefill`), then one
+token per call (`decode_step`). Both are the training model's `hidden_states` with its KV cache
+and position offset, so the numerics are the training model's (fp32 norm statistics, RoPE
+tables and softmax, weights cast to `dtype` at use, logits in fp32). Both are jitted by
+`generate`, the cache is donated so it is updated in place, and each compiles once per prompt
+length / once in all. The kernels follow the platform of the devices the weights are on.
 """
 
 from __future__ import annotations
@@ -18,10 +16,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from titan_jax.models.qwen3.args import Qwen3Args
-from titan_jax.models.qwen3.model import apply_rope, rope_tables
-from titan_jax.models.qwen3.moe import grouped_matmul_for, route, routed_experts
+from titan_jax.models.qwen3.build import Qwen3Def, build_model_def
+from titan_jax.models.spec import BuildOptions
 
 Params = dict[str, Any]
 KVCache = dict[str, jax.Array]  # {"k", "v"}: (layers, B, max_len, n_kv_heads, head_dim)
@@ -32,76 +31,32 @@ def init_cache(args: Qwen3Args, batch: int, max_len: int, dtype: Any) -> KVCache
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight.astype(x.dtype) * normed.astype(x.dtype)
-
-
-def _attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, start: jax.Array,
-            scale: float) -> jax.Array:
-    """Queries at positions start.. attend to cache positions <= their own (fp32 softmax)."""
-    b, t, n, h = q_BTNH.shape
-    kv, s = k_BSKH.shape[2], k_BSKH.shape[1]
-    q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    visible_TS = jnp.arange(s)[None, :] <= (start + jnp.arange(t))[:, None]
-    scores = jnp.where(visible_TS, scores * scale, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH).reshape(b, t, n, h)
-
-
-def _moe(p: Params, args: Qwen3Args, h_BTD: jax.Array, dtype: Any) -> jax.Array:
-    """Routed experts as in training, with a zero expert bias (HF's router: the bias is a
-    training-time balancing buffer, not part of an exported model)."""
-    h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
-    experts, weights, _ = route(h_ND, p["gate"], jnp.zeros(args.num_experts), args.top_k,
-                                args.norm_topk_prob)
-    kernel = grouped_matmul_for(jax.devices()[0].platform)
-    y_ND = routed_experts(h_ND, experts, weights, p["w1"].astype(dtype), p["w3"].astype(dtype),
-                          p["w2"].astype(dtype), kernel)
-    return y_ND.reshape(h_BTD.shape)
+@functools.lru_cache(maxsize=8)
+def _model(args: Qwen3Args, platform: str) -> Qwen3Def:
+    """The model for decoding on `platform`: a KV cache needs the xla attention."""
+    return build_model_def(args, BuildOptions(platform=platform, attention="xla"))
 
 
 def forward(params: Params, args: Qwen3Args, tokens_BT: jax.Array, start: jax.Array,
-            cache: KVCache, dtype: Any = jnp.float32) -> tuple[jax.Array, KVCache]:
+            cache: KVCache, dtype: Any = jnp.float32, platform: str = "cpu"
+            ) -> tuple[jax.Array, KVCache]:
     """Logits (B, T, V) in fp32 of tokens at positions start..start+T-1, and the cache with
-    their keys and values written in. Earlier positions come from the cache."""
-    b, t = tokens_BT.shape
-    x_BTD = jnp.take(params["tok_embeddings"].astype(dtype), tokens_BT, axis=0)
-    cos, sin = rope_tables(start + jnp.arange(t), args.head_dim, args.rope_theta, args.yarn)
-    eps, scale = args.norm_eps, args.head_dim**-0.5
-
-    def layer(x_BTD: jax.Array, xs: tuple[Params, jax.Array, jax.Array]
-              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        p, k_cache, v_cache = xs
-        a = p["attention"]
-        w = lambda name: a[name].astype(dtype)  # noqa: E731
-        h_BTD = _rms_norm(x_BTD, p["attention_norm"]["weight"], eps)
-        q = _rms_norm(jnp.einsum("btd,dnh->btnh", h_BTD, w("wq")), a["q_norm"]["weight"], eps)
-        k = _rms_norm(jnp.einsum("btd,dkh->btkh", h_BTD, w("wk")), a["k_norm"]["weight"], eps)
-        v = jnp.einsum("btd,dkh->btkh", h_BTD, w("wv"))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, 1)
-        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, 1)
-        out_BTNH = _attend(q, k_cache.astype(dtype), v_cache.astype(dtype), start, scale)
-        x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", out_BTNH, w("wo"))
-        h_BTD = _rms_norm(x_BTD, p["ffn_norm"]["weight"], eps)
-        if "moe" in p:
-            x_BTD = x_BTD + _moe(p["moe"], args, h_BTD, dtype)
-        else:
-            f = p["feed_forward"]
-            gate = jax.nn.silu(jnp.einsum("btd,df->btf", h_BTD, f["w1"].astype(dtype)))
-            hidden = gate * jnp.einsum("btd,df->btf", h_BTD, f["w3"].astype(dtype))
-            x_BTD = x_BTD + jnp.einsum("btf,fd->btd", hidden, f["w2"].astype(dtype))
-        return x_BTD, (k_cache, v_cache)
-
-    x_BTD, (k, v) = jax.lax.scan(layer, x_BTD, (params["layers"], cache["k"], cache["v"]))
-    h_BTD = _rms_norm(x_BTD, params["norm"]["weight"], eps)
-    w_DV = params["tok_embeddings"].T if args.tie_embeddings else params["lm_head"]
-    logits = jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(dtype),
+    their keys and values written in. Earlier positions come from the cache. MoE flavours
+    route with a zero expert bias (HF's router: the bias is a training-time buffer)."""
+    net = nnx.merge(_model(args, platform).graphdef, params)
+    h_BTD, _, _, (k, v) = net.hidden_states(tokens_BT, dtype, kv_cache=(cache["k"], cache["v"]),
+                                            start=start)
+    logits = jnp.einsum("btd,dv->btv", h_BTD, net.output_weight(dtype),
                         preferred_element_type=jnp.float32)
     return logits, {"k": k, "v": v}
+
+
+def platform_of(params: Params) -> str:
+    """The platform of the devices holding `params` (host arrays: JAX's default backend)."""
+    leaf = jax.tree.leaves(params)[0]
+    if isinstance(leaf, jax.Array):
+        return next(iter(leaf.devices())).platform
+    return jax.default_backend()
 
 
 def sample(logits_BV: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
@@ -131,17 +86,18 @@ def generate(params: Params, args: Qwen3Args, prompt_BT: jax.Array, max_new_toke
         raise ValueError(f"prompt of {t} tokens + max_new_tokens={max_new_tokens} exceeds the "
                          f"model's max_seq_len={args.max_seq_len}")
     pick = functools.partial(sample, temperature=temperature, top_p=top_p)
+    platform = platform_of(params)
 
     @functools.partial(jax.jit, donate_argnums=1)
     def prefill(params: Params, cache: KVCache, tokens: jax.Array, key: jax.Array
                 ) -> tuple[jax.Array, KVCache]:
-        logits, cache = forward(params, args, tokens, jnp.int32(0), cache, dtype)
+        logits, cache = forward(params, args, tokens, jnp.int32(0), cache, dtype, platform)
         return pick(logits[:, -1], key), cache
 
     @functools.partial(jax.jit, donate_argnums=1)
     def decode_step(params: Params, cache: KVCache, token_B: jax.Array, pos: jax.Array,
                     key: jax.Array) -> tuple[jax.Array, KVCache]:
-        logits, cache = forward(params, args, token_B[:, None], pos, cache, dtype)
+        logits, cache = forward(params, args, token_B[:, None], pos, cache, dtype, platform)
         return pick(logits[:, -1], key), cache
 
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)

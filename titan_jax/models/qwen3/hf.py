@@ -35,6 +35,7 @@ from titan_jax.models.qwen3.hf_config import (
     read_hf_config,
 )
 from titan_jax.models.qwen3.hf_tensors import IGNORED, HFTensor, hf_tensors, to_hf_layout
+from titan_jax.trees import nested_get, nested_set
 
 Params = dict[str, Any]
 
@@ -171,18 +172,6 @@ def _read_shard(reader: _Reader, t: HFTensor, index: tuple[slice, ...]) -> np.nd
     return x[(*in_rest, *out_rest)]
 
 
-def _get(tree: Params, path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _set(tree: Params, path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
 def _read_stacked(reader: _Reader, group: list[HFTensor], stack: tuple[int, ...],
                   bounds: tuple[tuple[int, int], ...], index: tuple[slice, ...]) -> np.ndarray:
     """The block of a stacked weight covering `bounds` on its stacked axes: one HF tensor per
@@ -220,7 +209,7 @@ def load_hf_params(path: str | Path, args: Qwen3Args | None = None,
         reader = _Reader(path, stack)
         _check_tensors(reader, tensors, args)
         for tpath, group in by_path.items():
-            sharding = default if shardings is None else _get(shardings, tpath)
+            sharding = default if shardings is None else nested_get(shardings, tpath)
             # Leading stacked axes: layers, then experts (tensors come layer-major).
             stack = (args.n_layers,) * (group[0].layer is not None) + (
                 args.num_experts,) * (group[0].expert is not None)
@@ -237,7 +226,7 @@ def load_hf_params(path: str | Path, args: Qwen3Args | None = None,
                                                index[len(stack):]).astype(dtype)
                 return cache[key]
 
-            _set(params, tpath, jax.make_array_from_callback(shape, sharding, callback))
+            nested_set(params, tpath, jax.make_array_from_callback(shape, sharding, callback))
     return params
 
 
@@ -286,12 +275,12 @@ def iter_hf_tensors(params: Params, args: Qwen3Args, dtype: Any = None
     current, layer, host = None, None, {}
     for t in hf_tensors(args):
         if t.layer is None:
-            leaf = _host_array(_get(params, t.path))
+            leaf = _host_array(nested_get(params, t.path))
         else:
             if t.layer != current:
                 current, layer, host = t.layer, _layer(params["layers"], t.layer), {}
             if t.path not in host:  # an expert stack is copied once for all its experts
-                host[t.path] = _host_array(_get(layer, t.path[1:]))
+                host[t.path] = _host_array(nested_get(layer, t.path[1:]))
             leaf = host[t.path] if t.expert is None else host[t.path][t.expert]
         x = np.ascontiguousarray(to_hf_layout(t, leaf))
         yield t.name, x if dtype is None else x.astype(dtype)

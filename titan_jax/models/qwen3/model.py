@@ -12,6 +12,12 @@ output. Kernels that prefer 2-D operands (`project`) flatten locally.
 Init follows torchtitan HEAD (b5bcd76, `models/qwen3/__init__.py`): every linear and the
 embedding ~ N(0, 0.02); for MoE flavours `wo` and the experts' `w2` use 0.02/sqrt(2*n_layers);
 norm weights 1. Tied models read the embedding as the output projection.
+
+Array names end in their dimensions, one letter each, with one meaning across `models/`:
+B batch, T sequence positions (queries), S key/value positions, D model dim (embed), N query
+heads, K kv heads, G query heads per kv head (N / K), H head dim, F feed-forward hidden (per
+expert in MoE), V vocab, L layers, E experts, R token rows (B*T flattened), C the experts each
+token picks (top_k), M picks (R*C rows, one per (token, pick)).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ Array = jax.Array
 # between them (norms, RoPE, SiLU * mul, residual adds) is recomputed in backward.
 SAVED_ACTIVATIONS = ("q_proj", "k_proj", "v_proj", "attn_out", "wo_out", "ffn_w1", "ffn_w3",
                      "ffn_out", *MOE_SAVED_ACTIVATIONS)
+KVPair = tuple[Array, Array]  # (keys, values) of a KV cache
 # Logical axes of the activations the layout is pinned at (rules: titan_jax/parallel/rules.py).
 ACT_AXES = ("batch", "seq", "embed")
 
@@ -115,13 +122,13 @@ def rope_tables(positions: Array, head_dim: int, theta: float,
 
 
 @jax.named_scope("rope")
-def apply_rope(x_NKH: Array, cos_NH: Array, sin_NH: Array) -> Array:
+def apply_rope(x_BTNH: Array, cos_TH: Array, sin_TH: Array) -> Array:
     """Rotates (..., heads, head_dim) by tables of shape (..., head_dim), HF's rotate-half."""
-    half = x_NKH.shape[-1] // 2
-    rotated = jnp.concatenate([-x_NKH[..., half:], x_NKH[..., :half]], axis=-1)
-    cos = jnp.expand_dims(cos_NH, -2).astype(x_NKH.dtype)
-    sin = jnp.expand_dims(sin_NH, -2).astype(x_NKH.dtype)
-    return x_NKH * cos + rotated * sin
+    half = x_BTNH.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BTNH[..., half:], x_BTNH[..., :half]], axis=-1)
+    cos = jnp.expand_dims(cos_TH, -2).astype(x_BTNH.dtype)
+    sin = jnp.expand_dims(sin_TH, -2).astype(x_BTNH.dtype)
+    return x_BTNH * cos + rotated * sin
 
 
 @jax.named_scope("project")
@@ -129,14 +136,14 @@ def project(x: Array, w: nnx.Param, n_in: int, flat_weight: bool = False) -> Arr
     """`x (..., *in) @ w (*in, *out) -> (..., *out)`, the weight read through the param hook.
 
     The leading (batch, seq) dims are merged into one row dim for the matmul: XLA:CPU runs it
-    ~3x faster than with two batch-free leading dims, and the merge is a free reshape on every
-    backend. This is local to the kernel: callers see (B, T, ...) activations.
+    faster than with two batch-free leading dims (BENCHMARKS.md, "CPU kernel choices"), and
+    the merge is a free reshape on every backend. This is local to the kernel: callers see
+    (B, T, ...) activations.
     flat_weight: also merge the weight's out dims into one (a 2-D matmul), for XLA:CPU, whose
-    backward of a 3-D weight's matmul spends more time transposing than multiplying (the
-    q/k/v projections' fwd+bwd ran 1.7x faster 2-D at the debugmodel shape). Only with one
-    in dim: the contraction is unchanged, so are the numbers (merging `wo`'s two contracted
-    dims reorders its sums and gained nothing). The merged weight is named a gathered weight
-    again, so remat treats it as the weight itself.
+    backward of a 3-D weight's matmul spends more time transposing than multiplying. Only
+    with one in dim: the contraction is unchanged, so are the numbers (merging `wo`'s two
+    contracted dims reorders its sums). The merged weight is named a gathered weight again,
+    so remat treats it as the weight itself.
     """
     w_ = use_param(w, x.dtype)
     lead, ins, outs = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:], w_.shape[n_in:]
@@ -188,8 +195,12 @@ class Attention(nnx.Module):
         self.backend, self.platform = kernels.attention, kernels.platform
 
     def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
-                 segment_ids_BT: Array | None = None) -> Array:
-        """segment_ids_BT: attend only within equal ids (documents packed in one window)."""
+                 segment_ids_BT: Array | None = None, kv_cache: KVPair | None = None,
+                 start: Array | int = 0) -> tuple[Array, KVPair | None]:
+        """(output, the updated `kv_cache`). segment_ids_BT: attend only within equal ids
+        (documents packed in one window). kv_cache: this layer's cached keys and values
+        (B, S, K, H) each, for decoding: the tokens' own are written at positions start..,
+        and the tokens attend to every cached position up to their own."""
         name = checkpoint_name
         flat = self.platform == "cpu"  # a CPU kernel choice (see `project`)
         q_BTNH = name(project(x_BTD, self.wq, 1, flat), "q_proj")
@@ -199,11 +210,16 @@ class Attention(nnx.Module):
         q_BTNH = constrain(apply_rope(self.q_norm(q_BTNH), cos_TH, sin_TH), Q_AXES)
         k_BTKH = constrain(apply_rope(self.k_norm(k_BTKH), cos_TH, sin_TH), KV_AXES)
         v_BTKH = constrain(v_BTKH, KV_AXES)
+        q_start = None
+        if kv_cache is not None:
+            kv_cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), start, 1)
+                             for c, x in zip(kv_cache, (k_BTKH, v_BTKH), strict=True))
+            (k_BTKH, v_BTKH), q_start = (c.astype(q_BTNH.dtype) for c in kv_cache), start
         with jax.named_scope("sdpa"):  # scaled dot-product attention, the op profiles name
             out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, self.scale, self.backend, self.platform,
-                                 segment_ids_BT)
+                                 segment_ids_BT, q_start)
         out_BTNH = name(out_BTNH, "attn_out")
-        return name(project(out_BTNH, self.wo, 2), "wo_out")
+        return name(project(out_BTNH, self.wo, 2), "wo_out"), kv_cache
 
 
 class FeedForward(nnx.Module):
@@ -241,12 +257,15 @@ class Block(nnx.Module):
             self.feed_forward = FeedForward(args, rngs)
 
     def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
-                 expert_bias_E: Array | None = None, segment_ids_BT: Array | None = None
-                 ) -> tuple[Array, dict[str, Array]]:
-        """(output, the MoE router's statistics for MoE blocks (see `MoE`), else {})."""
+                 expert_bias_E: Array | None = None, segment_ids_BT: Array | None = None,
+                 kv_cache: KVPair | None = None, start: Array | int = 0
+                 ) -> tuple[Array, dict[str, Array], KVPair | None]:
+        """(output, the MoE router's statistics for MoE blocks (see `MoE`), else {}, the
+        updated KV cache (see `Attention`))."""
         with jax.named_scope("attention"):
-            x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH,
-                                           segment_ids_BT)
+            y_BTD, kv_cache = self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH,
+                                             segment_ids_BT, kv_cache, start)
+            x_BTD = x_BTD + y_BTD
         router = {}
         with jax.named_scope("feed_forward"):
             if expert_bias_E is None:
@@ -254,7 +273,7 @@ class Block(nnx.Module):
             else:
                 y_BTD, router = self.moe(self.ffn_norm(x_BTD), expert_bias_E)
                 x_BTD = x_BTD + y_BTD
-        return constrain(x_BTD, ACT_AXES), router
+        return constrain(x_BTD, ACT_AXES), router, kv_cache
 
 
 class Qwen3(nnx.Module):
@@ -278,9 +297,11 @@ class Qwen3(nnx.Module):
             self.lm_head = _param(rngs, (args.dim, args.vocab_size), ("embed", "vocab"), 0.02)
 
     def hidden_states(self, tokens_BT: Array, dtype: jnp.dtype, remat: Callable | None = None,
-                      activation_stats: bool = False, expert_bias_LE: Array | None = None
-                      ) -> tuple[Array, dict[str, Array], Array]:
-        """(final-normed hidden states (B, T, D) in `dtype`, aux stats, aux loss).
+                      activation_stats: bool = False, expert_bias_LE: Array | None = None,
+                      kv_cache: KVPair | None = None, start: Array | int = 0
+                      ) -> tuple[Array, dict[str, Array], Array, KVPair | None]:
+        """(final-normed hidden states (B, T, D) in `dtype`, aux stats, aux loss, the updated
+        `kv_cache`).
 
         remat: the scanned block's `jax.checkpoint` policy (None: no remat).
         activation_stats: also return each layer's output sum of squares and element count
@@ -291,12 +312,14 @@ class Qwen3(nnx.Module):
         hold each layer's tokens per expert (`tokens_per_expert`, (L, E)), and with
         `router_aux_loss_coef` > 0 the aux loss is HF's load-balancing loss times that
         coefficient, summed over this batch's tokens (the step divides by the token count).
+        kv_cache: every layer's keys and values, (L, B, S, K, H) each, for decoding tokens at
+        positions start.. (`decode.py`): written there, attended up to each token's own.
         """
         if self.args.is_moe and expert_bias_LE is None:
             expert_bias_LE = jnp.zeros((self.args.n_layers, self.args.num_experts), jnp.float32)
         t = tokens_BT.shape[1]
         # Global positions: under context parallelism this shard's tokens are two chunks.
-        segment_ids_BT, positions = None, sequence_split().positions(t)
+        segment_ids_BT, positions = None, start + sequence_split().positions(t)
         if tokens_BT.ndim == 3:
             tokens_BT, segment_ids_BT, positions = (tokens_BT[..., i] for i in range(3))
         table_VD = use_param(self.tok_embeddings, dtype)
@@ -307,20 +330,21 @@ class Qwen3(nnx.Module):
                                      self.args.yarn)
         layers_def, layers_state = nnx.split(self.layers)
 
-        def body(x_BTD: Array, layer: tuple[nnx.State, Array | None]
-                 ) -> tuple[Array, dict[str, Array]]:
-            layer_state, expert_bias_E = layer
-            y_BTD, stats = nnx.merge(layers_def, layer_state)(x_BTD, cos_TH, sin_TH,
-                                                              expert_bias_E, segment_ids_BT)
+        def body(x_BTD: Array, layer: tuple[nnx.State, Array | None, KVPair | None]
+                 ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
+            layer_state, expert_bias_E, kv = layer
+            y_BTD, stats, kv = nnx.merge(layers_def, layer_state)(
+                x_BTD, cos_TH, sin_TH, expert_bias_E, segment_ids_BT, kv, start)
             if activation_stats:
                 y32 = y_BTD.astype(jnp.float32)
                 stats["activation_sq_sum"] = jnp.sum(y32 * y32)
                 stats["activation_count"] = jnp.float32(y_BTD.size)
-            return y_BTD, stats
+            return y_BTD, (stats, kv)
 
         if remat is not None:
             body = jax.checkpoint(body, policy=remat, prevent_cse=False)
-        x_BTD, stats = jax.lax.scan(body, x_BTD, (layers_state, expert_bias_LE))
+        x_BTD, (stats, kv_cache) = jax.lax.scan(body, x_BTD,
+                                                (layers_state, expert_bias_LE, kv_cache))
         aux_loss = jnp.zeros((), jnp.float32)
         if self.args.is_moe:
             prob_sum = stats.pop("router_prob_sum")
@@ -328,7 +352,7 @@ class Qwen3(nnx.Module):
                 n = tokens_BT.size
                 aux_loss = self.args.router_aux_loss_coef * n * router_aux_loss(
                     stats["tokens_per_expert"], prob_sum, n)
-        return self.norm(x_BTD), stats, aux_loss
+        return self.norm(x_BTD), stats, aux_loss, kv_cache
 
     def output_weight(self, dtype: jnp.dtype) -> Array:
         """The (D, V) output projection: lm_head, or the embedding transposed when tied."""
@@ -337,7 +361,7 @@ class Qwen3(nnx.Module):
         return use_param(self.lm_head, dtype)
 
     def __call__(self, tokens_BT: Array, dtype: jnp.dtype = jnp.float32) -> Array:
-        h_BTD, _, _ = self.hidden_states(tokens_BT, dtype)
+        h_BTD, _, _, _ = self.hidden_states(tokens_BT, dtype)
         return jnp.einsum("btd,dv->btv", h_BTD, self.output_weight(dtype),
                           preferred_element_type=jnp.float32)
 

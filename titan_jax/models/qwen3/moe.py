@@ -11,14 +11,15 @@ gathered, three grouped matmuls run SwiGLU per expert, the results are un-sorted
 permutation (a gather, whose backward is a gather too, not a scatter-add) and summed over the
 k slots in fp32, weighted by the gate weights. The picks go through the active expert dispatch
 (`sharding_hooks.dispatch_to_experts`): local by default, an all-to-all over the `ep` mesh axis
-under expert parallelism (`titan_jax/parallel/expert_parallel.py`).
+under expert parallelism (`titan_jax/parallel/expert_parallel.py`), which only moves rows: the
+routing and the weighted sum stay here.
 
 Grouped matmul kernels (`GROUPED_MATMULS`), chosen by the target platform:
 - "ragged": `jax.lax.ragged_dot`, a grouped-matmul kernel on TPU and GPU;
 - "blocked": groups padded to blocks of `BLOCK` rows, each block multiplied by its expert's
   weight in one batched einsum. XLA:CPU runs `ragged_dot` like a masked dense matmul over every
-  group (measured ~36x slower than one dense matmul of the same FLOPs); blocks run at dense
-  speed plus at most one partial block per expert.
+  group (BENCHMARKS.md, "CPU kernel choices"); blocks run at dense speed plus at most one
+  partial block per expert.
 Both equal `dense_reference` (every expert on every token, masked), which is for tests only.
 
 Balancing (TorchTitan's `load_balance_coeff`): the forward returns each expert's token count
@@ -46,10 +47,10 @@ MOE_SAVED_ACTIVATIONS = ("moe_w1", "moe_w3", "moe_w2")
 BLOCK = 64  # rows per block of the CPU grouped matmul
 
 
-def route(x_ND: Array, gate_DE: Array, expert_bias_E: Array, top_k: int, norm_topk_prob: bool
+def route(x_RD: Array, gate_DE: Array, expert_bias_E: Array, top_k: int, norm_topk_prob: bool
           ) -> tuple[Array, Array, Array]:
     """(chosen experts (N, K) int32, gate weights (N, K) fp32, full probabilities (N, E))."""
-    logits = jnp.dot(x_ND.astype(jnp.float32), gate_DE.astype(jnp.float32))
+    logits = jnp.dot(x_RD.astype(jnp.float32), gate_DE.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
     _, experts = jax.lax.top_k(probs + jax.lax.stop_gradient(expert_bias_E), top_k)
     weights = jnp.take_along_axis(probs, experts, axis=-1)
@@ -159,26 +160,31 @@ def grouped_swiglu(matmul: Callable[[Array, Array, Array], Array], x_MD: Array, 
                            "moe_w2")
 
 
-def routed_experts(x_ND: Array, experts_NK: Array, weights_NK: Array, w1_EDF: Array,
+def routed_experts(x_RD: Array, experts_RC: Array, weights_RC: Array, w1_EDF: Array,
                    w3_EDF: Array, w2_EFD: Array, grouped_matmul: str) -> Array:
-    """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]), dropless, in x's dtype; through
-    the active expert dispatch (local, or all-to-all under expert parallelism), where the
-    weights are the experts held here."""
+    """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]), dropless, in x's dtype. Each
+    (token, slot) pick is one row through the active expert dispatch (local, or all-to-all
+    under expert parallelism, where the weights are the experts held here); the k slots are
+    summed in fp32, weighted by the gate."""
     def ffn(rows_MD: Array, experts_M: Array) -> Array:
         return expert_ffn(rows_MD, experts_M, w1_EDF, w3_EDF, w2_EFD, grouped_matmul)
 
-    return dispatch_to_experts(x_ND, experts_NK, weights_NK, w1_EDF.shape[0], ffn)
+    n, k = experts_RC.shape
+    rows_MD = x_RD[jnp.arange(n * k) // k]
+    y_MD = dispatch_to_experts(rows_MD, experts_RC.reshape(-1), w1_EDF.shape[0], ffn)
+    y_RCD = y_MD.reshape(n, k, -1).astype(jnp.float32)
+    return jnp.einsum("rc,rcd->rd", weights_RC, y_RCD).astype(x_RD.dtype)
 
 
-def dense_reference(x_ND: Array, experts_NK: Array, weights_NK: Array, w1_EDF: Array,
+def dense_reference(x_RD: Array, experts_RC: Array, weights_RC: Array, w1_EDF: Array,
                     w3_EDF: Array, w2_EFD: Array) -> Array:
     """Every expert on every token, weighted by the (mostly zero) gate: tests only."""
-    gate_NE = jnp.zeros((x_ND.shape[0], w1_EDF.shape[0]), jnp.float32)
-    gate_NE = gate_NE.at[jnp.arange(x_ND.shape[0])[:, None], experts_NK].add(weights_NK)
-    hidden = jax.nn.silu(jnp.einsum("nd,edf->enf", x_ND, w1_EDF)) * jnp.einsum(
-        "nd,edf->enf", x_ND, w3_EDF)
-    y_END = jnp.einsum("enf,efd->end", hidden, w2_EFD)
-    return jnp.einsum("ne,end->nd", gate_NE, y_END.astype(jnp.float32)).astype(x_ND.dtype)
+    gate_RE = jnp.zeros((x_RD.shape[0], w1_EDF.shape[0]), jnp.float32)
+    gate_RE = gate_RE.at[jnp.arange(x_RD.shape[0])[:, None], experts_RC].add(weights_RC)
+    hidden = jax.nn.silu(jnp.einsum("nd,edf->enf", x_RD, w1_EDF)) * jnp.einsum(
+        "nd,edf->enf", x_RD, w3_EDF)
+    y_ERD = jnp.einsum("enf,efd->end", hidden, w2_EFD)
+    return jnp.einsum("ne,end->nd", gate_RE, y_ERD.astype(jnp.float32)).astype(x_RD.dtype)
 
 
 def update_expert_bias(bias_LE: Array, counts_LE: Array, coeff: float) -> Array:
@@ -210,15 +216,15 @@ class MoE(nnx.Module):
         self.grouped_matmul = grouped_matmul
 
     def __call__(self, x_BTD: Array, expert_bias_E: Array) -> tuple[Array, dict[str, Array]]:
-        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        experts, weights, probs = route(x_ND, use_param(self.gate, jnp.float32), expert_bias_E,
+        x_RD = x_BTD.reshape(-1, x_BTD.shape[-1])
+        experts, weights, probs = route(x_RD, use_param(self.gate, jnp.float32), expert_bias_E,
                                         self.top_k, self.norm_topk_prob)
         dtype = x_BTD.dtype
-        y_ND = routed_experts(x_ND, experts, weights, use_param(self.w1, dtype),
+        y_RD = routed_experts(x_RD, experts, weights, use_param(self.w1, dtype),
                               use_param(self.w3, dtype), use_param(self.w2, dtype),
                               self.grouped_matmul)
         counts = jnp.bincount(experts.reshape(-1), length=self.num_experts)
-        return y_ND.reshape(x_BTD.shape), {
+        return y_RD.reshape(x_BTD.shape), {
             "tokens_per_expert": jax.lax.stop_gradient(counts.astype(jnp.float32)),
             "router_prob_sum": jnp.sum(probs, axis=0)}
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from titan_jax.tools import hlo_stats
 from titan_jax.train.trainer import Trainer
+from titan_jax.trees import named_leaves
 
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
                  "temp_size_in_bytes", "generated_code_size_in_bytes", "peak_memory_in_bytes")
@@ -43,7 +44,7 @@ def param_table(trainer: Trainer) -> list[dict[str, Any]]:
     params = trainer.abstract_state()["params"]
     return [{"name": name, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
              "spec": str(tuple(x.sharding.spec)), "bytes_per_device": leaf_bytes_per_device(x)}
-            for name, x in trainer.model.named_leaves(params)]
+            for name, x in named_leaves(params).items()]
 
 
 def state_bytes(trainer: Trainer) -> tuple[int, int]:
@@ -99,7 +100,7 @@ def inspect_trainer(trainer: Trainer, compile: bool = True) -> dict[str, Any]:
     report: dict[str, Any] = {
         "mesh": dict(trainer.mesh.shape),
         "mode": trainer.degrees.mode,
-        "fsdp_implementation": trainer.fsdp.implementation,
+        "fsdp_implementation": trainer.parallelism.implementation,
         "param_dtype": np.dtype(trainer.options.param_dtype).name,
         "params": params,
         "per_device_param_bytes": sum(p["bytes_per_device"] for p in params),
