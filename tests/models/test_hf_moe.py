@@ -123,6 +123,7 @@ def test_parity_cli_on_a_moe_checkpoint(hf_moe, tmp_path, capsys):
     out = tmp_path / "parity.json"
     code = main(["parity", "--config", "configs/qwen3_debug.toml", "--hf-checkpoint", str(path),
                  "--reference", "all", "--trajectory-steps", "3", "--training.seq_len", "32",
+                 "--seq-len", "480",  # the tiny model's 512 positions less 32 greedy tokens
                  "--training.local_batch_size", "2", "--json", str(out)])
     printed = capsys.readouterr()
     assert out.exists(), printed.out + printed.err

@@ -217,10 +217,11 @@ def test_bad_checkpoints_fail_cleanly_at_the_cli(reference, tmp_path, capsys, mo
 def test_bad_folders_fail_cleanly_at_the_cli(tmp_path, capsys, case):
     if case == "unwritable":
         (tmp_path / "file").write_text("")  # a path through a file (root ignores permissions)
-        args, message = ["--job.dump_folder", str(tmp_path / "file" / "run")], "is not writable"
+        args, message = ["--job.dump_folder", str(tmp_path / "file" / "run")], "which is a file"
     else:
         (tmp_path / "llama").mkdir()
         (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        (tmp_path / "llama" / "model.safetensors").write_bytes(b"")
         args = ["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.initial_load_path",
                 str(tmp_path / "llama"), "--checkpoint.initial_load_in_hf", "true"]
         message = "model_type='llama' is not a Qwen3 or Qwen3-MoE checkpoint"

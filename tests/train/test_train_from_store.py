@@ -64,7 +64,7 @@ progress_bar = false
 
 def test_document_masking_with_cudnn_attention_is_refused_in_one_line():
     from titan_jax.config import ConfigError, load_config
-    from titan_jax.train.loop import check_data
+    from titan_jax.train.setup import check_data
 
     config = load_config(None, ["--training.document_mask", "true"])
     trainer = SimpleNamespace(attention="cudnn", model=SimpleNamespace(

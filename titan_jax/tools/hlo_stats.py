@@ -187,10 +187,11 @@ def _inside_manual(module: HloModule) -> set[str]:
     return found
 
 
-def _weighted(module: HloModule, ops: tuple[str, ...]):
+def _weighted(module: HloModule, ops: tuple[str, ...], with_computation: bool = False):
     """(times it runs, instruction, its computation's definitions, the devices sharing its
-    shapes) for each instruction of `ops` in the lowered (global) module: shard_map bodies see
-    one device's shapes, so they run once per device of the body."""
+    shapes[, the computation's name]) for each instruction of `ops` in the lowered (global)
+    module: shard_map bodies see one device's shapes, so they run once per device of the
+    body."""
     counts, _ = executions(module)
     manual, scale = _inside_manual(module), manual_scale(module)
     for name, times in counts.items():
@@ -199,7 +200,8 @@ def _weighted(module: HloModule, ops: tuple[str, ...]):
         for inst in module.computations[name]:
             if inst.op in ops:
                 defs = defs or module.defining(name)
-                yield times * sharing, inst, defs, sharing
+                found = (times * sharing, inst, defs, sharing)
+                yield (*found, name) if with_computation else found
 
 
 def dot_flops(module: HloModule) -> tuple[float, int]:
@@ -227,8 +229,8 @@ def ragged_dot_flops(module: HloModule, expected_rows: float | None = None
     buffer; only the rows the group sizes cover are work, and at balanced routing those are
     `expected_rows` globally (tokens x top_k: each pick is one row), so `expected` scales each
     op by min(1, expected_rows / its buffer's global rows)."""
-    expected = bound = 0.0
-    for times, inst, defs, sharing in _weighted(module, ("ragged-dot",)):
+    per_computation: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for times, inst, defs, sharing, where in _weighted(module, ("ragged-dot",), True):
         lhs, rhs = (defs.get(o) for o in inst.operands[:2])
         ragged = re.search(r"lhs_ragged_dims=\{([0-9,]*)\}", inst.rest)
         if lhs is None or rhs is None or ragged is None:
@@ -241,10 +243,55 @@ def ragged_dot_flops(module: HloModule, expected_rows: float | None = None
         free = math.prod(n for i, n in enumerate(rhs_shape) if i not in fixed)
         flops = times * 2.0 * math.prod(lhs_shape) * free
         rows = lhs_shape[int(ragged[1].split(",")[0])] * sharing
-        bound += flops
         share = 1.0 if expected_rows is None else min(1.0, expected_rows / rows)
-        expected += flops * share
-    return expected, bound
+        per_computation[where][0] += flops * share
+        per_computation[where][1] += flops
+    return _alternatives_once(module, per_computation)
+
+
+def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]]
+                       ) -> tuple[float, float]:
+    """Sums of per-computation (expected, bound), counting only the costlier branch of each
+    conditional: its branches are alternatives (e.g. the expert FFN's capacity fast path and
+    its whole-buffer fallback), of which one runs."""
+    branch_of: dict[str, tuple[str, str]] = {}  # computation -> (conditional, its branch)
+
+    def mark(name: str, key: tuple[str, str]) -> None:
+        if name in branch_of or name not in module.computations:
+            return
+        branch_of[name] = key
+        for inst in module.computations[name]:
+            for _, callee in called(inst):
+                mark(callee, key)
+
+    def visit(name: str, seen: set[str]) -> None:
+        for inst in module.computations.get(name, []):
+            for kind, callee in called(inst):
+                if callee in seen:
+                    continue
+                seen.add(callee)
+                if inst.op == "conditional" and kind in ("branch", "true_computation",
+                                                          "false_computation"):
+                    mark(callee, (f"{name}/{inst.name}", callee))
+                else:
+                    visit(callee, seen)
+
+    visit(module.entry, set())
+    total = [0.0, 0.0]
+    branches: dict[str, dict[str, list[float]]] = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: [0.0, 0.0]))
+    for name, (e, b) in per_computation.items():
+        if name in branch_of:
+            cond, branch = branch_of[name]
+            branches[cond][branch][0] += e
+            branches[cond][branch][1] += b
+        else:
+            total[0] += e
+            total[1] += b
+    for alternatives in branches.values():
+        total[0] += max(e for e, _ in alternatives.values())
+        total[1] += max(b for _, b in alternatives.values())
+    return total[0], total[1]
 
 
 def replica_groups(inst: Instruction) -> list[list[int]]:

@@ -79,14 +79,14 @@ def _rows_text(rows: np.ndarray) -> str:
 
 
 def data_summary(data: WindowStream) -> str:
-    """Which rows of the global batch each process read and how many documents it tokenized
-    (a collective: every process calls it)."""
+    """Which rows of the global batch each process read, and how many windows (a collective:
+    every process calls it)."""
     mine = np.zeros(data.global_batch_size + 1, np.int32)
     mine[data.rows] = 1
-    mine[-1] = data.documents_read
+    mine[-1] = (data.samples - data.samples_at_start) // data.global_batch_size * len(data.rows)
     every = np.asarray(multihost_utils.process_allgather(mine))
     return "data: " + ", ".join(
-        f"process {p} read rows {_rows_text(np.flatnonzero(a[:-1]))} ({a[-1]} documents)"
+        f"process {p} read rows {_rows_text(np.flatnonzero(a[:-1]))} ({a[-1]} windows)"
         for p, a in enumerate(every))
 
 
