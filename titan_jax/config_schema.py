@@ -101,6 +101,11 @@ class Parallelism:
     # all-gathers K/V over cp. Weights are also sharded over cp (one more FSDP axis).
     # training.seq_len (and validation.seq_len) must divide by 2 x cp.
     context_parallel_degree: int = 1
+    # How attention sees the other cp ranks' K/V: "allgather" (one all-gather per layer, then
+    # splash or xla on the whole sequence's keys; measured the lighter and faster at 32K, see
+    # docs/PARALLELISM.md) or "ring" (K/V blocks passed rank to rank with ppermute, folded
+    # into an online softmax; XLA blocks, so model.attention must be auto or xla).
+    context_parallel_method: Literal["allgather", "ring"] = "allgather"
     # "default" = "always": free the gathered weight after forward, re-gather in backward.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from parallel_helpers import TINY, make_batches, run_losses, single_device_overrides, tiny_config
 
 from titan_jax.config import ConfigError, load_config
+from titan_jax.models import ring_attention
 from titan_jax.models.attention import attention, causal_gqa_attention
 from titan_jax.models.sharding_hooks import Parallelism
 from titan_jax.parallel.context_parallel import ContextParallel, load_balanced_order
@@ -31,11 +32,11 @@ class SplitSequence(Parallelism):
     """Only context parallelism over `cp` ranks (and, with per_shard_kernels, kernels run on
     each rank's shard, manual over `cp`)."""
 
-    def __init__(self, cp, per_shard_kernels=False):
-        self.cp, self.per_shard_kernels = cp, per_shard_kernels
+    def __init__(self, cp, per_shard_kernels=False, method="allgather"):
+        self.cp, self.per_shard_kernels, self.method = cp, per_shard_kernels, method
 
     def sequence_split(self):
-        return ContextParallel(self.cp)
+        return ContextParallel(self.cp, self.method)
 
     def run_per_shard(self, kernel, args, in_axes, out_axes):
         if not self.per_shard_kernels:
@@ -51,38 +52,48 @@ def test_load_balanced_order_gives_rank_i_chunks_i_and_2cp_minus_1_minus_i():
     assert len(set(work)) == 1  # equal causal work on every rank
 
 
-@pytest.mark.parametrize("cp, heads, kv_heads", [
-    (2, 4, 2), pytest.param(4, 4, 1, marks=pytest.mark.slow),
-    pytest.param(8, 2, 2, marks=pytest.mark.slow)])
-def test_attention_under_cp_equals_unsplit_attention(cp, heads, kv_heads):
+@pytest.mark.parametrize("method, cp, heads, kv_heads, documents", [
+    ("allgather", 2, 4, 2, False), ("ring", 2, 4, 2, False), ("ring", 4, 4, 1, True),
+    pytest.param("allgather", 4, 4, 1, False, marks=pytest.mark.slow)])  # cp8: the losses
+def test_attention_under_cp_equals_unsplit_attention(method, cp, heads, kv_heads, documents,
+                                                     monkeypatch):
+    """Forward and gradients (fp32) of each rank's chunks against K/V all-gathered or passed
+    around the ring (its query blocks of 4 rows, rematerialised), with and without segment
+    ids, equal the unsplit causal attention's."""
+    monkeypatch.setattr(ring_attention, "QUERY_BLOCK", 4)
     b, t, h = 2, 32, 8
     keys = jax.random.split(jax.random.key(cp), 4)
     q = jax.random.normal(keys[0], (b, t, heads, h))
     k, v = (jax.random.normal(key, (b, t, kv_heads, h)) for key in keys[1:3])
     w = jax.random.normal(keys[3], (b, t, heads, h))  # a cotangent that weighs every output
+    bounds = (np.arange(t)[None] >= [[5], [11]]).astype(int) + (np.arange(t)[None] >= 23)
+    ids = jnp.asarray(bounds, jnp.int32) if documents else None
     mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
     order = load_balanced_order(t, cp)
+    laid_out = lambda x: None if x is None else x[:, order]  # noqa: E731
 
-    def split_attention(q, k, v):
-        with SplitSequence(cp).installed():
-            return attention(q, k, v, h**-0.5, "xla", "cpu")
+    def split_attention(q, k, v, ids):
+        with SplitSequence(cp, method=method).installed():
+            return attention(q, k, v, h**-0.5, "xla", "cpu", ids)
 
     split = jax.shard_map(split_attention, mesh=mesh, in_specs=P(None, "cp"),
                           out_specs=P(None, "cp"))
     loss = lambda f, w: lambda q, k, v: jnp.sum(f(q, k, v) * w)  # noqa: E731
-    want = causal_gqa_attention(q, k, v, h**-0.5)
-    got = split(q[:, order], k[:, order], v[:, order])
+    want = causal_gqa_attention(q, k, v, h**-0.5, ids)
+    got = jax.jit(split)(laid_out(q), laid_out(k), laid_out(v), laid_out(ids))
     np.testing.assert_allclose(got, want[:, order], atol=2e-6)
-    want_grads = jax.grad(loss(lambda *a: causal_gqa_attention(*a, h**-0.5), w),
+    want_grads = jax.grad(loss(lambda *a: causal_gqa_attention(*a, h**-0.5, ids), w),
                           argnums=(0, 1, 2))(q, k, v)
-    got_grads = jax.jit(jax.grad(loss(split, w[:, order]), argnums=(0, 1, 2)))(
-        q[:, order], k[:, order], v[:, order])
+    got_grads = jax.jit(jax.grad(loss(lambda *a: split(*a, laid_out(ids)), w[:, order]),
+                                 argnums=(0, 1, 2)))(laid_out(q), laid_out(k), laid_out(v))
     for g, want_g in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, want_g[:, order], atol=2e-5)
 
 
-def cp_overrides(cp: int, fsdp: int = 1, tp: int = 1, ep: int = 1) -> list[str]:
-    return ["--parallelism.context_parallel_degree", str(cp),
+def cp_overrides(cp: int, fsdp: int = 1, tp: int = 1, ep: int = 1,
+                 method: str = "allgather") -> list[str]:
+    return ["--parallelism.context_parallel_method", method,
+            "--parallelism.context_parallel_degree", str(cp),
             "--parallelism.data_parallel_shard_degree", str(fsdp * ep),
             "--parallelism.tensor_parallel_degree", str(tp),
             "--parallelism.expert_parallel_degree", str(ep),
@@ -108,12 +119,14 @@ def dense_reference(batches):
 
 @pytest.mark.parametrize("mesh", [dict(cp=2, fsdp=4),
                                   pytest.param(dict(cp=4, tp=2), marks=pytest.mark.slow),
-                                  pytest.param(dict(cp=8), marks=pytest.mark.slow)],
-                         ids=["cp2_fsdp4", "cp4_tp2", "cp8"])
+                                  pytest.param(dict(cp=8), marks=pytest.mark.slow),
+                                  dict(cp=4, fsdp=2, method="ring")],
+                         ids=["cp2_fsdp4", "cp4_tp2", "cp8", "ring_cp4_fsdp2"])
 def test_cp_losses_equal_one_device(dense_reference, batches, mesh):
     init, want = dense_reference
     trainer = build_trainer(tiny_config(*cp_overrides(**mesh)), model_args=TINY)
     assert trainer.parallelism.implementation == "shard_map" and trainer.degrees.cp == mesh["cp"]
+    assert trainer.parallelism.sequence_split().method == mesh.get("method", "allgather")
     assert trainer.batch_sharding.spec == P(("dp_replicate", "fsdp", "ep"), "cp")
     embed = trainer.state_shardings["params"]["layers"]["attention"]["wq"].spec[1]
     assert "cp" in (embed if isinstance(embed, tuple) else (embed,))  # weights sharded over cp
@@ -208,6 +221,10 @@ def test_a_kernel_that_cannot_take_cp_is_refused_naming_the_field():
                        r"parallelism.context_parallel_degree x 128 = 1024 for model.attention"):
         check_context_parallel(4, {"validation.seq_len": 768}, "splash", "splash")
     check_context_parallel(4, {"training.seq_len": 1024}, "splash", "splash")
+    with pytest.raises(ConfigError, match=r"^model.attention=splash cannot run with "
+                       r"parallelism.context_parallel_method=ring \(its blocks"):
+        check_context_parallel(2, {"training.seq_len": 64}, "splash", "splash", "ring")
+    assert check_context_parallel(2, {"training.seq_len": 64}, "auto", "splash", "ring") == "xla"
     check_context_parallel(1, {"training.seq_len": 63}, "auto", "cudnn")  # no cp: no limits
 
 

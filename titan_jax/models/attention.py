@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from titan_jax.config import ConfigError
+from titan_jax.models.ring_attention import ring_attention
 from titan_jax.models.sharding_hooks import SequenceSplit, run_per_shard, sequence_split
 
 Array = jax.Array
@@ -199,7 +200,12 @@ def _split_sequence_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale
                               backend: str, platform: str, split: SequenceSplit,
                               segment_ids_BT: Array | None) -> Array:
     """This shard's queries against the whole sequence's K/V (and segment ids), gathered over
-    the split."""
+    the split (or, `split.method == "ring"`, passed around it: `ring_attention.py`)."""
+    if split.method == "ring":
+        if backend != "xla":
+            raise ValueError(f"ring attention runs XLA blocks (model.attention=xla), not "
+                             f"{backend}")
+        return ring_attention(q_BTNH, k_BSKH, v_BSKH, scale, split, segment_ids_BT)
     t = q_BTNH.shape[1]
     k_BSKH, v_BSKH = split.gather(k_BSKH), split.gather(v_BSKH)
     kv_ids_BS = None if segment_ids_BT is None else split.gather(segment_ids_BT)

@@ -53,9 +53,12 @@ class SequenceSplit(Protocol):
     whole sequence of a (B, t, ...) activation (K/V) along dim 1, whose tokens sit at
     `gathered_positions(t)`; `in_position_order` reorders such a gathered array by position.
     Under degree > 1 a shard holds two of the 2 x degree equal chunks, `chunks()` their
-    indices. `degree` 1: the whole sequence is here."""
+    indices. `degree` 1: the whole sequence is here. `method`: how attention sees the other
+    shards' K/V, "allgather" (`gather`) or "ring" (`pass_along`: each shard's block to the
+    next shard, degree - 1 times)."""
 
     degree: int
+    method: str
 
     def positions(self, t_local: int) -> jax.Array: ...
 
@@ -67,10 +70,13 @@ class SequenceSplit(Protocol):
 
     def chunks(self) -> jax.Array: ...
 
+    def pass_along(self, x: jax.Array) -> jax.Array: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class WholeSequence:
     degree: int = 1
+    method: str = "allgather"
 
     def positions(self, t_local: int) -> jax.Array:
         return jnp.arange(t_local)
@@ -86,6 +92,9 @@ class WholeSequence:
 
     def chunks(self) -> jax.Array:
         return jnp.zeros((1,), jnp.int32)
+
+    def pass_along(self, x: jax.Array) -> jax.Array:
+        return x
 
 
 class Parallelism:

@@ -59,6 +59,7 @@ class ContextParallel:
     """The `SequenceSplit` hook over the manual mesh axis `axis` (inside shard_map)."""
 
     degree: int
+    method: str = "allgather"
     axis: str = CP
 
     def chunks(self) -> jax.Array:
@@ -71,6 +72,11 @@ class ContextParallel:
 
     def gathered_positions(self, t_local: int) -> jax.Array:
         return jnp.asarray(load_balanced_order(t_local * self.degree, self.degree))
+
+    def pass_along(self, x: jax.Array) -> jax.Array:
+        """Rank r's block to rank r + 1 (the ring's step; the last rank's to rank 0)."""
+        return lax.ppermute(x, self.axis, [(r, (r + 1) % self.degree)
+                                           for r in range(self.degree)])
 
     def gather(self, x: jax.Array) -> jax.Array:
         return lax.all_gather(x, self.axis, axis=1, tiled=True)

@@ -178,6 +178,7 @@ class SimpleFSDP(Parallelism):
     buffer_specs: Any = dataclasses.field(default_factory=dict)
     implementation: Implementation = "jit"
     reduce_dtype: Any = jnp.float32
+    cp_method: str = "allgather"  # parallelism.context_parallel_method
 
     def __post_init__(self) -> None:
         if self.implementation not in ("jit", "shard_map"):
@@ -244,8 +245,10 @@ class SimpleFSDP(Parallelism):
 
     def sequence_split(self) -> SequenceSplit:
         """Under context parallelism each rank holds two chunks of every sequence and gathers
-        K/V over `cp` (`parallel/context_parallel.py`)."""
-        return ContextParallel(self.cp) if self.cp > 1 else super().sequence_split()
+        K/V over `cp` or passes them around it (`parallel/context_parallel.py`)."""
+        if self.cp == 1:
+            return super().sequence_split()
+        return ContextParallel(self.cp, self.cp_method)
 
     def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
                       in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:

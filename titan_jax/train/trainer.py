@@ -86,8 +86,16 @@ def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
 
 
 def check_context_parallel(cp: int, seq_lens: dict[str, int], choice: str,
-                           attention: str) -> None:
-    """Sequences cp can split, and an attention kernel that takes the split."""
+                           attention: str, method: str = "allgather") -> str:
+    """Sequences cp can split, and an attention kernel that takes the split; returns the
+    backend to run (the ring's blocks are XLA's: `auto` means xla with it)."""
+    if cp > 1 and method == "ring":
+        if choice not in ("auto", "xla"):
+            raise ConfigError(
+                f"model.attention={choice} cannot run with parallelism.context_parallel_method"
+                "=ring (its blocks are XLA einsums with an online softmax); use auto or xla, "
+                "or context_parallel_method=allgather")
+        attention = "xla"
     for field, n in seq_lens.items():
         check_seq_len(n, cp, field)
         if cp > 1 and attention == "splash" and (n // (2 * cp)) % SPLASH_BLOCKS[-1]:
@@ -100,6 +108,7 @@ def check_context_parallel(cp: int, seq_lens: dict[str, int], choice: str,
         raise ConfigError(
             f"model.attention={choice} (resolved: {attention}) cannot run with parallelism."
             f"context_parallel_degree={cp}; use {' or '.join(CP_ATTENTION)}")
+    return attention
 
 
 def resolve_param_dtype(name: str, devices: list[jax.Device]) -> jnp.dtype:
@@ -261,7 +270,8 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     if config.validation.enable:
         seq_lens["validation.seq_len"] = config.validation.seq_len
     attention = resolve_attention(config.model.attention, platform, param_dtype, seq_lens)
-    check_context_parallel(degrees.cp, seq_lens, config.model.attention, attention)
+    attention = check_context_parallel(degrees.cp, seq_lens, config.model.attention, attention,
+                                       config.parallelism.context_parallel_method)
     model = spec.build(args, BuildOptions(
         remat_mode=remat_mode_for(config.activation_checkpoint.mode, platform),
         save_gathered_params=not (reshard and degrees.weight_shard > 1),
@@ -294,6 +304,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
                        "opt_state": opt_shardings, "step": scalar, APPLIED_UPDATES: scalar}
     batch_sharding = NamedSharding(mesh, rules.batch_spec)
     parallelism = SimpleFSDP(rules, param_specs, buffer_specs, implementation,
-                             jnp.dtype(t.mixed_precision_reduce))
+                             jnp.dtype(t.mixed_precision_reduce),
+                             config.parallelism.context_parallel_method)
     return Trainer(config, mesh, degrees, spec, model, rules, schedule, optimizer, options,
                    state_shardings, batch_sharding, parallelism, attention)
