@@ -132,6 +132,19 @@ def test_splash_kernels_count_the_causal_blocks_they_compute():
     assert kernel_flops.kernel_flops(other) == 0
 
 
+def test_splash_under_cp_counts_its_query_shards_share_of_the_causal_mask():
+    """One rank's chunk (256 of 1024 queries, one example: no batch dim) against the whole
+    sequence's keys: a quarter of the whole causal mask's blocks."""
+    line = SPLASH.replace("bf16[2,16,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}, "
+                          "bf16[2,8,512,128]{3,2,1,0}", "bf16[16,256,128]{2,1,0}, "
+                          "bf16[8,1024,128]{2,1,0}, bf16[8,1024,128]{2,1,0}")
+    module = hlo_stats.parse("ENTRY %main () -> f32[] {\n" + line + "}\n")
+    (inst,) = module.computations["main"]
+    per_pair = 2 * 16 * 128 * 256 * 256
+    whole_mask = kernel_flops.causal_blocks(1024, 1024, 256, 256)  # 10 of 16
+    assert kernel_flops.kernel_flops(inst) == 2 * per_pair * whole_mask / 4
+
+
 def _compile_pair(gib: float):
     """(a + 1, b * 2) of two f32 arrays of `gib` GiB each, not donated, on one v5e chip:
     its live buffers peak at 4 x gib (two arguments, two results), with no temporaries."""

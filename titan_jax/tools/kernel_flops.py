@@ -6,7 +6,11 @@ XLA's FLOP counts skip custom calls. Two kernel families run titan-jax's heavy m
   block_kv x head_dim FLOPs per matmul and head; the forward runs 2 matmuls (q k^T, p v), the
   dK/dV kernel 4 (q k^T again, dO v^T, p^T dO, dS^T q; 5 with dQ fused), the dQ kernel 3. The
   pairs are those a causal mask leaves unmasked (titan-jax's only splash mask), from the block
-  sizes the kernel records in its metadata.
+  sizes the kernel records in its metadata. Under context parallelism a call computes one
+  query shard (T / 2cp rows) of the whole (T x T) mask, which one it is traced: it is counted
+  at the mask's mean share per shard, exact for a rank's load-balanced pair (chunks i and
+  2cp-1-i together hold 2 / 2cp of the mask's blocks). With one example per device the
+  operands lose their batch dim (heads, seq, head_dim).
 - XLA:TPU's grouped matmul (`ragged-dot-*`, what `jax.lax.ragged_dot` compiles to): lhs
   (rows, k) x rhs (groups, k, n), 2 x rows x k x n at its buffer's rows (the shape bound).
 """
@@ -22,6 +26,7 @@ from titan_jax.tools.hlo_stats import Instruction
 
 _CONSTRAINTS = re.compile(r"operand_layout_constraints=\{(.*?)\}(?:, [a-z_]+=|$)")
 _METADATA = re.compile(r'"xprof_metadata":"(\{.*?\})"')
+_FLOAT = ("bf16", "f16", "f32")
 _SPLASH_MATMULS = {"splash_mha_fwd": 2, "splash_mha_dkv": 4, "splash_mha_dq": 3}
 
 
@@ -39,7 +44,8 @@ def causal_blocks(seq_q: int, seq_kv: int, block_q: int, block_kv: int) -> int:
 
 
 def splash_flops(inst: Instruction, kind: str) -> float:
-    shapes = [s for _, s in operand_shapes(inst) if len(s) == 4]
+    shapes = [s if len(s) == 4 else (1, *s) for dtype, s in operand_shapes(inst)
+              if dtype in _FLOAT and len(s) in (3, 4)]  # q, k first (the block tables are s8)
     if len(shapes) < 2:
         return 0.0
     (batch, heads, seq_q, head_dim), (_, _, seq_kv, _) = shapes[0], shapes[1]
@@ -50,7 +56,10 @@ def splash_flops(inst: Instruction, kind: str) -> float:
     block_kv = blocks.get(f"block_kv{suffix}", seq_kv)
     matmuls = _SPLASH_MATMULS[kind] + (kind == "splash_mha_dkv"
                                        and bool(blocks.get("use_fused_bwd_kernel")))
-    pairs = causal_blocks(seq_q, seq_kv, block_q, block_kv)
+    if seq_kv > seq_q and seq_kv % seq_q == 0:  # one query shard of the whole causal mask
+        pairs = causal_blocks(seq_kv, seq_kv, block_q, block_kv) / (seq_kv // seq_q)
+    else:
+        pairs = causal_blocks(seq_q, seq_kv, block_q, block_kv)
     return 2.0 * matmuls * batch * heads * head_dim * block_q * block_kv * pairs
 
 
