@@ -171,6 +171,43 @@ def test_document_fields_mask_boundaries_and_restart_positions(stores):
     np.testing.assert_array_equal(plain["inputs"][..., 2], np.tile(np.arange(64), (8, 1)))
 
 
+class ReadSpy:
+    """A corpus that records the token ranges read from it."""
+
+    def __init__(self, corpus):
+        self.corpus, self.reads = corpus, []
+
+    def __getattr__(self, name):
+        return getattr(self.corpus, name)
+
+    def read(self, start, stop):
+        self.reads.append((start, stop))
+        return self.corpus.read(start, stop)
+
+
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_a_process_holding_some_cp_chunks_reads_only_their_tokens(stores, document_mask):
+    """cp2, 16-token rows (chunks of 4): the process holding rank 0 reads tokens [0, 4) and
+    [12, 16) of each window (+1 for the labels), rank 1 [4, 12); their rows are today's
+    whole rows in load-balanced layout, split there."""
+    from titan_jax.parallel.context_parallel import held_spans, to_load_balanced
+
+    whole = next(_stream(stores, document_mask=document_mask))
+    got = []
+    for held, want_spans in ((slice(0, 8), [(0, 4), (12, 16)]), (slice(8, 16), [(4, 12)])):
+        spans = held_spans(held, 16, 2)
+        assert spans == want_spans
+        spy = ReadSpy(stores["a"][0])
+        batch = next(WindowStream([Source("a", spy)], seq_len=16, global_batch_size=8, seed=3,
+                                  spans=spans, document_mask=document_mask))
+        assert sorted({(b - a) for a, b in spy.reads}) == sorted({b - a + 1 for a, b in spans})
+        assert len(spy.reads) == 8 * len(spans)  # one read per row and span, nothing else
+        got.append(batch)
+    for key in whole:
+        np.testing.assert_array_equal(np.concatenate([b[key] for b in got], axis=1),
+                                      to_load_balanced(whole[key], 2))
+
+
 def test_validation_windows_are_in_order_and_the_same_every_time(stores):
     corpus, tokens = stores["b"]
     v = ValidationWindows(corpus, seq_len=8, global_batch_size=4)

@@ -127,6 +127,12 @@ def test_cp_losses_equal_one_device(dense_reference, batches, mesh):
     trainer = build_trainer(tiny_config(*cp_overrides(**mesh)), model_args=TINY)
     assert trainer.parallelism.implementation == "shard_map" and trainer.degrees.cp == mesh["cp"]
     assert trainer.parallelism.sequence_split().method == mesh.get("method", "allgather")
+    # The loader's token ranges: devices holding cp rank 0 read chunks 0 and 2cp-1 only.
+    seq, names = trainer.config.training.seq_len, list(trainer.mesh.axis_names)
+    rank0 = list(np.take(trainer.mesh.devices, 0, axis=names.index("cp")).flat)
+    chunk = seq // (2 * mesh["cp"])
+    assert trainer.batch_spans(seq) is None  # one process: all of every row
+    assert trainer.batch_spans(seq, rank0) == [(0, chunk), (seq - chunk, seq)]
     assert trainer.batch_sharding.spec == P(("dp_replicate", "fsdp", "ep"), "cp")
     embed = trainer.state_shardings["params"]["layers"]["attention"]["wq"].spec[1]
     assert "cp" in (embed if isinstance(embed, tuple) else (embed,))  # weights sharded over cp

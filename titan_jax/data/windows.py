@@ -79,27 +79,33 @@ class Mixture:
         return block * self.counts + self.before[:, p]
 
 
-def document_fields(corpus: Corpus, start: int, window: np.ndarray, seq_len: int,
-                    restart_positions: bool) -> dict[str, np.ndarray]:
-    """{"inputs": (S, 3) ids, segment ids, positions; "labels" with boundaries ignored}."""
+def document_fields(corpus: Corpus, start: int, inputs: np.ndarray, labels: np.ndarray,
+                    t: np.ndarray, seq_len: int, restart_positions: bool
+                    ) -> dict[str, np.ndarray]:
+    """{"inputs": ids, segment ids, positions (len(t), 3); "labels" with boundaries ignored}
+    of the window's tokens at positions `t` (all of 0..S-1, or a process's chunks)."""
     ends = corpus.document_ends(start, start + seq_len + 1) - start  # in (0, S + 1]
-    t = np.arange(seq_len)
     segment = np.searchsorted(ends, t, side="right")
     first = np.concatenate([[0], ends])[segment]  # where each token's document starts here
-    labels = window[1:].copy()
+    labels = labels.copy()
     labels[np.isin(t + 1, ends[ends <= seq_len])] = IGNORE_INDEX
     positions = t - first if restart_positions else t
-    return {"inputs": np.stack([window[:-1], segment, positions], axis=-1).astype(np.int32),
+    return {"inputs": np.stack([inputs, segment, positions], axis=-1).astype(np.int32),
             "labels": labels}
 
 
 class WindowStream:
     """Yields this process's rows (ascending) of every global batch: int32 (len(rows), S)
-    arrays "inputs" and "labels", plus "segment_ids" and "positions" with `document_mask`."""
+    arrays "inputs" and "labels" ((rows, S, 3) inputs with `document_mask`).
+
+    `spans`: under context parallelism, the token ranges [a, b) of each row this process's
+    devices hold, in the order they hold them (the trainer's `batch_spans`); only those are
+    read, and the rows are their concatenation (None: whole rows)."""
 
     def __init__(self, sources: Sequence[Source], *, seq_len: int, global_batch_size: int,
                  seed: int, rows: Sequence[int] | None = None, document_mask: bool = False,
-                 document_positions: bool = False):
+                 document_positions: bool = False,
+                 spans: Sequence[tuple[int, int]] | None = None):
         if seq_len < 1 or global_batch_size < 1:
             raise DataError(f"seq_len={seq_len} and global_batch_size={global_batch_size} "
                             "must be >= 1")
@@ -110,6 +116,10 @@ class WindowStream:
             raise DataError(f"rows {self.rows[:8]} are not rows of a global batch of "
                             f"{global_batch_size}")
         self.document_mask, self.document_positions = document_mask, document_positions
+        self.spans = [(0, seq_len)] if spans is None else [(int(a), int(b)) for a, b in spans]
+        if any(not 0 <= a < b <= seq_len for a, b in self.spans):
+            raise DataError(f"spans {self.spans[:8]} are not token ranges of a window of "
+                            f"{seq_len}")
         self.windows = [(s.corpus.num_tokens - 1) // seq_len for s in self.sources]
         for s, n in zip(self.sources, self.windows, strict=True):
             if n == 0:
@@ -149,15 +159,17 @@ class WindowStream:
     def __next__(self) -> dict[str, np.ndarray]:
         source, window = self.window_index(self.samples + np.array(self.rows))
         self.samples += self.global_batch_size
+        t = np.concatenate([np.arange(a, b) for a, b in self.spans])
         rows = []
         for s, w in zip(source, window, strict=True):
             corpus = self.sources[s].corpus
             start = int(w) * self.seq_len
-            tokens = corpus.read(start, start + self.seq_len + 1)
-            row = {"inputs": tokens[:-1], "labels": tokens[1:]}
+            pieces = [corpus.read(start + a, start + b + 1) for a, b in self.spans]
+            row = {"inputs": np.concatenate([p[:-1] for p in pieces]),
+                   "labels": np.concatenate([p[1:] for p in pieces])}
             if self.document_mask:
-                row = document_fields(corpus, start, tokens, self.seq_len,
-                                      self.document_positions)
+                row = document_fields(corpus, start, row["inputs"], row["labels"], t,
+                                      self.seq_len, self.document_positions)
             rows.append(row)
         return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 

@@ -46,6 +46,14 @@ def to_load_balanced(x_BT: np.ndarray, cp: int) -> np.ndarray:
     return x_BT[:, load_balanced_order(x_BT.shape[1], cp)]
 
 
+def held_spans(held: slice, seq_len: int, cp: int) -> list[tuple[int, int]]:
+    """The token ranges [a, b) of a row behind the layout-order positions `held` (what some
+    devices hold), in layout order: the ranges a process reads to give exactly those."""
+    positions = load_balanced_order(seq_len, cp)[held] if cp > 1 else np.arange(seq_len)[held]
+    runs = np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)
+    return [(int(run[0]), int(run[-1]) + 1) for run in runs]
+
+
 def check_seq_len(seq_len: int, cp: int, field: str) -> None:
     """A sequence cp can split: 2 x cp chunks of equal length."""
     if cp > 1 and seq_len % (2 * cp):

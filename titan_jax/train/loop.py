@@ -200,7 +200,7 @@ def _run_steps(run: _Run, state: TrainState, first: int) -> tuple[int, TrainStat
     pending: tuple[int, Any] | None = None
     stopped, step = False, first
     for step in range(first + 1, config.training.steps + 1):
-        batch = trainer.put_batch(next(run.setup.data))
+        batch = trainer.put_batch(next(run.setup.data), seq_len=run.setup.data.seq_len)
         run.profiler.before_step(step)
         state, metrics = trainer.step_fn(state, batch)
         # Read step N-1's metrics only after step N is queued: the device stays busy.

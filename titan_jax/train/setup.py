@@ -62,7 +62,8 @@ def build_data(config: JobConfig, trainer: Trainer, tokenizer: Tokenizer | None 
                                barrier=process_barrier, progress=_progress)
     return WindowStream(sources, seq_len=t.seq_len, global_batch_size=trainer.global_batch_size,
                         seed=t.seed, rows=trainer.batch_rows(), document_mask=t.document_mask,
-                        document_positions=t.document_positions)
+                        document_positions=t.document_positions,
+                        spans=trainer.batch_spans(t.seq_len))
 
 
 def assemble_run(config: JobConfig, devices: list[jax.Device] | None = None) -> RunSetup:

@@ -20,7 +20,7 @@ from titan_jax.config import ConfigError, JobConfig, Moe
 from titan_jax.models import BuildOptions, ModelDef, ModelSpec, get_model_spec
 from titan_jax.models.attention import CP_ATTENTION, SPLASH_BLOCKS, resolve_attention
 from titan_jax.models.remat import remat_mode_for
-from titan_jax.parallel.context_parallel import check_seq_len, to_load_balanced
+from titan_jax.parallel.context_parallel import check_seq_len, held_spans, to_load_balanced
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
 from titan_jax.parallel.simple_fsdp import SimpleFSDP
@@ -197,18 +197,31 @@ class Trainer:
         n = self.global_batch_size if global_batch_size is None else global_batch_size
         return held_rows(self.batch_sharding, n, self.mesh.local_devices)
 
-    def put_batch(self, local: dict[str, np.ndarray],
-                  global_batch_size: int | None = None) -> Batch:
+    def batch_spans(self, seq_len: int, devices: list[jax.Device] | None = None
+                    ) -> list[tuple[int, int]] | None:
+        """The token ranges of each row (in the load-balanced layout's order) that
+        `devices` (default: this process's) hold under context parallelism; None: all."""
+        devices = self.mesh.local_devices if devices is None else devices
+        held = held_seq(self.batch_sharding, (self.global_batch_size, seq_len), devices)
+        if held == slice(0, seq_len):
+            return None
+        return held_spans(held, seq_len, self.degrees.cp)
+
+    def put_batch(self, local: dict[str, np.ndarray], global_batch_size: int | None = None,
+                  seq_len: int | None = None) -> Batch:
         """This process's `batch_rows` -> global arrays sharded over the data-parallel axes.
         Under context parallelism each row is laid out in load-balanced order and only the
-        chunks this process's devices hold are put on them."""
+        chunks this process's devices hold are put on them. `seq_len`: the rows' whole
+        length when `local` holds only this process's chunks (`batch_spans`, in that order)."""
         n = self.global_batch_size if global_batch_size is None else global_batch_size
         out = {}
         for k, v in local.items():
-            v = to_load_balanced(v, self.degrees.cp)
-            held = held_seq(self.batch_sharding, (n, v.shape[1]), self.mesh.local_devices)
-            out[k] = jax.make_array_from_process_local_data(self.batch_sharding, v[:, held],
-                                                            (n, *v.shape[1:]))
+            whole = v.shape[1] if seq_len is None else seq_len
+            if v.shape[1] == whole:
+                v = to_load_balanced(v, self.degrees.cp)
+                v = v[:, held_seq(self.batch_sharding, (n, whole), self.mesh.local_devices)]
+            out[k] = jax.make_array_from_process_local_data(self.batch_sharding, v,
+                                                            (n, whole, *v.shape[2:]))
         return out
 
 
