@@ -255,12 +255,12 @@ def _parity(args: argparse.Namespace, config: JobConfig) -> int:
 def _check_parity_lengths(args: argparse.Namespace, config: JobConfig) -> None:
     """The prompt fits the model's positions (RoPE past them compares nothing real)."""
     from titan_jax.models import get_model_spec
-    from titan_jax.models.qwen3.hf_config import read_hf_config
 
+    spec = get_model_spec(config.model.name)
     if args.hf_checkpoint:
-        model, where = read_hf_config(Path(args.hf_checkpoint)), f"{args.hf_checkpoint}'s"
+        model, where = spec.hf.read_config(Path(args.hf_checkpoint)), f"{args.hf_checkpoint}'s"
     else:
-        model = get_model_spec(config.model.name).flavor(config.model.flavor)
+        model = spec.flavor(config.model.flavor)
         where = f"model.flavor={config.model.flavor}'s"
     from titan_jax.parity.run import run_parity
 

@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from titan_jax.errors import TitanJaxError
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
+from titan_jax.models.safetensors_io import HFCheckpointError
 
 CONFIG_FILE = "config.json"
 # model_type -> architecture: dense Qwen3 and Qwen3-MoE.
@@ -18,10 +18,6 @@ ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"
 _WEIGHT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
                   "vocab_size", "norm_eps", "rope_theta", "tie_embeddings", "num_experts",
                   "top_k", "moe_inter_dim", "norm_topk_prob")
-
-
-class HFCheckpointError(TitanJaxError, ValueError):
-    """A HF checkpoint that cannot be read as Qwen3: the message names the file, field or tensor."""
 
 
 # ------------------------------------------------------------------------------------------------
