@@ -22,7 +22,8 @@ from titan_jax.models.sharding_hooks import Parallelism
 from titan_jax.parallel.context_parallel import ContextParallel, load_balanced_order
 from titan_jax.parallel.per_shard import manual_per_shard
 from titan_jax.train.checkpoint import Checkpointer
-from titan_jax.train.trainer import build_trainer, check_context_parallel
+from titan_jax.train.run_checks import check_context_parallel
+from titan_jax.train.trainer import build_trainer
 
 STEPS = 10
 

@@ -124,6 +124,7 @@ def _load_params(config: JobConfig, source: Path, from_hf: bool, args: Any, spec
     # The mesh and shardings of training; its seq_len only has to fit the loaded model.
     mesh_config = copy.deepcopy(config)
     mesh_config.training.seq_len = min(config.training.seq_len, args.max_seq_len)
+    mesh_config.validation.enable = False
     trainer = build_trainer(mesh_config, model_args=args)
     shardings = trainer.state_shardings["params"]
     if from_hf:
