@@ -70,6 +70,11 @@ PLANS = (
 LONG_CONTEXT_PLANS = (
     Plan("8B 32K v6e-8 cp2 (4 seqs)", "configs/qwen3_8b_32k.toml", "v6e-8"),
     Plan("8B 32K v5p-8 cp2 (4 seqs)", "configs/qwen3_8b_32k.toml", "v5p-8"),
+    # The ring variant of the same two (parallelism.context_parallel_method; XLA blocks).
+    Plan("8B 32K v6e-8 cp2 ring (4 seqs)", "configs/qwen3_8b_32k.toml", "v6e-8",
+         ("--parallelism.context_parallel_method", "ring")),
+    Plan("8B 32K v5p-8 cp2 ring (4 seqs)", "configs/qwen3_8b_32k.toml", "v5p-8",
+         ("--parallelism.context_parallel_method", "ring")),
     Plan("30B-A3B 32K v5p-16 cp4 (8 seqs)", "configs/qwen3_30b_a3b_32k.toml", "v5p-16"),
     Plan("235B-A22B 32K v5p-256 cp2 (64 seqs)", "configs/qwen3_235b_a22b.toml", "v5p-256",
          ("--training.seq_len", "32768", "--training.global_batch_size", "64",
@@ -94,11 +99,13 @@ def row(plan: Plan, r: dict[str, Any]) -> str:
     maxtext = (f"{mt[0]:.2f} + {mt[1]:.2f} = {mt[0] + mt[1]:.2f}; "
                f"{'-' if mt[2] is None else f'{mt[2]:.0f} s'}" if mt else "-")
     mesh = " ".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1)
+    kernel = r.get("attention_kernel_flops_per_step") or 0  # splash, counted from its shapes
+    attention = r["attention"] + (f" ({kernel / 1e15:.2f} PFLOP)" if kernel else "")
     est = (f"{r['est_step_time_s']:.2f} s / {r['est_mfu_pct']:.0f}% (<= "
            f"{r['roofline_mfu_pct']:.0f}%)" if r["est_step_time_s"] is not None else "-")
     overlap = r.get("in_loop_all_gather_overlap_pct")
     overlap = "-" if overlap is None else f"{overlap:.0f}%"
-    return (f"| {plan.name} | {mesh} | {r['activation_checkpoint']} | {r['attention']} | "
+    return (f"| {plan.name} | {mesh} | {r['activation_checkpoint']} | {attention} | "
             f"{_gb(m.get('argument_size_in_bytes'))} + {_gb(m.get('temp_size_in_bytes'))} | "
             f"{_gb(r['per_chip_bytes'])} of {_gb(r['usable_hbm_bytes'])} | "
             f"{'yes' if r['fits'] else '**no**'} | {r['compile_s']:.0f} s | {est} | "
@@ -118,8 +125,8 @@ def markdown(rows: list[str]) -> str:
         "collectives; in brackets the roofline bound. Overlap: the share of the in-loop "
         "all-gathers' ICI time the schedule covers with compute. Estimates, not measurements.",
         "",
-        "| recipe | mesh | remat | attention | args + temps (GB) | peak of usable (GB) | "
-        "fits | compile | est. step / MFU (bound) | gather overlap | "
+        "| recipe | mesh | remat | attention (kernel FLOPs per step) | args + temps (GB) | "
+        "peak of usable (GB) | fits | compile | est. step / MFU (bound) | gather overlap | "
         "MaxText 0.2.4 args + temps (GB); compile |",
         "|---|---|---|---|---|---|---|---|---|---|---|", *rows])
 
