@@ -79,14 +79,18 @@ def test_attention_under_cp_equals_unsplit_attention(method, cp, heads, kv_heads
 
     split = jax.shard_map(split_attention, mesh=mesh, in_specs=P(None, "cp"),
                           out_specs=P(None, "cp"))
-    loss = lambda f, w: lambda q, k, v: jnp.sum(f(q, k, v) * w)  # noqa: E731
+    def loss(f, w):
+        return lambda q, k, v: jnp.sum(f(q, k, v) * w)
+
+    def split_and_grads(q, k, v):  # one compile for both
+        f = lambda *a: split(*a, laid_out(ids))  # noqa: E731
+        return f(q, k, v), jax.grad(loss(f, w[:, order]), argnums=(0, 1, 2))(q, k, v)
+
     want = causal_gqa_attention(q, k, v, h**-0.5, ids)
-    got = jax.jit(split)(laid_out(q), laid_out(k), laid_out(v), laid_out(ids))
+    got, got_grads = jax.jit(split_and_grads)(laid_out(q), laid_out(k), laid_out(v))
     np.testing.assert_allclose(got, want[:, order], atol=2e-6)
     want_grads = jax.grad(loss(lambda *a: causal_gqa_attention(*a, h**-0.5, ids), w),
                           argnums=(0, 1, 2))(q, k, v)
-    got_grads = jax.jit(jax.grad(loss(lambda *a: split(*a, laid_out(ids)), w[:, order]),
-                                 argnums=(0, 1, 2)))(laid_out(q), laid_out(k), laid_out(v))
     for g, want_g in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, want_g[:, order], atol=2e-5)
 
