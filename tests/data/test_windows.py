@@ -17,6 +17,8 @@ from titan_jax.data.windows import (
     Source,
     ValidationWindows,
     WindowStream,
+    batch_layout,
+    read_row,
 )
 
 TOK = load_tokenizer()
@@ -183,6 +185,23 @@ def test_validation_windows_are_in_order_and_the_same_every_time(stores):
                                   first[0]["labels"])
     again = list(v.batches(2))
     np.testing.assert_array_equal(again[1]["inputs"], first[1]["inputs"])
+
+
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_both_streams_yield_the_batch_layout_training_is_compiled_for(stores, document_mask):
+    corpus, _ = stores["a"]
+    train = next(_stream(stores, document_mask=document_mask, document_positions=document_mask))
+    held_out = ValidationWindows(corpus, seq_len=16, global_batch_size=8, rows=[1, 5],
+                                 document_mask=document_mask, document_positions=document_mask)
+    validation = next(held_out.batches(1))
+    for batch, rows in ((train, 8), (validation, 2)):
+        assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+            k: ((rows, *shape), np.dtype(dtype))
+            for k, (shape, dtype) in batch_layout(16, document_mask).items()}
+    for i, window in enumerate([1, 5]):  # validation rows are training's fields of windows
+        row = read_row(corpus, window * 16, 16, document_mask, document_mask)
+        for k, v in row.items():
+            np.testing.assert_array_equal(validation[k][i], v)
 
 
 def test_bad_stream_settings(stores):
