@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 
 from titan_jax.atomic_dir import atomic_dir
 from titan_jax.config import JobConfig
+from titan_jax.errors import quiet_closed_loop_callbacks
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def
 from titan_jax.models.qwen3.build import Params
 from titan_jax.train.checkpoint import (
@@ -95,6 +96,7 @@ def load_orbax(path: str | Path, shardings: Params | None = None) -> tuple[Qwen3
     if not (path / PARAMS_DIR).is_dir():
         raise CheckpointError(f"{path} has no {PARAMS_DIR}/ (not a titan-jax orbax model "
                               "directory)")
+    quiet_closed_loop_callbacks()  # a failed read's one-line error stays one line
     try:
         return args, ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
     except Exception as e:  # orbax and TensorStore raise bare Exception and ValueError
