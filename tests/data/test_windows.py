@@ -27,21 +27,24 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split(
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
-    """Two small stores (3 and 1 input files) and their token sequences."""
+    """Two small stores (3 and 1 input files) and their token sequences, tokenized here: the
+    documents in file order, each followed by EOS."""
     root = tmp_path_factory.mktemp("stores")
     out = {}
     for name, n_files, n_docs in (("a", 3, 40), ("b", 1, 15)):
         src = root / f"src_{name}"
         src.mkdir()
+        texts = []
         for f in range(n_files):
-            (src / f"{f}.jsonl").write_text("".join(
-                json.dumps({"text": f"{name}{f} {d} " + " ".join(WORDS[(d + k) % 11]
-                                                                 for k in range(2 * d))}) + "\n"
-                for d in range(n_docs)))
+            texts.append([f"{name}{f} {d} " + " ".join(WORDS[(d + k) % 11] for k in range(2 * d))
+                          for d in range(n_docs)])
+            (src / f"{f}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                    for t in texts[-1]))
         prepare_store(dataset="jsonl", dataset_path=str(src), text_field="text", tokenizer=TOK,
                       output=str(root / name))
-        corpus = open_corpus(str(root / name), TOK)
-        out[name] = (corpus, corpus.read(0, corpus.num_tokens))
+        tokens = np.array([t for file in texts for text in file
+                           for t in [*TOK.encode(text), TOK.eos_id]], np.int32)
+        out[name] = (open_corpus(str(root / name), TOK), tokens)
     return out
 
 
