@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import jax
+import numpy as np
 from tiny_model import TINY
 
 from titan_jax.cli import main
 from titan_jax.config import load_config
-from titan_jax.tools.inspect_step import abstract_batch, collectives
+from titan_jax.tools.inspect_step import abstract_batch, collective_counts
 from titan_jax.train.setup import build_data
 from titan_jax.train.trainer import build_trainer
 
@@ -31,7 +32,8 @@ ENTRY %main {
 
 
 def test_collectives_parser_groups_by_op_and_dtype():
-    assert collectives(HLO) == [
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+    assert collective_counts(HLO, mesh) == [
         {"op": "all-gather", "dtype": "bf16", "count": 3, "bytes": 3 * 64 * 32 * 2},
         {"op": "all-reduce", "dtype": "f32", "count": 2, "bytes": (32 * 64 + 8 + 16) * 4},
         {"op": "collective-permute", "dtype": "f32", "count": 1, "bytes": 16},
