@@ -234,17 +234,23 @@ def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer
                                        if num_shards > 1 else ""))
     manifest = {**request, "tokens": sum(e["tokens"] for e in entries),
                 "documents": sum(e["documents"] for e in entries), "shards": entries}
-    _write_atomic(fs, join(folder, MANIFEST), json.dumps(manifest, indent=1).encode())
-    for i, _ in mine:
-        fs.rm(join(folder, f"shard-{i:05d}.json"))
-    fs.rm(join(folder, "request.json"))
-    if local:
-        if fs.exists(out_path):  # empty (checked above): a move would land inside it
-            fs.rmdir(out_path)
-        fs.mv(folder, out_path, recursive=True)
+    _finish(fs, folder, out_path if local else None, manifest)
     progress(f"{output}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents "
              f"from {len(mine)} of {len(files)} input files")
     return manifest
+
+
+def _finish(fs: Any, folder: str, final: str | None, manifest: dict[str, Any]) -> None:
+    """The manifest written last, the resume records dropped, and a local store renamed from
+    its hidden sibling to `final`."""
+    _write_atomic(fs, join(folder, MANIFEST), json.dumps(manifest, indent=1).encode())
+    for entry in manifest["shards"]:
+        fs.rm(join(folder, f"shard-{entry['file_index']:05d}.json"))
+    fs.rm(join(folder, "request.json"))
+    if final is not None:
+        if fs.exists(final):  # empty (checked before): a move would land inside it
+            fs.rmdir(final)
+        fs.mv(folder, final, recursive=True)
 
 
 def _items(todo: list[tuple[int, str]], dataset: str, text_field: str
