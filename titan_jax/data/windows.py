@@ -79,6 +79,28 @@ class Mixture:
         return block * self.counts + self.before[:, p]
 
 
+def batch_layout(seq_len: int, document_mask: bool) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Per row of a batch: each field's shape and dtype, as the streams below yield them (the
+    trainer's abstract batch, which inspect and compile lower, is built from this)."""
+    inputs = (seq_len, 3) if document_mask else (seq_len,)
+    return {"inputs": (inputs, np.int32), "labels": ((seq_len,), np.int32)}
+
+
+def read_row(corpus: Corpus, start: int, seq_len: int, document_mask: bool = False,
+             document_positions: bool = False,
+             spans: Sequence[tuple[int, int]] | None = None) -> dict[str, np.ndarray]:
+    """The row of the window at token `start`: inputs and labels (document fields with
+    `document_mask`); with `spans`, only those token ranges [a, b) of it, concatenated."""
+    spans = [(0, seq_len)] if spans is None else spans
+    pieces = [corpus.read(start + a, start + b + 1) for a, b in spans]
+    inputs = np.concatenate([p[:-1] for p in pieces])
+    labels = np.concatenate([p[1:] for p in pieces])
+    if document_mask:
+        t = np.concatenate([np.arange(a, b) for a, b in spans])
+        return document_fields(corpus, start, inputs, labels, t, seq_len, document_positions)
+    return {"inputs": inputs, "labels": labels}
+
+
 def document_fields(corpus: Corpus, start: int, inputs: np.ndarray, labels: np.ndarray,
                     t: np.ndarray, seq_len: int, restart_positions: bool
                     ) -> dict[str, np.ndarray]:
@@ -159,18 +181,9 @@ class WindowStream:
     def __next__(self) -> dict[str, np.ndarray]:
         source, window = self.window_index(self.samples + np.array(self.rows))
         self.samples += self.global_batch_size
-        t = np.concatenate([np.arange(a, b) for a, b in self.spans])
-        rows = []
-        for s, w in zip(source, window, strict=True):
-            corpus = self.sources[s].corpus
-            start = int(w) * self.seq_len
-            pieces = [corpus.read(start + a, start + b + 1) for a, b in self.spans]
-            row = {"inputs": np.concatenate([p[:-1] for p in pieces]),
-                   "labels": np.concatenate([p[1:] for p in pieces])}
-            if self.document_mask:
-                row = document_fields(corpus, start, row["inputs"], row["labels"], t,
-                                      self.seq_len, self.document_positions)
-            rows.append(row)
+        rows = [read_row(self.sources[s].corpus, int(w) * self.seq_len, self.seq_len,
+                         self.document_mask, self.document_positions, self.spans)
+                for s, w in zip(source, window, strict=True)]
         return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
     def source_tokens(self, batches: int) -> dict[str, int]:
@@ -209,18 +222,21 @@ class WindowStream:
 
 class ValidationWindows:
     """The same batches every call: windows 0, 1, 2, ... of a held-out corpus in order (batch b,
-    row r = window b*G + r), up to `max_batches` (-1: all whole batches); this process's rows."""
+    row r = window b*G + r), up to `max_batches` (-1: all whole batches); this process's rows.
+    `document_mask` / `document_positions`: the same fields training reads (WindowStream)."""
 
     def __init__(self, corpus: Corpus, *, seq_len: int, global_batch_size: int,
-                 rows: Sequence[int] | None = None):
+                 rows: Sequence[int] | None = None, document_mask: bool = False,
+                 document_positions: bool = False):
         self.corpus, self.seq_len, self.global_batch_size = corpus, seq_len, global_batch_size
         self.rows = np.array(range(global_batch_size) if rows is None else sorted(set(rows)))
         self.num_batches = (corpus.num_tokens - 1) // seq_len // global_batch_size
+        self.document_mask, self.document_positions = document_mask, document_positions
 
     def batches(self, max_batches: int = -1) -> Iterator[dict[str, np.ndarray]]:
         n = self.num_batches if max_batches < 0 else min(max_batches, self.num_batches)
         for b in range(n):
-            w = np.stack([self.corpus.read(s, s + self.seq_len + 1) for s in
-                          (b * self.global_batch_size + self.rows) * self.seq_len])
-            yield {"inputs": np.ascontiguousarray(w[:, :-1]),
-                   "labels": np.ascontiguousarray(w[:, 1:])}
+            rows = [read_row(self.corpus, int(s), self.seq_len, self.document_mask,
+                             self.document_positions)
+                    for s in (b * self.global_batch_size + self.rows) * self.seq_len]
+            yield {k: np.stack([r[k] for r in rows]) for k in rows[0]}
