@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from titan_jax.data.windows import batch_layout
 from titan_jax.tools import hlo_stats
 from titan_jax.tools.collectives import collectives
 from titan_jax.train.trainer import Trainer
@@ -69,9 +70,12 @@ def collective_counts(hlo_text: str, mesh: jax.sharding.Mesh | None = None
 
 
 def abstract_batch(trainer: Trainer) -> dict[str, jax.ShapeDtypeStruct]:
-    shape = (trainer.global_batch_size, trainer.config.training.seq_len)
-    sds = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
-    return {"inputs": sds, "labels": sds}
+    """The global batch the run's stream feeds the step (its fields, shapes and dtypes from
+    `batch_layout`: document masking's (B, T, 3) inputs too), as sharded abstract arrays."""
+    t = trainer.config.training
+    return {k: jax.ShapeDtypeStruct((trainer.global_batch_size, *shape), dtype,
+                                    sharding=trainer.batch_sharding)
+            for k, (shape, dtype) in batch_layout(t.seq_len, t.document_mask).items()}
 
 
 def compile_lowered(lowered: Any) -> tuple[Any, str | None]:
