@@ -56,13 +56,15 @@ def state_bytes(trainer: Trainer) -> tuple[int, int]:
             sum(_nbytes(x.dtype, x.shape) for x in leaves))
 
 
-def collective_counts(hlo_text: str, mesh: jax.sharding.Mesh) -> list[dict[str, Any]]:
+def collective_counts(hlo_text: str, mesh: jax.sharding.Mesh | None = None
+                      ) -> list[dict[str, Any]]:
     """The step's collectives (tools/collectives.py) grouped by (op, element dtype).
 
     `count`: instructions; `bytes`: their result sizes per device, summed. Async `-start` ops
     count as their op (their `-done` halves are skipped); a combined op counts once per dtype.
     """
-    ops = collectives(hlo_text, list(mesh.devices.flat), dict(mesh.shape))
+    ops = collectives(hlo_text, [] if mesh is None else list(mesh.devices.flat),
+                      None if mesh is None else dict(mesh.shape))
     return [{k: g[k] for k in ("op", "dtype", "count", "bytes")}
             for g in hlo_stats.summarize(ops)]
 
