@@ -238,3 +238,28 @@ def test_the_report_hints_the_async_gather_flags_only_when_gathers_lie_exposed()
     assert "hint" not in aot_compile.format_report(report)
     report.update(scheduler_flags={}, in_loop_all_gather_overlap_pct=95.0)
     assert "hint" not in aot_compile.format_report(report)
+
+
+EXCHANGES = """
+HloModule m
+
+ENTRY %main (picks: bf16[24,64], z96: bf16[96,64], z24: bf16[24,64], o: s32[4]) -> bf16[24,64] {
+  %picks = bf16[24,64]{1,0} parameter(0)
+  %z96 = bf16[96,64]{1,0} parameter(1)
+  %z24 = bf16[24,64]{1,0} parameter(2)
+  %o = s32[4]{0} parameter(3)
+  %rows = bf16[96,64]{1,0} ragged-all-to-all(%picks, %z96, %o, %o, %o, %o), channel_id=1, replica_groups={{0,1,2,3}}
+  ROOT %back = bf16[24,64]{1,0} ragged-all-to-all(%rows, %z24, %o, %o, %o, %o), channel_id=2, replica_groups={{0,1,2,3}}
+}
+"""
+
+
+def test_ragged_all_to_alls_count_what_they_send_not_their_worst_case_buffers():
+    """A dispatch (24 picks into a 96-row receive buffer) and its combine (the 96-row buffer's
+    results back into 24 rows) each send the 24 picks' bytes at balanced routing."""
+    module = hlo_stats.parse(EXCHANGES)
+    ops = hlo_stats.collective_ops(module)
+    assert [c["bytes"] for c in ops] == [24 * 64 * 2] * 2
+    defs = module.defining("main")
+    assert [hlo_cost.collective_bytes(defs[n], "ragged-all-to-all", defs)
+            for n in ("rows", "back")] == [24 * 64 * 2] * 2
