@@ -35,7 +35,9 @@ def compiled():
         "--training.local_batch_size", str(GLOBAL_BATCH // DATA_SHARDS),
         "--training.mixed_precision_param", "bfloat16")
     trainer = build_trainer(config, list(topology.devices), model_args=TINY_MOE)
+    assert trainer.model.options.platform == "tpu"
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
+    assert "ragged_dot" in lowered.as_text()  # the target's grouped matmul
     return trainer, hlo_stats.collective_ops(hlo_stats.parse(lowered.compile().as_text()))
 
 
@@ -46,7 +48,8 @@ def test_picks_travel_by_ragged_all_to_all_only(compiled):
     # experts over ep, their model dim over fsdp, their hidden (FFN) dim over tp
     spec = trainer.state_shardings["params"]["layers"]["moe"]["w1"].spec
     assert tuple(spec[1:]) == ("ep", "fsdp", "tp"), spec
-    assert any(c["op"] == "ragged-all-to-all" for c in ops)
+    kinds = {(c["op"], c["dtype"]) for c in ops}
+    assert ("ragged-all-to-all", "bf16") in kinds and ("all-gather", "bf16") in kinds, kinds
     dense = [c for c in ops if c["op"] == "all-to-all"]
     # what is left of dense all-to-alls: the backward's offsets (EP integers), no activations
     assert all(c["dtype"].startswith(("s", "u")) and c["bytes"] <= 64 for c in dense), dense

@@ -123,10 +123,13 @@ def bounded_ffn(ffn: ExpertFFN, rows_RD: jax.Array, ids_R: jax.Array, n_real: ja
 def received_expert_ids(counts_SL: jax.Array, rows: int) -> jax.Array:
     """The local expert of each received row, (rows,): source after source, each source's rows
     sorted by expert (`counts_SL[s, e]` of them for local expert e); padding rows `n_local`."""
-    peers, n_local = counts_SL.shape
-    ids = jnp.repeat(jnp.tile(jnp.arange(n_local, dtype=jnp.int32), peers),
-                     counts_SL.reshape(-1), total_repeat_length=rows)
-    return jnp.where(jnp.arange(rows) < jnp.sum(counts_SL), ids, n_local)
+    n_local = counts_SL.shape[1]
+    # Each row's (source, expert) group by counting the group ends at or before it: a cumsum
+    # (jnp.repeat's way) over the rows would be a reduce-window as long as the buffer.
+    ends = jnp.cumsum(counts_SL.reshape(-1))
+    row = jnp.arange(rows, dtype=jnp.int32)
+    group = jnp.sum(ends[None, :] <= row[:, None], axis=1, dtype=jnp.int32)
+    return jnp.where(row < ends[-1], group % n_local, n_local)
 
 
 def ragged_dispatch(rows_MD: jax.Array, experts_M: jax.Array, n_local: int, ffn: ExpertFFN,
