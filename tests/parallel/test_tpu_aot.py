@@ -69,7 +69,7 @@ def _source(defs: dict[str, str], name: str) -> str:
 ])
 def test_v5p_fsdp_gathers_bf16_and_reduces_fp32(preset, implementation):
     hlo = compiled_hlo(preset, implementation)
-    found = inspect_step.collectives(hlo)
+    found = inspect_step.collective_counts(hlo)
     gathers = {c["dtype"] for c in found if c["op"] == "all-gather"}
     assert gathers == ({"bf16"} if preset != "ddp8" else set()), found
     fp32_bytes = sum(c["bytes"] for c in found
@@ -99,7 +99,7 @@ def test_mixed_precision_reduce_bf16_reduces_gradients_in_bf16(implementation):
     """TorchTitan's `mixed_precision_reduce = "bfloat16"`: every gradient reduction is bf16
     (what is left in fp32 is the scalar loss and grad norm)."""
     hlo = compiled_hlo("fsdp8", implementation, "--training.mixed_precision_reduce", "bfloat16")
-    reductions = [c for c in inspect_step.collectives(hlo)
+    reductions = [c for c in inspect_step.collective_counts(hlo)
                   if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] in ("bf16", "f32")]
     big = [c for c in reductions if c["bytes"] > 1024]
     assert big and {c["dtype"] for c in big} == {"bf16"}, reductions

@@ -14,6 +14,7 @@ from tiny_model import TINY
 
 from titan_jax.cli import main
 from titan_jax.config import ConfigError, load_config
+from titan_jax.errors import TitanJaxError
 from titan_jax.train import loop
 from titan_jax.train import setup as run_setup
 from titan_jax.train.checkpoint import Checkpointer, CheckpointError
@@ -119,3 +120,14 @@ def test_two_runs_sharing_an_absolute_checkpoint_folder(tmp_path, tiny):
             loop.train(make_config(tmp_path / "second", "--checkpoint.folder", str(shared)))
     assert os.listdir(shared) == []  # the second run wrote nothing there
     assert not (tmp_path / "second" / "metrics.jsonl").exists()
+
+
+def test_a_fresh_run_refused_while_preparing_its_data_leaves_no_empty_folders(tmp_path, tiny):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a document"}\n{"text": \n')  # its second line is broken
+    dump = tmp_path / "run"
+    with pytest.raises(TitanJaxError):
+        loop.train(make_config(dump, "--training.dataset", "jsonl",
+                               "--training.dataset_path", str(corpus)))
+    left = sorted(str(p.relative_to(dump)) for p in dump.rglob("*"))
+    assert left == ["titan-jax.log"]  # the error's causes; no empty checkpoint/ or data/

@@ -35,7 +35,7 @@ from titan_jax.train.metrics import MetricsLogger
 from titan_jax.train.model_io import export_hf
 from titan_jax.train.preflight import check_history
 from titan_jax.train.profiling import StepProfiler
-from titan_jax.train.run_lock import RunLock, prepare_dump_folder
+from titan_jax.train.run_lock import RunLock, prepare_dump_folder, tidy_if_refused
 from titan_jax.train.run_log import RunLog
 from titan_jax.train.setup import RunSetup, assemble_run, open_data
 from titan_jax.train.signals import StopSignals
@@ -105,6 +105,8 @@ def _train(config: JobConfig, devices: list[jax.Device] | None,
            failures: JobFailures) -> RunResult:
     setup = assemble_run(config, devices)  # every check that needs no lock; nothing written
     with contextlib.ExitStack() as stack:
+        if jax.process_index() == 0:  # exits last: after the locks are gone
+            stack.enter_context(tidy_if_refused(config.job.dump_folder))
         ckpt, start = _open(stack, config, setup)
         logger = stack.enter_context(MetricsLogger(
             config.job.dump_folder, config.metrics.log_freq, config.training.steps,

@@ -10,11 +10,13 @@ host and PID written in the file decide: a live process on this host still holds
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 from titan_jax.config import ConfigError
@@ -118,3 +120,24 @@ class RunLock:
             pass
         os.close(self._fd)  # releases the flock
         self._fd = None
+
+
+@contextlib.contextmanager
+def tidy_if_refused(folder: str | Path) -> Iterator[None]:
+    """Around a run's setup in `folder`: if the folder is new and the run is refused (a
+    TitanJaxError, e.g. a damaged input found while preparing it), the empty folders it made
+    are removed again, so a refused run leaves nothing behind. Only empty folders go: never a
+    file."""
+    folder = Path(folder)
+    fresh = not os.path.lexists(folder)
+    try:
+        yield
+    except TitanJaxError:
+        if fresh and folder.is_dir():
+            for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+                    path.rmdir()
+            if not any(folder.iterdir()):
+                folder.rmdir()
+        raise
+
