@@ -1,6 +1,8 @@
 """The expert-parallel exchange (parallel/expert_parallel.py) against every expert run locally:
 outputs and gradients, on the fast path (balanced routing: the real rows fit the capacity) and
-the overflow path (every pick to one rank), and the ragged layout's offset arithmetic."""
+the overflow path (every pick to one rank), through the CPU emulation of the ragged all-to-all,
+which takes the offsets and sizes the TPU/GPU `lax.ragged_all_to_all` takes (one
+`exchange_plan`); and the emulation against the ragged all-to-all's documented semantics."""
 
 from __future__ import annotations
 
@@ -14,14 +16,48 @@ from jax.sharding import PartitionSpec as P
 
 from titan_jax.models.qwen3.moe import expert_ffn
 from titan_jax.parallel import expert_parallel
-from titan_jax.parallel.expert_parallel import all_to_all_dispatch, ragged_layout
+from titan_jax.parallel.expert_parallel import exchange_for, exchange_plan, ragged_dispatch
 
-EP, E, K, N, D, F = 4, 8, 2, 64, 16, 24  # per rank: N tokens; E // EP experts
+EP, E, K, N, D, F = 8, 16, 2, 32, 16, 24  # per rank: N tokens; E // EP experts
 
 
-def test_ragged_layout_puts_each_sources_rows_at_its_offset():
-    where = np.asarray(ragged_layout(jnp.array([2, 0, 3]), 4))
-    np.testing.assert_array_equal(where, [[0, 1, 12, 12], [12, 12, 12, 12], [2, 3, 4, 12]])
+def ep_mesh(ep: int) -> jax.sharding.Mesh:
+    return jax.make_mesh((ep,), ("ep",), devices=jax.devices()[:ep],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def reference_ragged_all_to_all(operands, outputs, slices):
+    """`lax.ragged_all_to_all`'s documented semantics, rank by rank, in numpy."""
+    results = [o.copy() for o in outputs]
+    for src, (input_offsets, send_sizes, output_offsets, _) in enumerate(slices):
+        for dst in range(len(operands)):
+            rows = operands[src][input_offsets[dst]:input_offsets[dst] + send_sizes[dst]]
+            results[dst][output_offsets[dst]:output_offsets[dst] + len(rows)] = rows
+    return results
+
+
+def test_dense_emulation_follows_the_ragged_all_to_all_semantics_with_the_plans_slices():
+    ep, m = 4, 6
+    counts = np.array([[1, 0, 3, 2], [0, 0, 6, 0], [2, 2, 1, 1], [0, 5, 0, 1]], np.int32)
+    picks = np.random.default_rng(1).normal(size=(ep, m, 3)).astype(np.float32)
+    plans = [exchange_plan(jnp.asarray(counts), jnp.int32(r)) for r in range(ep)]
+    emulate = functools.partial(exchange_for("cpu", m), axis_name="ep")
+    exchange = jax.jit(jax.shard_map(
+        lambda o, out, *a: emulate(o[0], out[0], *(x[0] for x in a))[None],
+        mesh=ep_mesh(ep), in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
+    operands, rows = picks, ep * m
+    for stage in (0, 1):  # dispatch, then combine (back from the received layout)
+        slices = [tuple(np.asarray(a) for a in plan[stage]) for plan in plans]
+        outputs = np.full((ep, rows, 3), -1.0, np.float32)  # rows nobody writes keep it
+        want = reference_ragged_all_to_all(list(operands), list(outputs), slices)
+        got = np.asarray(exchange(operands, outputs, *(
+            jnp.asarray(np.stack([s[i] for s in slices])) for i in range(4))))
+        np.testing.assert_array_equal(got, np.stack(want))
+        if stage == 0:  # received: packed source after source, real rows first
+            for r, n_real in enumerate(counts.sum(0)):
+                assert (got[r, n_real:] == -1).all() and (got[r, :n_real] != -1).all()
+        operands, rows = got, m
+    np.testing.assert_array_equal(got, picks)  # every row back where it left
 
 
 def local_dispatch(rows, experts, n_local, ffn):
@@ -44,7 +80,8 @@ def loss_fns(mesh):
         return jnp.sum(jnp.sin(moe_out(local_dispatch, x, experts, weights, w1, w3, w2, E)))
 
     def per_rank(x, experts, weights, w1, w3, w2):
-        dispatch = functools.partial(all_to_all_dispatch, axis="ep", ep=EP)
+        dispatch = functools.partial(ragged_dispatch, axis="ep", ep=EP,
+                                     exchange=exchange_for("cpu", N * K))
         out = moe_out(dispatch, x, experts, weights, w1, w3, w2, E // EP)
         return jax.lax.psum(jnp.sum(jnp.sin(out)), "ep")
 
@@ -57,8 +94,7 @@ def loss_fns(mesh):
 
 @pytest.mark.parametrize("routing", ["balanced", "all_to_rank_0"])
 def test_exchange_equals_local_experts_outputs_and_gradients(routing):
-    mesh = jax.make_mesh((EP,), ("ep",), devices=jax.devices()[:EP],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = ep_mesh(EP)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(EP * N, D)), jnp.float32)
     if routing == "balanced":

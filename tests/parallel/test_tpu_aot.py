@@ -105,26 +105,6 @@ def test_mixed_precision_reduce_bf16_reduces_gradients_in_bf16(implementation):
     assert big and {c["dtype"] for c in big} == {"bf16"}, reductions
 
 
-def test_moe_step_with_expert_parallelism_compiles_for_v5p():
-    """Qwen3-MoE with EP 4 x FSDP 2 for a v5p:2x2x2: the target's grouped matmul is
-    `ragged_dot`, bf16 weights are gathered, and tokens travel by all-to-all."""
-    import dataclasses
-
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
-    args = dataclasses.replace(TINY, num_experts=8, top_k=2, moe_inter_dim=32)
-    config = tiny_config(*preset_overrides("fsdp8"), "--parallelism.expert_parallel_degree", "4",
-                         "--training.mixed_precision_param", "auto")
-    trainer = build_trainer(config, list(topology.devices), model_args=args)
-    assert trainer.model.options.platform == "tpu"
-    lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
-    assert "ragged_dot" in lowered.as_text()
-    found = inspect_step.collective_counts(lowered.compile().as_text())
-    ops = {(c["op"], c["dtype"]) for c in found}
-    assert ("all-to-all", "bf16") in ops and ("all-gather", "bf16") in ops, found
-
-
 def test_offload_follows_the_target_devices_not_the_host(caplog):
     """`activation_checkpoint.mode = "offload"`: kept for a TPU mesh compiled ahead of time,
     selective (with a warning naming the field) on the host's CPU devices, which have no

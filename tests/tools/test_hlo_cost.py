@@ -188,7 +188,7 @@ def test_fits_follows_the_compilers_edge_on_both_sides():
 def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops():
     """The EP step's grouped matmuls run over worst-case receive buffers (ep x each rank's
     picks); at balanced routing they do the analytic expert work: tokens x top_k rows through
-    3 matmuls, forward and backward (x3)."""
+    3 matmuls, forward and backward, with what remat recomputes."""
     import dataclasses
     import sys
     from pathlib import Path
@@ -210,7 +210,10 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
     picks = trainer.tokens_per_step * args.top_k
     expected, bound = hlo_stats.ragged_dot_flops(
         hlo_stats.parse(lowered.as_text(dialect="hlo")), picks)
-    analytic = args.n_layers * picks * 3 * (2 * args.dim * args.moe_inter_dim) * 3
+    # Per layer, in matmuls of picks x dim x inter: the forward's 3, full remat's recompute of
+    # them (3), and the backward of the expert FFN's taken branch, which recomputes its w1 and
+    # w3 (2; its custom VJP saves only inputs) before the 6 gradient matmuls.
+    analytic = args.n_layers * picks * (3 + 3 + 2 + 6) * (2 * args.dim * args.moe_inter_dim)
     assert expected == pytest.approx(analytic)
     assert bound == pytest.approx(4 * analytic)  # ep x the picks: the buffers' shape bound
 
@@ -251,3 +254,28 @@ def test_the_report_hints_the_async_gather_flags_only_when_gathers_lie_exposed()
     assert "hint" not in aot_compile.format_report(report)
     report.update(scheduler_flags={}, in_loop_all_gather_overlap_pct=95.0)
     assert "hint" not in aot_compile.format_report(report)
+
+
+EXCHANGES = """
+HloModule m
+
+ENTRY %main (picks: bf16[24,64], z96: bf16[96,64], z24: bf16[24,64], o: s32[4]) -> bf16[24,64] {
+  %picks = bf16[24,64]{1,0} parameter(0)
+  %z96 = bf16[96,64]{1,0} parameter(1)
+  %z24 = bf16[24,64]{1,0} parameter(2)
+  %o = s32[4]{0} parameter(3)
+  %rows = bf16[96,64]{1,0} ragged-all-to-all(%picks, %z96, %o, %o, %o, %o), channel_id=1, replica_groups={{0,1,2,3}}
+  ROOT %back = bf16[24,64]{1,0} ragged-all-to-all(%rows, %z24, %o, %o, %o, %o), channel_id=2, replica_groups={{0,1,2,3}}
+}
+"""
+
+
+def test_ragged_all_to_alls_count_what_they_send_not_their_worst_case_buffers():
+    """A dispatch (24 picks into a 96-row receive buffer) and its combine (the 96-row buffer's
+    results back into 24 rows) each send the 24 picks' bytes at balanced routing."""
+    module = hlo_stats.parse(EXCHANGES)
+    ops = hlo_stats.collective_ops(module)
+    assert [c["bytes"] for c in ops] == [24 * 64 * 2] * 2
+    defs = module.defining("main")
+    assert [hlo_cost.collective_bytes(defs[n], "ragged-all-to-all", defs)
+            for n in ("rows", "back")] == [24 * 64 * 2] * 2

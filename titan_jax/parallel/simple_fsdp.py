@@ -60,7 +60,7 @@ from titan_jax.models.sharding_hooks import (
 )
 from titan_jax.models.spec import Aux, Params
 from titan_jax.parallel.context_parallel import CP, ContextParallel
-from titan_jax.parallel.expert_parallel import all_to_all_dispatch
+from titan_jax.parallel.expert_parallel import exchange_for, ragged_dispatch
 from titan_jax.parallel.per_shard import jit_per_shard, manual_per_shard
 from titan_jax.parallel.rules import ShardingRules
 
@@ -237,11 +237,13 @@ class SimpleFSDP(Parallelism):
 
     def dispatch_to_experts(self, rows_MD: jax.Array, experts_M: jax.Array, n_local: int,
                             ffn: ExpertFFN) -> jax.Array:
-        """Under expert parallelism the picks travel to their expert's rank and back
-        (`parallel/expert_parallel.py`); otherwise every expert is local."""
+        """Under expert parallelism the picks travel to their expert's rank and back by the
+        target devices' ragged all-to-all (`parallel/expert_parallel.py`: emulated on CPU);
+        otherwise every expert is local."""
         if self.ep == 1:
             return super().dispatch_to_experts(rows_MD, experts_M, n_local, ffn)
-        return all_to_all_dispatch(rows_MD, experts_M, n_local, ffn, "ep", self.ep)
+        exchange = exchange_for(self.mesh.devices.flat[0].platform, rows_MD.shape[0])
+        return ragged_dispatch(rows_MD, experts_M, n_local, ffn, "ep", self.ep, exchange)
 
     def sequence_split(self) -> SequenceSplit:
         """Under context parallelism each rank holds two chunks of every sequence and gathers

@@ -150,17 +150,16 @@ def moved_bytes(op: str, result_bytes: float, group: int) -> float:
             "reduce-scatter": result_bytes * (group - 1),  # the result is one shard
             "all-reduce": 2 * result_bytes * share,
             "all-to-all": result_bytes * share,
-            # counted by what it sends (its operand; see collective_bytes), not its buffer
+            # counted by what it sends (see collective_bytes), not its buffer
             "ragged-all-to-all": result_bytes * share,
             "collective-permute": float(result_bytes)}[op]
 
 
 def collective_bytes(inst: Instruction, op: str, defs: dict[str, Instruction]) -> int:
     """Bytes per device a collective's ring is sized by: its result, except a ragged
-    all-to-all, whose result is a worst-case buffer: the data it sends (its first operand)."""
-    if op == "ragged-all-to-all" and inst.operands and inst.operands[0] in defs:
-        return sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(
-            defs[inst.operands[0]].type))
+    all-to-all: what it sends at balanced routing (`hlo_stats.ragged_sent_arrays`)."""
+    if op == "ragged-all-to-all":
+        return sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.ragged_sent_arrays(inst, defs))
     return sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.result_arrays(inst, op))
 
 

@@ -341,16 +341,27 @@ def collective_ops(module: HloModule) -> list[dict[str, Any]]:
             if op not in COLLECTIVE_OPS:
                 continue
             sized = result_arrays(inst, op)
-            if op == "ragged-all-to-all" and inst.operands:
-                # its result is a worst-case buffer: count what it sends, its first operand
-                source = module.defining(name).get(inst.operands[0])
-                sized = arrays(source.type) if source is not None else sized
+            if op == "ragged-all-to-all":
+                sized = ragged_sent_arrays(inst, module.defining(name))
             for dtype in sorted({d for d, _ in sized}):
                 found.append({"op": op, "dtype": dtype, "executions": times,
                               "bytes": sum(nbytes(d, s) for d, s in sized if d == dtype),
                               "groups": replica_groups(inst),
                               "group": group_size(inst, 0)})
     return found
+
+
+def ragged_sent_arrays(inst: Instruction, defs: dict[str, Instruction]
+                       ) -> list[tuple[str, tuple[int, ...]]]:
+    """What a ragged all-to-all sends at balanced routing: no more than its operand, and, as
+    each rank then sends what it receives, no more than its result: the smaller of the two
+    (an expert dispatch's operand is its picks, a combine's result; the other buffer is the
+    worst-case receive buffer)."""
+    result = arrays(inst.type)
+    source = defs.get(inst.operands[0]) if inst.operands else None
+    operand = arrays(source.type) if source is not None else result
+    size = lambda found: sum(nbytes(d, s) for d, s in found)  # noqa: E731
+    return operand if size(operand) <= size(result) else result
 
 
 def summarize(ops: list[dict[str, Any]], keys: tuple[str, ...] = ("op", "dtype")
