@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the damaged files, shared with tests/test_bad_input.py
 CFG = str(ROOT / "configs" / "qwen3_debug.toml")
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
 QUICK = ["--training.seq_len", "16", "--training.local_batch_size", "1",
@@ -42,8 +43,7 @@ def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 def _fixtures(t: Path) -> None:
     import jax
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from damaged_inputs import write_damaged_inputs
 
     from titan_jax.models.qwen3 import Qwen3Args, build_model_def
     from titan_jax.train.model_io import save_orbax
@@ -54,17 +54,7 @@ def _fixtures(t: Path) -> None:
     run = _cli([*RESUME[:4], "2", *RESUME[5:], "--checkpoint.last_save_model_only", "false",
                 "--job.dump_folder", str(t / "run")], t)
     assert run.returncode == 0, run.stderr[-2000:]
-    (t / "file").write_text("a file")
-    (t / "folder").mkdir()
-    pq.write_table(pa.table({"text": ["hello world " * 50] * 200}), t / "good.parquet")
-    data = bytearray((t / "good.parquet").read_bytes())
-    (t / "bad_footer.parquet").write_bytes(bytes(data[:-12]) + b"\0" * 12)
-    data[200:1200] = b"\xab" * 1000
-    (t / "bad_pages.parquet").write_bytes(bytes(data))
-    (t / "latin1.json").write_bytes(b'{"caf\xe9": 1}')
-    (t / "hf").mkdir()
-    (t / "hf" / "config.json").write_text("{}")
-    (t / "hf" / "model.safetensors").write_text("")
+    write_damaged_inputs(t)
     (t / "tb_run").mkdir()
     (t / "tb_run" / "tb").write_text("")
     (t / "export" / "checkpoint" / "hf-1").mkdir(parents=True)

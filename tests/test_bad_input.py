@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 
 import jax
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from damaged_inputs import write_damaged_inputs
 from tiny_model import TINY
 
 from titan_jax.cli import main
@@ -38,18 +37,7 @@ def orbax_model(tmp_path_factory):
 
 def _files(tmp: Path, orbax_model: Path) -> None:
     """What the cases point at: files of every kind, some of them damaged."""
-    (tmp / "file").write_text("a file")
-    (tmp / "folder").mkdir()
-    good = tmp / "good.parquet"
-    pq.write_table(pa.table({"text": ["hello world " * 50] * 200}), good)
-    data = bytearray(good.read_bytes())
-    (tmp / "bad_footer.parquet").write_bytes(bytes(data[:-12]) + b"\0" * 12)
-    data[200:1200] = b"\xab" * 1000
-    (tmp / "bad_pages.parquet").write_bytes(bytes(data))
-    (tmp / "latin1.json").write_bytes(b"{\"caf\xe9\": 1}")
-    (tmp / "hf").mkdir()
-    (tmp / "hf" / "config.json").write_text("{}")
-    (tmp / "hf" / "model.safetensors").write_text("")
+    write_damaged_inputs(tmp)
     (tmp / "run" / "checkpoint" / "hf-10").mkdir(parents=True)
     (tmp / "run_metrics" / "metrics.jsonl").mkdir(parents=True)
     (tmp / "run_tb").mkdir()
