@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from titan_jax.data.windows import IGNORE_INDEX  # the data layer marks the ignored labels
-from titan_jax.models.sharding_hooks import constrain
+from titan_jax.models.sharding_hooks import VocabSplit, constrain, vocab_split
 
 # Above this many logits per microbatch the loss is computed chunk by chunk over tokens, so the
 # full (tokens, vocab) fp32 logits never exist at once (e.g. 4096 tokens x 151936 vocab = 2.5 GB).
@@ -25,69 +27,87 @@ def token_cross_entropy_sum(logits_NV: jax.Array, labels_N: jax.Array) -> jax.Ar
 
 
 def cross_entropy_sum(h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array) -> jax.Array:
-    """Summed CE of `h @ w` against labels, chunked over tokens when the logits are large."""
+    """Summed CE of `h @ w` against labels, chunked over tokens when the logits are large.
+
+    Under a vocabulary split (`vocab_split()`, parallel/vocab_parallel.py) `w_DV` is this
+    shard's vocabulary slice: each chunk's hidden states are gathered over the shards, every
+    shard computes its slice's logits of all of them, and the softmax is reduced over shards;
+    the result is the sum over this shard's own tokens."""
+    split = vocab_split()
     d, v = w_DV.shape
     h_ND, labels_N = h_BTD.reshape(-1, d), labels_BT.reshape(-1)
     n = h_ND.shape[0]
-    chunk = max(1, MAX_LOGITS_PER_CHUNK // v)
-    if n <= chunk:
+    chunk = max(1, MAX_LOGITS_PER_CHUNK // (v * split.degree))  # a chunk's logits, all shards'
+    if n <= chunk and split.degree == 1:
         logits = jnp.einsum("nd,dv->nv", h_ND, w_DV, preferred_element_type=jnp.float32)
         return token_cross_entropy_sum(logits, labels_N)
+    chunk = min(chunk, n)
     n_chunks = -(-n // chunk)
     pad = n_chunks * chunk - n
     h_CKD = jnp.pad(h_ND, ((0, pad), (0, 0))).reshape(n_chunks, chunk, d)
     labels_CK = jnp.pad(labels_N, (0, pad), constant_values=IGNORE_INDEX).reshape(n_chunks, chunk)
-    return chunked_cross_entropy_sum(h_CKD, w_DV, labels_CK)
+    return chunked_cross_entropy_sum(h_CKD, w_DV, labels_CK, split)
 
 
-def _chunk_logits(h_KD: jax.Array, w_DV: jax.Array) -> jax.Array:
-    return jnp.einsum("kd,dv->kv", h_KD, w_DV, preferred_element_type=jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _logits(h_KD: jax.Array, w_DV: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """fp32 logits of fp32 `h` and `w` multiplied in `dtype` (the compute dtype). Its backward
+    returns fp32 gradients straight from the matmuls' fp32 accumulators, so neither the
+    weight's gradient summed over chunks nor the hidden states' summed over vocabulary shards
+    is rounded to the compute dtype on the way."""
+    return jnp.einsum("kd,dv->kv", h_KD.astype(dtype), w_DV.astype(dtype),
+                      preferred_element_type=jnp.float32)
 
 
-@jax.custom_vjp
-def chunked_cross_entropy_sum(h_CKD: jax.Array, w_DV: jax.Array, labels_CK: jax.Array
-                              ) -> jax.Array:
+def _logits_fwd(h_KD: jax.Array, w_DV: jax.Array, dtype: jnp.dtype
+                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _logits(h_KD, w_DV, dtype), (h_KD, w_DV)
+
+
+def _logits_bwd(dtype: jnp.dtype, residuals: tuple[jax.Array, jax.Array], g_KV: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    h_KD, w_DV = (x.astype(dtype) for x in residuals)
+    g_KV = g_KV.astype(dtype)
+    return (jnp.einsum("kv,dv->kd", g_KV, w_DV, preferred_element_type=jnp.float32),
+            jnp.einsum("kd,kv->dv", h_KD, g_KV, preferred_element_type=jnp.float32))
+
+
+_logits.defvjp(_logits_fwd, _logits_bwd)
+
+
+def _chunk_nll_sum(h_KD: jax.Array, w_DV: jax.Array, labels_K: jax.Array, split: VocabSplit,
+                   dtype: jnp.dtype) -> jax.Array:
+    """One chunk: the logits of every shard's tokens (rows) over this shard's vocabulary slice
+    (fp32 `h` and `w`), the softmax reduced over shards; summed over this shard's tokens."""
+    v = w_DV.shape[1]
+    logits = constrain(_logits(split.gather(h_KD), w_DV, dtype), ("batch", "vocab"))
+    labels = split.gather(labels_K)
+    local = labels - split.offset(v)
+    here = (local >= 0) & (local < v)
+    row_max = split.max(jnp.max(jax.lax.stop_gradient(logits), axis=-1))
+    denom = split.sum(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=-1))
+    label_logit = jnp.take_along_axis(logits, jnp.where(here, local, 0)[:, None], axis=-1)[:, 0]
+    label_logit = split.sum(jnp.where(here, label_logit, 0.0))
+    nll = split.own(row_max + jnp.log(denom) - label_logit)  # this shard's tokens only
+    return jnp.sum(jnp.where(labels_K != IGNORE_INDEX, nll, 0.0))
+
+
+def chunked_cross_entropy_sum(h_CKD: jax.Array, w_DV: jax.Array, labels_CK: jax.Array,
+                              split: VocabSplit) -> jax.Array:
     """Summed CE over token chunks; one chunk's fp32 logits exist at a time, in forward and in
-    backward (recomputed there). The backward sums the output weight's gradient over chunks in
-    fp32: accumulating it in a bf16 weight's dtype would lose precision with every chunk.
+    backward (each chunk is rematerialised). The weight enters in fp32, so its gradient is
+    summed over chunks in fp32 (in a bf16 weight's dtype it would lose precision with every
+    chunk); under a vocabulary split the hidden states' gradient is summed over shards in fp32
+    too (their gather is fp32), then narrowed once.
 
     Chunks are mapped (`lax.map`), not scanned with a scalar carry: inside shard_map a carry
     initialised from a constant has no manual-axis type and would not match the loop's output.
     """
-    losses = jax.lax.map(lambda xs: token_cross_entropy_sum(_chunk_logits(xs[0], w_DV), xs[1]),
-                         (h_CKD, labels_CK))
-    return jnp.sum(losses)
-
-
-def _chunked_fwd(h_CKD: jax.Array, w_DV: jax.Array, labels_CK: jax.Array
-                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    return chunked_cross_entropy_sum(h_CKD, w_DV, labels_CK), (h_CKD, w_DV, labels_CK)
-
-
-def _chunked_bwd(residuals: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array
-                 ) -> tuple[jax.Array, jax.Array, None]:
-    h_CKD, w_DV, labels_CK = residuals
-
-    def chunk(dw_DV: jax.Array, xs: tuple[jax.Array, jax.Array]
-              ) -> tuple[jax.Array, jax.Array]:
-        h_KD, labels_K = xs
-        _, pullback = jax.vjp(lambda logits: token_cross_entropy_sum(logits, labels_K),
-                              _chunk_logits(h_KD, w_DV))
-        (dlogits_KV,) = pullback(g)
-        dh_KD = jnp.einsum("kv,dv->kd", dlogits_KV.astype(h_KD.dtype), w_DV,
-                           preferred_element_type=jnp.float32).astype(h_KD.dtype)
-        dw_DV = dw_DV + jnp.einsum("kd,kv->dv", h_KD, dlogits_KV.astype(h_KD.dtype),
-                                   preferred_element_type=jnp.float32)
-        return dw_DV, dh_KD
-
-    # The fp32 accumulator starts from the weight itself (times 0), so it carries the weight's
-    # manual-axis type inside shard_map.
-    dw0 = (w_DV * 0).astype(jnp.float32)
-    dw_DV, dh_CKD = jax.lax.scan(chunk, dw0, (h_CKD, labels_CK))
-    return dh_CKD, dw_DV.astype(w_DV.dtype), None
-
-
-chunked_cross_entropy_sum.defvjp(_chunked_fwd, _chunked_bwd)
+    dtype = h_CKD.dtype
+    w32 = w_DV.astype(jnp.float32)
+    chunk = jax.checkpoint(lambda xs: _chunk_nll_sum(xs[0].astype(jnp.float32), w32, xs[1],
+                                                     split, dtype))
+    return jnp.sum(jax.lax.map(chunk, (h_CKD, labels_CK)))
 
 
 def count_valid_tokens(labels: jax.Array) -> jax.Array:

@@ -22,7 +22,7 @@ from titan_jax.models.attention import CP_ATTENTION, SPLASH_BLOCKS, resolve_atte
 from titan_jax.models.remat import remat_mode_for
 from titan_jax.parallel.context_parallel import check_seq_len, to_load_balanced
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
-from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
+from titan_jax.parallel.rules import ShardingRuleError, ShardingRules, table_for_vocab
 from titan_jax.parallel.simple_fsdp import SimpleFSDP
 from titan_jax.train.optim import WSDSchedule, build_optimizer
 from titan_jax.train.step import (
@@ -267,7 +267,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
         save_gathered_params=not (reshard and degrees.weight_shard > 1),
         activation_stats=config.metrics.log_activation_stats, platform=platform,
         attention=attention))
-    rules = ShardingRules(mesh)
+    rules = ShardingRules(mesh, table_for_vocab(mesh, args.vocab_size))
     try:  # every array's storage layout, checked against its shape and named on error
         param_specs = rules.storage_specs(model.abstract_params, model.logical_axes)
         buffer_specs = rules.storage_specs(model.abstract_buffers, model.buffer_logical_axes)
@@ -294,6 +294,6 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
                        "opt_state": opt_shardings, "step": scalar, APPLIED_UPDATES: scalar}
     batch_sharding = NamedSharding(mesh, rules.batch_spec)
     parallelism = SimpleFSDP(rules, param_specs, buffer_specs, implementation,
-                             jnp.dtype(t.mixed_precision_reduce))
+                             jnp.dtype(t.mixed_precision_reduce), model.logical_axes)
     return Trainer(config, mesh, degrees, spec, model, rules, schedule, optimizer, options,
                    state_shardings, batch_sharding, parallelism, attention)

@@ -40,6 +40,7 @@ from titan_jax.models.sharding_hooks import (
     constrain,
     sequence_split,
     use_param,
+    vocab_split,
 )
 
 Array = jax.Array
@@ -180,6 +181,22 @@ def _embed_lookup_bwd(vocab_size: int, tokens: Array, g: Array) -> tuple[Array, 
 embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)
 
 
+def vocab_lookup(table_VD: Array, tokens_BT: Array) -> Array:
+    """(B, T, D) embedding rows of `tokens_BT`. Under a vocabulary split (`vocab_split()`)
+    `table_VD` is this shard's slice: every shard's tokens are gathered, each shard looks up
+    those its slice holds (zeros for the others) and a reduce-scatter returns each shard its
+    own tokens' rows; one shard contributes each row, so the sum is exact in any dtype."""
+    split = vocab_split()
+    v, d = table_VD.shape
+    if split.degree == 1:
+        return embed_lookup(table_VD, tokens_BT, v)
+    local = split.gather(tokens_BT.reshape(-1)) - split.offset(v)
+    here = (local >= 0) & (local < v)
+    rows = embed_lookup(table_VD, jnp.where(here, local, 0), v)
+    rows = jnp.where(here[:, None], rows, jnp.zeros((), rows.dtype))
+    return split.scatter_sum(rows).reshape(*tokens_BT.shape, d)
+
+
 class Attention(nnx.Module):
     def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels):
         d, n, k, h = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
@@ -283,7 +300,8 @@ class Qwen3(nnx.Module):
         """kernels: attention and MoE kernels, chosen for the target platform (build.py)."""
         args.validate()
         self.args = args
-        self.tok_embeddings = _param(rngs, (args.vocab_size, args.dim), ("vocab", "embed"), 0.02)
+        self.tok_embeddings = _param(rngs, (args.vocab_size, args.dim), ("vocab", "vocab_embed"),
+                                     0.02)
 
         @nnx.split_rngs(splits=args.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -294,7 +312,8 @@ class Qwen3(nnx.Module):
         self.layers = make_layers(rngs)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         if not args.tie_embeddings:
-            self.lm_head = _param(rngs, (args.dim, args.vocab_size), ("embed", "vocab"), 0.02)
+            self.lm_head = _param(rngs, (args.dim, args.vocab_size), ("vocab_embed", "vocab"),
+                                  0.02)
 
     def hidden_states(self, tokens_BT: Array, dtype: jnp.dtype, remat: Callable | None = None,
                       activation_stats: bool = False, expert_bias_LE: Array | None = None,
@@ -324,7 +343,7 @@ class Qwen3(nnx.Module):
             tokens_BT, segment_ids_BT, positions = (tokens_BT[..., i] for i in range(3))
         table_VD = use_param(self.tok_embeddings, dtype)
         with jax.named_scope("embed"):
-            x_BTD = constrain(embed_lookup(table_VD, tokens_BT, table_VD.shape[0]), ACT_AXES)
+            x_BTD = constrain(vocab_lookup(table_VD, tokens_BT), ACT_AXES)
         # (T, H) tables, or (B, T, H) for per-token positions.
         cos_TH, sin_TH = rope_tables(positions, self.args.head_dim, self.args.rope_theta,
                                      self.args.yarn)
