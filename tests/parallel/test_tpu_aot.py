@@ -174,3 +174,37 @@ def test_v5p_remat_modes_order_device_memory_and_offload_moves_activations_to_ho
     assert memory["offload"].host_temp_size_in_bytes == 16 * saved_per_layer, memory["offload"]
     assert memory["selective"].host_temp_size_in_bytes == 0
     assert "S(5)" in hlo["offload"] and "S(5)" not in hlo["selective"]
+
+
+def full_vocab_arrays(preset: str, implementation: str, vocab: int) -> list[str]:
+    """Arrays of the per-chip v5p-8 program with the whole vocabulary as a dimension (the
+    tiny model with a vocabulary size no other dimension has)."""
+    import dataclasses
+
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
+    config = tiny_config(*preset_overrides(preset), "--training.mixed_precision_param",
+                         "bfloat16", "--parallelism.fsdp_implementation", implementation)
+    trainer = build_trainer(config, list(topology.devices),
+                            model_args=dataclasses.replace(TINY, vocab_size=vocab))
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
+    hlo = lowered.compile().as_text()
+    return sorted(set(re.findall(rf"\b(?:f32|bf16)\[[0-9,]*\b{vocab}\b[0-9,]*\]", hlo)))
+
+
+@pytest.mark.parametrize("preset, implementation", [
+    ("fsdp8", "jit"),
+    pytest.param("fsdp4_tp2", "shard_map", marks=pytest.mark.slow),
+])
+def test_no_chip_holds_a_full_vocabulary_buffer(preset, implementation):
+    """The vocabulary tables stay split over the data axes (and tp): their lookup, logits and
+    gradients exist only as each chip's slice (8 x 131 = 1048 rows: 131 per chip)."""
+    assert full_vocab_arrays(preset, implementation, 8 * 131) == []
+
+
+@pytest.mark.slow
+def test_the_full_vocabulary_check_can_fail():
+    # 1049 does not divide over 8 shards: the tables fall back to FSDP gathers, and the gathered
+    # table and its per-shard gradient are full-vocabulary arrays.
+    assert full_vocab_arrays("fsdp8", "jit", 8 * 131 + 1)

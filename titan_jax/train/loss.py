@@ -46,7 +46,9 @@ def cross_entropy_sum(h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array) -
     pad = n_chunks * chunk - n
     h_CKD = jnp.pad(h_ND, ((0, pad), (0, 0))).reshape(n_chunks, chunk, d)
     labels_CK = jnp.pad(labels_N, (0, pad), constant_values=IGNORE_INDEX).reshape(n_chunks, chunk)
-    return chunked_cross_entropy_sum(h_CKD, w_DV, labels_CK, split)
+    if split.degree > 1:
+        return split_cross_entropy_sum(h_CKD, w_DV, labels_CK, split)
+    return chunked_cross_entropy_sum(h_CKD, w_DV, labels_CK)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -92,22 +94,69 @@ def _chunk_nll_sum(h_KD: jax.Array, w_DV: jax.Array, labels_K: jax.Array, split:
     return jnp.sum(jnp.where(labels_K != IGNORE_INDEX, nll, 0.0))
 
 
-def chunked_cross_entropy_sum(h_CKD: jax.Array, w_DV: jax.Array, labels_CK: jax.Array,
-                              split: VocabSplit) -> jax.Array:
-    """Summed CE over token chunks; one chunk's fp32 logits exist at a time, in forward and in
-    backward (each chunk is rematerialised). The weight enters in fp32, so its gradient is
-    summed over chunks in fp32 (in a bf16 weight's dtype it would lose precision with every
-    chunk); under a vocabulary split the hidden states' gradient is summed over shards in fp32
-    too (their gather is fp32), then narrowed once.
-
-    Chunks are mapped (`lax.map`), not scanned with a scalar carry: inside shard_map a carry
-    initialised from a constant has no manual-axis type and would not match the loop's output.
-    """
+def split_cross_entropy_sum(h_CKD: jax.Array, w_DV: jax.Array, labels_CK: jax.Array,
+                            split: VocabSplit) -> jax.Array:
+    """Summed CE over token chunks under a vocabulary split, this shard's tokens; one chunk's
+    fp32 logits (all shards' tokens, this shard's vocabulary) exist at a time, in forward and
+    in backward (each chunk is rematerialised). Differentiated by JAX, not a custom_vjp: under
+    the jit path's vmap a custom_vjp's backward cannot name the shards' axis. The weight enters
+    in fp32 (the parallelism hands the tables over as stored), so its gradient is summed over
+    chunks in fp32, and the hidden states' gradient over shards (their gather is fp32)."""
     dtype = h_CKD.dtype
     w32 = w_DV.astype(jnp.float32)
     chunk = jax.checkpoint(lambda xs: _chunk_nll_sum(xs[0].astype(jnp.float32), w32, xs[1],
                                                      split, dtype))
     return jnp.sum(jax.lax.map(chunk, (h_CKD, labels_CK)))
+
+
+def _chunk_logits(h_KD: jax.Array, w_DV: jax.Array) -> jax.Array:
+    return jnp.einsum("kd,dv->kv", h_KD, w_DV, preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def chunked_cross_entropy_sum(h_CKD: jax.Array, w_DV: jax.Array, labels_CK: jax.Array
+                              ) -> jax.Array:
+    """Summed CE over token chunks; one chunk's fp32 logits exist at a time, in forward and in
+    backward (recomputed there). The backward sums the output weight's gradient over chunks in
+    fp32: accumulating it in a bf16 weight's dtype would lose precision with every chunk.
+
+    Chunks are mapped (`lax.map`), not scanned with a scalar carry: inside shard_map a carry
+    initialised from a constant has no manual-axis type and would not match the loop's output.
+    """
+    losses = jax.lax.map(lambda xs: token_cross_entropy_sum(_chunk_logits(xs[0], w_DV), xs[1]),
+                         (h_CKD, labels_CK))
+    return jnp.sum(losses)
+
+
+def _chunked_fwd(h_CKD: jax.Array, w_DV: jax.Array, labels_CK: jax.Array
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    return chunked_cross_entropy_sum(h_CKD, w_DV, labels_CK), (h_CKD, w_DV, labels_CK)
+
+
+def _chunked_bwd(residuals: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, None]:
+    h_CKD, w_DV, labels_CK = residuals
+
+    def chunk(dw_DV: jax.Array, xs: tuple[jax.Array, jax.Array]
+              ) -> tuple[jax.Array, jax.Array]:
+        h_KD, labels_K = xs
+        _, pullback = jax.vjp(lambda logits: token_cross_entropy_sum(logits, labels_K),
+                              _chunk_logits(h_KD, w_DV))
+        (dlogits_KV,) = pullback(g)
+        dh_KD = jnp.einsum("kv,dv->kd", dlogits_KV.astype(h_KD.dtype), w_DV,
+                           preferred_element_type=jnp.float32).astype(h_KD.dtype)
+        dw_DV = dw_DV + jnp.einsum("kd,kv->dv", h_KD, dlogits_KV.astype(h_KD.dtype),
+                                   preferred_element_type=jnp.float32)
+        return dw_DV, dh_KD
+
+    # The fp32 accumulator starts from the weight itself (times 0), so it carries the weight's
+    # manual-axis type inside shard_map.
+    dw0 = (w_DV * 0).astype(jnp.float32)
+    dw_DV, dh_CKD = jax.lax.scan(chunk, dw0, (h_CKD, labels_CK))
+    return dh_CKD, dw_DV.astype(w_DV.dtype), None
+
+
+chunked_cross_entropy_sum.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def count_valid_tokens(labels: jax.Array) -> jax.Array:

@@ -181,20 +181,38 @@ def _embed_lookup_bwd(vocab_size: int, tokens: Array, g: Array) -> tuple[Array, 
 embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)
 
 
-def vocab_lookup(table_VD: Array, tokens_BT: Array) -> Array:
-    """(B, T, D) embedding rows of `tokens_BT`. Under a vocabulary split (`vocab_split()`)
-    `table_VD` is this shard's slice: every shard's tokens are gathered, each shard looks up
-    those its slice holds (zeros for the others) and a reduce-scatter returns each shard its
-    own tokens' rows; one shard contributes each row, so the sum is exact in any dtype."""
+# Token rows looked up per chunk under a vocabulary split (all shards' tokens x D elements):
+# the gathered rows, and their fp32 gradient in backward, exist one chunk at a time.
+MAX_ROWS_PER_CHUNK = 2**26
+
+
+def vocab_lookup(table_VD: Array, tokens_BT: Array, dtype: jnp.dtype) -> Array:
+    """(B, T, D) embedding rows of `tokens_BT`, in `dtype`. Under a vocabulary split
+    (`vocab_split()`) `table_VD` is this shard's slice (in fp32: the parallelism hands it over
+    as stored): chunk by chunk of tokens, every shard's tokens are
+    gathered, each shard looks up those its slice holds (zeros for the others) and a
+    reduce-scatter returns each shard its own tokens' rows (one shard contributes each row: the
+    sum is exact; it runs in fp32, which is what SimpleFSDP's checks expect of a reduction).
+    The table enters the chunk loop in fp32, so its gradient is summed over chunks in fp32."""
     split = vocab_split()
     v, d = table_VD.shape
     if split.degree == 1:
-        return embed_lookup(table_VD, tokens_BT, v)
-    local = split.gather(tokens_BT.reshape(-1)) - split.offset(v)
-    here = (local >= 0) & (local < v)
-    rows = embed_lookup(table_VD, jnp.where(here, local, 0), v)
-    rows = jnp.where(here[:, None], rows, jnp.zeros((), rows.dtype))
-    return split.scatter_sum(rows).reshape(*tokens_BT.shape, d)
+        return embed_lookup(table_VD, tokens_BT, v).astype(dtype)
+    tokens_N = tokens_BT.reshape(-1)
+    n = tokens_N.shape[0]
+    chunk = max(1, min(n, MAX_ROWS_PER_CHUNK // (d * split.degree)))
+    while n % chunk:  # token counts are powers of two in practice: no padding
+        chunk -= 1
+    table32 = table_VD.astype(jnp.float32)
+
+    def lookup(tokens_K: Array) -> Array:
+        local = split.gather(tokens_K) - split.offset(v)
+        here = (local >= 0) & (local < v)
+        rows = embed_lookup(table32, jnp.where(here, local, 0), v)
+        return split.scatter_sum(jnp.where(here[:, None], rows, 0.0)).astype(dtype)
+
+    rows = jax.lax.map(jax.checkpoint(lookup), tokens_N.reshape(n // chunk, chunk))
+    return rows.reshape(*tokens_BT.shape, d)
 
 
 class Attention(nnx.Module):
@@ -343,7 +361,7 @@ class Qwen3(nnx.Module):
             tokens_BT, segment_ids_BT, positions = (tokens_BT[..., i] for i in range(3))
         table_VD = use_param(self.tok_embeddings, dtype)
         with jax.named_scope("embed"):
-            x_BTD = constrain(vocab_lookup(table_VD, tokens_BT), ACT_AXES)
+            x_BTD = constrain(vocab_lookup(table_VD, tokens_BT, dtype), ACT_AXES)
         # (T, H) tables, or (B, T, H) for per-token positions.
         cos_TH, sin_TH = rope_tables(positions, self.args.head_dim, self.args.rope_theta,
                                      self.args.yarn)
@@ -381,7 +399,7 @@ class Qwen3(nnx.Module):
 
     def __call__(self, tokens_BT: Array, dtype: jnp.dtype = jnp.float32) -> Array:
         h_BTD, _, _, _ = self.hidden_states(tokens_BT, dtype)
-        return jnp.einsum("btd,dv->btv", h_BTD, self.output_weight(dtype),
+        return jnp.einsum("btd,dv->btv", h_BTD, self.output_weight(dtype).astype(dtype),
                           preferred_element_type=jnp.float32)
 
 
