@@ -132,6 +132,24 @@ def loader_rate(store: Path, seq_len: int, batches: int = 200) -> tuple[float, f
     return rates[0], rates[1]
 
 
+def report_start_up(root: Path, stores: list[tuple[str, Path]], repeats: int) -> None:
+    """Time to the first step and peak RSS per input, the inputs interleaved run by run so
+    that a change in the machine's load touches them alike; medians of `repeats` runs."""
+    inputs = [("embedded corpus", ())] + [
+        (name, ("--training.dataset", "tokens", "--training.dataset_path", str(path)))
+        for name, path in stores]
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in inputs}
+    for repeat in range(repeats):
+        for k, (name, args) in enumerate(inputs):
+            runs[name].append(time_to_first_step(root / f"run_{repeat}_{k}", *args))
+    for name, results in runs.items():
+        firsts = sorted(first for first, _ in results)
+        rss = max(peak for _, peak in results)
+        print(f"| train, {name} | first step {float(np.median(firsts)):.1f} s (median of "
+              f"{len(firsts)}: {', '.join(f'{t:.1f}' for t in firsts)}), peak RSS {rss:.2f} GB |",
+              flush=True)
+
+
 def host_consumption(flavor: str, seq_len: int) -> float:
     spec = get_model_spec("qwen3")
     return V5P_HOST_FLOPS * MFU / spec.flops_per_token(spec.flavor(flavor), seq_len)
@@ -142,6 +160,8 @@ def main() -> None:
     parser.add_argument("--prepare-mb", type=int, default=32)
     parser.add_argument("--store-gb", type=float, nargs="+", default=[1, 4])
     parser.add_argument("--tmp", default="/tmp")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="train runs per input, interleaved; the median is reported")
     parser.add_argument("--loader-only", action="store_true",
                         help="only the loader figures (no prepare, no train runs)")
     a = parser.parse_args()
@@ -152,19 +172,13 @@ def main() -> None:
             rate, tokens = bench_prepare(root / "jsonl", root / f"prepared{workers}", workers)
             print(f"| prepare-data, {a.prepare_mb} MB jsonl, {workers} worker(s) | "
                   f"{rate:,.0f} tokens/s ({tokens:,} tokens) |", flush=True)
-        if not a.loader_only:
-            first, rss = time_to_first_step(root / "run_pydoc")
-            print(f"| train, embedded corpus | first step {first:.1f} s, peak RSS {rss:.2f} GB |",
-                  flush=True)
+        stores = []
         for gb in a.store_gb:
-            store = root / f"store_{gb:g}gb"
-            make_store(store, gb)
-            if a.loader_only:
-                continue
-            first, rss = time_to_first_step(root / f"run_{gb:g}", "--training.dataset",
-                                            "tokens", "--training.dataset_path", str(store))
-            print(f"| train, {gb:g} GB store | first step {first:.1f} s, peak RSS "
-                  f"{rss:.2f} GB |", flush=True)
+            stores.append((f"{gb:g} GB store", root / f"store_{gb:g}gb"))
+            make_store(stores[-1][1], gb)
+        if not a.loader_only:
+            report_start_up(root, stores, a.repeats)
+        store = stores[-1][1]
         for seq_len in (2048, 8192):
             cold, warm = loader_rate(store, seq_len)
             print(f"| loader, 8 of 64 rows, seq_len {seq_len}, {a.store_gb[-1]:g} GB store | "

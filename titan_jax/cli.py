@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from titan_jax.atomic_dir import write_text_atomic
+from titan_jax.cli_commands import add_commands
 from titan_jax.config import ConfigError, JobConfig, load_config
 from titan_jax.errors import TitanJaxError
 from titan_jax.jax_platform import (
@@ -26,26 +27,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
     parser = argparse.ArgumentParser(
         prog="titan-jax", description="JAX-native Qwen3 pre-training (TorchTitan recipes)."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser(
-        "train", help="train a model", description="Train; any config key can be overridden "
-        "with --section.key value (e.g. --training.steps 20)."
-    )
-    train.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_debug.toml")
-    train.add_argument("--print-config", action="store_true",
-                       help="print the resolved config as TOML and exit")
-    inspect = sub.add_parser(
-        "inspect", help="show shardings, collectives and memory without running a step",
-        description="Per-parameter shardings and bytes per device, and the collectives and "
-        "memory of the compiled train step (compiled, never run); config overrides as for train."
-    )
-    inspect.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_debug.toml")
-    inspect.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
-    _add_compile_parser(sub)
-    _add_parity_parser(sub)
-    _add_convert_parser(sub)
-    _add_generate_parser(sub)
-    _add_prepare_data_parser(sub)
+    add_commands(parser.add_subparsers(dest="command", required=True))
     rest, overrides = _split_overrides(argv)
     args = parser.parse_args(rest)
     if args.command == "convert":  # no recipe: anything left over is a mistake
@@ -57,7 +39,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
 
         check_output_file(args.json, "--json")
     config = load_config(args.config, overrides)
-    _check_flavor(config)
+    from titan_jax.train.run_checks import check_model_choice
+
+    check_model_choice(config)  # an unknown model.name or flavor: before anything is built
     return args, config
 
 
@@ -77,117 +61,6 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
             rest.append(arg)
             i += 1
     return rest, overrides
-
-
-def _check_flavor(config: JobConfig) -> None:
-    """An unknown `model.name` or `model.flavor` is bad input (a ConfigError naming the valid
-    ones), reported before anything is built."""
-    from titan_jax.models import get_model_spec
-
-    get_model_spec(config.model.name).flavor(config.model.flavor)
-
-
-def _add_compile_parser(sub: argparse._SubParsersAction) -> None:
-    compile_ = sub.add_parser(
-        "compile", help="compile the train step for a TPU slice from this host, to plan a job",
-        description="Compile the recipe's whole train step ahead of time for a named TPU slice "
-        "(needs libtpu, no TPU) and report per-chip memory against HBM, FLOPs per step, the "
-        "collectives and an estimate of step time and MFU (each instruction at the MXU peak or "
-        "HBM bandwidth, plus the collectives the schedule leaves exposed; the roofline bound "
-        "beside it); config overrides as for train. The parallelism degrees must multiply to "
-        "the slice's chips (x --num-slices).")
-    compile_.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_8b.toml")
-    compile_.add_argument("--topology", required=True, metavar="NAME",
-                          help="a Cloud TPU slice name: v4-16, v5e-256, v5p-128, v6e-8, ... "
-                          "(v4/v5p count TensorCores: v5p-8 is 4 chips)")
-    compile_.add_argument("--num-slices", type=int, default=1, metavar="N",
-                          help="slices joined over DCN (multislice; default 1)")
-    compile_.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
-
-
-def _add_parity_parser(sub: argparse._SubParsersAction) -> None:
-    from titan_jax.parity import BARS
-
-    parity = sub.add_parser(
-        "parity", help="compare with PyTorch (HF transformers, TorchTitan) on the same weights",
-        description="Load the same weights into titan-jax and the PyTorch references and compare, "
-        "in fp32: logits, per-token KL, greedy decoding, the loss, every gradient (HF) and "
-        "optionally a training trajectory. Exits 1 when a figure is over its bar. Without "
-        "--hf-checkpoint the recipe's model.flavor is randomly initialised (training.seed). "
-        "Config overrides as for train (the trajectory uses the recipe's optimizer, "
-        "lr_scheduler, training.local_batch_size, seq_len, max_norm and data)."
-    )
-    parity.add_argument("--config", required=True,
-                        help="TOML recipe, e.g. configs/qwen3_debug.toml")
-    parity.add_argument("--hf-checkpoint", metavar="DIR", help="HF model directory to load")
-    parity.add_argument("--reference", choices=["hf", "torchtitan", "all"], default="all",
-                        help="which PyTorch reference(s) to compare with (default: all)")
-    parity.add_argument("--seq-len", type=int, default=512,
-                        help="prompt length (default 512; short prompts miss RoPE bugs)")
-    parity.add_argument("--trajectory-steps", type=int, default=0, metavar="N",
-                        help="also run N train steps on both sides and compare the losses")
-    parity.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT")
-    parity.add_argument("--bar", action="append", default=[], metavar="NAME=VALUE",
-                        help="override a bar; defaults: "
-                        + ", ".join(f"{k}={v:g}" for k, v in BARS.items()))
-
-
-def _add_convert_parser(sub: argparse._SubParsersAction) -> None:
-    convert = sub.add_parser(
-        "convert", help="convert model weights between HF safetensors and orbax",
-        description="HF model directory (config.json + safetensors) <-> titan-jax model-only "
-        "orbax checkpoint (DST/model_args.json + DST/params). --from orbax also reads one step "
-        "of a training run ({dump_folder}/checkpoint/{step}). hf -> hf re-types or re-shards."
-    )
-    convert.add_argument("--from", dest="src_format", choices=["hf", "orbax"], required=True)
-    convert.add_argument("--to", dest="dst_format", choices=["hf", "orbax"], required=True)
-    convert.add_argument("src", metavar="SRC")
-    convert.add_argument("dst", metavar="DST")
-    convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                         help="dtype of HF output tensors")
-    convert.add_argument("--max-shard-size", default="5GB",
-                         help="split HF output into files of at most this size (e.g. 5GB, 500MiB)")
-    convert.add_argument("--overwrite", action="store_true",
-                         help="replace a DST that exists and is not empty (never the source)")
-
-
-def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    generate = sub.add_parser(
-        "generate", help="generate text from a checkpoint (KV-cached, jitted)",
-        description="Continue a prompt with a trained model: a run's checkpoint (its folder for "
-        "the newest step, or one step folder), a `convert --to orbax` directory, or a HF Qwen3 "
-        "directory. Runs on the recipe's mesh; config overrides as for train.")
-    generate.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_debug.toml")
-    source = generate.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="PATH",
-                        help="a run's checkpoint folder or step, or an orbax model directory")
-    source.add_argument("--hf-checkpoint", metavar="DIR",
-                        help="HF model directory (config.json, safetensors, tokenizer.json)")
-    generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-new-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    generate.add_argument("--seed", type=int, default=0)
-
-
-def _add_prepare_data_parser(sub: argparse._SubParsersAction) -> None:
-    prepare = sub.add_parser(
-        "prepare-data", help="tokenize the recipe's training source into a token store",
-        description="Read training.dataset / dataset_path / text_field streaming, tokenize with "
-        "model.tokenizer_path (EOS after each document) and write a token store to --output "
-        "(local or gs://...); train from it with --training.dataset tokens. A rerun after a "
-        "crash keeps finished shards. Several machines: the same command with --num-shards N "
-        "--shard-index I and an --output each; training reads the outputs together.")
-    prepare.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_debug.toml")
-    prepare.add_argument("--output", required=True, metavar="DIR", help="the store's folder")
-    prepare.add_argument("--workers", type=int, default=1, metavar="N",
-                         help="tokenizing processes (default 1)")
-    prepare.add_argument("--num-shards", type=int, default=1, metavar="N",
-                         help="machines splitting the input files (default 1)")
-    prepare.add_argument("--shard-index", type=int, default=0, metavar="I",
-                         help="this machine's part: input files i with i %% N == I")
-    prepare.add_argument("--verify", action="store_true",
-                         help="check the store at --output against its checksums, then exit")
 
 
 def _generate(args: argparse.Namespace, config: JobConfig) -> int:
@@ -260,12 +133,12 @@ def _parity(args: argparse.Namespace, config: JobConfig) -> int:
 def _check_parity_lengths(args: argparse.Namespace, config: JobConfig) -> None:
     """The prompt fits the model's positions (RoPE past them compares nothing real)."""
     from titan_jax.models import get_model_spec
-    from titan_jax.models.qwen3.hf_config import read_hf_config
 
+    spec = get_model_spec(config.model.name)
     if args.hf_checkpoint:
-        model, where = read_hf_config(Path(args.hf_checkpoint)), f"{args.hf_checkpoint}'s"
+        model, where = spec.hf.read_config(Path(args.hf_checkpoint)), f"{args.hf_checkpoint}'s"
     else:
-        model = get_model_spec(config.model.name).flavor(config.model.flavor)
+        model = spec.flavor(config.model.flavor)
         where = f"model.flavor={config.model.flavor}'s"
     from titan_jax.parity.run import run_parity
 

@@ -57,6 +57,20 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
 
 
+def _number(where: str, value: Any, kind: type) -> int | float:
+    """`value` as an int or float field: a TOML number (an int where a float is wanted) or a
+    command-line string; never a boolean."""
+    if not isinstance(value, bool):
+        if isinstance(value, int) or (kind is float and isinstance(value, float)):
+            return kind(value)
+        if isinstance(value, str):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+    raise ConfigError(f"{where}={value!r} is not {'an integer' if kind is int else 'a number'}")
+
+
 def _coerce(where: str, value: Any, hint: Any) -> Any:
     """Converts a TOML or CLI value to the field's type, or raises a ConfigError naming `where`."""
     origin = typing.get_origin(hint)
@@ -78,26 +92,8 @@ def _coerce(where: str, value: Any, hint: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
         raise ConfigError(f"{where}={value!r} is not a boolean; use true or false")
-    if hint is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}={value!r} is not an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}={value!r} is not an integer")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}={value!r} is not a number")
+    if hint in (int, float):
+        return _number(where, value, hint)
     if origin is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
         return _coerce_tables(where, value, typing.get_args(hint)[0])
     if hint is str:

@@ -17,9 +17,11 @@ from tiny_model import TIED, UNTIED
 
 import titan_jax.parity  # noqa: F401  (imported before torch: it sets OMP_WAIT_POLICY)
 from titan_jax.cli import main
-from titan_jax.models.qwen3 import Qwen3Args, build_model_def, hf, hf_config
+from titan_jax.models import safetensors_io
+from titan_jax.models.qwen3 import QWEN3, Qwen3Args, build_model_def, hf, hf_config
 from titan_jax.models.qwen3.args import YarnScaling
 from titan_jax.models.qwen3.model import rope_frequencies
+from titan_jax.models.safetensors_io import HFCheckpointError
 from titan_jax.train.model_io import load_orbax
 
 try:  # the `parity` extra; CI installs it, so there a missing one is a failure, not a skip
@@ -126,18 +128,18 @@ def test_yarn_from_an_older_rope_scaling_file():
 ])
 def test_bad_config_fields_are_named(change, message):
     config = {**hf_config.hf_config_from_args(UNTIED), **change}
-    with pytest.raises(hf.HFCheckpointError, match=message.replace("[", r"\[")):
+    with pytest.raises(HFCheckpointError, match=message.replace("[", r"\[")):
         hf_config.args_from_hf_config({k: v for k, v in config.items() if v is not None})
 
 
 def test_missing_and_malformed_config_json(tmp_path):
-    with pytest.raises(hf.HFCheckpointError, match="no config.json"):
+    with pytest.raises(HFCheckpointError, match="no config.json"):
         hf.load_hf_params(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(hf.HFCheckpointError, match="config.json: not valid JSON"):
+    with pytest.raises(HFCheckpointError, match="config.json: not valid JSON"):
         hf.load_hf_params(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(hf.HFCheckpointError, match="expected a JSON object"):
+    with pytest.raises(HFCheckpointError, match="expected a JSON object"):
         hf_config.read_hf_config(tmp_path)
 
 
@@ -177,11 +179,11 @@ def test_layouts_match_the_hf_modules(tmp_path):
 
 def test_sharded_files_bf16_and_hf_loads_our_export(tmp_path):
     src = save_hf_model(UNTIED, tmp_path / "src", max_shard_size="20KB")
-    assert (src / hf.INDEX_FILE).is_file()
+    assert (src / safetensors_io.INDEX_FILE).is_file()
     params = hf.load_hf_params(src)
     files = hf.save_hf(tmp_path / "bf16", params, UNTIED, dtype="bfloat16",
                        max_shard_size="8KB")
-    index = json.loads((tmp_path / "bf16" / hf.INDEX_FILE).read_text())
+    index = json.loads((tmp_path / "bf16" / safetensors_io.INDEX_FILE).read_text())
     shards = sorted(f.name for f in files if f.suffix == ".safetensors")
     assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
     for file in shards:  # each file within the limit unless a single tensor is larger
@@ -260,8 +262,8 @@ def test_compiled_layer_take_matches_the_host_path(tmp_path):
                                                      else P()), abstract)
     params = hf.load_hf_params(src, UNTIED, shardings)
     for i in range(UNTIED.n_layers):
-        compiled = hf._take_layer(params["layers"], i)
-        host = hf._layer(params["layers"], i)
+        compiled = safetensors_io._take_layer(params["layers"], i)
+        host = safetensors_io._layer(params["layers"], i)
         for a, b in zip(jax.tree.leaves(compiled), jax.tree.leaves(host), strict=True):
             assert np.asarray(a).tobytes() == b.tobytes()
 
@@ -280,18 +282,18 @@ def test_missing_tensor_wrong_shape_and_unexpected_tensor_are_named(tmp_path):
     src = save_hf_model(UNTIED, tmp_path)
     name = "model.layers.1.mlp.up_proj.weight"
     _rewrite(src, drop=[name])
-    with pytest.raises(hf.HFCheckpointError, match=f"missing tensor '{name}'"):
+    with pytest.raises(HFCheckpointError, match=f"missing tensor '{name}'"):
         hf.load_hf_params(src)
     _rewrite(src, change={name: np.zeros((48, 31), np.float32)})
-    with pytest.raises(hf.HFCheckpointError,
+    with pytest.raises(HFCheckpointError,
                        match=rf"'{name}' has shape \(48, 31\), expected \(48, 32\)"):
         hf.load_hf_params(src)
     _rewrite(src, change={name: np.zeros((48, 32), np.float32),
                           "model.layers.2.mlp.up_proj.weight": np.zeros((48, 32), np.float32)})
-    with pytest.raises(hf.HFCheckpointError, match="unexpected tensors.*layers.2.mlp.up_proj"):
+    with pytest.raises(HFCheckpointError, match="unexpected tensors.*layers.2.mlp.up_proj"):
         hf.load_hf_params(src)
     _rewrite(src, drop=["model.layers.2.mlp.up_proj.weight", "lm_head.weight"])
-    with pytest.raises(hf.HFCheckpointError, match="missing tensor 'lm_head.weight'"):
+    with pytest.raises(HFCheckpointError, match="missing tensor 'lm_head.weight'"):
         hf.load_hf_params(src)
 
 
@@ -304,41 +306,41 @@ def test_tied_checkpoint_with_lm_head_loads_and_ignores_it(tmp_path):
 
 def test_missing_files_and_bad_index(tmp_path):
     src = save_hf_model(UNTIED, tmp_path, max_shard_size="20KB")
-    index = json.loads((src / hf.INDEX_FILE).read_text())
+    index = json.loads((src / safetensors_io.INDEX_FILE).read_text())
     gone = sorted(set(index["weight_map"].values()))[1]
     (src / gone).unlink()
-    with pytest.raises(hf.HFCheckpointError, match=f"lists {gone}, which does not exist"):
+    with pytest.raises(HFCheckpointError, match=f"lists {gone}, which does not exist"):
         hf.load_hf_params(src)
-    (src / hf.INDEX_FILE).write_text("{}")
-    with pytest.raises(hf.HFCheckpointError, match="not a safetensors index"):
+    (src / safetensors_io.INDEX_FILE).write_text("{}")
+    with pytest.raises(HFCheckpointError, match="not a safetensors index"):
         hf.load_hf_params(src)
     for file in src.glob("*.safetensors*"):
         file.unlink()
-    with pytest.raises(hf.HFCheckpointError, match="no model.safetensors or model.safetensors"):
+    with pytest.raises(HFCheckpointError, match="no model.safetensors or model.safetensors"):
         hf.load_hf_params(src)
 
 
 def test_loading_into_a_different_model_names_the_fields(tmp_path):
     src = save_hf_model(UNTIED, tmp_path)
     other = dataclasses.replace(UNTIED, rope_theta=1e4, n_layers=3)
-    with pytest.raises(hf.HFCheckpointError,
+    with pytest.raises(HFCheckpointError,
                        match=r"n_layers: checkpoint 2 vs model 3; rope_theta: checkpoint"):
         hf.load_hf_params(src, other)
 
 
 def test_parse_size():
-    assert hf.parse_size("5GB") == 5 * 10**9
-    assert hf.parse_size("500MiB") == 500 * 2**20
-    assert hf.parse_size(123) == 123
+    assert safetensors_io.parse_size("5GB") == 5 * 10**9
+    assert safetensors_io.parse_size("500MiB") == 500 * 2**20
+    assert safetensors_io.parse_size(123) == 123
     with pytest.raises(ValueError, match="size '5 gigs'"):
-        hf.parse_size("5 gigs")
+        safetensors_io.parse_size("5 gigs")
 
 
 def test_convert_cli_hf_orbax_hf_is_bitwise(tmp_path, capsys):
     src = save_hf_model(TIED, tmp_path / "hf")
     assert main(["convert", "--from", "hf", "--to", "orbax", str(src),
                  str(tmp_path / "orbax")]) == 0
-    args, params = load_orbax(tmp_path / "orbax")
+    args, params = load_orbax(tmp_path / "orbax", QWEN3)
     assert args == TIED
     assert jax.tree.structure(params) == jax.tree.structure(
         build_model_def(TIED).abstract_params)

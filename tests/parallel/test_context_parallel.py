@@ -22,7 +22,8 @@ from titan_jax.models.sharding_hooks import Parallelism
 from titan_jax.parallel.context_parallel import ContextParallel, load_balanced_order
 from titan_jax.parallel.per_shard import manual_per_shard
 from titan_jax.train.checkpoint import Checkpointer
-from titan_jax.train.trainer import build_trainer, check_context_parallel
+from titan_jax.train.run_checks import check_context_parallel
+from titan_jax.train.trainer import build_trainer
 
 STEPS = 10
 
@@ -267,13 +268,13 @@ def test_attention_under_cp_as_the_trainer_runs_it(backend, documents):
 
 
 def test_collectives_are_named_by_the_mesh_axes_they_span():
-    from titan_jax.tools.aot_compile import mesh_axes_of
+    from titan_jax.tools.collectives import spanned_mesh_axes
 
     shape = {"dp_replicate": 1, "fsdp": 4, "cp": 2, "ep": 1, "tp": 1}
-    assert mesh_axes_of([[0, 1], [2, 3], [4, 5], [6, 7]], shape) == "cp"
-    assert mesh_axes_of([[0, 2, 4, 6], [1, 3, 5, 7]], shape) == "fsdp"
-    assert mesh_axes_of([list(range(8))], shape) == "fsdp+cp"
-    assert mesh_axes_of([], shape) == "-"
+    assert spanned_mesh_axes([[0, 1], [2, 3], [4, 5], [6, 7]], shape) == "cp"
+    assert spanned_mesh_axes([[0, 2, 4, 6], [1, 3, 5, 7]], shape) == "fsdp"
+    assert spanned_mesh_axes([list(range(8))], shape) == "fsdp+cp"
+    assert spanned_mesh_axes([], shape) == "-"
 
 
 @pytest.mark.slow

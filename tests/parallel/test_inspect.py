@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 
+import jax
+import numpy as np
+
 from titan_jax.cli import main
-from titan_jax.tools.inspect_step import collectives
+from titan_jax.tools.inspect_step import collective_counts
 
 HLO = """
 ENTRY %main {
@@ -25,7 +28,8 @@ ENTRY %main {
 
 
 def test_collectives_parser_groups_by_op_and_dtype():
-    assert collectives(HLO) == [
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+    assert collective_counts(HLO, mesh) == [
         {"op": "all-gather", "dtype": "bf16", "count": 3, "bytes": 3 * 64 * 32 * 2},
         {"op": "all-reduce", "dtype": "f32", "count": 2, "bytes": (32 * 64 + 8 + 16) * 4},
         {"op": "collective-permute", "dtype": "f32", "count": 1, "bytes": 16},

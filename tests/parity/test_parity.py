@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 
 from titan_jax.config import load_config
-from titan_jax.models.qwen3 import Qwen3Args, build_model_def
+from titan_jax.models.qwen3 import QWEN3, Qwen3Args, build_model_def
 from titan_jax.models.qwen3.args import YarnScaling
 from titan_jax.models.qwen3.hf import load_hf_params
 from titan_jax.parity import BARS, metrics
-from titan_jax.parity import run as parity_run
 from titan_jax.parity.ours import train_trajectory
 from titan_jax.parity.run import ParityReport, ReferenceResult, Trajectory, run_parity
 
@@ -104,7 +103,7 @@ def test_a_perturbed_weight_is_caught(tmp_path, save_hf_checkpoint, monkeypatch)
         params["layers"]["attention"]["k_norm"]["weight"] = w.at[1, 3].multiply(1.005)
         return params
 
-    monkeypatch.setattr(parity_run, "load_hf_params", perturbed)
+    monkeypatch.setattr(QWEN3.hf, "load_params", perturbed)  # what run_parity reads through
     report = run_parity(args, path, references=("hf",), prompt_len=64, decode_tokens=4)
     hf = report.references["hf"]
     assert hf.grads_max_rel_diff > BARS["grads_max_rel_diff"]

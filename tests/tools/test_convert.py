@@ -12,8 +12,8 @@ import jax
 import pytest
 
 from titan_jax.cli import main
+from titan_jax.models import safetensors_io
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def
-from titan_jax.models.qwen3 import hf as hf_module
 from titan_jax.models.qwen3.hf import save_hf
 
 ARGS = Qwen3Args(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, hidden_dim=32,
@@ -73,7 +73,7 @@ def test_a_failed_write_leaves_the_destination_as_it_was(tmp_path, monkeypatch, 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(hf_module, "save_file", disk_full)
+    monkeypatch.setattr(safetensors_io, "save_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
         convert(src, dst, "--overwrite")
     assert digests(dst) == before
@@ -86,7 +86,7 @@ def test_kill_9_mid_write_leaves_the_destination_as_it_was(tmp_path):
     before = digests(dst)
     script = ("import os, signal, sys\n"
               "from titan_jax import cli\n"
-              "from titan_jax.models.qwen3 import hf\n"
+              "from titan_jax.models import safetensors_io as hf\n"
               "real = hf.save_file\n"
               "def half(data, path, **kw):\n"
               "    real(data, path, **kw)\n"

@@ -64,11 +64,9 @@ progress_bar = false
 
 def test_document_masking_with_cudnn_attention_is_refused_in_one_line():
     from titan_jax.config import ConfigError, load_config
-    from titan_jax.train.setup import check_data
+    from titan_jax.train.run_checks import check_data
 
     config = load_config(None, ["--training.document_mask", "true"])
-    trainer = SimpleNamespace(attention="cudnn", model=SimpleNamespace(
-        args=SimpleNamespace(vocab_size=2048)))
     with pytest.raises(ConfigError, match="document_mask=true needs model.attention=xla or "
                        "splash: the cudnn attention here takes no segment ids"):
-        check_data(config, trainer)
+        check_data(config, SimpleNamespace(vocab_size=2048), "cudnn")

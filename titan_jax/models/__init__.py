@@ -7,6 +7,7 @@ from titan_jax.models.spec import (
     ModelSpec,
     register_model,
     registered_model,
+    spec_of_args,
 )
 
 
@@ -16,4 +17,5 @@ def get_model_spec(name: str) -> ModelSpec:
     return registered_model(name)
 
 
-__all__ = ["BuildOptions", "ModelDef", "ModelSpec", "get_model_spec", "register_model"]
+__all__ = ["BuildOptions", "ModelDef", "ModelSpec", "get_model_spec", "register_model",
+           "spec_of_args"]

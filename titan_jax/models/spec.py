@@ -50,6 +50,10 @@ class ModelDef(Protocol):
     def forward(self, params: Params, buffers: Params, tokens_BT: jax.Array,
                 dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, Aux]: ...
 
+    def apply(self, params: Params, tokens_BT: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        """Logits (B, T, V) in fp32 (for parity and decoding; training never builds them)."""
+        ...
+
     def aux_metrics(self, stats: dict[str, jax.Array], n_tokens: jax.Array
                     ) -> dict[str, jax.Array]: ...
 
@@ -78,21 +82,33 @@ class BuildOptions:
 
 
 class HFAdapter(Protocol):
-    """HF transformers checkpoints (config.json + safetensors) of one family."""
+    """HF transformers checkpoints (config.json + safetensors) of one family: its key map and
+    config translation (the files themselves are `models/safetensors_io.py`'s)."""
 
-    def load_params(self, path: str | Path, args: Any, shardings: Params | None) -> Params: ...
+    def read_config(self, path: str | Path) -> Any: ...  # a HF directory's config.json as args
+
+    def load_params(self, path: str | Path, args: Any, shardings: Params | None = None
+                    ) -> Params: ...
 
     def save(self, path: str | Path, params: Params, args: Any, dtype: str = "float32",
              **options: Any) -> Any: ...
+
+    def live_tensors(self, params: Params, args: Any) -> dict[str, Any]:
+        """Every tensor (e.g. gradients) under a live transformers model's parameter names."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     name: str
+    args_class: type  # a dataclass: a flavour's args (saved as model_args in checkpoints)
     flavors: Mapping[str, Any]
-    build: Callable[[Any, BuildOptions], ModelDef]
+    build: Callable[..., ModelDef]  # (args, BuildOptions | None = None) -> ModelDef
     flops_per_token: Callable[[Any, int], float]  # training FLOPs per token at a seq_len
     hf: HFAdapter
+    # KV-cached sampling: (params, args, prompt_BT, max_new_tokens, *, temperature, top_p,
+    # seed, eos_id, dtype) -> tokens (B, T + n).
+    generate: Callable[..., jax.Array]
     # The run's config applied to a flavour's args (e.g. the [moe] knobs); identity by default.
     configure: Callable[[Any, JobConfig], Any] = lambda args, config: args
     display_name: str = ""  # for messages; defaults to `name`
@@ -118,6 +134,14 @@ def pick_flavor(family: str, flavors: Mapping[str, Any], name: str) -> Any:
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
+
+
+def spec_of_args(args: Any) -> ModelSpec:
+    """The registered family whose flavours are `type(args)`."""
+    for spec in _REGISTRY.values():
+        if isinstance(args, spec.args_class):
+            return spec
+    raise ValueError(f"{type(args).__name__} is no registered model's args")
 
 
 def register_model(spec: ModelSpec) -> None:

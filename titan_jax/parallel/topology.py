@@ -36,21 +36,23 @@ class Chip:
     source: str
 
 
-# Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}).
-CHIPS = {
-    "v4": Chip("v4", 275e12, 32 * GiB, 1200e9, 300e9, 6.25e9, 2,
-               "cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM at 1200 GBps, "
-               "2400 Gbps ICI"),
-    "v5e": Chip("v5e", 197e12, 16 * GiB, 819e9, 200e9, 3.125e9, 1,
-                "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM at 819 GBps, "
-                "1600 Gbps ICI, 2 x 100 Gbps NIC per 8-chip host"),
-    "v5p": Chip("v5p", 459e12, 95 * GiB, 2765e9, 1200e9, 6.25e9, 2,
-                "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM at 2765 GBps, "
-                "1200 GBps bidirectional ICI, 50 Gbps DCN per chip"),
-    "v6e": Chip("v6e", 918e12, 32 * GiB, 1640e9, 448e9, 12.5e9, 1,
-                "cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM at 1640 GBps, "
-                "3584 Gbps ICI, 4 x 200 Gbps NIC per 8-chip host"),
-}
+# Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}), one row per
+# generation: bf16 FLOP/s, HBM GiB, HBM B/s, ICI B/s, DCN B/s per chip, cores per chip, and the
+# page's own words.
+_CHIP_TABLE = (
+    ("v4", 275e12, 32, 1200e9, 300e9, 6.25e9, 2,
+     "275 TFLOP/s bf16, 32 GiB HBM at 1200 GBps, 2400 Gbps ICI"),
+    ("v5e", 197e12, 16, 819e9, 200e9, 3.125e9, 1,
+     "197 TFLOP/s bf16, 16 GB HBM at 819 GBps, 1600 Gbps ICI, 2 x 100 Gbps NIC per 8-chip host"),
+    ("v5p", 459e12, 95, 2765e9, 1200e9, 6.25e9, 2,
+     "459 TFLOP/s bf16, 95 GiB HBM at 2765 GBps, 1200 GBps bidirectional ICI, 50 Gbps DCN per "
+     "chip"),
+    ("v6e", 918e12, 32, 1640e9, 448e9, 12.5e9, 1,
+     "918 TFLOP/s bf16, 32 GB HBM at 1640 GBps, 3584 Gbps ICI, 4 x 200 Gbps NIC per 8-chip host"),
+)
+CHIPS = {gen: Chip(gen, flops, hbm_gib * GiB, hbm_bw, ici, dcn, cores,
+                   f"cloud.google.com/tpu/docs/{gen}: {words}")
+         for gen, flops, hbm_gib, hbm_bw, ici, dcn, cores, words in _CHIP_TABLE}
 
 # Chips -> physical shape of the single-slice topologies Cloud offers (3-D torus for v4/v5p,
 # 2-D for v5e/v6e), as libtpu names them ("v5p:2x2x1").

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from titan_jax.config import JobConfig
-from titan_jax.models.qwen3.build import Params, Qwen3Def
+from titan_jax.models.spec import ModelDef, Params
 from titan_jax.train.optim import WSDSchedule, build_optimizer
 from titan_jax.train.step import StepOptions, init_train_state, loss_and_grads, train_step
 
@@ -21,7 +21,7 @@ FP32 = StepOptions(n_microbatches=1, param_dtype=jnp.float32)
 class TitanSide:
     """One model's parameters and the jitted functions parity needs (compiled once per shape)."""
 
-    def __init__(self, model: Qwen3Def, params: Params):
+    def __init__(self, model: ModelDef, params: Params):
         self.model, self.params = model, params
         self._apply = jax.jit(functools.partial(model.apply, dtype=jnp.float32))
         self._loss_and_grads = jax.jit(
@@ -59,7 +59,7 @@ class TitanSide:
         return float(loss), grads
 
 
-def train_trajectory(model: Qwen3Def, params: Params, recipe: JobConfig,
+def train_trajectory(model: ModelDef, params: Params, recipe: JobConfig,
                      batches: list[dict[str, np.ndarray]]) -> tuple[list[float], list[float]]:
     """(loss, lr) of each of len(batches) steps of titan-jax's train step from `params`.
 

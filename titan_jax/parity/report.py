@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from titan_jax.models.qwen3 import Qwen3Args
+from titan_jax.models import spec_of_args
 
 
 @dataclasses.dataclass
@@ -58,7 +58,7 @@ class Trajectory:
 
 @dataclasses.dataclass
 class ParityReport:
-    args: Qwen3Args
+    args: Any  # the compared model's args (its family's dataclass)
     weights: str  # where the weights came from
     prompt_len: int
     decode_tokens: int
@@ -135,9 +135,9 @@ class ParityReport:
         """A readable report: one column per reference, the bar, then PASS or what failed."""
         a = self.args
         lines = [
-            f"titan-jax parity: qwen3 dim={a.dim} layers={a.n_layers} heads={a.n_heads}/"
-            f"{a.n_kv_heads} head_dim={a.head_dim} ffn={a.hidden_dim} vocab={a.vocab_size} "
-            f"{'tied' if a.tie_embeddings else 'untied'}",
+            f"titan-jax parity: {spec_of_args(a).name} dim={a.dim} layers={a.n_layers} "
+            f"heads={a.n_heads}/{a.n_kv_heads} head_dim={a.head_dim} ffn={a.hidden_dim} "
+            f"vocab={a.vocab_size} {'tied' if a.tie_embeddings else 'untied'}",
             f"weights: {self.weights}",
             f"fp32; prompt {self.prompt_len} random tokens + {self.decode_tokens} greedy tokens; "
             f"titan-jax loss {self.loss:.6f}",

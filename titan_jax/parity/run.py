@@ -22,10 +22,7 @@ from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.pipeline import training_sources
 from titan_jax.data.tokenizer import load_tokenizer
 from titan_jax.data.windows import WindowStream
-from titan_jax.models.qwen3 import QWEN3, Qwen3Args, build_model_def, get_flavor
-from titan_jax.models.qwen3.hf import iter_hf_tensors, load_hf_params, save_hf
-from titan_jax.models.qwen3.hf_config import read_hf_config
-from titan_jax.models.qwen3.hf_tensors import fused_expert_layout
+from titan_jax.models import BuildOptions, get_model_spec, spec_of_args
 from titan_jax.parity import BARS, REFERENCES, metrics
 from titan_jax.parity.ours import TitanSide, train_trajectory
 from titan_jax.parity.report import ParityReport, ReferenceResult, Trajectory
@@ -63,7 +60,7 @@ def _compare_logits(result: ReferenceResult, ref_logits: np.ndarray, ours: np.nd
     result.loss_rel_diff = result.loss_abs_diff / abs(ref_loss)
 
 
-def run_parity(args: Qwen3Args, hf_dir: str | Path, *,
+def run_parity(args: Any, hf_dir: str | Path, *,
                references: tuple[str, ...] = REFERENCES, prompt_len: int = 512,
                decode_tokens: int = 32, seed: int = 0, recipe: JobConfig | None = None,
                batches: list[dict[str, np.ndarray]] | None = None,
@@ -84,8 +81,9 @@ def run_parity(args: Qwen3Args, hf_dir: str | Path, *,
     if args.is_moe:  # HF's router has no expert bias: a trajectory must not grow one
         args = dataclasses.replace(args, load_balance_coeff=0.0)
     progress(f"titan-jax: loading {hf_dir}, greedy decode, forward, loss and gradients")
-    model = build_model_def(args)
-    ours = TitanSide(model, load_hf_params(hf_dir, args))
+    spec = spec_of_args(args)
+    model = spec.build(args, BuildOptions())
+    ours = TitanSide(model, spec.hf.load_params(hf_dir, args))
     prompt = np.random.default_rng(seed).integers(0, args.vocab_size, prompt_len, dtype=np.int32)
     tokens = ours.greedy(prompt, decode_tokens)
     inputs, labels = tokens[:-1], tokens[1:]
@@ -106,7 +104,7 @@ def run_parity(args: Qwen3Args, hf_dir: str | Path, *,
     return report
 
 
-def _compare_reference(name: str, args: Qwen3Args, hf_dir: Path, our_logits: np.ndarray,
+def _compare_reference(name: str, args: Any, hf_dir: Path, our_logits: np.ndarray,
                        our_loss: float, our_grads: Any, tokens: np.ndarray, prompt_len: int,
                        progress: Callable[[str], None]) -> ReferenceResult:
     """Reference `name` ("hf" or "torchtitan") against titan-jax's figures on `tokens`."""
@@ -137,7 +135,7 @@ def _compare_reference(name: str, args: Qwen3Args, hf_dir: Path, our_logits: np.
     return result
 
 
-def _compare_hf(result: ReferenceResult, args: Qwen3Args, hf_dir: Path, our_logits: np.ndarray,
+def _compare_hf(result: ReferenceResult, args: Any, hf_dir: Path, our_logits: np.ndarray,
                 our_loss: float, our_grads: Any, tokens: np.ndarray, prompt_len: int,
                 inputs: np.ndarray, labels: np.ndarray) -> None:
     from titan_jax.parity import hf_ref
@@ -147,10 +145,7 @@ def _compare_hf(result: ReferenceResult, args: Qwen3Args, hf_dir: Path, our_logi
     _compare_logits(result, ref_logits, our_logits, tokens, prompt_len, ref_loss, our_loss)
     worst, worst_name = -1.0, None
     seen = set()
-    named = dict(iter_hf_tensors(our_grads, args))
-    if args.is_moe:  # a live transformers 5 model fuses each layer's experts
-        named = fused_expert_layout(named, args)
-    for name, grad in named.items():
+    for name, grad in spec_of_args(args).hf.live_tensors(our_grads, args).items():
         seen.add(name)
         rel = metrics.rel_diff(grad, ref_grads[name])
         if not rel <= worst:  # keeps a NaN as the worst
@@ -205,20 +200,20 @@ def run_from_config(config: JobConfig, hf_checkpoint: str | Path | None = None, 
     """
     if trajectory_steps < 0:
         raise ConfigError(f"--trajectory-steps={trajectory_steps} must be >= 0")
-    seed = config.training.seed
+    seed, spec = config.training.seed, get_model_spec(config.model.name)
     with tempfile.TemporaryDirectory(prefix="titan_jax_parity_") as tmp:
         if hf_checkpoint is None:
             progress(f"random init of model.flavor={config.model.flavor}, export to HF")
-            args = QWEN3.configure(get_flavor(config.model.flavor), config)
-            params = jax.jit(build_model_def(args).init)(jax.random.key(seed))
-            save_hf(tmp, params, args)
+            args = spec.configure(spec.flavor(config.model.flavor), config)
+            params = jax.jit(spec.build(args, BuildOptions()).init)(jax.random.key(seed))
+            spec.hf.save(tmp, params, args)
             del params  # every side loads its own copy from the files
             hf_dir = Path(tmp)
             weights = (f"random init of model.flavor={config.model.flavor} (seed {seed}), "
                        "exported to HF safetensors")
         else:
             hf_dir = Path(hf_checkpoint)
-            args = read_hf_config(hf_dir)
+            args = spec.hf.read_config(hf_dir)
             weights = f"HF checkpoint {hf_dir}"
         batches = corpus_batches(config, args.vocab_size, trajectory_steps) \
             if trajectory_steps else None

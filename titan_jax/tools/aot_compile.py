@@ -27,6 +27,7 @@ from titan_jax.config import ConfigError, JobConfig
 from titan_jax.jax_platform import ASYNC_GATHER_FLAGS
 from titan_jax.parallel.topology import Chip, TpuSlice, compile_only_devices, parse_slice
 from titan_jax.tools import hlo_cost, hlo_stats, inspect_step, kernel_flops
+from titan_jax.tools.collectives import collectives
 from titan_jax.train.trainer import Trainer, build_trainer
 
 _OOM_TEMPORARIES = re.compile(r"HLO temporaries \(([0-9.]+)([GMK]?)\)")
@@ -61,42 +62,6 @@ def usable_hbm_bytes(device: Any) -> int | None:
         if found := _AVAILABLE_HBM.search(str(e)):
             return int(float(found[1]) * _UNITS[found[2]])
     return None
-
-
-def _network(groups: list[list[int]], slice_of: list[int]) -> str:
-    """`dcn` when a device group spans slices, else `ici`."""
-    spans = any(len({slice_of[i] for i in g if i < len(slice_of)}) > 1 for g in groups)
-    return "dcn" if spans else "ici"
-
-
-def mesh_axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> str:
-    """The mesh axes a collective's device groups span ("cp", "fsdp+cp", ...; "-" if none),
-    from each device's coordinates in the mesh (group ids index the mesh's devices)."""
-    names, shape = list(mesh_shape), tuple(mesh_shape.values())
-    spanned = set()
-    for group in groups:
-        coords = np.array(np.unravel_index([i for i in group if i < np.prod(shape)], shape))
-        spanned |= {names[a] for a in range(len(names)) if len(set(coords[a])) > 1}
-    return "+".join(n for n in names if n in spanned) or "-"
-
-
-def collectives(hlo_text: str, mesh_devices: list[Any],
-                mesh_shape: dict[str, int] | None = None) -> list[dict[str, Any]]:
-    """The compiled step's collectives with their network, loop placement, mesh axes (given
-    the mesh's shape) and ring time."""
-    slice_of = [getattr(d, "slice_index", 0) for d in mesh_devices]
-    ops = hlo_stats.collective_ops(hlo_stats.parse(hlo_text))
-    for c in ops:
-        c["axes"] = mesh_axes_of(c["groups"], mesh_shape) if mesh_shape else "-"
-        if c.get("network") == "dcn":  # a megascale transfer: one peer per slice
-            group = len(set(slice_of))
-        else:
-            group = c["group"] or len(mesh_devices)
-            c["network"] = _network(c["groups"], slice_of)
-        c["in_layer_loop"] = c["executions"] > 1
-        moved = hlo_cost.moved_bytes(c["op"], c["bytes"], group)
-        c["moved_bytes_per_step"] = moved * c["executions"]
-    return ops
 
 
 def roofline(chip: Chip, flops_per_chip: float, ops: list[dict[str, Any]]

@@ -4,17 +4,12 @@ directories (`titan_jax/train/model_io.py`), or HF -> HF to re-type or re-shard.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from titan_jax.atomic_dir import DestinationError, check_destination
 from titan_jax.config import ConfigError
-from titan_jax.models.qwen3 import Qwen3Args
-from titan_jax.models.qwen3.hf import (
-    DEFAULT_MAX_SHARD_SIZE,
-    load_hf_params,
-    parse_size,
-    save_hf,
-)
-from titan_jax.models.qwen3.hf_config import read_hf_config
+from titan_jax.models import get_model_spec
+from titan_jax.models.safetensors_io import DEFAULT_MAX_SHARD_SIZE, parse_size
 from titan_jax.train.model_io import load_orbax, save_orbax
 
 FORMATS = ("hf", "orbax")
@@ -30,9 +25,10 @@ def _check_destination_parents(dst: Path) -> None:
 
 def convert(src: str | Path, dst: str | Path, src_format: str, dst_format: str, *,
             dtype: str = "float32", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-            overwrite: bool = False) -> Qwen3Args:
+            overwrite: bool = False, model: str = "qwen3") -> Any:
     """Reads `src` in `src_format` and writes it to `dst` in `dst_format` (hf -> hf re-types or
-    re-shards the files). `dtype`/`max_shard_size` apply to HF output. Returns the args.
+    re-shards the files), weights of the registered family `model` (`model.name`).
+    `dtype`/`max_shard_size` apply to HF output. Returns the args.
 
     `dst` is written whole or not at all; a non-empty `dst` is refused unless `overwrite`, and
     the source is never written (checked before anything is read)."""
@@ -50,14 +46,15 @@ def convert(src: str | Path, dst: str | Path, src_format: str, dst_format: str, 
                           "(e.g. 5GB)")
     _check_destination_parents(Path(dst))
     check_destination(dst, overwrite=overwrite, source=src)
+    spec = get_model_spec(model)
     if src_format == "hf":
-        args = read_hf_config(src)
-        params = load_hf_params(src, args)
+        args = spec.hf.read_config(src)
+        params = spec.hf.load_params(src, args)
     else:
-        args, params = load_orbax(src)
+        args, params = load_orbax(src, spec)
     if dst_format == "hf":
-        save_hf(dst, params, args, dtype=dtype, max_shard_size=max_shard_size,
-                overwrite=overwrite, source=src)
+        spec.hf.save(dst, params, args, dtype=dtype, max_shard_size=max_shard_size,
+                     overwrite=overwrite, source=src)
     else:
         save_orbax(dst, params, args, overwrite=overwrite, source=src)
     return args

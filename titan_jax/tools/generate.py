@@ -1,8 +1,10 @@
-"""`titan-jax generate`: text from a trained checkpoint or a HF Qwen3 directory.
+"""`titan-jax generate`: text from a trained checkpoint or a HF directory of the recipe's
+`model.name`.
 
 Weights are loaded straight onto the shardings the recipe's mesh gives them in training
-(`[parallelism]`, `job.cpu_devices`), and decoding (`models/qwen3/decode.py`: KV cache, jitted
-prefill and per-token step) runs on that mesh, in `training.mixed_precision_param`.
+(`[parallelism]`, `job.cpu_devices`), and decoding (the family's `ModelSpec.generate`; Qwen3's
+is `models/qwen3/decode.py`: KV cache, jitted prefill and per-token step) runs on that mesh, in
+`training.mixed_precision_param`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import copy
 import dataclasses
 import math
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -18,12 +21,10 @@ import numpy as np
 from titan_jax.config import JobConfig
 from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
 from titan_jax.errors import TitanJaxError
-from titan_jax.models.qwen3 import Qwen3Args, decode
-from titan_jax.models.qwen3.build import Params
-from titan_jax.models.qwen3.hf import load_hf_params
-from titan_jax.models.qwen3.hf_config import read_hf_config
+from titan_jax.models import ModelSpec, get_model_spec
+from titan_jax.models.spec import Params
 from titan_jax.train.checkpoint import Checkpointer, is_checkpoint_dir
-from titan_jax.train.model_io import load_orbax, read_orbax_args
+from titan_jax.train.model_io import checkpoint_args, load_orbax, read_orbax_args
 from titan_jax.train.trainer import build_trainer, resolve_param_dtype
 
 
@@ -74,23 +75,24 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return max(steps, key=lambda p: int(p.name))
 
 
-def _orbax_args(path: Path) -> Qwen3Args:
+def _orbax_args(path: Path, spec: ModelSpec) -> Any:
     if is_checkpoint_dir(path):
         with Checkpointer(path.parent, read_only=True) as ckpt:
-            return Qwen3Args(**ckpt.meta(int(path.name))["model_args"])
-    return read_orbax_args(path)
+            return checkpoint_args(ckpt, int(path.name), spec)
+    return read_orbax_args(path, spec)
 
 
-def _source(checkpoint: str | None, hf_checkpoint: str | None) -> tuple[Path, Qwen3Args]:
+def _source(checkpoint: str | None, hf_checkpoint: str | None, spec: ModelSpec
+            ) -> tuple[Path, Any]:
     if (checkpoint is None) == (hf_checkpoint is None):
         raise GenerateError("give exactly one of --checkpoint PATH or --hf-checkpoint DIR")
     if hf_checkpoint is not None:
-        return Path(hf_checkpoint), read_hf_config(Path(hf_checkpoint))
+        return Path(hf_checkpoint), spec.hf.read_config(Path(hf_checkpoint))
     source = resolve_checkpoint(checkpoint)
-    return source, _orbax_args(source)
+    return source, _orbax_args(source, spec)
 
 
-def _tokenizer(config: JobConfig, source: Path, from_hf: bool, args: Qwen3Args) -> Tokenizer:
+def _tokenizer(config: JobConfig, source: Path, from_hf: bool, args: Any) -> Tokenizer:
     # A HF model directory ships its tokenizer; the recipe's is the fallback.
     path = str(source) if from_hf and (source / "tokenizer.json").is_file() else \
         config.model.tokenizer_path
@@ -101,7 +103,7 @@ def _tokenizer(config: JobConfig, source: Path, from_hf: bool, args: Qwen3Args) 
     return tokenizer
 
 
-def _prompt_ids(tokenizer: Tokenizer, options: GenerateOptions, args: Qwen3Args) -> list[int]:
+def _prompt_ids(tokenizer: Tokenizer, options: GenerateOptions, args: Any) -> list[int]:
     ids = tokenizer.encode(options.prompt)
     if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
         ids = [tokenizer.bos_id, *ids]
@@ -116,31 +118,33 @@ def _prompt_ids(tokenizer: Tokenizer, options: GenerateOptions, args: Qwen3Args)
     return ids
 
 
-def _load_params(config: JobConfig, source: Path, from_hf: bool, args: Qwen3Args
+def _load_params(config: JobConfig, source: Path, from_hf: bool, args: Any, spec: ModelSpec
                  ) -> tuple[Params, jax.sharding.Mesh]:
     """The weights on the shardings the recipe's mesh gives them in training."""
     # The mesh and shardings of training; its seq_len only has to fit the loaded model.
     mesh_config = copy.deepcopy(config)
     mesh_config.training.seq_len = min(config.training.seq_len, args.max_seq_len)
+    mesh_config.validation.enable = False
     trainer = build_trainer(mesh_config, model_args=args)
     shardings = trainer.state_shardings["params"]
     if from_hf:
-        return load_hf_params(source, args, shardings), trainer.mesh
-    return load_orbax(source, shardings)[1], trainer.mesh
+        return spec.hf.load_params(source, args, shardings), trainer.mesh
+    return load_orbax(source, spec, shardings)[1], trainer.mesh
 
 
 def generate_text(config: JobConfig, checkpoint: str | None, hf_checkpoint: str | None,
                   options: GenerateOptions) -> tuple[str, str]:
     """(the prompt's continuation, the weights' source); stops at EOS or max_new_tokens."""
     options.validate()  # every input checked before the weights are read
-    source, args = _source(checkpoint, hf_checkpoint)
+    spec = get_model_spec(config.model.name)
+    source, args = _source(checkpoint, hf_checkpoint, spec)
     from_hf = hf_checkpoint is not None
     tokenizer = _tokenizer(config, source, from_hf, args)
     prompt_ids = _prompt_ids(tokenizer, options, args)
-    params, mesh = _load_params(config, source, from_hf, args)
+    params, mesh = _load_params(config, source, from_hf, args, spec)
     dtype = resolve_param_dtype(config.training.mixed_precision_param, list(mesh.devices.flat))
     with jax.set_mesh(mesh):
-        tokens = decode.generate(
+        tokens = spec.generate(
             params, args, np.asarray([prompt_ids], np.int32), options.max_new_tokens,
             temperature=options.temperature, top_p=options.top_p, seed=options.seed,
             eos_id=tokenizer.eos_id, dtype=dtype)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from titan_jax.tools import hlo_stats
+from titan_jax.tools.collectives import collectives
 from titan_jax.train.trainer import Trainer
 from titan_jax.trees import named_leaves
 
@@ -54,14 +55,15 @@ def state_bytes(trainer: Trainer) -> tuple[int, int]:
             sum(_nbytes(x.dtype, x.shape) for x in leaves))
 
 
-def collectives(hlo_text: str) -> list[dict[str, Any]]:
-    """Collective instructions in HLO text, grouped by (op, element dtype).
+def collective_counts(hlo_text: str, mesh: jax.sharding.Mesh) -> list[dict[str, Any]]:
+    """The step's collectives (tools/collectives.py) grouped by (op, element dtype).
 
     `count`: instructions; `bytes`: their result sizes per device, summed. Async `-start` ops
     count as their op (their `-done` halves are skipped); a combined op counts once per dtype.
     """
+    ops = collectives(hlo_text, list(mesh.devices.flat), dict(mesh.shape))
     return [{k: g[k] for k in ("op", "dtype", "count", "bytes")}
-            for g in hlo_stats.summarize(hlo_stats.collective_ops(hlo_stats.parse(hlo_text)))]
+            for g in hlo_stats.summarize(ops)]
 
 
 def abstract_batch(trainer: Trainer) -> dict[str, jax.ShapeDtypeStruct]:
@@ -110,9 +112,9 @@ def inspect_trainer(trainer: Trainer, compile: bool = True) -> dict[str, Any]:
     }
     if compile:
         compiled, partitioned = compile_step(trainer)
-        report["collectives"] = collectives(compiled.as_text())
+        report["collectives"] = collective_counts(compiled.as_text(), trainer.mesh)
         if partitioned is not None:
-            report["partitioned_collectives"] = collectives(partitioned)
+            report["partitioned_collectives"] = collective_counts(partitioned, trainer.mesh)
         report["memory"] = memory(compiled)
     return report
 

@@ -48,11 +48,7 @@ class Validator:
     """Runs validation every `validation.freq` steps (and at the last step)."""
 
     def __init__(self, config: JobConfig, trainer: Trainer, tokenizer: Tokenizer):
-        v = config.validation
-        if v.seq_len > trainer.model.args.max_seq_len:
-            raise ConfigError(
-                f"validation.seq_len={v.seq_len} exceeds the maximum sequence length "
-                f"{trainer.model.args.max_seq_len} of model.flavor={config.model.flavor}")
+        v = config.validation  # its seq_len is checked with the model's (run_checks)
         self.config, self.trainer, self.tokenizer = config, trainer, tokenizer
         self.global_batch_size = v.local_batch_size * trainer.degrees.dp
         step = functools.partial(eval_step, model=trainer.model,

@@ -15,15 +15,15 @@ from titan_jax.models.sharding_hooks import VocabSplit, constrain, vocab_split
 MAX_LOGITS_PER_CHUNK = 2**26
 
 
-def token_cross_entropy_sum(logits_NV: jax.Array, labels_N: jax.Array) -> jax.Array:
+def token_cross_entropy_sum(logits_RV: jax.Array, labels_R: jax.Array) -> jax.Array:
     """Sum over non-ignored tokens of -log softmax(logits)[label], in fp32."""
     # Rows are the batch's tokens, batch-major: they split like the batch.
-    logits_NV = constrain(logits_NV.astype(jnp.float32), ("batch", "vocab"))
-    valid_N = labels_N != IGNORE_INDEX
-    safe_labels = jnp.where(valid_N, labels_N, 0)
-    label_logits = jnp.take_along_axis(logits_NV, safe_labels[:, None], axis=-1)[:, 0]
-    nll_N = jax.nn.logsumexp(logits_NV, axis=-1) - label_logits
-    return jnp.sum(jnp.where(valid_N, nll_N, 0.0))
+    logits_RV = constrain(logits_RV.astype(jnp.float32), ("batch", "vocab"))
+    valid_R = labels_R != IGNORE_INDEX
+    safe_labels = jnp.where(valid_R, labels_R, 0)
+    label_logits = jnp.take_along_axis(logits_RV, safe_labels[:, None], axis=-1)[:, 0]
+    nll_R = jax.nn.logsumexp(logits_RV, axis=-1) - label_logits
+    return jnp.sum(jnp.where(valid_R, nll_R, 0.0))
 
 
 def cross_entropy_sum(h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array) -> jax.Array:
@@ -35,55 +35,55 @@ def cross_entropy_sum(h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array) -
     the result is the sum over this shard's own tokens."""
     split = vocab_split()
     d, v = w_DV.shape
-    h_ND, labels_N = h_BTD.reshape(-1, d), labels_BT.reshape(-1)
-    n = h_ND.shape[0]
+    h_RD, labels_R = h_BTD.reshape(-1, d), labels_BT.reshape(-1)
+    n = h_RD.shape[0]
     chunk = max(1, MAX_LOGITS_PER_CHUNK // (v * split.degree))  # a chunk's logits, all shards'
     if n <= chunk and split.degree == 1:
-        logits = jnp.einsum("nd,dv->nv", h_ND, w_DV, preferred_element_type=jnp.float32)
-        return token_cross_entropy_sum(logits, labels_N)
+        logits = jnp.einsum("nd,dv->nv", h_RD, w_DV, preferred_element_type=jnp.float32)
+        return token_cross_entropy_sum(logits, labels_R)
     chunk = min(chunk, n)
     n_chunks = -(-n // chunk)
     pad = n_chunks * chunk - n
-    h_CKD = jnp.pad(h_ND, ((0, pad), (0, 0))).reshape(n_chunks, chunk, d)
-    labels_CK = jnp.pad(labels_N, (0, pad), constant_values=IGNORE_INDEX).reshape(n_chunks, chunk)
+    h_JID = jnp.pad(h_RD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, d)
+    labels_JI = jnp.pad(labels_R, (0, pad), constant_values=IGNORE_INDEX).reshape(n_chunks, chunk)
     if split.degree > 1:
-        return split_cross_entropy_sum(h_CKD, w_DV, labels_CK, split)
-    return chunked_cross_entropy_sum(h_CKD, w_DV, labels_CK)
+        return split_cross_entropy_sum(h_JID, w_DV, labels_JI, split)
+    return chunked_cross_entropy_sum(h_JID, w_DV, labels_JI)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _logits(h_KD: jax.Array, w_DV: jax.Array, dtype: jnp.dtype) -> jax.Array:
+def _logits(h_ID: jax.Array, w_DV: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """fp32 logits of fp32 `h` and `w` multiplied in `dtype` (the compute dtype). Its backward
     returns fp32 gradients straight from the matmuls' fp32 accumulators, so neither the
     weight's gradient summed over chunks nor the hidden states' summed over vocabulary shards
     is rounded to the compute dtype on the way."""
-    return jnp.einsum("kd,dv->kv", h_KD.astype(dtype), w_DV.astype(dtype),
+    return jnp.einsum("kd,dv->kv", h_ID.astype(dtype), w_DV.astype(dtype),
                       preferred_element_type=jnp.float32)
 
 
-def _logits_fwd(h_KD: jax.Array, w_DV: jax.Array, dtype: jnp.dtype
+def _logits_fwd(h_ID: jax.Array, w_DV: jax.Array, dtype: jnp.dtype
                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return _logits(h_KD, w_DV, dtype), (h_KD, w_DV)
+    return _logits(h_ID, w_DV, dtype), (h_ID, w_DV)
 
 
-def _logits_bwd(dtype: jnp.dtype, residuals: tuple[jax.Array, jax.Array], g_KV: jax.Array
+def _logits_bwd(dtype: jnp.dtype, residuals: tuple[jax.Array, jax.Array], g_IV: jax.Array
                 ) -> tuple[jax.Array, jax.Array]:
-    h_KD, w_DV = (x.astype(dtype) for x in residuals)
-    g_KV = g_KV.astype(dtype)
-    return (jnp.einsum("kv,dv->kd", g_KV, w_DV, preferred_element_type=jnp.float32),
-            jnp.einsum("kd,kv->dv", h_KD, g_KV, preferred_element_type=jnp.float32))
+    h_ID, w_DV = (x.astype(dtype) for x in residuals)
+    g_IV = g_IV.astype(dtype)
+    return (jnp.einsum("kv,dv->kd", g_IV, w_DV, preferred_element_type=jnp.float32),
+            jnp.einsum("kd,kv->dv", h_ID, g_IV, preferred_element_type=jnp.float32))
 
 
 _logits.defvjp(_logits_fwd, _logits_bwd)
 
 
-def _chunk_nll_sum(h_KD: jax.Array, w_DV: jax.Array, labels_K: jax.Array, split: VocabSplit,
+def _chunk_nll_sum(h_ID: jax.Array, w_DV: jax.Array, labels_I: jax.Array, split: VocabSplit,
                    dtype: jnp.dtype) -> jax.Array:
     """One chunk: the logits of every shard's tokens (rows) over this shard's vocabulary slice
     (fp32 `h` and `w`), the softmax reduced over shards; summed over this shard's tokens."""
     v = w_DV.shape[1]
-    logits = constrain(_logits(split.gather(h_KD), w_DV, dtype), ("batch", "vocab"))
-    labels = split.gather(labels_K)
+    logits = constrain(_logits(split.gather(h_ID), w_DV, dtype), ("batch", "vocab"))
+    labels = split.gather(labels_I)
     local = labels - split.offset(v)
     here = (local >= 0) & (local < v)
     row_max = split.max(jnp.max(jax.lax.stop_gradient(logits), axis=-1))
@@ -91,10 +91,10 @@ def _chunk_nll_sum(h_KD: jax.Array, w_DV: jax.Array, labels_K: jax.Array, split:
     label_logit = jnp.take_along_axis(logits, jnp.where(here, local, 0)[:, None], axis=-1)[:, 0]
     label_logit = split.sum(jnp.where(here, label_logit, 0.0))
     nll = split.own(row_max + jnp.log(denom) - label_logit)  # this shard's tokens only
-    return jnp.sum(jnp.where(labels_K != IGNORE_INDEX, nll, 0.0))
+    return jnp.sum(jnp.where(labels_I != IGNORE_INDEX, nll, 0.0))
 
 
-def split_cross_entropy_sum(h_CKD: jax.Array, w_DV: jax.Array, labels_CK: jax.Array,
+def split_cross_entropy_sum(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array,
                             split: VocabSplit) -> jax.Array:
     """Summed CE over token chunks under a vocabulary split, this shard's tokens; one chunk's
     fp32 logits (all shards' tokens, this shard's vocabulary) exist at a time, in forward and
@@ -102,19 +102,19 @@ def split_cross_entropy_sum(h_CKD: jax.Array, w_DV: jax.Array, labels_CK: jax.Ar
     the jit path's vmap a custom_vjp's backward cannot name the shards' axis. The weight enters
     in fp32 (the parallelism hands the tables over as stored), so its gradient is summed over
     chunks in fp32, and the hidden states' gradient over shards (their gather is fp32)."""
-    dtype = h_CKD.dtype
+    dtype = h_JID.dtype
     w32 = w_DV.astype(jnp.float32)
     chunk = jax.checkpoint(lambda xs: _chunk_nll_sum(xs[0].astype(jnp.float32), w32, xs[1],
                                                      split, dtype))
-    return jnp.sum(jax.lax.map(chunk, (h_CKD, labels_CK)))
+    return jnp.sum(jax.lax.map(chunk, (h_JID, labels_JI)))
 
 
-def _chunk_logits(h_KD: jax.Array, w_DV: jax.Array) -> jax.Array:
-    return jnp.einsum("kd,dv->kv", h_KD, w_DV, preferred_element_type=jnp.float32)
+def _chunk_logits(h_ID: jax.Array, w_DV: jax.Array) -> jax.Array:
+    return jnp.einsum("kd,dv->kv", h_ID, w_DV, preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp
-def chunked_cross_entropy_sum(h_CKD: jax.Array, w_DV: jax.Array, labels_CK: jax.Array
+def chunked_cross_entropy_sum(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array
                               ) -> jax.Array:
     """Summed CE over token chunks; one chunk's fp32 logits exist at a time, in forward and in
     backward (recomputed there). The backward sums the output weight's gradient over chunks in
@@ -124,36 +124,36 @@ def chunked_cross_entropy_sum(h_CKD: jax.Array, w_DV: jax.Array, labels_CK: jax.
     initialised from a constant has no manual-axis type and would not match the loop's output.
     """
     losses = jax.lax.map(lambda xs: token_cross_entropy_sum(_chunk_logits(xs[0], w_DV), xs[1]),
-                         (h_CKD, labels_CK))
+                         (h_JID, labels_JI))
     return jnp.sum(losses)
 
 
-def _chunked_fwd(h_CKD: jax.Array, w_DV: jax.Array, labels_CK: jax.Array
+def _chunked_fwd(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array
                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    return chunked_cross_entropy_sum(h_CKD, w_DV, labels_CK), (h_CKD, w_DV, labels_CK)
+    return chunked_cross_entropy_sum(h_JID, w_DV, labels_JI), (h_JID, w_DV, labels_JI)
 
 
 def _chunked_bwd(residuals: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array
                  ) -> tuple[jax.Array, jax.Array, None]:
-    h_CKD, w_DV, labels_CK = residuals
+    h_JID, w_DV, labels_JI = residuals
 
     def chunk(dw_DV: jax.Array, xs: tuple[jax.Array, jax.Array]
               ) -> tuple[jax.Array, jax.Array]:
-        h_KD, labels_K = xs
-        _, pullback = jax.vjp(lambda logits: token_cross_entropy_sum(logits, labels_K),
-                              _chunk_logits(h_KD, w_DV))
-        (dlogits_KV,) = pullback(g)
-        dh_KD = jnp.einsum("kv,dv->kd", dlogits_KV.astype(h_KD.dtype), w_DV,
-                           preferred_element_type=jnp.float32).astype(h_KD.dtype)
-        dw_DV = dw_DV + jnp.einsum("kd,kv->dv", h_KD, dlogits_KV.astype(h_KD.dtype),
+        h_ID, labels_I = xs
+        _, pullback = jax.vjp(lambda logits: token_cross_entropy_sum(logits, labels_I),
+                              _chunk_logits(h_ID, w_DV))
+        (dlogits_IV,) = pullback(g)
+        dh_ID = jnp.einsum("kv,dv->kd", dlogits_IV.astype(h_ID.dtype), w_DV,
+                           preferred_element_type=jnp.float32).astype(h_ID.dtype)
+        dw_DV = dw_DV + jnp.einsum("kd,kv->dv", h_ID, dlogits_IV.astype(h_ID.dtype),
                                    preferred_element_type=jnp.float32)
-        return dw_DV, dh_KD
+        return dw_DV, dh_ID
 
     # The fp32 accumulator starts from the weight itself (times 0), so it carries the weight's
     # manual-axis type inside shard_map.
     dw0 = (w_DV * 0).astype(jnp.float32)
-    dw_DV, dh_CKD = jax.lax.scan(chunk, dw0, (h_CKD, labels_CK))
-    return dh_CKD, dw_DV.astype(w_DV.dtype), None
+    dw_DV, dh_JID = jax.lax.scan(chunk, dw0, (h_JID, labels_JI))
+    return dh_JID, dw_DV.astype(w_DV.dtype), None
 
 
 chunked_cross_entropy_sum.defvjp(_chunked_fwd, _chunked_bwd)

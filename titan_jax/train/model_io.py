@@ -3,7 +3,7 @@ export at the end of a run.
 
 The orbax side is a model-only checkpoint directory:
 
-    DST/model_args.json   the Qwen3Args fields (what `build_model_def` needs)
+    DST/model_args.json   the model's args fields (its family's `ModelSpec.args_class`)
     DST/params/           orbax `StandardCheckpointer` of the params pytree: fp32, titan-jax
                           layout and names, layers stacked (params["layers"]["attention"]["wq"])
 
@@ -23,8 +23,8 @@ import orbax.checkpoint as ocp
 
 from titan_jax.atomic_dir import atomic_dir
 from titan_jax.config import JobConfig
-from titan_jax.models.qwen3 import Qwen3Args, build_model_def
-from titan_jax.models.qwen3.build import Params
+from titan_jax.models import BuildOptions, ModelSpec, spec_of_args
+from titan_jax.models.spec import Params
 from titan_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -38,7 +38,7 @@ ARGS_FILE = "model_args.json"
 PARAMS_DIR = "params"
 
 
-def save_orbax(path: str | Path, params: Params, args: Qwen3Args, *, overwrite: bool = False,
+def save_orbax(path: str | Path, params: Params, args: Any, *, overwrite: bool = False,
                source: str | Path | None = None) -> None:
     """Writes the model-only orbax checkpoint described in the module docstring, whole or not at
     all (`atomic_dir`: a non-empty `path` is replaced only with `overwrite`, never the source)."""
@@ -51,7 +51,8 @@ def save_orbax(path: str | Path, params: Params, args: Qwen3Args, *, overwrite: 
         checkpointer.wait_until_finished()
 
 
-def read_orbax_args(path: str | Path) -> Qwen3Args:
+def read_orbax_args(path: str | Path, spec: ModelSpec) -> Any:
+    """The args in an orbax model directory's model_args.json, as `spec`'s args class."""
     file = Path(path) / ARGS_FILE
     try:
         fields = json.loads(file.read_text())
@@ -61,36 +62,42 @@ def read_orbax_args(path: str | Path) -> Qwen3Args:
         raise CheckpointError(f"{path} {what}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: not valid JSON: {e}") from None
-    known = {f.name for f in dataclasses.fields(Qwen3Args)}
+    known = {f.name for f in dataclasses.fields(spec.args_class)}
     if not isinstance(fields, dict) or set(fields) - known:
         unknown = sorted(set(fields) - known) if isinstance(fields, dict) else fields
         raise CheckpointError(f"{file}: unknown fields {unknown}; valid: "
                               f"{', '.join(sorted(known))}")
     try:
-        return Qwen3Args(**fields)
-    except (TypeError, ValueError) as e:  # Qwen3Args checks its own fields
+        return spec.args_class(**fields)
+    except (TypeError, ValueError) as e:  # the args class checks its own fields
         raise CheckpointError(f"{file}: {e}") from None
 
 
-def _abstract_params(args: Qwen3Args, shardings: Params | None) -> Params:
-    abstract = build_model_def(args).abstract_params
+def checkpoint_args(ckpt: Checkpointer, step: int, spec: ModelSpec) -> Any:
+    """The model args a training run's checkpoint `step` was saved with."""
+    return spec.args_class(**ckpt.meta(step)["model_args"])
+
+
+def _abstract_params(args: Any, shardings: Params | None) -> Params:
+    abstract = spec_of_args(args).build(args, BuildOptions()).abstract_params
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: default, abstract) if shardings is None else shardings
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         abstract, shardings)
 
 
-def load_orbax(path: str | Path, shardings: Params | None = None) -> tuple[Qwen3Args, Params]:
+def load_orbax(path: str | Path, spec: ModelSpec, shardings: Params | None = None
+               ) -> tuple[Any, Params]:
     """(args, params) of a model-only orbax checkpoint, or of one step of a training run's
     checkpoints (its params only), restored onto `shardings` (None: the default device)."""
     path = Path(path).resolve()
     if is_checkpoint_dir(path):
         with Checkpointer(path.parent, read_only=True) as ckpt:
             step = int(path.name)
-            args = Qwen3Args(**ckpt.meta(step)["model_args"])
+            args = checkpoint_args(ckpt, step, spec)
             target = {"params": _abstract_params(args, shardings)}
             return args, ckpt.restore(step, target, model_only=True).state["params"]
-    args = read_orbax_args(path)
+    args = read_orbax_args(path, spec)
     target = _abstract_params(args, shardings)
     if not (path / PARAMS_DIR).is_dir():
         raise CheckpointError(f"{path} has no {PARAMS_DIR}/ (not a titan-jax orbax model "

@@ -2,8 +2,9 @@
 
 config (validated once) -> the paths it writes (`preflight.check_outputs`) and the weights it
 starts from -> the trainer (mesh, model and shardings from the abstract model; nothing
-allocated) -> the tokenizer, loaded once, and every data input (`check_data`). Every
-bad-input error of a run's setup is raised from here, so a refused run leaves nothing behind;
+allocated) -> the tokenizer, loaded once, and every data input (`check_data`). The checks
+themselves live in `run_checks.py` (and `preflight.py` for paths); every bad-input error of a
+run's setup is raised from `assemble_run`, so a refused run leaves nothing behind;
 what needs the run's lock (another run's history in the folder, the checkpoints) is checked
 next, still before any write (`loop`), and the training stream is opened under that lock.
 """
@@ -14,12 +15,13 @@ import dataclasses
 
 import jax
 
-from titan_jax.config import ConfigError, JobConfig
-from titan_jax.data.pipeline import check_inputs, process_barrier, training_sources
-from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
+from titan_jax.config import JobConfig
+from titan_jax.data.pipeline import process_barrier, training_sources
+from titan_jax.data.tokenizer import Tokenizer
 from titan_jax.data.windows import WindowStream
 from titan_jax.train.eval import Validator
 from titan_jax.train.preflight import check_initial_load_path, check_outputs
+from titan_jax.train.run_checks import check_data
 from titan_jax.train.trainer import Trainer, build_trainer
 
 
@@ -37,26 +39,12 @@ def _progress(message: str) -> None:
         print(f"titan-jax: {message}", flush=True)
 
 
-def check_data(config: JobConfig, trainer: Trainer) -> Tokenizer:
-    """The run's tokenizer, once its vocabulary fits the model and every input exists."""
-    tokenizer = load_tokenizer(config.model.tokenizer_path)
-    if tokenizer.vocab_size > trainer.model.args.vocab_size:
-        raise ConfigError(
-            f"tokenizer {config.model.tokenizer_path or '(shipped)'} has vocab size "
-            f"{tokenizer.vocab_size}, larger than model.flavor={config.model.flavor}'s "
-            f"vocab_size={trainer.model.args.vocab_size}")
-    if config.training.document_mask and trainer.attention == "cudnn":
-        raise ConfigError("training.document_mask=true needs model.attention=xla or splash: "
-                          "the cudnn attention here takes no segment ids")
-    check_inputs(config, tokenizer)
-    return tokenizer
-
-
 def build_data(config: JobConfig, trainer: Trainer, tokenizer: Tokenizer | None = None
                ) -> WindowStream:
     """The training windows of this process's rows (small sources become a token store under
     the dump folder first: data/pipeline.py). `tokenizer`: from `check_data`, else checked here."""
-    tokenizer = check_data(config, trainer) if tokenizer is None else tokenizer
+    if tokenizer is None:
+        tokenizer = check_data(config, trainer.model.args, trainer.attention)
     t = config.training
     sources = training_sources(config, tokenizer, is_first=jax.process_index() == 0,
                                barrier=process_barrier, progress=_progress)
@@ -70,7 +58,7 @@ def assemble_run(config: JobConfig, devices: list[jax.Device] | None = None) -> 
     check_outputs(config)
     check_initial_load_path(config)
     trainer = build_trainer(config, devices)
-    return RunSetup(trainer, check_data(config, trainer))
+    return RunSetup(trainer, check_data(config, trainer.model.args, trainer.attention))
 
 
 def open_data(config: JobConfig, setup: RunSetup) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan_jax.config import JobConfig
-from titan_jax.models.qwen3 import build_model_def
+from titan_jax.models import BuildOptions
 from titan_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -97,9 +97,10 @@ def _load_params(path: Path, trainer: Trainer) -> Restored:
         params = trainer.model_spec.hf.load_params(path, trainer.model.args, shardings)
     else:
         source = f"converted orbax model {path}"
-        saved = build_model_def(read_orbax_args(path)).abstract_params
+        spec = trainer.model_spec
+        saved = spec.build(read_orbax_args(path, spec), BuildOptions()).abstract_params
         # Before reading any array.
         check_shapes(source, named_leaves(saved), named_leaves(abstract), {})
-        _, params = load_orbax(path, shardings)
+        _, params = load_orbax(path, spec, shardings)
     check_shapes(source, named_leaves(params), named_leaves(abstract), {})
     return Restored(state=trainer.state_from_params(params), source=source)

@@ -4,19 +4,22 @@ its registration as model.name = "qwen3"."""
 import dataclasses
 
 from titan_jax.config import JobConfig
-from titan_jax.models.qwen3 import hf
+from titan_jax.models.qwen3 import decode, hf
 from titan_jax.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args, YarnScaling, get_flavor
 from titan_jax.models.qwen3.build import Qwen3Def, build_model_def
 from titan_jax.models.qwen3.flops import flops_per_token
+from titan_jax.models.qwen3.hf_config import read_hf_config
 from titan_jax.models.qwen3.model import Qwen3
 from titan_jax.models.spec import ModelSpec, register_model
 
 
 class _HF:
-    """HF transformers `Qwen3ForCausalLM` checkpoints."""
+    """HF transformers `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` checkpoints."""
 
+    read_config = staticmethod(read_hf_config)
     load_params = staticmethod(hf.load_hf_params)
     save = staticmethod(hf.save_hf)
+    live_tensors = staticmethod(hf.live_hf_tensors)
 
 
 def configure(args: Qwen3Args, config: JobConfig) -> Qwen3Args:
@@ -35,9 +38,9 @@ def configure(args: Qwen3Args, config: JobConfig) -> Qwen3Args:
                                router_aux_loss_coef=config.moe.router_aux_loss_coef)
 
 
-QWEN3 = ModelSpec(name="qwen3", flavors=QWEN3_FLAVORS, build=build_model_def,
-                  flops_per_token=flops_per_token, hf=_HF(),
-                  configure=configure, display_name="Qwen3")
+QWEN3 = ModelSpec(name="qwen3", args_class=Qwen3Args, flavors=QWEN3_FLAVORS,
+                  build=build_model_def, flops_per_token=flops_per_token, hf=_HF(),
+                  generate=decode.generate, configure=configure, display_name="Qwen3")
 register_model(QWEN3)
 
 __all__ = ["QWEN3", "QWEN3_FLAVORS", "Qwen3", "Qwen3Def", "Qwen3Args", "build_model_def",

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
 from typing import Any
 
-from titan_jax.errors import TitanJaxError
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
+from titan_jax.models.safetensors_io import HFCheckpointError
 
 CONFIG_FILE = "config.json"
 # model_type -> architecture: dense Qwen3 and Qwen3-MoE.
@@ -20,16 +21,26 @@ _WEIGHT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidde
                   "top_k", "moe_inter_dim", "norm_topk_prob")
 
 
-class HFCheckpointError(TitanJaxError, ValueError):
-    """A HF checkpoint that cannot be read as Qwen3: the message names the file, field or tensor."""
-
-
 # ------------------------------------------------------------------------------------------------
 # config.json <-> Qwen3Args
 
 
-def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwen3Args:
-    """Qwen3Args from a HF config.json dict; other architectures and variants are errors."""
+def _field(config: dict[str, Any], where: str, name: str, kind: type, default: Any = None
+           ) -> Any:
+    """config[name] as `kind` (an int widens to float), `default` when absent or null."""
+    value = config.get(name)
+    value = default if value is None else value  # HF writes null for "use the default"
+    if value is None:
+        raise HFCheckpointError(f"{where}: missing field {name!r}")
+    if kind is float and type(value) is int:
+        return float(value)
+    if type(value) is not kind:  # `type is`: a JSON true is not an int
+        raise HFCheckpointError(f"{where}: {name}={value!r} is not of type {kind.__name__}")
+    return value
+
+
+def _model_type(config: Any, where: str) -> str:
+    """A Qwen3 or Qwen3-MoE config's model_type; other architectures and variants are errors."""
     if not isinstance(config, dict):
         raise HFCheckpointError(f"{where}: expected a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type")
@@ -41,18 +52,6 @@ def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwe
     archs, arch = config.get("architectures"), ARCHITECTURES[model_type]
     if archs is not None and arch not in archs:
         raise HFCheckpointError(f"{where}: architectures={archs!r}; expected [{arch!r}]")
-
-    def field(name: str, kind: type, default: Any = None) -> Any:
-        value = config.get(name)
-        value = default if value is None else value  # HF writes null for "use the default"
-        if value is None:
-            raise HFCheckpointError(f"{where}: missing field {name!r}")
-        if kind is float and type(value) is int:
-            return float(value)
-        if type(value) is not kind:  # `type is`: a JSON true is not an int
-            raise HFCheckpointError(f"{where}: {name}={value!r} is not of type {kind.__name__}")
-        return value
-
     for name, supported in (("hidden_act", "silu"), ("attention_bias", False),
                             ("use_sliding_window", False)):
         if name in config and config[name] != supported:
@@ -62,23 +61,34 @@ def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwe
     if any(t != "full_attention" for t in layer_types):
         raise HFCheckpointError(f"{where}: layer_types={layer_types!r}; only full_attention "
                                 "layers are supported")
+    return model_type
+
+
+def _moe_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """Qwen3Args' MoE fields of a qwen3_moe config."""
+    if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+        raise HFCheckpointError(
+            f"{where}: decoder_sparse_step={config.get('decoder_sparse_step')!r}, "
+            f"mlp_only_layers={config.get('mlp_only_layers')!r}: only all-MoE layers "
+            "(1, []) are supported")
+    field = functools.partial(_field, config, where)
+    # The hub's files say num_experts; transformers 5 writes num_local_experts.
+    experts = "num_experts" if config.get("num_experts") is not None else "num_local_experts"
+    return {"num_experts": field(experts, int),
+            "top_k": field("num_experts_per_tok", int),
+            "moe_inter_dim": field("moe_intermediate_size", int),
+            "norm_topk_prob": field("norm_topk_prob", bool, False),
+            # HF adds its auxiliary loss only when the router logits are output.
+            "router_aux_loss_coef": field("router_aux_loss_coef", float, 0.0)
+            if config.get("output_router_logits") else 0.0}
+
+
+def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwen3Args:
+    """Qwen3Args from a HF config.json dict; other architectures and variants are errors."""
+    model_type = _model_type(config, where)
     theta, yarn = _rope_from_config(config, where)
-    moe = {}
-    if model_type == "qwen3_moe":
-        if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
-            raise HFCheckpointError(
-                f"{where}: decoder_sparse_step={config.get('decoder_sparse_step')!r}, "
-                f"mlp_only_layers={config.get('mlp_only_layers')!r}: only all-MoE layers "
-                "(1, []) are supported")
-        # The hub's files say num_experts; transformers 5 writes num_local_experts.
-        experts = "num_experts" if config.get("num_experts") is not None else "num_local_experts"
-        moe = {"num_experts": field(experts, int),
-               "top_k": field("num_experts_per_tok", int),
-               "moe_inter_dim": field("moe_intermediate_size", int),
-               "norm_topk_prob": field("norm_topk_prob", bool, False),
-               # HF adds its auxiliary loss only when the router logits are output.
-               "router_aux_loss_coef": field("router_aux_loss_coef", float, 0.0)
-               if config.get("output_router_logits") else 0.0}
+    moe = _moe_fields(config, where) if model_type == "qwen3_moe" else {}
+    field = functools.partial(_field, config, where)
     dim = field("hidden_size", int)
     n_heads = field("num_attention_heads", int)
     if n_heads <= 0 or dim <= 0:

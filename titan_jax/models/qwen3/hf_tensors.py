@@ -32,40 +32,12 @@ model loaded from HF starts with a zero bias (what HF's router computes).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
 
 import numpy as np
 
 from titan_jax.models.qwen3.args import Qwen3Args
-
-# ------------------------------------------------------------------------------------------------
-# The tensor map
-
-
-@dataclasses.dataclass(frozen=True)
-class HFTensor:
-    """One HF tensor and where it lives in titan-jax params.
-
-    `path`: key path into params; `layer`: index on the stacked layers axis (None outside layers);
-    `shape`: the titan-jax shape (per layer); `n_in`: for linear weights, how many leading titan
-    dims form the input side (HF stores the transpose, flattened to (out, in)); None = same layout.
-    """
-
-    name: str
-    path: tuple[str, ...]
-    layer: int | None
-    shape: tuple[int, ...]
-    n_in: int | None
-    expert: int | None = None  # index on the stacked experts axis (after the layers axis)
-
-    @property
-    def hf_shape(self) -> tuple[int, ...]:
-        if self.n_in is None:
-            return self.shape
-        return (math.prod(self.shape[self.n_in:]), math.prod(self.shape[:self.n_in]))
-
+from titan_jax.models.safetensors_io import HFTensor
 
 # (titan path under `layers`, HF name under model.layers.{i}, n_in)
 _LAYER_TENSORS = (
@@ -121,14 +93,6 @@ def hf_tensors(args: Qwen3Args) -> list[HFTensor]:
     if not args.tie_embeddings:
         out.append(HFTensor("lm_head.weight", ("lm_head",), None, (d, v), 1))
     return out
-
-
-def to_hf_layout(t: HFTensor, x: np.ndarray) -> np.ndarray:
-    """A titan-jax (per-layer) array in HF layout."""
-    if t.n_in is None:
-        return x
-    n_in = math.prod(t.shape[:t.n_in])
-    return x.reshape(n_in, -1).T
 
 
 def fused_expert_layout(tensors: dict[str, np.ndarray], args: Qwen3Args

@@ -13,11 +13,13 @@ Init follows torchtitan HEAD (b5bcd76, `models/qwen3/__init__.py`): every linear
 embedding ~ N(0, 0.02); for MoE flavours `wo` and the experts' `w2` use 0.02/sqrt(2*n_layers);
 norm weights 1. Tied models read the embedding as the output projection.
 
-Array names end in their dimensions, one letter each, with one meaning across `models/`:
+Array names end in their dimensions, one letter each, with one meaning across `models/`,
+`parallel/` and `train/loss.py`:
 B batch, T sequence positions (queries), S key/value positions, D model dim (embed), N query
 heads, K kv heads, G query heads per kv head (N / K), H head dim, F feed-forward hidden (per
 expert in MoE), V vocab, L layers, E experts, R token rows (B*T flattened), C the experts each
-token picks (top_k), M picks (R*C rows, one per (token, pick)).
+token picks (top_k), M picks (R*C rows, one per (token, pick)), J chunks of token rows and I
+token rows per chunk (the chunked loss).
 """
 
 from __future__ import annotations

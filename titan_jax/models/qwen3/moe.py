@@ -98,8 +98,8 @@ def _to_blocks(x_MD: Array, row_dest: Array, n_blocks: int) -> Array:
     return blocks.reshape(n_blocks, BLOCK, -1)
 
 
-def _from_blocks(blocks_NBF: Array, row_dest: Array) -> Array:
-    flat = blocks_NBF.reshape(-1, blocks_NBF.shape[-1])
+def _from_blocks(blocks: Array, row_dest: Array) -> Array:
+    flat = blocks.reshape(-1, blocks.shape[-1])
     return flat.at[row_dest].get(mode="fill", fill_value=0)
 
 

@@ -1,0 +1,180 @@
+"""Every check of a run that needs more than the config alone, in one place, raised before
+anything is written or allocated on devices: the model choice (`model.name`, `model.flavor`),
+the model against the config and the mesh (from the abstract model: shapes, heads, sequence
+lengths, every array's layout), the batch, SimpleFSDP's implementation, the attention kernel
+(resolved here, once), and the data (the tokenizer, loaded once, and every input).
+
+`config.validate` checks the config by itself when it is loaded (types, ranges, one field
+against another); `resolve_degrees` checks the degrees against the device count as it
+computes them. `build_trainer` runs the model and mesh checks as it derives each thing they
+check, and `setup.assemble_run` the data checks after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from titan_jax.config import ConfigError, JobConfig, Moe
+from titan_jax.data.pipeline import check_inputs
+from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
+from titan_jax.models import ModelDef, ModelSpec, get_model_spec
+from titan_jax.models.attention import CP_ATTENTION, SPLASH_BLOCKS, resolve_attention
+from titan_jax.parallel.context_parallel import check_seq_len
+from titan_jax.parallel.mesh import MeshDegrees
+from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
+
+
+def check_model_choice(config: JobConfig) -> tuple[ModelSpec, Any]:
+    """(the family `model.name`, its `model.flavor` args); an unknown name or flavour is a
+    ConfigError naming the valid ones."""
+    spec = get_model_spec(config.model.name)
+    return spec, spec.flavor(config.model.flavor)
+
+
+def check_moe_knobs(config: JobConfig, args: Any) -> None:
+    """`[moe]` keys set on a dense flavour are refused, as an expert degree is: nothing reads
+    them there."""
+    if getattr(args, "is_moe", False):
+        return
+    changed = [f"moe.{f.name}={getattr(config.moe, f.name)}" for f in dataclasses.fields(Moe)
+               if getattr(config.moe, f.name) != f.default]
+    if changed:
+        raise ConfigError(f"{changed[0]} applies to MoE flavours only; model.flavor="
+                          f"{config.model.flavor} is dense (leave [moe] out)")
+
+
+def check_model_fits(config: JobConfig, args: Any) -> None:
+    """The `[moe]` keys apply, and every sequence length fits the model's positions."""
+    check_moe_knobs(config, args)
+    lengths = {"training": config.training.seq_len}
+    if config.validation.enable:
+        lengths["validation"] = config.validation.seq_len
+    for section, n in lengths.items():
+        if n > args.max_seq_len:
+            raise ConfigError(
+                f"{section}.seq_len={n} exceeds the maximum sequence length "
+                f"{args.max_seq_len} of model.flavor={config.model.flavor}")
+
+
+def check_heads(config: JobConfig, args: Any, degrees: MeshDegrees) -> None:
+    if args.n_heads % degrees.tp or args.n_kv_heads % degrees.tp:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={degrees.tp} must divide n_heads={args.n_heads} "
+            f"and n_kv_heads={args.n_kv_heads} of model.flavor={config.model.flavor}")
+
+
+def microbatches(config: JobConfig, degrees: MeshDegrees) -> int:
+    """Microbatches per optimizer step: the global batch over one data-parallel pass."""
+    t = config.training
+    per_step = t.local_batch_size * degrees.dp
+    global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % per_step:
+        raise ConfigError(
+            f"training.global_batch_size={global_batch} must be a multiple of "
+            f"local_batch_size x data-parallel degree = {t.local_batch_size} x {degrees.dp}")
+    return global_batch // per_step
+
+
+def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
+                           platform: str = "cpu") -> str:
+    """SimpleFSDP's implementation, with the checks expert parallelism needs. MoE on TPU/GPU
+    takes shard_map: the jit path maps the loss over data shards with vmap, which makes the
+    experts' `ragged_dot` a batched op that XLA:TPU rejects ("number of batch dimensions
+    should be 0"); inside shard_map it stays unbatched."""
+    p = config.parallelism
+    if degrees.cp > 1 and p.fsdp_implementation == "jit":
+        raise ConfigError(
+            "parallelism.fsdp_implementation=jit cannot host context parallelism (its K/V "
+            "gathers run over the manual cp axis of the shard_map implementation); use auto or "
+            "shard_map")
+    ragged = getattr(args, "is_moe", False) and platform != "cpu"  # CPU: blocked einsums
+    if ragged and degrees.ep == 1:
+        if p.fsdp_implementation == "jit":
+            raise ConfigError(
+                f"parallelism.fsdp_implementation=jit cannot compile MoE experts for {platform} "
+                "(ragged_dot under the jit path's per-shard vmap); use auto or shard_map")
+        return "shard_map"
+    if degrees.ep > 1:
+        if not getattr(args, "is_moe", False):
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree={degrees.ep} applies to MoE flavours only; "
+                f"model.flavor={config.model.flavor} is dense (use 1)")
+        if args.num_experts % degrees.ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree={degrees.ep} must divide the "
+                f"{args.num_experts} experts of model.flavor={config.model.flavor}")
+        if p.fsdp_implementation == "jit":
+            raise ConfigError(
+                "parallelism.fsdp_implementation=jit cannot host expert parallelism (its token "
+                "all-to-alls need the shard_map implementation); use auto or shard_map")
+        return "shard_map"
+    if p.fsdp_implementation == "auto":
+        return "shard_map" if degrees.cp > 1 else "jit"
+    return p.fsdp_implementation
+
+
+def check_reduce_dtype(config: JobConfig, devices: list[jax.Device], implementation: str
+                       ) -> None:
+    if (config.training.mixed_precision_reduce == "bfloat16" and implementation == "shard_map"
+            and all(d.platform == "cpu" for d in devices)):
+        raise ConfigError(  # XLA:CPU aborts on a bf16 reduce-scatter ("opcode copy")
+            "training.mixed_precision_reduce=bfloat16 with parallelism.fsdp_implementation="
+            "shard_map does not compile on CPU devices; use float32, or the jit implementation")
+
+
+def check_context_parallel(cp: int, seq_lens: dict[str, int], choice: str,
+                           attention: str) -> None:
+    """Sequences cp can split, and an attention kernel that takes the split."""
+    for field, n in seq_lens.items():
+        check_seq_len(n, cp, field)
+        if cp > 1 and attention == "splash" and (n // (2 * cp)) % SPLASH_BLOCKS[-1]:
+            raise ConfigError(
+                f"{field}={n} must be a multiple of 2 x parallelism.context_parallel_degree x "
+                f"{SPLASH_BLOCKS[-1]} = {2 * cp * SPLASH_BLOCKS[-1]} for model.attention="
+                f"splash (each rank's two chunks are tiled by its blocks); or use "
+                "model.attention=xla")
+    if cp > 1 and attention not in CP_ATTENTION:
+        raise ConfigError(
+            f"model.attention={choice} (resolved: {attention}) cannot run with parallelism."
+            f"context_parallel_degree={cp}; use {' or '.join(CP_ATTENTION)}")
+
+
+def resolve_run_attention(config: JobConfig, cp: int, platform: str, dtype: jnp.dtype) -> str:
+    """The kernel `model.attention` means for this run (its devices, compute dtype, every
+    sequence length it uses and the context-parallel split): resolved once, here."""
+    seq_lens = {"training.seq_len": config.training.seq_len}
+    if config.validation.enable:
+        seq_lens["validation.seq_len"] = config.validation.seq_len
+    attention = resolve_attention(config.model.attention, platform, dtype, seq_lens)
+    check_context_parallel(cp, seq_lens, config.model.attention, attention)
+    return attention
+
+
+def storage_specs(config: JobConfig, rules: ShardingRules, model: ModelDef) -> tuple[Any, Any]:
+    """Every param's and buffer's storage layout, checked against its shape and named on
+    error."""
+    try:
+        return (rules.storage_specs(model.abstract_params, model.logical_axes),
+                rules.storage_specs(model.abstract_buffers, model.buffer_logical_axes))
+    except ShardingRuleError as e:
+        raise ConfigError(f"cannot shard model.flavor={config.model.flavor} on this mesh: {e}"
+                          ) from None
+
+
+def check_data(config: JobConfig, args: Any, attention: str) -> Tokenizer:
+    """The run's tokenizer, once its vocabulary fits the model and every input exists."""
+    tokenizer = load_tokenizer(config.model.tokenizer_path)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ConfigError(
+            f"tokenizer {config.model.tokenizer_path or '(shipped)'} has vocab size "
+            f"{tokenizer.vocab_size}, larger than model.flavor={config.model.flavor}'s "
+            f"vocab_size={args.vocab_size}")
+    if config.training.document_mask and attention == "cudnn":
+        raise ConfigError("training.document_mask=true needs model.attention=xla or splash: "
+                          "the cudnn attention here takes no segment ids")
+    check_inputs(config, tokenizer)
+    return tokenizer
