@@ -193,8 +193,8 @@ def vocab_lookup(table_VD: Array, tokens_BT: Array, dtype: jnp.dtype) -> Array:
     (`vocab_split()`) `table_VD` is this shard's slice (in fp32: the parallelism hands it over
     as stored): chunk by chunk of tokens, every shard's tokens are
     gathered, each shard looks up those its slice holds (zeros for the others) and a
-    reduce-scatter returns each shard its own tokens' rows (one shard contributes each row: the
-    sum is exact; it runs in fp32, which is what SimpleFSDP's checks expect of a reduction).
+    reduce-scatter returns each shard its own tokens' rows (one shard contributes each row, so
+    the sum is exact: written in fp32, which XLA:CPU needs, and narrowed to bf16 by XLA:TPU).
     The table enters the chunk loop in fp32, so its gradient is summed over chunks in fp32."""
     split = vocab_split()
     v, d = table_VD.shape
