@@ -55,12 +55,12 @@ def test_vocabulary_split_in_chunks_equals_single_device(run_tiny, reference_los
                                                          implementation, preset):
     """The vocabulary-parallel lookup and loss with several chunks of tokens each (4 tokens of
     the lookup, 2 of the loss per chunk and shard)."""
-    from titan_jax.models.qwen3 import model
+    from titan_jax.models import embedding
     from titan_jax.train import loss
 
     trainer = tiny_trainer(*preset_overrides(preset))
     assert trainer.parallelism.vocab_split().degree == 4
-    monkeypatch.setattr(model, "MAX_ROWS_PER_CHUNK", 4 * 4 * TINY.dim)
+    monkeypatch.setattr(embedding, "MAX_ROWS_PER_CHUNK", 4 * 4 * TINY.dim)
     monkeypatch.setattr(loss, "MAX_LOGITS_PER_CHUNK", 2 * TINY.vocab_size)
     losses = run_tiny(*preset_overrides(preset),
                       "--parallelism.fsdp_implementation", implementation)
