@@ -98,14 +98,17 @@ def split_cross_entropy_sum(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Ar
                             split: VocabSplit) -> jax.Array:
     """Summed CE over token chunks under a vocabulary split, this shard's tokens; one chunk's
     fp32 logits (all shards' tokens, this shard's vocabulary) exist at a time, in forward and
-    in backward (each chunk is rematerialised). Differentiated by JAX, not a custom_vjp: under
-    the jit path's vmap a custom_vjp's backward cannot name the shards' axis. The weight enters
+    in backward (several chunks are rematerialised; a single one is kept). Differentiated by
+    JAX, not a custom_vjp: under the jit path's vmap a custom_vjp's backward cannot name the
+    shards' axis. The weight enters
     in fp32 (the parallelism hands the tables over as stored), so its gradient is summed over
     chunks in fp32, and the hidden states' gradient over shards (their gather is fp32)."""
     dtype = h_JID.dtype
     w32 = w_DV.astype(jnp.float32)
-    chunk = jax.checkpoint(lambda xs: _chunk_nll_sum(xs[0].astype(jnp.float32), w32, xs[1],
-                                                     split, dtype))
+    chunk = lambda xs: _chunk_nll_sum(xs[0].astype(jnp.float32), w32, xs[1],  # noqa: E731
+                                      split, dtype)
+    if h_JID.shape[0] > 1:  # one chunk's logits are kept for backward, several recomputed
+        chunk = jax.checkpoint(chunk)
     return jnp.sum(jax.lax.map(chunk, (h_JID, labels_JI)))
 
 
