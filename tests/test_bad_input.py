@@ -57,6 +57,11 @@ def _files(tmp: Path, orbax_model: Path) -> None:
     shutil.copytree(orbax_model, tmp / "truncated")
     for f in (tmp / "truncated" / "params").rglob("d/*"):
         f.write_bytes(f.read_bytes()[:100])
+    shutil.copytree(orbax_model, tmp / "flipped")  # orbax alone restores it without a word
+    biggest = max((tmp / "flipped" / "params").rglob("d/*"), key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2:][:64])
+    biggest.write_bytes(bytes(data))
 
 
 def _check(tmp_path, capsys, argv, message):
@@ -145,6 +150,9 @@ OTHER_CASES = [
      "--max-shard-size '0' must be at least 1 byte"),
     (["convert", "--from", "orbax", "--to", "hf", "TMP/truncated", "TMP/out"],
      "orbax model TMP/truncated is unreadable (corrupt or truncated): OUT_OF_RANGE"),
+    (["convert", "--from", "orbax", "--to", "hf", "TMP/flipped", "TMP/out"],
+     "orbax model TMP/flipped is corrupt: tok_embeddings does not match the checksum recorded "
+     "when it was written; convert it again from its source"),
     (["inspect", "--config", "configs/qwen3_debug.toml", "--json", "TMP/folder"],
      "--json TMP/folder is a folder"),
     (["compile", "--config", "configs/qwen3_debug.toml", "--topology", "v5p-8", "--json",

@@ -55,6 +55,8 @@ def _big_tokenizer(path):
     (["--training.sequence_len", "8"], "unknown config key training.sequence_len"),
     (["--training.steps", "1.5"], "training.steps='1.5' is not an integer"),
     (["--training.seq_len", "5000"], "training.seq_len=5000 exceeds the maximum sequence length"),
+    (["--validation.enable", "true", "--validation.seq_len", "5000"],
+     "validation.seq_len=5000 exceeds the maximum sequence length"),
     (["--training.global_batch_size", "3"], "training.global_batch_size=3 must be a multiple"),
     (["--training.dataset", "jsonl", "--training.dataset_path", "/nonexistent/x.jsonl"],
      "/nonexistent/x.jsonl"),

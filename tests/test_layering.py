@@ -72,6 +72,18 @@ def test_models_and_parallel_are_independent_of_each_other_downwards():
     assert not bad, bad
 
 
+# TorchTitan's own Qwen3 is the parity reference for this family, so its adapter is Qwen3's.
+FAMILY_SPECIFIC = {"titan_jax.parity.torchtitan_ref"}
+
+
+def test_a_model_family_is_reached_only_through_the_registry():
+    """Outside models/, code gets a family from `get_model_spec` / `spec_of_args`."""
+    bad = [f"{m} imports {d}" for m, deps in _imports().items() for d in deps
+           if d.startswith("titan_jax.models.qwen3") and not m.startswith("titan_jax.models")
+           and m not in FAMILY_SPECIFIC]
+    assert not bad, bad
+
+
 def test_no_import_cycles():
     graph = _imports()
     state: dict[str, int] = {}  # 1 visiting, 2 done

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
+from typing import Any
 
 # Failures of the machine rather than of titan-jax: named first when a save or write fails.
 _ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS,
@@ -36,3 +38,40 @@ def root_cause(error: BaseException) -> str | None:
         if os.strerror(code) in text:
             return os.strerror(code)
     return None
+
+
+def quiet_closed_loop_callbacks() -> None:
+    """Drop the tracebacks that orbax's abandoned reads print after a failed read has raised its
+    error; every other unraisable error is reported as before. Installed once for the process.
+
+    orbax runs a restore's TensorStore reads on a fresh asyncio loop and closes it when the first
+    read fails, with the other reads still in flight. Each of those then reports into
+    `sys.unraisablehook`, around the one-line error that says what is wrong: a read finishing on
+    TensorStore's threads hands its result to the closed loop ("Event loop is closed"), and a
+    read's coroutine, collected unfinished, raises its own read error as it is closed. Nobody
+    awaits either."""
+    previous = sys.unraisablehook
+    if getattr(previous, "quiets_abandoned_reads", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not (_is_closed_loop_callback(unraisable) or _is_abandoned_orbax_read(unraisable)):
+            previous(unraisable)
+
+    hook.quiets_abandoned_reads = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def _is_closed_loop_callback(unraisable: Any) -> bool:
+    tb = unraisable.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed" and tb is not None
+            and tb.tb_frame.f_code.co_name == "_check_closed"
+            and "asyncio" in tb.tb_frame.f_code.co_filename)
+
+
+def _is_abandoned_orbax_read(unraisable: Any) -> bool:
+    code = getattr(unraisable.object, "cr_code", None)  # a coroutine being finalized
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename

@@ -14,6 +14,7 @@ import fsspec
 import numpy as np
 import pytest
 
+from titan_jax.data.dataset import DataError
 from titan_jax.data.prepare import prepare_store
 from titan_jax.data.store import StoreError, open_corpus
 from titan_jax.data.tokenizer import load_tokenizer
@@ -207,3 +208,58 @@ def test_kill_9_during_prepare_data_then_rerun_gives_the_identical_store(tmp_pat
     assert sum("kept from an earlier run" in m for m in messages) >= kept
     _prepare(src, tmp_path / "clean")
     assert _files(tmp_path / "store") == _files(tmp_path / "clean")
+
+
+def _damage_row_group(path: Path, group: int) -> None:
+    """Flips bytes inside the data page of row group `group` (the footer stays valid)."""
+    import pyarrow.parquet as pq
+
+    chunk = pq.ParquetFile(path).metadata.row_group(group).column(0)
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    data = bytearray(path.read_bytes())
+    at = (chunk.data_page_offset + start + chunk.total_compressed_size) // 2  # its data pages
+    data[at:at + 16] = bytes(b ^ 0xFF for b in data[at:at + 16])
+    path.write_bytes(bytes(data))
+
+
+def test_a_data_page_damaged_deep_in_a_parquet_file_is_named_and_the_rerun_goes_on(
+        tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from titan_jax.cli import main
+    from titan_jax.data.pipeline import cached_store
+
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [f"document {i} " + "word " * (i % 13 + 3) for i in range(2000)]
+    for i in range(2):
+        pq.write_table(pa.table({"text": texts}), src / f"part-{i}.parquet", row_group_size=250,
+                       write_page_checksum=True)  # unchecked, the flip below reads silently
+    clean = prepare_store(dataset="parquet", dataset_path=str(src), text_field="text",
+                          tokenizer=TOK, output=str(tmp_path / "clean"))
+    good = (src / "part-1.parquet").read_bytes()
+    _damage_row_group(src / "part-1.parquet", 6)  # of 8; the first document reads fine
+    argv = ["prepare-data", "--training.dataset", "parquet", "--training.dataset_path",
+            str(src), "--output", str(tmp_path / "store")]
+    assert main(argv) == 2
+    *progress, err = capsys.readouterr().err.splitlines()
+    partial = tmp_path / ".store.titan-jax-partial"
+    assert progress == [f"titan-jax prepare-data: [1/2] {src / 'part-0.parquet'}: 54,868 tokens"]
+    assert err == (f"titan-jax: error: {src / 'part-1.parquet'}: column 'text' is corrupt in row "
+                   "group 6 (of 8): could not verify page integrity, CRC checksum verification "
+                   f"failed for page_ordinal 0; the input files finished so far are kept in "
+                   f"{partial}: the same command goes on from them once the file is fixed")
+    assert not (tmp_path / "store").exists()
+    assert sorted(p.name for p in partial.iterdir()) == [  # part-0 whole, nothing of part-1
+        "docs-00000.bin", "request.json", "shard-00000.json", "tokens-00000.bin"]
+    (src / "part-1.parquet").write_bytes(good)  # the hint, followed
+    assert main(argv) == 0
+    assert "part-0.parquet: kept from an earlier run" in capsys.readouterr().err
+    assert _files(tmp_path / "store") == _files(tmp_path / "clean") and clean["shards"]
+    # A small source prepared on first use under the dump folder leaves nothing behind.
+    _damage_row_group(src / "part-1.parquet", 6)
+    with pytest.raises(DataError, match="row group 6 .of 8.: could not verify"):
+        cached_store("parquet", str(src), "text", "train", TOK, str(tmp_path / "cache"),
+                     is_first=True, barrier=lambda _: None)
+    assert list((tmp_path / "cache").iterdir()) == []

@@ -17,6 +17,8 @@ from titan_jax.data.windows import (
     Source,
     ValidationWindows,
     WindowStream,
+    batch_layout,
+    read_row,
 )
 
 TOK = load_tokenizer()
@@ -25,21 +27,24 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split(
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
-    """Two small stores (3 and 1 input files) and their token sequences."""
+    """Two small stores (3 and 1 input files) and their token sequences, tokenized here: the
+    documents in file order, each followed by EOS."""
     root = tmp_path_factory.mktemp("stores")
     out = {}
     for name, n_files, n_docs in (("a", 3, 40), ("b", 1, 15)):
         src = root / f"src_{name}"
         src.mkdir()
+        texts = []
         for f in range(n_files):
-            (src / f"{f}.jsonl").write_text("".join(
-                json.dumps({"text": f"{name}{f} {d} " + " ".join(WORDS[(d + k) % 11]
-                                                                 for k in range(2 * d))}) + "\n"
-                for d in range(n_docs)))
+            texts.append([f"{name}{f} {d} " + " ".join(WORDS[(d + k) % 11] for k in range(2 * d))
+                          for d in range(n_docs)])
+            (src / f"{f}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                    for t in texts[-1]))
         prepare_store(dataset="jsonl", dataset_path=str(src), text_field="text", tokenizer=TOK,
                       output=str(root / name))
-        corpus = open_corpus(str(root / name), TOK)
-        out[name] = (corpus, corpus.read(0, corpus.num_tokens))
+        tokens = np.array([t for file in texts for text in file
+                           for t in [*TOK.encode(text), TOK.eos_id]], np.int32)
+        out[name] = (open_corpus(str(root / name), TOK), tokens)
     return out
 
 
@@ -183,6 +188,23 @@ def test_validation_windows_are_in_order_and_the_same_every_time(stores):
                                   first[0]["labels"])
     again = list(v.batches(2))
     np.testing.assert_array_equal(again[1]["inputs"], first[1]["inputs"])
+
+
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_both_streams_yield_the_batch_layout_training_is_compiled_for(stores, document_mask):
+    corpus, _ = stores["a"]
+    train = next(_stream(stores, document_mask=document_mask, document_positions=document_mask))
+    held_out = ValidationWindows(corpus, seq_len=16, global_batch_size=8, rows=[1, 5],
+                                 document_mask=document_mask, document_positions=document_mask)
+    validation = next(held_out.batches(1))
+    for batch, rows in ((train, 8), (validation, 2)):
+        assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+            k: ((rows, *shape), np.dtype(dtype))
+            for k, (shape, dtype) in batch_layout(16, document_mask).items()}
+    for i, window in enumerate([1, 5]):  # validation rows are training's fields of windows
+        row = read_row(corpus, window * 16, 16, document_mask, document_mask)
+        for k, v in row.items():
+            np.testing.assert_array_equal(validation[k][i], v)
 
 
 def test_bad_stream_settings(stores):

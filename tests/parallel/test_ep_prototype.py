@@ -74,7 +74,7 @@ def test_all_to_all_dispatch_composes_with_simple_fsdp(implementation):
     want, want_grad = jax.value_and_grad(reference)(w, x)
     np.testing.assert_allclose(value, want, rtol=1e-5)
     np.testing.assert_allclose(grads["experts"], want_grad, rtol=1e-4, atol=1e-5)
-    collectives = {c["op"] for c in inspect_step.collectives(hlo)}
+    collectives = {c["op"] for c in inspect_step.collective_counts(hlo)}
     if implementation == "shard_map":
         assert "all-to-all" in collectives, collectives
     else:

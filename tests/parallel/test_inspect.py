@@ -7,9 +7,13 @@ import json
 
 import jax
 import numpy as np
+from tiny_model import TINY
 
 from titan_jax.cli import main
-from titan_jax.tools.inspect_step import collective_counts
+from titan_jax.config import load_config
+from titan_jax.tools.inspect_step import abstract_batch, collective_counts
+from titan_jax.train.setup import build_data
+from titan_jax.train.trainer import build_trainer
 
 HLO = """
 ENTRY %main {
@@ -66,3 +70,25 @@ def test_cli_inspect_bad_mesh_is_one_line_error(capsys):
                "--parallelism.data_parallel_shard_degree", "3"])
     assert rc == 2
     assert "but there are 8 devices" in capsys.readouterr().err
+
+
+def test_inspect_and_compile_lower_the_program_training_runs(tmp_path):
+    """With document masking the stream feeds (B, T, 3) inputs (ids, segment ids, positions):
+    the abstract batch that inspect and compile lower is that batch, so they lower the step
+    training compiles."""
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"doc {i} " + "word " * (i % 5)}) + "\n"
+                              for i in range(40)))
+    config = load_config(None, [
+        "--job.dump_folder", str(tmp_path / "run"), "--training.dataset", "jsonl",
+        "--training.dataset_path", str(corpus), "--training.seq_len", "16",
+        "--training.local_batch_size", "2", "--training.document_mask", "true",
+        "--parallelism.data_parallel_shard_degree", "2"])
+    trainer = build_trainer(config, jax.devices()[:2], model_args=TINY)
+    fed = trainer.put_batch(next(build_data(config, trainer)))
+    lowered = abstract_batch(trainer)
+    assert lowered["inputs"].shape == (4, 16, 3)
+    assert {k: (v.shape, v.dtype, v.sharding) for k, v in lowered.items()} == {
+        k: (v.shape, v.dtype, v.sharding) for k, v in fed.items()}
+    state = trainer.abstract_state()
+    assert trainer.lower_step(state, lowered).as_text() == trainer.lower_step(state, fed).as_text()

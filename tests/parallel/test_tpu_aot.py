@@ -69,7 +69,7 @@ def _source(defs: dict[str, str], name: str) -> str:
 ])
 def test_v5p_fsdp_gathers_bf16_and_reduces_fp32(preset, implementation):
     hlo = compiled_hlo(preset, implementation)
-    found = inspect_step.collectives(hlo, [None] * 8)  # one v5p-8 slice
+    found = inspect_step.collective_counts(hlo)
     gathered = {dtype: sum(c["bytes"] for c in found if c["op"] == "all-gather"
                            and c["dtype"] == dtype) for dtype in ("bf16", "f32", "s32")}
     # Weights travel in bf16; the vocabulary split's token ids (s32) and hidden states (f32,
@@ -108,7 +108,7 @@ def test_mixed_precision_reduce_bf16_reduces_gradients_in_bf16(implementation):
     """TorchTitan's `mixed_precision_reduce = "bfloat16"`: every gradient reduction is bf16
     (what is left in fp32 is the scalar loss and grad norm)."""
     hlo = compiled_hlo("fsdp8", implementation, "--training.mixed_precision_reduce", "bfloat16")
-    reductions = [c for c in inspect_step.collectives(hlo)
+    reductions = [c for c in inspect_step.collective_counts(hlo)
                   if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] in ("bf16", "f32")]
     big = [c for c in reductions if c["bytes"] > 1024]
     assert big and {c["dtype"] for c in big} == {"bf16"}, reductions
@@ -129,7 +129,7 @@ def test_moe_step_with_expert_parallelism_compiles_for_v5p():
     assert trainer.model.options.platform == "tpu"
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     assert "ragged_dot" in lowered.as_text()
-    found = inspect_step.collectives(lowered.compile().as_text())
+    found = inspect_step.collective_counts(lowered.compile().as_text())
     ops = {(c["op"], c["dtype"]) for c in found}
     assert ("all-to-all", "bf16") in ops and ("all-gather", "bf16") in ops, found
 

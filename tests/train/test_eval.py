@@ -11,6 +11,7 @@ from tiny_model import TINY
 
 from titan_jax.config import ConfigError, load_config
 from titan_jax.data.tokenizer import load_tokenizer
+from titan_jax.data.windows import IGNORE_INDEX
 from titan_jax.train import loop
 from titan_jax.train import setup as run_setup
 from titan_jax.train.eval import Validator
@@ -32,8 +33,9 @@ def make_config(folder, *overrides):
 def reference_loss(trainer, params, batches):
     """Mean CE over all tokens of `batches`, from the model's logits on one device."""
     total = count = 0.0
+    apply = jax.jit(trainer.model.apply)  # one compile; eager dispatch costs more per batch
     for b in batches:
-        logits = trainer.model.apply(params, jnp.asarray(b["inputs"]))
+        logits = apply(params, jnp.asarray(b["inputs"]))
         total += float(token_cross_entropy_sum(logits.reshape(-1, logits.shape[-1]),
                                                jnp.asarray(b["labels"]).reshape(-1)))
         count += b["labels"].size
@@ -98,3 +100,44 @@ def test_bad_validation_source_names_the_field(tmp_path):
     trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
     with pytest.raises(ConfigError, match=r"validation.dataset_path='.*missing.jsonl' does not"):
         Validator(config, trainer, load_tokenizer(""))
+
+
+def test_validation_under_document_mask_equals_each_document_run_alone(tmp_path):
+    """Validation reads what training reads: segment ids, per-document positions and the
+    cross-document label ignored. The reference runs each document piece of each window alone."""
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"text": f"doc {i} " + "word " * (i % 7)}) + "\n"
+                                for i in range(40)))  # 3-10 tokens: several per window
+    config = make_config(tmp_path / "run", "--training.document_mask", "true",
+                         "--training.document_positions", "true", "--validation.dataset",
+                         "jsonl", "--validation.dataset_path", str(held_out))
+    trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
+    validator = Validator(config, trainer, load_tokenizer(""))
+    state = trainer.init_state()
+    result = validator.validate(state["params"], state["buffers"])
+
+    corpus = validator._windows.corpus
+    tokens = corpus.read(0, corpus.num_tokens)
+    ends = set(corpus.document_ends(0, corpus.num_tokens).tolist())
+    pieces, labels = [], []  # each document's part of each window, and its labels
+    for start in range(0, result["val_batches"] * validator.global_batch_size * 16, 16):
+        cuts = [start] + [e for e in range(start + 1, start + 16) if e in ends] + [start + 16]
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+            pieces.append(tokens[a:b])
+            label = tokens[a + 1:b + 1].copy()
+            if b in ends:  # this piece's last token is its document's EOS
+                label[-1] = IGNORE_INDEX
+            labels.append(label)
+    width = max(map(len, pieces))  # padded at the end: causal, so padding reaches nothing
+    alone = np.zeros((len(pieces), width), np.int32)
+    alone_labels = np.full((len(pieces), width), IGNORE_INDEX, np.int32)
+    for i, (piece, label) in enumerate(zip(pieces, labels, strict=True)):
+        alone[i, :len(piece)], alone_labels[i, :len(piece)] = piece, label
+    logits = jax.jit(trainer.model.apply)(jax.device_get(state["params"]), jnp.asarray(alone))
+    total = token_cross_entropy_sum(logits.reshape(-1, logits.shape[-1]),
+                                    jnp.asarray(alone_labels).reshape(-1))
+    n_tokens = int((alone_labels != IGNORE_INDEX).sum())
+    windows = result["val_batches"] * validator.global_batch_size
+    assert len(pieces) > 2 * windows  # the windows hold document boundaries
+    assert result["val_tokens"] == n_tokens < windows * 16
+    assert result["val_loss"] == pytest.approx(float(total) / n_tokens, rel=1e-5)

@@ -18,8 +18,11 @@ from pathlib import Path
 
 import jax
 import pytest
+from tiny_model import TINY
 
 from titan_jax.cli import main
+from titan_jax.models.qwen3 import build_model_def
+from titan_jax.train.model_io import save_orbax
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -211,6 +214,33 @@ def test_bad_checkpoints_fail_cleanly_at_the_cli(reference, tmp_path, capsys, mo
     if case == "load_step":
         assert "available: 10, 12" in err
     gc.collect()  # orbax leaves a failed read's coroutines to the collector: here, filtered
+
+
+@pytest.mark.slow
+def test_a_damaged_orbax_read_prints_its_one_line_and_nothing_else(reference, env, tmp_path):
+    """orbax closes a failed restore's event loop while TensorStore reads are in flight; their
+    callbacks printed "Event loop is closed" tracebacks around the one-line error, during the
+    run and at exit. A process that resumes from a truncated checkpoint, then converts an orbax
+    model with a missing data file (the two orbax readers), prints its two errors only."""
+    dump = tmp_path / "run"
+    shutil.copytree(reference.folder / "checkpoint", dump / "checkpoint",
+                    ignore=shutil.ignore_patterns("12"))
+    for f in (dump / "checkpoint" / "10" / "state" / "d").iterdir():
+        f.write_bytes(f.read_bytes()[:10])
+    model = tmp_path / "model"
+    save_orbax(model, build_model_def(TINY).init(jax.random.key(0)), TINY)
+    for f in (model / "params" / "d").iterdir():
+        f.unlink()
+    calls = [["train", *ARGS, "--job.cpu_devices", "1", "--job.dump_folder", str(dump)],
+             ["convert", "--from", "orbax", "--to", "hf", str(model), str(tmp_path / "hf")]]
+    script = f"from titan_jax.cli import main\nfor argv in {calls!r}:\n    main(argv)\n"
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, timeout=300,
+                          capture_output=True, text=True)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2, proc.stderr[-3000:]
+    assert lines[0].startswith(f"titan-jax: error: checkpoint {dump / 'checkpoint' / '10'} is "
+                               "unreadable (corrupt or truncated): ")
+    assert lines[1].startswith(f"titan-jax: error: orbax model {model} is unreadable")
 
 
 @pytest.mark.parametrize("case", ["unwritable", "hf_not_qwen3"])

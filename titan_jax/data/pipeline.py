@@ -52,7 +52,8 @@ def cached_store(dataset: str, dataset_path: str, text_field: str, split: Split,
         if (turn == "first") == is_first and read_manifest(store) is None:
             progress(f"preparing {dataset} ({split}) as a token store in {store}")
             prepare_store(dataset=dataset, dataset_path=dataset_path, text_field=text_field,
-                          tokenizer=tokenizer, output=store, split=split)
+                          tokenizer=tokenizer, output=store, split=split,
+                          keep_partial=False)  # a fixed input is another store's key
         if turn == "first":
             barrier(f"titan_jax token store {store}")
     return store

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import itertools
 import json
 import multiprocessing
 import os
@@ -104,13 +103,21 @@ class _Encoder:
         return self.pool.submit(_encode_in_worker, chunk, self.dtype)
 
     def map(self, items: Iterator[tuple[int, list[str] | None]]) -> Iterator[tuple[int, Any]]:
+        """A damaged input raises only after what was read before it: the files before the
+        damaged one are finished (and kept for a rerun) whatever the read-ahead."""
         pending: collections.deque[tuple[int, Any]] = collections.deque()
-        for i, chunk in items:
-            pending.append((i, self._submit(chunk)))
-            if len(pending) >= self.depth:
-                yield self._result(*pending.popleft())
+        damage = None
+        try:
+            for i, chunk in items:
+                pending.append((i, self._submit(chunk)))
+                if len(pending) >= self.depth:
+                    yield self._result(*pending.popleft())
+        except DataError as e:
+            damage = e
         while pending:
             yield self._result(*pending.popleft())
+        if damage is not None:
+            raise damage
 
     @staticmethod
     def _result(i: int, job: Any) -> tuple[int, Any]:
@@ -134,14 +141,18 @@ def _write_shard(fs: Any, folder: str, index: int, blocks: Iterator[tuple[bytes,
     tokens_path, docs_path = join(folder, tokens_name), join(folder, docs_name)
     digests = hashlib.sha256(), hashlib.sha256()
     n_tokens = n_docs = 0
-    with fs.open(tokens_path + ".tmp", "wb") as ft, fs.open(docs_path + ".tmp", "wb") as fd:
-        for data, lengths in blocks:
-            ends = (np.cumsum(lengths) + n_tokens).astype("<i8").tobytes()
-            for f, digest, b in ((ft, digests[0], data), (fd, digests[1], ends)):
-                f.write(b)
-                digest.update(b)
-            n_tokens += int(lengths.sum())
-            n_docs += len(lengths)
+    try:
+        with fs.open(tokens_path + ".tmp", "wb") as ft, fs.open(docs_path + ".tmp", "wb") as fd:
+            for data, lengths in blocks:
+                ends = (np.cumsum(lengths) + n_tokens).astype("<i8").tobytes()
+                for f, digest, b in ((ft, digests[0], data), (fd, digests[1], ends)):
+                    f.write(b)
+                    digest.update(b)
+                n_tokens += int(lengths.sum())
+                n_docs += len(lengths)
+    except DataError:  # its input is damaged: no half of its shard stays behind
+        fs.rm([p + ".tmp" for p in (tokens_path, docs_path) if fs.exists(p + ".tmp")])
+        raise
     fs.mv(tokens_path + ".tmp", tokens_path)
     fs.mv(docs_path + ".tmp", docs_path)
     return {"file_index": index, "tokens": n_tokens, "documents": n_docs,
@@ -175,9 +186,11 @@ def _start_folder(fs: Any, folder: str, request: dict[str, Any]) -> None:
 
 def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer: Tokenizer,
                   output: str, split: Split = "train", workers: int = 1, num_shards: int = 1,
-                  shard_index: int = 0, progress: Callable[[str], None] = lambda _: None
-                  ) -> dict[str, Any]:
-    """Writes (or finishes, or finds already written) the store at `output`; its manifest."""
+                  shard_index: int = 0, progress: Callable[[str], None] = lambda _: None,
+                  keep_partial: bool = True) -> dict[str, Any]:
+    """Writes (or finishes, or finds already written) the store at `output`; its manifest.
+    An input found damaged part way leaves the shards finished so far for a rerun to keep, or
+    (`keep_partial=False`) nothing."""
     if workers < 1:
         raise DataError(f"--workers={workers} must be >= 1")
     if not 0 <= shard_index < num_shards:
@@ -205,24 +218,39 @@ def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer
     folder = (join(out_path.rsplit("/", 1)[0], f".{out_path.rsplit('/', 1)[1]}.titan-jax-partial")
               if local else out_path)
     _start_folder(fs, folder, request)
-    entries = _write_shards(fs, folder, mine, dataset, text_field, tokenizer, workers, progress)
+    try:
+        entries = _write_shards(fs, folder, mine, dataset, text_field, tokenizer, workers,
+                                progress)
+    except DataError as e:
+        if not keep_partial:
+            fs.rm(folder, recursive=True)
+            raise
+        raise DataError(f"{e}; the input files finished so far are kept in "
+                        f"{folder if local else output}: the same command goes on from them "
+                        "once the file is fixed") from None
     if not any(e["documents"] for e in entries):
         raise DataError(f"dataset={dataset!r} at dataset_path={dataset_path!r} holds no "
                         "documents" + (f" in shard {shard_index} of {num_shards}"
                                        if num_shards > 1 else ""))
     manifest = {**request, "tokens": sum(e["tokens"] for e in entries),
                 "documents": sum(e["documents"] for e in entries), "shards": entries}
-    _write_atomic(fs, join(folder, MANIFEST), json.dumps(manifest, indent=1).encode())
-    for i, _ in mine:
-        fs.rm(join(folder, f"shard-{i:05d}.json"))
-    fs.rm(join(folder, "request.json"))
-    if local:
-        if fs.exists(out_path):  # empty (checked above): a move would land inside it
-            fs.rmdir(out_path)
-        fs.mv(folder, out_path, recursive=True)
+    _finish(fs, folder, out_path if local else None, manifest)
     progress(f"{output}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents "
              f"from {len(mine)} of {len(files)} input files")
     return manifest
+
+
+def _finish(fs: Any, folder: str, final: str | None, manifest: dict[str, Any]) -> None:
+    """The manifest written last, the resume records dropped, and a local store renamed from
+    its hidden sibling to `final`."""
+    _write_atomic(fs, join(folder, MANIFEST), json.dumps(manifest, indent=1).encode())
+    for entry in manifest["shards"]:
+        fs.rm(join(folder, f"shard-{entry['file_index']:05d}.json"))
+    fs.rm(join(folder, "request.json"))
+    if final is not None:
+        if fs.exists(final):  # empty (checked before): a move would land inside it
+            fs.rmdir(final)
+        fs.mv(folder, final, recursive=True)
 
 
 def _items(todo: list[tuple[int, str]], dataset: str, text_field: str
@@ -230,6 +258,16 @@ def _items(todo: list[tuple[int, str]], dataset: str, text_field: str
     for i, file in todo:
         yield from ((i, c) for c in _chunks(read_documents(dataset, file, text_field)))
         yield i, None  # the file's end: its shard exists even when it holds no document
+
+
+def _file_blocks(encoded: Iterator[tuple[int, Any]], index: int) -> Iterator[Any]:
+    """File `index`'s encoded chunks, up to its end item: its shard is done before anything of
+    the next file is read (a damaged next file cannot undo it)."""
+    for i, block in encoded:
+        assert i == index, (i, index)
+        if block is None:
+            return
+        yield block
 
 
 def _write_shards(fs: Any, folder: str, mine: list[tuple[int, str]], dataset: str,
@@ -247,9 +285,8 @@ def _write_shards(fs: Any, folder: str, mine: list[tuple[int, str]], dataset: st
     encoder = _Encoder(tok, workers, token_dtype(tok.vocab_size).str)
     try:
         encoded = encoder.map(_items(todo, dataset, text_field))
-        for i, group in itertools.groupby(encoded, key=lambda item: item[0]):
-            blocks = (block for _, block in group if block is not None)
-            entry = {**_write_shard(fs, folder, i, blocks), "source": files[i]}
+        for i, _ in todo:
+            entry = {**_write_shard(fs, folder, i, _file_blocks(encoded, i)), "source": files[i]}
             _write_atomic(fs, join(folder, f"shard-{i:05d}.json"), json.dumps(entry).encode())
             entries[i] = entry
             progress(f"[{len(entries)}/{len(mine)}] {files[i]}: {entry['tokens']:,} tokens")

@@ -79,6 +79,23 @@ class Mixture:
         return block * self.counts + self.before[:, p]
 
 
+def batch_layout(seq_len: int, document_mask: bool) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Per row of a batch: each field's shape and dtype, as the streams below yield them (the
+    trainer's abstract batch, which inspect and compile lower, is built from this)."""
+    inputs = (seq_len, 3) if document_mask else (seq_len,)
+    return {"inputs": (inputs, np.int32), "labels": ((seq_len,), np.int32)}
+
+
+def read_row(corpus: Corpus, start: int, seq_len: int, document_mask: bool = False,
+             document_positions: bool = False) -> dict[str, np.ndarray]:
+    """The row of the window at token `start`: inputs and labels (document fields with
+    `document_mask`)."""
+    tokens = corpus.read(start, start + seq_len + 1)
+    if document_mask:
+        return document_fields(corpus, start, tokens, seq_len, document_positions)
+    return {"inputs": tokens[:-1], "labels": tokens[1:]}
+
+
 def document_fields(corpus: Corpus, start: int, window: np.ndarray, seq_len: int,
                     restart_positions: bool) -> dict[str, np.ndarray]:
     """{"inputs": (S, 3) ids, segment ids, positions; "labels" with boundaries ignored}."""
@@ -94,8 +111,8 @@ def document_fields(corpus: Corpus, start: int, window: np.ndarray, seq_len: int
 
 
 class WindowStream:
-    """Yields this process's rows (ascending) of every global batch: int32 (len(rows), S)
-    arrays "inputs" and "labels", plus "segment_ids" and "positions" with `document_mask`."""
+    """Yields this process's rows (ascending) of every global batch: int32 arrays "inputs"
+    (len(rows), S), or (len(rows), S, 3) with `document_mask`, and "labels" (len(rows), S)."""
 
     def __init__(self, sources: Sequence[Source], *, seq_len: int, global_batch_size: int,
                  seed: int, rows: Sequence[int] | None = None, document_mask: bool = False,
@@ -149,16 +166,9 @@ class WindowStream:
     def __next__(self) -> dict[str, np.ndarray]:
         source, window = self.window_index(self.samples + np.array(self.rows))
         self.samples += self.global_batch_size
-        rows = []
-        for s, w in zip(source, window, strict=True):
-            corpus = self.sources[s].corpus
-            start = int(w) * self.seq_len
-            tokens = corpus.read(start, start + self.seq_len + 1)
-            row = {"inputs": tokens[:-1], "labels": tokens[1:]}
-            if self.document_mask:
-                row = document_fields(corpus, start, tokens, self.seq_len,
-                                      self.document_positions)
-            rows.append(row)
+        rows = [read_row(self.sources[s].corpus, int(w) * self.seq_len, self.seq_len,
+                         self.document_mask, self.document_positions)
+                for s, w in zip(source, window, strict=True)]
         return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
     def source_tokens(self, batches: int) -> dict[str, int]:
@@ -197,18 +207,21 @@ class WindowStream:
 
 class ValidationWindows:
     """The same batches every call: windows 0, 1, 2, ... of a held-out corpus in order (batch b,
-    row r = window b*G + r), up to `max_batches` (-1: all whole batches); this process's rows."""
+    row r = window b*G + r), up to `max_batches` (-1: all whole batches); this process's rows.
+    `document_mask` / `document_positions`: the same fields training reads (WindowStream)."""
 
     def __init__(self, corpus: Corpus, *, seq_len: int, global_batch_size: int,
-                 rows: Sequence[int] | None = None):
+                 rows: Sequence[int] | None = None, document_mask: bool = False,
+                 document_positions: bool = False):
         self.corpus, self.seq_len, self.global_batch_size = corpus, seq_len, global_batch_size
         self.rows = np.array(range(global_batch_size) if rows is None else sorted(set(rows)))
         self.num_batches = (corpus.num_tokens - 1) // seq_len // global_batch_size
+        self.document_mask, self.document_positions = document_mask, document_positions
 
     def batches(self, max_batches: int = -1) -> Iterator[dict[str, np.ndarray]]:
         n = self.num_batches if max_batches < 0 else min(max_batches, self.num_batches)
         for b in range(n):
-            w = np.stack([self.corpus.read(s, s + self.seq_len + 1) for s in
-                          (b * self.global_batch_size + self.rows) * self.seq_len])
-            yield {"inputs": np.ascontiguousarray(w[:, :-1]),
-                   "labels": np.ascontiguousarray(w[:, 1:])}
+            rows = [read_row(self.corpus, int(s), self.seq_len, self.document_mask,
+                             self.document_positions)
+                    for s in (b * self.global_batch_size + self.rows) * self.seq_len]
+            yield {k: np.stack([r[k] for r in rows]) for k in rows[0]}

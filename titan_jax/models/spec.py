@@ -1,9 +1,10 @@
 """The model interface: what training, checkpoints and tools need from a model family, and the
 registry that maps `model.name` to it (TorchTitan's train specs).
 
-A family registers one `ModelSpec`; `train/` only ever talks to a `ModelDef` (built from a
-flavour's args) and to the spec's FLOP count and HF adapter, so a second family (Qwen3-MoE)
-plugs in without touching `train/`.
+A family registers one `ModelSpec`; `train/`, `tools/` and `parity/` only ever talk to a
+`ModelDef` (built from a flavour's args) and to the spec (args class, FLOP count, HF adapter,
+decoding), found by `model.name` or by the args in hand (`spec_of_args`), so another family
+plugs in without touching them.
 
 The forward returns `(hidden_BTD, output_weight_DV, aux)`. `aux` is the channel for everything
 else a forward produces:

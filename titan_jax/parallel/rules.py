@@ -33,6 +33,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from titan_jax.models.sharding_hooks import LogicalAxes
+from titan_jax.trees import leaf_name
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -194,8 +195,7 @@ class ShardingRules:
         """The storage PartitionSpec of every array in `abstract` (same tree as
         `logical_axes`); a ShardingRuleError names the first array the table cannot split."""
         def spec(path: tuple, x: Any, axes: LogicalAxes) -> PartitionSpec:
-            name = jax.tree_util.keystr(path, simple=True, separator=".")
-            return self.storage_spec(name, axes, x.shape)
+            return self.storage_spec(leaf_name(path), axes, x.shape)
 
         return jax.tree_util.tree_map_with_path(spec, abstract, logical_axes)
 

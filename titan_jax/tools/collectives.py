@@ -4,6 +4,7 @@ placement and mesh axes, and times them)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -28,11 +29,12 @@ def spanned_mesh_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> st
     return "+".join(n for n in names if n in spanned) or "-"
 
 
-def collectives(hlo_text: str, mesh_devices: list[Any],
+def collectives(hlo_text: str, mesh_devices: Sequence[Any] = (),
                 mesh_shape: dict[str, int] | None = None) -> list[dict[str, Any]]:
     """Every collective instruction of the step (`hlo_stats.collective_ops`: op, dtype, result
     bytes per device, executions per step), with its network (ici/dcn), loop placement, the
-    mesh axes it spans (given the mesh's shape) and the bytes a ring moves per step."""
+    mesh axes it spans (given the mesh's shape) and the bytes a ring moves per step (given the
+    mesh's devices; an instruction's own device groups otherwise)."""
     slice_of = [getattr(d, "slice_index", 0) for d in mesh_devices]
     ops = hlo_stats.collective_ops(hlo_stats.parse(hlo_text))
     for c in ops:

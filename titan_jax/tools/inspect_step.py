@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from titan_jax.data.windows import batch_layout
 from titan_jax.tools import hlo_stats
 from titan_jax.tools.collectives import collectives
 from titan_jax.train.trainer import Trainer
@@ -55,21 +56,26 @@ def state_bytes(trainer: Trainer) -> tuple[int, int]:
             sum(_nbytes(x.dtype, x.shape) for x in leaves))
 
 
-def collective_counts(hlo_text: str, mesh: jax.sharding.Mesh) -> list[dict[str, Any]]:
+def collective_counts(hlo_text: str, mesh: jax.sharding.Mesh | None = None
+                      ) -> list[dict[str, Any]]:
     """The step's collectives (tools/collectives.py) grouped by (op, element dtype).
 
     `count`: instructions; `bytes`: their result sizes per device, summed. Async `-start` ops
     count as their op (their `-done` halves are skipped); a combined op counts once per dtype.
     """
-    ops = collectives(hlo_text, list(mesh.devices.flat), dict(mesh.shape))
+    ops = collectives(hlo_text, [] if mesh is None else list(mesh.devices.flat),
+                      None if mesh is None else dict(mesh.shape))
     return [{k: g[k] for k in ("op", "dtype", "count", "bytes")}
             for g in hlo_stats.summarize(ops)]
 
 
 def abstract_batch(trainer: Trainer) -> dict[str, jax.ShapeDtypeStruct]:
-    shape = (trainer.global_batch_size, trainer.config.training.seq_len)
-    sds = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
-    return {"inputs": sds, "labels": sds}
+    """The global batch the run's stream feeds the step (its fields, shapes and dtypes from
+    `batch_layout`: document masking's (B, T, 3) inputs too), as sharded abstract arrays."""
+    t = trainer.config.training
+    return {k: jax.ShapeDtypeStruct((trainer.global_batch_size, *shape), dtype,
+                                    sharding=trainer.batch_sharding)
+            for k, (shape, dtype) in batch_layout(t.seq_len, t.document_mask).items()}
 
 
 def compile_lowered(lowered: Any) -> tuple[Any, str | None]:

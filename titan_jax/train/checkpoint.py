@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from titan_jax.config import JobConfig
-from titan_jax.errors import TitanJaxError, root_cause
+from titan_jax.errors import TitanJaxError, quiet_closed_loop_callbacks, root_cause
 from titan_jax.train.checksums import checksums
 from titan_jax.train.state_formats import count_from_schedule, schedule_counted
 from titan_jax.train.step import TrainState
@@ -164,6 +164,7 @@ class Checkpointer:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._saving: int | None = None  # step of a save that may still be in flight
+        quiet_closed_loop_callbacks()  # a failed read's one-line error stays one line
 
     @classmethod
     def from_config(cls, config: JobConfig, trainer: Trainer) -> Checkpointer:

@@ -5,8 +5,8 @@ parallelism (SimpleFSDP's hooks and `loss_map`), the same fp32 summed cross-entr
 losses left out). It is jitted once with the training run's parameter and batch shardings, so
 it needs no resharding and no second copy of the weights. `Validator` runs it over the
 `[validation]` batches (the same batches every time: windows of a held-out token store in
-order, `data.windows.ValidationWindows`) and returns the loss over all valid tokens,
-TorchTitan's reduction, and its perplexity.
+order, `data.windows.ValidationWindows`, with training's document masking) and returns the
+loss over all valid tokens, TorchTitan's reduction, and its perplexity.
 """
 
 from __future__ import annotations
@@ -63,9 +63,11 @@ class Validator:
             corpus = validation_corpus(config, tokenizer, is_first=first, barrier=process_barrier)
         except ValueError as e:  # a bad source or path, named by the data module
             raise ConfigError(f"validation.{e}") from None
+        t = config.training  # the document masking training runs with
         self._windows = ValidationWindows(
             corpus, seq_len=v.seq_len, global_batch_size=self.global_batch_size,
-            rows=trainer.batch_rows(self.global_batch_size))
+            rows=trainer.batch_rows(self.global_batch_size), document_mask=t.document_mask,
+            document_positions=t.document_positions)
         if self._windows.num_batches == 0:
             raise ConfigError(
                 f"validation.dataset={v.dataset!r} holds less than one batch of "

@@ -6,6 +6,9 @@ The orbax side is a model-only checkpoint directory:
     DST/model_args.json   the model's args fields (its family's `ModelSpec.args_class`)
     DST/params/           orbax `StandardCheckpointer` of the params pytree: fp32, titan-jax
                           layout and names, layers stacked (params["layers"]["attention"]["wq"])
+    DST/checksums.json    each array's checksum (train/checksums.py), checked when it is read:
+                          orbax restores overwritten bytes without a word (older directories
+                          have none, and are read unchecked)
 
 Read are that, or one step folder of a training run (`{dump_folder}/checkpoint/{step}`, its
 params only). Restores go straight onto target shardings (orbax reads each device's slice).
@@ -23,6 +26,7 @@ import orbax.checkpoint as ocp
 
 from titan_jax.atomic_dir import atomic_dir
 from titan_jax.config import JobConfig
+from titan_jax.errors import quiet_closed_loop_callbacks
 from titan_jax.models import BuildOptions, ModelSpec, spec_of_args
 from titan_jax.models.spec import Params
 from titan_jax.train.checkpoint import (
@@ -32,10 +36,12 @@ from titan_jax.train.checkpoint import (
     first_line,
     is_checkpoint_dir,
 )
+from titan_jax.train.checksums import checksums
 from titan_jax.train.trainer import Trainer
 
 ARGS_FILE = "model_args.json"
 PARAMS_DIR = "params"
+CHECKSUMS_FILE = "checksums.json"
 
 
 def save_orbax(path: str | Path, params: Params, args: Any, *, overwrite: bool = False,
@@ -43,9 +49,11 @@ def save_orbax(path: str | Path, params: Params, args: Any, *, overwrite: bool =
     """Writes the model-only orbax checkpoint described in the module docstring, whole or not at
     all (`atomic_dir`: a non-empty `path` is replaced only with `overwrite`, never the source)."""
     writer = jax.process_index() == 0
+    sums = checksums(params)[0]  # every process: the sums add up its share
     with atomic_dir(path, overwrite=overwrite, source=source, writer=writer) as tmp:
         if writer:
             (tmp / ARGS_FILE).write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
+            (tmp / CHECKSUMS_FILE).write_text(json.dumps(sums, indent=1) + "\n")
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp / PARAMS_DIR, params)
         checkpointer.wait_until_finished()
@@ -102,11 +110,29 @@ def load_orbax(path: str | Path, spec: ModelSpec, shardings: Params | None = Non
     if not (path / PARAMS_DIR).is_dir():
         raise CheckpointError(f"{path} has no {PARAMS_DIR}/ (not a titan-jax orbax model "
                               "directory)")
+    quiet_closed_loop_callbacks()  # a failed read's one-line error stays one line
     try:
-        return args, ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+        params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
     except Exception as e:  # orbax and TensorStore raise bare Exception and ValueError
         raise CheckpointError(f"orbax model {path} is unreadable (corrupt or truncated): "
                               f"{first_line(e)}; convert it again from its source") from e
+    _verify(path, params)
+    return args, params
+
+
+def _verify(path: Path, params: Params) -> None:
+    """Every array against the checksum recorded when `path` was written (if it was)."""
+    try:
+        recorded = json.loads((path / CHECKSUMS_FILE).read_text())
+    except FileNotFoundError:
+        return
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path / CHECKSUMS_FILE}: not valid JSON: {e}") from None
+    bad = next((n for n, v in checksums(params)[0].items() if recorded.get(n) != v), None)
+    if bad is not None:
+        raise CheckpointError(f"orbax model {path} is corrupt: {bad} does not match the "
+                              "checksum recorded when it was written; convert it again from "
+                              "its source")
 
 
 def export_hf(config: JobConfig, trainer: Trainer, params: Any, step: int) -> Path:
