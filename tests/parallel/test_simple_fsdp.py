@@ -97,7 +97,11 @@ def assert_bf16_gathers_fp32_reductions(report: dict) -> None:
     gathers = _float(found, "all-gather")
     reductions = _float(found, "all-reduce", "reduce-scatter", "all-to-all")
     if report["mesh"]["fsdp"] > 1:
-        assert gathers and {c["dtype"] for c in gathers} == {"bf16"}, found
+        # Weights travel in bf16; the vocabulary split gathers hidden states in f32 (their
+        # gradient is reduced in fp32), a small share.
+        by_dtype = {d: sum(c["bytes"] for c in gathers if c["dtype"] == d) for d in ("bf16", "f32")}
+        assert {c["dtype"] for c in gathers} <= {"bf16", "f32"}, found
+        assert by_dtype["f32"] < by_dtype["bf16"], found
     else:
         assert not gathers, found  # DDP: weights are replicated, nothing to gather
     assert reductions and {c["dtype"] for c in reductions} == {"f32"}, found
