@@ -106,11 +106,12 @@ def test_auto_precision_follows_the_target_devices_not_the_host():
     "jit", pytest.param("shard_map", marks=pytest.mark.slow)])
 def test_mixed_precision_reduce_bf16_reduces_gradients_in_bf16(implementation):
     """TorchTitan's `mixed_precision_reduce = "bfloat16"`: every gradient reduction is bf16
-    (what is left in fp32 is the scalar loss and grad norm)."""
+    (what is left in fp32 is the scalar loss, grad norm and the loss's softmax sums)."""
     hlo = compiled_hlo("fsdp8", implementation, "--training.mixed_precision_reduce", "bfloat16")
     reductions = [c for c in inspect_step.collective_counts(hlo)
                   if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] in ("bf16", "f32")]
-    big = [c for c in reductions if c["bytes"] > 1024]
+    # Left in fp32 too: the loss's per-token softmax sums over vocabulary shards (tokens x 4 B).
+    big = [c for c in reductions if c["bytes"] > 4096]
     assert big and {c["dtype"] for c in big} == {"bf16"}, reductions
 
 
