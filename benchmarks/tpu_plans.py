@@ -18,6 +18,7 @@ from typing import Any
 
 from titan_jax.atomic_dir import write_text_atomic
 from titan_jax.config import load_config
+from titan_jax.jax_platform import compile_only_libtpu
 from titan_jax.tools.aot_compile import compile_report
 
 BEGIN, END = "<!-- tpu_plans:begin -->", "<!-- tpu_plans:end -->"
@@ -34,6 +35,8 @@ class Plan:
     # MaxText 0.2.4 at the same recipe (AOT on this CPU; NOTES.md): arguments, temporaries (GB)
     # and compile time (s); None where not measured.
     maxtext: tuple[float, float, float | None] | None = None
+    # A published hardware measurement of the same recipe, for the reference column.
+    measured: str | None = None
 
 
 # The issue's setting for 8B: 2 x 4096 tokens per chip, fp32 master weights, bf16 compute,
@@ -43,7 +46,8 @@ PLANS = (
     Plan("8B v6e-8", "configs/qwen3_8b.toml", "v6e-8", maxtext=(12.29, 16.03, 433)),
     # The TorchTitan TPU fork's measured recipe (35-36% MFU on a real v6e-8; docs/TPU.md).
     Plan("8B v6e-8 6 x 2048 (fork)", "configs/qwen3_8b.toml", "v6e-8",
-         ("--training.local_batch_size", "6", "--training.seq_len", "2048")),
+         ("--training.local_batch_size", "6", "--training.seq_len", "2048"),
+         measured="TorchTitan TPU fork, real v6e-8: 35-36% MFU"),
     Plan("8B v5p-8 remat none", "configs/qwen3_8b.toml", "v5p-8",
          ("--activation_checkpoint.mode", "none")),
     Plan("8B v5p-8 remat selective", "configs/qwen3_8b.toml", "v5p-8",
@@ -97,7 +101,7 @@ def row(plan: Plan, r: dict[str, Any]) -> str:
     m = r["memory"]
     mt = plan.maxtext
     maxtext = (f"{mt[0]:.2f} + {mt[1]:.2f} = {mt[0] + mt[1]:.2f}; "
-               f"{'-' if mt[2] is None else f'{mt[2]:.0f} s'}" if mt else "-")
+               f"{'-' if mt[2] is None else f'{mt[2]:.0f} s'}" if mt else plan.measured or "-")
     mesh = " ".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1)
     kernel = r.get("attention_kernel_flops_per_step") or 0  # splash, counted from its shapes
     attention = r["attention"] + (f" ({kernel / 1e15:.2f} PFLOP)" if kernel else "")
@@ -127,13 +131,27 @@ def markdown(rows: list[str]) -> str:
         "",
         "| recipe | mesh | remat | attention (kernel FLOPs per step) | args + temps (GB) | "
         "peak of usable (GB) | fits | compile | est. step / MFU (bound) | gather overlap | "
-        "MaxText 0.2.4 args + temps (GB); compile |",
+        "MaxText 0.2.4 args + temps (GB); compile, or a hardware measurement |",
         "|---|---|---|---|---|---|---|---|---|---|---|", *rows])
 
 
-def write_table(path: Path, table: str) -> None:
+def merged(old_table: str, rows: list[str]) -> list[str]:
+    """The rows of `old_table` (the block between the markers), each replaced by the new row
+    of the same recipe, new recipes appended: `--only` updates its rows and keeps the rest
+    (rows of an older table layout are dropped)."""
+    name = lambda line: line.split("|")[1].strip()  # noqa: E731
+    columns = lambda line: line.count("|")  # noqa: E731
+    new = {name(r): r for r in rows}
+    old = [line for line in old_table.splitlines() if line.startswith("| ")
+           and not line.startswith("| recipe ") and columns(line) == columns(rows[0])]
+    kept = [new.pop(name(line), line) for line in old]
+    return kept + [r for r in rows if name(r) in new]
+
+
+def write_table(path: Path, rows: list[str]) -> None:
     text = path.read_text()
-    block = f"{BEGIN}\n{table}\n{END}"
+    old = re.search(re.escape(BEGIN) + "(.*?)" + re.escape(END), text, flags=re.S)
+    block = f"{BEGIN}\n{markdown(merged(old[1] if old else '', rows))}\n{END}"
     write_text_atomic(path, re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block,
                                    text, flags=re.S))
 
@@ -145,6 +163,7 @@ def main() -> None:
     parser.add_argument("--json", metavar="DIR", help="also write each report as JSON here")
     parser.add_argument("--write", metavar="FILE", help="replace the table in FILE")
     opts = parser.parse_args()
+    compile_only_libtpu()  # before libtpu loads: CPU-hosted, with titan-jax's default flags
     plans = [p for p in PLANS if not opts.only or any(p.name.startswith(o) for o in opts.only)]
     rows = []
     for plan in plans:
@@ -155,10 +174,9 @@ def main() -> None:
             Path(opts.json).mkdir(parents=True, exist_ok=True)
             name = re.sub(r"[^\w.-]+", "_", plan.name)
             write_text_atomic(Path(opts.json) / f"{name}.json", json.dumps(report, indent=2))
-    table = markdown(rows)
-    print(table)
+    print(markdown(rows))
     if opts.write:
-        write_table(Path(opts.write), table)
+        write_table(Path(opts.write), rows)
 
 
 if __name__ == "__main__":

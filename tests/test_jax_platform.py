@@ -47,3 +47,16 @@ def test_cli_on_this_cpu_host_prints_no_tpu_noise():
                          check=True)
     assert out.stdout.strip().endswith("cpu")
     assert "TPU" not in out.stderr and "INVALID_ARGUMENT" not in out.stderr, out.stderr
+
+
+def test_libtpu_overlap_flags_are_added_unless_the_user_names_them(monkeypatch):
+    from titan_jax.jax_platform import ASYNC_GATHER_FLAGS, default_libtpu_flags
+
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    assert default_libtpu_flags().split() == list(ASYNC_GATHER_FLAGS)
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_enable_async_all_gather=false --other=1")
+    args = default_libtpu_flags().split()
+    assert args[:2] == ["--xla_enable_async_all_gather=false", "--other=1"]
+    assert "--xla_enable_async_all_gather=true" not in args
+    assert set(ASYNC_GATHER_FLAGS[1:]) <= set(args)
+    assert default_libtpu_flags().split() == args  # idempotent

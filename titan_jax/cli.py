@@ -15,7 +15,12 @@ from titan_jax.atomic_dir import write_text_atomic
 from titan_jax.cli_commands import add_commands
 from titan_jax.config import ConfigError, JobConfig, load_config
 from titan_jax.errors import TitanJaxError
-from titan_jax.jax_platform import compile_only_libtpu, default_to_cpu_without_accelerator
+from titan_jax.jax_platform import (
+    compile_only_libtpu,
+    default_libtpu_flags,
+    default_to_cpu_without_accelerator,
+    is_tpu_host,
+)
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
@@ -160,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compile"]:
         compile_only_libtpu()  # before anything imports JAX
+    elif is_tpu_host():
+        default_libtpu_flags()
     default_to_cpu_without_accelerator()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -53,7 +53,7 @@ def test_logical_axes_cover_every_dimension():
     for name, sds in named_leaves(model.abstract_params).items():
         assert len(axes[name]) == len(sds.shape), name
     assert axes["layers.attention.wq"] == ("layers", "embed", "heads", "head_dim")
-    assert axes["tok_embeddings"] == ("vocab", "embed")
+    assert axes["tok_embeddings"] == ("vocab", "vocab_embed")
 
 
 def test_causality_future_tokens_get_zero_gradient():

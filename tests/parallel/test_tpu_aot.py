@@ -10,7 +10,7 @@ import importlib.util
 import re
 
 import pytest
-from parallel_helpers import TINY, preset_overrides, tiny_config
+from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, preset_overrides, tiny_config
 
 from titan_jax.tools import inspect_step
 from titan_jax.train.trainer import build_trainer
@@ -65,17 +65,27 @@ def _source(defs: dict[str, str], name: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset, implementation", [
-    ("fsdp8", "jit"), ("hsdp2x4", "jit"), ("ddp8", "jit"), ("fsdp8", "shard_map"),
+    ("fsdp8", "jit"), ("ddp8", "jit"), ("fsdp8", "shard_map"),
+    ("hsdp2x4", "jit"),  # the vocabulary tables gathered there (rules.table_for_vocab)
 ])
 def test_v5p_fsdp_gathers_bf16_and_reduces_fp32(preset, implementation):
     hlo = compiled_hlo(preset, implementation)
     found = inspect_step.collective_counts(hlo)
-    gathers = {c["dtype"] for c in found if c["op"] == "all-gather"}
-    assert gathers == ({"bf16"} if preset != "ddp8" else set()), found
+    gathered = {dtype: sum(c["bytes"] for c in found if c["op"] == "all-gather"
+                           and c["dtype"] == dtype) for dtype in ("bf16", "f32", "s32")}
+    # Weights travel in bf16; the vocabulary split's token ids (s32) and hidden states (f32,
+    # so that their gradient is reduced in fp32) are a small share. DDP gathers nothing.
+    if preset == "ddp8":
+        assert not any(gathered.values()), found
+    else:
+        assert gathered["f32"] < gathered["bf16"], found
     fp32_bytes = sum(c["bytes"] for c in found
                      if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] == "f32")
     assert fp32_bytes > 100_000, found  # the gradients (the tiny model is ~0.4 MB in fp32)
-    assert not bf16_reductions(hlo)
+    # Except the vocabulary-parallel embedding's rows (all tokens x dim): one shard contributes
+    # each row, so XLA:TPU's narrowing of that sum to bf16 is exact.
+    rows = f"bf16[{GLOBAL_BATCH * SEQ_LEN},{TINY.dim}]"
+    assert [r for r in bf16_reductions(hlo) if rows not in r] == []
 
 
 def test_auto_precision_follows_the_target_devices_not_the_host():
@@ -97,11 +107,12 @@ def test_auto_precision_follows_the_target_devices_not_the_host():
     "jit", pytest.param("shard_map", marks=pytest.mark.slow)])
 def test_mixed_precision_reduce_bf16_reduces_gradients_in_bf16(implementation):
     """TorchTitan's `mixed_precision_reduce = "bfloat16"`: every gradient reduction is bf16
-    (what is left in fp32 is the scalar loss and grad norm)."""
+    (what is left in fp32 is the scalar loss, grad norm and the loss's softmax sums)."""
     hlo = compiled_hlo("fsdp8", implementation, "--training.mixed_precision_reduce", "bfloat16")
     reductions = [c for c in inspect_step.collective_counts(hlo)
                   if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] in ("bf16", "f32")]
-    big = [c for c in reductions if c["bytes"] > 1024]
+    # Left in fp32 too: the loss's per-token softmax sums over vocabulary shards (tokens x 4 B).
+    big = [c for c in reductions if c["bytes"] > 4096]
     assert big and {c["dtype"] for c in big} == {"bf16"}, reductions
 
 
@@ -154,3 +165,37 @@ def test_v5p_remat_modes_order_device_memory_and_offload_moves_activations_to_ho
     assert memory["offload"].host_temp_size_in_bytes == 16 * saved_per_layer, memory["offload"]
     assert memory["selective"].host_temp_size_in_bytes == 0
     assert "S(5)" in hlo["offload"] and "S(5)" not in hlo["selective"]
+
+
+def full_vocab_arrays(preset: str, implementation: str, vocab: int) -> list[str]:
+    """Arrays of the per-chip v5p-8 program with the whole vocabulary as a dimension (the
+    tiny model with a vocabulary size no other dimension has)."""
+    import dataclasses
+
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
+    config = tiny_config(*preset_overrides(preset), "--training.mixed_precision_param",
+                         "bfloat16", "--parallelism.fsdp_implementation", implementation)
+    trainer = build_trainer(config, list(topology.devices),
+                            model_args=dataclasses.replace(TINY, vocab_size=vocab))
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
+    hlo = lowered.compile().as_text()
+    return sorted(set(re.findall(rf"\b(?:f32|bf16)\[[0-9,]*\b{vocab}\b[0-9,]*\]", hlo)))
+
+
+@pytest.mark.parametrize("preset, implementation", [
+    ("fsdp8", "jit"),
+    pytest.param("fsdp4_tp2", "shard_map", marks=pytest.mark.slow),
+])
+def test_no_chip_holds_a_full_vocabulary_buffer(preset, implementation):
+    """The vocabulary tables stay split over the data axes (and tp): their lookup, logits and
+    gradients exist only as each chip's slice (8 x 131 = 1048 rows: 131 per chip)."""
+    assert full_vocab_arrays(preset, implementation, 8 * 131) == []
+
+
+@pytest.mark.slow
+def test_the_full_vocabulary_check_can_fail():
+    # 1049 does not divide over 8 shards: the tables fall back to FSDP gathers, and the gathered
+    # table and its per-shard gradient are full-vocabulary arrays.
+    assert full_vocab_arrays("fsdp8", "jit", 8 * 131 + 1)

@@ -1,5 +1,4 @@
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,14 +9,11 @@ from tiny_model import TINY
 
 from titan_jax.config import LRScheduler, Optimizer
 from titan_jax.models.qwen3 import build_model_def
-from titan_jax.models.sharding_hooks import Parallelism
-from titan_jax.train import loss as loss_module
 from titan_jax.train.loss import IGNORE_INDEX, cross_entropy_sum
 from titan_jax.train.optim import WSDSchedule, build_optimizer
 from titan_jax.train.step import (
     StepOptions,
     init_train_state,
-    loss_and_grads,
     split_microbatches,
     train_step,
 )
@@ -146,32 +142,3 @@ def test_clip_by_global_norm_follows_torch():
         clipped, norm = clip_by_global_norm(grads, max_norm)
         np.testing.assert_allclose(clipped["a"], 3.0 * expected, rtol=1e-6)
         assert float(norm) == pytest.approx(6.0)
-
-
-class RecordingParallelism(Parallelism):
-    """No parallelism, but notes each `constrain` made from the chunked loss's backward rule."""
-
-    def __init__(self):
-        self.backward_constraints = []
-
-    def constrain(self, x, logical_axes):
-        frame = sys._getframe()
-        while frame is not None and frame.f_code is not loss_module._chunked_bwd.__code__:
-            frame = frame.f_back
-        if frame is not None:
-            self.backward_constraints.append(logical_axes)
-        return x
-
-
-@pytest.mark.parametrize("n_microbatches", [1, 2])
-def test_parallelism_answers_custom_vjp_backward_rules(monkeypatch, n_microbatches):
-    """The chunked loss's backward (a custom_vjp rule, traced after the forward has returned)
-    pins its logits through `constrain`: the step's parallelism must still be the one asked."""
-    monkeypatch.setattr(loss_module, "MAX_LOGITS_PER_CHUNK", 4 * TINY.vocab_size)  # chunked
-    model = build_model_def(TINY)
-    params = model.init(jax.random.key(0))
-    parallelism = RecordingParallelism()
-    jax.eval_shape(lambda p: loss_and_grads(model, p, {}, batches(1)[0],
-                                            StepOptions(n_microbatches), parallelism), params)
-    assert parallelism.backward_constraints
-    assert set(parallelism.backward_constraints) == {("batch", "vocab")}

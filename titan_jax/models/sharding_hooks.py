@@ -8,7 +8,9 @@ A model calls four functions, naming dimensions by logical axis only (`("batch",
 - `run_per_shard(kernel, args, in_axes, out_axes)`: a kernel the compiler cannot partition
   (Pallas), run on each device's shard;
 - `sequence_split()`: where this shard's tokens sit in the sequence, for RoPE and attention
-  (context parallelism splits it).
+  (context parallelism splits it);
+- `vocab_split()`: how the vocabulary tables are split (the embedding lookup and the loss read
+  only their shard's vocabulary slice and exchange tokens, never the whole table).
 The step adds a fifth, `loss_map`, around the summed loss (how the batch's computation is
 split). The base class is no parallelism: a weight read is a cast to the compute dtype, a
 constraint does nothing, every expert is local, a kernel sees the whole arrays, the whole
@@ -73,6 +75,42 @@ class SequenceSplit(Protocol):
     def pass_along(self, x: jax.Array) -> jax.Array: ...
 
 
+class VocabSplit(Protocol):
+    """How the vocabulary dimension of the embedding and output projection is split over the
+    data shards. Each shard holds one contiguous slice of the vocabulary (starting at
+    `offset(v_local)`) and, per call, its own tokens: `gather(x)` stacks every shard's rows of
+    `x` along dim 0 (shard-major), `scatter_sum(x)` sums such a stacked array over shards and
+    keeps this shard's rows, `own(x)` picks this shard's rows of it without summing,
+    `sum`/`max` reduce elementwise over shards. `degree` 1: the whole vocabulary is here."""
+
+    degree: int
+
+    def offset(self, v_local: int) -> jax.Array: ...
+
+    def gather(self, x: jax.Array) -> jax.Array: ...
+
+    def scatter_sum(self, x: jax.Array) -> jax.Array: ...
+
+    def own(self, x: jax.Array) -> jax.Array: ...
+
+    def sum(self, x: jax.Array) -> jax.Array: ...
+
+    def max(self, x: jax.Array) -> jax.Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeVocab:
+    degree: int = 1
+
+    def offset(self, v_local: int) -> jax.Array:
+        return jnp.zeros((), jnp.int32)
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        return x
+
+    scatter_sum = own = sum = max = gather
+
+
 @dataclasses.dataclass(frozen=True)
 class WholeSequence:
     degree: int = 1
@@ -130,6 +168,10 @@ class Parallelism:
         """How each sequence is split over devices (see SequenceSplit)."""
         return WholeSequence()
 
+    def vocab_split(self) -> VocabSplit:
+        """How the vocabulary tables are split over devices (see VocabSplit)."""
+        return WholeVocab()
+
     def loss_map(self, summed_loss: SummedLoss) -> SummedLoss:
         """A transform of the summed loss, applied before it is differentiated."""
         return summed_loss
@@ -162,6 +204,11 @@ def use_param(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
 def sequence_split() -> SequenceSplit:
     """How the sequences of the running forward are split (see SequenceSplit)."""
     return _ACTIVE.get().sequence_split()
+
+
+def vocab_split() -> VocabSplit:
+    """How the running forward's vocabulary tables are split (see VocabSplit)."""
+    return _ACTIVE.get().vocab_split()
 
 
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:

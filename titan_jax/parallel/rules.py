@@ -45,7 +45,10 @@ DEFAULT_TABLE: Mapping[str, MeshAxes] = {
     "layers": None,  # scanned over, never split
     "embed": ("fsdp", "cp", "ep"),  # SimpleFSDP's shard dimension of every weight that has it
     "norm": ("fsdp", "cp", "ep"),
-    "vocab": "tp",
+    # The vocabulary tables: split over the data axes and tp, and kept split in compute
+    # (parallel/vocab_parallel.py: tokens travel, not the table). Order: as in `data_axes`.
+    "vocab": ("fsdp", "ep", "cp", "tp"),
+    "vocab_embed": None,
     "heads": "tp",
     "kv_heads": "tp",
     "mlp": "tp",
@@ -57,7 +60,22 @@ DEFAULT_TABLE: Mapping[str, MeshAxes] = {
 # Logical axes whose data-parallel splits survive into compute: the batch and the sequence (they
 # are the data) and the experts (under expert parallelism each rank computes the experts it
 # holds).
-KEPT_IN_COMPUTE = ("batch", "seq", "expert")
+KEPT_IN_COMPUTE = ("batch", "seq", "expert", "vocab")
+# A vocabulary the table's split does not divide: the tables are FSDP weights like the others
+# (split on their model dim, gathered at use), the vocabulary split over tp only.
+GATHERED_VOCAB: Mapping[str, MeshAxes] = {"vocab": "tp", "vocab_embed": DEFAULT_TABLE["embed"]}
+
+
+def table_for_vocab(mesh: Mesh, vocab_size: int, implementation: str = "shard_map",
+                    table: Mapping[str, MeshAxes] = DEFAULT_TABLE) -> Mapping[str, MeshAxes]:
+    """`table`, with the vocabulary tables gathered (GATHERED_VOCAB) when `vocab_size` does not
+    divide over the mesh axes `table` splits the vocabulary over, or under the jit
+    implementation with HSDP replicas: there XLA:TPU moves the bf16 cast in front of the
+    split loss's fp32 all-reduce of the hidden states' gradient (nested vmaps), and a
+    gradient reduced in bf16 costs more than the vocabulary buffers save."""
+    split = math.prod(mesh.shape[a] for a in _as_tuple(table.get("vocab")))
+    replicas = implementation == "jit" and mesh.shape.get("dp_replicate", 1) > 1
+    return table if vocab_size % split == 0 and not replicas else {**table, **GATHERED_VOCAB}
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
@@ -117,6 +135,12 @@ class ShardingRules:
         """Mesh axes tokens differ across (rows, then sequence chunks): the data-parallel axes a
         weight is gathered over at use and its gradient reduced over."""
         return self.batch_axes + self.seq_axes
+
+    @property
+    def vocab_data_axes(self) -> tuple[str, ...]:
+        """Data axes the vocabulary tables stay split over in compute (table order; size-1
+        axes dropped): their lookup and the loss exchange tokens over these."""
+        return tuple(a for a in self._mesh_axes("vocab") if a in self.data_axes)
 
     @property
     def batch_spec(self) -> PartitionSpec:

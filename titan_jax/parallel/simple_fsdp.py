@@ -57,15 +57,18 @@ from titan_jax.models.sharding_hooks import (
     Parallelism,
     SequenceSplit,
     SummedLoss,
+    VocabSplit,
 )
 from titan_jax.models.spec import Aux, Params
 from titan_jax.parallel.context_parallel import CP, ContextParallel
 from titan_jax.parallel.expert_parallel import exchange_for, ragged_dispatch
 from titan_jax.parallel.per_shard import jit_per_shard, manual_per_shard
-from titan_jax.parallel.rules import ShardingRules
+from titan_jax.parallel.rules import ShardingRules, mesh_axes_of
+from titan_jax.parallel.vocab_parallel import VocabParallel
 
-# vmap axis name of the data shards in the jit path.
-SHARDS = "data_shards"
+# vmap axis names of the data shards in the jit path: SHARDS over the axes the vocabulary is
+# split over (all data axes when it is not split), REPLICAS over the other data axes.
+SHARDS, REPLICAS = "data_shards", "data_replicas"
 
 Implementation = Literal["jit", "shard_map"]
 
@@ -170,7 +173,8 @@ class SimpleFSDP(Parallelism):
     A weight's layout comes from its logical axes as used (`ShardingRules.weight_layout`).
     param_specs, buffer_specs: storage PartitionSpecs of the params and buffers (trees), the
     in_specs of the shard_map twin. reduce_dtype: dtype of gradient reductions (TorchTitan's
-    `mixed_precision_reduce`; fp32 by default).
+    `mixed_precision_reduce`; fp32 by default). param_axes: the params' logical axes (tree),
+    which the jit path needs to hand each shard its own slice of the vocabulary tables.
     """
 
     rules: ShardingRules
@@ -179,6 +183,7 @@ class SimpleFSDP(Parallelism):
     implementation: Implementation = "jit"
     reduce_dtype: Any = jnp.float32
     cp_method: str = "allgather"  # parallelism.context_parallel_method
+    param_axes: Any = None
 
     def __post_init__(self) -> None:
         if self.implementation not in ("jit", "shard_map"):
@@ -218,10 +223,18 @@ class SimpleFSDP(Parallelism):
         layout = self.rules.weight_layout(logical_axes)
         dtype, reduce_dtype = jnp.dtype(dtype), jnp.dtype(self.reduce_dtype)
         value = value.astype(reduce_dtype)  # its transpose widens the reduced gradient
+        kept = bool(mesh_axes_of(layout.compute) & set(self.data_axes))
+        if kept:
+            # Kept split over the data shards (the vocabulary tables): handed over as stored,
+            # in the reduce dtype, without a compute-dtype copy; their users cast it chunk by
+            # chunk and sum its gradient over chunks in that dtype (vocab_parallel.py).
+            dtype = reduce_dtype
         if self.implementation == "shard_map":
             return all_gather_param(value, dtype, reduce_dtype, layout.gathered_dims,
                                     layout.replicated)
-        return gather_param(value, lax.axis_index(SHARDS), dtype, reduce_dtype,
+        if kept:  # `loss_map` hands in this shard's slice, used as it is
+            return self.constrain(value, logical_axes)
+        return gather_param(value, self._shard_index(), dtype, reduce_dtype,
                             NamedSharding(self.mesh, layout.storage),
                             NamedSharding(self.mesh, layout.compute))
 
@@ -244,6 +257,15 @@ class SimpleFSDP(Parallelism):
             return super().dispatch_to_experts(rows_MD, experts_M, n_local, ffn)
         exchange = exchange_for(self.mesh.devices.flat[0].platform, rows_MD.shape[0])
         return ragged_dispatch(rows_MD, experts_M, n_local, ffn, "ep", self.ep, exchange)
+
+    def vocab_split(self) -> VocabSplit:
+        """The vocabulary tables' split over the data axes (`parallel/vocab_parallel.py`):
+        named by the jit path's vmap axis, or the shard_map twin's manual mesh axes."""
+        axes = self.rules.vocab_data_axes
+        if not axes:
+            return super().vocab_split()
+        degree = math.prod(self.mesh.shape[a] for a in axes)
+        return VocabParallel(SHARDS if self.implementation == "jit" else axes, degree)
 
     def sequence_split(self) -> SequenceSplit:
         """Under context parallelism each rank holds two chunks of every sequence and gathers
@@ -268,18 +290,74 @@ class SimpleFSDP(Parallelism):
         """The step's summed loss (and aux), computed per data shard and summed over shards."""
         if self.implementation == "shard_map":
             return self._shard_map_loss(summed_loss)
-        n = self.n_shards
+        inner, outer = self._shard_axes()
+        n_in = math.prod(self.mesh.shape[a] for a in inner)
+        n_out = self.n_shards // n_in
+        per = jax.vmap(summed_loss, in_axes=(self._per_shard_dims(), None, 0, 0),
+                       axis_name=SHARDS, spmd_axis_name=inner)
+        if outer:
+            if self.data_axes.index(outer[-1]) > self.data_axes.index(inner[0]):
+                raise ValueError(f"the jit path needs the replicated data axes {outer} before "
+                                 f"the vocabulary's {inner} in the batch's order")
+            per = jax.vmap(per, in_axes=(None, None, 0, 0), axis_name=REPLICAS,
+                           spmd_axis_name=outer)
 
         def per_shard(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
                       ) -> tuple[jax.Array, Aux]:
             # Rows are laid out shard-major, so the split moves no data.
-            split = lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:])  # noqa: E731
-            per = jax.vmap(summed_loss, in_axes=(None, None, 0, 0), axis_name=SHARDS,
-                           spmd_axis_name=self.data_axes)
-            losses, aux = per(params, buffers, split(inputs), split(labels))
-            return jnp.sum(losses), jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
+            split = lambda x: x.reshape(  # noqa: E731
+                *((n_out,) if outer else ()), n_in, x.shape[0] // self.n_shards, *x.shape[1:])
+            losses, aux = per(self._split_kept(params, n_in), buffers, split(inputs),
+                              split(labels))
+            total = lambda a: jnp.sum(a, axis=(0, 1) if outer else 0)  # noqa: E731
+            return total(losses), jax.tree.map(total, aux)
 
         return per_shard
+
+    def _shard_axes(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The jit path's (SHARDS, REPLICAS) vmap axes: the vocabulary's data axes and the
+        other data axes (HSDP's replicas), or all data axes and none when it is not split."""
+        inner = self.rules.vocab_data_axes
+        if not inner:
+            return self.data_axes, ()
+        return inner, tuple(a for a in self.data_axes
+                            if a not in inner and self.mesh.shape[a] > 1)
+
+    def _shard_index(self) -> jax.Array:
+        """The jit path's data-shard index, batched over every vmap over data shards."""
+        index = lax.axis_index(SHARDS)
+        return index + lax.axis_index(REPLICAS) if self._shard_axes()[1] else index
+
+    def _kept_dim(self, axes: LogicalAxes) -> int | None:
+        """The dim of a stored weight whose data-parallel split is kept in compute (the
+        vocabulary's), or None."""
+        compute = self.rules.compute_spec("a weight", axes)
+        data = set(self.data_axes)
+        return next((d for d, entry in enumerate(compute)
+                     if entry and mesh_axes_of(PartitionSpec(entry)) & data), None)
+
+    def _per_shard_dims(self) -> Any:
+        """vmap in_axes of the params: the kept dim of each kept-split weight (after
+        `_split_kept`), else None."""
+        if self.param_axes is None:
+            return None
+        return jax.tree.map(self._kept_dim, self.param_axes,
+                            is_leaf=lambda x: isinstance(x, tuple))
+
+    def _split_kept(self, params: Params, n: int) -> Params:
+        """Each kept-split weight with its kept dim split into (n shards, the rest): the
+        shards' slices, for the vmap to hand one to each shard (a reshape along the storage
+        split: no data moves)."""
+        if self.param_axes is None:
+            return params
+
+        def split(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+            dim = self._kept_dim(axes)
+            if dim is None:
+                return x
+            return x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1:])
+
+        return jax.tree.map(split, params, self.param_axes)
 
     def _shard_map_loss(self, summed_loss: SummedLoss) -> SummedLoss:
         # Manual over the data axes only: model-parallel splits are left to the partitioner.

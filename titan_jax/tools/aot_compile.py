@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from titan_jax.config import ConfigError, JobConfig
+from titan_jax.jax_platform import ASYNC_GATHER_FLAGS
 from titan_jax.parallel.topology import Chip, TpuSlice, compile_only_devices, parse_slice
 from titan_jax.tools import hlo_cost, hlo_stats, inspect_step, kernel_flops
 from titan_jax.tools.collectives import collectives
@@ -44,11 +45,6 @@ SCHEDULER_FLAGS = ("xla_enable_async_all_gather", "xla_max_concurrent_async_all_
                    "xla_latency_hiding_scheduler_rerun")
 
 
-# With these, XLA:TPU turns the in-loop FSDP all-gathers into async collective fusions under
-# the layer's compute (measured: Qwen3-8B v6e-8, 6 x 2048, 0% -> 98% covered; docs/TPU.md).
-ASYNC_GATHER_FLAGS = ("--xla_enable_async_all_gather=true "
-                      "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
-                      "--xla_tpu_overlap_compute_collective_tc=true")
 
 
 @functools.cache
@@ -297,8 +293,9 @@ def format_report(r: dict[str, Any]) -> str:
             f"libtpu flags: {flags}")
         if r["in_loop_all_gather_overlap_pct"] < 90 and r["scheduler_flags"].get(
                 "xla_enable_async_all_gather") != "true":
-            lines.append(f"  hint: LIBTPU_INIT_ARGS='{ASYNC_GATHER_FLAGS}' (for compile and "
-                         "train) makes them asynchronous")
+            lines.append(f"  hint: LIBTPU_INIT_ARGS='{' '.join(ASYNC_GATHER_FLAGS)}' (titan-jax "
+                         "sets them by default unless LIBTPU_INIT_ARGS names them) makes them "
+                         "asynchronous")
     if r["est_step_time_s"] is not None:
         lines.append(
             f"estimate (each compiled op at max(FLOPs at bf16 peak, bytes at HBM bandwidth) + "

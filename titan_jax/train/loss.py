@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from titan_jax.data.windows import IGNORE_INDEX  # the data layer marks the ignored labels
-from titan_jax.models.sharding_hooks import constrain
+from titan_jax.models.sharding_hooks import VocabSplit, constrain, vocab_split
 
 # Above this many logits per microbatch the loss is computed chunk by chunk over tokens, so the
 # full (tokens, vocab) fp32 logits never exist at once (e.g. 4096 tokens x 151936 vocab = 2.5 GB).
@@ -25,19 +27,89 @@ def token_cross_entropy_sum(logits_RV: jax.Array, labels_R: jax.Array) -> jax.Ar
 
 
 def cross_entropy_sum(h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array) -> jax.Array:
-    """Summed CE of `h @ w` against labels, chunked over tokens when the logits are large."""
+    """Summed CE of `h @ w` against labels, chunked over tokens when the logits are large.
+
+    Under a vocabulary split (`vocab_split()`, parallel/vocab_parallel.py) `w_DV` is this
+    shard's vocabulary slice: each chunk's hidden states are gathered over the shards, every
+    shard computes its slice's logits of all of them, and the softmax is reduced over shards;
+    the result is the sum over this shard's own tokens."""
+    split = vocab_split()
     d, v = w_DV.shape
     h_RD, labels_R = h_BTD.reshape(-1, d), labels_BT.reshape(-1)
     n = h_RD.shape[0]
-    chunk = max(1, MAX_LOGITS_PER_CHUNK // v)
-    if n <= chunk:
+    chunk = max(1, MAX_LOGITS_PER_CHUNK // (v * split.degree))  # a chunk's logits, all shards'
+    if n <= chunk and split.degree == 1:
         logits = jnp.einsum("nd,dv->nv", h_RD, w_DV, preferred_element_type=jnp.float32)
         return token_cross_entropy_sum(logits, labels_R)
+    chunk = min(chunk, n)
     n_chunks = -(-n // chunk)
     pad = n_chunks * chunk - n
     h_JID = jnp.pad(h_RD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, d)
     labels_JI = jnp.pad(labels_R, (0, pad), constant_values=IGNORE_INDEX).reshape(n_chunks, chunk)
+    if split.degree > 1:
+        return split_cross_entropy_sum(h_JID, w_DV, labels_JI, split)
     return chunked_cross_entropy_sum(h_JID, w_DV, labels_JI)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _logits(h_ID: jax.Array, w_DV: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """fp32 logits of fp32 `h` and `w` multiplied in `dtype` (the compute dtype). Its backward
+    returns fp32 gradients straight from the matmuls' fp32 accumulators, so neither the
+    weight's gradient summed over chunks nor the hidden states' summed over vocabulary shards
+    is rounded to the compute dtype on the way."""
+    return jnp.einsum("kd,dv->kv", h_ID.astype(dtype), w_DV.astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def _logits_fwd(h_ID: jax.Array, w_DV: jax.Array, dtype: jnp.dtype
+                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _logits(h_ID, w_DV, dtype), (h_ID, w_DV)
+
+
+def _logits_bwd(dtype: jnp.dtype, residuals: tuple[jax.Array, jax.Array], g_IV: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    h_ID, w_DV = (x.astype(dtype) for x in residuals)
+    g_IV = g_IV.astype(dtype)
+    return (jnp.einsum("kv,dv->kd", g_IV, w_DV, preferred_element_type=jnp.float32),
+            jnp.einsum("kd,kv->dv", h_ID, g_IV, preferred_element_type=jnp.float32))
+
+
+_logits.defvjp(_logits_fwd, _logits_bwd)
+
+
+def _chunk_nll_sum(h_ID: jax.Array, w_DV: jax.Array, labels_I: jax.Array, split: VocabSplit,
+                   dtype: jnp.dtype) -> jax.Array:
+    """One chunk: the logits of every shard's tokens (rows) over this shard's vocabulary slice
+    (fp32 `h` and `w`), the softmax reduced over shards; summed over this shard's tokens."""
+    v = w_DV.shape[1]
+    logits = constrain(_logits(split.gather(h_ID), w_DV, dtype), ("batch", "vocab"))
+    labels = split.gather(labels_I)
+    local = labels - split.offset(v)
+    here = (local >= 0) & (local < v)
+    row_max = split.max(jnp.max(jax.lax.stop_gradient(logits), axis=-1))
+    denom = split.sum(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=-1))
+    label_logit = jnp.take_along_axis(logits, jnp.where(here, local, 0)[:, None], axis=-1)[:, 0]
+    label_logit = split.sum(jnp.where(here, label_logit, 0.0))
+    nll = split.own(row_max + jnp.log(denom) - label_logit)  # this shard's tokens only
+    return jnp.sum(jnp.where(labels_I != IGNORE_INDEX, nll, 0.0))
+
+
+def split_cross_entropy_sum(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array,
+                            split: VocabSplit) -> jax.Array:
+    """Summed CE over token chunks under a vocabulary split, this shard's tokens; one chunk's
+    fp32 logits (all shards' tokens, this shard's vocabulary) exist at a time, in forward and
+    in backward (several chunks are rematerialised; a single one is kept). Differentiated by
+    JAX, not a custom_vjp: under the jit path's vmap a custom_vjp's backward cannot name the
+    shards' axis. The weight enters
+    in fp32 (the parallelism hands the tables over as stored), so its gradient is summed over
+    chunks in fp32, and the hidden states' gradient over shards (their gather is fp32)."""
+    dtype = h_JID.dtype
+    w32 = w_DV.astype(jnp.float32)
+    chunk = lambda xs: _chunk_nll_sum(xs[0].astype(jnp.float32), w32, xs[1],  # noqa: E731
+                                      split, dtype)
+    if h_JID.shape[0] > 1:  # one chunk's logits are kept for backward, several recomputed
+        chunk = jax.checkpoint(chunk)
+    return jnp.sum(jax.lax.map(chunk, (h_JID, labels_JI)))
 
 
 def _chunk_logits(h_ID: jax.Array, w_DV: jax.Array) -> jax.Array:

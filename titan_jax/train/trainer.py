@@ -21,7 +21,7 @@ from titan_jax.models import BuildOptions, ModelDef, ModelSpec
 from titan_jax.models.remat import remat_mode_for
 from titan_jax.parallel.context_parallel import held_spans, to_load_balanced
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
-from titan_jax.parallel.rules import ShardingRules
+from titan_jax.parallel.rules import ShardingRules, table_for_vocab
 from titan_jax.parallel.simple_fsdp import SimpleFSDP
 from titan_jax.parallel.state_shardings import batch_sharding, train_state_shardings
 from titan_jax.train import run_checks
@@ -195,14 +195,15 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     param_dtype = resolve_param_dtype(t.mixed_precision_param, devices)
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
     model = spec.build(args, _build_options(config, degrees, platform, attention))
-    rules = ShardingRules(mesh)
+    rules = ShardingRules(mesh, table_for_vocab(mesh, args.vocab_size, implementation))
     param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)
     optimizer = build_optimizer(config.optimizer)
     state_shardings = train_state_shardings(rules, param_specs, buffer_specs, optimizer,
                                             model.abstract_params, ("step", APPLIED_UPDATES))
     parallelism = SimpleFSDP(rules, param_specs, buffer_specs, implementation,
                              jnp.dtype(t.mixed_precision_reduce),
-                             config.parallelism.context_parallel_method)
+                             cp_method=config.parallelism.context_parallel_method,
+                             param_axes=model.logical_axes)
     return Trainer(
         config, mesh, degrees, spec, model, rules,
         WSDSchedule.from_config(config.optimizer.lr, config.lr_scheduler, t.steps), optimizer,

@@ -25,7 +25,6 @@ token rows per chunk (the chunked loss).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 
@@ -35,6 +34,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.attention import KV_AXES, Q_AXES, attention
+from titan_jax.models.embedding import vocab_lookup
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 from titan_jax.models.qwen3.moe import MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
 from titan_jax.models.sharding_hooks import (
@@ -158,30 +158,6 @@ def project(x: Array, w: nnx.Param, n_in: int, flat_weight: bool = False) -> Arr
     return y.reshape(*lead, *outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def embed_lookup(table_VD: Array, tokens: Array, vocab_size: int) -> Array:
-    """Rows of the embedding table; the gradient is scatter-added in fp32.
-
-    A plain `take` transposes to a scatter-add in the table's dtype: in bf16, a frequent
-    token's row would sum thousands of contributions at 8 bits of mantissa.
-    """
-    return jnp.take(table_VD, tokens, axis=0)
-
-
-def _embed_lookup_fwd(table_VD: Array, tokens: Array, vocab_size: int) -> tuple[Array, Array]:
-    return embed_lookup(table_VD, tokens, vocab_size), tokens
-
-
-def _embed_lookup_bwd(vocab_size: int, tokens: Array, g: Array) -> tuple[Array, None]:
-    d = g.shape[-1]
-    grad_VD = jnp.zeros((vocab_size, d), jnp.float32).at[tokens.reshape(-1)].add(
-        g.reshape(-1, d).astype(jnp.float32))
-    return grad_VD.astype(g.dtype), None
-
-
-embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)
-
-
 class Attention(nnx.Module):
     def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels):
         d, n, k, h = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
@@ -285,7 +261,8 @@ class Qwen3(nnx.Module):
         """kernels: attention and MoE kernels, chosen for the target platform (build.py)."""
         args.validate()
         self.args = args
-        self.tok_embeddings = _param(rngs, (args.vocab_size, args.dim), ("vocab", "embed"), 0.02)
+        self.tok_embeddings = _param(rngs, (args.vocab_size, args.dim), ("vocab", "vocab_embed"),
+                                     0.02)
 
         @nnx.split_rngs(splits=args.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -296,7 +273,8 @@ class Qwen3(nnx.Module):
         self.layers = make_layers(rngs)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         if not args.tie_embeddings:
-            self.lm_head = _param(rngs, (args.dim, args.vocab_size), ("embed", "vocab"), 0.02)
+            self.lm_head = _param(rngs, (args.dim, args.vocab_size), ("vocab_embed", "vocab"),
+                                  0.02)
 
     def hidden_states(self, tokens_BT: Array, dtype: jnp.dtype, remat: Callable | None = None,
                       activation_stats: bool = False, expert_bias_LE: Array | None = None,
@@ -326,7 +304,7 @@ class Qwen3(nnx.Module):
             tokens_BT, segment_ids_BT, positions = (tokens_BT[..., i] for i in range(3))
         table_VD = use_param(self.tok_embeddings, dtype)
         with jax.named_scope("embed"):
-            x_BTD = constrain(embed_lookup(table_VD, tokens_BT, table_VD.shape[0]), ACT_AXES)
+            x_BTD = constrain(vocab_lookup(table_VD, tokens_BT, dtype), ACT_AXES)
         # (T, H) tables, or (B, T, H) for per-token positions.
         cos_TH, sin_TH = rope_tables(positions, self.args.head_dim, self.args.rope_theta,
                                      self.args.yarn)
@@ -364,7 +342,7 @@ class Qwen3(nnx.Module):
 
     def __call__(self, tokens_BT: Array, dtype: jnp.dtype = jnp.float32) -> Array:
         h_BTD, _, _, _ = self.hidden_states(tokens_BT, dtype)
-        return jnp.einsum("btd,dv->btv", h_BTD, self.output_weight(dtype),
+        return jnp.einsum("btd,dv->btv", h_BTD, self.output_weight(dtype).astype(dtype),
                           preferred_element_type=jnp.float32)
 
 
