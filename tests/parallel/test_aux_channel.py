@@ -80,7 +80,7 @@ def test_buffer_is_updated_in_the_step_on_any_mesh(preset, implementation):
                                      "--parallelism.fsdp_implementation", implementation),
                          model_args=TINY)
     if preset == "fsdp4_tp2":  # the buffer is sharded by the same table as the params
-        assert many.state_shardings["buffers"]["token_counts"].spec == jax.P("tp")
+        assert many.state_shardings["buffers"]["token_counts"].spec == jax.P(("fsdp", "tp"))
     state_one, _ = train(one, batches)
     state_many, _ = train(many, batches)
     np.testing.assert_array_equal(state_many["buffers"]["token_counts"], expected)
