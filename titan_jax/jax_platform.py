@@ -70,3 +70,45 @@ def default_libtpu_flags() -> str:
     if added:
         os.environ["LIBTPU_INIT_ARGS"] = " ".join([*current.split(), *added])
     return os.environ.get("LIBTPU_INIT_ARGS", "")
+
+
+# glibc's malloc tunable for CPU runs. XLA:CPU allocates a step's temporaries as one block
+# (1.76 GB for debugmodel at 4 x 256) that glibc maps fresh and unmaps after every step: with
+# 4 KiB pages that is ~430k page faults a step, ~25% of the step's CPU time here (BENCHMARKS.md,
+# "Page faults"). `hugetlb=1` (glibc >= 2.35) has malloc advise transparent huge pages for what
+# it maps (THP in "madvise" mode, the usual default): 2 MiB faults, the same memory. glibc
+# reads tunables only when a process starts, hence the re-exec. Numerics are untouched.
+HUGE_PAGE_MALLOC = "glibc.malloc.hugetlb"
+_MIN_GLIBC = (2, 35)
+
+
+def huge_page_malloc_env(env: dict[str, str], libc: tuple[str, str]) -> dict[str, str] | None:
+    """`env` with glibc.malloc.hugetlb=1 added to GLIBC_TUNABLES, or None when nothing is to
+    change: not glibc >= 2.35 (`libc`: `platform.libc_ver()`), or the variable already names
+    the tunable (a value the user set wins: `glibc.malloc.hugetlb=0` turns it off)."""
+    name, version = libc
+    try:
+        too_old = tuple(int(p) for p in version.split(".")[:2]) < _MIN_GLIBC
+    except ValueError:
+        too_old = True
+    current = env.get("GLIBC_TUNABLES", "")
+    named = {item.split("=", 1)[0] for item in current.split(":")}
+    if name != "glibc" or too_old or HUGE_PAGE_MALLOC in named:
+        return None
+    return {**env, "GLIBC_TUNABLES": ":".join(filter(None, [current, f"{HUGE_PAGE_MALLOC}=1"]))}
+
+
+def reexec_with_huge_page_malloc() -> None:
+    """Restarts this process (same interpreter and arguments) with `huge_page_malloc_env` when
+    it changes anything and JAX runs on the CPU here; else returns. Call first thing in an
+    entry point, before JAX starts."""
+    import platform
+    import sys
+
+    if os.environ.get("JAX_PLATFORMS") != "cpu" or not sys.platform.startswith("linux"):
+        return
+    env = huge_page_malloc_env(dict(os.environ), platform.libc_ver())
+    if env is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
