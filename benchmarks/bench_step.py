@@ -26,11 +26,6 @@ from maxtext_bench import HOW_TO_ADD, maxtext_python, time_maxtext
 
 from titan_jax.atomic_dir import write_text_atomic
 from titan_jax.config import load_config
-from titan_jax.jax_platform import (
-    HUGE_PAGE_MALLOC,
-    default_to_cpu_without_accelerator,
-    reexec_with_huge_page_malloc,
-)
 from titan_jax.models.qwen3 import Qwen3Args, get_flavor
 from titan_jax.models.qwen3.flops import count_params, flops_per_token
 from titan_jax.models.qwen3.hf_config import hf_config_from_args
@@ -141,10 +136,6 @@ def markdown(results: list[Result], peak: float, peak_desc: str, seq: int, ac: s
 
 
 def main() -> None:
-    # As `titan-jax train` on CPU: 2 MiB pages for XLA:CPU's per-step temporaries. Set for the
-    # whole process before any column runs, so PyTorch (and MaxText's child process) get it too.
-    default_to_cpu_without_accelerator()
-    reexec_with_huge_page_malloc()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", default="4,8", help="comma-separated batch sizes (default 4,8)")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -167,9 +158,7 @@ def main() -> None:
     except ValueError:
         parser.error(f"--batch: {opts.batch!r} is not a comma-separated list of integers")
 
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    notes = [f"All three ran with GLIBC_TUNABLES={tunables} (\"Page faults\" below)."
-             ] if HUGE_PAGE_MALLOC in tunables else []
+    notes = []
     maxtext = None if opts.no_maxtext else maxtext_python()
     if maxtext is None and not opts.no_maxtext:
         print(HOW_TO_ADD, flush=True)

@@ -60,32 +60,3 @@ def test_libtpu_overlap_flags_are_added_unless_the_user_names_them(monkeypatch):
     assert "--xla_enable_async_all_gather=true" not in args
     assert set(ASYNC_GATHER_FLAGS[1:]) <= set(args)
     assert default_libtpu_flags().split() == args  # idempotent
-
-
-@pytest.mark.parametrize("env, libc, tunables", [
-    ({}, ("glibc", "2.36"), "glibc.malloc.hugetlb=1"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, ("glibc", "2.40"),
-     "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, ("glibc", "2.36"), None),  # the user's wins
-    ({}, ("glibc", "2.31"), None),  # no such tunable before 2.35
-    ({}, ("", ""), None),  # musl, or not Linux
-])
-def test_huge_page_malloc_env(env, libc, tunables):
-    out = jax_platform.huge_page_malloc_env(env, libc)
-    assert (out if out is None else out["GLIBC_TUNABLES"]) == tunables
-
-
-def test_cpu_process_restarts_once_with_huge_page_malloc():
-    import platform
-
-    if jax_platform.huge_page_malloc_env({}, platform.libc_ver()) is None:
-        pytest.skip("glibc < 2.35 here")
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    code = ("import os, sys; from titan_jax.jax_platform import reexec_with_huge_page_malloc; "
-            "print('start', flush=True); reexec_with_huge_page_malloc(); "
-            "print(os.environ.get('GLIBC_TUNABLES'), sys.argv[1:])")
-    for platforms, tunables in (("cpu", "glibc.malloc.hugetlb=1"), ("tpu", "None")):
-        out = subprocess.run([sys.executable, "-c", code, "x"], capture_output=True, text=True,
-                             check=True, env={**env, "JAX_PLATFORMS": platforms}).stdout
-        starts = 2 if platforms == "cpu" else 1  # restarted once, with the same arguments
-        assert out.split("\n") == ["start"] * starts + [f"{tunables} ['x']", ""], out

@@ -20,7 +20,6 @@ from titan_jax.jax_platform import (
     default_libtpu_flags,
     default_to_cpu_without_accelerator,
     is_tpu_host,
-    reexec_with_huge_page_malloc,
 )
 
 
@@ -163,14 +162,12 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    entry_point, argv = argv is None, sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compile"]:
         compile_only_libtpu()  # before anything imports JAX
     elif is_tpu_host():
         default_libtpu_flags()
     default_to_cpu_without_accelerator()
-    if entry_point and argv[:1] == ["train"]:
-        reexec_with_huge_page_malloc()  # CPU training: 2 MiB pages for the step's temporaries
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args, config = _parse(argv)
