@@ -6,9 +6,12 @@ bf16 across an all-reduce (it did, before the jit path reduced per-shard fp32 gr
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
+from typing import Any
 
+import jax
 import pytest
 from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, preset_overrides, tiny_config
 
@@ -167,9 +170,11 @@ def test_v5p_remat_modes_order_device_memory_and_offload_moves_activations_to_ho
     assert "S(5)" in hlo["offload"] and "S(5)" not in hlo["selective"]
 
 
-def full_vocab_arrays(preset: str, implementation: str, vocab: int) -> list[str]:
-    """Arrays of the per-chip v5p-8 program with the whole vocabulary as a dimension (the
-    tiny model with a vocabulary size no other dimension has)."""
+@functools.cache
+def compiled_tiny(preset: str, implementation: str, vocab: int) -> tuple[str, dict[str, Any]]:
+    """The per-chip v5p-8 program of the tiny model with `vocab` rows (a size no other
+    dimension has), and the abstract state with its shardings; one compile per test module
+    run, shared by the tests below."""
     import dataclasses
 
     from jax.experimental import topologies
@@ -180,7 +185,13 @@ def full_vocab_arrays(preset: str, implementation: str, vocab: int) -> list[str]
     trainer = build_trainer(config, list(topology.devices),
                             model_args=dataclasses.replace(TINY, vocab_size=vocab))
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
-    hlo = lowered.compile().as_text()
+    return lowered.compile().as_text(), {"state": trainer.abstract_state(),
+                                         "shardings": trainer.state_shardings}
+
+
+def full_vocab_arrays(preset: str, implementation: str, vocab: int) -> list[str]:
+    """Arrays of the per-chip program with the whole vocabulary as a dimension."""
+    hlo, _ = compiled_tiny(preset, implementation, vocab)
     return sorted(set(re.findall(rf"\b(?:f32|bf16)\[[0-9,]*\b{vocab}\b[0-9,]*\]", hlo)))
 
 
@@ -192,6 +203,24 @@ def test_no_chip_holds_a_full_vocabulary_buffer(preset, implementation):
     """The vocabulary tables stay split over the data axes (and tp): their lookup, logits and
     gradients exist only as each chip's slice (8 x 131 = 1048 rows: 131 per chip)."""
     assert full_vocab_arrays(preset, implementation, 8 * 131) == []
+
+
+@pytest.mark.parametrize("preset, implementation", [
+    ("fsdp8", "jit"),
+    # (not fsdp4_tp2: its stacked shards' shapes are also activation shapes of this model)
+    pytest.param("fsdp8", "shard_map", marks=pytest.mark.slow),
+])
+def test_layer_weights_are_cast_to_bf16_one_layer_at_a_time(preset, implementation):
+    """No bf16 copy of a stacked (all layers) weight shard: XLA:TPU hoists a plain cast of the
+    layer loop's weight slice out of the loop (simple_fsdp.cast_in_loop; measured before the
+    fix: every stacked shard had its bf16 twin here, 3.5 GB per chip for 8B on v5p-8)."""
+    hlo, found = compiled_tiny(preset, implementation, 8 * 131)
+    params = zip(jax.tree.leaves(found["state"]["params"]),
+                 jax.tree.leaves(found["shardings"]["params"]), strict=True)
+    stacked = {"bf16[" + ",".join(map(str, sharding.shard_shape(leaf.shape))) + "]"
+               for leaf, sharding in params if leaf.ndim >= 2 and leaf.shape[0] == TINY.n_layers}
+    assert len(stacked) >= 4, stacked  # the layer loop's weights
+    assert sorted(s for s in stacked if s in hlo) == []
 
 
 @pytest.mark.slow
