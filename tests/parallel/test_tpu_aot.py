@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 import jax
+import numpy as np
 import pytest
 from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, preset_overrides, tiny_config
 
@@ -171,17 +172,19 @@ def test_v5p_remat_modes_order_device_memory_and_offload_moves_activations_to_ho
 
 
 @functools.cache
-def compiled_tiny(preset: str, implementation: str, vocab: int) -> tuple[str, dict[str, Any]]:
-    """The per-chip v5p-8 program of the tiny model with `vocab` rows (a size no other
-    dimension has), and the abstract state with its shardings; one compile per test module
-    run, shared by the tests below."""
+def compiled_tiny(preset: str, implementation: str, vocab: int, *overrides: str
+                  ) -> tuple[str, dict[str, Any]]:
+    """The per-chip v5p-16 (8 chips) program of the tiny model with `vocab` rows (a size no
+    other dimension has), and the abstract state with its shardings; one compile per test
+    module run, shared by the tests below."""
     import dataclasses
 
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
     config = tiny_config(*preset_overrides(preset), "--training.mixed_precision_param",
-                         "bfloat16", "--parallelism.fsdp_implementation", implementation)
+                         "bfloat16", "--parallelism.fsdp_implementation", implementation,
+                         *overrides)
     trainer = build_trainer(config, list(topology.devices),
                             model_args=dataclasses.replace(TINY, vocab_size=vocab))
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
@@ -205,22 +208,83 @@ def test_no_chip_holds_a_full_vocabulary_buffer(preset, implementation):
     assert full_vocab_arrays(preset, implementation, 8 * 131) == []
 
 
-@pytest.mark.parametrize("preset, implementation", [
-    ("fsdp8", "jit"),
+# The shard_map twin at 16 x 64 tokens: its vocabulary reduce-scatters are big enough (256 KiB)
+# for XLA:TPU to choose between an all-reduce and a reduce-scatter.
+SHARD_MAP_1K = ("fsdp8", "shard_map", 8 * 131, "--training.seq_len", "64",
+                "--training.global_batch_size", "16", "--training.local_batch_size", "2")
+
+
+@pytest.mark.parametrize("compile_args", [
+    ("fsdp8", "jit", 8 * 131),
     # (not fsdp4_tp2: its stacked shards' shapes are also activation shapes of this model)
-    pytest.param("fsdp8", "shard_map", marks=pytest.mark.slow),
+    pytest.param(SHARD_MAP_1K, marks=pytest.mark.slow),
 ])
-def test_layer_weights_are_cast_to_bf16_one_layer_at_a_time(preset, implementation):
+def test_layer_weights_are_cast_to_bf16_one_layer_at_a_time(compile_args):
     """No bf16 copy of a stacked (all layers) weight shard: XLA:TPU hoists a plain cast of the
     layer loop's weight slice out of the loop (simple_fsdp.cast_in_loop; measured before the
     fix: every stacked shard had its bf16 twin here, 3.5 GB per chip for 8B on v5p-8)."""
-    hlo, found = compiled_tiny(preset, implementation, 8 * 131)
+    hlo, found = compiled_tiny(*compile_args)
     params = zip(jax.tree.leaves(found["state"]["params"]),
                  jax.tree.leaves(found["shardings"]["params"]), strict=True)
     stacked = {"bf16[" + ",".join(map(str, sharding.shard_shape(leaf.shape))) + "]"
                for leaf, sharding in params if leaf.ndim >= 2 and leaf.shape[0] == TINY.n_layers}
     assert len(stacked) >= 4, stacked  # the layer loop's weights
     assert sorted(s for s in stacked if s in hlo) == []
+
+
+def _reductions(hlo: str) -> list[tuple[str, str]]:
+    """(op, result type) of every all-reduce / reduce-scatter, an XLA:TPU reduce-scatter
+    emitter (`all-reduce-scatter` fusion) counted as a reduce-scatter (its inner all-reduce
+    not counted)."""
+    found = []
+    for computation in re.split(r"\n(?=\S)", hlo):
+        if computation.startswith("%all-reduce-scatter"):
+            continue
+        for m in re.finditer(r"= (\S+) (all-reduce|reduce-scatter|all-reduce-start)\(",
+                             computation):
+            found.append((m[2].removesuffix("-start"), m[1].split("{")[0]))
+        found += [("reduce-scatter", m[1].split("{")[0]) for m in re.finditer(
+            r"= (\S+) fusion\([^\n]*calls=%all-reduce-scatter", computation)]
+    return found
+
+
+@pytest.mark.slow
+def test_vocabulary_rows_are_reduce_scattered_on_eight_chips():
+    """The embedding's looked-up rows and the loss's hidden-state gradient (all 1024 tokens x
+    dim, one shard's slice kept) are reduce-scattered in two steps of true reduce-scatters
+    (reduce_scatter.staged_psum_scatter), never all-reduced whole: a single psum_scatter over
+    a v5p-16's eight chips compiles to an all-reduce (test below)."""
+    hlo, _ = compiled_tiny(*SHARD_MAP_1K)
+    rows, dim = 16 * 64, TINY.dim
+    found = _reductions(hlo)
+    assert [r for r in found if r[1].endswith(f"[{rows},{dim}]")] == [], found
+    # each of the two: a reduce-scatter to half the rows over pairs, then to an eighth
+    for shape in (f"[{rows // 2},{dim}]", f"[{rows // 8},{dim}]"):
+        assert sum(op == "reduce-scatter" and t.endswith(shape) for op, t in found) >= 2, found
+
+
+def test_a_single_psum_scatter_over_eight_v5p_chips_is_an_all_reduce():
+    """What the staging works around (libtpu 0.0.42.1): over a v5p:2x2x2's eight chips one
+    psum_scatter of 1024 x 64 fp32 rows compiles to an all-reduce of all rows; the staged one
+    to reduce-scatters only."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from titan_jax.parallel.reduce_scatter import staged_psum_scatter
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2").devices
+    mesh = Mesh(np.array(devices), ("fsdp",))
+    x = jax.ShapeDtypeStruct((1024, 64), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    forms = {"single": lambda x: lax.psum_scatter(x, "fsdp", scatter_dimension=0, tiled=True),
+             "staged": lambda x: staged_psum_scatter(x, ("fsdp",))}
+    found = {name: _reductions(jax.jit(jax.shard_map(
+        lambda x, f=f: f(x * 2), mesh=mesh, in_specs=PartitionSpec(),
+        out_specs=PartitionSpec("fsdp"), check_vma=False)).lower(x).compile().as_text())
+        for name, f in forms.items()}
+    assert found["single"] == [("all-reduce", "f32[1024,64]")], found
+    assert {op for op, _ in found["staged"]} == {"reduce-scatter"}, found
 
 
 @pytest.mark.slow
