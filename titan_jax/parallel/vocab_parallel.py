@@ -47,7 +47,10 @@ def _gather_rows_fwd(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, No
 
 
 def _gather_rows_bwd(axes: tuple[str, ...], _: None, g: jax.Array) -> tuple[jax.Array]:
-    return (staged_psum_scatter(g, axes),)
+    summed = staged_psum_scatter(g, axes)
+    # Partial sums, unlike the lookup's rows: the zeros added after the sum keep XLA:TPU from
+    # moving the caller's cast to bf16 in front of it (it does across a small all-reduce).
+    return (summed + summed * 0,)
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
