@@ -6,9 +6,13 @@ bf16 across an all-reduce (it did, before the jit path reduced per-shard fp32 gr
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
+from typing import Any
 
+import jax
+import numpy as np
 import pytest
 from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, preset_overrides, tiny_config
 
@@ -69,23 +73,27 @@ def _source(defs: dict[str, str], name: str) -> str:
     ("hsdp2x4", "jit"),  # the vocabulary tables gathered there (rules.table_for_vocab)
 ])
 def test_v5p_fsdp_gathers_bf16_and_reduces_fp32(preset, implementation):
-    hlo = compiled_hlo(preset, implementation)
+    # one compile shared with the tests below (the shard_map twin's: at 1024 tokens)
+    args = SHARD_MAP_1K if implementation == "shard_map" else (preset, implementation, VOCAB)
+    hlo, _ = compiled_tiny(*args)
     found = inspect_step.collective_counts(hlo)
-    gathered = {dtype: sum(c["bytes"] for c in found if c["op"] == "all-gather"
-                           and c["dtype"] == dtype) for dtype in ("bf16", "f32", "s32")}
-    # Weights travel in bf16; the vocabulary split's token ids (s32) and hidden states (f32,
-    # so that their gradient is reduced in fp32) are a small share. DDP gathers nothing.
+    gathers = {t for op, t in _collectives(hlo) if op == "all-gather"}
+    # Weights travel in bf16; the vocabulary split's token ids (s32) and hidden states (f32
+    # rows of the model dim, so that their gradient is reduced in fp32). DDP gathers nothing.
     if preset == "ddp8":
-        assert not any(gathered.values()), found
+        assert not gathers, found
     else:
-        assert gathered["f32"] < gathered["bf16"], found
+        assert any(t.startswith("bf16") for t in gathers), gathers
+        rows = re.compile(rf"f32\[(1,)*\d+,{TINY.dim}\]")  # (tokens, dim) hidden states
+        assert {t for t in gathers if t.startswith("f32") and not rows.fullmatch(t)} == set(), (
+            gathers)
     fp32_bytes = sum(c["bytes"] for c in found
                      if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] == "f32")
     assert fp32_bytes > 100_000, found  # the gradients (the tiny model is ~0.4 MB in fp32)
     # Except the vocabulary-parallel embedding's rows (all tokens x dim): one shard contributes
     # each row, so XLA:TPU's narrowing of that sum to bf16 is exact.
-    rows = f"bf16[{GLOBAL_BATCH * SEQ_LEN},{TINY.dim}]"
-    assert [r for r in bf16_reductions(hlo) if rows not in r] == []
+    embedding = f"bf16[{GLOBAL_BATCH * SEQ_LEN},{TINY.dim}]"
+    assert [r for r in bf16_reductions(hlo) if embedding not in r] == []
 
 
 def test_auto_precision_follows_the_target_devices_not_the_host():
@@ -109,11 +117,16 @@ def test_mixed_precision_reduce_bf16_reduces_gradients_in_bf16(implementation):
     """TorchTitan's `mixed_precision_reduce = "bfloat16"`: every gradient reduction is bf16
     (what is left in fp32 is the scalar loss, grad norm and the loss's softmax sums)."""
     hlo = compiled_hlo("fsdp8", implementation, "--training.mixed_precision_reduce", "bfloat16")
-    reductions = [c for c in inspect_step.collective_counts(hlo)
-                  if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] in ("bf16", "f32")]
-    # Left in fp32 too: the loss's per-token softmax sums over vocabulary shards (tokens x 4 B).
-    big = [c for c in reductions if c["bytes"] > 4096]
-    assert big and {c["dtype"] for c in big} == {"bf16"}, reductions
+    from titan_jax.tools import hlo_stats
+
+    # Left in fp32 too: the loss's per-token softmax sums over vocabulary shards (tokens x 4 B),
+    # and the shard_map twin's staged reductions of the vocabulary split (activations and
+    # their gradient, not weight gradients: all tokens' rows, then half of them).
+    rows = GLOBAL_BATCH * SEQ_LEN
+    vocabulary = {f"f32[{n},{TINY.dim}]" for n in (rows // 2, rows // 8)}
+    big = [t for _, t in _reductions(hlo) if t not in vocabulary and t[:3] in ("bf1", "f32")
+           and sum(hlo_stats.nbytes(*a) for a in hlo_stats.arrays(t)) > 4096]
+    assert big and {t.split("[")[0] for t in big} == {"bf16"}, big
 
 
 def test_offload_follows_the_target_devices_not_the_host(caplog):
@@ -167,20 +180,33 @@ def test_v5p_remat_modes_order_device_memory_and_offload_moves_activations_to_ho
     assert "S(5)" in hlo["offload"] and "S(5)" not in hlo["selective"]
 
 
-def full_vocab_arrays(preset: str, implementation: str, vocab: int) -> list[str]:
-    """Arrays of the per-chip v5p-8 program with the whole vocabulary as a dimension (the
-    tiny model with a vocabulary size no other dimension has)."""
+VOCAB = 8 * 131  # a vocabulary size no other dimension of the tiny model has, split 8 ways
+
+
+@functools.cache
+def compiled_tiny(preset: str, implementation: str, vocab: int, *overrides: str
+                  ) -> tuple[str, dict[str, Any]]:
+    """The per-chip v5p-16 (8 chips) program of the tiny model with `vocab` rows (a size no
+    other dimension has), and the abstract state with its shardings; one compile per test
+    module run, shared by the tests below."""
     import dataclasses
 
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
     config = tiny_config(*preset_overrides(preset), "--training.mixed_precision_param",
-                         "bfloat16", "--parallelism.fsdp_implementation", implementation)
+                         "bfloat16", "--parallelism.fsdp_implementation", implementation,
+                         *overrides)
     trainer = build_trainer(config, list(topology.devices),
                             model_args=dataclasses.replace(TINY, vocab_size=vocab))
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
-    hlo = lowered.compile().as_text()
+    return lowered.compile().as_text(), {"state": trainer.abstract_state(),
+                                         "shardings": trainer.state_shardings}
+
+
+def full_vocab_arrays(preset: str, implementation: str, vocab: int) -> list[str]:
+    """Arrays of the per-chip program with the whole vocabulary as a dimension."""
+    hlo, _ = compiled_tiny(preset, implementation, vocab)
     return sorted(set(re.findall(rf"\b(?:f32|bf16)\[[0-9,]*\b{vocab}\b[0-9,]*\]", hlo)))
 
 
@@ -191,11 +217,94 @@ def full_vocab_arrays(preset: str, implementation: str, vocab: int) -> list[str]
 def test_no_chip_holds_a_full_vocabulary_buffer(preset, implementation):
     """The vocabulary tables stay split over the data axes (and tp): their lookup, logits and
     gradients exist only as each chip's slice (8 x 131 = 1048 rows: 131 per chip)."""
-    assert full_vocab_arrays(preset, implementation, 8 * 131) == []
+    assert full_vocab_arrays(preset, implementation, VOCAB) == []
+
+
+# The shard_map twin at 16 x 64 tokens: its vocabulary reduce-scatters are big enough (256 KiB)
+# for XLA:TPU to choose between an all-reduce and a reduce-scatter.
+SHARD_MAP_1K = ("fsdp8", "shard_map", VOCAB, "--training.seq_len", "64",
+                "--training.global_batch_size", "16", "--training.local_batch_size", "2")
+
+
+@pytest.mark.parametrize("compile_args", [
+    ("fsdp8", "jit", VOCAB),
+    # (not fsdp4_tp2: its stacked shards' shapes are also activation shapes of this model)
+    pytest.param(SHARD_MAP_1K, marks=pytest.mark.slow),
+])
+def test_layer_weights_are_cast_to_bf16_one_layer_at_a_time(compile_args):
+    """No bf16 copy of a stacked (all layers) weight shard: XLA:TPU hoists a plain cast of the
+    layer loop's weight slice out of the loop (simple_fsdp.cast_in_loop; measured before the
+    fix: every stacked shard had its bf16 twin here, 3.5 GB per chip for 8B on v5p-8)."""
+    hlo, found = compiled_tiny(*compile_args)
+    params = zip(jax.tree.leaves(found["state"]["params"]),
+                 jax.tree.leaves(found["shardings"]["params"]), strict=True)
+    stacked = {"bf16[" + ",".join(map(str, sharding.shard_shape(leaf.shape))) + "]"
+               for leaf, sharding in params if leaf.ndim >= 2 and leaf.shape[0] == TINY.n_layers}
+    assert len(stacked) >= 4, stacked  # the layer loop's weights
+    assert sorted(s for s in stacked if s in hlo) == []
+
+
+def _collectives(hlo: str) -> list[tuple[str, str]]:
+    """(op, result type) of every all-gather, all-reduce and reduce-scatter, an XLA:TPU
+    reduce-scatter emitter (`all-reduce-scatter` fusion) counted as a reduce-scatter (its inner
+    all-reduce not counted)."""
+    found = []
+    for computation in re.split(r"\n(?=\S)", hlo):
+        if computation.startswith("%all-reduce-scatter"):
+            continue
+        for m in re.finditer(r"= (\S+) (all-gather|all-reduce|reduce-scatter)(?:-start)?\(",
+                             computation):
+            found.append((m[2], m[1].split("{")[0]))
+        found += [("reduce-scatter", m[1].split("{")[0]) for m in re.finditer(
+            r"= (\S+) fusion\([^\n]*calls=%all-reduce-scatter", computation)]
+    return found
+
+
+def _reductions(hlo: str) -> list[tuple[str, str]]:
+    return [c for c in _collectives(hlo) if c[0] != "all-gather"]
+
+
+@pytest.mark.slow
+def test_vocabulary_rows_are_reduce_scattered_on_eight_chips():
+    """The embedding's looked-up rows and the loss's hidden-state gradient (all 1024 tokens x
+    dim, one shard's slice kept) are reduce-scattered in two steps of true reduce-scatters
+    (reduce_scatter.staged_psum_scatter), never all-reduced whole: a single psum_scatter over
+    a v5p-16's eight chips compiles to an all-reduce (test below)."""
+    hlo, _ = compiled_tiny(*SHARD_MAP_1K)
+    rows, dim = 16 * 64, TINY.dim
+    found = _reductions(hlo)
+    assert [r for r in found if r[1].endswith(f"[{rows},{dim}]")] == [], found
+    # each of the two: a reduce-scatter to half the rows over pairs, then to an eighth
+    for shape in (f"[{rows // 2},{dim}]", f"[{rows // 8},{dim}]"):
+        assert sum(op == "reduce-scatter" and t.endswith(shape) for op, t in found) >= 2, found
+
+
+def test_a_single_psum_scatter_over_eight_v5p_chips_is_an_all_reduce():
+    """What the staging works around (libtpu 0.0.42.1): over a v5p:2x2x2's eight chips one
+    psum_scatter of 1024 x 64 fp32 rows compiles to an all-reduce of all rows; the staged one
+    to reduce-scatters only."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from titan_jax.parallel.reduce_scatter import staged_psum_scatter
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2").devices
+    mesh = Mesh(np.array(devices), ("fsdp",))
+    x = jax.ShapeDtypeStruct((1024, 64), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    forms = {"single": lambda x: lax.psum_scatter(x, "fsdp", scatter_dimension=0, tiled=True),
+             "staged": lambda x: staged_psum_scatter(x, ("fsdp",))}
+    found = {name: _reductions(jax.jit(jax.shard_map(
+        lambda x, f=f: f(x * 2), mesh=mesh, in_specs=PartitionSpec(),
+        out_specs=PartitionSpec("fsdp"), check_vma=False)).lower(x).compile().as_text())
+        for name, f in forms.items()}
+    assert found["single"] == [("all-reduce", "f32[1024,64]")], found
+    assert {op for op, _ in found["staged"]} == {"reduce-scatter"}, found
 
 
 @pytest.mark.slow
 def test_the_full_vocabulary_check_can_fail():
     # 1049 does not divide over 8 shards: the tables fall back to FSDP gathers, and the gathered
     # table and its per-shard gradient are full-vocabulary arrays.
-    assert full_vocab_arrays("fsdp8", "jit", 8 * 131 + 1)
+    assert full_vocab_arrays("fsdp8", "jit", VOCAB + 1)

@@ -86,6 +86,35 @@ ENTRY %main (w: f32[36,1000], i: s32[]) -> f32[1,1000] {
     assert hlo_cost.traffic(module, fusion, module.defining("main")) == 2 * 4000
 
 
+# A loop body's in-place update of a 4 GB buffer with a 1 GB slice, and a 3 GB prefetch into
+# VMEM (S(1)) started before a 2 TFLOP dot (2 s) whose operands are already on chip.
+IN_PLACE_AND_PREFETCH = """
+HloModule m, is_scheduled=true
+
+ENTRY %main (buf: f32[4,250000000], up: f32[1,250000000], i: s32[], w: bf16[1500000000], a: bf16[1000,1000], b: bf16[1000,1000000]) -> bf16[1000,1000000] {
+  %buf = f32[4,250000000]{1,0} parameter(0)
+  %up = f32[1,250000000]{1,0:S(1)} parameter(1)
+  %i = s32[]{:S(2)} parameter(2)
+  %w = bf16[1500000000]{0} parameter(3)
+  %a = bf16[1000,1000]{1,0:S(1)} parameter(4)
+  %b = bf16[1000,1000000]{1,0:S(1)} parameter(5)
+  %dus = f32[4,250000000]{1,0} dynamic-update-slice(%buf, %up, %i, %i)
+  %cs = (bf16[1500000000]{0:S(1)}, bf16[1500000000]{0}, u32[]{:S(2)}) copy-start(%w)
+  %d = bf16[1000,1000000]{1,0:S(1)} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %cd = bf16[1500000000]{0:S(1)} copy-done(%cs)
+}
+"""
+
+
+def test_an_in_place_update_moves_its_slice_and_a_prefetch_shares_hbm_with_its_window():
+    r = hlo_cost.estimate(IN_PLACE_AND_PREFETCH, UNIT_CHIP, 1)
+    # The update: 1 GB from VMEM written into HBM in place (1 s), not the 4 GB buffer read and
+    # written; the prefetch's 3 GB of HBM reads (3 s) outlast the 2 s dot it runs under: 1 s.
+    assert r["hbm_bytes_per_chip"] == pytest.approx(1e9 + 3e9)
+    assert r["dma_wait_s"] == pytest.approx(3.0 - 2.0)
+    assert r["step_s"] == pytest.approx(1.0 + 2.0 + 1.0)
+
+
 RAGGED = """
 HloModule m
 

@@ -85,6 +85,20 @@ def only_axes(spec: PartitionSpec, keep: tuple[str, ...]) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
+def cast_in_loop(stored: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`stored` (one layer's slice of a scanned weight) cast to `dtype` where it is used.
+
+    A plain convert of the slice XLA:TPU moves above the layer loop's dynamic-slice and hoists
+    out of the loop: a bf16 copy of every layer's weight shard, live through forward and
+    backward (3.5 GB per chip for 8B on v5p-8, docs/TPU.md). Adding zeros computed from the
+    slice itself, elementwise (a float `x * 0` is not folded: it is NaN for x = inf), ties the
+    cast to the iteration; it fuses into the cast, which reads the fp32 slice anyway.
+    """
+    if stored.dtype == dtype:
+        return stored
+    return (stored + lax.stop_gradient(stored) * 0).astype(dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # The compiler path.
 
@@ -98,7 +112,7 @@ def gather_param(stored: jax.Array, shard_index: jax.Array, dtype: jnp.dtype,
     `lax.axis_index(SHARDS)`, used only to give the weight the shard dimension)."""
     # Cast on the shard and pin it there: without the pin, propagation moves the cast after the
     # all-gather, which then moves fp32.
-    x = lax.with_sharding_constraint(stored.astype(dtype), storage)
+    x = lax.with_sharding_constraint(cast_in_loop(stored, dtype), storage)
     x = x + (shard_index * 0).astype(dtype)  # data-dependent: zeros_like would be unbatched
     x = lax.with_sharding_constraint(x, compute)  # + the shard dim over the data axes (vmap)
     return checkpoint_name(x, GATHERED_PARAM)
@@ -136,7 +150,7 @@ def all_gather_param(shard: jax.Array, dtype: jnp.dtype, reduce_dtype: jnp.dtype
     Marking it varying here, not at the consumer, keeps that mark's implicit transpose (a psum
     in the cotangent's dtype, bf16) out of the backward, which reduces explicitly.
     """
-    x = shard.astype(dtype)
+    x = cast_in_loop(shard, dtype)
     if replicated:
         x = lax.pcast(x, replicated, to="varying")
     for dim, axis in gathered_dims:

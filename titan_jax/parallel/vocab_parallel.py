@@ -10,7 +10,9 @@ rules table keeps the vocabulary split over the data axes in compute (`"vocab"` 
 
 - embedding: every shard's token ids are gathered, each shard looks up the rows its slice
   holds (zeros elsewhere) and a reduce-scatter returns each shard its own tokens' rows (one
-  shard contributes each row, so the sum is exact in any dtype);
+  shard contributes each row, so the sum is exact in any dtype). It is written out over the
+  mesh axes (`reduce_scatter.staged_psum_scatter`, in a nested shard_map in the jit path):
+  XLA:TPU lowers a reduce-scatter over a v5p-16's eight chips as a full-size all-reduce;
 - output projection and loss: per chunk of tokens, every shard's hidden states are gathered,
   each shard computes the logits of its vocabulary slice, the logsumexp and the label's logit
   are reduced over shards, and in backward the hidden states' gradient is reduce-scattered in
@@ -24,9 +26,34 @@ stays with the partitioner, inside each shard's slice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from jax import lax
+
+from titan_jax.parallel.reduce_scatter import staged_psum_scatter
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_rows(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Inside shard_map: every shard's rows of `x` stacked along dim 0 (shard-major); its
+    transpose is the staged reduce-scatter, not the single psum_scatter XLA:TPU would lower as
+    an all-reduce on larger groups."""
+    return lax.all_gather(x, axes, axis=0, tiled=True)
+
+
+def _gather_rows_fwd(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, None]:
+    return gather_rows(x, axes), None
+
+
+def _gather_rows_bwd(axes: tuple[str, ...], _: None, g: jax.Array) -> tuple[jax.Array]:
+    summed = staged_psum_scatter(g, axes)
+    # Partial sums, unlike the lookup's rows: the zeros added after the sum keep XLA:TPU from
+    # moving the caller's cast to bf16 in front of it (it does across a small all-reduce).
+    return (summed + summed * 0,)
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +72,15 @@ class VocabParallel:
         return self._index() * v_local
 
     def gather(self, x: jax.Array) -> jax.Array:
+        if isinstance(self.axis, tuple):  # the shard_map path's manual mesh axes
+            return gather_rows(x, self.axis)
         return lax.all_gather(x, self.axis, axis=0, tiled=True)
 
     def scatter_sum(self, x: jax.Array) -> jax.Array:
+        if isinstance(self.axis, tuple):
+            return staged_psum_scatter(x, self.axis)
+        # The jit path's vmap axis: XLA:TPU emits its reduce-scatter on v5p-8 and v6e-8; in
+        # groups of more than four v5p chips an all-reduce (docs/TPU.md).
         return lax.psum_scatter(x, self.axis, scatter_dimension=0, tiled=True)
 
     def own(self, x: jax.Array) -> jax.Array:

@@ -178,6 +178,7 @@ def _estimates(report: dict[str, Any], hlo: str, chip: Chip, n: int,
             ops, ("op", "dtype", "network", "in_layer_loop", "axes")),
         "est_step_time_s": cost["step_s"], "est_compute_s": cost["compute_s"],
         "est_exposed_collective_s": cost["exposed_collective_s"],
+        "est_dma_wait_s": cost["dma_wait_s"],
         "est_hbm_bytes_per_chip": cost["hbm_bytes_per_chip"],
         "est_mfu_pct": 100 * report["analytic_flops_per_step"] / (peak * cost["step_s"]),
         "in_loop_all_gathers": len(gathers),
@@ -300,7 +301,8 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(
             f"estimate (each compiled op at max(FLOPs at bf16 peak, bytes at HBM bandwidth) + "
             f"exposed collectives): step {r['est_step_time_s'] * 1e3:.1f} ms (compute "
-            f"{r['est_compute_s'] * 1e3:.1f}, exposed collectives "
+            f"{r['est_compute_s'] * 1e3:.1f}, of which waiting on HBM<->VMEM copies "
+            f"{r['est_dma_wait_s'] * 1e3:.1f}; exposed collectives "
             f"{r['est_exposed_collective_s'] * 1e3:.1f}), MFU {r['est_mfu_pct']:.1f}%")
         lines.append(
             f"roofline bound (compute at peak, collectives fully overlapped): step "

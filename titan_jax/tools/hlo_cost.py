@@ -6,8 +6,12 @@ matmuls, copies, ...) costs max(its MXU FLOPs at the chip's bf16 peak, its HBM b
 chip's HBM bandwidth); a loop body counts once per iteration. Bytes are the operands and results
 that live in HBM (memory space 0 in the compiled layout: `S(1)` is on-chip VMEM, `S(5)` host
 memory); a fused operand read only through a dynamic-slice counts as the slice, an in-place
-dynamic-update-slice as its update. Collectives cost their ring-algorithm bytes at the published
-ICI (or DCN) bandwidth and are added only where the schedule leaves them exposed: a synchronous
+dynamic-update-slice (bare or a fusion's root) as its update. The asynchronous copies XLA:TPU
+schedules between HBM and on-chip memory (`copy-start`/`slice-start` ... `-done`: operand
+prefetches and evictions) move HBM bytes too: the instructions between a copy's start and its
+done take at least their own HBM bytes plus the copy's at the HBM bandwidth. Collectives
+cost their ring-algorithm bytes at the published ICI (or DCN) bandwidth and are added only
+where the schedule leaves them exposed: a synchronous
 collective is exposed in full; an asynchronous one (XLA:TPU's `async-collective-start` ...
 continuation fusions ... `async-collective-done` chains, or `*-start`/`*-done` pairs) is covered
 by the estimated work the schedule places between its start and its done.
@@ -112,7 +116,14 @@ def _fused_operand_bytes(module: HloModule, fused: str, index: int, full: int) -
 
 
 def traffic(module: HloModule, inst: Instruction, defs: dict[str, Instruction]) -> int:
-    """HBM bytes an instruction reads and writes."""
+    """HBM bytes an instruction reads and writes. A dynamic-update-slice (bare, or a fusion's
+    root) updates its buffer in place: it reads and writes the update only."""
+    if inst.op == "dynamic-update-slice" and len(inst.operands) > 1:
+        update = defs.get(inst.operands[1])
+        if update is None:
+            return 0
+        written = sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(update.type))
+        return hbm_bytes(update.type) + (written if hbm_bytes(inst.type) else 0)
     fused = next((c for kind, c in hlo_stats.called(inst) if kind == "calls"), None)
     read = 0
     for index, operand in enumerate(inst.operands):
@@ -128,6 +139,21 @@ def traffic(module: HloModule, inst: Instruction, defs: dict[str, Instruction]) 
         update = module.defining(fused).get(root[0].operands[1])
         written = hbm_bytes(update.type) if update is not None else written
     return read + written
+
+
+def dma_bytes(inst: Instruction) -> int:
+    """HBM bytes an asynchronous copy moves (`copy-start`: (destination, source, context);
+    `slice-start`: ((source), destination slice, context)): XLA:TPU's prefetches of operands
+    into on-chip memory (S(1)) and evictions back. The destination's bytes once per side that
+    is HBM (an HBM-to-HBM copy reads and writes)."""
+    found = _ARRAY_LAYOUT.findall(inst.type)
+    if len(found) < 2:
+        return 0
+    pair = found[:2] if inst.op == "copy-start" else found[1:0:-1]
+    size = hlo_stats.nbytes(pair[0][0], tuple(int(d) for d in pair[0][1].split(",") if d))
+    in_hbm = [(_MEMORY_SPACE.search(layout or "") or ["", "0"])[1] == "0"
+              for _, _, layout in pair]
+    return size * sum(in_hbm)
 
 
 def chains(module: HloModule, inst: Instruction) -> set[str]:
@@ -170,7 +196,7 @@ class _Walk:
     def __init__(self, module: HloModule, chip: Chip, devices: int):
         self.module, self.chip, self.devices = module, chip, devices
         self.memo: dict[str, float] = {}
-        self.flops = self.hbm = self.compute_s = self.exposed_s = 0.0
+        self.flops = self.hbm = self.compute_s = self.exposed_s = self.dma_s = 0.0
         self.collectives: list[dict[str, Any]] = []
 
     def collective(self, inst: Instruction, op: str, defs: dict[str, Instruction]
@@ -188,10 +214,18 @@ class _Walk:
         """Seconds of one run of control computation `name` (loops inside included)."""
         defs = self.module.defining(name)
         spans: dict[str, list] = {}  # chain or start name -> [collective, first, last]
+        dmas: dict[str, list] = {}  # copy/slice-start name -> [bytes, first, last]
         seconds: list[float] = []
+        moved: list[float] = []  # HBM bytes of each position (a loop: all its iterations)
         exposed = 0.0
         for position, inst in enumerate(self.module.computations.get(name, [])):
+            before = self.hbm
             seconds.append(self.run(inst, defs, times))
+            moved.append((self.hbm - before) / times)
+            if inst.op in ("copy-start", "slice-start"):
+                dmas[inst.name] = [dma_bytes(inst), position, len(seconds) - 1]
+            elif inst.op in ("copy-done", "slice-done") and inst.operands[0] in dmas:
+                dmas[inst.operands[0]][2] = position
             op = inst.op.removesuffix("-start")
             fused = chains(self.module, inst)
             if inst.op.endswith("-done") and inst.operands and inst.operands[0] in spans:
@@ -210,10 +244,25 @@ class _Walk:
                 if chain not in spans:
                     spans[chain] = [self.fused_collective(inst), position, position]
                 spans[chain][2] = position
+        self.share_hbm(dmas, seconds, moved, times)
         for found, first, last in spans.values():
             found["covered_s"] = sum(seconds[first:last + 1])
             exposed += self.expose(found, times, name)
         return sum(seconds) + exposed
+
+    def share_hbm(self, dmas: dict[str, list], seconds: list[float], moved: list[float],
+                  times: float) -> None:
+        """An asynchronous copy shares HBM with the instructions scheduled between its start
+        and its done: that window takes at least all their HBM bytes and the copy's at the
+        HBM bandwidth; any shortfall is added at the done (which waits for the copy)."""
+        for size, first, last in sorted(dmas.values(), key=lambda d: d[2]):
+            need = (sum(moved[first:last + 1]) + size) / self.chip.hbm_bytes_per_s
+            extra = max(0.0, need - sum(seconds[first:last + 1]))
+            seconds[last] += extra
+            moved[last] += size
+            self.hbm += times * size
+            self.compute_s += times * extra
+            self.dma_s += times * extra
 
     def fused_collective(self, inst: Instruction) -> dict[str, Any] | None:
         """The collective a fusion runs, if any. XLA:TPU's `all-reduce-scatter` fusions (an
@@ -277,5 +326,6 @@ def estimate(hlo_text: str, chip: Chip, devices: int) -> dict[str, Any]:
     walk = _Walk(module, chip, devices)
     step_s = walk.visit(module.entry, 1)
     return {"step_s": step_s, "compute_s": walk.compute_s,
-            "exposed_collective_s": walk.exposed_s, "flops_per_chip": walk.flops,
+            "exposed_collective_s": walk.exposed_s, "dma_wait_s": walk.dma_s,
+            "flops_per_chip": walk.flops,
             "hbm_bytes_per_chip": walk.hbm, "collectives": walk.collectives}
