@@ -35,7 +35,8 @@ def reference_losses(run_tiny) -> np.ndarray:
 
 
 @pytest.mark.parametrize("implementation, preset", [
-    *(("jit", name) for name in PRESETS),
+    # fsdp2_tp4 is left out: the same fsdp x tp path as fsdp4_tp2 (one compile less).
+    *(("jit", name) for name in PRESETS if name != "fsdp2_tp4"),
     ("shard_map", "fsdp8"),
     ("shard_map", "hsdp2x4"),
     # The twin is manual over the data axes only, so tp composes with it too.

@@ -55,24 +55,35 @@ def test_chunked_equals_unchunked_fp32(monkeypatch):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), chunked, full)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("implementation", ["jit", "shard_map"])
-def test_qwen3_vocabulary_chunks_on_both_simple_fsdp_paths(implementation):
-    """512 tokens per shard at vocabulary 151,936: above the 441-token chunk threshold, so the
-    loss is chunked inside the per-shard code (shard_map used to fail to trace here)."""
-    args = dataclasses.replace(TINY, vocab_size=QWEN3_VOCAB, max_seq_len=512)
-    assert 512 > loss.MAX_LOGITS_PER_CHUNK // QWEN3_VOCAB
-    overrides = ("--training.seq_len", "512", "--training.steps", "2")
-    single = build_trainer(tiny_config(*overrides, "--training.local_batch_size", "8"),
-                           jax.devices()[:1], model_args=args)
-    sharded = build_trainer(tiny_config(*preset_overrides("fsdp8"), *overrides,
-                                        "--parallelism.fsdp_implementation", implementation),
-                            model_args=args)
+QWEN3_VOCAB_ARGS = dataclasses.replace(TINY, vocab_size=QWEN3_VOCAB, max_seq_len=512)
+QWEN3_VOCAB_OVERRIDES = ("--training.seq_len", "512", "--training.steps", "2")
+
+
+@pytest.fixture(scope="module")
+def qwen3_vocabulary_step():
+    """(init, batch, metrics) of one single-device step at Qwen3's vocabulary, shared by both
+    SimpleFSDP paths."""
+    single = build_trainer(tiny_config(*QWEN3_VOCAB_OVERRIDES, "--training.local_batch_size",
+                                       "8"), jax.devices()[:1], model_args=QWEN3_VOCAB_ARGS)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, QWEN3_VOCAB, (8, 513)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
     init = jax.device_get(single.init_state())
     _, want = single.step_fn(jax.device_put(init), single.put_batch(batch))
+    return init, batch, want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["jit", "shard_map"])
+def test_qwen3_vocabulary_chunks_on_both_simple_fsdp_paths(qwen3_vocabulary_step,
+                                                           implementation):
+    """512 tokens per shard at vocabulary 151,936: above the 441-token chunk threshold, so the
+    loss is chunked inside the per-shard code (shard_map used to fail to trace here)."""
+    assert 512 > loss.MAX_LOGITS_PER_CHUNK // QWEN3_VOCAB
+    init, batch, want = qwen3_vocabulary_step
+    sharded = build_trainer(tiny_config(*preset_overrides("fsdp8"), *QWEN3_VOCAB_OVERRIDES,
+                                        "--parallelism.fsdp_implementation", implementation),
+                            model_args=QWEN3_VOCAB_ARGS)
     _, got = sharded.step_fn(jax.device_put(init, sharded.state_shardings),
                              sharded.put_batch(batch))
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
