@@ -91,7 +91,7 @@ def test_grouped_experts_equal_the_dense_reference_forward_and_gradients(kernel)
 def test_looped_kernel_leaves_padding_rows_out_and_copies_no_weights_per_block():
     """The CPU kernel: rows past the groups (an exchange buffer's padding, id = E) come out
     zero with zero gradient, and forward + backward keep a few row buffers and the weight
-    gradients, never a copy of the weights per block (34 blocks x D x F here: 17 weights)."""
+    gradients, never a copy of the weights per block (18 blocks x D x F here: 9 weights)."""
     m, d, f, e = 1024, 64, 128, 2
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.permutation(np.repeat([0, 1, e], [700, 300, m - 1000])), jnp.int32)

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 Array = jax.Array
-BLOCK = 32  # rows per block: of 16, 32, 64, 128 timed here at the debug shapes, 32 and 64 led
+BLOCK = 64  # rows per block: of 16, 32, 64, 128 timed here at the debug shapes, 32 and 64 led
 
 
 class _Groups(NamedTuple):
