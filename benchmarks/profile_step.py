@@ -37,8 +37,11 @@ from titan_jax.train.trainer import Trainer, build_trainer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import QWEN3_100M  # noqa: E402
 
-SHAPES = {"debugmodel": get_flavor("debugmodel"), "qwen3-100M": QWEN3_100M}
-PARTS = ("sdpa", "rope", "rms_norm", "swiglu", "embed", "loss")
+SHAPES = {"debugmodel": get_flavor("debugmodel"), "qwen3-100M": QWEN3_100M,
+          "debugmodel_moe": get_flavor("debugmodel_moe")}
+DEFAULT_MODELS = "debugmodel,qwen3-100M"
+PARTS = ("sdpa", "rope", "rms_norm", "swiglu", "embed", "loss", "router", "experts",
+         "moe_permute")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -69,6 +72,10 @@ def _dot_part(fused: list[str], in_layer_loop: bool, args: Qwen3Args) -> str:
         return "sdpa"  # the batched score and value einsums
     dims = {int(d) for line in fused for shape in re.findall(r"\[([0-9,]*)\]", line)
             for d in shape.split(",") if d}
+    if args.is_moe and args.moe_inter_dim in dims:
+        return "experts"
+    if args.is_moe and args.num_experts in dims:
+        return "router"
     return "feed_forward matmuls" if args.hidden_dim in dims else "attention matmuls"
 
 
@@ -193,7 +200,8 @@ def profile(name: str, batch: int, seq: int, ac: str, steps: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--models", default=DEFAULT_MODELS,
+                        help=f"comma-separated, of {', '.join(SHAPES)} (default {DEFAULT_MODELS})")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--ac", default="none", help="activation_checkpoint.mode")

@@ -10,8 +10,9 @@ import pytest
 from titan_jax.models.qwen3 import QWEN3_FLAVORS, Qwen3Args, build_model_def
 from titan_jax.models.qwen3.flops import count_params
 from titan_jax.models.qwen3.moe import (
-    GROUPED_MATMULS,
+    EXPERT_KERNELS,
     dense_reference,
+    expert_ffn,
     route,
     routed_experts,
     update_expert_bias,
@@ -71,7 +72,7 @@ def expert_case(seed=0, n=48, k=3, e=6, d=8, f=12):
     return x, experts, weights, (w1, w3, w2)
 
 
-@pytest.mark.parametrize("kernel", sorted(GROUPED_MATMULS))
+@pytest.mark.parametrize("kernel", sorted(EXPERT_KERNELS))
 def test_grouped_experts_equal_the_dense_reference_forward_and_gradients(kernel):
     x, experts, weights, ws = expert_case()
 
@@ -79,7 +80,7 @@ def test_grouped_experts_equal_the_dense_reference_forward_and_gradients(kernel)
         y = fn(x, experts, weights, *ws)
         return jnp.sum(jnp.sin(y))
 
-    ours = lambda *a: routed_experts(*a, grouped_matmul=kernel)  # noqa: E731
+    ours = lambda *a: routed_experts(*a, expert_kernel=kernel)  # noqa: E731
     got = jax.value_and_grad(loss, argnums=(1, 2, 3))(ours, x, weights, ws)
     want = jax.value_and_grad(loss, argnums=(1, 2, 3))(dense_reference, x, weights, ws)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
@@ -87,11 +88,26 @@ def test_grouped_experts_equal_the_dense_reference_forward_and_gradients(kernel)
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_blocked_kernel_handles_groups_larger_than_a_block():
-    x, experts, weights, ws = expert_case(n=200, k=2)
-    got = routed_experts(x, experts, weights, *ws, grouped_matmul="blocked")
-    np.testing.assert_allclose(got, dense_reference(x, experts, weights, *ws), rtol=1e-4,
-                               atol=1e-5)
+def test_looped_kernel_leaves_padding_rows_out_and_copies_no_weights_per_block():
+    """The CPU kernel: rows past the groups (an exchange buffer's padding, id = E) come out
+    zero with zero gradient, and forward + backward keep a few row buffers and the weight
+    gradients, never a copy of the weights per block (18 blocks x D x F here: 9 weights)."""
+    m, d, f, e = 1024, 64, 128, 2
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.permutation(np.repeat([0, 1, e], [700, 300, m - 1000])), jnp.int32)
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    ws = [jnp.asarray(rng.normal(size=s) / 8, jnp.float32) for s in ((e, d, f), (e, d, f),
+                                                                   (e, f, d))]
+
+    def loss(x, *ws):
+        return jnp.sum(jnp.sin(expert_ffn(x, ids, *ws, "looped")))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, *ws).compile()
+    padding = np.asarray(ids) == e
+    assert (np.asarray(expert_ffn(x, ids, *ws, "looped"))[padding] == 0).all()
+    assert (np.asarray(step(x, *ws)[1][0])[padding] == 0).all()
+    rows_bytes, weight_bytes = m * d * 4, e * d * f * 4
+    assert step.memory_analysis().temp_size_in_bytes < 6 * rows_bytes + 3 * weight_bytes
 
 
 def test_expert_bias_update_is_torchtitans_formula():

@@ -68,7 +68,7 @@ def local_dispatch(rows, experts, n_local, ffn):
 def moe_out(dispatch, x, experts, weights, w1, w3, w2, n_local):
     """sum_k weights * FFN_{expert}(x), each (token, slot) pick one row through `dispatch`."""
     def ffn(rows, ids):
-        return expert_ffn(rows, ids, w1, w3, w2, "blocked")
+        return expert_ffn(rows, ids, w1, w3, w2, "looped")
 
     n, k = experts.shape
     y = dispatch(x[jnp.arange(n * k) // k], experts.reshape(-1), n_local, ffn)

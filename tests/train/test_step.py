@@ -1,4 +1,5 @@
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +93,22 @@ def test_finite_guard_leaves_state_untouched_on_nan():
                     strict=True):
         np.testing.assert_array_equal(a, b)  # moments and the LR count did not move
     assert int(after["step"]) == 1 and int(after["applied_updates"]) == 0
+
+
+def test_the_update_writes_the_donated_state_in_place():
+    """The finite guard is one conditional around the update: XLA then writes the donated
+    Adam moments in place. As a select per leaf it read each old moment twice and copied them
+    all first (2 x the parameters' bytes of temporaries)."""
+    model = build_model_def(TINY)
+    optimizer = build_optimizer(Optimizer())
+    step = jax.jit(functools.partial(
+        train_step, model=model, optimizer=optimizer, options=StepOptions(),
+        schedule=WSDSchedule.from_config(1e-3, LRScheduler(warmup_steps=2), 10)),
+        donate_argnums=0)
+    state = jax.eval_shape(lambda: init_train_state(model.init(jax.random.key(0)),
+                                                    model.init_buffers(), optimizer))
+    hlo = step.lower(state, batches(1)[0]).compile().as_text()
+    assert "mu" in hlo and not re.search(r"copy\(%state__opt_state", hlo)
 
 
 def test_the_lr_follows_the_count_of_applied_updates():

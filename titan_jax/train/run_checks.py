@@ -91,7 +91,7 @@ def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
             "parallelism.fsdp_implementation=jit cannot host context parallelism (its K/V "
             "gathers run over the manual cp axis of the shard_map implementation); use auto or "
             "shard_map")
-    ragged = getattr(args, "is_moe", False) and platform != "cpu"  # CPU: blocked einsums
+    ragged = getattr(args, "is_moe", False) and platform != "cpu"  # CPU: the looped kernel
     if ragged and degrees.ep == 1:
         if p.fsdp_implementation == "jit":
             raise ConfigError(

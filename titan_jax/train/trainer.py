@@ -165,12 +165,14 @@ def held_seq(sharding: NamedSharding, shape: tuple[int, int], devices: list[jax.
     return slice(min(r.start for r in spans), max(r.stop for r in spans))
 
 
-def _build_options(config: JobConfig, degrees: MeshDegrees, platform: str, attention: str
-                   ) -> BuildOptions:
+def _build_options(config: JobConfig, platform: str, attention: str) -> BuildOptions:
     reshard = config.parallelism.fsdp_reshard_after_forward in ("default", "always")
     return BuildOptions(
         remat_mode=remat_mode_for(config.activation_checkpoint.mode, platform),
-        save_gathered_params=not (reshard and degrees.weight_shard > 1),
+        # Saved only when asked: on one weight shard the "gathered" weight is a copy of the
+        # stored one, which backward remakes for free (saved, it is a second copy of every
+        # weight, stacked over layers).
+        save_gathered_params=not reshard,
         activation_stats=config.metrics.log_activation_stats, platform=platform,
         attention=attention)
 
@@ -194,7 +196,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     run_checks.check_reduce_dtype(config, devices, implementation)
     param_dtype = resolve_param_dtype(t.mixed_precision_param, devices)
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
-    model = spec.build(args, _build_options(config, degrees, platform, attention))
+    model = spec.build(args, _build_options(config, platform, attention))
     rules = ShardingRules(mesh, table_for_vocab(mesh, args.vocab_size, implementation))
     param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)
     optimizer = build_optimizer(config.optimizer)

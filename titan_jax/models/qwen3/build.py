@@ -19,7 +19,7 @@ from flax import nnx
 from titan_jax.models.attention import resolve_attention
 from titan_jax.models.qwen3.args import Qwen3Args
 from titan_jax.models.qwen3.model import SAVED_ACTIVATIONS, Kernels, Qwen3, stacked_logical_axes
-from titan_jax.models.qwen3.moe import grouped_matmul_for, update_expert_bias
+from titan_jax.models.qwen3.moe import expert_kernel_for, update_expert_bias
 from titan_jax.models.remat import remat_policy
 from titan_jax.models.spec import Aux, BuildOptions, Params
 from titan_jax.trees import leaf_name, nested_set
@@ -96,7 +96,7 @@ class Qwen3Def:
 def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> Qwen3Def:
     """Traces the module once abstractly (no weights allocated) to get its structure."""
     options = options or BuildOptions()
-    kernels = Kernels(grouped_matmul_for(options.platform),
+    kernels = Kernels(expert_kernel_for(options.platform),
                       resolve_attention(options.attention, options.platform), options.platform)
     abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernels))
     graphdef, state = nnx.split(abstract, nnx.Param)

@@ -60,7 +60,7 @@ ACT_AXES = ("batch", "seq", "embed")
 class Kernels:
     """Kernel choices, made for the target devices' platform (build.py)."""
 
-    grouped_matmul: str = "blocked"  # the MoE experts' (`moe.GROUPED_MATMULS`)
+    expert_kernel: str = "looped"  # the MoE experts' SwiGLU (`moe.EXPERT_KERNELS`)
     attention: str = "xla"  # a resolved backend of `titan_jax/models/attention.py`
     platform: str = "cpu"  # of the target devices (splash runs interpreted off TPU)
 
@@ -230,7 +230,7 @@ class Block(nnx.Module):
         if args.is_moe:
             self.moe = MoE(args.dim, args.num_experts, args.moe_inter_dim, args.top_k,
                            args.norm_topk_prob, 0.02 / math.sqrt(2 * args.n_layers),
-                           kernels.grouped_matmul, rngs)
+                           kernels.expert_kernel, rngs)
         else:
             self.feed_forward = FeedForward(args, rngs)
 

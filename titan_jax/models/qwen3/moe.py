@@ -14,12 +14,12 @@ k slots in fp32, weighted by the gate weights. The picks go through the active e
 under expert parallelism (`titan_jax/parallel/expert_parallel.py`), which only moves rows: the
 routing and the weighted sum stay here.
 
-Grouped matmul kernels (`GROUPED_MATMULS`), chosen by the target platform:
-- "ragged": `jax.lax.ragged_dot`, a grouped-matmul kernel on TPU and GPU;
-- "blocked": groups padded to blocks of `BLOCK` rows, each block multiplied by its expert's
-  weight in one batched einsum. XLA:CPU runs `ragged_dot` like a masked dense matmul over every
-  group (BENCHMARKS.md, "CPU kernel choices"); blocks run at dense speed plus at most one
-  partial block per expert.
+Expert kernels (`EXPERT_KERNELS`: the SwiGLU of rows sorted by expert), chosen by the target
+platform:
+- "ragged": three `jax.lax.ragged_dot` grouped matmuls, grouped-matmul kernels on TPU and GPU;
+- "looped" (CPU): one loop over blocks of each expert's rows, the whole SwiGLU per block against
+  the expert's weights in place (`looped_experts.py`). XLA:CPU runs `ragged_dot` like a masked
+  dense matmul over every group (BENCHMARKS.md, "CPU kernel choices").
 Both equal `dense_reference` (every expert on every token, masked), which is for tests only.
 
 Balancing (TorchTitan's `load_balance_coeff`): the forward returns each expert's token count
@@ -35,18 +35,18 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from titan_jax.models.qwen3.looped_experts import looped_swiglu
 from titan_jax.models.sharding_hooks import dispatch_to_experts, use_param
 
 Array = jax.Array
 # The experts' matmul outputs, which selective activation checkpointing saves (model.py).
 MOE_SAVED_ACTIVATIONS = ("moe_w1", "moe_w3", "moe_w2")
-BLOCK = 64  # rows per block of the CPU grouped matmul
 
 
+@jax.named_scope("router")
 def route(x_RD: Array, gate_DE: Array, expert_bias_E: Array, top_k: int, norm_topk_prob: bool
           ) -> tuple[Array, Array, Array]:
     """(chosen experts (N, K) int32, gate weights (N, K) fp32, full probabilities (N, E))."""
@@ -63,94 +63,6 @@ def ragged_matmul(x_MD: Array, w_EDF: Array, group_sizes_E: Array) -> Array:
     return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
 
 
-@jax.custom_vjp
-def blocked_matmul(x_MD: Array, w_EDF: Array, group_sizes_E: Array) -> Array:
-    """Rows of `x` sorted by group, times their group's weight, block by block. Rows past
-    sum(group_sizes) (padding) are not computed; their output is zero.
-
-    A custom VJP that saves only its inputs: the per-block weight copies (blocks x D x F,
-    several times the expert weights) are remade in backward rather than kept per layer."""
-    return _blocked(x_MD, w_EDF, group_sizes_E)
-
-
-def _blocks(group_sizes_E: Array, m: int) -> tuple[Array, Array, int]:
-    """(each row's place in the blocked layout (M,), one past the end for padding rows; each
-    block's group (n_blocks,); n_blocks)."""
-    e = group_sizes_E.shape[0]
-    n_blocks = m // BLOCK + e  # sum_e ceil(size_e / BLOCK) never exceeds this
-    starts = jnp.cumsum(group_sizes_E) - group_sizes_E
-    padded_sizes = -(-group_sizes_E // BLOCK) * BLOCK
-    padded_ends = jnp.cumsum(padded_sizes)
-    row_group = jnp.repeat(jnp.arange(e), group_sizes_E, total_repeat_length=m)
-    row_dest = (padded_ends - padded_sizes)[row_group] + jnp.arange(m) - starts[row_group]
-    row_dest = jnp.where(jnp.arange(m) < jnp.sum(group_sizes_E), row_dest, n_blocks * BLOCK)
-    # The group whose padded range holds each block (trailing spare blocks: the last group).
-    # A comparison count rather than jnp.searchsorted, which fails inside shard_map.
-    block_start = jnp.arange(n_blocks) * BLOCK
-    block_group = jnp.minimum(jnp.sum(padded_ends[None, :] <= block_start[:, None], axis=1),
-                              e - 1)
-    return row_dest, block_group, n_blocks
-
-
-def _to_blocks(x_MD: Array, row_dest: Array, n_blocks: int) -> Array:
-    blocks = jnp.zeros((n_blocks * BLOCK, x_MD.shape[1]), x_MD.dtype).at[row_dest].set(
-        x_MD, unique_indices=True, mode="drop")
-    return blocks.reshape(n_blocks, BLOCK, -1)
-
-
-def _from_blocks(blocks: Array, row_dest: Array) -> Array:
-    flat = blocks.reshape(-1, blocks.shape[-1])
-    return flat.at[row_dest].get(mode="fill", fill_value=0)
-
-
-def _blocked(x_MD: Array, w_EDF: Array, group_sizes_E: Array) -> Array:
-    row_dest, block_group, n_blocks = _blocks(group_sizes_E, x_MD.shape[0])
-    out = jnp.einsum("nbd,ndf->nbf", _to_blocks(x_MD, row_dest, n_blocks), w_EDF[block_group])
-    return _from_blocks(out, row_dest)
-
-
-def _blocked_fwd(x_MD: Array, w_EDF: Array, group_sizes_E: Array
-                 ) -> tuple[Array, tuple[Array, Array, Array]]:
-    return _blocked(x_MD, w_EDF, group_sizes_E), (x_MD, w_EDF, group_sizes_E)
-
-
-def _blocked_bwd(res: tuple[Array, Array, Array], g_MF: Array
-                 ) -> tuple[Array, Array, np.ndarray]:
-    x_MD, w_EDF, group_sizes_E = res
-    row_dest, block_group, n_blocks = _blocks(group_sizes_E, x_MD.shape[0])
-    g_blocks = _to_blocks(g_MF, row_dest, n_blocks)
-    dx = _from_blocks(jnp.einsum("nbf,ndf->nbd", g_blocks, w_EDF[block_group]), row_dest)
-    dw_blocks = jnp.einsum("nbd,nbf->ndf", _to_blocks(x_MD, row_dest, n_blocks), g_blocks)
-    dw = jax.ops.segment_sum(dw_blocks, block_group, num_segments=w_EDF.shape[0])
-    return dx, dw.astype(w_EDF.dtype), np.zeros(group_sizes_E.shape, jax.dtypes.float0)
-
-
-blocked_matmul.defvjp(_blocked_fwd, _blocked_bwd)
-
-
-GROUPED_MATMULS: dict[str, Callable[[Array, Array, Array], Array]] = {
-    "ragged": ragged_matmul, "blocked": blocked_matmul}
-
-
-def grouped_matmul_for(platform: str) -> str:
-    return "blocked" if platform == "cpu" else "ragged"
-
-
-def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
-               grouped_matmul: str) -> Array:
-    """Each row through its expert's SwiGLU (dropless): sorted by expert, grouped matmuls,
-    un-sorted by the inverse permutation (a gather both ways, no scatter-add). Rows whose id
-    is not an expert held here (>= the number of experts: padding of an exchange buffer) sort
-    last, are left out of the group sizes, not computed, and come back zero."""
-    order = jnp.argsort(experts_M, stable=True)
-    group_sizes = jnp.bincount(experts_M, length=w1_EDF.shape[0]).astype(jnp.int32)
-    swiglu = functools.partial(grouped_swiglu, GROUPED_MATMULS[grouped_matmul])
-    if grouped_matmul == "blocked":  # CPU: recompute the (rows, F) activations in backward
-        swiglu = jax.checkpoint(swiglu, policy=jax.checkpoint_policies.nothing_saveable)
-    y_MD = swiglu(rows_MD[order], w1_EDF, w3_EDF, w2_EFD, group_sizes)
-    return y_MD[jnp.argsort(order)]
-
-
 def grouped_swiglu(matmul: Callable[[Array, Array, Array], Array], x_MD: Array, w1_EDF: Array,
                    w3_EDF: Array, w2_EFD: Array, group_sizes_E: Array) -> Array:
     """Rows sorted by expert through their expert's SwiGLU, one grouped matmul per weight."""
@@ -160,20 +72,43 @@ def grouped_swiglu(matmul: Callable[[Array, Array, Array], Array], x_MD: Array, 
                            "moe_w2")
 
 
+# (rows sorted by expert (M, D), w1, w3, w2, group sizes (E,)) -> each row's SwiGLU (M, D).
+EXPERT_KERNELS: dict[str, Callable[..., Array]] = {
+    "ragged": functools.partial(grouped_swiglu, ragged_matmul), "looped": looped_swiglu}
+
+
+def expert_kernel_for(platform: str) -> str:
+    return "looped" if platform == "cpu" else "ragged"
+
+
+def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
+               kernel: str) -> Array:
+    """Each row through its expert's SwiGLU (dropless): sorted by expert, the grouped kernel,
+    un-sorted by the inverse permutation (a gather both ways, no scatter-add). Rows whose id
+    is not an expert held here (>= the number of experts: padding of an exchange buffer) sort
+    last, are left out of the group sizes, not computed, and come back zero."""
+    order = jnp.argsort(experts_M, stable=True)
+    group_sizes = jnp.bincount(experts_M, length=w1_EDF.shape[0]).astype(jnp.int32)
+    with jax.named_scope("experts"):
+        y_MD = EXPERT_KERNELS[kernel](rows_MD[order], w1_EDF, w3_EDF, w2_EFD, group_sizes)
+    return y_MD[jnp.argsort(order)]
+
+
 def routed_experts(x_RD: Array, experts_RC: Array, weights_RC: Array, w1_EDF: Array,
-                   w3_EDF: Array, w2_EFD: Array, grouped_matmul: str) -> Array:
+                   w3_EDF: Array, w2_EFD: Array, expert_kernel: str) -> Array:
     """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]), dropless, in x's dtype. Each
     (token, slot) pick is one row through the active expert dispatch (local, or all-to-all
     under expert parallelism, where the weights are the experts held here); the k slots are
     summed in fp32, weighted by the gate."""
     def ffn(rows_MD: Array, experts_M: Array) -> Array:
-        return expert_ffn(rows_MD, experts_M, w1_EDF, w3_EDF, w2_EFD, grouped_matmul)
+        return expert_ffn(rows_MD, experts_M, w1_EDF, w3_EDF, w2_EFD, expert_kernel)
 
     n, k = experts_RC.shape
-    rows_MD = x_RD[jnp.arange(n * k) // k]
-    y_MD = dispatch_to_experts(rows_MD, experts_RC.reshape(-1), w1_EDF.shape[0], ffn)
-    y_RCD = y_MD.reshape(n, k, -1).astype(jnp.float32)
-    return jnp.einsum("rc,rcd->rd", weights_RC, y_RCD).astype(x_RD.dtype)
+    with jax.named_scope("moe_permute"):  # the picks' copies, sorts, exchange and weighted sum
+        rows_MD = x_RD[jnp.arange(n * k) // k]
+        y_MD = dispatch_to_experts(rows_MD, experts_RC.reshape(-1), w1_EDF.shape[0], ffn)
+        y_RCD = y_MD.reshape(n, k, -1).astype(jnp.float32)
+        return jnp.einsum("rc,rcd->rd", weights_RC, y_RCD).astype(x_RD.dtype)
 
 
 def dense_reference(x_RD: Array, experts_RC: Array, weights_RC: Array, w1_EDF: Array,
@@ -200,7 +135,7 @@ class MoE(nnx.Module):
     "router_prob_sum": (E,) summed router probabilities, with gradient (HF's aux loss)})`."""
 
     def __init__(self, dim: int, num_experts: int, inter_dim: int, top_k: int,
-                 norm_topk_prob: bool, w2_std: float, grouped_matmul: str, rngs: nnx.Rngs):
+                 norm_topk_prob: bool, w2_std: float, expert_kernel: str, rngs: nnx.Rngs):
         def param(shape: tuple[int, ...], axes: tuple[str | None, ...], std: float
                   ) -> nnx.Param:
             return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32),
@@ -213,7 +148,7 @@ class MoE(nnx.Module):
         self.w3 = param((e, d, f), ("expert", "moe_embed", "mlp"), 0.02)
         self.w2 = param((e, f, d), ("expert", "mlp", "moe_embed"), w2_std)
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
-        self.grouped_matmul = grouped_matmul
+        self.expert_kernel = expert_kernel
 
     def __call__(self, x_BTD: Array, expert_bias_E: Array) -> tuple[Array, dict[str, Array]]:
         x_RD = x_BTD.reshape(-1, x_BTD.shape[-1])
@@ -222,7 +157,7 @@ class MoE(nnx.Module):
         dtype = x_BTD.dtype
         y_RD = routed_experts(x_RD, experts, weights, use_param(self.w1, dtype),
                               use_param(self.w3, dtype), use_param(self.w2, dtype),
-                              self.grouped_matmul)
+                              self.expert_kernel)
         counts = jnp.bincount(experts.reshape(-1), length=self.num_experts)
         return y_RD.reshape(x_BTD.shape), {
             "tokens_per_expert": jax.lax.stop_gradient(counts.astype(jnp.float32)),
