@@ -7,6 +7,7 @@ which takes the offsets and sizes the TPU/GPU `lax.ragged_all_to_all` takes (one
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -117,3 +118,25 @@ def test_exchange_equals_local_experts_outputs_and_gradients(routing):
     assert capacity < EP * N * K  # the fast path exists at this shape
     received_on_rank_0 = int(jnp.sum(experts // (E // EP) == 0))
     assert (received_on_rank_0 > capacity) == (routing == "all_to_rank_0")
+
+
+def test_ragged_exchange_rows_vary_over_ep_so_no_cotangent_is_summed_over_ranks():
+    """The TPU/GPU exchange (`lax.ragged_all_to_all`, which XLA:CPU cannot compile: traced
+    only) under a type-checked shard_map: its result takes its output buffer's type, so the
+    buffers must vary over `ep`; typed replicated, the backward would psum the rows'
+    cotangents over the ranks (other ranks' tokens)."""
+    def per_rank(x, experts, weights, w1, w3, w2):
+        dispatch = functools.partial(ragged_dispatch, axis="ep", ep=EP,
+                                     exchange=jax.lax.ragged_all_to_all)
+        out = moe_out(dispatch, x, experts, weights, w1, w3, w2, E // EP)
+        return jax.lax.psum(jnp.sum(out), "ep")
+
+    shapes = [((EP * N, D), jnp.float32), ((EP * N, K), jnp.int32), ((EP * N, K), jnp.float32),
+              ((E, D, F), jnp.float32), ((E, D, F), jnp.float32), ((E, F, D), jnp.float32)]
+    sharded = jax.shard_map(per_rank, mesh=ep_mesh(EP), in_specs=P("ep"), out_specs=P())
+    grads = jax.grad(sharded, argnums=(0, 3, 4, 5))
+    jaxpr = str(jax.make_jaxpr(grads)(*(jax.ShapeDtypeStruct(s, t) for s, t in shapes)))
+    assert jaxpr.count("ragged_all_to_all") >= 4  # dispatch and combine, both ways
+    summed = [line for line in jaxpr.splitlines()  # of arrays: the loss's scalar is summed
+              if "psum_invariant" in line and re.search(r":\w+\[\d", line)]
+    assert summed == [], summed
