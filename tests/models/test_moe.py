@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,9 @@ from titan_jax.models.qwen3.flops import count_params
 from titan_jax.models.qwen3.moe import (
     GROUPED_MATMULS,
     dense_reference,
+    grouped_swiglu,
+    megablox_swiglu,
+    ragged_matmul,
     route,
     routed_experts,
     update_expert_bias,
@@ -118,3 +123,23 @@ def test_moe_flavours_match_the_published_counts(flavor, total, active):
 def test_top_k_above_experts_is_an_error():
     with pytest.raises(ValueError, match="top_k=9 must be in"):
         build_model_def(Qwen3Args(num_experts=8, top_k=9, moe_inter_dim=16))
+
+
+def test_megablox_swiglu_equals_the_ragged_one_and_zeroes_the_padding_rows():
+    """The TPU kernels (Pallas megablox, interpret mode on CPU) against `ragged_dot`, outputs and
+    gradients, with padding rows past the groups (an exchange buffer's) coming back zero."""
+    x, experts, _, (w1, w3, w2) = expert_case(n=64, k=2, d=16, f=24)
+    rows = x[jnp.arange(128) // 2]
+    sizes = jnp.bincount(experts.reshape(-1)[:100], length=w1.shape[0]).astype(jnp.int32)
+
+    def loss(swiglu, rows, *ws):
+        return jnp.sum(jnp.sin(swiglu(rows, *ws, sizes)))
+
+    kernel = functools.partial(megablox_swiglu, interpret=True)
+    ragged = functools.partial(grouped_swiglu, ragged_matmul)
+    got = kernel(rows, w1, w3, w2, sizes)
+    np.testing.assert_allclose(got, ragged(rows, w1, w3, w2, sizes), rtol=1e-5, atol=1e-6)
+    assert not np.asarray(got[100:]).any()
+    grads = [jax.grad(loss, argnums=(1, 2, 3, 4))(f, rows, w1, w3, w2) for f in (kernel, ragged)]
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)  # sums of ~100 rows

@@ -60,7 +60,7 @@ ACT_AXES = ("batch", "seq", "embed")
 class Kernels:
     """Kernel choices, made for the target devices' platform (build.py)."""
 
-    grouped_matmul: str = "blocked"  # the MoE experts' (`moe.GROUPED_MATMULS`)
+    grouped_matmul: str = "blocked"  # the MoE experts' (`moe.GROUPED_SWIGLUS`)
     attention: str = "xla"  # a resolved backend of `titan_jax/models/attention.py`
     platform: str = "cpu"  # of the target devices (splash runs interpreted off TPU)
 

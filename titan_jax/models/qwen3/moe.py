@@ -14,8 +14,10 @@ k slots in fp32, weighted by the gate weights. The picks go through the active e
 under expert parallelism (`titan_jax/parallel/expert_parallel.py`), which only moves rows: the
 routing and the weighted sum stay here.
 
-Grouped matmul kernels (`GROUPED_MATMULS`), chosen by the target platform:
-- "ragged": `jax.lax.ragged_dot`, a grouped-matmul kernel on TPU and GPU;
+Grouped matmul kernels (`GROUPED_SWIGLUS`), chosen by the target platform:
+- "megablox": TPU, the Pallas megablox `gmm` (backward `gmm` + `tgmm`), the whole SwiGLU in one
+  per-shard call (`models/qwen3/megablox.py`: why not `ragged_dot` there);
+- "ragged": `jax.lax.ragged_dot`, a grouped-matmul kernel on GPU;
 - "blocked": groups padded to blocks of `BLOCK` rows, each block multiplied by its expert's
   weight in one batched einsum. XLA:CPU runs `ragged_dot` like a masked dense matmul over every
   group (BENCHMARKS.md, "CPU kernel choices"); blocks run at dense speed plus at most one
@@ -39,6 +41,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from titan_jax.models.qwen3.megablox import megablox_swiglu
 from titan_jax.models.sharding_hooks import dispatch_to_experts, use_param
 
 Array = jax.Array
@@ -130,10 +133,11 @@ blocked_matmul.defvjp(_blocked_fwd, _blocked_bwd)
 
 GROUPED_MATMULS: dict[str, Callable[[Array, Array, Array], Array]] = {
     "ragged": ragged_matmul, "blocked": blocked_matmul}
+GROUPED_SWIGLUS = ("megablox", *GROUPED_MATMULS)
 
 
 def grouped_matmul_for(platform: str) -> str:
-    return "blocked" if platform == "cpu" else "ragged"
+    return {"cpu": "blocked", "tpu": "megablox"}.get(platform, "ragged")
 
 
 def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
@@ -144,7 +148,10 @@ def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w
     last, are left out of the group sizes, not computed, and come back zero."""
     order = jnp.argsort(experts_M, stable=True)
     group_sizes = jnp.bincount(experts_M, length=w1_EDF.shape[0]).astype(jnp.int32)
-    swiglu = functools.partial(grouped_swiglu, GROUPED_MATMULS[grouped_matmul])
+    if grouped_matmul == "megablox":  # TPU: the Pallas kernels, SwiGLU in one per-shard call
+        swiglu = megablox_swiglu
+    else:
+        swiglu = functools.partial(grouped_swiglu, GROUPED_MATMULS[grouped_matmul])
     if grouped_matmul == "blocked":  # CPU: recompute the (rows, F) activations in backward
         swiglu = jax.checkpoint(swiglu, policy=jax.checkpoint_policies.nothing_saveable)
     y_MD = swiglu(rows_MD[order], w1_EDF, w3_EDF, w2_EFD, group_sizes)
