@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.sharding_hooks import run_per_shard
 
@@ -70,4 +71,5 @@ def megablox_swiglu(x_MD: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
         (x_MD, w1_EDF, w3_EDF, w2_EFD, sizes),
         (ROWS_AXES, EXPERT_IN_AXES, EXPERT_IN_AXES, EXPERT_OUT_AXES, (None,)),
         ("mlp", None, None))
-    return jnp.sum(partials, axis=0).astype(x_MD.dtype)
+    # Selective remat can keep the output; gate and up stay inside the kernel call, recomputed.
+    return checkpoint_name(jnp.sum(partials, axis=0).astype(x_MD.dtype), "moe_w2")
