@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import importlib.util
 
+import jax
 import pytest
 from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, tiny_config
 
@@ -97,3 +98,16 @@ def test_experts_run_the_megablox_kernels_counted_at_the_analytic_flops(compiled
     analytic = TINY_MOE.n_layers * picks * 14 * 2 * TINY_MOE.dim * TINY_MOE.moe_inter_dim
     assert expected == pytest.approx(analytic)
     assert bound == pytest.approx(EP * analytic)  # the receive buffers' shape bound
+
+
+def test_no_compute_dtype_copy_of_the_stacked_expert_weights(compiled):
+    """The step compiles without XLA:TPU's bfloat16 propagation (jax_platform), which would
+    cast each layer-stacked fp32 expert weight to one bf16 copy of all layers before the layer
+    loops, held through the step; each layer casts its own slice instead."""
+    trainer, _, program, _ = compiled
+    experts = jax.tree.leaves(trainer.abstract_state()["params"]["layers"]["moe"])
+    copies = [f"bf16[{','.join(map(str, w.sharding.shard_shape(w.shape)))}]" for w in experts
+              if w.ndim == 4]  # (layers, experts, in, out) per chip
+    assert len(copies) == 3
+    assert not [i.name for body in program.computations.values() for i in body
+                if any(c in i.type for c in copies)], copies
