@@ -93,6 +93,13 @@ def loss_fns(mesh):
     return local, sharded
 
 
+@functools.cache
+def jitted_loss_grads():
+    """(local, sharded) jitted losses and gradients, compiled once for both routings."""
+    grad = functools.partial(jax.value_and_grad, argnums=(0, 2, 3, 4, 5))
+    return tuple(jax.jit(grad(f)) for f in loss_fns(ep_mesh(EP)))
+
+
 @pytest.mark.parametrize("routing", ["balanced", "all_to_rank_0"])
 def test_exchange_equals_local_experts_outputs_and_gradients(routing):
     mesh = ep_mesh(EP)
@@ -106,11 +113,10 @@ def test_exchange_equals_local_experts_outputs_and_gradients(routing):
     weights = jax.nn.softmax(jnp.asarray(rng.normal(size=(EP * N, K)), jnp.float32), -1)
     ws = [jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in
           ((E, D, F), (E, D, F), (E, F, D))]
-    local, sharded = loss_fns(mesh)
-    grad = functools.partial(jax.value_and_grad, argnums=(0, 2, 3, 4, 5))
-    want, want_grads = jax.jit(grad(local))(x, experts, weights, *ws)
+    local, sharded = jitted_loss_grads()
+    want, want_grads = local(x, experts, weights, *ws)
     with jax.set_mesh(mesh):
-        got, got_grads = jax.jit(grad(sharded))(x, experts, weights, *ws)
+        got, got_grads = sharded(x, experts, weights, *ws)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
