@@ -7,6 +7,7 @@ which takes the offsets and sizes the TPU/GPU `lax.ragged_all_to_all` takes (one
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +93,13 @@ def loss_fns(mesh):
     return local, sharded
 
 
+@functools.cache
+def jitted_loss_grads():
+    """(local, sharded) jitted losses and gradients, compiled once for both routings."""
+    grad = functools.partial(jax.value_and_grad, argnums=(0, 2, 3, 4, 5))
+    return tuple(jax.jit(grad(f)) for f in loss_fns(ep_mesh(EP)))
+
+
 @pytest.mark.parametrize("routing", ["balanced", "all_to_rank_0"])
 def test_exchange_equals_local_experts_outputs_and_gradients(routing):
     mesh = ep_mesh(EP)
@@ -105,11 +113,10 @@ def test_exchange_equals_local_experts_outputs_and_gradients(routing):
     weights = jax.nn.softmax(jnp.asarray(rng.normal(size=(EP * N, K)), jnp.float32), -1)
     ws = [jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in
           ((E, D, F), (E, D, F), (E, F, D))]
-    local, sharded = loss_fns(mesh)
-    grad = functools.partial(jax.value_and_grad, argnums=(0, 2, 3, 4, 5))
-    want, want_grads = jax.jit(grad(local))(x, experts, weights, *ws)
+    local, sharded = jitted_loss_grads()
+    want, want_grads = local(x, experts, weights, *ws)
     with jax.set_mesh(mesh):
-        got, got_grads = jax.jit(grad(sharded))(x, experts, weights, *ws)
+        got, got_grads = sharded(x, experts, weights, *ws)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
@@ -117,3 +124,25 @@ def test_exchange_equals_local_experts_outputs_and_gradients(routing):
     assert capacity < EP * N * K  # the fast path exists at this shape
     received_on_rank_0 = int(jnp.sum(experts // (E // EP) == 0))
     assert (received_on_rank_0 > capacity) == (routing == "all_to_rank_0")
+
+
+def test_ragged_exchange_rows_vary_over_ep_so_no_cotangent_is_summed_over_ranks():
+    """The TPU/GPU exchange (`lax.ragged_all_to_all`, which XLA:CPU cannot compile: traced
+    only) under a type-checked shard_map: its result takes its output buffer's type, so the
+    buffers must vary over `ep`; typed replicated, the backward would psum the rows'
+    cotangents over the ranks (other ranks' tokens)."""
+    def per_rank(x, experts, weights, w1, w3, w2):
+        dispatch = functools.partial(ragged_dispatch, axis="ep", ep=EP,
+                                     exchange=jax.lax.ragged_all_to_all)
+        out = moe_out(dispatch, x, experts, weights, w1, w3, w2, E // EP)
+        return jax.lax.psum(jnp.sum(out), "ep")
+
+    shapes = [((EP * N, D), jnp.float32), ((EP * N, K), jnp.int32), ((EP * N, K), jnp.float32),
+              ((E, D, F), jnp.float32), ((E, D, F), jnp.float32), ((E, F, D), jnp.float32)]
+    sharded = jax.shard_map(per_rank, mesh=ep_mesh(EP), in_specs=P("ep"), out_specs=P())
+    grads = jax.grad(sharded, argnums=(0, 3, 4, 5))
+    jaxpr = str(jax.make_jaxpr(grads)(*(jax.ShapeDtypeStruct(s, t) for s, t in shapes)))
+    assert jaxpr.count("ragged_all_to_all") >= 4  # dispatch and combine, both ways
+    summed = [line for line in jaxpr.splitlines()  # of arrays: the loss's scalar is summed
+              if "psum_invariant" in line and re.search(r":\w+\[\d", line)]
+    assert summed == [], summed

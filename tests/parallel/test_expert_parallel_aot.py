@@ -1,17 +1,20 @@
 """Expert parallelism compiled ahead of time for TPU v5p:2x2x4 (16 chips: fsdp 2 x ep 4 x tp 2)
 on this CPU: the picks travel by `ragged-all-to-all` (no dense all-to-all of activations), what
-the exchanges send per step is within 1.2x of the balanced picks' bytes, and the experts' FFN
-stays split over tp inside the exchange (EP composes with TP). One compile, shared."""
+the exchanges send per step is within 1.2x of the balanced picks' bytes, the experts' FFN
+stays split over tp inside the exchange (EP composes with TP) and runs the megablox kernels.
+One compile, shared."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 
+import jax
 import pytest
 from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, tiny_config
 
-from titan_jax.tools import hlo_stats, inspect_step
+from titan_jax.tools import hlo_stats, inspect_step, kernel_flops
 from titan_jax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.skipif(
@@ -37,12 +40,13 @@ def compiled():
     trainer = build_trainer(config, list(topology.devices), model_args=TINY_MOE)
     assert trainer.model.options.platform == "tpu"
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
-    assert "ragged_dot" in lowered.as_text()  # the target's grouped matmul
-    return trainer, hlo_stats.collective_ops(hlo_stats.parse(lowered.compile().as_text()))
+    compiled = hlo_stats.parse(lowered.compile().as_text())
+    return trainer, hlo_stats.collective_ops(compiled), compiled, hlo_stats.parse(
+        lowered.as_text(dialect="hlo"))
 
 
 def test_picks_travel_by_ragged_all_to_all_only(compiled):
-    trainer, ops = compiled
+    trainer, ops, _, _ = compiled
     assert trainer.parallelism.implementation == "shard_map"
     assert (trainer.degrees.ep, trainer.degrees.tp, trainer.degrees.fsdp) == (EP, TP, 2)
     # experts over ep, their model dim over fsdp, their hidden (FFN) dim over tp
@@ -55,12 +59,11 @@ def test_picks_travel_by_ragged_all_to_all_only(compiled):
     assert all(c["dtype"].startswith(("s", "u")) and c["bytes"] <= 64 for c in dense), dense
 
 
-@pytest.mark.xfail(strict=True, reason="three of the six exchanges per layer (backward) send "
-                   "f32 rows since the merge of the ragged exchange with main: 1.5x the "
-                   "balanced bytes; open in the MoE issue")
 def test_exchanges_send_the_balanced_picks_bytes(compiled):
-    _, ops = compiled
+    _, ops, _, _ = compiled
     ragged = [c for c in ops if c["op"] == "ragged-all-to-all"]
+    # bf16 rows both ways, forward and backward: the experts are used in the compute dtype
+    assert {c["dtype"] for c in ragged} == {"bf16"}, ragged
     picks_per_chip = GLOBAL_BATCH // DATA_SHARDS * SEQ_LEN * TINY_MOE.top_k
     balanced = picks_per_chip * TINY_MOE.dim * 2  # bf16 rows
     sent = sum(c["bytes"] * c["executions"] for c in ragged)
@@ -68,3 +71,43 @@ def test_exchanges_send_the_balanced_picks_bytes(compiled):
     # dispatch and combine, forward and backward, in each of the layers
     assert exchanges >= 4 * TINY_MOE.n_layers
     assert balanced * exchanges <= sent <= 1.2 * balanced * exchanges, (sent, exchanges)
+
+
+def test_experts_run_the_megablox_kernels_counted_at_the_analytic_flops(compiled):
+    """On TPU the experts' SwiGLU is the Pallas megablox gmm (backward gmm + tgmm), split over
+    tp per shard: no `ragged-dot` (whose weight gradient XLA:TPU makes a dense masked
+    convolution over experts x buffer) nor an experts x buffer array; the compile report counts the
+    kernels at balanced routing as the analytic expert work."""
+    trainer, _, program, lowered = compiled
+    kernels = [i for body in program.computations.values() for i in body
+               if kernel_flops.megablox_flops(i)]
+    weight_grads = [i for i in kernels if "tgmm" in i.name]
+    # in the layer loop, each of the capacity conditional's two branches: gmm for the forward
+    # (3), remat's (3), the backward's w1 and w3 recompute (2) and row gradients (3); tgmm (3)
+    assert (len(kernels), len(weight_grads)) == (2 * 14, 2 * 3), [i.name for i in kernels]
+    n_local = TINY_MOE.num_experts // EP
+    rows = EP * GLOBAL_BATCH // DATA_SHARDS * SEQ_LEN * TINY_MOE.top_k  # the receive buffer
+    masked = f"[{n_local},{rows},{TINY_MOE.dim}]"  # ragged_dot's gradient: experts x buffer
+    assert not [i for body in program.computations.values() for i in body
+                if i.name.startswith("ragged-dot") or masked in i.type]
+    picks = trainer.tokens_per_step * TINY_MOE.top_k
+    expected, bound = hlo_stats.ragged_dot_flops(lowered, picks, functools.partial(
+        kernel_flops.megablox_flops, hidden_split=TP))
+    # Per layer, in matmuls of picks x dim x inter: the forward's 3, full remat's 3, the
+    # backward's recompute of w1 and w3 (2) and its 6 gradient matmuls.
+    analytic = TINY_MOE.n_layers * picks * 14 * 2 * TINY_MOE.dim * TINY_MOE.moe_inter_dim
+    assert expected == pytest.approx(analytic)
+    assert bound == pytest.approx(EP * analytic)  # the receive buffers' shape bound
+
+
+def test_no_compute_dtype_copy_of_the_stacked_expert_weights(compiled):
+    """The step compiles without XLA:TPU's bfloat16 propagation (jax_platform), which would
+    cast each layer-stacked fp32 expert weight to one bf16 copy of all layers before the layer
+    loops, held through the step; each layer casts its own slice instead."""
+    trainer, _, program, _ = compiled
+    experts = jax.tree.leaves(trainer.abstract_state()["params"]["layers"]["moe"])
+    copies = [f"bf16[{','.join(map(str, w.sharding.shard_shape(w.shape)))}]" for w in experts
+              if w.ndim == 4]  # (layers, experts, in, out) per chip
+    assert len(copies) == 3
+    assert not [i.name for body in program.computations.values() for i in body
+                if any(c in i.type for c in copies)], copies

@@ -238,7 +238,7 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     picks = trainer.tokens_per_step * args.top_k
     expected, bound = hlo_stats.ragged_dot_flops(
-        hlo_stats.parse(lowered.as_text(dialect="hlo")), picks)
+        hlo_stats.parse(lowered.as_text(dialect="hlo")), picks, kernel_flops.megablox_flops)
     # Per layer, in matmuls of picks x dim x inter: the forward's 3, full remat's recompute of
     # them (3), and the backward of the expert FFN's taken branch, which recomputes its w1 and
     # w3 (2; its custom VJP saves only inputs) before the 6 gradient matmuls.

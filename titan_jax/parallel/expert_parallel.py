@@ -176,21 +176,31 @@ def received_expert_ids(counts_SL: jax.Array, rows: int) -> jax.Array:
     return jnp.where(row < ends[-1], group % n_local, n_local)
 
 
+def zeros_varying_like(x: jax.Array, rows: int) -> jax.Array:
+    """A zero buffer of `rows` rows like `x`'s, typed as varying over the mesh axes `x` varies
+    over. `lax.ragged_all_to_all` types its result as its output buffer: from a plain
+    (invariant) zeros the exchanged rows would be typed as replicated, and autodiff would
+    psum their cotangents over the data axes where they meet varying values."""
+    buffer = jnp.zeros((rows, *x.shape[1:]), x.dtype)
+    missing = tuple(a for a in jax.typeof(x).mat.varying
+                    if a not in jax.typeof(buffer).mat.varying)
+    return lax.pcast(buffer, missing, to="varying") if missing else buffer
+
+
 def ragged_dispatch(rows_MD: jax.Array, experts_M: jax.Array, n_local: int, ffn: ExpertFFN,
                     axis: str, ep: int, exchange: RaggedExchange) -> jax.Array:
     """Each row (one pick) through its expert, held by rank `experts_M // n_local` of mesh
     axis `axis` (size `ep`); the results in the rows' order (see the module docstring)."""
-    m, d = rows_MD.shape
+    m = rows_MD.shape[0]
     order = jnp.argsort(experts_M, stable=True)  # by expert, so by destination rank
     counts_SE = lax.all_gather(jnp.bincount(experts_M, length=ep * n_local).astype(jnp.int32),
                                axis)
     rank = lax.axis_index(axis)
     dispatch, combine = exchange_plan(counts_SE.reshape(ep, ep, n_local).sum(-1), rank)
     send = functools.partial(exchange, axis_name=axis)
-    rows = send(rows_MD[order], jnp.zeros((ep * m, d), rows_MD.dtype),
-                *dispatch)
+    rows = send(rows_MD[order], zeros_varying_like(rows_MD, ep * m), *dispatch)
     counts_SL = lax.dynamic_slice_in_dim(counts_SE, rank * n_local, n_local, axis=1)
     ids = received_expert_ids(counts_SL, ep * m)
     y = bounded_ffn(ffn, rows, ids, jnp.sum(dispatch.recv_sizes), expert_capacity(m, ep * m))
-    back = send(y, jnp.zeros((m, d), y.dtype), *combine)
+    back = send(y, zeros_varying_like(y, m), *combine)
     return back[jnp.argsort(order)]

@@ -238,16 +238,18 @@ class SimpleFSDP(Parallelism):
         dtype, reduce_dtype = jnp.dtype(dtype), jnp.dtype(self.reduce_dtype)
         value = value.astype(reduce_dtype)  # its transpose widens the reduced gradient
         kept = bool(mesh_axes_of(layout.compute) & set(self.data_axes))
-        if kept:
-            # Kept split over the data shards (the vocabulary tables): handed over as stored,
+        if kept and "vocab" in logical_axes:
+            # The vocabulary tables, kept split over the data shards: handed over as stored,
             # in the reduce dtype, without a compute-dtype copy; their users cast it chunk by
-            # chunk and sum its gradient over chunks in that dtype (vocab_parallel.py).
+            # chunk and sum its gradient over chunks in that dtype (vocab_parallel.py). The
+            # experts, kept split over ep, are cast like any weight: in the reduce dtype their
+            # grouped matmuls, and the rows the exchange returns, would be fp32.
             dtype = reduce_dtype
         if self.implementation == "shard_map":
             return all_gather_param(value, dtype, reduce_dtype, layout.gathered_dims,
                                     layout.replicated)
         if kept:  # `loss_map` hands in this shard's slice, used as it is
-            return self.constrain(value, logical_axes)
+            return self.constrain(value.astype(dtype), logical_axes)
         return gather_param(value, self._shard_index(), dtype, reduce_dtype,
                             NamedSharding(self.mesh, layout.storage),
                             NamedSharding(self.mesh, layout.compute))

@@ -149,7 +149,8 @@ def _flops(trainer: Trainer, lowered: Any) -> dict[str, Any]:
     top_k = getattr(trainer.model.args, "top_k", 0) if getattr(
         trainer.model.args, "num_experts", 0) else 0
     grouped, grouped_bound = hlo_stats.ragged_dot_flops(
-        module, trainer.tokens_per_step * top_k if top_k else None)
+        module, trainer.tokens_per_step * top_k if top_k else None,
+        functools.partial(kernel_flops.megablox_flops, hidden_split=trainer.degrees.tp))
     return {"dot_flops_per_step": dots, "grouped_matmul_flops_per_step": grouped,
             "grouped_matmul_flops_bound_per_step": grouped_bound,
             "flops_loops_of_unknown_length": unknown_loops}

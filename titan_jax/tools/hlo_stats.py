@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,8 @@ COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*[({]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+# A grouped-matmul kernel's (FLOPs, buffer rows) from (instruction, its computation), or None.
+GroupedKernel = Callable[["Instruction", str], "tuple[float, int] | None"]
 _CALLED = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
                      r"=%?([\w.\-]+)")
 _CALLED_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
@@ -190,8 +193,7 @@ def _inside_manual(module: HloModule) -> set[str]:
 def _weighted(module: HloModule, ops: tuple[str, ...], with_computation: bool = False):
     """(times it runs, instruction, its computation's definitions, the devices sharing its
     shapes[, the computation's name]) for each instruction of `ops` in the lowered (global)
-    module: shard_map bodies see one device's shapes, so they run once per device of the
-    body."""
+    module: shard_map bodies see one device's shapes, so they run once per body device."""
     counts, _ = executions(module)
     manual, scale = _inside_manual(module), manual_scale(module)
     for name, times in counts.items():
@@ -220,33 +222,42 @@ def dot_flops(module: HloModule) -> tuple[float, int]:
     return total, executions(module)[1]
 
 
-def ragged_dot_flops(module: HloModule, expected_rows: float | None = None
-                     ) -> tuple[float, float]:
-    """(expected, bound) FLOPs of the grouped matmuls (`ragged-dot`) of the lowered module.
-
-    Each multiplies every row of its ragged dimension (the buffer the groups are cut from)
-    by one group's weight: 2 x lhs elements x rhs free size. `bound` is that for the whole
+def ragged_dot_flops(module: HloModule, expected_rows: float | None = None,
+                     kernel: GroupedKernel | None = None) -> tuple[float, float]:
+    """(expected, bound) FLOPs of the lowered module's grouped matmuls (`ragged-dot`, and the
+    custom calls `kernel` knows). Each multiplies every row of its ragged dimension (the buffer
+    the groups are cut from) by one group's weight: 2 x lhs elements x rhs free size, for
+    `ragged-dot` (`kernel` says its kernels' own). `bound` is that for the whole
     buffer; only the rows the group sizes cover are work, and at balanced routing those are
     `expected_rows` globally (tokens x top_k: each pick is one row), so `expected` scales each
     op by min(1, expected_rows / its buffer's global rows)."""
     per_computation: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
-    for times, inst, defs, sharing, where in _weighted(module, ("ragged-dot",), True):
-        lhs, rhs = (defs.get(o) for o in inst.operands[:2])
-        ragged = re.search(r"lhs_ragged_dims=\{([0-9,]*)\}", inst.rest)
-        if lhs is None or rhs is None or ragged is None:
+    for times, inst, defs, sharing, where in _weighted(module, ("ragged-dot", "custom-call"),
+                                                       True):
+        found = _ragged_dot(inst, defs) if inst.op == "ragged-dot" else (
+            kernel(inst, where) if kernel else None)
+        if found is None:
             continue
-        lhs_shape, rhs_shape = arrays(lhs.type)[0][1], arrays(rhs.type)[0][1]
-        fixed = set()
-        for key in ("rhs_contracting_dims", "rhs_group_dims"):
-            if found := re.search(key + r"=\{([0-9,]*)\}", inst.rest):
-                fixed |= {int(d) for d in found[1].split(",") if d}
-        free = math.prod(n for i, n in enumerate(rhs_shape) if i not in fixed)
-        flops = times * 2.0 * math.prod(lhs_shape) * free
-        rows = lhs_shape[int(ragged[1].split(",")[0])] * sharing
+        flops, rows = times * found[0], found[1] * sharing
         share = 1.0 if expected_rows is None else min(1.0, expected_rows / rows)
         per_computation[where][0] += flops * share
         per_computation[where][1] += flops
     return _alternatives_once(module, per_computation)
+
+
+def _ragged_dot(inst: Instruction, defs: dict[str, Instruction]) -> tuple[float, int] | None:
+    """(FLOPs over its whole buffer, the buffer's rows) of one `ragged-dot`."""
+    lhs, rhs = (defs.get(o) for o in inst.operands[:2])
+    ragged = re.search(r"lhs_ragged_dims=\{([0-9,]*)\}", inst.rest)
+    if lhs is None or rhs is None or ragged is None:
+        return None
+    lhs_shape, rhs_shape = arrays(lhs.type)[0][1], arrays(rhs.type)[0][1]
+    fixed = set()
+    for key in ("rhs_contracting_dims", "rhs_group_dims"):
+        if found := re.search(key + r"=\{([0-9,]*)\}", inst.rest):
+            fixed |= {int(d) for d in found[1].split(",") if d}
+    free = math.prod(n for i, n in enumerate(rhs_shape) if i not in fixed)
+    return 2.0 * math.prod(lhs_shape) * free, lhs_shape[int(ragged[1].split(",")[0])]
 
 
 def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]]

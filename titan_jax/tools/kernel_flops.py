@@ -13,6 +13,11 @@ XLA's FLOP counts skip custom calls. Two kernel families run titan-jax's heavy m
   operands lose their batch dim (heads, seq, head_dim).
 - XLA:TPU's grouped matmul (`ragged-dot-*`, what `jax.lax.ragged_dot` compiles to): lhs
   (rows, k) x rhs (groups, k, n), 2 x rows x k x n at its buffer's rows (the shape bound).
+- the Pallas megablox grouped matmuls (models/qwen3/megablox.py), named `gmm`/`tgmm` in the
+  compiled program and called from the computations megablox's jitted `gmm`/`tgmm` make in the
+  lowered one: `gmm` (rows, k) x (groups, k, n) -> (rows, n) (or (groups, n, k): its backward's
+  transposed weight), `tgmm`, the weight gradient, (rows, k), (rows, n) -> (groups, k, n);
+  2 x rows x k x n at the buffer's rows, as `ragged-dot`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from titan_jax.tools.hlo_stats import Instruction
 _CONSTRAINTS = re.compile(r"operand_layout_constraints=\{(.*?)\}(?:, [a-z_]+=|$)")
 _METADATA = re.compile(r'"xprof_metadata":"(\{.*?\})"')
 _FLOAT = ("bf16", "f16", "f32")
+_MEGABLOX = re.compile(r"(^|_)t?gmm[_.]")
 _SPLASH_MATMULS = {"splash_mha_fwd": 2, "splash_mha_dkv": 4, "splash_mha_dq": 3}
 
 
@@ -72,6 +78,27 @@ def grouped_matmul_flops(inst: Instruction) -> float:
     return 2.0 * lhs[0] * lhs[1] * rhs[2]
 
 
+def megablox_flops(inst: Instruction, computation: str = "", hidden_split: int = 1
+                   ) -> tuple[float, int] | None:
+    """(FLOPs over its whole buffer, the buffer's rows) of a megablox grouped matmul, the
+    instruction or its computation named for it (see the module docstring); None otherwise.
+    `hidden_split`: the kernels run on one tp shard of the experts' hidden dim (their rows
+    whole), so in the lowered module a call's FLOPs times that are its rows' work."""
+    if inst.op != "custom-call" or not (_MEGABLOX.search(inst.name)
+                                        or _MEGABLOX.search(computation)):
+        return None
+    operands = [s for dtype, s in operand_shapes(inst) if dtype in _FLOAT]
+    out = hlo_stats.arrays(inst.type)
+    if len(operands) != 2 or len(out) != 1:
+        return None
+    (lhs, rhs), out_shape = operands, out[0][1]
+    if (len(lhs), len(rhs), len(out_shape)) == (2, 3, 2):  # gmm
+        return hidden_split * 2.0 * lhs[0] * lhs[1] * out_shape[1], lhs[0]
+    if (len(lhs), len(rhs), len(out_shape)) == (2, 2, 3):  # tgmm: (rows, k), (rows, n)
+        return hidden_split * 2.0 * lhs[0] * lhs[1] * rhs[1], rhs[0]
+    return None
+
+
 def kernel_flops(inst: Instruction) -> float:
     """FLOPs of one run of a compiled custom call this module knows; 0 for any other."""
     if inst.op != "custom-call":
@@ -81,4 +108,5 @@ def kernel_flops(inst: Instruction) -> float:
             return splash_flops(inst, kind)
     if inst.name.startswith("ragged-dot") and "metadata" not in inst.name:
         return grouped_matmul_flops(inst)
-    return 0.0
+    megablox = megablox_flops(inst)
+    return megablox[0] if megablox else 0.0

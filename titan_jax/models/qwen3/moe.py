@@ -16,11 +16,13 @@ routing and the weighted sum stay here.
 
 Expert kernels (`EXPERT_KERNELS`: the SwiGLU of rows sorted by expert), chosen by the target
 platform:
-- "ragged": three `jax.lax.ragged_dot` grouped matmuls, grouped-matmul kernels on TPU and GPU;
+- "megablox" (TPU): the Pallas megablox `gmm` (backward `gmm` + `tgmm`), the whole SwiGLU in one
+  per-shard call (`megablox.py`: why not `ragged_dot` there);
+- "ragged" (GPU): three `jax.lax.ragged_dot` grouped matmuls;
 - "looped" (CPU): one loop over blocks of each expert's rows, the whole SwiGLU per block against
   the expert's weights in place (`looped_experts.py`). XLA:CPU runs `ragged_dot` like a masked
   dense matmul over every group (BENCHMARKS.md, "CPU kernel choices").
-Both equal `dense_reference` (every expert on every token, masked), which is for tests only.
+All equal `dense_reference` (every expert on every token, masked), which is for tests only.
 
 Balancing (TorchTitan's `load_balance_coeff`): the forward returns each expert's token count
 (over all (token, slot) picks); the step sums them over microbatches and data shards and, after
@@ -39,6 +41,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.qwen3.looped_experts import looped_swiglu
+from titan_jax.models.qwen3.megablox import megablox_swiglu
 from titan_jax.models.sharding_hooks import dispatch_to_experts, use_param
 
 Array = jax.Array
@@ -74,11 +77,12 @@ def grouped_swiglu(matmul: Callable[[Array, Array, Array], Array], x_MD: Array, 
 
 # (rows sorted by expert (M, D), w1, w3, w2, group sizes (E,)) -> each row's SwiGLU (M, D).
 EXPERT_KERNELS: dict[str, Callable[..., Array]] = {
-    "ragged": functools.partial(grouped_swiglu, ragged_matmul), "looped": looped_swiglu}
+    "ragged": functools.partial(grouped_swiglu, ragged_matmul), "looped": looped_swiglu,
+    "megablox": megablox_swiglu}
 
 
 def expert_kernel_for(platform: str) -> str:
-    return "looped" if platform == "cpu" else "ragged"
+    return {"cpu": "looped", "tpu": "megablox"}.get(platform, "ragged")
 
 
 def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
