@@ -13,7 +13,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from parallel_helpers import (
+    GLOBAL_BATCH,
     PRESETS,
+    SEQ_LEN,
     TINY,
     preset_overrides,
     single_device_overrides,
@@ -102,10 +104,12 @@ def assert_bf16_gathers_fp32_reductions(report: dict) -> None:
     reductions = _float(found, "all-reduce", "reduce-scatter", "all-to-all")
     if report["mesh"]["fsdp"] > 1:
         # Weights travel in bf16; the vocabulary split gathers hidden states in f32 (their
-        # gradient is reduced in fp32), a small share.
+        # gradient is reduced in fp32): 2.5x the batch's rows at most (measured under full
+        # remat, 3 gathers). A layer's weights gathered in fp32 (6.5x the rows here) exceed it.
         by_dtype = {d: sum(c["bytes"] for c in gathers if c["dtype"] == d) for d in ("bf16", "f32")}
+        hidden_rows_bytes = GLOBAL_BATCH * SEQ_LEN * TINY.dim * 4
         assert {c["dtype"] for c in gathers} <= {"bf16", "f32"}, found
-        assert by_dtype["f32"] < by_dtype["bf16"], found
+        assert by_dtype["bf16"] and by_dtype["f32"] <= 2.5 * hidden_rows_bytes, found
     else:
         assert not gathers, found  # DDP: weights are replicated, nothing to gather
     assert reductions and {c["dtype"] for c in reductions} == {"f32"}, found
