@@ -60,19 +60,6 @@ ASYNC_GATHER_FLAGS = ("--xla_enable_async_all_gather=true",
                       "--xla_tpu_overlap_compute_collective_tc=true")
 
 
-# XLA:TPU's bfloat16 propagation sees a layer-stacked fp32 weight whose every use in the layer
-# loops is a cast of one layer's slice to bf16, and makes the stack's loop input bf16: one cast of
-# the whole stack before the loops, a compute-dtype copy of every layer's weights held through
-# the step (0.15 GiB a layer per chip on Qwen3-30B-A3B v5p-16 ep8; docs/MOE.md). Without the
-# pass each layer casts its slice as written. The pass only narrows values a cast rounds anyway.
-MOE_TPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "bfloat16-propagation"}
-
-
-def step_compiler_options(platform: str, moe: bool) -> dict[str, str] | None:
-    """XLA options of the jitted train step on the target platform (measured for MoE only)."""
-    return MOE_TPU_COMPILER_OPTIONS if platform == "tpu" and moe else None
-
-
 def default_libtpu_flags() -> str:
     """Adds ASYNC_GATHER_FLAGS to LIBTPU_INIT_ARGS, each unless the variable already names that
     flag (a value the user set wins; `--xla_enable_async_all_gather=false` turns one off).

@@ -11,8 +11,9 @@ rules table keeps the vocabulary split over the data axes in compute (`"vocab"` 
 - embedding: every shard's token ids are gathered, each shard looks up the rows its slice
   holds (zeros elsewhere) and a reduce-scatter returns each shard its own tokens' rows (one
   shard contributes each row, so the sum is exact in any dtype). It is written out over the
-  mesh axes (`reduce_scatter.staged_psum_scatter`, in a nested shard_map in the jit path):
-  XLA:TPU lowers a reduce-scatter over a v5p-16's eight chips as a full-size all-reduce;
+  mesh axes on the shard_map path (`reduce_scatter.staged_psum_scatter`): XLA:TPU lowers a
+  reduce-scatter over a v5p-16's eight chips as a full-size all-reduce (the jit path's vmap
+  axis keeps the single form, fine on v5p-8 and v6e-8);
 - output projection and loss: per chunk of tokens, every shard's hidden states are gathered,
   each shard computes the logits of its vocabulary slice, the logsumexp and the label's logit
   are reduced over shards, and in backward the hidden states' gradient is reduce-scattered in

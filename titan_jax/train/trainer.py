@@ -17,7 +17,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from titan_jax.config import JobConfig
-from titan_jax.jax_platform import step_compiler_options
 from titan_jax.models import BuildOptions, ModelDef, ModelSpec
 from titan_jax.models.remat import remat_mode_for
 from titan_jax.parallel.context_parallel import held_spans, to_load_balanced
@@ -102,11 +101,9 @@ class Trainer:
         step = functools.partial(train_step, model=self.model, optimizer=self.optimizer,
                                  schedule=self.schedule, options=self.options,
                                  parallelism=self.parallelism)
-        moe = getattr(self.model.args, "num_experts", 0) > 0
         return jax.jit(step, donate_argnums=0,
                        in_shardings=(self.state_shardings, self.batch_sharding),
-                       out_shardings=(self.state_shardings, None),
-                       compiler_options=step_compiler_options(self.model.options.platform, moe))
+                       out_shardings=(self.state_shardings, None))
 
     def step_fn(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """The jitted whole step; the input state's buffers are donated to the output."""
