@@ -21,11 +21,16 @@ $(BIN)/python:
 # does import are in the parity extra.
 install: $(BIN)/python
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[test,parity,tpu]'
+	$(BIN)/pip install -e '.[test,parity,tpu,cpu]'
 	$(BIN)/pip install --no-deps torchtitan==0.3.0
 
+# CPU_MALLOC: on CPU hosts, runs the command with mimalloc preloaded (the cpu extra): XLA:CPU's
+# per-step temporaries then stop faulting in fresh pages every step (BENCHMARKS.md, "Page
+# faults"). A no-op, with one line saying so, where none is installed or on TPU/GPU hosts.
+CPU_MALLOC := $(BIN)/python -m titan_jax.tools.cpu_allocator
+
 train:
-	$(BIN)/titan-jax train --config configs/qwen3_debug.toml
+	$(CPU_MALLOC) $(BIN)/titan-jax train --config configs/qwen3_debug.toml
 
 # Two workers, one test file each at a time (module fixtures stay shared): most tests are
 # compile-bound and single-threaded, so the suite takes ~14 min instead of ~17 on 2 cores.
@@ -58,10 +63,10 @@ bench-deps:
 	$(MAXTEXT_VENV)/bin/pip install -c benchmarks/maxtext-constraints.txt 'maxtext[tpu]==0.2.4'
 
 bench:
-	$(BIN)/python benchmarks/bench_step.py
+	$(CPU_MALLOC) $(BIN)/python benchmarks/bench_step.py
 
 bench-update:
-	$(BIN)/python benchmarks/bench_step.py --write BENCHMARKS.md
+	$(CPU_MALLOC) $(BIN)/python benchmarks/bench_step.py --write BENCHMARKS.md
 
 # The pod recipes compiled ahead of time for their TPU slices (libtpu, no TPU), into docs/TPU.md.
 plans:

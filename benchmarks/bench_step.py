@@ -29,6 +29,7 @@ from titan_jax.config import load_config
 from titan_jax.models.qwen3 import Qwen3Args, get_flavor
 from titan_jax.models.qwen3.flops import count_params, flops_per_token
 from titan_jax.models.qwen3.hf_config import hf_config_from_args
+from titan_jax.tools.cpu_allocator import preloaded_allocator
 from titan_jax.train.peak_flops import peak_flops_per_device
 from titan_jax.train.trainer import build_trainer
 
@@ -158,7 +159,10 @@ def main() -> None:
     except ValueError:
         parser.error(f"--batch: {opts.batch!r} is not a comma-separated list of integers")
 
-    notes = []
+    # `make bench` preloads mimalloc (titan_jax/tools/cpu_allocator.py); PyTorch runs in this
+    # process, so both columns get the same allocator. MaxText's subprocess inherits it.
+    allocator = preloaded_allocator()
+    notes = [f"Allocator: {Path(allocator).name if allocator else 'glibc malloc'} (all columns)."]
     maxtext = None if opts.no_maxtext else maxtext_python()
     if maxtext is None and not opts.no_maxtext:
         print(HOW_TO_ADD, flush=True)
