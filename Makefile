@@ -24,9 +24,10 @@ install: $(BIN)/python
 	$(BIN)/pip install -e '.[test,parity,tpu,cpu]'
 	$(BIN)/pip install --no-deps torchtitan==0.3.0
 
-# CPU_MALLOC: on CPU hosts, runs the command with mimalloc preloaded (the cpu extra): XLA:CPU's
-# per-step temporaries then stop faulting in fresh pages every step (BENCHMARKS.md, "Page
-# faults"). A no-op, with one line saying so, where none is installed or on TPU/GPU hosts.
+# CPU_MALLOC: on CPU hosts, runs the command with tcmalloc (apt: libtcmalloc-minimal4) or else
+# mimalloc (the cpu extra) preloaded: XLA:CPU's per-step temporaries then stop faulting in fresh
+# pages every step (BENCHMARKS.md, "Page faults"). A no-op, with one line saying so, where
+# neither is installed or on TPU/GPU hosts.
 CPU_MALLOC := $(BIN)/python -m titan_jax.tools.cpu_allocator
 
 train:

@@ -50,6 +50,15 @@ def test_an_explicit_library_is_put_first_once(tmp_path):
     assert env == missing and "no such file" in message
 
 
+def test_mimalloc_gets_its_huge_pages_off_unless_set(tmp_path):
+    library = tmp_path / "libmimalloc.so.3"
+    library.touch()
+    env, _ = cpu_allocator.preload_env({**CPU, cpu_allocator.ENV: str(library)})
+    assert env["MIMALLOC_ALLOW_THP"] == "0"
+    mine = {**CPU, cpu_allocator.ENV: str(library), "MIMALLOC_ALLOW_THP": "1"}
+    assert cpu_allocator.preload_env(mine)[0]["MIMALLOC_ALLOW_THP"] == "1"
+
+
 def test_make_train_and_bench_run_under_the_launcher():
     makefile = (ROOT / "Makefile").read_text()
     assert "CPU_MALLOC := $(BIN)/python -m titan_jax.tools.cpu_allocator" in makefile

@@ -4,17 +4,18 @@ titan_jax.tools.cpu_allocator CMD [ARGS...]` (what `make train` and `make bench`
 Why (BENCHMARKS.md, "Page faults"): XLA:CPU allocates a step's temporaries as one block per
 execution (1.76 GB at debugmodel 4 x 256) and frees it after. glibc serves a block that large
 with a fresh mmap and unmaps it on free, so every step faults in ~400k kernel-zeroed pages
-(~20% of the step's CPU time). mimalloc and tcmalloc keep the freed block and hand it back on
-the next step. Neither XLA nor JAX has an option for the host allocator, and LD_PRELOAD is read
-only when a process starts: hence a launcher that execs the command with it set.
+(~20% of the step's CPU time). tcmalloc and mimalloc keep the freed block for the next step.
+Neither XLA nor JAX has an option for the host allocator, and LD_PRELOAD is read only when a
+process starts: hence a launcher that execs the command with it set.
 
-The allocator: mimalloc from the `cmeel-mimalloc` wheel (`pip install cmeel-mimalloc`, the
-`cpu` extra of `make install`; no root needed). tcmalloc (Debian's libtcmalloc-minimal4) saved
-as much CPU but kept a second temporaries block resident for good (4.0 GB vs 2.5 GB at the
-debug shape); mimalloc hands it back. `TITAN_JAX_ALLOCATOR` overrides: `none` (glibc), or a
-library's path. Hosts with a TPU or GPU device node, or JAX_PLATFORMS naming anything but
-cpu, get no preload: their step's buffers live on the device. Where no allocator is found
-the command runs unchanged, with one line saying so.
+Which (measured in BENCHMARKS.md): tcmalloc where the system has it (Debian's
+libtcmalloc-minimal4; `.ci/run` installs it as root): no fault left, PyTorch in the same
+process unchanged. Else mimalloc from the `cmeel-mimalloc` wheel (the `cpu` extra of `make
+install`, no root needed) with its transparent huge pages off: as fast for titan-jax, but
+PyTorch's step took +13% CPU under it (+50% with THP on). `TITAN_JAX_ALLOCATOR` overrides:
+`none` (glibc), or a library's path. Hosts with a TPU or GPU device node, or JAX_PLATFORMS
+naming anything but cpu, get no preload: their step's buffers live on the device. Where no
+allocator is found the command runs unchanged, with one line saying so.
 """
 
 from __future__ import annotations
@@ -28,11 +29,19 @@ from titan_jax.jax_platform import has_accelerator_device
 
 ENV = "TITAN_JAX_ALLOCATOR"
 MIMALLOC_IN_WHEEL = "cmeel.prefix/lib/libmimalloc.so.3"
-HOW_TO_ADD = "pip install cmeel-mimalloc (the cpu extra of `make install`)"
+SYSTEM_TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                   "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+HOW_TO_ADD = ("apt-get install libtcmalloc-minimal4, or pip install cmeel-mimalloc (the cpu "
+              "extra of `make install`)")
 
 
 def find_allocator() -> Path | None:
-    """mimalloc from the cmeel-mimalloc wheel, or None where it is not installed."""
+    """System tcmalloc, else mimalloc from the cmeel-mimalloc wheel, else None."""
+    system = next((Path(p) for p in SYSTEM_TCMALLOC if Path(p).is_file()), None)
+    return system or _mimalloc_from_wheel()
+
+
+def _mimalloc_from_wheel() -> Path | None:
     try:
         path = Path(importlib.metadata.distribution("cmeel-mimalloc")
                     .locate_file(MIMALLOC_IN_WHEEL))
@@ -65,6 +74,8 @@ def preload_env(env: dict[str, str]) -> tuple[dict[str, str], str]:
     preloads = env.get("LD_PRELOAD", "").split()
     if str(library) not in preloads:
         env = {**env, "LD_PRELOAD": " ".join([str(library), *preloads])}
+    if "mimalloc" in library.name:  # its huge-page faults cost PyTorch's step +50% CPU here
+        env = {"MIMALLOC_ALLOW_THP": "0", **env}
     return env, f"preloading {library} (LD_PRELOAD)"
 
 
