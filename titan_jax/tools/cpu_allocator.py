@@ -10,9 +10,10 @@ process starts: hence a launcher that execs the command with it set.
 
 Which (measured in BENCHMARKS.md): tcmalloc where the system has it (Debian's
 libtcmalloc-minimal4; `.ci/run` installs it as root): no fault left, PyTorch in the same
-process unchanged. Else mimalloc from the `cmeel-mimalloc` wheel (the `cpu` extra of `make
-install`, no root needed) with its transparent huge pages off: as fast for titan-jax, but
-PyTorch's step took +13% CPU under it (+50% with THP on). `TITAN_JAX_ALLOCATOR` overrides:
+process unchanged, but a second temporaries block stays resident (+1.5 GB at the debug
+shape). Else mimalloc from the `cmeel-mimalloc` wheel (the `cpu` extra of `make install`, no
+root needed) with its transparent huge pages off: as fast for titan-jax, but PyTorch's step
+took +13% CPU under it (+50% with THP on). `TITAN_JAX_ALLOCATOR` overrides:
 `none` (glibc), or a library's path. Hosts with a TPU or GPU device node, or JAX_PLATFORMS
 naming anything but cpu, get no preload: their step's buffers live on the device. Where no
 allocator is found the command runs unchanged, with one line saying so.
