@@ -382,11 +382,12 @@ ENTRY %main (a: bf16[4096,128], b: bf16[128,4096]) -> bf16[4096,4096] {
 CODEGEN = """
   %fusion.7 = f32[2128,4096]{1,0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.1, backend_config={"collective_algorithm_config":{"emitter":"SingleInputAllReduceScatterFusion","strategy":"StrategyRing","debug":"\\nStrategyRing{colors:1 phases:1 cores:{8} nophase0:0}"}}
   %all-reduce.3 = f32[8]{0} all-reduce(%y), to_apply=%add, backend_config={"collective_algorithm_config":{"emitter":"E","strategy":"StrategyND","debug":"\\nStrategyND{colors:2 phases:2 cores:{2 2} nophase0:0}"}}
+  %all-gather.9 = bf16[4096,8,128]{2,0,1} all-gather(%z), dimensions={0}, backend_config={"collective_algorithm_config":{"emitter":"2DAllGatherOnMajorDim","debug":"\\ngroup_size = 4 "}}
 """
 
 
 def test_a_collective_runs_at_the_ring_bandwidth_of_the_torus_dimensions_its_algorithm_spans():
-    assert hlo_cost.ring_dims(CODEGEN) == {"fusion.7": 1, "all-reduce.3": 2}
+    assert hlo_cost.ring_dims(CODEGEN) == {"fusion.7": 1, "all-reduce.3": 2, "all-gather.9": 2}
     # the published v6e figure: 800 GB/s both ways over 4 ports; a ring on one dimension
     # sends one way on two of them
     v6e = CHIPS["v6e"]

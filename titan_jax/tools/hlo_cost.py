@@ -169,7 +169,7 @@ class _Walk:
         size = collective_bytes(inst, op, defs) if not dcn else hlo_stats.nbytes(
             *hlo_stats.arrays(inst.type)[0])
         moved = moved_bytes(op, size, group) if not dcn else float(size)
-        dims = self.ring_dims.get(owner or inst.name, 1)
+        dims = self.ring_dims.get(owner) or self.ring_dims.get(inst.name, 1)
         bandwidth = self.chip.dcn_bytes_per_s if dcn else self.chip.ring_bytes_per_s(dims)
         return {"op": op, "name": owner or inst.name, "bytes": size, "group": group,
                 "ring_dims": dims, "seconds": moved / bandwidth, "covered_s": 0.0}
@@ -298,12 +298,14 @@ def estimate(hlo_text: str, chip: Chip, devices: int,
 
 _STRATEGY = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?"strategy":"Strategy\w*","debug":"'
                        r'\\nStrategy\w*\{[^}]*?cores:\{([0-9 ]+)\}', re.M)
+_GATHER_EMITTER = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?"emitter":"(\d)DAllGather', re.M)
 
 
 def ring_dims(codegen_text: str) -> dict[str, int]:
     """The torus dimensions each collective's algorithm spans, from XLA:TPU's codegen dump
     (its backend config names the strategy: `StrategyRing{... cores:{8}}` is one ring of 8,
-    `StrategyND{... cores:{2 2}}` runs over two dimensions)."""
-    return {name: max(1, sum(int(c) > 1 for c in cores.split()))
-            for name, cores in _STRATEGY.findall(codegen_text)}
-
+    `StrategyND{... cores:{2 2}}` runs over two dimensions; all-gathers name an emitter,
+    `1DAllGatherOnMajorDim`, `2DAllGather...`)."""
+    found = {name: int(dims) for name, dims in _GATHER_EMITTER.findall(codegen_text)}
+    return found | {name: max(1, sum(int(c) > 1 for c in cores.split()))
+                    for name, cores in _STRATEGY.findall(codegen_text)}
