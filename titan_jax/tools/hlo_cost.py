@@ -155,6 +155,10 @@ class _Walk:
     def __init__(self, module: HloModule, chip: Chip, devices: int,
                  ring_dims: dict[str, int]):
         self.module, self.chip, self.devices, self.ring_dims = module, chip, devices, ring_dims
+        self.ring_dims_by_group = {
+            hlo_stats.group_size(inst, devices): ring_dims[inst.name]
+            for insts in module.computations.values() for inst in insts
+            if inst.name in ring_dims and "replica_groups=" in inst.rest}
         self.memo: dict[str, tuple[float, float]] = {}
         self.flops = self.hbm = self.compute_s = self.exposed_s = self.dma_s = 0.0
         self.collectives: list[dict[str, Any]] = []
@@ -163,13 +167,15 @@ class _Walk:
                    owner: str = "") -> dict[str, Any]:
         """A collective's bytes and seconds on the network: over ICI, a ring over the torus
         dimensions its algorithm spans (`ring_dims` of it or of the fusion `owner` that
-        runs it; one when not known)."""
+        runs it; else those the compiler chose for another collective over groups of the
+        same size, as for the async gather fusions, which name no algorithm; else one)."""
         dcn = op == "send"
         group = hlo_stats.group_size(inst, self.devices)
         size = collective_bytes(inst, op, defs) if not dcn else hlo_stats.nbytes(
             *hlo_stats.arrays(inst.type)[0])
         moved = moved_bytes(op, size, group) if not dcn else float(size)
-        dims = self.ring_dims.get(owner) or self.ring_dims.get(inst.name, 1)
+        dims = (self.ring_dims.get(owner) or self.ring_dims.get(inst.name)
+                or self.ring_dims_by_group.get(group, 1))
         bandwidth = self.chip.dcn_bytes_per_s if dcn else self.chip.ring_bytes_per_s(dims)
         return {"op": op, "name": owner or inst.name, "bytes": size, "group": group,
                 "ring_dims": dims, "seconds": moved / bandwidth, "covered_s": 0.0}
