@@ -80,11 +80,11 @@ def preload_env(env: dict[str, str]) -> tuple[dict[str, str], str]:
     return env, f"preloading {library} (LD_PRELOAD)"
 
 
-def preloaded_allocator() -> str | None:
+def preloaded_allocator(maps: str = "/proc/self/maps") -> str | None:
     """The path of a malloc library mapped into this process (mimalloc, tcmalloc, jemalloc),
     or None (glibc's)."""
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "/" in line}
+    with open(maps) as lines:
+        paths = {line.split()[-1] for line in lines if "/" in line}
     return next((p for p in sorted(paths) if any(name in Path(p).name for name in
                                                  ("mimalloc", "tcmalloc", "jemalloc"))), None)
 
