@@ -262,11 +262,9 @@ def _ragged_dot(inst: Instruction, defs: dict[str, Instruction]) -> tuple[float,
 
 def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]]
                        ) -> tuple[float, float]:
-    """Sums of per-computation (expected, bound), counting one branch of each conditional:
-    its branches are alternatives of which one runs (the expert FFN's capacity fast path and
-    its whole-buffer fallback): the bound counts the costlier, the expected count the cheaper,
-    the fast path balanced routing takes (the fallback's chunks each look full to the
-    per-op scaling, since each is no larger than the balanced share)."""
+    """Sums of per-computation (expected, bound), one branch of each conditional (one runs:
+    the expert FFN's capacity fast path or its chunked whole-buffer fallback): the bound the
+    costlier, the expected count the cheaper, the fast path balanced routing takes."""
     branch_of: dict[str, tuple[str, str]] = {}  # computation -> (conditional, its branch)
 
     def mark(name: str, key: tuple[str, str]) -> None:
