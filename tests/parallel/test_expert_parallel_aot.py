@@ -14,6 +14,7 @@ import jax
 import pytest
 from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, tiny_config
 
+from titan_jax.parallel import expert_parallel
 from titan_jax.tools import hlo_stats, inspect_step, kernel_flops
 from titan_jax.train.trainer import build_trainer
 
@@ -111,3 +112,16 @@ def test_no_compute_dtype_copy_of_the_stacked_expert_weights(compiled):
     assert len(copies) == 3
     assert not [i.name for body in program.computations.values() for i in body
                 if any(c in i.type for c in copies)], copies
+
+
+def test_no_expert_kernel_runs_on_the_whole_receive_buffer(compiled):
+    """The overflow branch runs the buffer in chunks of a rank's picks (each recomputed in
+    backward): no kernel takes the whole worst-case buffer at once, whose activations and
+    gradients set the compiled step's peak (the compiler sizes a conditional for its larger
+    branch)."""
+    _, _, program, _ = compiled
+    picks = GLOBAL_BATCH // DATA_SHARDS * SEQ_LEN * TINY_MOE.top_k  # a rank's, per chip
+    capacity = expert_parallel.expert_capacity(picks, EP * picks)
+    rows = sorted({kernel_flops.megablox_flops(i)[1] for body in program.computations.values()
+                   for i in body if kernel_flops.megablox_flops(i)})
+    assert rows == sorted({picks, capacity}), rows

@@ -262,9 +262,9 @@ def _ragged_dot(inst: Instruction, defs: dict[str, Instruction]) -> tuple[float,
 
 def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]]
                        ) -> tuple[float, float]:
-    """Sums of per-computation (expected, bound), counting only the costlier branch of each
-    conditional: its branches are alternatives (e.g. the expert FFN's capacity fast path and
-    its whole-buffer fallback), of which one runs."""
+    """Sums of per-computation (expected, bound), one branch of each conditional (one runs:
+    the expert FFN's capacity fast path or its chunked whole-buffer fallback): the bound the
+    costlier, the expected count the cheaper, the fast path balanced routing takes."""
     branch_of: dict[str, tuple[str, str]] = {}  # computation -> (conditional, its branch)
 
     def mark(name: str, key: tuple[str, str]) -> None:
@@ -300,7 +300,7 @@ def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]
             total[0] += e
             total[1] += b
     for alternatives in branches.values():
-        total[0] += max(e for e, _ in alternatives.values())
+        total[0] += min(e for e, _ in alternatives.values())
         total[1] += max(b for _, b in alternatives.values())
     return total[0], total[1]
 
