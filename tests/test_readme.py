@@ -6,6 +6,7 @@ A command whose trailing comment says it needs the network, a TPU slice, a downl
 checkpoint or a finished `make train` is parsed but not run.
 """
 
+import os
 import re
 import shlex
 import subprocess
@@ -96,9 +97,13 @@ def test_readme_is_short_and_links_every_doc():
 @pytest.mark.slow
 def test_profiling_example_runs_and_writes_a_trace(tmp_path):
     (command,) = [c for c in TITAN if "--profiling.enable_profiling true" in c]
+    # On the host's one CPU device, as a user runs it (not the tests' 8 simulated ones).
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
     out = subprocess.run([sys.executable, "-m", "titan_jax.cli", *argv(command)[1:],
                           "--job.dump_folder", str(tmp_path)],  # the last value wins
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "XLA_FLAGS": " ".join(flags)})
     assert out.returncode == 0, out.stderr
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
     assert "validation at step 4" in out.stdout  # the recipe validates at its last step

@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         from titan_jax.parallel.mesh import set_cpu_device_count
 
         set_cpu_device_count(config.job.cpu_devices)
-        _enable_compilation_cache()
+        if config.distributed.num_processes <= 1:
+            _enable_compilation_cache()
         from titan_jax.train.bad_steps import BadStepsError
         from titan_jax.train.loop import train
 
@@ -213,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _enable_compilation_cache() -> None:
-    """Reuse compiled steps across runs (a resumed run starts without recompiling)."""
+    """Reuse compiled steps across runs (a resumed run starts without recompiling). Not for
+    explicit multi-process runs: JAX writes the cache from process 0 only and the other
+    processes' keys differ, so process 0 would load its step while they compile it, and reach
+    the first collective alone (on CPU, gloo gives up after 30 s)."""
     import jax
 
     cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
