@@ -174,7 +174,7 @@ def _build_options(config: JobConfig, platform: str, attention: str) -> BuildOpt
         # weight, stacked over layers).
         save_gathered_params=not reshard,
         activation_stats=config.metrics.log_activation_stats, platform=platform,
-        attention=attention)
+        attention=attention, lookahead_gather=config.parallelism.fsdp_lookahead_gather)
 
 
 def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
@@ -186,6 +186,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     spec, flavor = run_checks.check_model_choice(config)
     args = spec.configure(flavor if model_args is None else model_args, config)
     run_checks.check_model_fits(config, args)
+    run_checks.check_lookahead_gather(config, args)
     devices = jax.devices() if devices is None else devices
     degrees = resolve_degrees(config.parallelism, len(devices))
     mesh = build_mesh(degrees, devices, config.parallelism.num_slices)
