@@ -178,12 +178,6 @@ class Parallelism:
         """A transform of the summed loss, applied before it is differentiated."""
         return summed_loss
 
-    def loop_values(self) -> jax.Array | None:
-        """What the hooks read from the map `loss_map` traces under (its axis indices), read
-        where that map's axes are bound, for loops traced where they are not: a custom_vjp's
-        backward under vmap traces its loops without the vmap's axis names (`loop_context`)."""
-        return None
-
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """These hooks answer the model's calls for the duration (of a trace)."""
@@ -198,8 +192,6 @@ NO_PARALLELISM = Parallelism()  # one device, or a trace without a mesh
 _ACTIVE: contextvars.ContextVar[Parallelism] = contextvars.ContextVar(
     "parallelism", default=NO_PARALLELISM)
 _PREGATHERED: contextvars.ContextVar[bool] = contextvars.ContextVar("pregathered", default=False)
-_LOOP_VALUES: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
-    "loop_values", default=None)
 
 
 def use_param(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
@@ -265,19 +257,3 @@ def run_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],
     """`kernel(*args)` on each device's shard (see `Parallelism.run_per_shard`): for a kernel
     that works on any slice of the split axes (rows, heads) but that the compiler cannot split."""
     return _ACTIVE.get().run_per_shard(kernel, args, in_axes, out_axes)
-
-
-@contextlib.contextmanager
-def loop_context() -> Iterator[None]:
-    """For the duration the hooks use `Parallelism.loop_values` read here, once (around a loop
-    in a custom_vjp's backward: see `Parallelism.loop_values`)."""
-    token = _LOOP_VALUES.set(_ACTIVE.get().loop_values())
-    try:
-        yield
-    finally:
-        _LOOP_VALUES.reset(token)
-
-
-def pinned_loop_values() -> jax.Array | None:
-    """The `loop_values` of the enclosing `loop_context`, or None."""
-    return _LOOP_VALUES.get()

@@ -238,15 +238,3 @@ class ShardingRules:
         while spec and spec[-1] is None:
             spec.pop()
         return PartitionSpec(*spec)
-
-
-def only_axes(spec: PartitionSpec, keep: tuple[str, ...]) -> PartitionSpec:
-    """`spec` restricted to the mesh axes in `keep` (replicated over the others)."""
-    out = []
-    for entry in spec:
-        names = entry if isinstance(entry, tuple) else (entry,)
-        kept = tuple(n for n in names if n is not None and n in keep)
-        out.append(kept[0] if len(kept) == 1 else (kept or None))
-    while out and out[-1] is None:
-        out.pop()
-    return PartitionSpec(*out)

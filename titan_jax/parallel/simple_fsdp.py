@@ -58,13 +58,12 @@ from titan_jax.models.sharding_hooks import (
     SequenceSplit,
     SummedLoss,
     VocabSplit,
-    pinned_loop_values,
 )
 from titan_jax.models.spec import Aux, Params
 from titan_jax.parallel.context_parallel import CP, ContextParallel
 from titan_jax.parallel.expert_parallel import exchange_for, ragged_dispatch
 from titan_jax.parallel.per_shard import jit_per_shard, manual_per_shard
-from titan_jax.parallel.rules import ShardingRules, mesh_axes_of, only_axes
+from titan_jax.parallel.rules import ShardingRules, mesh_axes_of
 from titan_jax.parallel.vocab_parallel import VocabParallel
 
 # vmap axis names of the data shards in the jit path: SHARDS over the axes the vocabulary is
@@ -72,6 +71,18 @@ from titan_jax.parallel.vocab_parallel import VocabParallel
 SHARDS, REPLICAS = "data_shards", "data_replicas"
 
 Implementation = Literal["jit", "shard_map"]
+
+
+def only_axes(spec: PartitionSpec, keep: tuple[str, ...]) -> PartitionSpec:
+    """`spec` restricted to the mesh axes in `keep` (replicated over the others)."""
+    out = []
+    for entry in spec:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n is not None and n in keep)
+        out.append(kept[0] if len(kept) == 1 else (kept or None))
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
 
 
 def cast_in_loop(stored: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -328,14 +339,8 @@ class SimpleFSDP(Parallelism):
         return inner, tuple(a for a in self.data_axes
                             if a not in inner and self.mesh.shape[a] > 1)
 
-    def loop_values(self) -> jax.Array | None:
-        """The jit path's data-shard index (see `Parallelism.loop_values`)."""
-        return self._shard_index() if self.implementation == "jit" else None
-
     def _shard_index(self) -> jax.Array:
         """The jit path's data-shard index, batched over every vmap over data shards."""
-        if (pinned := pinned_loop_values()) is not None:
-            return pinned
         index = lax.axis_index(SHARDS)
         return index + lax.axis_index(REPLICAS) if self._shard_axes()[1] else index
 
