@@ -29,7 +29,9 @@ def loss_and_grads_of(tiny_init_state: object, batch: dict[str, np.ndarray], *ov
     return float(loss), [np.asarray(x) for x in jax.tree.leaves(jax.device_get(g))]
 
 
-@pytest.mark.parametrize("implementation, preset", [("jit", "fsdp8"), ("shard_map", "hsdp2x4")])
+# The shard_map twin's look-ahead trains to the single-device losses (test_simple_fsdp.py);
+# this comparison, run on it (hsdp2x4), measured 4e-7: left out to keep the suite's time.
+@pytest.mark.parametrize("implementation, preset", [("jit", "fsdp8")])
 def test_lookahead_gather_gives_the_plain_scans_loss_and_gradients(
         tiny_init_state, tiny_batches, implementation, preset):
     """Full remat both ways; the gradients' fp32 reductions only change order (measured: 5e-7
