@@ -112,7 +112,8 @@ class Parallelism:
     # weight prefetch): the scan carries the next layer's gathered bf16 weights, so the
     # gathers overlap a whole layer's forward (docs/TPU.md, "FSDP gathers overlapped?"); costs
     # one layer of gathered weights. Dense flavours, activation_checkpoint.mode=full and
-    # re-sharding after forward only; the numbers are the same as without.
+    # re-sharding after forward only, and with splash attention the shard_map
+    # implementation; the numbers are the same as without.
     fsdp_lookahead_gather: bool = False
     # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit
     # all_gather/psum_scatter twin (same rules, same losses), which also hosts expert

@@ -57,3 +57,18 @@ def test_lookahead_gather_needs_full_remat_that_regathers(overrides, named):
     with pytest.raises(ConfigError, match="fsdp_lookahead_gather") as e:
         tiny_trainer("--parallelism.fsdp_lookahead_gather", "true", *overrides)
     assert named in str(e.value)
+
+
+def test_lookahead_gather_with_splash_on_the_jit_path_is_refused():
+    """(its per-shard shard_map does not trace in the look-ahead's backward under the jit
+    path's vmap; the shard_map twin compiles it: docs/TPU.md)"""
+    from parallel_helpers import TINY, tiny_config
+
+    from titan_jax.train.run_checks import check_lookahead_gather
+
+    config = tiny_config("--parallelism.fsdp_lookahead_gather", "true",
+                         "--activation_checkpoint.mode", "full")
+    check_lookahead_gather(config, TINY, "shard_map", "splash")
+    check_lookahead_gather(config, TINY, "jit", "xla")
+    with pytest.raises(ConfigError, match="fsdp_implementation=shard_map"):
+        check_lookahead_gather(config, TINY, "jit", "splash")

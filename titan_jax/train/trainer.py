@@ -186,7 +186,6 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     spec, flavor = run_checks.check_model_choice(config)
     args = spec.configure(flavor if model_args is None else model_args, config)
     run_checks.check_model_fits(config, args)
-    run_checks.check_lookahead_gather(config, args)
     devices = jax.devices() if devices is None else devices
     degrees = resolve_degrees(config.parallelism, len(devices))
     mesh = build_mesh(degrees, devices, config.parallelism.num_slices)
@@ -197,6 +196,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     run_checks.check_reduce_dtype(config, devices, implementation)
     param_dtype = resolve_param_dtype(t.mixed_precision_param, devices)
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
+    run_checks.check_lookahead_gather(config, args, implementation, attention)
     model = spec.build(args, _build_options(config, platform, attention))
     rules = ShardingRules(mesh, table_for_vocab(mesh, args.vocab_size, implementation))
     param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)
