@@ -55,7 +55,8 @@ def test_lookahead_gather_gives_the_plain_scans_loss_and_gradients(
 ])
 def test_lookahead_gather_needs_full_remat_that_regathers(overrides, named):
     with pytest.raises(ConfigError, match="fsdp_lookahead_gather") as e:
-        tiny_trainer("--parallelism.fsdp_lookahead_gather", "true", *overrides)
+        tiny_trainer(*preset_overrides("fsdp8"), "--parallelism.fsdp_lookahead_gather", "true",
+                     *overrides)
     assert named in str(e.value)
 
 
