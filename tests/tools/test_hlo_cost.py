@@ -4,19 +4,20 @@ grouped-matmul FLOPs (tools/hlo_stats.py) and `fits` on both sides of XLA:TPU's 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
 
-from titan_jax.parallel.topology import Chip
+from titan_jax.parallel.topology import CHIPS, Chip
 from titan_jax.tools import aot_compile, hlo_cost, hlo_stats, kernel_flops
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
     reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
 
-# 1 TFLOP/s, 1 GB/s HBM, 1 GB/s ICI: seconds read as TFLOPs / GB.
-UNIT_CHIP = Chip("test", 1e12, 2**40, 1e9, 1e9, 1e9, 1, "test")
+# 1 TFLOP/s, 1 GB/s HBM, 1 GB/s ICI per ring: seconds read as TFLOPs / GB.
+UNIT_CHIP = Chip("test", 1e12, 2**40, 1e9, 2e9, 1e9, 1, "test")  # 2 ports: a ring gets 1 GB/s
 
 # A scheduled program: a 2 GB all-gather started before a fusion whose dot is 3 TFLOPs (3 s at
 # the test chip's peak) and done after it; then a synchronous all-reduce of 1 GB over 2 devices.
@@ -193,8 +194,6 @@ def test_fits_follows_the_compilers_edge_on_both_sides():
     use (v5e: 15.75 GiB) and refuses one above it, however small its temporaries."""
     import jax
 
-    from titan_jax.parallel.topology import CHIPS
-
     device, below = _compile_pair(3.75)  # peak 15.0 GiB
     usable = aot_compile.usable_hbm_bytes(device)
     assert usable == int(15.75 * 2**30)
@@ -308,3 +307,99 @@ def test_ragged_all_to_alls_count_what_they_send_not_their_worst_case_buffers():
     defs = module.defining("main")
     assert [hlo_cost.collective_bytes(defs[n], "ragged-all-to-all", defs)
             for n in ("rows", "back")] == [24 * 64 * 2] * 2
+
+
+def test_operands_past_the_fifth_are_read_through_the_printers_index_comment():
+    """XLA prints `/*index=5*/` before every fifth operand; a fusion's sixth operand is read."""
+    params = "".join(f"  %p{i} = f32[250]{{0}} parameter({i})\n" for i in range(6))
+    text = ("%fused (" + ", ".join(f"q{i}: f32[250]" for i in range(6)) + ") -> f32[250] {\n"
+            + params.replace("%p", "%q") + "  ROOT %s = f32[250]{0} add(%q0, %q5)\n}\n\n"
+            "ENTRY %main () -> f32[250] {\n" + params + "  ROOT %f = f32[250]{0} fusion(%p0, "
+            "%p1, %p2, %p3, %p4, /*index=5*/%p5), kind=kLoop, calls=%fused\n}\n")
+    module = hlo_stats.parse(text)
+    fusion = module.defining("main")["f"]
+    assert fusion.operands == [f"p{i}" for i in range(6)]
+    assert hlo_cost.traffic(module, fusion, module.defining("main")) == 7 * 1000
+
+
+def _splash_module(q_space: str, kv_space: str, kind: str = "splash_mha_fwd_residuals"
+                   ) -> hlo_stats.HloModule:
+    """SPLASH's kernel (batch 2, 16 query heads, 8 kv heads, 512 rows, 256-blocks: 3 of 4
+    block pairs causal) with its q and k/v operands in the given memory spaces."""
+    q, kv = "bf16[2,16,512,128]{3,2,1,0%s}", "bf16[2,8,512,128]{3,2,1,0%s}"
+    return hlo_stats.parse(
+        "ENTRY %main () -> f32[] {\n  %a = s8[1,1,1]{2,1,0} parameter(0)\n"
+        "  %b = s8[1,1,1]{2,1,0} parameter(1)\n"
+        f"  %q = {q % q_space} parameter(2)\n  %k = {kv % kv_space} parameter(3)\n"
+        f"  %v = {kv % kv_space} parameter(4)\n  %i = s32[512,128]{{1,0:S(1)}} parameter(5)\n"
+        + SPLASH.replace("splash_mha_fwd_residuals", kind) + "}\n")
+
+
+def test_splash_reads_the_streamed_side_of_attention_once_per_block_pair():
+    q_bytes, kv_bytes = 2 * 16 * 512 * 128 * 2, 2 * 8 * 512 * 128 * 2
+    tables = 2  # the two s8[1,1,1] block tables
+    out = 2 * 512 * 128 * 4 + q_bytes
+    module = _splash_module("", "")
+    inst = module.defining("main")["splash_mha_fwd_residuals.3"]
+    # forward: k and v for each of the 3 block pairs of every query head (2 per kv head),
+    # over 2 kv blocks: 2 x 3 / 2 = 3 times each; q once
+    assert kernel_flops.splash_read_factors(inst)[2:5] == [1.0, 3.0, 3.0]
+    defs = module.defining("main")
+    assert hlo_cost.traffic(module, inst, defs) == tables + q_bytes + 6 * kv_bytes + out
+    # dK/dV: k and v once per query head, the query side once per pair (3 over 2 q blocks)
+    dkv = _splash_module("", "", "splash_mha_dkv_no_residuals").defining("main")[
+        "splash_mha_dkv_no_residuals.3"]
+    assert kernel_flops.splash_read_factors(dkv)[2:5] == [1.5, 2.0, 2.0]
+    # k and v prefetched into VMEM (S(1)): their re-reads cost no HBM
+    module = _splash_module("", ":S(1)")
+    inst = module.defining("main")["splash_mha_fwd_residuals.3"]
+    assert hlo_cost.traffic(module, inst, module.defining("main")) == tables + q_bytes + out
+
+
+def test_matmuls_are_priced_at_the_share_of_the_systolic_array_they_fill():
+    dot = """
+ENTRY %main (a: bf16[4096,128], b: bf16[128,4096]) -> bf16[4096,4096] {
+  %a = bf16[4096,128]{1,0:S(1)} parameter(0)
+  %b = bf16[128,4096]{1,0:S(1)} parameter(1)
+  ROOT %d = bf16[4096,4096]{1,0:S(1)} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    flops = 2.0 * 4096 * 4096 * 128
+    wide = dataclasses.replace(UNIT_CHIP, mxu_dim=256)
+    # contracting over 128 fills half of a 256-deep array; all of a 128-deep one
+    assert hlo_cost.estimate(dot, wide, 1)["compute_s"] == pytest.approx(2 * flops / 1e12)
+    narrow = dataclasses.replace(UNIT_CHIP, mxu_dim=128)
+    assert hlo_cost.estimate(dot, narrow, 1)["compute_s"] == pytest.approx(flops / 1e12)
+    assert hlo_cost.estimate(dot, wide, 1)["flops_per_chip"] == flops
+    # splash's forward: q k^T contracts over head_dim 128 (half the array at 256), p v over a
+    # 256-block (full): 1.5x its FLOPs
+    (inst,) = hlo_stats.parse("ENTRY %main () -> f32[] {\n" + SPLASH + "}\n").computations[
+        "main"]
+    assert kernel_flops.splash_array_flops(inst, 256) == 1.5 * kernel_flops.kernel_flops(inst)
+    assert kernel_flops.splash_array_flops(inst, 128) == kernel_flops.kernel_flops(inst)
+
+
+CODEGEN = """
+  %fusion.7 = f32[2128,4096]{1,0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.1, backend_config={"collective_algorithm_config":{"emitter":"SingleInputAllReduceScatterFusion","strategy":"StrategyRing","debug":"\\nStrategyRing{colors:1 phases:1 cores:{8} nophase0:0}"}}
+  %all-reduce.3 = f32[8]{0} all-reduce(%y), to_apply=%add, backend_config={"collective_algorithm_config":{"emitter":"E","strategy":"StrategyND","debug":"\\nStrategyND{colors:2 phases:2 cores:{2 2} nophase0:0}"}}
+  %all-gather.9 = bf16[4096,8,128]{2,0,1} all-gather(%z), dimensions={0}, backend_config={"collective_algorithm_config":{"emitter":"2DAllGatherOnMajorDim","debug":"\\ngroup_size = 4 "}}
+"""
+
+
+def test_a_collective_runs_at_the_ring_bandwidth_of_the_torus_dimensions_its_algorithm_spans():
+    assert hlo_cost.ring_dims(CODEGEN) == {"fusion.7": 1, "all-reduce.3": 2, "all-gather.9": 2}
+    # the published v6e figure: 800 GB/s both ways over 4 ports; a ring on one dimension
+    # sends one way on two of them
+    v6e = CHIPS["v6e"]
+    assert v6e.ring_bytes_per_s() == pytest.approx(200e9)
+    assert v6e.ring_bytes_per_s(2) == v6e.ring_bytes_per_s(3) == pytest.approx(400e9)
+    # SCHEDULE's synchronous all-reduce (1 GB over ICI, 1 s on one ring) over two dimensions
+    two_dims = dataclasses.replace(UNIT_CHIP, ici_bytes_per_s=4e9, ici_ports=4)
+    r = hlo_cost.estimate(SCHEDULE, two_dims, 8, {"ar": 2})
+    found = {c["op"]: c for c in r["collectives"]}
+    assert found["all-reduce"]["ring_dims"] == 2
+    assert found["all-reduce"]["seconds"] == pytest.approx(0.5)
+    # the gather names no algorithm: it takes the dimensions the compiler chose for the other
+    # collective over groups of its size (2)
+    assert found["all-gather"]["ring_dims"] == 2
+    assert hlo_cost.estimate(SCHEDULE, two_dims, 8)["exposed_collective_s"] == pytest.approx(1)

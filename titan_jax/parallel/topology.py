@@ -3,7 +3,7 @@ devices from libtpu, so a pod job can be compiled and measured on a CPU host.
 
 Cloud names count chips for v5e/v6e but TensorCores for v4/v5p (two per chip, one megacore JAX
 device): v5p-8 is 4 chips. The chip constants are the published per-chip figures cited below;
-they feed `titan-jax compile`'s roofline estimate only.
+they feed `titan-jax compile`'s estimate (tools/hlo_cost.py) and roofline bound only.
 """
 
 from __future__ import annotations
@@ -30,29 +30,46 @@ class Chip:
     peak_bf16_flops: float  # dense bf16 FLOP/s
     hbm_bytes: int
     hbm_bytes_per_s: float  # HBM bandwidth
-    ici_bytes_per_s: float  # bidirectional inter-chip interconnect bandwidth, all links
+    ici_bytes_per_s: float  # bidirectional inter-chip interconnect bandwidth, all ports
     dcn_bytes_per_s: float  # data-centre network bandwidth per chip (host NICs / chips per host)
     cores_per_chip: int  # TensorCores per chip, as counted in Cloud slice names
     source: str
+    ici_ports: int = 2  # ICI links per chip (4 on a 2-D torus, 6 on a 3-D one)
+    mxu_dim: int = 0  # the MXU's systolic array is mxu_dim x mxu_dim (0: shapes not priced)
+
+    def ring_bytes_per_s(self, dims: int = 1) -> float:
+        """Bytes per second one chip sends in a ring collective laid over `dims` torus
+        dimensions: a bidirectional ring sends one way on each of the two links to its
+        neighbours in each dimension, i.e. one link's bidirectional figure per dimension
+        (the chip's figure over its ports), at most all ports one way."""
+        return self.ici_bytes_per_s / self.ici_ports * min(max(dims, 1), self.ici_ports // 2)
 
 
-# Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}), one row per
-# generation: bf16 FLOP/s, HBM GiB, HBM B/s, ICI B/s, DCN B/s per chip, cores per chip, and the
-# page's own words.
+# Cloud TPU system-architecture pages (docs.cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e},
+# read 2026-12-02), one row per generation: bf16 FLOP/s, HBM GiB, HBM B/s, bidirectional ICI
+# B/s per chip, DCN B/s per chip, cores per chip, ICI ports, MXU size, and the pages' words.
+# ICI: the pages now give the bidirectional figure per chip (v5e 400 GBps, v5p 1200, v6e 800)
+# where they used to give one direction in Gbps (v5e 1600, v5p 4800, v6e 3200: half of each);
+# v4's page gives none now: its former 2400 Gbps one way is read as 600 GBps both ways. Ports:
+# 4 per chip on the 2-D tori (v5e/v6e pages), 6 on the 3-D ones (a link per neighbour). MXU:
+# "128 x 128 multiply-accumulators" (system-architecture page); v6e: "two 256x256" MXUs.
 _CHIP_TABLE = (
-    ("v4", 275e12, 32, 1200e9, 300e9, 6.25e9, 2,
-     "275 TFLOP/s bf16, 32 GiB HBM at 1200 GBps, 2400 Gbps ICI"),
-    ("v5e", 197e12, 16, 819e9, 200e9, 3.125e9, 1,
-     "197 TFLOP/s bf16, 16 GB HBM at 819 GBps, 1600 Gbps ICI, 2 x 100 Gbps NIC per 8-chip host"),
-    ("v5p", 459e12, 95, 2765e9, 1200e9, 6.25e9, 2,
-     "459 TFLOP/s bf16, 95 GiB HBM at 2765 GBps, 1200 GBps bidirectional ICI, 50 Gbps DCN per "
-     "chip"),
-    ("v6e", 918e12, 32, 1640e9, 448e9, 12.5e9, 1,
-     "918 TFLOP/s bf16, 32 GB HBM at 1640 GBps, 3584 Gbps ICI, 4 x 200 Gbps NIC per 8-chip host"),
+    ("v4", 275e12, 32, 1200e9, 600e9, 6.25e9, 2, 6, 128,
+     "275 TFLOP/s bf16, 32 GiB HBM at 1200 GBps, 2400 Gbps ICI one way (former page), 3-D "
+     "torus"),
+    ("v5e", 197e12, 16, 819e9, 400e9, 3.125e9, 1, 4, 128,
+     "197 TFLOP/s bf16, 16 GB HBM at 819 GBps, 400 GBps bidirectional ICI per chip, 4 ICI "
+     "ports, 2 x 100 Gbps NIC per 8-chip host"),
+    ("v5p", 459e12, 95, 2765e9, 1200e9, 6.25e9, 2, 6, 128,
+     "459 TFLOP/s bf16, 95 GiB HBM at 2765 GBps, 1200 GBps bidirectional ICI per chip, 3-D "
+     "torus, 50 Gbps DCN per chip"),
+    ("v6e", 918e12, 32, 1638e9, 800e9, 12.5e9, 1, 4, 256,
+     "918 TFLOP/s bf16, 32 GB HBM at 1638 GBps, 800 GBps bidirectional ICI per chip, 4 ICI "
+     "ports, two 256x256 MXUs, 4 x 200 Gbps NIC per 8-chip host"),
 )
 CHIPS = {gen: Chip(gen, flops, hbm_gib * GiB, hbm_bw, ici, dcn, cores,
-                   f"cloud.google.com/tpu/docs/{gen}: {words}")
-         for gen, flops, hbm_gib, hbm_bw, ici, dcn, cores, words in _CHIP_TABLE}
+                   f"docs.cloud.google.com/tpu/docs/{gen}: {words}", ports, mxu)
+         for gen, flops, hbm_gib, hbm_bw, ici, dcn, cores, ports, mxu, words in _CHIP_TABLE}
 
 # Chips -> physical shape of the single-slice topologies Cloud offers (3-D torus for v4/v5p,
 # 2-D for v5e/v6e), as libtpu names them ("v5p:2x2x1").

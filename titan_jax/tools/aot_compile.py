@@ -69,7 +69,9 @@ def roofline(chip: Chip, flops_per_chip: float, ops: list[dict[str, Any]]
     compute_s = flops_per_chip / chip.peak_bf16_flops
     ici_s = sum(c["moved_bytes_per_step"] for c in ops if c["network"] == "ici")
     dcn_s = sum(c["moved_bytes_per_step"] for c in ops if c["network"] == "dcn")
-    ici_s, dcn_s = ici_s / chip.ici_bytes_per_s, dcn_s / chip.dcn_bytes_per_s
+    # every ICI port sending at once: a bound no single ring reaches
+    ici_s = ici_s / chip.ring_bytes_per_s(chip.ici_ports // 2)
+    dcn_s = dcn_s / chip.dcn_bytes_per_s
     return {"compute_s": compute_s, "ici_s": ici_s, "dcn_s": dcn_s,
             "est_step_time_s": max(compute_s, ici_s + dcn_s)}
 
@@ -117,20 +119,24 @@ def top_buffers(report_text: str, n: int = 8) -> list[dict[str, Any]]:
     return sorted(found, key=lambda b: -b["bytes"])[:n]
 
 
-def _compile_with_dumps(lowered: Any) -> tuple[Any, list[dict[str, Any]], dict[str, str]]:
-    """The compiled step, its largest buffers and the scheduler flags it was compiled with."""
+def _compile_with_dumps(lowered: Any) -> tuple[Any, list[dict[str, Any]], dict[str, str],
+                                               dict[str, int]]:
+    """The compiled step, its largest buffers, the scheduler flags it was compiled with and
+    the torus dimensions of each collective's algorithm (from the codegen dump)."""
     with tempfile.TemporaryDirectory() as dump:
         compiled = lowered.compile(compiler_options={
             "xla_dump_to": dump, "xla_dump_hlo_pass_re": "^$", "xla_dump_disable_metadata": True})
         reports = sorted(Path(dump).glob("*memory-usage-report.txt"))
         buffers = top_buffers(reports[-1].read_text()) if reports else []
+        codegen = sorted(Path(dump).glob("*after_codegen.txt"))[-1:]
+        rings = hlo_cost.ring_dims(codegen[0].read_text()) if codegen else {}
         flags = {}
         for flagfile in sorted(Path(dump).glob("*.flagfile"))[-1:]:
             for line in flagfile.read_text().splitlines():
                 name, _, value = line.removeprefix("--").partition("=")
                 if name in SCHEDULER_FLAGS:
                     flags[name] = value.strip("'")
-    return compiled, buffers, flags
+    return compiled, buffers, flags, rings
 
 
 def _build(config: JobConfig, tpu: TpuSlice, devices: list[Any], model_args: Any) -> Trainer:
@@ -157,7 +163,8 @@ def _flops(trainer: Trainer, lowered: Any) -> dict[str, Any]:
 
 
 def _estimates(report: dict[str, Any], hlo: str, chip: Chip, n: int,
-               mesh_devices: list[Any], mesh_shape: dict[str, int]) -> dict[str, Any]:
+               mesh_devices: list[Any], mesh_shape: dict[str, int],
+               rings: dict[str, int] | None = None) -> dict[str, Any]:
     """Kernel FLOPs, the collectives, the predictive estimate and the roofline bound."""
     module = hlo_stats.parse(hlo)
     counts, _ = hlo_stats.executions(module)
@@ -165,7 +172,7 @@ def _estimates(report: dict[str, Any], hlo: str, chip: Chip, n: int,
                         for i in module.computations[name] if i.name.startswith("splash"))
     flops = report["dot_flops_per_step"] + report["grouped_matmul_flops_per_step"] + attention
     ops = collectives(hlo, mesh_devices, mesh_shape)
-    cost = hlo_cost.estimate(hlo, chip, n)
+    cost = hlo_cost.estimate(hlo, chip, n, rings)
     gathers = [c for c in cost["collectives"] if c["op"] == "all-gather" and c["executions"] > 1]
     gather_s = sum(c["seconds"] * c["executions"] for c in gathers)
     covered_s = sum(min(c["covered_s"], c["seconds"]) * c["executions"] for c in gathers)
@@ -219,7 +226,7 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
     }
     start = time.perf_counter()
     try:
-        compiled, buffers, flags = _compile_with_dumps(lowered)
+        compiled, buffers, flags, rings = _compile_with_dumps(lowered)
     except jax.errors.JaxRuntimeError as e:
         batch = inspect_step.abstract_batch(trainer).values()
         arguments = inspect_step.state_bytes(trainer)[0] + sum(
@@ -236,7 +243,7 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
     report["top_buffers"], report["scheduler_flags"] = buffers, flags
     report["cost_analysis_flops_per_chip"] = float(compiled.cost_analysis().get("flops", 0.0))
     report.update(_estimates(report, compiled.as_text(), tpu.chip, n,
-                             list(trainer.mesh.devices.flat), dict(trainer.mesh.shape)))
+                             list(trainer.mesh.devices.flat), dict(trainer.mesh.shape), rings))
     return report
 
 

@@ -1,34 +1,39 @@
 """A step-time estimate read from the compiled (scheduled) TPU program, instruction by
-instruction, with published chip constants only.
+instruction, with published chip constants only (`parallel/topology.py`).
 
 Each instruction that the schedule runs (fusions, custom calls such as splash and the grouped
 matmuls, copies, ...) costs max(its MXU FLOPs at the chip's bf16 peak, its HBM bytes at the
-chip's HBM bandwidth); a loop body counts once per iteration. Bytes are the operands and results
-that live in HBM (memory space 0 in the compiled layout: `S(1)` is on-chip VMEM, `S(5)` host
-memory); a fused operand read only through a dynamic-slice counts as the slice, an in-place
-dynamic-update-slice (bare or a fusion's root) as its update. The asynchronous copies XLA:TPU
-schedules between HBM and on-chip memory (`copy-start`/`slice-start` ... `-done`: operand
-prefetches and evictions) move HBM bytes too: the instructions between a copy's start and its
-done take at least their own HBM bytes plus the copy's at the HBM bandwidth. Collectives
-cost their ring-algorithm bytes at the published ICI (or DCN) bandwidth and are added only
-where the schedule leaves them exposed: a synchronous
-collective is exposed in full; an asynchronous one (XLA:TPU's `async-collective-start` ...
-continuation fusions ... `async-collective-done` chains, or `*-start`/`*-done` pairs) is covered
-by the estimated work the schedule places between its start and its done.
-It is an estimate: elementwise work on the vector units, per-op launch overhead and imperfect
-MXU utilisation are not priced, so it still errs on the fast side.
+chip's HBM bandwidth); a loop body counts once per iteration. MXU FLOPs are counted as the
+systolic array spends them: a matmul dimension short of a whole multiple of the array's side
+(128, or 256 on v6e) fills only part of it (splash's q k^T contracts over head_dim 128: half
+of v6e's array). Bytes are the operands and results that live in HBM (memory space 0 in the
+compiled layout: `S(1)` is on-chip VMEM, `S(5)` host memory); a fused operand read only
+through a dynamic-slice counts as the slice, an in-place dynamic-update-slice (bare or a
+fusion's root) as its update, a splash kernel's operand as often as its grid reads it. The
+asynchronous copies XLA:TPU schedules between HBM and on-chip memory (`copy-start`/
+`slice-start` ... `-done`: operand prefetches and evictions) move HBM bytes too: the
+instructions between a copy's start and its done take at least their own HBM bytes plus the
+copy's at the HBM bandwidth. Collectives cost their ring-algorithm bytes at the ICI bandwidth
+of the links their algorithm uses (a bidirectional ring: two links, one way each, per torus
+dimension it spans; `Chip.ring_bytes_per_s`), or at the DCN bandwidth, and are added only
+where the schedule leaves them exposed: a synchronous collective is exposed in full; an
+asynchronous one (XLA:TPU's `async-collective-start` ... continuation fusions ...
+`async-collective-done` chains, or `*-start`/`*-done` pairs) is covered by the estimated work
+the schedule places between its start and its done.
+It is an estimate: elementwise work on the vector units, per-op launch overhead and MXU
+pipeline stalls are not priced (Google publishes no throughput for them), so it errs on the
+fast side.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
 from titan_jax.parallel.topology import Chip
-from titan_jax.tools import hlo_stats
+from titan_jax.tools import hlo_stats, kernel_flops
 from titan_jax.tools.hlo_stats import HloModule, Instruction
-from titan_jax.tools.kernel_flops import kernel_flops
+from titan_jax.tools.mxu_work import computation_work, instruction_work
 
 _ARRAY_LAYOUT = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
@@ -49,55 +54,6 @@ def hbm_bytes(hlo_type: str) -> int:
     return total
 
 
-def _dot_flops(inst: Instruction, defs: dict[str, Instruction]) -> float:
-    lhs = defs.get(inst.operands[0]) if inst.operands else None
-    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", inst.rest)
-    if lhs is None or contracting is None:
-        return 0.0
-    shape = hlo_stats.arrays(lhs.type)[0][1]
-    k = math.prod(shape[int(d)] for d in contracting[1].split(",") if d)
-    return 2.0 * math.prod(hlo_stats.arrays(inst.type)[0][1]) * k
-
-
-def _conv_flops(inst: Instruction, defs: dict[str, Instruction]) -> float:
-    """2 x output elements x (kernel input features x the window taps that meet the input,
-    not padding): XLA:TPU writes some matmuls as padded convolutions."""
-    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", inst.rest)
-    operands = [defs.get(o) for o in inst.operands[:2]]
-    if labels is None or None in operands:
-        return 0.0
-    lhs_shape = hlo_stats.arrays(operands[0].type)[0][1]
-    rhs_shape = hlo_stats.arrays(operands[1].type)[0][1]
-    taps = 1
-    for i, label in enumerate(labels[2]):
-        if label.isdigit():
-            spatial = lhs_shape[labels[1].index(label)]
-            taps *= min(rhs_shape[i], spatial)
-    features = rhs_shape[labels[2].index("i")]
-    return 2.0 * math.prod(hlo_stats.arrays(inst.type)[0][1]) * features * taps
-
-
-def computation_flops(module: HloModule, name: str, memo: dict[str, float]) -> float:
-    """MXU FLOPs of one run of a fused (or called) computation, nested fusions included."""
-    if name in memo:
-        return memo[name]
-    memo[name] = 0.0
-    defs = module.defining(name)
-    total = 0.0
-    for inst in module.computations.get(name, []):
-        if inst.op == "dot":
-            total += _dot_flops(inst, defs)
-        elif inst.op == "convolution":
-            total += _conv_flops(inst, defs)
-        elif inst.op == "custom-call":
-            total += kernel_flops(inst)
-        if inst.op in ("fusion", "call"):
-            total += sum(computation_flops(module, c, memo) for kind, c in
-                         hlo_stats.called(inst) if kind == "calls")
-    memo[name] = total
-    return total
-
-
 def _fused_operand_bytes(module: HloModule, fused: str, index: int, full: int) -> int:
     """What a fusion reads of its operand `index`: the slices when the fused computation reads
     it only through dynamic-slices (a scan reading one layer of a stacked weight)."""
@@ -115,9 +71,10 @@ def _fused_operand_bytes(module: HloModule, fused: str, index: int, full: int) -
     return full
 
 
-def traffic(module: HloModule, inst: Instruction, defs: dict[str, Instruction]) -> int:
+def traffic(module: HloModule, inst: Instruction, defs: dict[str, Instruction]) -> float:
     """HBM bytes an instruction reads and writes. A dynamic-update-slice (bare, or a fusion's
-    root) updates its buffer in place: it reads and writes the update only."""
+    root) updates its buffer in place: it reads and writes the update only. A splash kernel
+    reads its HBM operands as often as its grid visits them (`splash_read_factors`)."""
     if inst.op == "dynamic-update-slice" and len(inst.operands) > 1:
         update = defs.get(inst.operands[1])
         if update is None:
@@ -125,7 +82,8 @@ def traffic(module: HloModule, inst: Instruction, defs: dict[str, Instruction]) 
         written = sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(update.type))
         return hbm_bytes(update.type) + (written if hbm_bytes(inst.type) else 0)
     fused = next((c for kind, c in hlo_stats.called(inst) if kind == "calls"), None)
-    read = 0
+    rereads = kernel_flops.splash_read_factors(inst) or []
+    read = 0.0
     for index, operand in enumerate(inst.operands):
         source = defs.get(operand)
         if source is None:
@@ -133,6 +91,7 @@ def traffic(module: HloModule, inst: Instruction, defs: dict[str, Instruction]) 
         full = hbm_bytes(source.type)
         read += full if fused is None or not full else _fused_operand_bytes(
             module, fused, index, full)
+        read += full * (rereads[index] - 1) if index < len(rereads) else 0
     written = hbm_bytes(inst.type)
     root = module.computations.get(fused, [])[-1:] if fused else []
     if root and root[0].op == "dynamic-update-slice":
@@ -193,22 +152,33 @@ class _Walk:
     """One pass over the scheduled control flow: per-instruction seconds, and each collective
     with the compute the schedule places under it."""
 
-    def __init__(self, module: HloModule, chip: Chip, devices: int):
-        self.module, self.chip, self.devices = module, chip, devices
-        self.memo: dict[str, float] = {}
+    def __init__(self, module: HloModule, chip: Chip, devices: int,
+                 ring_dims: dict[str, int]):
+        self.module, self.chip, self.devices, self.ring_dims = module, chip, devices, ring_dims
+        self.ring_dims_by_group = {
+            hlo_stats.group_size(inst, devices): ring_dims[inst.name]
+            for insts in module.computations.values() for inst in insts
+            if inst.name in ring_dims and "replica_groups=" in inst.rest}
+        self.memo: dict[str, tuple[float, float]] = {}
         self.flops = self.hbm = self.compute_s = self.exposed_s = self.dma_s = 0.0
         self.collectives: list[dict[str, Any]] = []
 
-    def collective(self, inst: Instruction, op: str, defs: dict[str, Instruction]
-                   ) -> dict[str, Any]:
+    def collective(self, inst: Instruction, op: str, defs: dict[str, Instruction],
+                   owner: str = "") -> dict[str, Any]:
+        """A collective's bytes and seconds on the network: over ICI, a ring over the torus
+        dimensions its algorithm spans (`ring_dims` of it or of the fusion `owner` that
+        runs it; else those the compiler chose for another collective over groups of the
+        same size, as for the async gather fusions, which name no algorithm; else one)."""
         dcn = op == "send"
         group = hlo_stats.group_size(inst, self.devices)
         size = collective_bytes(inst, op, defs) if not dcn else hlo_stats.nbytes(
             *hlo_stats.arrays(inst.type)[0])
         moved = moved_bytes(op, size, group) if not dcn else float(size)
-        bandwidth = self.chip.dcn_bytes_per_s if dcn else self.chip.ici_bytes_per_s
-        return {"op": op, "name": inst.name, "bytes": size, "group": group,
-                "seconds": moved / bandwidth, "covered_s": 0.0}
+        dims = (self.ring_dims.get(owner) or self.ring_dims.get(inst.name)
+                or self.ring_dims_by_group.get(group, 1))
+        bandwidth = self.chip.dcn_bytes_per_s if dcn else self.chip.ring_bytes_per_s(dims)
+        return {"op": op, "name": owner or inst.name, "bytes": size, "group": group,
+                "ring_dims": dims, "seconds": moved / bandwidth, "covered_s": 0.0}
 
     def visit(self, name: str, times: float) -> float:
         """Seconds of one run of control computation `name` (loops inside included)."""
@@ -271,15 +241,14 @@ class _Walk:
             for inner in self.module.computations.get(callee, []) if kind == "calls" else []:
                 if inner.op.removesuffix("-start") not in _COLLECTIVE:
                     continue
+                defs = self.module.defining(callee)
                 if callee.startswith("all-reduce-scatter"):
-                    shard = {"op": "reduce-scatter", "name": inst.name}
-                    found = self.collective(inner, "all-reduce", self.module.defining(callee))
+                    found = self.collective(inner, "all-reduce", defs, inst.name)
                     size = sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(inst.type))
-                    group = found["group"]
-                    return {**found, **shard, "bytes": size, "seconds": moved_bytes(
-                        "reduce-scatter", size, group) / self.chip.ici_bytes_per_s}
-                return self.collective(inner, inner.op.removesuffix("-start"),
-                                       self.module.defining(callee))
+                    return {**found, "op": "reduce-scatter", "bytes": size,
+                            "seconds": moved_bytes("reduce-scatter", size, found["group"])
+                            / self.chip.ring_bytes_per_s(found["ring_dims"])}
+                return self.collective(inner, inner.op.removesuffix("-start"), defs, inst.name)
         return None
 
     def expose(self, found: dict[str, Any], times: float, computation: str) -> float:
@@ -305,27 +274,44 @@ class _Walk:
         op = inst.op.removesuffix("-start").removesuffix("-done")
         if inst.op in _FREE or op in _COLLECTIVE or op in ("send", "recv"):
             return 0.0
-        flops = (computation_flops(self.module, c, self.memo) for k, c in
-                 hlo_stats.called(inst) if k == "calls")
-        flops = sum(flops) + (kernel_flops(inst) if inst.op == "custom-call" else 0)
-        if inst.op in ("dot", "convolution"):
-            flops = _dot_flops(inst, defs) if inst.op == "dot" else _conv_flops(inst, defs)
+        work = [instruction_work(inst, defs, self.chip.mxu_dim)] + [
+            computation_work(self.module, c, self.memo, self.chip.mxu_dim)
+            for k, c in hlo_stats.called(inst) if k == "calls"]
+        flops, array_flops = sum(w[0] for w in work), sum(w[1] for w in work)
         hbm = traffic(self.module, inst, defs)
         self.flops += times * flops
         self.hbm += times * hbm
-        spent = max(flops / self.chip.peak_bf16_flops, hbm / self.chip.hbm_bytes_per_s)
+        spent = max(array_flops / self.chip.peak_bf16_flops, hbm / self.chip.hbm_bytes_per_s)
         self.compute_s += times * spent
         return spent
 
 
-def estimate(hlo_text: str, chip: Chip, devices: int) -> dict[str, Any]:
+def estimate(hlo_text: str, chip: Chip, devices: int,
+             ring_dims: dict[str, int] | None = None) -> dict[str, Any]:
     """The compiled step's estimated time per chip: `step_s` = `compute_s` (each instruction
     at max(FLOPs at peak, HBM bytes at bandwidth)) + `exposed_collective_s`; `collectives`
-    lists each with its `seconds` on the network and the `overlap` share its schedule covers."""
+    lists each with its `seconds` on the network and the `overlap` share its schedule covers.
+    `ring_dims`: the torus dimensions each collective's algorithm spans, by instruction name
+    (`ring_dims`, from the compiler's codegen dump)."""
     module = hlo_stats.parse(hlo_text)
-    walk = _Walk(module, chip, devices)
+    walk = _Walk(module, chip, devices, ring_dims or {})
     step_s = walk.visit(module.entry, 1)
     return {"step_s": step_s, "compute_s": walk.compute_s,
             "exposed_collective_s": walk.exposed_s, "dma_wait_s": walk.dma_s,
             "flops_per_chip": walk.flops,
             "hbm_bytes_per_chip": walk.hbm, "collectives": walk.collectives}
+
+
+_STRATEGY = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?"strategy":"Strategy\w*","debug":"'
+                       r'\\nStrategy\w*\{[^}]*?cores:\{([0-9 ]+)\}', re.M)
+_GATHER_EMITTER = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?"emitter":"(\d)DAllGather', re.M)
+
+
+def ring_dims(codegen_text: str) -> dict[str, int]:
+    """The torus dimensions each collective's algorithm spans, from XLA:TPU's codegen dump
+    (its backend config names the strategy: `StrategyRing{... cores:{8}}` is one ring of 8,
+    `StrategyND{... cores:{2 2}}` runs over two dimensions; all-gathers name an emitter,
+    `1DAllGatherOnMajorDim`, `2DAllGather...`)."""
+    found = {name: int(dims) for name, dims in _GATHER_EMITTER.findall(codegen_text)}
+    return found | {name: max(1, sum(int(c) > 1 for c in cores.split()))
+                    for name, cores in _STRATEGY.findall(codegen_text)}

@@ -33,6 +33,7 @@ _CALLED_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^
 MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _PASS_THROUGH = ("custom-call", "copy", "convert", "bitcast", "reshape")
 _MANUAL_BODY = "manual_computation_body"  # a shard_map body, as JAX names it
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")  # the printer marks every fifth operand
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _HLO_ITEMSIZE = {"pred": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s8": 1, "s16": 2,
                  "s32": 4, "s64": 8, "u8": 1, "u16": 2, "u32": 4, "u64": 8,
@@ -53,7 +54,7 @@ class Instruction:
         for end, ch in enumerate(self.rest):
             depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
             if depth <= 0 and ch in ",)":  # a top-level comma, or the call's closing paren
-                if operand := self.rest[start:end].strip():
+                if operand := _INDEX_COMMENT.sub("", self.rest[start:end]).strip():
                     names.append(operand.split()[-1].lstrip("%"))  # "f32[2]{0} %a" -> "a"
                 start = end + 1
                 if depth < 0:
@@ -119,8 +120,7 @@ def trip_count(module: HloModule, loop: Instruction) -> int | None:
         if inst.op == "compare" and "direction=LT" in inst.rest:
             for operand in inst.operands:
                 source = defs.get(operand)
-                # Look through sharding annotations and copies (shard_map bodies wrap N in a
-                # `Sharding` custom call).
+                # Look through copies and sharding annotations (shard_map wraps N in one).
                 while source is not None and source.op in _PASS_THROUGH and source.operands:
                     source = defs.get(source.operands[0])
                 if source is not None and source.op == "constant":

@@ -10,7 +10,10 @@ XLA's FLOP counts skip custom calls. Two kernel families run titan-jax's heavy m
   query shard (T / 2cp rows) of the whole (T x T) mask, which one it is traced: it is counted
   at the mask's mean share per shard, exact for a rank's load-balanced pair (chunks i and
   2cp-1-i together hold 2 / 2cp of the mask's blocks). With one example per device the
-  operands lose their batch dim (heads, seq, head_dim).
+  operands lose their batch dim (heads, seq, head_dim). Their HBM reads follow the kernels'
+  grids (`splash_read_factors`: one side of the attention is re-read per block pair), and
+  their matmuls over the head dim fill only head_dim of the MXU's depth
+  (`splash_array_flops`).
 - XLA:TPU's grouped matmul (`ragged-dot-*`, what `jax.lax.ragged_dot` compiles to): lhs
   (rows, k) x rhs (groups, k, n), 2 x rows x k x n at its buffer's rows (the shape bound).
 - the Pallas megablox grouped matmuls (models/qwen3/megablox.py), named `gmm`/`tgmm` in the
@@ -22,6 +25,7 @@ XLA's FLOP counts skip custom calls. Two kernel families run titan-jax's heavy m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -49,24 +53,99 @@ def causal_blocks(seq_q: int, seq_kv: int, block_q: int, block_kv: int) -> int:
                for i in range(math.ceil(seq_q / block_q)))
 
 
-def splash_flops(inst: Instruction, kind: str) -> float:
+@dataclasses.dataclass(frozen=True)
+class _Splash:
+    """One splash call's shapes: batch, query heads, kv heads, query rows, key rows, head
+    dim, its kernel's block sizes, the (query block, key block) pairs it computes, matmuls
+    per pair and how many of them contract over the head dim (q k^T, dO v^T)."""
+
+    kind: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    seq_kv: int
+    head_dim: int
+    block_q: int
+    block_kv: int
+    pairs: float
+    matmuls: int
+    head_dim_matmuls: int
+
+
+def _splash(inst: Instruction) -> _Splash | None:
+    kind = next((k for k in _SPLASH_MATMULS if inst.name.startswith(k)), None)
     shapes = [s if len(s) == 4 else (1, *s) for dtype, s in operand_shapes(inst)
               if dtype in _FLOAT and len(s) in (3, 4)]  # q, k first (the block tables are s8)
-    if len(shapes) < 2:
-        return 0.0
-    (batch, heads, seq_q, head_dim), (_, _, seq_kv, _) = shapes[0], shapes[1]
+    if kind is None or inst.op != "custom-call" or len(shapes) < 2:
+        return None
+    (batch, heads, seq_q, head_dim), (_, kv_heads, seq_kv, _) = shapes[0], shapes[1]
     meta = _METADATA.search(inst.rest)
     blocks = json.loads(meta[1].replace('\\"', '"')) if meta else {}
     suffix = {"splash_mha_fwd": "", "splash_mha_dkv": "_dkv", "splash_mha_dq": "_dq"}[kind]
     block_q = blocks.get(f"block_q{suffix}", seq_q)
     block_kv = blocks.get(f"block_kv{suffix}", seq_kv)
-    matmuls = _SPLASH_MATMULS[kind] + (kind == "splash_mha_dkv"
-                                       and bool(blocks.get("use_fused_bwd_kernel")))
+    fused_dq = kind == "splash_mha_dkv" and bool(blocks.get("use_fused_bwd_kernel"))
     if seq_kv > seq_q and seq_kv % seq_q == 0:  # one query shard of the whole causal mask
         pairs = causal_blocks(seq_kv, seq_kv, block_q, block_kv) / (seq_kv // seq_q)
     else:
         pairs = causal_blocks(seq_q, seq_kv, block_q, block_kv)
-    return 2.0 * matmuls * batch * heads * head_dim * block_q * block_kv * pairs
+    return _Splash(kind, batch, heads, kv_heads, seq_q, seq_kv, head_dim, block_q, block_kv,
+                   pairs, _SPLASH_MATMULS[kind] + fused_dq, 1 if kind == "splash_mha_fwd" else 2)
+
+
+def splash_flops(inst: Instruction) -> float:
+    s = _splash(inst)
+    if s is None:
+        return 0.0
+    return 2.0 * s.matmuls * s.batch * s.heads * s.head_dim * s.block_q * s.block_kv * s.pairs
+
+
+def splash_read_factors(inst: Instruction) -> list[float] | None:
+    """How many times a splash call reads each of its operands from HBM (None: not splash).
+    The kernels stream one operand side per (query block, key block) pair and read the other
+    once per block row: the forward and dQ kernels (grid heads x query blocks x key blocks)
+    re-read k and v for every pair and every query head of a kv group, the dK/dV kernel (grid
+    heads x key blocks x query blocks) reads k, v once per query head and re-reads q, dO and
+    the softmax statistics for every pair. Operands: the block tables, q, k, v, then the
+    query side (statistics, dO)."""
+    s = _splash(inst)
+    if s is None:
+        return None
+    group = s.heads / s.kv_heads
+    kv_streamed = group * s.pairs / math.ceil(s.seq_kv / s.block_kv)
+    q_streamed = s.pairs / math.ceil(s.seq_q / s.block_q)
+    dkv = s.kind == "splash_mha_dkv"
+    factors, position = [], 0
+    for dtype, shape in operand_shapes(inst):
+        if dtype not in _FLOAT or len(shape) not in (3, 4):
+            factors.append(1.0)
+            continue
+        kv_side = position in (1, 2)
+        factors.append((group if dkv else kv_streamed) if kv_side else
+                       (q_streamed if dkv else 1.0))
+        position += 1
+    return factors
+
+
+def array_efficiency(size: int, mxu_dim: int) -> float:
+    """The share of an MXU dimension a matmul dimension of `size` fills (padded up to whole
+    multiples of the systolic array's side); 1 when the array size is not known."""
+    if mxu_dim <= 0 or size <= 0:
+        return 1.0
+    return size / (math.ceil(size / mxu_dim) * mxu_dim)
+
+
+def splash_array_flops(inst: Instruction, mxu_dim: int) -> float:
+    """A splash call's FLOPs as the MXU spends them: its matmuls that contract over the head
+    dim (q k^T, dO v^T) fill head_dim / mxu_dim of the array's depth (half of v6e's 256 at
+    head_dim 128); the others contract over a block (full)."""
+    s = _splash(inst)
+    if s is None:
+        return 0.0
+    per_matmul = splash_flops(inst) / s.matmuls
+    contracting = array_efficiency(s.head_dim, mxu_dim)
+    return per_matmul * (s.head_dim_matmuls / contracting + s.matmuls - s.head_dim_matmuls)
 
 
 def grouped_matmul_flops(inst: Instruction) -> float:
@@ -103,9 +182,8 @@ def kernel_flops(inst: Instruction) -> float:
     """FLOPs of one run of a compiled custom call this module knows; 0 for any other."""
     if inst.op != "custom-call":
         return 0.0
-    for kind in _SPLASH_MATMULS:
-        if inst.name.startswith(kind):
-            return splash_flops(inst, kind)
+    if any(inst.name.startswith(kind) for kind in _SPLASH_MATMULS):
+        return splash_flops(inst)
     if inst.name.startswith("ragged-dot") and "metadata" not in inst.name:
         return grouped_matmul_flops(inst)
     megablox = megablox_flops(inst)

@@ -1,0 +1,100 @@
+"""The MXU work of compiled HLO instructions: FLOPs, and the FLOPs as the systolic array
+spends them (a matmul dimension short of a whole multiple of the array's side fills only part
+of it). Dots, XLA:TPU's matmul-shaped convolutions and the kernels `kernel_flops` knows."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from titan_jax.tools import hlo_stats, kernel_flops
+from titan_jax.tools.hlo_stats import HloModule, Instruction
+
+
+def _dims(text: str, key: str) -> list[int]:
+    found = re.search(key + r"=\{([0-9,]*)\}", text)
+    return [int(d) for d in found[1].split(",") if d] if found else []
+
+
+def _matmul_work(flops: float, m: int, n: int, k: int, mxu_dim: int) -> tuple[float, float]:
+    """(FLOPs, FLOPs as the MXU spends them): a weight-stationary systolic array holds a
+    (contraction x one free dim) tile, so a contraction of k fills k of its depth and the
+    better-filling free dim (the compiler picks which operand stays) the other side."""
+    fill = kernel_flops.array_efficiency(k, mxu_dim) * max(
+        kernel_flops.array_efficiency(m, mxu_dim), kernel_flops.array_efficiency(n, mxu_dim))
+    return flops, flops / fill
+
+
+def _dot_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int
+              ) -> tuple[float, float]:
+    operands = [defs.get(o) for o in inst.operands[:2]]
+    contracting = _dims(inst.rest, "lhs_contracting_dims")
+    if len(operands) < 2 or None in operands or not contracting:
+        return 0.0, 0.0
+    lhs = hlo_stats.arrays(operands[0].type)[0][1]
+    rhs = hlo_stats.arrays(operands[1].type)[0][1]
+    k = math.prod(lhs[d] for d in contracting)
+    m = math.prod(lhs[d] for d in range(len(lhs))
+                  if d not in contracting + _dims(inst.rest, "lhs_batch_dims"))
+    n = math.prod(rhs[d] for d in range(len(rhs)) if d not in _dims(
+        inst.rest, "rhs_contracting_dims") + _dims(inst.rest, "rhs_batch_dims"))
+    flops = 2.0 * math.prod(hlo_stats.arrays(inst.type)[0][1]) * k
+    return _matmul_work(flops, m, n, k, mxu_dim)
+
+
+def _conv_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int
+               ) -> tuple[float, float]:
+    """2 x output elements x (kernel input features x the window taps that meet the input,
+    not padding): XLA:TPU writes some matmuls as padded convolutions."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", inst.rest)
+    operands = [defs.get(o) for o in inst.operands[:2]]
+    if labels is None or None in operands:
+        return 0.0, 0.0
+    lhs_shape = hlo_stats.arrays(operands[0].type)[0][1]
+    rhs_shape = hlo_stats.arrays(operands[1].type)[0][1]
+    taps = 1
+    for i, label in enumerate(labels[2]):
+        if label.isdigit():
+            spatial = lhs_shape[labels[1].index(label)]
+            taps *= min(rhs_shape[i], spatial)
+    features = rhs_shape[labels[2].index("i")]
+    out = math.prod(hlo_stats.arrays(inst.type)[0][1])
+    n = rhs_shape[labels[2].index("o")]
+    return _matmul_work(2.0 * out * features * taps, out // max(n, 1), n, features * taps,
+                        mxu_dim)
+
+
+def _kernel_work(inst: Instruction, mxu_dim: int) -> tuple[float, float]:
+    flops = kernel_flops.kernel_flops(inst)
+    return flops, kernel_flops.splash_array_flops(inst, mxu_dim) or flops
+
+
+def instruction_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int
+                      ) -> tuple[float, float]:
+    if inst.op == "dot":
+        return _dot_work(inst, defs, mxu_dim)
+    if inst.op == "convolution":
+        return _conv_work(inst, defs, mxu_dim)
+    if inst.op == "custom-call":
+        return _kernel_work(inst, mxu_dim)
+    return 0.0, 0.0
+
+
+def computation_work(module: HloModule, name: str, memo: dict[str, tuple[float, float]],
+                     mxu_dim: int = 0) -> tuple[float, float]:
+    """(MXU FLOPs, the FLOPs as the array spends them, padding included) of one run of a
+    fused (or called) computation, nested fusions included."""
+    if name in memo:
+        return memo[name]
+    memo[name] = (0.0, 0.0)
+    defs = module.defining(name)
+    flops = spent = 0.0
+    for inst in module.computations.get(name, []):
+        work = [instruction_work(inst, defs, mxu_dim)]
+        if inst.op in ("fusion", "call"):
+            work += [computation_work(module, c, memo, mxu_dim)
+                     for kind, c in hlo_stats.called(inst) if kind == "calls"]
+        flops += sum(w[0] for w in work)
+        spent += sum(w[1] for w in work)
+    memo[name] = (flops, spent)
+    return memo[name]
