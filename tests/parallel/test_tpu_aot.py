@@ -320,6 +320,9 @@ def test_the_full_vocabulary_check_can_fail():
 DEBUG_LAYERS = dataclasses.replace(TINY, dim=256, hidden_dim=3072, max_seq_len=256)
 
 
+MIN_GAIN_PCT = 5  # percentage points; measured 24% -> 32% (2026-12-02, libtpu 0.0.42.1)
+
+
 def overlap_report(lookahead: str) -> dict[str, Any]:
     from titan_jax.tools.aot_compile import compile_report
 
@@ -333,10 +336,16 @@ def overlap_report(lookahead: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_lookahead_gather_raises_the_compiled_gather_overlap():
-    """The compile report's in-loop all-gather overlap with the look-ahead, against the plain
-    scan's measured 37% (2026-12-02, libtpu 0.0.42.1; `overlap_report("false")`, one compile
-    more than the suite pays for): 49%, the forward's gathers getting the previous layer's
-    compute, the backward's unchanged (docs/TPU.md)."""
-    report = overlap_report("true")
-    assert report["in_loop_all_gathers"] == 14  # 7 weights x (forward, backward)
-    assert report["in_loop_all_gather_overlap_pct"] >= 45, report
+    """The compile report's in-loop all-gather overlap with and without the look-ahead: the
+    forward's gathers get the previous layer's compute, the backward's are unchanged
+    (docs/TPU.md), for one more layer of gathered weights at most. Both compiled here: the
+    figure moves with the estimate's costing of the compute under each gather."""
+    plain, ahead = overlap_report("false"), overlap_report("true")
+    assert ahead["in_loop_all_gathers"] == plain["in_loop_all_gathers"] == 14  # 7 x (fwd, bwd)
+    assert ahead["in_loop_all_gather_s"] == pytest.approx(plain["in_loop_all_gather_s"])
+    assert (ahead["in_loop_all_gather_overlap_pct"]
+            >= plain["in_loop_all_gather_overlap_pct"] + MIN_GAIN_PCT), (plain, ahead)
+    a = DEBUG_LAYERS
+    layer_bf16 = 2 * a.dim * (2 * (a.n_heads + a.n_kv_heads) * a.head_dim + 3 * a.hidden_dim)
+    temps = [r["memory"]["temp_size_in_bytes"] for r in (plain, ahead)]
+    assert temps[1] <= temps[0] + layer_bf16, temps
