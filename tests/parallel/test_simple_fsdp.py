@@ -36,17 +36,23 @@ def reference_losses(run_tiny) -> np.ndarray:
     return losses
 
 
-@pytest.mark.parametrize("implementation, preset", [
+# The look-ahead gather (full remat) trains to the same losses too (its gradients against the
+# plain scan's: test_lookahead.py).
+LOOKAHEAD = ("--activation_checkpoint.mode", "full", "--parallelism.fsdp_lookahead_gather", "true")
+
+
+@pytest.mark.parametrize("implementation, preset, extra", [
     # fsdp2_tp4 is left out: the same fsdp x tp path as fsdp4_tp2 (one compile less).
-    *(("jit", name) for name in PRESETS if name != "fsdp2_tp4"),
-    ("shard_map", "fsdp8"),
-    ("shard_map", "hsdp2x4"),
+    *(("jit", name, ()) for name in PRESETS if name != "fsdp2_tp4"),
+    ("shard_map", "fsdp8", ()),
+    ("shard_map", "hsdp2x4", LOOKAHEAD),
     # The twin is manual over the data axes only, so tp composes with it too.
-    pytest.param("shard_map", "fsdp4_tp2", marks=pytest.mark.slow),
-])
-def test_sharded_losses_equal_single_device(run_tiny, reference_losses, implementation, preset):
+    pytest.param("shard_map", "fsdp4_tp2", (), marks=pytest.mark.slow),
+], ids=lambda x: "lookahead" if x == LOOKAHEAD else (x or None))
+def test_sharded_losses_equal_single_device(run_tiny, reference_losses, implementation, preset,
+                                            extra):
     losses = run_tiny(*preset_overrides(preset),
-                      "--parallelism.fsdp_implementation", implementation)
+                      "--parallelism.fsdp_implementation", implementation, *extra)
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5, atol=0)
 
 

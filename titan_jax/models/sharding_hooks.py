@@ -21,7 +21,9 @@ backward rules too (they run after the forward has returned). So the
 model never knows the mesh.
 
 Gathered weights carry the checkpoint name `GATHERED_PARAM`; that name alone is how remat
-policies find them (`titan_jax/models/remat.py`).
+policies find them (`titan_jax/models/remat.py`). A layer scan may gather a layer's weights ahead
+of its use (`gather_layer`, the look-ahead gather of `titan_jax/models/lookahead.py`); the layer
+then runs under `pregathered()`, where `use_param` hands them back as they are.
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ class Parallelism:
 NO_PARALLELISM = Parallelism()  # one device, or a trace without a mesh
 _ACTIVE: contextvars.ContextVar[Parallelism] = contextvars.ContextVar(
     "parallelism", default=NO_PARALLELISM)
+_PREGATHERED: contextvars.ContextVar[bool] = contextvars.ContextVar("pregathered", default=False)
 
 
 def use_param(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
@@ -198,7 +201,32 @@ def use_param(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
     if len(axes) != value.ndim:
         raise ValueError(f"a weight of shape {value.shape} is used with logical axes {axes}; "
                          "a stacked weight is used one layer at a time, inside the layer scan")
+    if _PREGATHERED.get():
+        if value.dtype != jnp.dtype(dtype):  # `gather_layer` read it at another dtype
+            raise ValueError(f"a weight gathered ahead in {value.dtype} is used in "
+                             f"{jnp.dtype(dtype)}; gather it in the dtype its layer uses")
+        return checkpoint_name(value, GATHERED_PARAM)
     return checkpoint_name(_ACTIVE.get().use_param(value, axes, dtype), GATHERED_PARAM)
+
+
+def gather_layer(layer: nnx.State, dtype: jnp.dtype) -> nnx.State:
+    """Every weight of one layer (a slice of the stacked layers' state) as `use_param` would
+    hand it to the forward in `dtype`: cast, and gathered when a mesh is active."""
+    hooks = _ACTIVE.get()
+    return jax.tree.map(
+        lambda v: v.replace(hooks.use_param(v[...], tuple(v.logical_axes), dtype)), layer,
+        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@contextlib.contextmanager
+def pregathered() -> Iterator[None]:
+    """For the duration (of a layer's trace) `use_param` returns each weight as it is: the
+    layer's state holds weights `gather_layer` already gathered."""
+    token = _PREGATHERED.set(True)
+    try:
+        yield
+    finally:
+        _PREGATHERED.reset(token)
 
 
 def sequence_split() -> SequenceSplit:

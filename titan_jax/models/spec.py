@@ -73,6 +73,8 @@ class BuildOptions:
     activation_stats: report per-layer activation RMS through the aux channel.
     platform: "cpu", "tpu" or "gpu", the target devices' (not the host's) platform.
     attention: `model.attention` ("auto" picks by platform; see models/attention.py).
+    lookahead_gather: gather each layer's weights one layer ahead in the layer scan
+      (`models/lookahead.py`); full remat with re-gathering only.
     """
 
     remat_mode: str = "none"
@@ -80,6 +82,7 @@ class BuildOptions:
     activation_stats: bool = False
     platform: str = "cpu"  # of the devices the model will run on, for kernel choices
     attention: str = "auto"
+    lookahead_gather: bool = False
 
 
 class HFAdapter(Protocol):

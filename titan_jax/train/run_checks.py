@@ -47,6 +47,30 @@ def check_moe_knobs(config: JobConfig, args: Any) -> None:
                           f"{config.model.flavor} is dense (leave [moe] out)")
 
 
+def check_lookahead_gather(config: JobConfig, args: Any, implementation: str, attention: str
+                           ) -> None:
+    """The look-ahead gather's scan recomputes each layer in backward from its input and its
+    re-gathered weights (models/lookahead.py): full remat, re-sharded after forward, and every
+    weight gathered in the compute dtype (the MoE router's is read in fp32). On the jit path
+    the splash kernel's per-shard shard_map does not trace in that backward (JAX: "vmap
+    spmd_axis_name cannot appear in shard_map out_specs")."""
+    p = config.parallelism
+    if not p.fsdp_lookahead_gather:
+        return
+    mode = config.activation_checkpoint.mode
+    if mode != "full" or p.fsdp_reshard_after_forward == "never":
+        raise ConfigError(
+            "parallelism.fsdp_lookahead_gather=true needs activation_checkpoint.mode=full and "
+            f"parallelism.fsdp_reshard_after_forward default or always (got mode={mode}, "
+            f"fsdp_reshard_after_forward={p.fsdp_reshard_after_forward})")
+    if getattr(args, "is_moe", False):
+        raise ConfigError("parallelism.fsdp_lookahead_gather=true applies to dense flavours; "
+                          f"model.flavor={config.model.flavor} is MoE (set it false)")
+    if implementation == "jit" and attention == "splash":
+        raise ConfigError("parallelism.fsdp_lookahead_gather=true with splash attention needs "
+                          "parallelism.fsdp_implementation=shard_map (or model.attention=xla)")
+
+
 def check_model_fits(config: JobConfig, args: Any) -> None:
     """The `[moe]` keys apply, and every sequence length fits the model's positions."""
     check_moe_knobs(config, args)

@@ -174,7 +174,7 @@ def _build_options(config: JobConfig, platform: str, attention: str) -> BuildOpt
         # weight, stacked over layers).
         save_gathered_params=not reshard,
         activation_stats=config.metrics.log_activation_stats, platform=platform,
-        attention=attention)
+        attention=attention, lookahead_gather=config.parallelism.fsdp_lookahead_gather)
 
 
 def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
@@ -196,6 +196,7 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     run_checks.check_reduce_dtype(config, devices, implementation)
     param_dtype = resolve_param_dtype(t.mixed_precision_param, devices)
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
+    run_checks.check_lookahead_gather(config, args, implementation, attention)
     model = spec.build(args, _build_options(config, platform, attention))
     rules = ShardingRules(mesh, table_for_vocab(mesh, args.vocab_size, implementation))
     param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)

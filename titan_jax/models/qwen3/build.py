@@ -56,9 +56,9 @@ class Qwen3Def:
                 dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, jax.Array, Aux]:
         """(final hidden states (B, T, D), output projection (D, V), aux), for the loss."""
         model = nnx.merge(self.graphdef, params)
-        h_BTD, stats, aux_loss, _ = model.hidden_states(tokens_BT, dtype, self.remat,
-                                                     self.options.activation_stats,
-                                                     buffers.get(EXPERT_BIAS))
+        h_BTD, stats, aux_loss, _ = model.hidden_states(
+            tokens_BT, dtype, self.remat, self.options.activation_stats,
+            buffers.get(EXPERT_BIAS), lookahead=self.options.lookahead_gather)
         return h_BTD, model.output_weight(dtype), {"loss": aux_loss, "stats": stats}
 
     def apply(self, params: Params, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32

@@ -25,8 +25,10 @@ token rows per chunk (the chunked loss).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +37,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.attention import KV_AXES, Q_AXES, attention
 from titan_jax.models.embedding import vocab_lookup
+from titan_jax.models.lookahead import scan_with_lookahead
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 from titan_jax.models.qwen3.moe import MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
 from titan_jax.models.sharding_hooks import (
     GATHERED_PARAM,
     constrain,
+    gather_layer,
+    pregathered,
     sequence_split,
     use_param,
 )
@@ -278,7 +283,8 @@ class Qwen3(nnx.Module):
 
     def hidden_states(self, tokens_BT: Array, dtype: jnp.dtype, remat: Callable | None = None,
                       activation_stats: bool = False, expert_bias_LE: Array | None = None,
-                      kv_cache: KVPair | None = None, start: Array | int = 0
+                      kv_cache: KVPair | None = None, start: Array | int = 0,
+                      lookahead: bool = False
                       ) -> tuple[Array, dict[str, Array], Array, KVPair | None]:
         """(final-normed hidden states (B, T, D) in `dtype`, aux stats, aux loss, the updated
         `kv_cache`).
@@ -294,6 +300,7 @@ class Qwen3(nnx.Module):
         coefficient, summed over this batch's tokens (the step divides by the token count).
         kv_cache: every layer's keys and values, (L, B, S, K, H) each, for decoding tokens at
         positions start.. (`decode.py`): written there, attended up to each token's own.
+        lookahead: each layer's weights gathered a layer ahead, full remat (`lookahead.py`).
         """
         if self.args.is_moe and expert_bias_LE is None:
             expert_bias_LE = jnp.zeros((self.args.n_layers, self.args.num_experts), jnp.float32)
@@ -305,14 +312,15 @@ class Qwen3(nnx.Module):
         table_VD = use_param(self.tok_embeddings, dtype)
         with jax.named_scope("embed"):
             x_BTD = constrain(vocab_lookup(table_VD, tokens_BT, dtype), ACT_AXES)
-        # (T, H) tables, or (B, T, H) for per-token positions.
-        cos_TH, sin_TH = rope_tables(positions, self.args.head_dim, self.args.rope_theta,
-                                     self.args.yarn)
+        # Every layer's (cos, sin, segment ids): (T, H) tables, or (B, T, H) per token.
+        tables = (*rope_tables(positions, self.args.head_dim, self.args.rope_theta,
+                               self.args.yarn), segment_ids_BT)
         layers_def, layers_state = nnx.split(self.layers)
 
-        def body(x_BTD: Array, layer: tuple[nnx.State, Array | None, KVPair | None]
-                 ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
-            layer_state, expert_bias_E, kv = layer
+        def run_layer(x_BTD: Array, layer_state: nnx.State, expert_bias_E: Array | None,
+                      kv: KVPair | None, tables: tuple[Array, Array, Array | None]
+                      ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
+            cos_TH, sin_TH, segment_ids_BT = tables
             y_BTD, stats, kv = nnx.merge(layers_def, layer_state)(
                 x_BTD, cos_TH, sin_TH, expert_bias_E, segment_ids_BT, kv, start)
             if activation_stats:
@@ -321,10 +329,10 @@ class Qwen3(nnx.Module):
                 stats["activation_count"] = jnp.float32(y_BTD.size)
             return y_BTD, (stats, kv)
 
-        if remat is not None:
-            body = jax.checkpoint(body, policy=remat, prevent_cse=False)
-        x_BTD, (stats, kv_cache) = jax.lax.scan(body, x_BTD,
-                                                (layers_state, expert_bias_LE, kv_cache))
+        scan = functools.partial(_lookahead_scan, dtype=dtype) if (
+            lookahead and kv_cache is None) else functools.partial(_layer_scan, remat=remat)
+        x_BTD, (stats, kv_cache) = scan(run_layer, x_BTD, (layers_state, expert_bias_LE,
+                                                           kv_cache), tables)
         aux_loss = jnp.zeros((), jnp.float32)
         if self.args.is_moe:
             prob_sum = stats.pop("router_prob_sum")
@@ -344,6 +352,36 @@ class Qwen3(nnx.Module):
         h_BTD, _, _, _ = self.hidden_states(tokens_BT, dtype)
         return jnp.einsum("btd,dv->btv", h_BTD, self.output_weight(dtype).astype(dtype),
                           preferred_element_type=jnp.float32)
+
+
+def _layer_scan(run_layer: Callable, x_BTD: Array, layers: tuple[nnx.State, Any, Any],
+                tables: tuple[Array, ...], remat: Callable | None
+                ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
+    """`lax.scan` of `run_layer` over the stacked layers (and their expert bias and KV cache),
+    each iteration's weights gathered in it, with the `remat` policy."""
+    def body(x_BTD: Array, layer: tuple[nnx.State, Array | None, KVPair | None]
+             ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
+        return run_layer(x_BTD, *layer, tables)
+
+    if remat is not None:
+        body = jax.checkpoint(body, policy=remat, prevent_cse=False)
+    return jax.lax.scan(body, x_BTD, layers)
+
+
+def _lookahead_scan(run_layer: Callable, x_BTD: Array, layers: tuple[nnx.State, Any, None],
+                    tables: tuple[Array, ...], dtype: jnp.dtype
+                    ) -> tuple[Array, tuple[dict[str, Array], None]]:
+    """The layer scan with each layer's weights gathered (in `dtype`) one layer ahead, full
+    remat (`models/lookahead.py`)."""
+    layers_state, expert_bias_LE, _ = layers
+
+    def block(x_BTD: Array, gathered: nnx.State, expert_bias_E: Array | None,
+              tables: tuple[Array, ...]) -> tuple[Array, tuple[dict[str, Array], None]]:
+        with pregathered():
+            return run_layer(x_BTD, gathered, expert_bias_E, None, tables)
+
+    return scan_with_lookahead(block, functools.partial(gather_layer, dtype=dtype), x_BTD,
+                               layers_state, expert_bias_LE, tables)
 
 
 def stacked_logical_axes(path: tuple[str, ...], axes: tuple[str | None, ...]
