@@ -159,8 +159,9 @@ def main() -> None:
     except ValueError:
         parser.error(f"--batch: {opts.batch!r} is not a comma-separated list of integers")
 
-    # `make bench` preloads mimalloc (titan_jax/tools/cpu_allocator.py); PyTorch runs in this
-    # process, so both columns get the same allocator. MaxText's subprocess inherits it.
+    # `make bench` preloads tcmalloc or mimalloc (titan_jax/tools/cpu_allocator.py); PyTorch
+    # runs in this process, so both columns get the same allocator. MaxText's subprocess
+    # inherits it.
     allocator = preloaded_allocator()
     notes = [f"Allocator: {Path(allocator).name if allocator else 'glibc malloc'} (all columns)."]
     maxtext = None if opts.no_maxtext else maxtext_python()

@@ -7,14 +7,13 @@ from collections.abc import Iterator
 
 import pytest
 
-_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+from titan_jax.parallel.mesh import xla_flags_with_cpu_devices
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     saved = os.environ.get("XLA_FLAGS")
-    flags = [f for f in (saved or "").split() if not f.startswith(_DEVICE_COUNT)]
-    os.environ["XLA_FLAGS"] = " ".join(flags)
+    os.environ["XLA_FLAGS"] = xla_flags_with_cpu_devices(saved or "", None)
     try:
         yield
     finally:

@@ -12,11 +12,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The two test workers (pytest-xdist) both load libtpu for ahead-of-time TPU compiles; without
 # this the second one fails on libtpu's multi-process lockfile. No TPU is ever opened here.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if not f.startswith("--xla_force_host_platform_device_count")]
-    + ["--xla_force_host_platform_device_count=8"]
-)
+from titan_jax.parallel.mesh import xla_flags_with_cpu_devices  # noqa: E402
+
+os.environ["XLA_FLAGS"] = xla_flags_with_cpu_devices(os.environ.get("XLA_FLAGS", ""), 8)
 
 _CACHE = tempfile.mkdtemp(prefix="titan_jax_test_cache_")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)

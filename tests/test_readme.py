@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from titan_jax.cli import _parse
+from titan_jax.parallel.mesh import xla_flags_with_cpu_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -98,12 +99,11 @@ def test_readme_is_short_and_links_every_doc():
 def test_profiling_example_runs_and_writes_a_trace(tmp_path):
     (command,) = [c for c in TITAN if "--profiling.enable_profiling true" in c]
     # On the host's one CPU device, as a user runs it (not the tests' 8 simulated ones).
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
     out = subprocess.run([sys.executable, "-m", "titan_jax.cli", *argv(command)[1:],
                           "--job.dump_folder", str(tmp_path)],  # the last value wins
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "XLA_FLAGS": " ".join(flags)})
+                         env={**os.environ, "XLA_FLAGS": xla_flags_with_cpu_devices(
+                             os.environ.get("XLA_FLAGS", ""), None)})
     assert out.returncode == 0, out.stderr
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
     assert "validation at step 4" in out.stdout  # the recipe validates at its last step

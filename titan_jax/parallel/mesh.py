@@ -18,14 +18,21 @@ from titan_jax.config import ConfigError, Parallelism
 MESH_AXES = ("dp_replicate", "fsdp", "cp", "ep", "tp")
 
 
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def xla_flags_with_cpu_devices(xla_flags: str, n: int | None) -> str:
+    """An XLA_FLAGS value with its simulated CPU device count set to `n` (None: removed, so
+    the host's one CPU device)."""
+    flags = [f for f in xla_flags.split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+    return " ".join(flags if n is None else [*flags, f"{_DEVICE_COUNT_FLAG}={n}"])
+
+
 def set_cpu_device_count(n: int) -> None:
     """Simulated CPU devices; must run before JAX initialises its backends (0 = leave alone)."""
     if n <= 0:
         return
-    flag = f"--xla_force_host_platform_device_count={n}"
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, flag])
+    os.environ["XLA_FLAGS"] = xla_flags_with_cpu_devices(os.environ.get("XLA_FLAGS", ""), n)
     jax.config.update("jax_num_cpu_devices", n)
 
 
