@@ -320,7 +320,10 @@ def test_the_full_vocabulary_check_can_fail():
 DEBUG_LAYERS = dataclasses.replace(TINY, dim=256, hidden_dim=3072, max_seq_len=256)
 
 
-MIN_GAIN_PCT = 5  # percentage points; measured 24% -> 32% (2026-12-02, libtpu 0.0.42.1)
+# The look-ahead covers the gathers with more compute: measured 1.35x (11.8% -> 16.0% of
+# their ICI time on the v5e-4's open rings, 2026-12-02, libtpu 0.0.42.1). A ratio, not
+# points: the shares scale with the ICI bandwidth the estimate assumes, the ratio does not.
+MIN_GAIN = 1.2
 
 
 def overlap_report(lookahead: str) -> dict[str, Any]:
@@ -343,8 +346,9 @@ def test_lookahead_gather_raises_the_compiled_gather_overlap():
     plain, ahead = overlap_report("false"), overlap_report("true")
     assert ahead["in_loop_all_gathers"] == plain["in_loop_all_gathers"] == 14  # 7 x (fwd, bwd)
     assert ahead["in_loop_all_gather_s"] == pytest.approx(plain["in_loop_all_gather_s"])
+    assert 0 < plain["in_loop_all_gather_overlap_pct"] < 100 / MIN_GAIN, plain
     assert (ahead["in_loop_all_gather_overlap_pct"]
-            >= plain["in_loop_all_gather_overlap_pct"] + MIN_GAIN_PCT), (plain, ahead)
+            >= plain["in_loop_all_gather_overlap_pct"] * MIN_GAIN), (plain, ahead)
     a = DEBUG_LAYERS
     layer_bf16 = 2 * a.dim * (2 * (a.n_heads + a.n_kv_heads) * a.head_dim + 3 * a.hidden_dim)
     temps = [r["memory"]["temp_size_in_bytes"] for r in (plain, ahead)]

@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from titan_jax.parallel.topology import CHIPS, Chip
+from titan_jax.parallel.topology import CHIPS, Chip, parse_slice
 from titan_jax.tools import aot_compile, hlo_cost, hlo_stats, kernel_flops
 
 needs_libtpu = pytest.mark.skipif(
@@ -387,19 +387,48 @@ CODEGEN = """
 
 
 def test_a_collective_runs_at_the_ring_bandwidth_of_the_torus_dimensions_its_algorithm_spans():
-    assert hlo_cost.ring_dims(CODEGEN) == {"fusion.7": 1, "all-reduce.3": 2, "all-gather.9": 2}
-    # the published v6e figure: 800 GB/s both ways over 4 ports; a ring on one dimension
-    # sends one way on two of them
+    assert hlo_cost.rings(CODEGEN) == {"fusion.7": (8,), "all-reduce.3": (2, 2),
+                                       "all-gather.9": (0, 0)}
+    # the published v6e figure: 800 GB/s both ways over 4 ports; a closed ring on one
+    # dimension sends one way on two of them, an open one (no wraparound) on one
     v6e = CHIPS["v6e"]
     assert v6e.ring_bytes_per_s() == pytest.approx(200e9)
     assert v6e.ring_bytes_per_s(2) == v6e.ring_bytes_per_s(3) == pytest.approx(400e9)
+    assert v6e.ring_bytes_per_s(1, wraparound=False) == pytest.approx(100e9)
     # SCHEDULE's synchronous all-reduce (1 GB over ICI, 1 s on one ring) over two dimensions
     two_dims = dataclasses.replace(UNIT_CHIP, ici_bytes_per_s=4e9, ici_ports=4)
-    r = hlo_cost.estimate(SCHEDULE, two_dims, 8, {"ar": 2})
+    r = hlo_cost.estimate(SCHEDULE, two_dims, 8, {"ar": (2, 4)})
     found = {c["op"]: c for c in r["collectives"]}
     assert found["all-reduce"]["ring_dims"] == 2
     assert found["all-reduce"]["seconds"] == pytest.approx(0.5)
-    # the gather names no algorithm: it takes the dimensions the compiler chose for the other
-    # collective over groups of its size (2)
+    # the gather names no algorithm: it takes the rings the compiler chose for the other
+    # collective over groups of its size
     assert found["all-gather"]["ring_dims"] == 2
     assert hlo_cost.estimate(SCHEDULE, two_dims, 8)["exposed_collective_s"] == pytest.approx(1)
+    # the same rings left open (no wraparound link) take twice as long
+    open_rings = hlo_cost.estimate(SCHEDULE, two_dims, 8, {"ar": (2, 4)}, lambda sizes: False)
+    found = {c["op"]: c for c in open_rings["collectives"]}
+    assert found["all-reduce"]["seconds"] == pytest.approx(1.0)
+    assert not found["all-reduce"]["wraparound"]
+
+
+@pytest.mark.parametrize(("name", "shape", "closed", "open_"), [
+    # v6e/v5e: only a dimension spanning the pod's 16 wraps
+    ("v6e-8", (2, 4), (), [(8,), (2,), (4,), (2, 4), (0,)]),
+    ("v6e-128", (8, 16), (16,), [(8,), (128,), (8, 16)]),
+    ("v5e-256", (16, 16), (16, 16), []),
+    # v5p: whole 4x4x4 cubes wrap every dimension, smaller slices none
+    ("v5p-8", (2, 2, 1), (), [(2, 2), (4,)]),
+    ("v5p-64", (2, 4, 4), (), [(4,), (4, 4)]),
+    ("v5p-128", (4, 4, 4), (4, 4, 4), [(2,), (3,)]),
+])
+def test_which_rings_a_slice_closes_with_wraparound_links(name, shape, closed, open_):
+    tpu = parse_slice(name)
+    assert tpu.shape == shape and tpu.wrapped_lengths == closed
+    assert tpu.libtpu_name == f"{tpu.chip.generation}:{'x'.join(map(str, shape))}"
+    for sizes in open_:
+        assert not tpu.ring_wraps(sizes), sizes
+    if len(closed) == len(shape):  # a full torus: rings over its planes and unnamed sizes too
+        for sizes in [(shape[0],), (shape[0] * shape[1],), (0, 0), (shape[0], shape[1])]:
+            assert tpu.ring_wraps(sizes), sizes
+    assert tpu.ring_wraps((1,))

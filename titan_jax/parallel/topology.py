@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
+import math
 import re
 from typing import Any
 
@@ -37,12 +39,18 @@ class Chip:
     ici_ports: int = 2  # ICI links per chip (4 on a 2-D torus, 6 on a 3-D one)
     mxu_dim: int = 0  # the MXU's systolic array is mxu_dim x mxu_dim (0: shapes not priced)
 
-    def ring_bytes_per_s(self, dims: int = 1) -> float:
+    def ring_bytes_per_s(self, dims: int = 1, wraparound: bool = True) -> float:
         """Bytes per second one chip sends in a ring collective laid over `dims` torus
-        dimensions: a bidirectional ring sends one way on each of the two links to its
-        neighbours in each dimension, i.e. one link's bidirectional figure per dimension
-        (the chip's figure over its ports), at most all ports one way."""
-        return self.ici_bytes_per_s / self.ici_ports * min(max(dims, 1), self.ici_ports // 2)
+        dimensions. With a wraparound link closing each ring, it sends one way on each of the
+        two links to its neighbours: one link's bidirectional figure per dimension (the chip's
+        figure over its ports), at most all ports one way. Without one (a dimension shorter
+        than the torus it is cut from) the ring runs as a line and the data from its ends
+        crosses every link one way: one link's one-way figure, half ("How to Scale Your
+        Model", part 2: a slice without wraparounds "typically doubles the time of most
+        communication"; part 3 works a v5e all-gather over an open axis of 4 this way, 560 us,
+        against 680 us in a profile of it)."""
+        per_link = self.ici_bytes_per_s / self.ici_ports * (1.0 if wraparound else 0.5)
+        return per_link * min(max(dims, 1), self.ici_ports // 2)
 
 
 # Cloud TPU system-architecture pages (docs.cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e},
@@ -89,8 +97,35 @@ class TpuSlice:
 
     @property
     def libtpu_name(self) -> str:
+        return f"{self.chip.generation}:{'x'.join(map(str, self.shape))}"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The chips' physical arrangement, e.g. (2, 4) for v6e-8."""
         shapes = _SHAPES_3D if self.chip.generation in ("v4", "v5p") else _SHAPES_2D
-        return f"{self.chip.generation}:{shapes[self.chips]}"
+        return tuple(int(d) for d in shapes[self.chips].split("x"))
+
+    @property
+    def wrapped_lengths(self) -> tuple[int, ...]:
+        """The lengths of the dimensions a wraparound link closes into a ring. v4/v5p: every
+        dimension of a slice of whole 4x4x4 cubes (the optical switches close them; the v5p
+        page: "All 4x4x4 and larger slices (one cube) have full 3D torus"), none below. v5e/v6e:
+        a dimension spanning the pod's 16 ("How to Scale Your Model", part 2: smaller slices
+        come "without wraps on dims < 16"; an 8x16 wraps its long axis)."""
+        if self.chip.generation in ("v4", "v5p"):
+            return self.shape if all(d % 4 == 0 for d in self.shape) else ()
+        return tuple(d for d in self.shape if d == 16)
+
+    def ring_wraps(self, sizes: tuple[int, ...]) -> bool:
+        """Whether a ring collective over rings of `sizes` chips (0: a size the compiler did not
+        name) runs on closed rings: each ring spans a wrapped dimension, or, on a slice whose
+        dimensions all wrap, a product of them (a ring snaking over a torus plane)."""
+        wrapped = self.wrapped_lengths
+        torus = len(wrapped) == len(self.shape)
+        spans = {math.prod(c) for r in range(1, len(self.shape) + 1)
+                 for c in itertools.combinations(self.shape, r)}
+        return all(size in wrapped or (torus and (size == 0 or size in spans))
+                   for size in sizes if size != 1)
 
 
 

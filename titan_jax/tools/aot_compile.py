@@ -120,16 +120,16 @@ def top_buffers(report_text: str, n: int = 8) -> list[dict[str, Any]]:
 
 
 def _compile_with_dumps(lowered: Any) -> tuple[Any, list[dict[str, Any]], dict[str, str],
-                                               dict[str, int]]:
+                                               dict[str, tuple[int, ...]]]:
     """The compiled step, its largest buffers, the scheduler flags it was compiled with and
-    the torus dimensions of each collective's algorithm (from the codegen dump)."""
+    the rings of each collective's algorithm (from the codegen dump)."""
     with tempfile.TemporaryDirectory() as dump:
         compiled = lowered.compile(compiler_options={
             "xla_dump_to": dump, "xla_dump_hlo_pass_re": "^$", "xla_dump_disable_metadata": True})
         reports = sorted(Path(dump).glob("*memory-usage-report.txt"))
         buffers = top_buffers(reports[-1].read_text()) if reports else []
         codegen = sorted(Path(dump).glob("*after_codegen.txt"))[-1:]
-        rings = hlo_cost.ring_dims(codegen[0].read_text()) if codegen else {}
+        rings = hlo_cost.rings(codegen[0].read_text()) if codegen else {}
         flags = {}
         for flagfile in sorted(Path(dump).glob("*.flagfile"))[-1:]:
             for line in flagfile.read_text().splitlines():
@@ -162,9 +162,9 @@ def _flops(trainer: Trainer, lowered: Any) -> dict[str, Any]:
             "flops_loops_of_unknown_length": unknown_loops}
 
 
-def _estimates(report: dict[str, Any], hlo: str, chip: Chip, n: int,
+def _estimates(report: dict[str, Any], hlo: str, tpu: TpuSlice, n: int,
                mesh_devices: list[Any], mesh_shape: dict[str, int],
-               rings: dict[str, int] | None = None) -> dict[str, Any]:
+               rings: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
     """Kernel FLOPs, the collectives, the predictive estimate and the roofline bound."""
     module = hlo_stats.parse(hlo)
     counts, _ = hlo_stats.executions(module)
@@ -172,7 +172,8 @@ def _estimates(report: dict[str, Any], hlo: str, chip: Chip, n: int,
                         for i in module.computations[name] if i.name.startswith("splash"))
     flops = report["dot_flops_per_step"] + report["grouped_matmul_flops_per_step"] + attention
     ops = collectives(hlo, mesh_devices, mesh_shape)
-    cost = hlo_cost.estimate(hlo, chip, n, rings)
+    chip = tpu.chip
+    cost = hlo_cost.estimate(hlo, chip, n, rings, tpu.ring_wraps)
     gathers = [c for c in cost["collectives"] if c["op"] == "all-gather" and c["executions"] > 1]
     gather_s = sum(c["seconds"] * c["executions"] for c in gathers)
     covered_s = sum(min(c["covered_s"], c["seconds"]) * c["executions"] for c in gathers)
@@ -242,7 +243,7 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
     report.update(_verdict(inspect_step.memory(compiled), tpu.chip, usable, accepted=True))
     report["top_buffers"], report["scheduler_flags"] = buffers, flags
     report["cost_analysis_flops_per_chip"] = float(compiled.cost_analysis().get("flops", 0.0))
-    report.update(_estimates(report, compiled.as_text(), tpu.chip, n,
+    report.update(_estimates(report, compiled.as_text(), tpu, n,
                              list(trainer.mesh.devices.flat), dict(trainer.mesh.shape), rings))
     return report
 

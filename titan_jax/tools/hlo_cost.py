@@ -15,7 +15,8 @@ asynchronous copies XLA:TPU schedules between HBM and on-chip memory (`copy-star
 instructions between a copy's start and its done take at least their own HBM bytes plus the
 copy's at the HBM bandwidth. Collectives cost their ring-algorithm bytes at the ICI bandwidth
 of the links their algorithm uses (a bidirectional ring: two links, one way each, per torus
-dimension it spans; `Chip.ring_bytes_per_s`), or at the DCN bandwidth, and are added only
+dimension it spans, or one link one way where no wraparound link closes the ring;
+`Chip.ring_bytes_per_s`, `TpuSlice.ring_wraps`), or at the DCN bandwidth, and are added only
 where the schedule leaves them exposed: a synchronous collective is exposed in full; an
 asynchronous one (XLA:TPU's `async-collective-start` ... continuation fusions ...
 `async-collective-done` chains, or `*-start`/`*-done` pairs) is covered by the estimated work
@@ -28,6 +29,7 @@ fast side.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from titan_jax.parallel.topology import Chip
@@ -153,32 +155,38 @@ class _Walk:
     with the compute the schedule places under it."""
 
     def __init__(self, module: HloModule, chip: Chip, devices: int,
-                 ring_dims: dict[str, int]):
-        self.module, self.chip, self.devices, self.ring_dims = module, chip, devices, ring_dims
-        self.ring_dims_by_group = {
-            hlo_stats.group_size(inst, devices): ring_dims[inst.name]
+                 rings: dict[str, tuple[int, ...]], ring_wraps: Callable[[tuple[int, ...]], bool]):
+        self.module, self.chip, self.devices = module, chip, devices
+        self.rings, self.ring_wraps = rings, ring_wraps
+        self.rings_by_group = {
+            hlo_stats.group_size(inst, devices): rings[inst.name]
             for insts in module.computations.values() for inst in insts
-            if inst.name in ring_dims and "replica_groups=" in inst.rest}
+            if inst.name in rings and "replica_groups=" in inst.rest}
         self.memo: dict[str, tuple[float, float]] = {}
         self.flops = self.hbm = self.compute_s = self.exposed_s = self.dma_s = 0.0
         self.collectives: list[dict[str, Any]] = []
 
     def collective(self, inst: Instruction, op: str, defs: dict[str, Instruction],
                    owner: str = "") -> dict[str, Any]:
-        """A collective's bytes and seconds on the network: over ICI, a ring over the torus
-        dimensions its algorithm spans (`ring_dims` of it or of the fusion `owner` that
-        runs it; else those the compiler chose for another collective over groups of the
-        same size, as for the async gather fusions, which name no algorithm; else one)."""
+        """A collective's bytes and seconds on the network: over ICI, rings over the torus
+        dimensions its algorithm spans (`rings` of it or of the fusion `owner` that runs it;
+        else those the compiler chose for another collective over groups of the same size, as
+        for the async gather fusions, which name no algorithm; else one ring of the group),
+        closed by wraparound links or not (`ring_wraps`)."""
         dcn = op == "send"
         group = hlo_stats.group_size(inst, self.devices)
         size = collective_bytes(inst, op, defs) if not dcn else hlo_stats.nbytes(
             *hlo_stats.arrays(inst.type)[0])
         moved = moved_bytes(op, size, group) if not dcn else float(size)
-        dims = (self.ring_dims.get(owner) or self.ring_dims.get(inst.name)
-                or self.ring_dims_by_group.get(group, 1))
-        bandwidth = self.chip.dcn_bytes_per_s if dcn else self.chip.ring_bytes_per_s(dims)
+        sizes = (self.rings.get(owner) or self.rings.get(inst.name)
+                 or self.rings_by_group.get(group) or (group,))
+        sizes = (group,) if sizes == (0,) else sizes  # a 1-D emitter: one ring of the group
+        wraps = self.ring_wraps(sizes)
+        bandwidth = (self.chip.dcn_bytes_per_s if dcn
+                     else self.chip.ring_bytes_per_s(len(sizes), wraps))
         return {"op": op, "name": owner or inst.name, "bytes": size, "group": group,
-                "ring_dims": dims, "seconds": moved / bandwidth, "covered_s": 0.0}
+                "ring_dims": len(sizes), "wraparound": wraps, "bytes_per_s": bandwidth,
+                "seconds": moved / bandwidth, "covered_s": 0.0}
 
     def visit(self, name: str, times: float) -> float:
         """Seconds of one run of control computation `name` (loops inside included)."""
@@ -247,7 +255,7 @@ class _Walk:
                     size = sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(inst.type))
                     return {**found, "op": "reduce-scatter", "bytes": size,
                             "seconds": moved_bytes("reduce-scatter", size, found["group"])
-                            / self.chip.ring_bytes_per_s(found["ring_dims"])}
+                            / found["bytes_per_s"]}
                 return self.collective(inner, inner.op.removesuffix("-start"), defs, inst.name)
         return None
 
@@ -287,14 +295,18 @@ class _Walk:
 
 
 def estimate(hlo_text: str, chip: Chip, devices: int,
-             ring_dims: dict[str, int] | None = None) -> dict[str, Any]:
+             rings: dict[str, tuple[int, ...]] | None = None,
+             ring_wraps: Callable[[tuple[int, ...]], bool] = lambda sizes: True
+             ) -> dict[str, Any]:
     """The compiled step's estimated time per chip: `step_s` = `compute_s` (each instruction
     at max(FLOPs at peak, HBM bytes at bandwidth)) + `exposed_collective_s`; `collectives`
     lists each with its `seconds` on the network and the `overlap` share its schedule covers.
-    `ring_dims`: the torus dimensions each collective's algorithm spans, by instruction name
-    (`ring_dims`, from the compiler's codegen dump)."""
+    `rings`: the ring sizes of each collective's algorithm, one per torus dimension it spans,
+    by instruction name (`rings`, from the compiler's codegen dump); `ring_wraps`: whether
+    rings of those sizes are closed by wraparound links (`TpuSlice.ring_wraps`; default: a
+    torus)."""
     module = hlo_stats.parse(hlo_text)
-    walk = _Walk(module, chip, devices, ring_dims or {})
+    walk = _Walk(module, chip, devices, rings or {}, ring_wraps)
     step_s = walk.visit(module.entry, 1)
     return {"step_s": step_s, "compute_s": walk.compute_s,
             "exposed_collective_s": walk.exposed_s, "dma_wait_s": walk.dma_s,
@@ -307,11 +319,12 @@ _STRATEGY = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?"strategy":"Strategy\w*"
 _GATHER_EMITTER = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?"emitter":"(\d)DAllGather', re.M)
 
 
-def ring_dims(codegen_text: str) -> dict[str, int]:
-    """The torus dimensions each collective's algorithm spans, from XLA:TPU's codegen dump
-    (its backend config names the strategy: `StrategyRing{... cores:{8}}` is one ring of 8,
-    `StrategyND{... cores:{2 2}}` runs over two dimensions; all-gathers name an emitter,
-    `1DAllGatherOnMajorDim`, `2DAllGather...`)."""
-    found = {name: int(dims) for name, dims in _GATHER_EMITTER.findall(codegen_text)}
-    return found | {name: max(1, sum(int(c) > 1 for c in cores.split()))
+def rings(codegen_text: str) -> dict[str, tuple[int, ...]]:
+    """The rings each collective's algorithm runs, one size per torus dimension it spans,
+    from XLA:TPU's codegen dump (its backend config names the strategy: `StrategyRing{...
+    cores:{8}}` is one ring of 8, `StrategyND{... cores:{2 2}}` rings of 2 over two
+    dimensions; all-gathers name only an emitter, `1DAllGatherOnMajorDim`, `2DAllGather...`:
+    sizes 0, unknown)."""
+    found = {name: (0,) * int(dims) for name, dims in _GATHER_EMITTER.findall(codegen_text)}
+    return found | {name: tuple(int(c) for c in cores.split() if int(c) > 1) or (1,)
                     for name, cores in _STRATEGY.findall(codegen_text)}
