@@ -1,5 +1,7 @@
 # titan-jax: `make install` then `make train` / `make test`.
-PY ?= python3.11
+# Python >= 3.12 (jax 0.11+ dropped 3.11): pyenv's versions folder first (its python3.12 shim
+# exists even where 3.12 is not selected, and then fails), else python3.12 on PATH. PY= chooses.
+PY ?= $(or $(lastword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12)),$(shell command -v python3.12))
 VENV := .venv
 BIN := $(VENV)/bin
 # libtpu (the tpu extra) probes for a TPU at every `import jax`; on machines without TPU or
@@ -8,18 +10,27 @@ export JAX_PLATFORMS ?= $(if $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0),,c
 
 .PHONY: install train test test-fast lint format docs bench bench-update bench-deps plans tokenizer clean
 
+CHECK_PY = @test -n "$(PY)" && "$(PY)" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
+	  || { echo "make $@: titan-jax needs Python >= 3.12; none found (pyenv's versions/3.12*, python3.12 on PATH); set PY=/path/to/python3.12"; exit 2; }
+
+# A .venv left by an older interpreter is rebuilt, not upgraded in place.
 $(BIN)/python:
+	$(CHECK_PY)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 
-# torch first: the CPU wheel lying on these machines satisfies torch==2.13.0, so nothing
-# (transformers, torchtitan) pulls a multi-GB CUDA build afterwards.
+# torch 2.13.0 for the parity references: under Python 3.12 the registry's build is the CUDA
+# one (~36 s, +3.4 GB with its CUDA libraries; it runs on CPU). Installed first and pinned, so
+# transformers and torchtitan resolve against it.
 # tpu: libtpu (~700 MB) for ahead-of-time TPU compiles on this CPU (tests/parallel/test_tpu_aot.py);
 # with JAX_PLATFORMS=cpu (exported above, and set by the tests) CPU runs are unaffected.
 # torchtitan (a parity reference): its declared deps (torchdata, wandb, tensorboard,
 # datasets<4.8) are not needed to import it and clash with ours, hence --no-deps; the few it
 # does import are in the parity extra.
-install: $(BIN)/python
+install:
+	@test ! -x $(BIN)/python || $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 12))' \
+	  || { echo "make install: $(VENV) is an older Python's; rebuilding it"; rm -rf $(VENV); }
+	@$(MAKE) --no-print-directory $(BIN)/python
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e '.[test,parity,tpu,cpu]'
 	$(BIN)/pip install --no-deps torchtitan==0.3.0
@@ -52,16 +63,15 @@ docs:
 	$(BIN)/python -m titan_jax.tools.config_reference
 
 # bench prints the table; bench-update also rewrites it in BENCHMARKS.md. The MaxText column
-# runs only when .venv-maxtext exists (`make bench-deps`, ~9 min): MaxText needs Python >= 3.12.
-# pyenv's shim exists even where 3.12 is not selected, so its versions folder comes first.
-PY_MAXTEXT ?= $(or $(lastword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12)),$(shell command -v python3.12))
+# runs only when .venv-maxtext exists (`make bench-deps`): MaxText 0.2.5 in a venv of its own
+# (its dependency tree is large and pins what ours need not), on our jax and libtpu.
 MAXTEXT_VENV := .venv-maxtext
 
 bench-deps:
-	@test -n "$(PY_MAXTEXT)" || { echo "bench-deps: MaxText needs Python 3.12; none found (set PY_MAXTEXT=/path/to/python3.12)"; exit 2; }
-	$(PY_MAXTEXT) -m venv $(MAXTEXT_VENV)
+	$(CHECK_PY)
+	$(PY) -m venv $(MAXTEXT_VENV)
 	$(MAXTEXT_VENV)/bin/pip install --upgrade pip
-	$(MAXTEXT_VENV)/bin/pip install -c benchmarks/maxtext-constraints.txt 'maxtext[tpu]==0.2.4'
+	$(MAXTEXT_VENV)/bin/pip install -c benchmarks/maxtext-constraints.txt 'maxtext[tpu]==0.2.5'
 
 bench:
 	$(CPU_MALLOC) $(BIN)/python benchmarks/bench_step.py

@@ -24,8 +24,8 @@ unset JAX_PLATFORMS
 log() { echo "[gpu.sh ${SECONDS}s] $*"; }
 fail() { echo "gpu.sh: $*" >&2; exit 2; }
 
-"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
-  || fail "$PYTHON is older than Python 3.11 (titan-jax's minimum); set PYTHON=/path/to/python3.11+"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 12))' \
+  || fail "$PYTHON is older than Python 3.12 (titan-jax's minimum); set PYTHON=/path/to/python3.12+"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
 log "versions, and whether JAX sees a GPU"

@@ -1,5 +1,6 @@
-"""The MaxText column of bench_step.py: the same model shape trained by MaxText 0.2.4, in its own
-venv (`make bench-deps`: MaxText needs Python >= 3.12, titan-jax's venv is 3.11), as a subprocess.
+"""The MaxText column of bench_step.py: the same model shape trained by MaxText 0.2.5, in its own
+venv (`make bench-deps`: on our jax and libtpu, beside its far larger dependency tree), as a
+subprocess.
 
 MaxText prints one line per step (`completed step: N, seconds: S, TFLOP/s/device: ...`); the
 median of the step times after warm-up is its figure. Recipe choices (documented in
@@ -21,8 +22,7 @@ from titan_jax.models.qwen3 import Qwen3Args
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-maxtext"
-HOW_TO_ADD = ("MaxText column: n/a (no .venv-maxtext; add it with `make bench-deps`, ~9 min, "
-              "needs Python 3.12)")
+HOW_TO_ADD = "MaxText column: n/a (no .venv-maxtext; add it with `make bench-deps`, ~5 min)"
 STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([0-9.]+)")
 
 

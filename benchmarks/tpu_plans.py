@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import re
 from pathlib import Path
@@ -22,6 +23,7 @@ from titan_jax.jax_platform import compile_only_libtpu
 from titan_jax.tools.aot_compile import compile_report
 
 BEGIN, END = "<!-- tpu_plans:begin -->", "<!-- tpu_plans:end -->"
+MAXTEXT = "MaxText 0.2.5"  # the side-by-side anchor (benchmarks/maxtext-constraints.txt)
 GB = 1e9  # MaxText prints decimal GB; so does this table
 
 
@@ -32,8 +34,8 @@ class Plan:
     topology: str
     overrides: tuple[str, ...] = ()
     num_slices: int = 1
-    # MaxText 0.2.4 at the same recipe (AOT on this CPU; NOTES.md): arguments, temporaries (GB)
-    # and compile time (s); None where not measured.
+    # MAXTEXT at the same recipe (AOT on this CPU, same jax and libtpu; NOTES.md): arguments,
+    # temporaries (GB) and compile time (s); None where not measured.
     maxtext: tuple[float, float, float | None] | None = None
     # A published hardware measurement of the same recipe, for the reference column.
     measured: str | None = None
@@ -117,11 +119,16 @@ def row(plan: Plan, r: dict[str, Any]) -> str:
             f"{overlap} | {maxtext} |")
 
 
+def stack() -> str:
+    """The compiler the figures come from, as installed."""
+    return ", ".join(f"{name} {importlib.metadata.version(name)}" for name in ("jax", "libtpu"))
+
+
 def markdown(rows: list[str]) -> str:
     stamp = datetime.date.today().isoformat()
     return "\n".join([
         f"Measured {stamp} with `make plans` (`python benchmarks/tpu_plans.py --write "
-        "docs/TPU.md`): jax 0.10.2, libtpu 0.0.42.1, compiled on a 2-core CPU host (compile "
+        f"docs/TPU.md`): {stack()}, compiled on a 2-core CPU host (compile "
         "times are this host's). Memory per chip from the compiled program "
         "(`memory_analysis()`, GB = 1e9 bytes): arguments (sharded params + AdamW state + "
         "batch) and temporaries; `fits` compares the program's peak of live buffers with the "
@@ -132,7 +139,7 @@ def markdown(rows: list[str]) -> str:
         "",
         "| recipe | mesh | remat | attention (kernel FLOPs per step) | args + temps (GB) | "
         "peak of usable (GB) | fits | compile | est. step / MFU (bound) | gather overlap | "
-        "MaxText 0.2.4 args + temps (GB); compile, or a hardware measurement |",
+        f"{MAXTEXT} args + temps (GB); compile, or a hardware measurement |",
         "|---|---|---|---|---|---|---|---|---|---|---|", *rows])
 
 

@@ -84,8 +84,10 @@ def test_experts_run_the_megablox_kernels_counted_at_the_analytic_flops(compiled
                if kernel_flops.megablox_flops(i)]
     weight_grads = [i for i in kernels if "tgmm" in i.name]
     # in the layer loop, each of the capacity conditional's two branches: gmm for the forward
-    # (3), remat's (3), the backward's w1 and w3 recompute (2) and row gradients (3); tgmm (3)
-    assert (len(kernels), len(weight_grads)) == (2 * 14, 2 * 3), [i.name for i in kernels]
+    # (3), remat's (3), the backward's w1 and w3 recompute (2) and row gradients (3); tgmm (3).
+    # libtpu 0.0.50 merges one recompute with the identical call it repeats (27 kernels).
+    assert len(weight_grads) == 2 * 3, [i.name for i in kernels]
+    assert 2 * 14 - 1 <= len(kernels) <= 2 * 14, [i.name for i in kernels]
     n_local = TINY_MOE.num_experts // EP
     rows = EP * GLOBAL_BATCH // DATA_SHARDS * SEQ_LEN * TINY_MOE.top_k  # the receive buffer
     masked = f"[{n_local},{rows},{TINY_MOE.dim}]"  # ragged_dot's gradient: experts x buffer

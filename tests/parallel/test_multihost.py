@@ -68,9 +68,11 @@ def test_two_processes_train_like_one_and_read_only_their_rows(runs):
     for key in ("loss", "val_loss"):
         assert _losses(double, key) == pytest.approx(_losses(single, key), rel=1e-6, abs=0)
     assert len(_losses(double)) == STEPS
-    # Only process 0 prints (process 1's stdout holds at most the gloo library's own lines).
+    # Only process 0 prints (process 1's stdout holds at most the gloo library's own lines,
+    # which jax 0.12's gloo ends with a blank one).
     assert "step 1/4" in outs[0]
-    assert [line for line in outs[1].splitlines() if not line.startswith("[Gloo]")] == []
+    assert [line for line in outs[1].splitlines()
+            if line.strip() and not line.startswith("[Gloo]")] == []
     # Each process read the windows of its own rows only: 4 rows in each of STEPS batches.
     line = f"data: process 0 read rows 0-3 ({4 * STEPS} windows), process 1 read rows 4-7 " \
            f"({4 * STEPS} windows)"

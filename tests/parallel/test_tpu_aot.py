@@ -249,16 +249,16 @@ def test_layer_weights_are_cast_to_bf16_one_layer_at_a_time(compile_args):
 
 
 def _collectives(hlo: str) -> list[tuple[str, str]]:
-    """(op, result type) of every all-gather, all-reduce and reduce-scatter, an XLA:TPU
-    reduce-scatter emitter (`all-reduce-scatter` fusion) counted as a reduce-scatter (its inner
-    all-reduce not counted)."""
+    """(op, result type) of every all-gather, all-reduce and reduce-scatter, one per array of a
+    combined (tuple-typed) one, an XLA:TPU reduce-scatter emitter (`all-reduce-scatter`
+    fusion) counted as a reduce-scatter (its inner all-reduce not counted)."""
     found = []
     for computation in re.split(r"\n(?=\S)", hlo):
         if computation.startswith("%all-reduce-scatter"):
             continue
-        for m in re.finditer(r"= (\S+) (all-gather|all-reduce|reduce-scatter)(?:-start)?\(",
-                             computation):
-            found.append((m[2], m[1].split("{")[0]))
+        for m in re.finditer(r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter)"
+                             r"(?:-start)?\(", computation):
+            found += [(m[2], t) for t in re.findall(r"\b[a-z]+[0-9]*\[[0-9,]*\]", m[1])]
         found += [("reduce-scatter", m[1].split("{")[0]) for m in re.finditer(
             r"= (\S+) fusion\([^\n]*calls=%all-reduce-scatter", computation)]
     return found

@@ -309,6 +309,32 @@ def test_ragged_all_to_alls_count_what_they_send_not_their_worst_case_buffers():
             for n in ("rows", "back")] == [24 * 64 * 2] * 2
 
 
+# The same two exchanges as libtpu 0.0.50 emits them: async, the start typed ((operands), result,
+# context scalars).
+ASYNC_EXCHANGES = """
+HloModule m
+
+ENTRY %main (picks: bf16[24,64], z96: bf16[96,64], z24: bf16[24,64], o: s32[4]) -> bf16[24,64] {
+  %picks = bf16[24,64]{1,0} parameter(0)
+  %z96 = bf16[96,64]{1,0} parameter(1)
+  %z24 = bf16[24,64]{1,0} parameter(2)
+  %o = s32[4]{0} parameter(3)
+  %go = ((bf16[24,64]{1,0}, bf16[96,64]{1,0}, s32[4]{0}, s32[4]{0}, s32[4]{0}, /*index=5*/s32[4]{0}), bf16[96,64]{1,0}, u32[], u32[]) ragged-all-to-all-start(%picks, %z96, %o, %o, %o, /*index=5*/%o), channel_id=1, replica_groups={{0,1,2,3}}
+  %rows = bf16[96,64]{1,0} ragged-all-to-all-done(%go)
+  %back-go = ((bf16[96,64]{1,0}, bf16[24,64]{1,0}, s32[4]{0}, s32[4]{0}, s32[4]{0}, /*index=5*/s32[4]{0}), bf16[24,64]{1,0}, u32[], u32[]) ragged-all-to-all-start(%rows, %z24, %o, %o, %o, /*index=5*/%o), channel_id=2, replica_groups={{0,1,2,3}}
+  ROOT %back = bf16[24,64]{1,0} ragged-all-to-all-done(%back-go)
+}
+"""
+
+
+def test_async_ragged_all_to_alls_count_what_they_send():
+    module = hlo_stats.parse(ASYNC_EXCHANGES)
+    assert [c["bytes"] for c in hlo_stats.collective_ops(module)] == [24 * 64 * 2] * 2
+    defs = module.defining("main")
+    assert [hlo_cost.collective_bytes(defs[n], "ragged-all-to-all", defs)
+            for n in ("go", "back-go")] == [24 * 64 * 2] * 2
+
+
 def test_operands_past_the_fifth_are_read_through_the_printers_index_comment():
     """XLA prints `/*index=5*/` before every fifth operand; a fusion's sixth operand is read."""
     params = "".join(f"  %p{i} = f32[250]{{0}} parameter({i})\n" for i in range(6))

@@ -367,10 +367,15 @@ def ragged_sent_arrays(inst: Instruction, defs: dict[str, Instruction]
     """What a ragged all-to-all sends at balanced routing: no more than its operand, and, as
     each rank then sends what it receives, no more than its result: the smaller of the two
     (an expert dispatch's operand is its picks, a combine's result; the other buffer is the
-    worst-case receive buffer)."""
-    result = arrays(inst.type)
-    source = defs.get(inst.operands[0]) if inst.operands else None
-    operand = arrays(source.type) if source is not None else result
+    worst-case receive buffer). An async `ragged-all-to-all-start` (libtpu 0.0.50 on) types
+    itself ((input, output, four offset arrays), result, two context scalars)."""
+    if inst.op.endswith("-start"):
+        found = arrays(inst.type)
+        operand, result = found[:1], found[6:7]
+    else:
+        result = arrays(inst.type)
+        source = defs.get(inst.operands[0]) if inst.operands else None
+        operand = arrays(source.type) if source is not None else result
     size = lambda found: sum(nbytes(d, s) for d, s in found)  # noqa: E731
     return operand if size(operand) <= size(result) else result
 
