@@ -40,7 +40,7 @@ RECIPES = {
     "235B-A22B v5p-256": ("compile_topology=v5p-256", "model_name=qwen3-235b-a22b", *MOE,
                           "ici_fsdp_parallelism=16", "ici_expert_parallelism=8"),
 }
-FIELDS = ("argument_size_in_bytes", "temp_size_in_bytes", "peak_memory_in_bytes")
+FIELDS = ("argument_size_in_bytes", "temp_size_in_bytes")
 
 
 def memory_of(log: str) -> dict[str, int]:

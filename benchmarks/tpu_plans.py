@@ -44,8 +44,8 @@ class Plan:
 # The setting for 8B: 2 x 4096 tokens per chip, fp32 master weights, bf16 compute,
 # full remat, AdamW; configs/qwen3_8b.toml is that recipe.
 PLANS = (
-    Plan("8B v5p-8", "configs/qwen3_8b.toml", "v5p-8", maxtext=(24.58, 19.99, 284)),
-    Plan("8B v6e-8", "configs/qwen3_8b.toml", "v6e-8", maxtext=(12.29, 16.03, 433)),
+    Plan("8B v5p-8", "configs/qwen3_8b.toml", "v5p-8", maxtext=(24.58, 20.11, 72)),
+    Plan("8B v6e-8", "configs/qwen3_8b.toml", "v6e-8", maxtext=(12.29, 16.22, 187)),
     # The TorchTitan TPU fork's measured recipe (35-36% MFU on a real v6e-8; docs/TPU.md).
     Plan("8B v6e-8 6 x 2048 (fork)", "configs/qwen3_8b.toml", "v6e-8",
          ("--training.local_batch_size", "6", "--training.seq_len", "2048"),
@@ -61,10 +61,10 @@ PLANS = (
     Plan("32B v5p-32", "configs/qwen3_32b.toml", "v5p-32"),
     Plan("235B-A22B v5p-256", "configs/qwen3_235b_a22b.toml", "v5p-256",
          ("--parallelism.tensor_parallel_degree", "1",
-          "--parallelism.expert_parallel_degree", "8"), maxtext=(22.05, 34.97, None)),
+          "--parallelism.expert_parallel_degree", "8"), maxtext=(22.05, 42.99, 452)),
     # The MoE recipes as shipped (`auto` picks shard_map for MoE on TPU).
     Plan("30B-A3B v5p-16", "configs/qwen3_30b_a3b.toml", "v5p-16",
-         maxtext=(45.80, 29.37, None)),
+         maxtext=(45.80, 29.20, 386)),
     Plan("30B-A3B v6e-32", "configs/qwen3_30b_a3b.toml", "v6e-32"),
     Plan("235B-A22B v5p-256 as shipped", "configs/qwen3_235b_a22b.toml", "v5p-256"),
     Plan("8B 2 x v5p-8 (HSDP over DCN)", "configs/qwen3_8b.toml", "v5p-8",

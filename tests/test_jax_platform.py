@@ -1,5 +1,6 @@
 """Tests for titan_jax/jax_platform.py: CPU hosts default to JAX_PLATFORMS=cpu, nothing else."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -60,3 +61,32 @@ def test_libtpu_overlap_flags_are_added_unless_the_user_names_them(monkeypatch):
     assert "--xla_enable_async_all_gather=true" not in args
     assert set(ASYNC_GATHER_FLAGS[1:]) <= set(args)
     assert default_libtpu_flags().split() == args  # idempotent
+
+
+GATHER_PROGRAM = """
+from titan_jax import jax_platform
+jax_platform.compile_only_libtpu()
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+for name in ("v5p:2x2x1", "v6e:2x2", "v5e:2x2"):
+    mesh = Mesh(topologies.get_topology_desc(platform="tpu", topology_name=name).devices,
+                ("fsdp",))
+    x = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+    gather = jax.shard_map(lambda x: jax.lax.all_gather(x, "fsdp", tiled=True) @ x.T,
+                           mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))
+    jax.jit(gather).lower(x).compile()
+    print(name, "compiled")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
+def test_the_default_libtpu_flags_compile_on_every_tpu_generation():
+    """The flags `compile` and `train` add are ones this libtpu takes on v5p, v6e and v5e: 0.0.50
+    refuses the fused all-gather continuation MaxText's older recipes set on all but v5e."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LIBTPU_INIT_ARGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, "-c", GATHER_PROGRAM], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["v5p:2x2x1", "compiled", "v6e:2x2", "compiled", "v5e:2x2",
+                                   "compiled"]

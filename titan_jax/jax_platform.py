@@ -51,12 +51,14 @@ def compile_only_libtpu() -> None:
     default_libtpu_flags()  # the compile plans the schedule the training job will run
 
 
-# libtpu flags that make XLA:TPU schedule the layer loop's FSDP all-gathers as asynchronous
-# collective fusions under the layer's compute (without them it made them synchronous: 0% of
-# their time covered on Qwen3-8B v6e-8; with them 98%; docs/TPU.md). MaxText's TPU recipes set
-# the same three. They change scheduling only, never numerics.
+# libtpu flags that make XLA:TPU schedule the layer loop's FSDP all-gathers asynchronously under
+# the layer's compute (libtpu 0.0.42.1 without them made them synchronous: 0% of their time
+# covered on Qwen3-8B v6e-8; docs/TPU.md). They change scheduling only, never numerics.
+# `xla_tpu_enable_async_collective_fusion_fuse_all_gather`, the third one MaxText's older recipes
+# set, is refused by libtpu 0.0.50 on every chip but v5e ("Continuation fusion for AllGather ...
+# not supported/recommended on platforms other than TPU v5e"): a v5p or v6e step would not
+# compile with it.
 ASYNC_GATHER_FLAGS = ("--xla_enable_async_all_gather=true",
-                      "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
                       "--xla_tpu_overlap_compute_collective_tc=true")
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import uuid
 from collections.abc import Iterator
@@ -144,7 +145,8 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | Path, *, keep_latest_k: int = 0, async_save: bool = True,
-                 read_only: bool = False, run_info: dict[str, Any] | None = None):
+                 read_only: bool = False, run_info: dict[str, Any] | None = None,
+                 state_bytes: int = 0):
         self.directory = Path(directory).absolute()
         if read_only:
             if not self.directory.is_dir():
@@ -162,7 +164,13 @@ class Checkpointer:
             save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=async_save,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # TensorStore's encoded chunks in flight, bounded at a tenth of this process's share of
+        # the state (at least orbax's 1 GB unit): unbounded, they grew to ~0.85x the state on
+        # top of the snapshot (BENCHMARKS.md, "Checkpoint saves: host memory").
+        in_flight_gb = max(1, math.ceil(state_bytes / jax.process_count() / 10 / 1e9))
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(save_concurrent_gb=in_flight_gb),
+            "meta": ocp.JsonCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
         self._saving: int | None = None  # step of a save that may still be in flight
         quiet_closed_loop_callbacks()  # a failed read's one-line error stays one line
 
@@ -172,8 +180,11 @@ class Checkpointer:
         run_info = {"resume": resume_signature(config, trainer.global_batch_size),
                     "model_args": dataclasses.asdict(trainer.model.args),
                     "config": config.to_dict()}
+        state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+            trainer.abstract_state()))
         return cls(Path(config.job.dump_folder) / c.folder, keep_latest_k=c.keep_latest_k,
-                   async_save=c.async_mode == "async", run_info=run_info)
+                   async_save=c.async_mode == "async", run_info=run_info,
+                   state_bytes=state_bytes)
 
     def steps(self) -> list[int]:
         """Finalized steps, oldest first (our own step folders only: see is_checkpoint_dir)."""
@@ -181,10 +192,17 @@ class Checkpointer:
                       if is_checkpoint_dir(self.directory / str(s)))
 
     def save(self, step: int, state: TrainState, *, data_state: dict[str, Any] | None,
-             tokens_seen: int, model_only: bool = False, dtype: str | None = None) -> None:
+             tokens_seen: int, model_only: bool = False, dtype: str | None = None) -> bool:
         """Starts saving `state` as `step` (returns once arrays are copied off the devices, so
-        the caller may donate them). Raises NonFiniteStateError, saving nothing, if any
-        floating array is not finite; CheckpointSaveError if an earlier async save failed."""
+        the caller may donate them). Returns whether the write goes on in the background.
+        Raises NonFiniteStateError, saving nothing, if any floating array is not finite;
+        CheckpointSaveError if an earlier async save failed.
+
+        On CPU devices the write finishes here: orbax's host "copy" of an array in host memory
+        is a view of the device buffer, so the next step, which donates that buffer, could not
+        reuse it until the write let go, and ran beside it on a second set of buffers (a
+        Qwen3-0.6B run was killed at 23 GB). Waiting costs no time there: that step waited for
+        the write anyway."""
         tree = {k: state[k] for k in MODEL_KEYS} if model_only else dict(state)
         if dtype is not None:
             tree = jax.tree.map(
@@ -203,6 +221,10 @@ class Checkpointer:
         with self._saving_errors(step):
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
             self._manager.check_for_errors()
+        if all(d.platform == "cpu" for x in jax.tree.leaves(tree) for d in x.sharding.device_set):
+            self.wait()
+            return False
+        return self._manager.is_saving_in_progress()
 
     def wait(self) -> None:
         """Blocks until the last save is finalized; raises CheckpointSaveError if it failed."""

@@ -257,11 +257,11 @@ def _save(run: _Run, step: int, state: TrainState) -> None:
     model_only = step == run.config.training.steps and c.last_save_model_only
     start = time.perf_counter()
     try:
-        run.ckpt.save(step, state, data_state=run.setup.data.get_state(),
-                      tokens_seen=run.reporter.tokens_seen, model_only=model_only,
-                      dtype=c.export_dtype if model_only else None)
+        writing = run.ckpt.save(step, state, data_state=run.setup.data.get_state(),
+                                tokens_seen=run.reporter.tokens_seen, model_only=model_only,
+                                dtype=c.export_dtype if model_only else None)
     except NonFiniteStateError as e:
         raise BadStepsError(str(e)) from e
     what = f"model only, {c.export_dtype}" if model_only else "full state"
     run.logger.info(f"checkpoint step {step} ({what}): {time.perf_counter() - start:.1f} s "
-                    f"blocking{', writing in the background' if c.async_mode == 'async' else ''}")
+                    f"blocking{', writing in the background' if writing else ', written'}")
