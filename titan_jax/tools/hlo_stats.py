@@ -364,20 +364,15 @@ def collective_ops(module: HloModule) -> list[dict[str, Any]]:
 
 def ragged_sent_arrays(inst: Instruction, defs: dict[str, Instruction]
                        ) -> list[tuple[str, tuple[int, ...]]]:
-    """What a ragged all-to-all sends at balanced routing: no more than its operand, and, as
-    each rank then sends what it receives, no more than its result: the smaller of the two
-    (an expert dispatch's operand is its picks, a combine's result; the other buffer is the
-    worst-case receive buffer). An async `ragged-all-to-all-start` (libtpu 0.0.50 on) types
-    itself ((input, output, four offset arrays), result, two context scalars)."""
-    if inst.op.endswith("-start"):
-        found = arrays(inst.type)
-        operand, result = found[:1], found[6:7]
-    else:
-        result = arrays(inst.type)
-        source = defs.get(inst.operands[0]) if inst.operands else None
-        operand = arrays(source.type) if source is not None else result
-    size = lambda found: sum(nbytes(d, s) for d, s in found)  # noqa: E731
-    return operand if size(operand) <= size(result) else result
+    """What a ragged all-to-all sends at balanced routing: the smaller of its operand and its
+    result (each rank sends what it receives; a dispatch's operand is its picks, a combine's
+    result; the other buffer is the worst-case receive buffer)."""
+    result = arrays(inst.type)
+    source = defs.get(inst.operands[0]) if inst.operands else None
+    operand = arrays(source.type) if source is not None else result
+    if inst.op.endswith("-start"):  # libtpu 0.0.50: ((input, output, 4 offsets), result, 2 u32)
+        operand, result = result[:1], result[6:7]
+    return min(operand, result, key=lambda found: sum(nbytes(d, s) for d, s in found))
 
 
 def summarize(ops: list[dict[str, Any]], keys: tuple[str, ...] = ("op", "dtype")
