@@ -284,7 +284,7 @@ def test_the_report_hints_the_async_gather_flags_only_when_gathers_lie_exposed()
     assert "hint" not in aot_compile.format_report(report)
 
 
-EXCHANGES = """
+EXCHANGE_PARAMETERS = """
 HloModule m
 
 ENTRY %main (picks: bf16[24,64], z96: bf16[96,64], z24: bf16[24,64], o: s32[4]) -> bf16[24,64] {
@@ -292,6 +292,8 @@ ENTRY %main (picks: bf16[24,64], z96: bf16[96,64], z24: bf16[24,64], o: s32[4]) 
   %z96 = bf16[96,64]{1,0} parameter(1)
   %z24 = bf16[24,64]{1,0} parameter(2)
   %o = s32[4]{0} parameter(3)
+"""
+EXCHANGES = EXCHANGE_PARAMETERS + """\
   %rows = bf16[96,64]{1,0} ragged-all-to-all(%picks, %z96, %o, %o, %o, %o), channel_id=1, replica_groups={{0,1,2,3}}
   ROOT %back = bf16[24,64]{1,0} ragged-all-to-all(%rows, %z24, %o, %o, %o, %o), channel_id=2, replica_groups={{0,1,2,3}}
 }
@@ -311,14 +313,7 @@ def test_ragged_all_to_alls_count_what_they_send_not_their_worst_case_buffers():
 
 # The same two exchanges as libtpu 0.0.50 emits them: async, the start typed ((operands), result,
 # context scalars).
-ASYNC_EXCHANGES = """
-HloModule m
-
-ENTRY %main (picks: bf16[24,64], z96: bf16[96,64], z24: bf16[24,64], o: s32[4]) -> bf16[24,64] {
-  %picks = bf16[24,64]{1,0} parameter(0)
-  %z96 = bf16[96,64]{1,0} parameter(1)
-  %z24 = bf16[24,64]{1,0} parameter(2)
-  %o = s32[4]{0} parameter(3)
+ASYNC_EXCHANGES = EXCHANGE_PARAMETERS + """\
   %go = ((bf16[24,64]{1,0}, bf16[96,64]{1,0}, s32[4]{0}, s32[4]{0}, s32[4]{0}, /*index=5*/s32[4]{0}), bf16[96,64]{1,0}, u32[], u32[]) ragged-all-to-all-start(%picks, %z96, %o, %o, %o, /*index=5*/%o), channel_id=1, replica_groups={{0,1,2,3}}
   %rows = bf16[96,64]{1,0} ragged-all-to-all-done(%go)
   %back-go = ((bf16[96,64]{1,0}, bf16[24,64]{1,0}, s32[4]{0}, s32[4]{0}, s32[4]{0}, /*index=5*/s32[4]{0}), bf16[24,64]{1,0}, u32[], u32[]) ragged-all-to-all-start(%rows, %z24, %o, %o, %o, /*index=5*/%o), channel_id=2, replica_groups={{0,1,2,3}}
