@@ -106,3 +106,17 @@ def test_bench_runs_without_the_maxtext_venv(tmp_path):
 
     assert maxtext_bench.maxtext_python(tmp_path / "absent") is None
     assert "make bench-deps" in maxtext_bench.HOW_TO_ADD
+
+
+def test_maxtext_aot_reads_the_compiled_programs_memory():
+    import maxtext_aot
+
+    log = ("Jitting and compilation complete!\nMemory analysis: CompiledMemoryStats("
+           "generated_code_size_in_bytes=1, argument_size_in_bytes=24575561728, "
+           "output_size_in_bytes=24575561728, alias_size_in_bytes=24575561728, "
+           "temp_size_in_bytes=20108549312, host_generated_code_size_in_bytes=0)\n")
+    assert maxtext_aot.memory_of(log) == {"argument_size_in_bytes": 24575561728,
+                                          "temp_size_in_bytes": 20108549312}
+    with pytest.raises(RuntimeError, match="no memory analysis"):
+        maxtext_aot.memory_of("Traceback ...")
+    assert set(maxtext_aot.RECIPES) >= {"8B v5p-8", "8B v6e-8", "235B-A22B v5p-256"}
