@@ -11,7 +11,7 @@ export JAX_PLATFORMS ?= $(if $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0),,c
 .PHONY: install train test test-fast lint format docs bench bench-update bench-deps plans tokenizer clean
 
 CHECK_PY = @test -n "$(PY)" && "$(PY)" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
-	  || { echo "titan-jax needs Python >= 3.12; none found (pyenv's versions/3.12*, python3.12 on PATH); set PY=/path/to/python3.12"; exit 2; }
+	  || { echo "titan-jax needs Python >= 3.12; PY='$(PY)' is not one (looked in pyenv's versions/3.12* and for python3.12 on PATH); set PY=/path/to/python3.12"; exit 2; }
 
 # A .venv left by an older interpreter is rebuilt, not upgraded in place.
 $(BIN)/python:
