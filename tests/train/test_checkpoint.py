@@ -530,7 +530,7 @@ args = Qwen3Args(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, hi
 setup.build_trainer = lambda config, devices=None: build_trainer(config, devices, model_args=args)
 config = load_config(None, sys.argv[1:])
 result = loop.train(config, jax.devices()[:1])
-state_bytes = 12 * sum(x.size for x in jax.tree.leaves(result.state["params"]))
+state_bytes = sum(x.nbytes for x in jax.tree.leaves(result.state))
 print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "state": state_bytes}))
 """

@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 
 from titan_jax.config import JobConfig
 from titan_jax.errors import TitanJaxError, quiet_closed_loop_callbacks, root_cause
-from titan_jax.train.checksums import checksums
+from titan_jax.train.checksums import checksums, in_host_memory
 from titan_jax.train.state_formats import count_from_schedule, schedule_counted
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer
@@ -221,7 +221,7 @@ class Checkpointer:
         with self._saving_errors(step):
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
             self._manager.check_for_errors()
-        if all(d.platform == "cpu" for x in jax.tree.leaves(tree) for d in x.sharding.device_set):
+        if in_host_memory(tree):
             self.wait()
             return False
         return self._manager.is_saving_in_progress()

@@ -53,6 +53,11 @@ def _host_summary(x: jax.Array) -> tuple[int, bool]:
     return total % 2**32, finite
 
 
+def in_host_memory(tree: Any) -> bool:
+    """Whether every array of `tree` lives on CPU devices, whose memory is the host's."""
+    return all(d.platform == "cpu" for x in jax.tree.leaves(tree) for d in x.sharding.device_set)
+
+
 def checksums(tree: Any) -> tuple[dict[str, int], bool]:
     """(checksum of every leaf by name, whether every floating leaf is finite).
 
@@ -63,7 +68,7 @@ def checksums(tree: Any) -> tuple[dict[str, int], bool]:
     """
     named = named_leaves(tree)
     leaves = list(named.values())
-    if not all(d.platform == "cpu" for x in leaves for d in x.sharding.device_set):
+    if not in_host_memory(leaves):
         sums, finite = jax.device_get(_summaries(leaves))
         return {name: int(v) for name, v in zip(named, sums, strict=True)}, bool(finite)
     summaries = [_host_summary(x) for x in leaves]
