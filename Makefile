@@ -47,10 +47,10 @@ train:
 # Two workers, one test file each at a time (module fixtures stay shared): most tests are
 # compile-bound and single-threaded, so the suite takes ~14 min instead of ~17 on 2 cores.
 test:
-	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile tests --nbmake notebooks
+	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile tests --nbmake notebooks
 
 test-fast:
-	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile -m "not slow" tests
+	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile -m "not slow" tests
 
 lint:
 	$(BIN)/ruff check titan_jax tests scripts benchmarks

@@ -16,11 +16,17 @@ from titan_jax.parallel.mesh import xla_flags_with_cpu_devices  # noqa: E402
 
 os.environ["XLA_FLAGS"] = xla_flags_with_cpu_devices(os.environ.get("XLA_FLAGS", ""), 8)
 
-_CACHE = tempfile.mkdtemp(prefix="titan_jax_test_cache_")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# One cache folder a session: the process that starts first (pytest-xdist's controller, or
+# pytest alone) makes it; its workers and every CLI subprocess inherit it, so a step one test
+# compiled is loaded, not compiled again, by the next test that builds the same program.
+_CACHE = os.environ.get("TITAN_JAX_TEST_CACHE", "")
+if not _CACHE:
+    _CACHE = os.environ["TITAN_JAX_TEST_CACHE"] = tempfile.mkdtemp(prefix="titan_jax_test_cache_")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ["XDG_CACHE_HOME"] = _CACHE
 os.environ["TITAN_JAX_COMPILATION_CACHE"] = os.path.join(_CACHE, "titan_jax", "xla")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_compilation_cache_dir", os.environ["TITAN_JAX_COMPILATION_CACHE"])

@@ -34,6 +34,7 @@ from titan_jax.config_schema import (
     Training,
     Validation,
 )
+from titan_jax.yarn import YarnScaling
 
 # The schema's names are part of this module's interface (`from titan_jax.config import ...`).
 __all__ = ["ActivationCheckpoint", "Checkpoint", "ConfigError", "Distributed", "Job", "JobConfig",
@@ -310,12 +311,18 @@ def _check_rest(config: JobConfig) -> None:
 def _check_yarn(m: Model) -> None:
     if m.rope_type != "yarn":
         return
-    _require(m.yarn_factor >= 1, f"model.yarn_factor={m.yarn_factor} must be >= 1")
-    _require(m.yarn_original_max_position_embeddings >= 1,
-             f"model.yarn_original_max_position_embeddings="
-             f"{m.yarn_original_max_position_embeddings} must be >= 1")
-    _require(m.yarn_attention_factor >= 0, f"model.yarn_attention_factor="
-             f"{m.yarn_attention_factor} must be >= 0 (0: from the factor)")
+    try:
+        yarn_of(m).validate(prefix="model.yarn_")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def yarn_of(m: Model) -> YarnScaling:
+    """The YaRN scaling the `[model]` yarn_* keys describe."""
+    return YarnScaling(factor=m.yarn_factor,
+                       original_max_position_embeddings=m.yarn_original_max_position_embeddings,
+                       beta_fast=m.yarn_beta_fast, beta_slow=m.yarn_beta_slow,
+                       attention_factor=m.yarn_attention_factor, truncate=m.yarn_truncate)
 
 
 def _check_data(t: Training) -> None:

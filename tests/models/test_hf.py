@@ -22,7 +22,8 @@ from titan_jax.models.qwen3 import QWEN3, Qwen3Args, build_model_def, hf, hf_con
 from titan_jax.models.qwen3.args import YarnScaling
 from titan_jax.models.qwen3.model import rope_frequencies
 from titan_jax.models.safetensors_io import HFCheckpointError
-from titan_jax.train.model_io import load_orbax
+from titan_jax.train.checkpoint import CheckpointError
+from titan_jax.train.model_io import ARGS_FILE, load_orbax, save_orbax
 
 try:  # the `parity` extra; CI installs it, so there a missing one is a failure, not a skip
     import torch
@@ -125,6 +126,20 @@ def test_yarn_from_an_older_rope_scaling_file():
     ({"use_sliding_window": True}, "use_sliding_window=True"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"num_key_value_heads": 3}, "n_kv_heads=3"),
+    # Sizes and numbers are range-checked where they are read, before anything is built.
+    ({"num_hidden_layers": 2**64}, "num_hidden_layers=18446744073709551616 must be in [1, "),
+    ({"num_key_value_heads": 0}, "num_key_value_heads=0 must be in [1, 2147483647]"),
+    ({"max_position_embeddings": 10**15}, "max_position_embeddings=1000000000000000 must be"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan must be a finite number >= 0"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be > 0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
+     "rope_theta=inf must be a finite number > 1"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 1,
+                          "beta_slow": 32}}, "rope_parameters.beta_fast=1.0 must be > beta_slow"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_slow": -1}},
+     "rope_parameters.beta_slow=-1.0 must be > 0"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 1e300}},
+     "rope_parameters.factor=1e.300 times original_max_position_embeddings=128 exceeds"),
 ])
 def test_bad_config_fields_are_named(change, message):
     config = {**hf_config.hf_config_from_args(UNTIED), **change}
@@ -295,6 +310,28 @@ def test_missing_tensor_wrong_shape_and_unexpected_tensor_are_named(tmp_path):
     _rewrite(src, drop=["model.layers.2.mlp.up_proj.weight", "lm_head.weight"])
     with pytest.raises(HFCheckpointError, match="missing tensor 'lm_head.weight'"):
         hf.load_hf_params(src)
+
+
+def test_a_layer_count_the_files_do_not_hold_is_refused_before_anything_is_built(tmp_path):
+    """A tampered num_hidden_layers would build a list of 10**9 expected tensors (23 GB
+    before the first shape comparison): the count is checked against the files first."""
+    src = save_hf_model(UNTIED, tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
+    with pytest.raises(HFCheckpointError, match=rf"num_hidden_layers=1000000000, but the "
+                       rf"safetensors files hold {UNTIED.n_layers} layers$"):
+        hf.load_hf_params(src)
+
+
+def test_stored_model_args_are_range_checked(tmp_path):
+    path = tmp_path / "model"
+    save_orbax(path, build_model_def(UNTIED).init(jax.random.key(0)), UNTIED)
+    stored = json.loads((path / ARGS_FILE).read_text())
+    for value, shown in ((0, "0"), (2.5, "2.5"), ("2", "'2'")):
+        (path / ARGS_FILE).write_text(json.dumps({**stored, "n_layers": value}))
+        with pytest.raises(CheckpointError,
+                           match=rf"model_args.json: n_layers={shown} must be an integer in"):
+            load_orbax(path, QWEN3)
 
 
 def test_tied_checkpoint_with_lm_head_loads_and_ignores_it(tmp_path):

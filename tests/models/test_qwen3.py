@@ -106,6 +106,21 @@ def test_yarn_keys_of_the_model_section_reach_the_args_and_survive_json():
         load_config(None, ["--model.rope_type", "yarn", "--model.yarn_factor", "0.5"])
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("beta_fast", "0", r"model.yarn_beta_fast=0.0 must be > beta_slow=1.0 \(the ramp"),
+    ("beta_slow", "-1", r"model.yarn_beta_slow=-1.0 must be > 0"),
+    ("factor", "1e300", r"model.yarn_factor=1e\+300 times original_max_position_embeddings="
+                        r"32768 exceeds 2147483647 positions"),
+    ("original_max_position_embeddings", "0", r"model.yarn_original_max_position_embeddings=0 "
+                                              r"must be in \[1, 2147483647\]"),
+])
+def test_yarn_keys_are_range_checked_as_hf_defines_them(key, value, message):
+    """beta_fast > beta_slow > 0 (log(0) and an inverted ramp give NaN or wrong frequencies),
+    positions that int32 holds: the same rule as a HF config.json's rope_parameters."""
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config(None, ["--model.rope_type", "yarn", f"--model.yarn_{key}", value])
+
+
 # MoE: the experts' matmul outputs are named too (moe.MOE_SAVED_ACTIVATIONS).
 TINY_MOE = dataclasses.replace(TINY, num_experts=4, top_k=2, moe_inter_dim=16)
 

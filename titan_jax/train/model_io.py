@@ -75,15 +75,24 @@ def read_orbax_args(path: str | Path, spec: ModelSpec) -> Any:
         unknown = sorted(set(fields) - known) if isinstance(fields, dict) else fields
         raise CheckpointError(f"{file}: unknown fields {unknown}; valid: "
                               f"{', '.join(sorted(known))}")
+    return _checked_args(spec, fields, str(file))
+
+
+def _checked_args(spec: ModelSpec, fields: dict[str, Any], where: str) -> Any:
+    """`spec`'s args from stored fields, range-checked (the args class's `validate`) before any
+    shape is built from them."""
     try:
-        return spec.args_class(**fields)
-    except (TypeError, ValueError) as e:  # the args class checks its own fields
-        raise CheckpointError(f"{file}: {e}") from None
+        args = spec.args_class(**fields)
+        args.validate()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return args
 
 
 def checkpoint_args(ckpt: Checkpointer, step: int, spec: ModelSpec) -> Any:
     """The model args a training run's checkpoint `step` was saved with."""
-    return spec.args_class(**ckpt.meta(step)["model_args"])
+    return _checked_args(spec, ckpt.meta(step)["model_args"],
+                         f"checkpoint {ckpt.directory / str(step)} (model_args)")
 
 
 def _abstract_params(args: Any, shardings: Params | None) -> Params:

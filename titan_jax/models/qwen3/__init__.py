@@ -3,9 +3,9 @@ its registration as model.name = "qwen3"."""
 
 import dataclasses
 
-from titan_jax.config import JobConfig
+from titan_jax.config import JobConfig, yarn_of
 from titan_jax.models.qwen3 import decode, hf
-from titan_jax.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args, YarnScaling, get_flavor
+from titan_jax.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args, get_flavor
 from titan_jax.models.qwen3.build import Qwen3Def, build_model_def
 from titan_jax.models.qwen3.flops import flops_per_token
 from titan_jax.models.qwen3.hf_config import read_hf_config
@@ -27,11 +27,7 @@ def configure(args: Qwen3Args, config: JobConfig) -> Qwen3Args:
     `[moe]` knobs."""
     m = config.model
     if m.rope_type == "yarn":
-        args = dataclasses.replace(args, yarn=YarnScaling(
-            factor=m.yarn_factor,
-            original_max_position_embeddings=m.yarn_original_max_position_embeddings,
-            beta_fast=m.yarn_beta_fast, beta_slow=m.yarn_beta_slow,
-            attention_factor=m.yarn_attention_factor, truncate=m.yarn_truncate))
+        args = dataclasses.replace(args, yarn=yarn_of(m))
     if not args.is_moe:
         return args
     return dataclasses.replace(args, load_balance_coeff=config.moe.load_balance_coeff,

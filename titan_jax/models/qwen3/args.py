@@ -6,38 +6,9 @@ import dataclasses
 import math
 
 from titan_jax.models.spec import pick_flavor
+from titan_jax.yarn import MAX_SIZE, YarnScaling
 
-
-@dataclasses.dataclass(frozen=True)
-class YarnScaling:
-    """YaRN RoPE scaling, HF's `rope_parameters` with rope_type "yarn" (transformers'
-    `_compute_yarn_parameters`): frequencies that turn fewer than `beta_slow` times over
-    `original_max_position_embeddings` are interpolated by `factor`, those turning more than
-    `beta_fast` times are kept, a linear ramp blends between; cos/sin are scaled by the
-    attention factor."""
-
-    factor: float = 4.0
-    original_max_position_embeddings: int = 32768
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float = 0.0  # 0: HF's default, 0.1 * ln(factor) + 1 (1 when factor <= 1)
-    truncate: bool = True  # round the ramp's ends outward to whole dims (HF's default)
-
-    @property
-    def cos_sin_scale(self) -> float:
-        if self.attention_factor:
-            return self.attention_factor
-        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
-
-    def validate(self) -> None:
-        if not self.factor >= 1:
-            raise ValueError(f"yarn factor={self.factor} must be >= 1")
-        if self.original_max_position_embeddings < 1:
-            raise ValueError(f"yarn original_max_position_embeddings="
-                             f"{self.original_max_position_embeddings} must be >= 1")
-        if self.attention_factor < 0:
-            raise ValueError(f"yarn attention_factor={self.attention_factor} must be >= 0 "
-                             "(0: from the factor)")
+__all__ = ["MAX_SIZE", "QWEN3_FLAVORS", "Qwen3Args", "YarnScaling", "get_flavor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +54,23 @@ class Qwen3Args:
         return self.n_kv_heads * self.head_dim
 
     def validate(self) -> None:
+        """Sizes in [1, MAX_SIZE] (0 for the MoE fields of a dense model), finite positive
+        floats, and the shapes' own rules; messages name the fields as Qwen3Args spells them."""
+        sizes = ["dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size",
+                 "max_seq_len", *(["num_experts", "top_k", "moe_inter_dim"] if self.is_moe
+                                  else ["hidden_dim"])]
+        for name in sizes:
+            value = getattr(self, name)
+            if type(value) is not int or not 1 <= value <= MAX_SIZE:
+                raise ValueError(f"{name}={value!r} must be an integer in [1, {MAX_SIZE}]")
+        for name in ("norm_eps", "rope_theta", "load_balance_coeff", "router_aux_loss_coef"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps={self.norm_eps} must be > 0")
+        if not self.rope_theta > 1:  # frequencies are theta ** (-i / d): 1 turns none
+            raise ValueError(f"rope_theta={self.rope_theta} must be > 1")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
@@ -91,7 +79,7 @@ class Qwen3Args:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.yarn is not None:
             self.yarn.validate()
-        if self.is_moe and not 0 < self.top_k <= self.num_experts:
+        if self.is_moe and not self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
 
 

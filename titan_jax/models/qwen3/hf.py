@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from titan_jax.models.qwen3.hf_config import (
     read_hf_config,
 )
 from titan_jax.models.qwen3.hf_tensors import IGNORED, fused_expert_layout, hf_tensors
-from titan_jax.models.safetensors_io import DEFAULT_MAX_SHARD_SIZE, Reader
+from titan_jax.models.safetensors_io import DEFAULT_MAX_SHARD_SIZE, HFCheckpointError, Reader
 
 Params = dict[str, Any]
 
@@ -69,6 +70,26 @@ class _Reader(Reader):
         return super().read(name, index)
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+def _check_counts(reader: _Reader, args: Qwen3Args, where: str) -> None:
+    """The layer and expert counts the model implies are ones the files hold: the list of
+    expected tensors grows with their product, so a tampered count in config.json would
+    allocate without bound before any shape is compared."""
+    def held(pattern: re.Pattern[str]) -> int:
+        return 1 + max((int(m[1]) for name in reader.files if (m := pattern.match(name))),
+                       default=-1)
+
+    for field, wanted, pattern, what in (("num_hidden_layers", args.n_layers, _LAYER, "layers"),
+                                         ("num_experts", args.num_experts, _EXPERT, "experts")):
+        found = held(pattern)
+        if wanted > found:
+            raise HFCheckpointError(f"{where}: {field}={wanted}, but the safetensors files hold "
+                                    f"{found} {what}")
+
+
 def load_hf_params(path: str | Path, args: Qwen3Args | None = None,
                    shardings: Params | None = None, dtype: Any = np.float32) -> Params:
     """Reads the HF model directory `path` into titan-jax params.
@@ -84,9 +105,10 @@ def load_hf_params(path: str | Path, args: Qwen3Args | None = None,
         args = checkpoint
     else:
         check_args_match(args, checkpoint, str(path / CONFIG_FILE))
-    tensors = hf_tensors(args)
     with contextlib.ExitStack() as stack:
         reader = _Reader(path, stack)
+        _check_counts(reader, args, str(path / CONFIG_FILE))
+        tensors = hf_tensors(args)
         # HF ties by copying: a tied checkpoint may still store lm_head.weight; it is not used.
         known = {fused for fused, _, _ in reader.fused.values()} | (
             {"lm_head.weight"} if args.tie_embeddings else set())

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
+from titan_jax.models.qwen3.args import MAX_SIZE, Qwen3Args, YarnScaling
 from titan_jax.models.safetensors_io import HFCheckpointError
 
 CONFIG_FILE = "config.json"
@@ -27,15 +27,21 @@ _WEIGHT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidde
 
 def _field(config: dict[str, Any], where: str, name: str, kind: type, default: Any = None
            ) -> Any:
-    """config[name] as `kind` (an int widens to float), `default` when absent or null."""
+    """config[name] as `kind` (an int widens to float), `default` when absent or null. Every
+    int here is a size, in [1, MAX_SIZE]; every float a finite number >= 0: checked before
+    anything is built from them (a tampered count would allocate without bound)."""
     value = config.get(name)
     value = default if value is None else value  # HF writes null for "use the default"
     if value is None:
         raise HFCheckpointError(f"{where}: missing field {name!r}")
     if kind is float and type(value) is int:
-        return float(value)
+        value = float(value)
     if type(value) is not kind:  # `type is`: a JSON true is not an int
         raise HFCheckpointError(f"{where}: {name}={value!r} is not of type {kind.__name__}")
+    if kind is int and not 1 <= value <= MAX_SIZE:
+        raise HFCheckpointError(f"{where}: {name}={value} must be in [1, {MAX_SIZE}]")
+    if kind is float and not (math.isfinite(value) and value >= 0):
+        raise HFCheckpointError(f"{where}: {name}={value} must be a finite number >= 0")
     return value
 
 
@@ -91,9 +97,9 @@ def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwe
     field = functools.partial(_field, config, where)
     dim = field("hidden_size", int)
     n_heads = field("num_attention_heads", int)
-    if n_heads <= 0 or dim <= 0:
-        raise HFCheckpointError(f"{where}: hidden_size={dim} and num_attention_heads={n_heads} "
-                                "must be positive")
+    norm_eps = field("rms_norm_eps", float, 1e-6)
+    if norm_eps == 0:
+        raise HFCheckpointError(f"{where}: rms_norm_eps=0.0 must be > 0")
     args = Qwen3Args(
         dim=dim,
         n_layers=field("num_hidden_layers", int),
@@ -102,7 +108,7 @@ def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwe
         head_dim=field("head_dim", int, dim // n_heads),
         hidden_dim=field("intermediate_size", int),
         vocab_size=field("vocab_size", int),
-        norm_eps=field("rms_norm_eps", float, 1e-6),
+        norm_eps=norm_eps,
         rope_theta=theta,
         max_seq_len=field("max_position_embeddings", int, 32768),
         yarn=yarn,
@@ -128,6 +134,8 @@ def _rope_from_config(config: dict[str, Any], where: str) -> tuple[float, YarnSc
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, int | float):
         raise HFCheckpointError(f"{where}: rope_theta={theta!r} is not a number")
+    if not (math.isfinite(theta) and theta > 1):  # frequencies are theta ** (-i / d)
+        raise HFCheckpointError(f"{where}: rope_theta={theta} must be a finite number > 1")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
@@ -143,10 +151,16 @@ def _rope_from_config(config: dict[str, Any], where: str) -> tuple[float, YarnSc
         value = default if value is None else value
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise HFCheckpointError(f"{where}: {key}.{name}={value!r} is not a number")
+        if value is not None and not math.isfinite(value):
+            raise HFCheckpointError(f"{where}: {key}.{name}={value} must be a finite number")
         return value
 
-    max_len = config.get("max_position_embeddings", 32768)
-    original = int(number("original_max_position_embeddings", max_len))
+    max_len = _field(config, where, "max_position_embeddings", int, 32768)
+    original = number("original_max_position_embeddings", max_len)
+    if not (original == int(original) and 1 <= original <= MAX_SIZE):
+        raise HFCheckpointError(f"{where}: {key}.original_max_position_embeddings={original} "
+                                f"must be a whole number in [1, {MAX_SIZE}]")
+    original = int(original)
     factor = float(number("factor", None) or max_len / original)
     attention = number("attention_factor", None)
     mscale, mscale_all_dim = number("mscale", None), number("mscale_all_dim", None)
@@ -161,9 +175,9 @@ def _rope_from_config(config: dict[str, Any], where: str) -> tuple[float, YarnSc
                        beta_slow=float(number("beta_slow", 1.0) or 1.0),
                        attention_factor=float(attention or 0.0), truncate=truncate)
     try:
-        yarn.validate()
+        yarn.validate(prefix=f"{key}.")
     except ValueError as e:
-        raise HFCheckpointError(f"{where}: {key}: {e}") from None
+        raise HFCheckpointError(f"{where}: {e}") from None
     return float(theta), yarn
 
 
