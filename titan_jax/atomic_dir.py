@@ -9,6 +9,7 @@ it is, holds, or lies inside the source being read.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -21,8 +22,20 @@ class DestinationError(TitanJaxError, ValueError):
     """A destination that must not be written: the source itself, or a folder of the user's."""
 
 
+NAME_MAX = 255  # bytes in one path component (ext4, xfs, GCS object name parts too)
+
+
+def hidden_name(name: str, what: str) -> str:
+    """`.NAME.titan-jax-WHAT`, the hidden sibling of `name` that titan-jax writes through; a name
+    too long for the extra characters is replaced by its hash (a 250-byte name is valid)."""
+    hidden = f".{name}.titan-jax-{what}"
+    if len(hidden.encode()) <= NAME_MAX:
+        return hidden
+    return f".{hashlib.sha256(name.encode()).hexdigest()[:32]}.titan-jax-{what}"
+
+
 def _temporary(path: Path, what: str) -> Path:
-    return path.with_name(f".{path.name}.titan-jax-{what}")
+    return path.with_name(hidden_name(path.name, what))
 
 
 def check_destination(dst: str | Path, *, overwrite: bool = False,

@@ -180,6 +180,53 @@ def test_a_corrupted_or_truncated_shard_is_named(tmp_path, capsys):
         open_corpus(str(tmp_path / "src"), TOK)
 
 
+@pytest.mark.parametrize("damage, problem", [
+    (lambda text: text[:len(text) // 2], "not JSON"),
+    (lambda text: "[1, 2]", "is not a version 1 titan-jax token store"),
+    (lambda text: text.replace('"tokens": ', '"tokens": -', 1), "tokens=-\\d+ is not the sum"),
+    (lambda text: text.replace('"vocab_size": ', '"vocab_size": 100', 1), "dtype="),
+    (lambda text: text.replace('"shards": [', '"shards": [{"file_index": 99}, ', 1),
+     "shard entry"),
+    (lambda text: text.replace('"documents": ', '"documents": 1', 1), "documents=1\\d+ is not"),
+])
+def test_a_damaged_manifest_is_one_line_naming_it_even_under_verify(tmp_path, capsys, damage,
+                                                                    problem):
+    from titan_jax.cli import main
+
+    _jsonl_files(tmp_path / "src")
+    _prepare(tmp_path / "src", tmp_path / "store")
+    manifest = tmp_path / "store" / "manifest.json"
+    manifest.write_text(damage(manifest.read_text()))
+    with pytest.raises(StoreError, match=f"^{manifest} (is damaged .({problem})|{problem})"):
+        open_corpus(str(tmp_path / "store"), TOK)
+    assert main(["prepare-data", "--output", str(tmp_path / "store"), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"titan-jax: error: {manifest} ") and err.count("\n") == 1
+
+
+def test_token_ids_past_the_vocabulary_name_the_shard(tmp_path, capsys):
+    """Ids the tokenizer cannot have made (a store edited or of another vocabulary with the same
+    tokenizer hash) are named with their shard when read, not found as NaN steps later."""
+    from titan_jax.cli import main
+
+    _jsonl_files(tmp_path / "src")
+    _prepare(tmp_path / "src", tmp_path / "store")
+    shard = tmp_path / "store" / "tokens-00001.bin"
+    tokens = np.fromfile(shard, "<u2")
+    tokens[7] = TOK.vocab_size + 5
+    tokens.tofile(shard)
+    corpus = open_corpus(str(tmp_path / "store"), TOK)
+    start = int(corpus.starts[1])
+    message = (f"shard {shard} is corrupted: token 7 is id {TOK.vocab_size + 5}, past the "
+               f"tokenizer's vocab_size {TOK.vocab_size}; prepare the store again")
+    with pytest.raises(StoreError, match=f"^{message}$"):
+        corpus.read(start, start + 16)
+    np.testing.assert_array_equal(corpus.read(0, 16), open_corpus(  # other shards still read
+        str(tmp_path / "store"), TOK).read(0, 16))
+    assert main(["prepare-data", "--output", str(tmp_path / "store"), "--verify"]) == 2
+    assert "sha256 differs" in capsys.readouterr().err  # the checksum is checked first
+
+
 @pytest.mark.slow
 def test_kill_9_during_prepare_data_then_rerun_gives_the_identical_store(tmp_path):
     src = tmp_path / "src"

@@ -20,6 +20,8 @@ import hashlib
 import json
 import multiprocessing
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from titan_jax.atomic_dir import hidden_name
 from titan_jax.data.dataset import DataError, Split, read_documents, source_files
 from titan_jax.data.paths import filesystem, is_local, join
 from titan_jax.data.store import (
@@ -41,6 +44,8 @@ from titan_jax.data.store import (
 from titan_jax.data.tokenizer import Tokenizer
 
 CHUNK_CHARS = 1 << 20  # ~1 MB of text per tokenizing task
+# Tokenizing is CPU-bound: more processes than this only cost memory (a tokenizer each).
+MAX_WORKERS_PER_CPU = 4
 
 
 def _chunks(texts: Iterator[str]) -> Iterator[list[str]]:
@@ -71,10 +76,19 @@ def encode_chunk(tok: Tokenizer, texts: list[str], dtype: str) -> tuple[bytes, n
 _WORKER: Tokenizer | None = None
 
 
-def _init_worker(text: str, eos_id: int) -> None:
+def _init_worker(text: str, eos_id: int, parent: int) -> None:
     global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     _WORKER = Tokenizer(tokenizers.Tokenizer.from_str(text), eos_id=eos_id)
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+    """A worker ends when its parent is gone: a parent killed with SIGKILL cannot shut its pool
+    down, and the workers would wait on its queue for ever."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _encode_in_worker(texts: list[str], dtype: str) -> tuple[bytes, np.ndarray]:
@@ -92,7 +106,7 @@ class _Encoder:
         self.tok, self.dtype = tok, dtype
         self.pool = None if workers <= 1 else ProcessPoolExecutor(
             workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker, initargs=(tok.to_json(), tok.eos_id))
+            initializer=_init_worker, initargs=(tok.to_json(), tok.eos_id, os.getpid()))
         self.depth = 2 * max(1, workers)
 
     def _submit(self, chunk: list[str] | None) -> Any:
@@ -184,6 +198,12 @@ def _start_folder(fs: Any, folder: str, request: dict[str, Any]) -> None:
     _write_atomic(fs, record, json.dumps(request).encode())
 
 
+def partial_folder(out_path: str) -> str:
+    """The hidden sibling a local store is built in, renamed to `out_path` when complete."""
+    parent, _, name = out_path.rstrip("/").rpartition("/")
+    return join(parent, hidden_name(name, "partial"))
+
+
 def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer: Tokenizer,
                   output: str, split: Split = "train", workers: int = 1, num_shards: int = 1,
                   shard_index: int = 0, progress: Callable[[str], None] = lambda _: None,
@@ -191,8 +211,10 @@ def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer
     """Writes (or finishes, or finds already written) the store at `output`; its manifest.
     An input found damaged part way leaves the shards finished so far for a rerun to keep, or
     (`keep_partial=False`) nothing."""
-    if workers < 1:
-        raise DataError(f"--workers={workers} must be >= 1")
+    cpus = os.cpu_count() or 1
+    if not 1 <= workers <= MAX_WORKERS_PER_CPU * cpus:
+        raise DataError(f"--workers={workers} must be in [1, {MAX_WORKERS_PER_CPU * cpus}] "
+                        f"({MAX_WORKERS_PER_CPU} per CPU; this machine has {cpus})")
     if not 0 <= shard_index < num_shards:
         raise DataError(f"--shard-index={shard_index} must be in [0, --num-shards={num_shards})")
     files = source_files(dataset, dataset_path, split)
@@ -211,12 +233,14 @@ def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer
         progress(f"{output}: already prepared ({done['tokens']:,} tokens)")
         return done
     fs, out_path = filesystem(output)
-    if fs.exists(out_path) and fs.ls(out_path):
+    # A remote store is written in place: what a failed run left there (its request.json
+    # first) is ours to go on from; anything else in the folder is the user's.
+    if fs.exists(out_path) and fs.ls(out_path) and (
+            is_local(output) or not fs.isfile(join(out_path, "request.json"))):
         raise StoreError(f"--output {output} exists and is not a token store; choose a new "
                          "folder (nothing of yours is overwritten)")
     local = is_local(output)
-    folder = (join(out_path.rsplit("/", 1)[0], f".{out_path.rsplit('/', 1)[1]}.titan-jax-partial")
-              if local else out_path)
+    folder = partial_folder(out_path) if local else out_path
     _start_folder(fs, folder, request)
     try:
         entries = _write_shards(fs, folder, mine, dataset, text_field, tokenizer, workers,

@@ -46,14 +46,58 @@ def shard_names(file_index: int) -> tuple[str, str]:
 
 
 def read_manifest(store: str) -> dict[str, Any] | None:
-    fs, path = filesystem(join(store, MANIFEST))
+    """The store's manifest, every field checked (a cut or edited file is one StoreError naming
+    it), or None where the folder has none (not a store, or one still being written)."""
+    url = join(store, MANIFEST)
+    fs, path = filesystem(url)
     if not fs.isfile(path):
         return None
-    with fs.open(path, "rb") as f:
-        manifest = json.loads(f.read())
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise StoreError(f"{store}/{MANIFEST} is not a version {VERSION} titan-jax token store")
+    try:
+        with fs.open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StoreError(f"{url} is damaged (not JSON: {e}); prepare the store again") from None
+    except OSError as e:
+        raise StoreError(f"{url} cannot be read: {e.strerror or e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or manifest.get("version") != VERSION:
+        raise StoreError(f"{url} is not a version {VERSION} titan-jax token store")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise StoreError(f"{url} is damaged ({problem}); prepare the store again")
     return manifest
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _manifest_problem(m: dict[str, Any]) -> str | None:
+    """What is wrong with a manifest's fields, or None."""
+    if m.get("dtype") not in ("<u2", "<u4"):
+        return f"dtype={m.get('dtype')!r}"
+    tok, source, shards = m.get("tokenizer"), m.get("source"), m.get("shards")
+    if not (isinstance(tok, dict) and isinstance(tok.get("sha256"), str)
+            and type(tok.get("vocab_size")) is int and tok["vocab_size"] >= 1
+            and type(tok.get("eos_id")) is int and 0 <= tok["eos_id"] < tok["vocab_size"]):
+        return f"tokenizer={tok!r}"
+    if np.dtype(m["dtype"]) != token_dtype(tok["vocab_size"]):
+        return f"dtype={m['dtype']!r} for vocab_size={tok['vocab_size']}"
+    if not (isinstance(source, dict) and isinstance(source.get("inputs_sha256"), str)
+            and type(source.get("files")) is int and source["files"] >= 1):
+        return f"source={source!r}"
+    if not isinstance(shards, list) or not shards:
+        return "no shards"
+    for entry in shards:
+        if not (isinstance(entry, dict) and _is_count(entry.get("file_index"))
+                and entry["file_index"] < source["files"] and _is_count(entry.get("tokens"))
+                and _is_count(entry.get("documents"))
+                and all(isinstance(entry.get(k), str) for k in ("tokens_sha256", "docs_sha256"))):
+            return f"shard entry {entry!r}"[:200]
+    for key in ("tokens", "documents"):
+        if m.get(key) != sum(e[key] for e in shards):
+            return f"{key}={m.get(key)!r} is not the sum of its shards'"
+    return None
 
 
 @dataclass
@@ -63,6 +107,7 @@ class Shard:
     store: str
     entry: dict[str, Any]  # the manifest's record of it
     dtype: np.dtype
+    vocab_size: int  # the run's tokenizer's (the store's, by its sha256): every id is below
 
     def __post_init__(self) -> None:
         tokens, docs = shard_names(self.entry["file_index"])
@@ -94,19 +139,40 @@ class Shard:
             if digest.hexdigest() != self.entry[key]:
                 raise StoreError(f"shard {url} is corrupted (sha256 differs from the manifest); "
                                  "prepare the store again")
+        for start in range(0, self.num_tokens, 1 << 24):  # ids, a block at a time
+            self.read(start, min(start + (1 << 24), self.num_tokens))
+        ends = np.asarray(self.document_ends())
+        if ends.size and (np.any(np.diff(ends) <= 0) or ends[0] <= 0
+                          or ends[-1] != self.num_tokens):
+            raise StoreError(f"shard {self.docs_url} is corrupted (its document ends are not "
+                             f"increasing up to {self.num_tokens} tokens); prepare the store "
+                             "again")
+
+    def _check_ids(self, tokens: np.ndarray, start: int) -> None:
+        """A token id past the vocabulary would index past the embedding (in XLA: a silent
+        clamp, or NaNs several steps later): named here, with its store."""
+        if tokens.size and int(tokens.max()) >= self.vocab_size:
+            at = start + int(np.argmax(tokens >= self.vocab_size))
+            raise StoreError(f"shard {self.tokens_url} is corrupted: token {at} is id "
+                             f"{int(tokens[at - start])}, past the tokenizer's vocab_size "
+                             f"{self.vocab_size}; prepare the store again")
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of this shard."""
+        """Tokens [start, stop) of this shard (each id checked against the vocabulary)."""
         if self.local:
             if self._tokens is None:
                 self._tokens = np.memmap(filesystem(self.tokens_url)[1], self.dtype, mode="r")
-            return self._tokens[start:stop]
-        if self._tokens is None:  # checked at first use: a request per file, not per window
-            self.check_sizes()
-            self._tokens = filesystem(self.tokens_url)
-        fs, path = self._tokens
-        size = self.dtype.itemsize
-        return np.frombuffer(fs.cat_file(path, start=start * size, end=stop * size), self.dtype)
+            tokens = self._tokens[start:stop]
+        else:
+            if self._tokens is None:  # checked at first use: a request per file, not per window
+                self.check_sizes()
+                self._tokens = filesystem(self.tokens_url)
+            fs, path = self._tokens
+            size = self.dtype.itemsize
+            tokens = np.frombuffer(fs.cat_file(path, start=start * size, end=stop * size),
+                                   self.dtype)
+        self._check_ids(tokens, start)
+        return tokens
 
     def document_ends(self) -> np.ndarray:
         if self._docs is None:
@@ -175,7 +241,8 @@ def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.datase
         files[source["inputs_sha256"]] = source["files"]
         dtype = np.dtype(manifest["dtype"])
         groups.setdefault(source["inputs_sha256"], []).extend(
-            Shard(store, e, dtype) for e in manifest["shards"])
+            Shard(store, e, dtype, tokenizer.vocab_size)
+            for e in manifest["shards"])
     shards = []
     for key, group in groups.items():
         group.sort(key=lambda s: s.entry["file_index"])

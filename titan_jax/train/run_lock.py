@@ -59,18 +59,21 @@ def prepare_dump_folder(folder: str | Path, field: str = "job.dump_folder") -> P
 
 
 class RunLock:
-    """Context manager holding the lock of `folder` (which it creates) for one run; `field`
-    names the config field the folder comes from, in messages."""
+    """Context manager holding the lock of `folder` for one run; `field` names the config field
+    or flag the folder comes from, in messages. The lock file is `folder/.titan-jax.lock`
+    (the folder is created), or `lock_file` for a folder that must stay empty until written
+    whole (prepare-data's output: a hidden sibling, whose folder is created)."""
 
-    def __init__(self, folder: str | Path, field: str = "job.dump_folder"):
+    def __init__(self, folder: str | Path, field: str = "job.dump_folder",
+                 lock_file: Path | None = None):
         self.folder = Path(folder)
         self.field = field
-        self.path = self.folder / LOCK_FILE
+        self.path = lock_file or self.folder / LOCK_FILE
         self._fd: int | None = None
         self.me = f"{socket.gethostname()} pid {os.getpid()}"
 
     def __enter__(self) -> RunLock:
-        prepare_dump_folder(self.folder, self.field)
+        prepare_dump_folder(self.path.parent, self.field)
         while self._fd is None:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
