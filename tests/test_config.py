@@ -85,6 +85,10 @@ def test_shipped_recipes_load_and_name_real_flavours(path):
      "folder inside job.dump_folder"),
     (["--checkpoint.folder", "a/../../b"], "checkpoint.folder='a/../../b' must name"),
     (["--checkpoint.folder", "."], "checkpoint.folder='.' must name"),
+    (["--metrics.save_tb_folder", "../../tb"], "metrics.save_tb_folder='../../tb' must name a "
+     "folder inside job.dump_folder"),
+    (["--profiling.save_traces_folder", "x/../../.."], "profiling.save_traces_folder="
+     "'x/../../..' must name a folder inside job.dump_folder"),
 ])
 def test_numbers_the_step_cannot_represent_and_escaping_folders(override, message):
     with pytest.raises(ConfigError) as error:

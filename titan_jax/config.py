@@ -206,15 +206,18 @@ def _check_numbers(config: JobConfig) -> None:
                 _require(math.isfinite(value), f"{where} must be a finite number")
 
 
-def _check_checkpoint_folder(config: JobConfig) -> None:
-    """`checkpoint.folder` is absolute or stays inside `job.dump_folder`: a relative path
-    that climbs out could land on folders of the user's that would be taken for checkpoints."""
-    folder = config.checkpoint.folder
-    if Path(folder).is_absolute():
-        return
-    _require(folder.strip() not in ("", ".") and ".." not in Path(folder).parts,
-             f"checkpoint.folder={folder!r} must name a folder inside job.dump_folder "
-             "(no '..', not the dump folder itself) or be an absolute path")
+def _check_run_subfolders(config: JobConfig) -> None:
+    """The folders named relative to `job.dump_folder` (checkpoints, TensorBoard events,
+    profiler traces) are absolute or stay inside it: a relative path that climbs out writes
+    among folders of the user's (and checkpoints would take theirs for its own)."""
+    for field, folder in (("checkpoint.folder", config.checkpoint.folder),
+                          ("metrics.save_tb_folder", config.metrics.save_tb_folder),
+                          ("profiling.save_traces_folder", config.profiling.save_traces_folder)):
+        if Path(folder).is_absolute():
+            continue
+        _require(folder.strip() not in ("", ".") and ".." not in Path(folder).parts,
+                 f"{field}={folder!r} must name a folder inside job.dump_folder (no '..', not "
+                 "the dump folder itself) or be an absolute path")
 
 
 def _check_dump_folder(config: JobConfig) -> None:
@@ -230,7 +233,7 @@ def validate(config: JobConfig) -> None:
     """Checks values that are valid types but impossible; model/mesh checks happen where known."""
     _check_numbers(config)
     _check_dump_folder(config)
-    _check_checkpoint_folder(config)
+    _check_run_subfolders(config)
     _check_training(config.training)
     _check_rest(config)
 

@@ -310,3 +310,15 @@ def test_a_data_page_damaged_deep_in_a_parquet_file_is_named_and_the_rerun_goes_
         cached_store("parquet", str(src), "text", "train", TOK, str(tmp_path / "cache"),
                      is_first=True, barrier=lambda _: None)
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_the_hint_for_a_folder_that_is_no_store_works_with_spaces_in_its_path(tmp_path):
+    """The command in the hint is pasted into a shell: its path is quoted."""
+    import shlex
+
+    folder = tmp_path / "my corpus"
+    _jsonl_files(folder)
+    with pytest.raises(StoreError) as error:
+        open_corpus(str(folder), TOK)
+    command = str(error.value).split("`")[1]
+    assert shlex.split(command)[-2:] == ["--output", str(folder)]

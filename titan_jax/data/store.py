@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -235,7 +236,8 @@ def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.datase
         manifest = read_manifest(store)
         if manifest is None:
             raise StoreError(f"{what}: {store} is not a token store (no {MANIFEST}); write one "
-                             f"with `titan-jax prepare-data --config ... --output {store}`")
+                             "with `titan-jax prepare-data --config ... --output "
+                             f"{shlex.quote(store)}`")
         _check_tokenizer(store, manifest["tokenizer"], tokenizer)
         source = manifest["source"]
         files[source["inputs_sha256"]] = source["files"]

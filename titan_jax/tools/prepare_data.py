@@ -4,6 +4,7 @@ tokenized with the run's tokenizer; `--verify` re-reads a store against its chec
 from __future__ import annotations
 
 import contextlib
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -55,7 +56,7 @@ def prepare_data(config: JobConfig, output: str, *, workers: int = 1, num_shards
         return manifest
     _progress(f"done in {seconds:.1f} s ({manifest['tokens'] / max(seconds, 1e-9):,.0f} "
               "tokens/s); train from it with --training.dataset tokens "
-              f"--training.dataset_path {output}")
+              f"--training.dataset_path {shlex.quote(output)}")
     return manifest
 
 

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shlex
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -355,7 +356,7 @@ class Checkpointer:
             return "Load it as weights with checkpoint.initial_load_model_only=true"
         older = [s for s in self.steps() if s < step]
         hint = (f"To train on from its weights, use a new job.dump_folder with "
-                f"--checkpoint.initial_load_path {here}")
+                f"--checkpoint.initial_load_path {shlex.quote(str(here))}")
         if older:
             hint += (f"; to resume the full state of step {older[-1]} instead, move {here} out "
                      f"of {self.directory}")
