@@ -334,6 +334,9 @@ def _check_data(t: Training) -> None:
                  f"training.mixture[{i}].path is empty; name a token store folder")
         _require(math.isfinite(m.weight) and m.weight > 0,
                  f"training.mixture[{i}].weight={m.weight} must be a number > 0")
+    total = sum(m.weight for m in t.mixture)
+    _require(math.isfinite(total), f"training.mixture weights sum to {total}; scale them down "
+             "(only their ratios matter)")
     _require(t.dataset != "tokens" or bool(t.dataset_path) or bool(t.mixture),
              "training.dataset='tokens' needs training.dataset_path (token store folders, "
              "written by `titan-jax prepare-data`)")

@@ -59,7 +59,7 @@ class Training:
     # folder, several comma-separated, or a glob; local or gs://... URLs) | "pydoc" (embedded
     # corpus) | "text" | "jsonl" | "parquet" | "hf_disk" (prepared into a store under
     # {dump_folder}/data on first use).
-    dataset: str = "pydoc"
+    dataset: Literal["tokens", "pydoc", "text", "jsonl", "parquet", "hf_disk"] = "pydoc"
     dataset_path: str = ""  # store folder(s) for "tokens"; file, directory or glob for files
     text_field: str = "text"  # field/column holding the text (jsonl, parquet, hf_disk)
     # Several token stores with weights (`[[training.mixture]]` tables of path and weight),
@@ -209,7 +209,7 @@ class Validation:
     # "pydoc": the embedded corpus's held-out slice (training never sees it); "tokens": a
     # held-out token store at dataset_path; a file source ("text", "jsonl", "parquet",
     # "hf_disk", with dataset_path) is prepared into a store and read whole, in order.
-    dataset: str = "pydoc"
+    dataset: Literal["tokens", "pydoc", "text", "jsonl", "parquet", "hf_disk"] = "pydoc"
     dataset_path: str = ""  # store folder(s) for "tokens"; file, directory or glob of files
     freq: int = 500  # validate every N steps, and at the last step
     steps: int = -1  # batches per validation; -1 = the whole validation set once

@@ -130,6 +130,27 @@ def test_resume_with_another_seq_len_continues_at_the_same_token_position(stores
         _stream(stores, seed=4).set_state(stream.get_state())
 
 
+def test_a_store_moved_or_copied_elsewhere_resumes_and_another_is_refused_with_a_fix(stores):
+    """Sources are matched by what they hold: a byte-identical copy at another path resumes."""
+    stream = _stream(stores)
+    next(stream)
+    state = json.loads(json.dumps(stream.get_state()))
+    moved = WindowStream([Source("/elsewhere/a-copy", stores["a"][0])], seq_len=16,
+                         global_batch_size=8, seed=3)
+    moved.set_state(state)
+    assert moved.samples == stream.samples
+    other = WindowStream([Source("a", stores["b"][0])], seq_len=16, global_batch_size=8, seed=3)
+    with pytest.raises(DataError, match=r"the checkpoint read \['a'\] \(seed 3\), this run "
+                       r"reads \['a'\] \(seed 3\) with other tokens or weights; point the run "
+                       "at the checkpoint's stores"):
+        other.set_state(state)
+    old = {**state, "stream": {**state["stream"], "sources": [
+        src[:3] for src in state["stream"]["sources"]]}}  # saved before contents were recorded
+    _stream(stores).set_state(old)
+    with pytest.raises(DataError, match="belongs to another stream"):
+        moved.set_state(old)
+
+
 def test_mixture_proportions_hold_and_are_counted_per_source(stores):
     stream = _stream(stores, names=("a", "b"), weights=(3.0, 1.0), global_batch_size=64)
     source, _ = stream.window_index(np.arange(4 * MIXTURE_BLOCK))

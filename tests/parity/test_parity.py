@@ -2,6 +2,7 @@
 bars on >= 512-token prompts, a 20-step training trajectory, and a bug that must be caught."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -146,3 +147,25 @@ def test_metrics():
     assert metrics.first_greedy_mismatch(logits, np.array([0, 1, 2, 0]), 2) == 1
     assert metrics.rel_diff(np.array([3.0, 4.0]), np.array([3.0, 4.5])) == pytest.approx(
         0.5 / np.hypot(3, 4.5))
+
+
+def test_trajectory_batches_refuse_a_document_mask_and_write_no_store_in_the_run_folder(
+        tmp_path):
+    """The references attend across documents: a masked recipe is refused, not silently
+    unmasked. A file source's store goes to the caller's folder, not the recipe's run folder
+    (which a training run may hold)."""
+    from titan_jax.config import ConfigError, load_config
+    from titan_jax.parity.run import corpus_batches
+
+    (tmp_path / "corpus.jsonl").write_text("".join(
+        json.dumps({"text": f"document {i} " + "words " * 40}) + "\n" for i in range(40)))
+    run = tmp_path / "run"
+    argv = ["--training.dataset", "jsonl", "--training.dataset_path",
+            str(tmp_path / "corpus.jsonl"), "--training.seq_len", "16",
+            "--training.local_batch_size", "2", "--job.dump_folder", str(run)]
+    with pytest.raises(ConfigError, match="^training.document_mask=true: the PyTorch"):
+        corpus_batches(load_config(None, [*argv, "--training.document_mask", "true"]), 2048, 2)
+    batches = corpus_batches(load_config(None, argv), 2048, 2,
+                             store_folder=str(tmp_path / "scratch"))
+    assert len(batches) == 2 and batches[0]["inputs"].shape == (2, 16)
+    assert not run.exists() and any((tmp_path / "scratch").iterdir())

@@ -190,6 +190,9 @@ class Corpus:
 
     def __init__(self, shards: Sequence[Shard]):
         self.shards = list(shards)
+        # What the corpus holds, not where: a store copied or moved elsewhere is the same.
+        self.content_sha256 = hashlib.sha256("".join(
+            s.entry["tokens_sha256"] for s in self.shards).encode()).hexdigest()
         sizes = np.array([s.num_tokens for s in self.shards], np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])
         self.num_tokens = int(self.starts[-1])

@@ -193,8 +193,22 @@ class WindowStream:
                 for s, n in zip(self.sources, self.mixture.samples_per_source(k), strict=True)}
 
     def _identity(self) -> dict[str, Any]:
-        return {"seed": self.seed, "sources": [[s.name, s.corpus.num_tokens, s.weight]
-                                               for s in self.sources]}
+        return {"seed": self.seed, "sources": [[s.name, s.corpus.num_tokens, s.weight,
+                                                s.corpus.content_sha256] for s in self.sources]}
+
+    def _same_stream(self, saved: dict[str, Any]) -> bool:
+        """The saved stream is this one: same seed, and per source the same tokens and weight,
+        found by content (a store moved or copied to another path resumes) or, for a state
+        saved before contents were recorded, by path."""
+        current = self._identity()
+        if saved.get("seed") != current["seed"] or len(saved.get("sources", [])) != len(
+                current["sources"]):
+            return False
+        for old, new in zip(saved["sources"], current["sources"], strict=True):
+            same = old[3] == new[3] if len(old) > 3 else old[0] == new[0]
+            if not (same and old[1:3] == new[1:3]):
+                return False
+        return True
 
     def get_state(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "samples": self.samples, "seq_len": self.seq_len,
@@ -205,9 +219,14 @@ class WindowStream:
             raise DataError(
                 f"data iterator state has no version {STATE_VERSION} position (it was saved by "
                 f"an older titan-jax): {str(state)[:200]}")
-        if state["stream"] != self._identity():
-            raise DataError("data iterator state belongs to another stream (saved, current): "
-                            f"{state['stream']} vs {self._identity()}")
+        if not self._same_stream(state["stream"]):
+            saved = [src[0] for src in state["stream"].get("sources", [])]
+            raise DataError(
+                f"data iterator state belongs to another stream: the checkpoint read {saved} "
+                f"(seed {state['stream'].get('seed')}), this run reads "
+                f"{[s.name for s in self.sources]} (seed {self.seed}) with other tokens or "
+                "weights; point the run at the checkpoint's stores (copies of them anywhere "
+                "will do), or train in a new job.dump_folder")
         samples, saved_len = int(state["samples"]), int(state["seq_len"])
         self.resume_note = None
         if saved_len != self.seq_len:

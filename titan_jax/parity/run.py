@@ -172,9 +172,18 @@ def _trajectory(model: Any, params: Any, hf_dir: Path, recipe: JobConfig,
     return None, Trajectory(ours, ref, our_lrs, ref_lrs)
 
 
-def corpus_batches(config: JobConfig, vocab_size: int, steps: int
+def corpus_batches(config: JobConfig, vocab_size: int, steps: int, store_folder: str | None = None
                    ) -> list[dict[str, np.ndarray]]:
-    """The recipe's first `steps` batches of one data-parallel rank (local_batch_size rows)."""
+    """The recipe's first `steps` batches of one data-parallel rank (local_batch_size rows).
+    A file source is prepared into a store in `store_folder` (a folder of the caller's; None:
+    the recipe's `{dump_folder}/data`, as training does)."""
+    if config.training.document_mask:
+        raise ConfigError("training.document_mask=true: the PyTorch references of a parity "
+                          "trajectory attend across documents; run it with "
+                          "--training.document_mask false")
+    if store_folder is not None:
+        config = dataclasses.replace(config, job=dataclasses.replace(
+            config.job, dump_folder=store_folder))
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(
@@ -215,7 +224,9 @@ def run_from_config(config: JobConfig, hf_checkpoint: str | Path | None = None, 
             hf_dir = Path(hf_checkpoint)
             args = spec.hf.read_config(hf_dir)
             weights = f"HF checkpoint {hf_dir}"
-        batches = corpus_batches(config, args.vocab_size, trajectory_steps) \
+        # A store prepared for the trajectory lives in the temporary folder: the recipe's run
+        # folder may be in use by a training run (and is not parity's to write).
+        batches = corpus_batches(config, args.vocab_size, trajectory_steps, store_folder=tmp) \
             if trajectory_steps else None
         return run_parity(args, hf_dir, references=references, prompt_len=seq_len,
                           decode_tokens=decode_tokens, seed=seed, recipe=config,
