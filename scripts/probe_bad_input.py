@@ -1,4 +1,4 @@
-"""Every bad-input probe of issue #21, each through the CLI in a fresh process, as a user meets it.
+"""Every bad-input probe of issues #21 and #32, each through the CLI in a fresh process.
 
 For each: the exit code, the whole stderr (the one line it must be, or what else came), and
 whether a watched folder changed (the run's own log, `titan-jax.log`, aside). Exit code 1 if any
@@ -74,6 +74,45 @@ def _fixtures(t: Path) -> None:
     shutil.copytree(t / "model", t / "damaged_model")
     for f in (t / "damaged_model" / "params" / "d").iterdir():
         f.unlink()
+    _round_three_fixtures(t)
+
+
+def _round_three_fixtures(t: Path) -> None:
+    """Issue #32's inputs: HF directories with tampered config.json numbers, token stores with
+    a cut manifest or ids past the vocabulary, a mixture whose weights overflow."""
+    import json
+
+    import numpy as np
+
+    from titan_jax.models.qwen3 import QWEN3, hf
+    from titan_jax.train.model_io import load_orbax
+
+    args, params = load_orbax(t / "model", QWEN3)
+    hf.save_hf(t / "hf_model", params, args)
+    config = json.loads((t / "hf_model" / "config.json").read_text())
+    for name, change in (("hf_layers", {"num_hidden_layers": 10**9}),
+                         ("hf_theta", {"rope_parameters": {"rope_type": "default",
+                                                           "rope_theta": 1e400}}),
+                         ("hf_kv0", {"num_key_value_heads": 0})):
+        shutil.copytree(t / "hf_model", t / name)
+        (t / name / "config.json").write_text(json.dumps({**config, **change}))
+    (t / "corpus.jsonl").write_text("".join(json.dumps({"text": f"document {i} " + "w " * 30})
+                                            + "\n" for i in range(60)))
+    out = _cli(["prepare-data", "--training.dataset", "jsonl", "--training.dataset_path",
+                str(t / "corpus.jsonl"), "--output", str(t / "store")], t)
+    assert out.returncode == 0, out.stderr[-2000:]
+    shutil.copytree(t / "store", t / "cut_manifest")
+    manifest = t / "cut_manifest" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:100])
+    shutil.copytree(t / "store", t / "bad_ids")
+    shard = t / "bad_ids" / "tokens-00000.bin"
+    tokens = np.fromfile(shard, "<u2")
+    tokens[::7] = 65000  # in every window a step may read
+    tokens.tofile(shard)
+    (t / "mixture.toml").write_text(
+        (ROOT / "configs" / "qwen3_debug.toml").read_text()
+        + f'\n[[training.mixture]]\npath = "{t / "store"}"\nweight = 1e308\n'
+        + f'\n[[training.mixture]]\npath = "{t / "store"}"\nweight = 1e308\n')
 
 
 # (name, argv, folder that must not change); T stands for the fixtures' folder.
@@ -142,6 +181,42 @@ PROBES = [
                                               "--checkpoint.enable", "true",
                                               "--checkpoint.last_save_in_hf", "true"],
      "T/export"),
+    # Issue #32: numbers read but not checked, damaged stores, prepare-data, folders.
+    ("config.json with 10**9 layers", ["convert", "--from", "hf", "--to", "orbax", "T/hf_layers",
+                                       "T/out_layers"], "T/hf_layers"),
+    ("config.json with an infinite rope_theta", ["convert", "--from", "hf", "--to", "orbax",
+                                                 "T/hf_theta", "T/out_theta"], None),
+    ("config.json with zero KV heads", ["convert", "--from", "hf", "--to", "orbax", "T/hf_kv0",
+                                        "T/out_kv0"], None),
+    ("yarn_beta_fast 0", [*TRAIN, "--job.dump_folder", "T/o11", "--model.rope_type", "yarn",
+                          "--model.yarn_beta_fast", "0"], None),
+    ("yarn ramp inverted", [*TRAIN, "--job.dump_folder", "T/o12", "--model.rope_type", "yarn",
+                            "--model.yarn_beta_fast", "1", "--model.yarn_beta_slow", "8"], None),
+    ("a yarn factor past int32 positions", [*TRAIN, "--job.dump_folder", "T/o13",
+                                            "--model.rope_type", "yarn", "--model.yarn_factor",
+                                            "1e300"], None),
+    ("mixture weights that overflow", ["train", "--config", "T/mixture.toml", "--training.steps",
+                                       "1", *QUICK, "--job.dump_folder", "T/o14"], None),
+    ("an unknown training.dataset", [*TRAIN, "--job.dump_folder", "T/o15", "--training.dataset",
+                                     "csv"], None),
+    ("save_tb_folder climbing out", [*TRAIN, "--job.dump_folder", "T/o16",
+                                     "--metrics.save_tb_folder", "../../tb"], None),
+    ("save_traces_folder climbing out", [*TRAIN, "--job.dump_folder", "T/o17",
+                                         "--profiling.save_traces_folder", "../x"], None),
+    ("prepare-data --verify of a cut manifest", ["prepare-data", "--output", "T/cut_manifest",
+                                                 "--verify"], "T/cut_manifest"),
+    ("training on a store with ids past the vocabulary", [
+        *TRAIN, "--job.dump_folder", "T/o18", "--training.dataset", "tokens",
+        "--training.dataset_path", "T/bad_ids"], "T/bad_ids"),
+    ("prepare-data --workers 3000000000", [
+        "prepare-data", "--training.dataset", "jsonl", "--training.dataset_path",
+        "T/corpus.jsonl", "--output", "T/store2", "--workers", "3000000000"], None),
+    ("prepare-data into a path under a file", [
+        "prepare-data", "--training.dataset", "jsonl", "--training.dataset_path",
+        "T/corpus.jsonl", "--output", "T/file/store"], None),
+    ("parity trajectory with a document mask", [
+        "parity", "--config", CFG, "--trajectory-steps", "2", "--training.document_mask",
+        "true"], None),
 ]
 
 

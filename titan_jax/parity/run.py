@@ -172,15 +172,19 @@ def _trajectory(model: Any, params: Any, hf_dir: Path, recipe: JobConfig,
     return None, Trajectory(ours, ref, our_lrs, ref_lrs)
 
 
+def _refuse_document_mask(config: JobConfig) -> None:
+    if config.training.document_mask:
+        raise ConfigError("training.document_mask=true: the PyTorch references of a parity "
+                          "trajectory attend across documents; run it with "
+                          "--training.document_mask false")
+
+
 def corpus_batches(config: JobConfig, vocab_size: int, steps: int, store_folder: str | None = None
                    ) -> list[dict[str, np.ndarray]]:
     """The recipe's first `steps` batches of one data-parallel rank (local_batch_size rows).
     A file source is prepared into a store in `store_folder` (a folder of the caller's; None:
     the recipe's `{dump_folder}/data`, as training does)."""
-    if config.training.document_mask:
-        raise ConfigError("training.document_mask=true: the PyTorch references of a parity "
-                          "trajectory attend across documents; run it with "
-                          "--training.document_mask false")
+    _refuse_document_mask(config)
     if store_folder is not None:
         config = dataclasses.replace(config, job=dataclasses.replace(
             config.job, dump_folder=store_folder))
@@ -209,6 +213,8 @@ def run_from_config(config: JobConfig, hf_checkpoint: str | Path | None = None, 
     """
     if trajectory_steps < 0:
         raise ConfigError(f"--trajectory-steps={trajectory_steps} must be >= 0")
+    if trajectory_steps:
+        _refuse_document_mask(config)  # before the model is built and exported
     seed, spec = config.training.seed, get_model_spec(config.model.name)
     with tempfile.TemporaryDirectory(prefix="titan_jax_parity_") as tmp:
         if hf_checkpoint is None:

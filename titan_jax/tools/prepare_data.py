@@ -68,6 +68,9 @@ def _locked(output: str) -> contextlib.AbstractContextManager:
     if not is_local(output):
         return contextlib.nullcontext()
     path = Path(filesystem(output)[1])
+    under = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if under is not None:
+        raise DataError(f"--output {output} lies under {under}, which is a file, not a folder")
     return RunLock(path, "--output", lock_file=path.parent / hidden_name(path.name, "lock"))
 
 
