@@ -14,6 +14,7 @@ import math
 import tomllib
 import types
 import typing
+import urllib.parse
 from pathlib import Path
 from typing import Any, Literal
 
@@ -182,8 +183,35 @@ def load_config(
                 _set(config, section, key, value)
     for section, key, value in parse_overrides(list(overrides)):
         _set(config, section, key, value)
+    _localize_run_folders(config)
     validate(config)
     return config
+
+
+# The run's own folders: written with local file operations (appends, renames, flock).
+_RUN_FOLDERS = (("job", "dump_folder"), ("checkpoint", "folder"))
+
+
+def _localize_run_folders(config: JobConfig) -> None:
+    """`file://` run folders become the local paths they name; any other URL is refused. A
+    bucket works through its FUSE mount (gcsfuse: /gcs/BUCKET/...), where orbax, appends and
+    the lock file all work: docs/USAGE.md. (Token stores and datasets take URLs themselves.)"""
+    for section, key in _RUN_FOLDERS:
+        value = getattr(getattr(config, section), key)
+        if "://" not in value:
+            continue
+        parsed = urllib.parse.urlparse(value)
+        field = f"{section}.{key}={value!r}"
+        if parsed.scheme != "file":
+            raise ConfigError(
+                f"{field} is a {parsed.scheme}:// URL; a run folder is a local path (the run "
+                "appends to its metrics, renames checkpoints and locks the folder): use a "
+                "local disk, or the bucket's FUSE mount (e.g. /gcs/BUCKET/runs/NAME); token "
+                "stores (training.dataset_path) may be URLs")
+        if parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"{field} names host {parsed.netloc!r}; a file:// URL names a "
+                              "path on this machine (file:///abs/path)")
+        setattr(getattr(config, section), key, urllib.parse.unquote(parsed.path))
 
 
 def _require(ok: bool, message: str) -> None:
