@@ -195,7 +195,7 @@ _RUN_FOLDERS = (("job", "dump_folder"), ("checkpoint", "folder"))
 def _localize_run_folders(config: JobConfig) -> None:
     """`file://` run folders become the local paths they name; any other URL is refused. A
     bucket works through its FUSE mount (gcsfuse: /gcs/BUCKET/...), where orbax, appends and
-    the lock file all work: docs/USAGE.md. (Token stores and datasets take URLs themselves.)"""
+    the lock file all work: docs/DATA.md. (Token stores and datasets take URLs themselves.)"""
     for section, key in _RUN_FOLDERS:
         value = getattr(getattr(config, section), key)
         if "://" not in value:
