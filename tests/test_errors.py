@@ -20,3 +20,30 @@ def test_root_cause_from_text_only():
     e = ValueError("Error writing local file " + "y" * 400 + ": [OS error: Permission denied]")
     assert root_cause(e) == "Permission denied"
     assert root_cause(ValueError("shape mismatch")) is None
+
+
+def test_an_abandoned_orbax_task_collected_later_prints_nothing(tmp_path):
+    """orbax's failed reads can also end as Tasks that asyncio reports when they are collected
+    ("Task exception was never retrieved", through its logger): dropped for orbax's coroutines
+    only, so a failed read still prints just its one line."""
+    import subprocess
+    import sys
+
+    (tmp_path / "orbax").mkdir()
+    (tmp_path / "orbax" / "reader.py").write_text("async def read():\n    raise ValueError(1)\n")
+    (tmp_path / "other.py").write_text("async def read():\n    raise ValueError(2)\n")
+    script = (
+        "import asyncio, gc, sys\n"
+        f"sys.path[:0] = [{str(tmp_path)!r}, {str(tmp_path / 'orbax')!r}]\n"
+        "from titan_jax.errors import quiet_closed_loop_callbacks\n"
+        "import reader, other\n"
+        "quiet_closed_loop_callbacks()\n"
+        "for module in (reader, other):\n"
+        "    loop = asyncio.new_event_loop()\n"
+        "    loop.create_task(module.read())\n"
+        "    loop.run_until_complete(asyncio.sleep(0.01))\n"
+        "    loop.close()\n"
+        "    gc.collect()\n")
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60).stderr
+    assert "ValueError: 2" in err and "ValueError: 1" not in err

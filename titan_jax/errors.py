@@ -8,6 +8,7 @@ traceback and exits 1, so real failures are never disguised as bad input.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 from typing import Any
@@ -60,6 +61,15 @@ def quiet_closed_loop_callbacks() -> None:
 
     hook.quiets_abandoned_reads = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+    # A read's Task that failed after the loop stopped waiting for it is reported by asyncio's
+    # logger when collected ("Task exception was never retrieved"), not through the hook.
+    logging.getLogger("asyncio").addFilter(_drop_abandoned_orbax_task)
+
+
+def _drop_abandoned_orbax_task(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith("Task exception was never retrieved")
+                and f"{os.sep}orbax{os.sep}" in message)
 
 
 def _is_closed_loop_callback(unraisable: Any) -> bool:
