@@ -106,24 +106,3 @@ def test_no_import_cycles():
         if node not in state:
             visit(node, [node])
     assert not cycles, "\n".join(cycles)
-
-
-MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
-
-
-def test_no_module_is_oversized():
-    big = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
-           if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
-    assert not big, big
-
-
-def test_no_function_is_oversized():
-    long = {}
-    for path in ROOT.rglob("*.py"):
-        module = str(path.relative_to(ROOT))
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_FUNCTION_LINES:
-                    long[f"{module}:{node.name}"] = lines
-    assert not long, long

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from tiny_model import TIED, UNTIED
 
-import titan_jax.parity  # noqa: F401  (imported before torch: it sets OMP_WAIT_POLICY)
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def, decode, hf
 
 MOE = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=64,

@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 from tiny_model import TIED, UNTIED
 
-import titan_jax.parity  # noqa: F401  (imported before torch: it sets OMP_WAIT_POLICY)
 from titan_jax.cli import main
 from titan_jax.models import safetensors_io
 from titan_jax.models.qwen3 import QWEN3, Qwen3Args, build_model_def, hf, hf_config

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import titan_jax.parity  # noqa: F401  (imported before torch: it sets OMP_WAIT_POLICY)
 from titan_jax.models.qwen3 import build_model_def
 from titan_jax.models.qwen3.hf import iter_hf_tensors, load_hf_params, save_hf
 from titan_jax.models.qwen3.hf_config import HFCheckpointError, read_hf_config

@@ -10,6 +10,7 @@ the same recipe. The report holds the figures, the bars and what failed.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,12 @@ from titan_jax.models import BuildOptions, get_model_spec, spec_of_args
 from titan_jax.parity import BARS, REFERENCES, metrics
 from titan_jax.parity.ours import TitanSide, train_trajectory
 from titan_jax.parity.report import ParityReport, ReferenceResult, Trajectory
+
+# Set here, by the comparison's driver, before a reference imports torch (libgomp reads it
+# then), rather than by the package, which every CLI run imports for its bars: torch's OpenMP
+# threads busy-wait by default, and in a process whose XLA thread pool has run the two fight
+# over the cores and torch steps run ~20x slower (measured: 2 threads, 2 cores).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 HF_INSTALL = "pip install -e '.[parity]'  (torch==2.13.0 first, then transformers==5.24.0)"
 
