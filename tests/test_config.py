@@ -122,7 +122,9 @@ def test_config_file_errors_name_the_file(tmp_path):
      "distributed.process_id=1 needs distributed.num_processes > 1"),
     (["--distributed.initialization_timeout", "0"],
      "distributed.initialization_timeout=0 must be >= 1 seconds"),
-    (["--distributed.num_processes", "-2"], "distributed.num_processes=-2 must be >= 1, or 0"),
+    (["--distributed.num_processes", "-2"], "distributed.num_processes=-2 must be >= 1, or -1"),
+    (["--distributed.num_processes", "0"], "distributed.num_processes=0 must be >= 1, or -1 to "
+     "auto-detect (-1 means auto in every key)"),
 ])
 def test_bad_distributed_settings_name_the_field(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from titan_jax.config_schema import (
+    AUTO,
     ActivationCheckpoint,
     Checkpoint,
     ConfigError,
@@ -38,9 +39,9 @@ from titan_jax.config_schema import (
 from titan_jax.yarn import YarnScaling
 
 # The schema's names are part of this module's interface (`from titan_jax.config import ...`).
-__all__ = ["ActivationCheckpoint", "Checkpoint", "ConfigError", "Distributed", "Job", "JobConfig",
-           "LRScheduler", "Metrics", "Model", "Moe", "Optimizer", "Parallelism", "Profiling",
-           "Training", "Validation", "load_config", "parse_overrides", "validate"]
+__all__ = ["AUTO", "ActivationCheckpoint", "Checkpoint", "ConfigError", "Distributed", "Job",
+           "JobConfig", "LRScheduler", "Metrics", "Model", "Moe", "Optimizer", "Parallelism",
+           "Profiling", "Training", "Validation", "load_config", "parse_overrides", "validate"]
 
 
 def _suggest(name: str, valid: typing.Iterable[str]) -> str:
@@ -377,8 +378,9 @@ def _check_distributed(d: Distributed) -> None:
              f"distributed.initialization_timeout={d.initialization_timeout} must be >= 1 seconds")
     _require(d.step_timeout >= 0,
              f"distributed.step_timeout={d.step_timeout} must be >= 0 seconds (0 = no limit)")
-    _require(d.num_processes >= 0,
-             f"distributed.num_processes={d.num_processes} must be >= 1, or 0 to auto-detect")
+    _require(d.num_processes >= 1 or d.num_processes == AUTO,
+             f"distributed.num_processes={d.num_processes} must be >= 1, or -1 to auto-detect "
+             "(-1 means auto in every key)")
     if d.num_processes > 1:
         host, _, port = d.coordinator_address.rpartition(":")
         _require(bool(host) and port.isdigit(),

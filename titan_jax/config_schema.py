@@ -13,6 +13,9 @@ class ConfigError(TitanJaxError, ValueError):
     """A bad configuration: the message names the field, the value, and what is valid."""
 
 
+# The one spelling of "auto" (or "all", "newest") in integer keys.
+AUTO = -1
+
 @dataclasses.dataclass
 class Job:
     dump_folder: str = "./outputs"  # metrics.jsonl, loss.png, tb/ and checkpoint/ go here
@@ -238,7 +241,7 @@ class Distributed:
     """
 
     coordinator_address: str = ""  # "host:port" of process 0; "" = auto-detect
-    num_processes: int = 0  # 0 = auto-detect (TPU hosts; 1 elsewhere); 1 = never initialize
+    num_processes: int = -1  # -1 = auto-detect (TPU hosts; 1 elsewhere); 1 = never initialize
     process_id: int = -1  # this process's index in [0, num_processes); -1 = auto-detect
     # Seconds to wait for every process to reach the coordinator before failing.
     initialization_timeout: int = 300

@@ -22,7 +22,7 @@ from types import TracebackType
 
 import jax
 
-from titan_jax.config import Distributed
+from titan_jax.config import AUTO, Distributed
 from titan_jax.errors import TitanJaxError
 from titan_jax.jax_platform import is_tpu_host
 
@@ -70,11 +70,11 @@ def initialize_distributed(d: Distributed) -> bool:
     `distributed.*`, when the processes do not all meet within the timeout."""
     if jax.distributed.is_initialized():
         return True
-    if d.num_processes == 1 or (d.num_processes == 0 and (
+    if d.num_processes == 1 or (d.num_processes == AUTO and (
             not is_tpu_host() or _tpu_env_names_one_host())):
         return False
     deadline = time.monotonic() + d.initialization_timeout
-    if d.num_processes == 0:  # a TPU cluster: JAX reads the hosts from its environment
+    if d.num_processes == AUTO:  # a TPU cluster: JAX reads the hosts from its environment
         kwargs: dict = {}
         who, hint = "this process", "start the same command on every host of the slice"
     else:
