@@ -11,7 +11,6 @@ from titan_jax.data.tokenizer import load_tokenizer
 from titan_jax.models.qwen3 import build_model_def, decode
 from titan_jax.models.qwen3.hf import save_hf
 from titan_jax.train import loop
-from titan_jax.train import setup as run_setup
 from titan_jax.train.model_io import save_orbax
 from titan_jax.train.trainer import build_trainer
 
@@ -52,14 +51,12 @@ def test_from_orbax_and_hf_directories(tmp_path, capsys):
         assert out.out == want + "\n"
 
 
-def test_from_a_training_run_newest_step(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(run_setup, "build_trainer",
-                        lambda cfg, devices=None: build_trainer(cfg, devices, model_args=TINY))
+def test_from_a_training_run_newest_step(tmp_path, capsys):
     config = load_config("configs/qwen3_debug.toml", [
         "--job.dump_folder", str(tmp_path), "--training.seq_len", "16", "--training.steps", "2",
         "--training.local_batch_size", "1", "--checkpoint.interval", "1",
         "--metrics.progress_bar", "false"])
-    result = loop.train(config, jax.devices()[:1])
+    result = loop.train(config, jax.devices()[:1], model_args=TINY)
     capsys.readouterr()  # the training log
     code, out = generate(capsys, "--checkpoint", str(tmp_path / "checkpoint"),
                          "--temperature", "0.8", "--top-p", "0.9", "--seed", "1")

@@ -24,7 +24,6 @@ from tiny_model import TINY
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import Qwen3Args
 from titan_jax.train import loop
-from titan_jax.train import setup as run_setup
 from titan_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -37,7 +36,7 @@ from titan_jax.train.model_io import export_hf
 from titan_jax.train.setup import build_data
 from titan_jax.train.signals import StopSignals
 from titan_jax.train.start import load_start
-from titan_jax.train.trainer import build_trainer
+from titan_jax.train.trainer import Trainer, build_trainer
 
 
 def make_config(folder, *overrides):
@@ -337,27 +336,21 @@ def tiny_loop(monkeypatch):
     """`loop.train` builds the tiny model, and its step runs `on_step(n)` first and sees
     all-ignored labels (a NaN loss) at the steps in `poison`."""
     hooks = SimpleNamespace(poison=set(), on_step=lambda n: None)
+    step_fn = Trainer.step_fn
 
-    def hooked_trainer(config, devices=None):
-        trainer = build_trainer(config, devices, model_args=TINY)
-        step_fn = trainer.step_fn
+    def step(trainer, state, batch):
+        n = int(state["step"]) + 1
+        hooks.on_step(n)
+        if n in hooks.poison:
+            batch = {**batch, "labels": jnp.full_like(batch["labels"], IGNORE_INDEX)}
+        return step_fn(trainer, state, batch)
 
-        def step(state, batch):
-            n = int(state["step"]) + 1
-            hooks.on_step(n)
-            if n in hooks.poison:
-                batch = {**batch, "labels": jnp.full_like(batch["labels"], IGNORE_INDEX)}
-            return step_fn(state, batch)
-
-        trainer.__dict__["step_fn"] = step  # replaces the cached_property's value
-        return trainer
-
-    monkeypatch.setattr(run_setup, "build_trainer", hooked_trainer)
+    monkeypatch.setattr(Trainer, "step_fn", step)
     return hooks
 
 
 def run(config):
-    return loop.train(config, jax.devices()[:1])
+    return loop.train(config, jax.devices()[:1], model_args=TINY)
 
 
 def test_bad_steps_are_skipped_and_k_in_a_row_stop_without_saving(tmp_path, tiny_loop, capsys):
@@ -524,7 +517,7 @@ import jax
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import Qwen3Args
 from titan_jax.train import loop, setup
-from titan_jax.train.trainer import build_trainer
+from titan_jax.train.trainer import Trainer, build_trainer
 args = Qwen3Args(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, hidden_dim=3072,
                  vocab_size=2048, tie_embeddings=False)
 setup.build_trainer = lambda config, devices=None: build_trainer(config, devices, model_args=args)

@@ -13,7 +13,6 @@ from titan_jax.config import ConfigError, load_config
 from titan_jax.data.tokenizer import load_tokenizer
 from titan_jax.data.windows import IGNORE_INDEX
 from titan_jax.train import loop
-from titan_jax.train import setup as run_setup
 from titan_jax.train.eval import Validator
 from titan_jax.train.loss import token_cross_entropy_sum
 from titan_jax.train.trainer import build_trainer
@@ -74,13 +73,10 @@ def test_too_small_validation_set_names_the_fields(tmp_path):
         Validator(config, trainer, load_tokenizer(""))
 
 
-def test_training_logs_validation(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(run_setup, "build_trainer",
-                        lambda config, devices=None: build_trainer(config, devices,
-                                                                   model_args=TINY))
+def test_training_logs_validation(tmp_path, capsys):
     config = make_config(tmp_path, "--validation.freq", "3", "--metrics.enable_tensorboard",
                          "true")
-    loop.train(config, jax.devices()[:1])
+    loop.train(config, jax.devices()[:1], model_args=TINY)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # Every validation.freq steps and the last, on its step's line (logged for it).
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -16,7 +16,6 @@ from titan_jax.cli import main
 from titan_jax.config import ConfigError, load_config
 from titan_jax.errors import TitanJaxError
 from titan_jax.train import loop
-from titan_jax.train import setup as run_setup
 from titan_jax.train.checkpoint import Checkpointer, CheckpointError
 from titan_jax.train.run_lock import RunLock, RunLockError
 from titan_jax.train.trainer import build_trainer
@@ -41,9 +40,9 @@ def old_metrics(folder, steps=(1, 2, 3, 4)):
 
 
 @pytest.fixture
-def tiny(monkeypatch):
-    monkeypatch.setattr(run_setup, "build_trainer", lambda config, devices=None: build_trainer(
-        config, jax.devices()[:1], model_args=TINY))
+def tiny():
+    """`loop.train` of the tiny model on one device."""
+    return lambda config: loop.train(config, jax.devices()[:1], model_args=TINY)
 
 
 def save_random(config, step, data_state):
@@ -65,7 +64,7 @@ def test_a_fresh_run_never_mixes_its_history_with_another_runs(tmp_path, tiny, w
         save_random(make_config(dump), 4, {})
     before = digests(dump)
     with pytest.raises(ConfigError) as error:
-        loop.train(make_config(dump, "--checkpoint.enable", "false"))
+        tiny(make_config(dump, "--checkpoint.enable", "false"))
     message = str(error.value)
     assert f"job.dump_folder={dump} holds the metrics of steps 1-4 (metrics.jsonl)" in message
     assert "would mix the two histories" in message
@@ -81,7 +80,7 @@ def test_checkpoints_alone_of_another_run_are_refused_too(tmp_path, tiny):
     dump = tmp_path / "run"
     save_random(make_config(dump), 4, {})
     with pytest.raises(ConfigError, match=r"holds checkpoints 4 .* of another run"):
-        loop.train(make_config(dump, "--checkpoint.enable", "false"))
+        tiny(make_config(dump, "--checkpoint.enable", "false"))
     assert not (dump / "metrics.jsonl").exists()
 
 
@@ -104,7 +103,7 @@ def test_a_resume_that_fails_its_checks_has_written_nothing(tmp_path, tiny):
     before = digests(dump)
     with pytest.raises(CheckpointError, match="cannot resume from checkpoint .*/3: data "
                        "iterator state has no version"):
-        loop.train(make_config(dump))
+        tiny(make_config(dump))
     after = digests(dump)
     assert after.pop("titan-jax.log")  # the error's causes, which its message points at
     # The token store of the embedded corpus (a cache, derived from the inputs) may be built.
@@ -117,7 +116,7 @@ def test_two_runs_sharing_an_absolute_checkpoint_folder(tmp_path, tiny):
     with RunLock(shared, "checkpoint.folder"):  # the first run, with its own dump folder
         with pytest.raises(RunLockError, match=f"checkpoint.folder={shared} is in use by another "
                            f"run .*; wait for it to finish, or use another checkpoint.folder"):
-            loop.train(make_config(tmp_path / "second", "--checkpoint.folder", str(shared)))
+            tiny(make_config(tmp_path / "second", "--checkpoint.folder", str(shared)))
     assert os.listdir(shared) == []  # the second run wrote nothing there
     assert not (tmp_path / "second" / "metrics.jsonl").exists()
 
@@ -127,7 +126,7 @@ def test_a_fresh_run_refused_while_preparing_its_data_leaves_no_empty_folders(tm
     corpus.write_text('{"text": "a document"}\n{"text": \n')  # its second line is broken
     dump = tmp_path / "run"
     with pytest.raises(TitanJaxError):
-        loop.train(make_config(dump, "--training.dataset", "jsonl",
+        tiny(make_config(dump, "--training.dataset", "jsonl",
                                "--training.dataset_path", str(corpus)))
     left = sorted(str(p.relative_to(dump)) for p in dump.rglob("*"))
     assert left == ["titan-jax.log"]  # the error's causes; no empty checkpoint/ or data/

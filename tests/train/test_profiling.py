@@ -6,9 +6,7 @@ from tiny_model import TINY
 
 from titan_jax.config import load_config
 from titan_jax.train import loop, profiling
-from titan_jax.train import setup as run_setup
 from titan_jax.train.profiling import StepProfiler
-from titan_jax.train.trainer import build_trainer
 
 
 def config(folder, *overrides):
@@ -44,10 +42,9 @@ def test_disabled_does_nothing(tmp_path, monkeypatch):
         profiler.after_step(step, None)
 
 
-def test_training_writes_a_trace(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(run_setup, "build_trainer",
-                        lambda cfg, devices=None: build_trainer(cfg, devices, model_args=TINY))
-    loop.train(config(tmp_path, "--profiling.profile_freq", "2"), jax.devices()[:1])
+def test_training_writes_a_trace(tmp_path, capsys):
+    loop.train(config(tmp_path, "--profiling.profile_freq", "2"), jax.devices()[:1],
+               model_args=TINY)
     for step in (2, 4):
         traces = list((tmp_path / "profile" / f"iteration_{step}").rglob("*.xplane.pb"))
         assert traces and traces[0].stat().st_size > 0

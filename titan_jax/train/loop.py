@@ -90,20 +90,23 @@ def data_summary(data: WindowStream) -> str:
         for p, a in enumerate(every))
 
 
-def train(config: JobConfig, devices: list[jax.Device] | None = None) -> RunResult:
+def train(config: JobConfig, devices: list[jax.Device] | None = None,
+          model_args: Any = None) -> RunResult:
     """Trains (or resumes) up to `training.steps`; returns this run's losses and final state.
+    `model_args` replaces `model.flavor`'s shape (tests and notebooks train tiny models).
 
     Joins the multi-process job of `[distributed]` first; with several processes, an error on
     one of them ends all of them with its message (`JobFailures`).
     """
     initialize_distributed(config.distributed)
     with JobFailures() as failures:
-        return _train(config, devices, failures)
+        return _train(config, devices, model_args, failures)
 
 
-def _train(config: JobConfig, devices: list[jax.Device] | None,
+def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
            failures: JobFailures) -> RunResult:
-    setup = assemble_run(config, devices)  # every check that needs no lock; nothing written
+    # Every check that needs no lock; nothing written.
+    setup = assemble_run(config, devices, model_args)
     with contextlib.ExitStack() as stack:
         if jax.process_index() == 0:  # exits last: after the locks are gone
             stack.enter_context(tidy_if_refused(config.job.dump_folder))

@@ -12,6 +12,7 @@ next, still before any write (`loop`), and the training stream is opened under t
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 
@@ -54,11 +55,13 @@ def build_data(config: JobConfig, trainer: Trainer, tokenizer: Tokenizer | None 
                         spans=trainer.batch_spans(t.seq_len))
 
 
-def assemble_run(config: JobConfig, devices: list[jax.Device] | None = None) -> RunSetup:
-    """Everything a run needs before its first write, each input checked."""
+def assemble_run(config: JobConfig, devices: list[jax.Device] | None = None,
+                 model_args: Any = None) -> RunSetup:
+    """Everything a run needs before its first write, each input checked (`model_args`: as in
+    `build_trainer`)."""
     check_outputs(config)
     check_initial_load_path(config)
-    trainer = build_trainer(config, devices)
+    trainer = build_trainer(config, devices, model_args=model_args)
     return RunSetup(trainer, check_data(config, trainer.model.args, trainer.attention))
 
 
