@@ -13,7 +13,7 @@ from pathlib import Path
 
 from titan_jax.atomic_dir import write_text_atomic
 from titan_jax.cli_commands import add_commands
-from titan_jax.config import ConfigError, JobConfig, load_config
+from titan_jax.config import ConfigError, JobConfig, load_config, split_overrides
 from titan_jax.errors import TitanJaxError
 from titan_jax.jax_platform import (
     compile_only_libtpu,
@@ -28,7 +28,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
         prog="titan-jax", description="JAX-native Qwen3 pre-training (TorchTitan recipes)."
     )
     add_commands(parser.add_subparsers(dest="command", required=True))
-    rest, overrides = _split_overrides(argv)
+    rest, overrides = split_overrides(argv)
     args = parser.parse_args(rest)
     if args.command == "convert":  # no recipe: anything left over is a mistake
         if overrides:
@@ -43,24 +43,6 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
 
     check_model_choice(config)  # an unknown model.name or flavor: before anything is built
     return args, config
-
-
-def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the command's own arguments, the `--section.key value` overrides). Taken out before
-    argparse reads the rest, so that an override's value is never read as a flag (`-h...`
-    would print the help)."""
-    rest, overrides = [], []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and "." in arg[2:].split("=", 1)[0]:
-            takes_next = "=" not in arg and i + 1 < len(argv)
-            overrides.extend(argv[i:i + 2] if takes_next else [arg])
-            i += 2 if takes_next else 1
-        else:
-            rest.append(arg)
-            i += 1
-    return rest, overrides
 
 
 def _generate(args: argparse.Namespace, config: JobConfig) -> int:

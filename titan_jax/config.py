@@ -15,6 +15,7 @@ import tomllib
 import types
 import typing
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,7 +42,8 @@ from titan_jax.yarn import YarnScaling
 # The schema's names are part of this module's interface (`from titan_jax.config import ...`).
 __all__ = ["AUTO", "ActivationCheckpoint", "Checkpoint", "ConfigError", "Distributed", "Job",
            "JobConfig", "LRScheduler", "Metrics", "Model", "Moe", "Optimizer", "Parallelism",
-           "Profiling", "Training", "Validation", "load_config", "parse_overrides", "validate"]
+           "Profiling", "Training", "Validation", "load_config", "parse_overrides",
+           "split_overrides", "validate"]
 
 
 def _suggest(name: str, valid: typing.Iterable[str]) -> str:
@@ -133,23 +135,45 @@ def _set(config: JobConfig, section: str, key: str, value: Any) -> None:
     setattr(obj, key, _coerce(f"{section}.{key}", value, hints[key]))
 
 
+def _scan(argv: list[str]) -> Iterator[tuple[list[str], tuple[str, str, str] | None]]:
+    """Each argument with what it takes: (`--section.key value` or `--section.key=value`,
+    (section, key, value)), or ([another argument], None). The one reader of overrides: the
+    word after `--section.key` is its value even when it starts with `-`."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if "." not in name:
+            yield [arg], None
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"override --{name} has no value")
+            value = argv[i + 1]
+        taken = 1 if eq else 2
+        section, _, key = name.partition(".")
+        yield argv[i:i + taken], (section, key, value)
+        i += taken
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(a command's own arguments, its `--section.key value` overrides), taken out before
+    argparse reads the rest so that an override's value is never read as a flag."""
+    rest: list[str] = []
+    overrides: list[str] = []
+    for taken, parsed in _scan(argv):
+        (rest if parsed is None else overrides).extend(taken)
+    return rest, overrides
+
+
 def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
     """`--section.key value` (or `--section.key=value`) pairs -> [(section, key, value)]."""
     out = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"expected an override like --section.key value, got {arg!r}")
-        name, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(args):
-                raise ConfigError(f"override --{name} has no value")
-            value = args[i + 1]
-            i += 1
-        section, _, key = name.partition(".")
-        out.append((section, key, value))
-        i += 1
+    for taken, parsed in _scan(args):
+        if parsed is None:
+            raise ConfigError(f"expected an override like --section.key value, got {taken[0]!r}")
+        out.append(parsed)
     return out
 
 
