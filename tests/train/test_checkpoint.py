@@ -516,13 +516,11 @@ import json, resource, sys
 import jax
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import Qwen3Args
-from titan_jax.train import loop, setup
-from titan_jax.train.trainer import Trainer, build_trainer
+from titan_jax.train import loop
 args = Qwen3Args(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, hidden_dim=3072,
                  vocab_size=2048, tie_embeddings=False)
-setup.build_trainer = lambda config, devices=None: build_trainer(config, devices, model_args=args)
 config = load_config(None, sys.argv[1:])
-result = loop.train(config, jax.devices()[:1])
+result = loop.train(config, jax.devices()[:1], model_args=args)
 state_bytes = sum(x.nbytes for x in jax.tree.leaves(result.state))
 print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "state": state_bytes}))
