@@ -47,7 +47,7 @@ train:
 # Two workers, one test file each at a time (module fixtures stay shared): most tests are
 # compile-bound and single-threaded. With tcmalloc preloaded (libtpu's compiles spend ~10% in
 # glibc's malloc) and one compilation cache for the session (tests/conftest.py) the whole
-# suite took 23 min 12 s on 2 cores (2026-12-03; 23 min 44 s without either).
+# suite took 19.5-23 min on 2 cores (2026-12-03, two runs; 23 min 44 s without either).
 test:
 	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile tests --nbmake notebooks
 
