@@ -18,6 +18,7 @@ from titan_jax.data.prepare import prepare_store
 from titan_jax.data.store import open_corpus
 from titan_jax.data.tokenizer import load_tokenizer
 from titan_jax.errors import root_cause
+from titan_jax.train.preflight import folder_to_write
 from titan_jax.train.run_lock import RunLock
 
 
@@ -68,9 +69,7 @@ def _locked(output: str) -> contextlib.AbstractContextManager:
     if not is_local(output):
         return contextlib.nullcontext()
     path = Path(filesystem(output)[1])
-    under = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-    if under is not None:
-        raise DataError(f"--output {output} lies under {under}, which is a file, not a folder")
+    folder_to_write(path, "--output")
     return RunLock(path, "--output", lock_file=path.parent / hidden_name(path.name, "lock"))
 
 

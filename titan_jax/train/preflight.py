@@ -18,7 +18,7 @@ from titan_jax.train.checkpoint import CheckpointError, is_checkpoint_dir, listi
 METRICS_FILE = "metrics.jsonl"
 
 
-def _folder_to_write(path: Path, field: str) -> None:
+def folder_to_write(path: Path, field: str) -> None:
     """`path` (a folder the run will create or write into) is not a file, nor under one."""
     for p in (path, *path.parents):
         if p.exists():
@@ -49,7 +49,7 @@ def check_outputs(config: JobConfig) -> None:
     """Every path the run writes is writable and of the right kind: the dump folder,
     metrics.jsonl, the TensorBoard, profile and checkpoint folders, the final HF export."""
     dump = Path(config.job.dump_folder)
-    _folder_to_write(dump, "job.dump_folder")
+    folder_to_write(dump, "job.dump_folder")
     metrics = dump / METRICS_FILE
     if metrics.is_dir() or (metrics.exists() and not metrics.is_file()):
         raise ConfigError(f"{metrics} is not a file; move it out of job.dump_folder={dump}")
@@ -57,13 +57,13 @@ def check_outputs(config: JobConfig) -> None:
         raise ConfigError(f"{metrics} is not writable: Permission denied (it is where the run "
                           "logs its metrics)")
     if config.metrics.enable_tensorboard:
-        _folder_to_write(dump / config.metrics.save_tb_folder, "metrics.save_tb_folder")
+        folder_to_write(dump / config.metrics.save_tb_folder, "metrics.save_tb_folder")
     if config.profiling.enable_profiling:
-        _folder_to_write(dump / config.profiling.save_traces_folder,
+        folder_to_write(dump / config.profiling.save_traces_folder,
                          "profiling.save_traces_folder")
     c = config.checkpoint
     if c.enable:
-        _folder_to_write(dump / c.folder, "checkpoint.folder")
+        folder_to_write(dump / c.folder, "checkpoint.folder")
     if c.enable and c.last_save_in_hf:
         final = dump / c.folder / f"hf-{config.training.steps}"
         if final.exists():
