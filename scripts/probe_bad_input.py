@@ -214,7 +214,8 @@ PROBES = [
     ("prepare-data into a path under a file", [
         "prepare-data", "--training.dataset", "jsonl", "--training.dataset_path",
         "T/corpus.jsonl", "--output", "T/file/store"], None),
-    ("a gs:// run folder", [*TRAIN, "--job.dump_folder", "gs://bucket/runs/8b"], "T/cwd"),
+    ("an s3:// run folder", [*TRAIN, "--job.dump_folder", "s3://bucket/runs/8b"], "T/cwd"),
+    ("a gs:// checkpoint folder", [*TRAIN, "--checkpoint.folder", "gs://bucket/ckpt"], "T/cwd"),
     ("a memory:// run folder", [*TRAIN, "--job.dump_folder", "memory://runs/x"], "T/cwd"),
     ("parity trajectory with a document mask", [
         "parity", "--config", CFG, "--trajectory-steps", "2", "--training.document_mask",

@@ -152,20 +152,3 @@ def test_training_mixture_tables_parse_validate_and_print(tmp_path):
         load_config(None, ["--training.mixture", "x"])
     with pytest.raises(ConfigError, match="training.dataset='tokens' needs training.dataset_path"):
         load_config(None, ["--training.dataset", "tokens"])
-
-
-def test_run_folders_are_paths_file_urls_are_localized_and_other_urls_refused(tmp_path):
-    """The run appends, renames and locks in its folder: a `gs://` folder used to become a
-    local `./gs:/...` folder and fail at the first save; `file://` split the run in two."""
-    folder = tmp_path / "my run"
-    url = "file://" + str(folder).replace(" ", "%20")
-    config = load_config(None, ["--job.dump_folder", url, "--checkpoint.folder",
-                                f"file://{tmp_path}/ckpt"])
-    assert (config.job.dump_folder, config.checkpoint.folder) == (str(folder),
-                                                                  f"{tmp_path}/ckpt")
-    for value in ("gs://bucket/runs/8b", "memory://runs/x"):
-        with pytest.raises(ConfigError, match=rf"^job.dump_folder='{value}' is a \w+:// URL; a "
-                           "run folder is a local path .* the bucket's FUSE mount"):
-            load_config(None, ["--job.dump_folder", value])
-    with pytest.raises(ConfigError, match="names host 'host'"):
-        load_config(None, ["--checkpoint.folder", "file://host/ckpt"])

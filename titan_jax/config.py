@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import fsspec
+
 from titan_jax.config_schema import (
     AUTO,
     ActivationCheckpoint,
@@ -213,30 +215,41 @@ def load_config(
     return config
 
 
-# The run's own folders: written with local file operations (appends, renames, flock).
-_RUN_FOLDERS = (("job", "dump_folder"), ("checkpoint", "folder"))
+# URL schemes a run folder may have: orbax writes checkpoints to local paths and to gs:// (a
+# file:// URL goes through the same mirror and sync as a bucket: train/run_folder.py).
+RUN_FOLDER_SCHEMES = ("gs", "file")
 
 
 def _localize_run_folders(config: JobConfig) -> None:
-    """`file://` run folders become the local paths they name; any other URL is refused. A
-    bucket works through its FUSE mount (gcsfuse: /gcs/BUCKET/...), where orbax, appends and
-    the lock file all work: docs/DATA.md. (Token stores and datasets take URLs themselves.)"""
-    for section, key in _RUN_FOLDERS:
+    """`job.dump_folder` is a path or a gs:// / file:// URL (file:// URLs are kept, unquoted,
+    with no host); `checkpoint.folder` is a path (file:// becomes the path it names): for
+    checkpoints in a bucket the run folder is the bucket's URL."""
+    for section, key in (("job", "dump_folder"), ("checkpoint", "folder")):
         value = getattr(getattr(config, section), key)
         if "://" not in value:
             continue
         parsed = urllib.parse.urlparse(value)
         field = f"{section}.{key}={value!r}"
-        if parsed.scheme != "file":
+        if key == "folder" and parsed.scheme != "file":
             raise ConfigError(
-                f"{field} is a {parsed.scheme}:// URL; a run folder is a local path (the run "
-                "appends to its metrics, renames checkpoints and locks the folder): use a "
-                "local disk, or the bucket's FUSE mount (e.g. /gcs/BUCKET/runs/NAME); token "
-                "stores (training.dataset_path) may be URLs")
-        if parsed.netloc not in ("", "localhost"):
-            raise ConfigError(f"{field} names host {parsed.netloc!r}; a file:// URL names a "
-                              "path on this machine (file:///abs/path)")
-        setattr(getattr(config, section), key, urllib.parse.unquote(parsed.path))
+                f"{field} is a URL; checkpoint.folder is a path, inside job.dump_folder or "
+                "absolute: for checkpoints in a bucket, make the run folder the URL "
+                "(--job.dump_folder gs://BUCKET/runs/NAME)")
+        if parsed.scheme not in RUN_FOLDER_SCHEMES:
+            raise ConfigError(
+                f"{field} is a {parsed.scheme}:// URL; a run folder is a local path or a "
+                "gs:// or file:// URL (orbax writes checkpoints to no other kind)")
+        try:
+            fsspec.get_filesystem_class(parsed.scheme)
+        except ImportError:
+            raise ConfigError(f"{field}: {parsed.scheme}:// needs gcsfs, which is not "
+                              "installed: pip install 'titan-jax[tpu]' (or gcsfs)") from None
+        if parsed.scheme == "file":
+            if parsed.netloc not in ("", "localhost"):
+                raise ConfigError(f"{field} names host {parsed.netloc!r}; a file:// URL names "
+                                  "a path on this machine (file:///abs/path)")
+            path = urllib.parse.unquote(parsed.path)
+            setattr(getattr(config, section), key, path if key == "folder" else f"file://{path}")
 
 
 def _require(ok: bool, message: str) -> None:

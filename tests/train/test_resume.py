@@ -46,16 +46,16 @@ def env(tmp_path_factory):
 class Run:
     """One `titan-jax train` process on one CPU device, writing into `folder`."""
 
-    def __init__(self, env, folder, *extra):
+    def __init__(self, env, folder, *extra, dump_folder=None):
         self.folder = folder
         self.metrics = folder / "metrics.jsonl"
         self.first_line = len(_lines(self.metrics))  # earlier runs' lines come before
         folder.mkdir(parents=True, exist_ok=True)
-        self.log = folder / f"run-{time.monotonic_ns()}.log"
+        self.log = folder.parent / f"{folder.name}-{time.monotonic_ns()}.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "titan_jax.cli", "train", *ARGS, "--job.cpu_devices",
-                 "1", "--job.dump_folder", str(folder), *extra],
+                 "1", "--job.dump_folder", dump_folder or str(folder), *extra],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
     def output(self):
@@ -167,6 +167,34 @@ def test_kill_at_any_point_resumes_bitwise_and_sigterm_saves(env, reference, tmp
     records = _records(_lines(folder / "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(1, saved + 1))  # each step once
     assert {r["step"]: r["loss"] for r in records} == {s: expected[s] for s in range(1, saved + 1)}
+
+
+@pytest.mark.slow
+def test_a_url_run_folder_killed_resumes_bitwise_on_another_machine(env, reference, tmp_path):
+    """`--job.dump_folder file://...` goes the way of a gs:// bucket (train/run_folder.py):
+    metrics and log through a local mirror copied out at saves, checkpoints written there by
+    orbax, a lease instead of a lock. Killed on one "machine" (its own cache folder, where the
+    mirror lives), the run resumes on another from what the URL holds."""
+    expected = reference.losses()
+    folder = tmp_path / "bucket" / "run 1"
+    url, ckpt = "file://" + str(folder), folder / "checkpoint"
+    machine = {**env, "XDG_CACHE_HOME": str(tmp_path / "machine-1")}
+    run = Run(machine, folder, dump_folder=url)
+    run.wait_for(lambda: ckpt.is_dir() and 4 in finalized(ckpt) and 4 in run.losses(),
+                 "checkpoint 4 and its metrics at the URL")
+    run.signal(signal.SIGKILL)
+    assert (folder / ".titan-jax.lease").is_file()  # left by the kill
+
+    machine = {**env, "XDG_CACHE_HOME": str(tmp_path / "machine-2")}
+    out = Run(machine, folder, dump_folder=url).finish()
+    assert "resuming at step 5 from checkpoint" in out
+    assert "taking over the lease of a run that is gone" in out
+    records = _records(_lines(folder / "metrics.jsonl"))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once
+    assert {r["step"]: r["loss"] for r in records} == expected
+    assert finalized(ckpt)[-1] == STEPS and partial_saves(ckpt) == []
+    assert (folder / "loss.png").is_file() and not (folder / ".titan-jax.lease").exists()
+    assert not list((tmp_path / "machine-2").rglob("metrics.jsonl"))  # the mirror is gone
 
 
 def damage(step_dir, how):

@@ -1,4 +1,5 @@
-"""Checkpoints of a run: an orbax CheckpointManager under `{job.dump_folder}/{checkpoint.folder}`.
+"""Checkpoints of a run: an orbax CheckpointManager under `{job.dump_folder}/{checkpoint.folder}`,
+a local path or a gs:// URL (paths are `epath.Path`s, which are both).
 
 One folder per finalized step. orbax writes `{step}.orbax-checkpoint-tmp*` and renames it to
 `{step}` only once every item is complete, so a folder named by a bare number is a whole
@@ -30,16 +31,17 @@ import os
 import shlex
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 
 from titan_jax.config import JobConfig
 from titan_jax.errors import TitanJaxError, quiet_closed_loop_callbacks, root_cause
 from titan_jax.train.checksums import checksums, in_host_memory
+from titan_jax.train.run_folder import run_paths
 from titan_jax.train.state_formats import count_from_schedule, schedule_counted
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer
@@ -90,14 +92,14 @@ class Restored:
     source: str = ""  # what was loaded, for the log
 
 
-def is_checkpoint_dir(path: str | Path) -> bool:
+def is_checkpoint_dir(path: epath.PathLike) -> bool:
     """A step folder written by this project: a number holding its `state/` and `meta/` items.
     Anything else in a checkpoint folder is never read, listed or suggested for deletion."""
-    path = Path(path)
+    path = epath.Path(path)
     return path.name.isdigit() and (path / "meta").is_dir() and (path / "state").is_dir()
 
 
-def _refuse_foreign_steps(directory: Path) -> None:
+def _refuse_foreign_steps(directory: epath.Path) -> None:
     """A numbered folder that is not ours would be taken for a step by orbax, and deleted by
     `keep_latest_k`: the run stops before touching it."""
     foreign = sorted((p for p in directory.iterdir() if p.name.isdigit()
@@ -109,7 +111,7 @@ def _refuse_foreign_steps(directory: Path) -> None:
             "checkpoint.folder to a folder that holds only this run's checkpoints")
 
 
-def _ensure_writable(directory: Path) -> None:
+def _ensure_writable(directory: epath.Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -145,10 +147,11 @@ class Checkpointer:
     each step's meta item: the run's `resume_signature`, model args and config.
     """
 
-    def __init__(self, directory: str | Path, *, keep_latest_k: int = 0, async_save: bool = True,
-                 read_only: bool = False, run_info: dict[str, Any] | None = None,
-                 state_bytes: int = 0):
-        self.directory = Path(directory).absolute()
+    def __init__(self, directory: epath.PathLike, *, keep_latest_k: int = 0,
+                 async_save: bool = True, read_only: bool = False,
+                 run_info: dict[str, Any] | None = None, state_bytes: int = 0):
+        directory = epath.Path(directory)
+        self.directory = directory if "://" in str(directory) else directory.absolute()
         if read_only:
             if not self.directory.is_dir():
                 raise CheckpointError(f"checkpoint folder {self.directory} does not exist")
@@ -183,7 +186,7 @@ class Checkpointer:
                     "config": config.to_dict()}
         state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
             trainer.abstract_state()))
-        return cls(Path(config.job.dump_folder) / c.folder, keep_latest_k=c.keep_latest_k,
+        return cls(run_paths(config).checkpoints, keep_latest_k=c.keep_latest_k,
                    async_save=c.async_mode == "async", run_info=run_info,
                    state_bytes=state_bytes)
 

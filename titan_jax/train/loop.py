@@ -35,6 +35,7 @@ from titan_jax.train.metrics import MetricsLogger
 from titan_jax.train.model_io import export_hf
 from titan_jax.train.preflight import check_history
 from titan_jax.train.profiling import StepProfiler
+from titan_jax.train.run_folder import RunMirror, RunPaths, run_paths
 from titan_jax.train.run_lock import RunLock, prepare_dump_folder, tidy_if_refused
 from titan_jax.train.run_log import RunLog
 from titan_jax.train.setup import RunSetup, assemble_run, open_data
@@ -65,6 +66,7 @@ class _Run:
     config: JobConfig
     setup: RunSetup
     ckpt: Checkpointer | None
+    mirror: RunMirror | None  # a URL run folder's copy here (train/run_folder.py)
     logger: MetricsLogger
     stop: StopSignals
     profiler: StepProfiler
@@ -107,18 +109,20 @@ def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
            failures: JobFailures) -> RunResult:
     # Every check that needs no lock; nothing written.
     setup = assemble_run(config, devices, model_args)
+    paths = run_paths(config)
     with contextlib.ExitStack() as stack:
         if jax.process_index() == 0:  # exits last: after the locks are gone
-            stack.enter_context(tidy_if_refused(config.job.dump_folder))
-        ckpt, start = _open(stack, config, setup)
+            stack.enter_context(tidy_if_refused(paths.local))
+        mirror, ckpt, start = _open(stack, config, setup, paths)
         logger = stack.enter_context(MetricsLogger(
-            config.job.dump_folder, config.metrics.log_freq, config.training.steps,
+            paths.local, config.metrics.log_freq, config.training.steps,
             enable_tensorboard=config.metrics.enable_tensorboard,
             tensorboard_folder=config.metrics.save_tb_folder,
             progress_bar=config.metrics.progress_bar, is_main_process=jax.process_index() == 0,
             enable_wandb=config.metrics.enable_wandb, run_config=config.to_dict(),
             keep_through=start.step))
-        run = _Run(config, setup, ckpt, logger, stack.enter_context(StopSignals(logger.info)),
+        run = _Run(config, setup, ckpt, mirror, logger,
+                   stack.enter_context(StopSignals(logger.info)),
                    stack.enter_context(StepProfiler(config)),
                    stack.enter_context(StepWatchdog(config.distributed.step_timeout,
                                                     _end_hung_job(failures))))
@@ -143,22 +147,28 @@ def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
             return _finish(run, step, state, stopped)
 
 
-def _open(stack: contextlib.ExitStack, config: JobConfig, setup: RunSetup
-          ) -> tuple[Checkpointer | None, Restored]:
-    """Takes the run's folders (locks), opens its log and checkpoints, and finds where it
-    starts, with its data position set: all before the first metrics line is written."""
-    dump, main = config.job.dump_folder, jax.process_index() == 0
-    if main:  # one run per folder, taken before anything is written there
-        stack.enter_context(RunLock(dump))
-        check_history(config)
+def _open(stack: contextlib.ExitStack, config: JobConfig, setup: RunSetup, paths: RunPaths
+          ) -> tuple[RunMirror | None, Checkpointer | None, Restored]:
+    """Takes the run's folders (locks, or a URL's lease and its files copied here), opens its
+    log and checkpoints, and finds where it starts, with its data position set: all before the
+    first metrics line is written."""
+    main = jax.process_index() == 0
+    mirror = None
+    if paths.url is not None:  # its exit, last, copies out what the run wrote
+        mirror = stack.enter_context(RunMirror(paths, main))
+    elif main:  # one run per folder, taken before anything is written there
+        stack.enter_context(RunLock(paths.local))
     else:  # the lock is process 0's; a host of its own may still lack the folder
-        prepare_dump_folder(dump)
-    stack.enter_context(RunLog(dump))
+        prepare_dump_folder(paths.local)
+    if main:
+        check_history(config)
+    stack.enter_context(RunLog(paths.local))
     ckpt = None
     if config.checkpoint.enable:
-        folder = Path(dump) / config.checkpoint.folder
-        if main:  # it may be another run's too (an absolute checkpoint.folder)
-            stack.enter_context(RunLock(folder, "checkpoint.folder"))
+        # An absolute checkpoint.folder may be another run's too: locked on its own. (Inside a
+        # URL run folder, the lease covers it.)
+        if main and (paths.url is None or Path(config.checkpoint.folder).is_absolute()):
+            stack.enter_context(RunLock(paths.checkpoints, "checkpoint.folder"))
         # Closed (waiting for an in-flight save) on every exit, errors and signals included.
         ckpt = stack.enter_context(Checkpointer.from_config(config, setup.trainer))
     start = load_start(config, setup.trainer, ckpt)
@@ -168,7 +178,7 @@ def _open(stack: contextlib.ExitStack, config: JobConfig, setup: RunSetup
             setup.data.set_state(start.data_state)
         except (ValueError, KeyError, IndexError, TypeError) as e:  # a damaged data item
             raise CheckpointError(f"cannot resume from {start.source}: {e}") from e
-    return ckpt, start
+    return mirror, ckpt, start
 
 
 def _end_hung_job(failures: JobFailures) -> Callable[[str], None]:
@@ -212,6 +222,8 @@ def _run_steps(run: _Run, state: TrainState, first: int) -> tuple[int, TrainStat
         if pending is not None:
             reporter.report(*pending)
             run.watchdog.beat(pending[0])
+            if run.mirror is not None:
+                run.mirror.sync_now_and_then()
         pending = (step, metrics)
         if (trace := run.profiler.after_step(step, (state, metrics))) is not None:
             run.logger.info(f"profile of steps up to {step} written to {trace}")
@@ -268,3 +280,5 @@ def _save(run: _Run, step: int, state: TrainState) -> None:
     what = f"model only, {c.export_dtype}" if model_only else "full state"
     run.logger.info(f"checkpoint step {step} ({what}): {time.perf_counter() - start:.1f} s "
                     f"blocking{', writing in the background' if writing else ', written'}")
+    if run.mirror is not None:  # the run's record at the URL reaches this checkpoint
+        run.mirror.sync()

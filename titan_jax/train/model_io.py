@@ -37,6 +37,7 @@ from titan_jax.train.checkpoint import (
     is_checkpoint_dir,
 )
 from titan_jax.train.checksums import checksums
+from titan_jax.train.run_folder import run_paths
 from titan_jax.train.trainer import Trainer
 
 ARGS_FILE = "model_args.json"
@@ -147,7 +148,7 @@ def _verify(path: Path, params: Params) -> None:
 def export_hf(config: JobConfig, trainer: Trainer, params: Any, step: int) -> Path:
     """Writes `params` as a HF safetensors directory `{checkpoint folder}/hf-{step}` (in
     `checkpoint.export_dtype`), under a temporary name first: the folder is whole or absent."""
-    final = Path(config.job.dump_folder) / config.checkpoint.folder / f"hf-{step}"
+    final = run_paths(config).hf_exports / f"hf-{step}"
     if final.exists():
         raise CheckpointSaveError(f"{final} already exists; not overwriting it")
     trainer.model_spec.hf.save(final, params, trainer.model.args,

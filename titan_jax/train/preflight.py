@@ -12,8 +12,11 @@ import json
 import os
 from pathlib import Path
 
+from etils import epath
+
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.train.checkpoint import CheckpointError, is_checkpoint_dir, listing
+from titan_jax.train.run_folder import run_paths
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -46,9 +49,11 @@ def check_output_file(path: str | Path, flag: str) -> None:
 
 
 def check_outputs(config: JobConfig) -> None:
-    """Every path the run writes is writable and of the right kind: the dump folder,
+    """Every path the run writes is writable and of the right kind: the dump folder (for a URL
+    run folder, its local mirror: the URL itself is first written by taking its lease),
     metrics.jsonl, the TensorBoard, profile and checkpoint folders, the final HF export."""
-    dump = Path(config.job.dump_folder)
+    paths = run_paths(config)
+    dump = paths.local
     folder_to_write(dump, "job.dump_folder")
     metrics = dump / METRICS_FILE
     if metrics.is_dir() or (metrics.exists() and not metrics.is_file()):
@@ -62,11 +67,11 @@ def check_outputs(config: JobConfig) -> None:
         folder_to_write(dump / config.profiling.save_traces_folder,
                          "profiling.save_traces_folder")
     c = config.checkpoint
-    if c.enable:
-        folder_to_write(dump / c.folder, "checkpoint.folder")
+    if c.enable and "://" not in paths.checkpoints:
+        folder_to_write(Path(paths.checkpoints), "checkpoint.folder")
     if c.enable and c.last_save_in_hf:
-        final = dump / c.folder / f"hf-{config.training.steps}"
-        if final.exists():
+        final = epath.Path(paths.checkpoints) / f"hf-{config.training.steps}"
+        if final.exists() or (paths.hf_exports / final.name).exists():
             raise ConfigError(
                 f"checkpoint.last_save_in_hf: {final} already exists and the run would write "
                 f"its final model there; move it out of {final.parent}, or use another "
@@ -75,7 +80,7 @@ def check_outputs(config: JobConfig) -> None:
 
 def own_steps(config: JobConfig) -> list[int]:
     """The finalized steps in the run's own checkpoint folder (read only, nothing created)."""
-    folder = Path(config.job.dump_folder) / config.checkpoint.folder
+    folder = epath.Path(run_paths(config).checkpoints)
     if not folder.is_dir():
         return []
     return sorted(int(p.name) for p in folder.iterdir() if is_checkpoint_dir(p))
@@ -96,11 +101,12 @@ def check_history(config: JobConfig) -> None:
     """A run that does not resume must not write into a folder that holds another run's
     metrics or checkpoints: its history would be cut and mixed with this one's, and a later
     resume of the old checkpoints would leave holes in it."""
-    dump = Path(config.job.dump_folder)
+    paths = run_paths(config)
+    dump = paths.url or paths.local
     checkpoints = own_steps(config)
     if config.checkpoint.enable and checkpoints:
         return  # a resume: the rows logged after its step are this run's own, logged again
-    logged = _logged_steps(dump / METRICS_FILE)
+    logged = _logged_steps(paths.local / METRICS_FILE)  # a URL's: copied in by RunMirror
     if not logged and not checkpoints:
         return
     held = []

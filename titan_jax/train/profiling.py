@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from titan_jax.config import JobConfig
+from titan_jax.train.run_folder import run_paths
 
 
 class StepProfiler:
@@ -24,7 +25,7 @@ class StepProfiler:
         p = config.profiling
         self.enabled = p.enable_profiling
         self.freq, self.steps = p.profile_freq, p.profile_steps
-        self.folder = Path(config.job.dump_folder) / p.save_traces_folder
+        self.folder = run_paths(config).local / p.save_traces_folder
         self.active: Path | None = None  # the folder being written, while a trace runs
 
     def before_step(self, step: int) -> None:

@@ -30,7 +30,7 @@ class RunLockError(TitanJaxError):
     """Another run holds the dump folder."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -104,7 +104,7 @@ class RunLock:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise RunLockError(self._busy(previous)) from None
             # No flock on this filesystem: the file's host and PID decide.
-            if holder and holder[0] == socket.gethostname() and _pid_alive(holder[1]):
+            if holder and holder[0] == socket.gethostname() and pid_alive(holder[1]):
                 raise RunLockError(self._busy(previous)) from None
         if previous:  # the kernel released it: its holder died without cleaning up
             log.warning(f"{self.path}: taking over the lock of a run that is gone "
