@@ -63,6 +63,7 @@ format:
 # docs/CONFIG.md from the field comments of titan_jax/config_schema.py.
 docs:
 	$(BIN)/python -m titan_jax.tools.config_reference
+	$(BIN)/python -m titan_jax.tools.sharding_reference
 
 # bench prints the table; bench-update also rewrites it in BENCHMARKS.md. The MaxText column
 # runs only when .venv-maxtext exists (`make bench-deps`): MaxText 0.2.5 in a venv of its own

@@ -30,3 +30,13 @@ def test_reading_a_comment():
     assert doc == "Doc."
     assert (x.name, x.default, x.comment) == ("x", "1", "Above, two lines. after")
     assert (y.choices, y.comment) == (("a", "b"), "")
+
+
+def test_the_rules_table_in_the_docs_is_the_code_s():
+    """docs/ARCHITECTURE.md and PARALLELISM.md show `parallel/rules.py`'s table, generated."""
+    from titan_jax.tools.sharding_reference import PAGES, render_table, with_table
+
+    for page in PAGES:
+        text = page.read_text()
+        assert text == with_table(text), f"{page.name}'s rules table is stale: run `make docs`"
+    assert "| `embed` | `(fsdp, cp, ep)` | gathered |" in render_table()

@@ -106,7 +106,7 @@ def test_experts_run_the_megablox_kernels_counted_at_the_analytic_flops(compiled
 def test_no_compute_dtype_copy_of_the_stacked_expert_weights(compiled):
     """XLA:TPU (bfloat16 propagation, loop-invariant code motion) would cast each layer-stacked
     fp32 expert weight to one bf16 copy of all layers before the layer loops, held through the
-    step; `simple_fsdp.cast_in_loop` keeps each layer casting its own slice."""
+    step; `compiler_workarounds.cast_in_loop` keeps each layer casting its own slice."""
     trainer, _, program, _ = compiled
     experts = jax.tree.leaves(trainer.abstract_state()["params"]["layers"]["moe"])
     copies = [f"bf16[{','.join(map(str, w.sharding.shard_shape(w.shape)))}]" for w in experts

@@ -1,4 +1,4 @@
-"""SimpleFSDP (titan_jax/parallel/simple_fsdp.py) on 8 simulated CPU devices.
+"""SimpleFSDP (titan_jax/parallel/simple_fsdp/) on 8 simulated CPU devices.
 
 Sharded runs must reproduce the 1-device losses; the compiled step must gather in the param
 dtype and reduce gradients in fp32; reshard_after_forward must re-gather in backward.
@@ -221,7 +221,7 @@ def test_a_weight_split_over_two_mesh_axes_gathers_in_order():
 
     from titan_jax.parallel.mesh import MeshDegrees, build_mesh
     from titan_jax.parallel.rules import ShardingRules
-    from titan_jax.parallel.simple_fsdp import SimpleFSDP
+    from titan_jax.parallel.simple_fsdp import simple_fsdp
 
     mesh = build_mesh(MeshDegrees(1, 4, 1, ep=2))
     rules = ShardingRules(mesh)
@@ -229,7 +229,7 @@ def test_a_weight_split_over_two_mesh_axes_gathers_in_order():
     specs = rules.storage_specs({"w": w}, {"w": ("embed", None)})
     assert specs["w"] == P(("fsdp", "ep"))
     assert rules.weight_layout(("embed", None)).gathered_dims == ((0, "ep"), (0, "fsdp"))
-    fsdp = SimpleFSDP(rules, specs, {}, "shard_map")
+    fsdp = simple_fsdp("shard_map", rules, specs)
     data = rules.data_axes
 
     def gather(shard):

@@ -237,8 +237,9 @@ SHARD_MAP_1K = ("fsdp8", "shard_map", VOCAB, "--training.seq_len", "64",
 ], ids=["jit", "jit-lookahead", "shard_map"])
 def test_layer_weights_are_cast_to_bf16_one_layer_at_a_time(compile_args):
     """No bf16 copy of a stacked (all layers) weight shard: XLA:TPU hoists a plain cast of the
-    layer loop's weight slice out of the loop (simple_fsdp.cast_in_loop; measured before the
-    fix: every stacked shard had its bf16 twin here, 3.5 GB per chip for 8B on v5p-8)."""
+    layer loop's weight slice out of the loop (compiler_workarounds.cast_in_loop; measured
+    before the fix: every stacked shard had its bf16 twin here, 3.5 GB per chip for 8B on
+    v5p-8)."""
     hlo, found = compiled_tiny(*compile_args)
     params = zip(jax.tree.leaves(found["state"]["params"]),
                  jax.tree.leaves(found["shardings"]["params"]), strict=True)

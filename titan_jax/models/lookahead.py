@@ -2,10 +2,10 @@
 
 Why: each layer's FSDP all-gathers can overlap only the compute the schedule places between
 their start and their use. Gathered at their use inside the iteration (and, since
-`simple_fsdp.cast_in_loop`, after that iteration's cast), the 8B v5p-8 step's in-loop gathers
-were 69% covered (docs/TPU.md). Carrying the next layer's gathered (compute-dtype) weights in
-the scan gives each forward gather a whole layer's forward to hide under: MaxText's weight
-prefetch across scanned layers (its PR #4493, forward only, as here).
+`compiler_workarounds.cast_in_loop`, after that iteration's cast), the 8B v5p-8 step's in-loop
+gathers were 69% covered (docs/TPU.md). Carrying the next layer's gathered (compute-dtype)
+weights in the scan gives each forward gather a whole layer's forward to hide under: MaxText's
+weight prefetch across scanned layers (its PR #4493, forward only, as here).
 
 Backward. The carried weights are never saved for backward: that would keep every layer's
 gathered weights, the copy re-sharding after forward exists to avoid. Each layer is a

@@ -15,7 +15,7 @@ The step adds a fifth, `loss_map`, around the summed loss (how the batch's compu
 split). The base class is no parallelism: a weight read is a cast to the compute dtype, a
 constraint does nothing, every expert is local, a kernel sees the whole arrays, the whole
 sequence is here and the loss is one computation. SimpleFSDP
-(`titan_jax/parallel/simple_fsdp.py`) overrides them from the one rules table; the step
+(`titan_jax/parallel/simple_fsdp/`) overrides them from the one rules table; the step
 installs it (`installed()`) around its whole trace, so the hooks are active in custom_vjp
 backward rules too (they run after the forward has returned). So the
 model never knows the mesh.
@@ -188,10 +188,43 @@ class Parallelism:
             _ACTIVE.reset(token)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pregathered(Parallelism):
+    """`outer`'s hooks, but weights come as they are: `gather_layer` already gathered them."""
+
+    outer: Parallelism
+
+    def use_param(self, value: jax.Array, logical_axes: LogicalAxes, dtype: jnp.dtype
+                  ) -> jax.Array:
+        if value.dtype != jnp.dtype(dtype):  # `gather_layer` read it at another dtype
+            raise ValueError(f"a weight gathered ahead in {value.dtype} is used in "
+                             f"{jnp.dtype(dtype)}; gather it in the dtype its layer uses")
+        return value
+
+    def constrain(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+        return self.outer.constrain(x, logical_axes)
+
+    def dispatch_to_experts(self, rows_MD: jax.Array, experts_M: jax.Array, n_local: int,
+                            ffn: ExpertFFN) -> jax.Array:
+        return self.outer.dispatch_to_experts(rows_MD, experts_M, n_local, ffn)
+
+    def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
+                      in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+        return self.outer.run_per_shard(kernel, args, in_axes, out_axes)
+
+    def sequence_split(self) -> SequenceSplit:
+        return self.outer.sequence_split()
+
+    def vocab_split(self) -> VocabSplit:
+        return self.outer.vocab_split()
+
+    def loss_map(self, summed_loss: SummedLoss) -> SummedLoss:
+        return self.outer.loss_map(summed_loss)
+
+
 NO_PARALLELISM = Parallelism()  # one device, or a trace without a mesh
 _ACTIVE: contextvars.ContextVar[Parallelism] = contextvars.ContextVar(
     "parallelism", default=NO_PARALLELISM)
-_PREGATHERED: contextvars.ContextVar[bool] = contextvars.ContextVar("pregathered", default=False)
 
 
 def use_param(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
@@ -201,11 +234,6 @@ def use_param(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
     if len(axes) != value.ndim:
         raise ValueError(f"a weight of shape {value.shape} is used with logical axes {axes}; "
                          "a stacked weight is used one layer at a time, inside the layer scan")
-    if _PREGATHERED.get():
-        if value.dtype != jnp.dtype(dtype):  # `gather_layer` read it at another dtype
-            raise ValueError(f"a weight gathered ahead in {value.dtype} is used in "
-                             f"{jnp.dtype(dtype)}; gather it in the dtype its layer uses")
-        return checkpoint_name(value, GATHERED_PARAM)
     return checkpoint_name(_ACTIVE.get().use_param(value, axes, dtype), GATHERED_PARAM)
 
 
@@ -222,11 +250,8 @@ def gather_layer(layer: nnx.State, dtype: jnp.dtype) -> nnx.State:
 def pregathered() -> Iterator[None]:
     """For the duration (of a layer's trace) `use_param` returns each weight as it is: the
     layer's state holds weights `gather_layer` already gathered."""
-    token = _PREGATHERED.set(True)
-    try:
+    with _Pregathered(_ACTIVE.get()).installed():
         yield
-    finally:
-        _PREGATHERED.reset(token)
 
 
 def sequence_split() -> SequenceSplit:

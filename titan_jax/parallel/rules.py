@@ -38,24 +38,22 @@ from titan_jax.trees import leaf_name
 MeshAxes = str | tuple[str, ...] | None
 
 DEFAULT_TABLE: Mapping[str, MeshAxes] = {
-    # Activations only.
-    "batch": ("dp_replicate", "fsdp", "ep"),
+    "batch": ("dp_replicate", "fsdp", "ep"),  # activations' rows: every data-parallel axis
     "seq": "cp",  # context parallelism (load-balanced chunks: parallel/context_parallel.py)
-    # Parameters (and activations, in the compute view).
-    "layers": None,  # scanned over, never split
-    "embed": ("fsdp", "cp", "ep"),  # SimpleFSDP's shard dimension of every weight that has it
-    "norm": ("fsdp", "cp", "ep"),
+    "layers": None,  # the stacked layers' dim: scanned over, never split
+    "embed": ("fsdp", "cp", "ep"),  # SimpleFSDP's shard dim of every weight that has it
+    "norm": ("fsdp", "cp", "ep"),  # norm weights, sharded like `embed`
     # The vocabulary tables: split over the data axes and tp, and kept split in compute
     # (parallel/vocab_parallel.py: tokens travel, not the table). Order: as in `data_axes`.
     "vocab": ("fsdp", "ep", "cp", "tp"),
-    "vocab_embed": None,
-    "heads": "tp",
-    "kv_heads": "tp",
-    "mlp": "tp",
-    "head_dim": None,
+    "vocab_embed": None,  # the vocabulary tables' model dim (their vocab dim is split)
+    "heads": "tp",  # Megatron's split: attention heads
+    "kv_heads": "tp",  # and the K/V heads
+    "mlp": "tp",  # and the MLP's hidden dim (the experts' too)
+    "head_dim": None,  # never split
     # MoE experts: split over ep (expert parallelism), their model dim FSDP-split over the rest.
     "expert": "ep",
-    "moe_embed": ("fsdp", "cp"),
+    "moe_embed": ("fsdp", "cp"),  # the experts' model dim (ep already splits their expert dim)
 }
 # Logical axes whose data-parallel splits survive into compute: the batch and the sequence (they
 # are the data) and the experts (under expert parallelism each rank computes the experts it

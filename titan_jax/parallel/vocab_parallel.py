@@ -32,6 +32,7 @@ import functools
 import jax
 from jax import lax
 
+from titan_jax.parallel.compiler_workarounds import keep_sum_in_place
 from titan_jax.parallel.reduce_scatter import staged_psum_scatter
 
 
@@ -48,10 +49,8 @@ def _gather_rows_fwd(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, No
 
 
 def _gather_rows_bwd(axes: tuple[str, ...], _: None, g: jax.Array) -> tuple[jax.Array]:
-    summed = staged_psum_scatter(g, axes)
-    # Partial sums, unlike the lookup's rows: the zeros added after the sum keep XLA:TPU from
-    # moving the caller's cast to bf16 in front of it (it does across a small all-reduce).
-    return (summed + summed * 0,)
+    # Partial sums, unlike the lookup's rows: kept from the caller's cast to bf16.
+    return (keep_sum_in_place(staged_psum_scatter(g, axes)),)
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)

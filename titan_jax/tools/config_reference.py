@@ -34,7 +34,7 @@ class Field:
     comment: str
 
 
-def _comments(source: str) -> dict[int, str]:
+def comments_of(source: str) -> dict[int, str]:
     """{line number: comment text} of every comment in `source`."""
     found = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -66,7 +66,7 @@ def _field_comment(node: ast.AnnAssign, comments: dict[int, str], lines: list[st
 def schema_sections(source: str | None = None) -> dict[str, tuple[str, list[Field]]]:
     """{class name: (docstring, fields)} of every dataclass in the schema, in source order."""
     source = SCHEMA.read_text() if source is None else source
-    comments, lines = _comments(source), source.splitlines()
+    comments, lines = comments_of(source), source.splitlines()
     sections = {}
     for node in ast.parse(source).body:
         if not isinstance(node, ast.ClassDef) or node.name == "JobConfig":

@@ -22,7 +22,7 @@ from titan_jax.models.remat import remat_mode_for
 from titan_jax.parallel.context_parallel import held_spans, to_load_balanced
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRules, table_for_vocab
-from titan_jax.parallel.simple_fsdp import SimpleFSDP
+from titan_jax.parallel.simple_fsdp import SimpleFSDP, simple_fsdp
 from titan_jax.parallel.state_shardings import batch_sharding, train_state_shardings
 from titan_jax.train import run_checks
 from titan_jax.train.optim import WSDSchedule, build_optimizer
@@ -203,10 +203,10 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     optimizer = build_optimizer(config.optimizer)
     state_shardings = train_state_shardings(rules, param_specs, buffer_specs, optimizer,
                                             model.abstract_params, ("step", APPLIED_UPDATES))
-    parallelism = SimpleFSDP(rules, param_specs, buffer_specs, implementation,
-                             jnp.dtype(t.mixed_precision_reduce),
-                             cp_method=config.parallelism.context_parallel_method,
-                             param_axes=model.logical_axes)
+    parallelism = simple_fsdp(implementation, rules, param_specs, buffer_specs,
+                              reduce_dtype=jnp.dtype(t.mixed_precision_reduce),
+                              cp_method=config.parallelism.context_parallel_method,
+                              param_axes=model.logical_axes)
     return Trainer(
         config, mesh, degrees, spec, model, rules,
         WSDSchedule.from_config(config.optimizer.lr, config.lr_scheduler, t.steps), optimizer,

@@ -1,0 +1,56 @@
+"""SimpleFSDP on a JAX mesh: weights stored sharded, gathered at use, grads reduced in fp32.
+
+TorchTitan's SimpleFSDP (`ReplicateComputation`): every parameter lives sharded over the
+data-parallel mesh axes; at each use it is cast to the param dtype and all-gathered inside the
+traced step, so the compiler can schedule the collectives; its gradient is cast to the reduce
+dtype (fp32) and reduce-scattered (FSDP), all-reduced (DDP) or both (HSDP). The three modes need
+no separate code: the rules table shards weights over `fsdp` (size 1 under pure DDP) and never
+over `dp_replicate`, so gathering to "storage spec minus the data axes" is the right collective
+for each. Tensor-parallel dims (`tp`) stay split in compute.
+
+Two implementations share the one rules table and plug into the step the same way (the
+`Parallelism` hooks of `titan_jax/models/sharding_hooks.py`: `use_param` for the model's weight
+reads, `loss_map` around the summed loss), each a class of its own over a shared base
+(`base.py`), chosen once by `simple_fsdp(implementation, ...)`:
+- "jit" (`jit.py`, the compiler path): sharding constraints; GSPMD places and schedules the
+  collectives.
+- "shard_map" (`shard_map.py`, the explicit twin): `jax.shard_map` over the data axes with
+  `lax.all_gather`, `lax.psum_scatter` and `lax.psum` written out. It proves the compiler path
+  right, and hosts what needs manual axes (expert and context parallelism, Pallas kernels of
+  MoE on TPU).
+
+`mixed_precision_reduce = "bfloat16"` (TorchTitan allows it) reduces in bf16 instead: the
+stored fp32 weight is first cast to the reduce dtype, whose transpose widens the reduced
+gradient back to fp32, so master weights and their update stay fp32.
+
+reshard_after_forward is a remat policy on the layer scan (`titan_jax/models/remat.py`): the
+gathered weight, found by its checkpoint name, is recomputed in backward, i.e. re-gathered.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+from titan_jax.parallel.rules import ShardingRules
+from titan_jax.parallel.simple_fsdp.base import SimpleFSDP, only_axes
+from titan_jax.parallel.simple_fsdp.jit import REPLICAS, SHARDS, JitSimpleFSDP
+from titan_jax.parallel.simple_fsdp.shard_map import ShardMapSimpleFSDP
+
+Implementation = Literal["jit", "shard_map"]
+IMPLEMENTATIONS: dict[str, type[SimpleFSDP]] = {"jit": JitSimpleFSDP,
+                                                 "shard_map": ShardMapSimpleFSDP}
+
+
+def simple_fsdp(implementation: Implementation, rules: ShardingRules, param_specs: Any,
+                buffer_specs: Any = None, *, reduce_dtype: Any = jnp.float32,
+                cp_method: str = "allgather", param_axes: Any = None) -> SimpleFSDP:
+    """SimpleFSDP in the named implementation (train/run_checks.py says which a run may use)."""
+    return IMPLEMENTATIONS[implementation](rules, param_specs, buffer_specs or {},
+                                           reduce_dtype=reduce_dtype, cp_method=cp_method,
+                                           param_axes=param_axes)
+
+
+__all__ = ["IMPLEMENTATIONS", "REPLICAS", "SHARDS", "Implementation", "JitSimpleFSDP",
+           "ShardMapSimpleFSDP", "SimpleFSDP", "only_axes", "simple_fsdp"]

@@ -1,0 +1,167 @@
+"""SimpleFSDP's compiler path: sharding constraints inside a vmap over the data shards; GSPMD
+places and schedules the collectives.
+
+Why it maps the loss over data shards. Under plain GSPMD a weight's gradient is one
+dot contracting the batch-sharded tokens, so the partitioner reduces it right at that dot, in
+the dot's dtype: bf16 with bf16 weights. Making that dot fp32 is not enough either: the
+gradient is then rounded to the bf16 weight's dtype after the reduction, and the TPU compiler
+moves that rounding in front of the all-reduce (seen in a v5p AOT compile: bf16 all-reduces).
+So the loss is vmapped over the data shards (`spmd_axis_name`: one shard per device) and every
+gathered weight is made per-shard: each shard's gradient then exists on its own, in bf16, and
+the gather's backward casts it to fp32 before the cross-shard sum, which GSPMD emits as an
+fp32 all-reduce / reduce-scatter with nothing after it to narrow. That is SimpleFSDP's
+"cast to reduce dtype, then reduce" exactly. (jax 0.10.2's `reduced`/`unreduced` sharding
+types would say "reduce later" directly, but they need Explicit axes and have no rule yet for
+`take` or for elementwise ops between a reduced weight and batch-sharded data.)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
+
+from titan_jax.models.sharding_hooks import GATHERED_PARAM, Kernel, LogicalAxes, SummedLoss
+from titan_jax.models.spec import Aux, Params
+from titan_jax.parallel.compiler_workarounds import cast_in_loop, give_shard_dim
+from titan_jax.parallel.per_shard import jit_per_shard
+from titan_jax.parallel.rules import WeightLayout, mesh_axes_of
+from titan_jax.parallel.simple_fsdp.base import SimpleFSDP
+
+# vmap axis names of the data shards: SHARDS over the axes the vocabulary is split over (all
+# data axes when it is not split), REPLICAS over the other data axes.
+SHARDS, REPLICAS = "data_shards", "data_replicas"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def gather_param(stored: jax.Array, shard_index: jax.Array, dtype: jnp.dtype,
+                 reduce_dtype: jnp.dtype, storage: NamedSharding, compute: NamedSharding
+                 ) -> jax.Array:
+    """Inside the vmap over data shards: `stored` cast to `dtype`, all-gathered from `storage`
+    to `compute` sharding, as this shard's own copy (`shard_index` is the batched
+    `lax.axis_index(SHARDS)`, used only to give the weight the shard dimension)."""
+    # Cast on the shard and pin it there: without the pin, propagation moves the cast after the
+    # all-gather, which then moves fp32.
+    x = lax.with_sharding_constraint(cast_in_loop(stored, dtype), storage)
+    x = give_shard_dim(x, shard_index)
+    x = lax.with_sharding_constraint(x, compute)  # + the shard dim over the data axes (vmap)
+    return checkpoint_name(x, GATHERED_PARAM)
+
+
+def _gather_param_fwd(stored: jax.Array, shard_index: jax.Array, dtype: jnp.dtype,
+                      reduce_dtype: jnp.dtype, storage: NamedSharding, compute: NamedSharding
+                      ) -> tuple[jax.Array, None]:
+    return gather_param(stored, shard_index, dtype, reduce_dtype, storage, compute), None
+
+
+def _gather_param_bwd(dtype: jnp.dtype, reduce_dtype: jnp.dtype, storage: NamedSharding,
+                      compute: NamedSharding, _: None, g: jax.Array) -> tuple[jax.Array, None]:
+    # g is this shard's gradient. Cast before anything sums it: vmap then sums the shards'
+    # gradients of the unbatched `stored` (already in `reduce_dtype`), which GSPMD emits as
+    # the reduction.
+    return g.astype(reduce_dtype), None
+
+
+gather_param.defvjp(_gather_param_fwd, _gather_param_bwd)
+
+
+class JitSimpleFSDP(SimpleFSDP):
+    """SimpleFSDP by sharding constraints (the module docstring says why the vmap)."""
+
+    implementation = "jit"
+
+    def _gather(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
+                dtype: jnp.dtype, kept: bool) -> jax.Array:
+        if kept:  # `loss_map` hands in this shard's slice, used as it is
+            return self.constrain(value.astype(dtype), logical_axes)
+        return gather_param(value, self._shard_index(), dtype, value.dtype,
+                            NamedSharding(self.mesh, layout.storage),
+                            NamedSharding(self.mesh, layout.compute))
+
+    def constrain(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+        spec = self.rules.local_compute_spec("activation", logical_axes)
+        return lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec)) if spec else x
+
+    def _vocab_shard_axes(self, axes: tuple[str, ...]) -> str:
+        return SHARDS
+
+    def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
+                      in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+        in_specs, out_spec = self._local_specs(in_axes, out_axes)
+        return jit_per_shard(self.mesh, kernel, args, in_specs, out_spec)
+
+    def loss_map(self, summed_loss: SummedLoss) -> SummedLoss:
+        inner, outer = self._shard_axes()
+        n_in = math.prod(self.mesh.shape[a] for a in inner)
+        n_out = self.n_shards // n_in
+        per = jax.vmap(summed_loss, in_axes=(self._per_shard_dims(), None, 0, 0),
+                       axis_name=SHARDS, spmd_axis_name=inner)
+        if outer:
+            if self.data_axes.index(outer[-1]) > self.data_axes.index(inner[0]):
+                raise ValueError(f"the jit path needs the replicated data axes {outer} before "
+                                 f"the vocabulary's {inner} in the batch's order")
+            per = jax.vmap(per, in_axes=(None, None, 0, 0), axis_name=REPLICAS,
+                           spmd_axis_name=outer)
+
+        def per_shard(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
+                      ) -> tuple[jax.Array, Aux]:
+            # Rows are laid out shard-major, so the split moves no data.
+            split = lambda x: x.reshape(  # noqa: E731
+                *((n_out,) if outer else ()), n_in, x.shape[0] // self.n_shards, *x.shape[1:])
+            losses, aux = per(self._split_kept(params, n_in), buffers, split(inputs),
+                              split(labels))
+            total = lambda a: jnp.sum(a, axis=(0, 1) if outer else 0)  # noqa: E731
+            return total(losses), jax.tree.map(total, aux)
+
+        return per_shard
+
+    def _shard_axes(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The (SHARDS, REPLICAS) vmap axes: the vocabulary's data axes and the other data
+        axes (HSDP's replicas), or all data axes and none when it is not split."""
+        inner = self.rules.vocab_data_axes
+        if not inner:
+            return self.data_axes, ()
+        return inner, tuple(a for a in self.data_axes
+                            if a not in inner and self.mesh.shape[a] > 1)
+
+    def _shard_index(self) -> jax.Array:
+        """The data-shard index, batched over every vmap over data shards."""
+        index = lax.axis_index(SHARDS)
+        return index + lax.axis_index(REPLICAS) if self._shard_axes()[1] else index
+
+    def _kept_dim(self, axes: LogicalAxes) -> int | None:
+        """The dim of a stored weight whose data-parallel split is kept in compute (the
+        vocabulary's), or None."""
+        compute = self.rules.compute_spec("a weight", axes)
+        data = set(self.data_axes)
+        return next((d for d, entry in enumerate(compute)
+                     if entry and mesh_axes_of(PartitionSpec(entry)) & data), None)
+
+    def _per_shard_dims(self) -> Any:
+        """vmap in_axes of the params: the kept dim of each kept-split weight (after
+        `_split_kept`), else None."""
+        if self.param_axes is None:
+            return None
+        return jax.tree.map(self._kept_dim, self.param_axes,
+                            is_leaf=lambda x: isinstance(x, tuple))
+
+    def _split_kept(self, params: Params, n: int) -> Params:
+        """Each kept-split weight with its kept dim split into (n shards, the rest): the
+        shards' slices, for the vmap to hand one to each shard (a reshape along the storage
+        split: no data moves)."""
+        if self.param_axes is None:
+            return params
+
+        def split(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+            dim = self._kept_dim(axes)
+            if dim is None:
+                return x
+            return x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1:])
+
+        return jax.tree.map(split, params, self.param_axes)

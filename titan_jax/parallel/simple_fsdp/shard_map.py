@@ -1,0 +1,105 @@
+"""SimpleFSDP's explicit twin: `jax.shard_map` over the data axes with `lax.all_gather`,
+`lax.psum_scatter` and `lax.psum` written out. Model-parallel splits (tp, and ep for the
+experts) are left to the partitioner or kept local; expert and context parallelism and the
+Pallas kernels of MoE on TPU need its manual data axes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
+
+from titan_jax.models.sharding_hooks import GATHERED_PARAM, Kernel, LogicalAxes, SummedLoss
+from titan_jax.models.spec import Aux, Params
+from titan_jax.parallel.compiler_workarounds import cast_in_loop
+from titan_jax.parallel.per_shard import manual_per_shard
+from titan_jax.parallel.rules import WeightLayout
+from titan_jax.parallel.simple_fsdp.base import SimpleFSDP, only_axes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def all_gather_param(shard: jax.Array, dtype: jnp.dtype, reduce_dtype: jnp.dtype,
+                     gathered_dims: tuple[tuple[int, str], ...], replicated: tuple[str, ...]
+                     ) -> jax.Array:
+    """Inside shard_map: this device's `shard` cast to `dtype`, marked varying over the data
+    axes it is stored whole on (`replicated`) and all-gathered along `gathered_dims` ((dim,
+    mesh axis) pairs). Splits a use keeps (experts over `ep`) stay local.
+
+    Marking it varying here, not at the consumer, keeps that mark's implicit transpose (a psum
+    in the cotangent's dtype, bf16) out of the backward, which reduces explicitly.
+    """
+    x = cast_in_loop(shard, dtype)
+    if replicated:
+        x = lax.pcast(x, replicated, to="varying")
+    for dim, axis in gathered_dims:
+        x = lax.all_gather(x, axis, axis=dim, tiled=True)
+    return checkpoint_name(x, GATHERED_PARAM)
+
+
+def _all_gather_param_fwd(shard: jax.Array, dtype: jnp.dtype, reduce_dtype: jnp.dtype,
+                          gathered_dims: tuple[tuple[int, str], ...],
+                          replicated: tuple[str, ...]) -> tuple[jax.Array, None]:
+    return all_gather_param(shard, dtype, reduce_dtype, gathered_dims, replicated), None
+
+
+def _all_gather_param_bwd(dtype: jnp.dtype, reduce_dtype: jnp.dtype,
+                          gathered_dims: tuple[tuple[int, str], ...], replicated: tuple[str, ...],
+                          _: None, g: jax.Array) -> tuple[jax.Array]:
+    g = g.astype(reduce_dtype)  # before any reduction
+    for dim, axis in reversed(gathered_dims):
+        g = lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)  # FSDP
+    return (lax.psum(g, replicated) if replicated else g,)  # DDP, and HSDP's replicas
+
+
+all_gather_param.defvjp(_all_gather_param_fwd, _all_gather_param_bwd)
+
+
+class ShardMapSimpleFSDP(SimpleFSDP):
+    """SimpleFSDP with the collectives written out, manual over the data axes only."""
+
+    implementation = "shard_map"
+
+    def _gather(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
+                dtype: jnp.dtype, kept: bool) -> jax.Array:
+        return all_gather_param(value, dtype, value.dtype, layout.gathered_dims,
+                                layout.replicated)
+
+    def constrain(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+        spec = self.rules.local_compute_spec("activation", logical_axes)
+        return lax.with_sharding_constraint(x, spec) if spec else x  # data axes are manual
+
+    def _vocab_shard_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        return axes
+
+    def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
+                      in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+        in_specs, out_spec = self._local_specs(in_axes, out_axes)
+        return manual_per_shard(kernel, args, in_specs, out_spec, self.data_axes)
+
+    def loss_map(self, summed_loss: SummedLoss) -> SummedLoss:
+        data = self.data_axes
+        is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
+        param_specs = jax.tree.map(lambda s: only_axes(s, data), self.param_specs,
+                                   is_leaf=is_spec)
+        buffer_specs = jax.tree.map(lambda _: PartitionSpec(), self.buffer_specs,  # whole
+                                    is_leaf=is_spec)
+        rows = self.rules.batch_spec  # rows, and under context parallelism sequence chunks
+
+        def local(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
+                  ) -> tuple[jax.Array, Aux]:
+            return jax.tree.map(lambda x: lax.psum(x, data),
+                                summed_loss(params, buffers, inputs, labels))
+
+        def mapped(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
+                   ) -> tuple[jax.Array, Aux]:
+            return jax.shard_map(local, mesh=self.mesh,
+                                 in_specs=(param_specs, buffer_specs, rows, rows),
+                                 out_specs=PartitionSpec(), axis_names=frozenset(data)
+                                 )(params, buffers, inputs, labels)
+
+        return mapped
