@@ -32,7 +32,6 @@ import functools
 import jax
 from jax import lax
 
-from titan_jax.parallel.compiler_workarounds import keep_sum_in_place
 from titan_jax.parallel.reduce_scatter import staged_psum_scatter
 
 
@@ -49,8 +48,7 @@ def _gather_rows_fwd(x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, No
 
 
 def _gather_rows_bwd(axes: tuple[str, ...], _: None, g: jax.Array) -> tuple[jax.Array]:
-    # Partial sums, unlike the lookup's rows: kept from the caller's cast to bf16.
-    return (keep_sum_in_place(staged_psum_scatter(g, axes)),)
+    return (staged_psum_scatter(g, axes),)
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 
 from titan_jax.data.windows import IGNORE_INDEX  # the data layer marks the ignored labels
 from titan_jax.models.sharding_hooks import VocabSplit, constrain, vocab_split
-from titan_jax.parallel.compiler_workarounds import zeros_of
 
 # Above this many logits per microbatch the loss is computed chunk by chunk over tokens, so the
 # full (tokens, vocab) fp32 logits never exist at once (e.g. 4096 tokens x 151936 vocab = 2.5 GB).
@@ -153,8 +152,7 @@ def _chunked_bwd(residuals: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array
                                    preferred_element_type=jnp.float32)
         return dw_DV, dh_ID
 
-    # The fp32 accumulator carries the weight's manual-axis type inside shard_map.
-    dw0 = zeros_of(w_DV, jnp.float32)
+    dw0 = jnp.zeros(w_DV.shape, jnp.float32)
     dw_DV, dh_JID = jax.lax.scan(chunk, dw0, (h_JID, labels_JI))
     return dh_JID, dw_DV.astype(w_DV.dtype), None
 
