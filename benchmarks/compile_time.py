@@ -24,7 +24,7 @@ import jax
 
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import get_flavor
-from titan_jax.tools import inspect_step
+from titan_jax.planner import inspect_step
 from titan_jax.train.trainer import build_trainer
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "qwen3_0.6b.toml"

@@ -26,7 +26,7 @@ compile_only_libtpu()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from titan_jax.parallel.topology import compile_only_devices, parse_slice  # noqa: E402
+from titan_jax.planner.topology import compile_only_devices, parse_slice  # noqa: E402
 
 DIM, ROWS = 2048, 4096
 

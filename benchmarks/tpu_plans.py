@@ -20,7 +20,7 @@ from typing import Any
 from titan_jax.atomic_dir import write_text_atomic
 from titan_jax.config import load_config
 from titan_jax.jax_platform import compile_only_libtpu
-from titan_jax.tools.aot_compile import compile_report
+from titan_jax.planner.aot_compile import compile_report
 
 BEGIN, END = "<!-- tpu_plans:begin -->", "<!-- tpu_plans:end -->"
 MAXTEXT = "MaxText 0.2.5"  # the side-by-side anchor (benchmarks/maxtext-constraints.txt)

@@ -191,7 +191,7 @@ def test_compile_never_needs_libtpus_lockfile(tmp_path):
         proc = subprocess.run(
             [sys.executable, "-c", "from titan_jax import jax_platform\n"
              "jax_platform.compile_only_libtpu()\n"
-             "from titan_jax.parallel.topology import compile_only_devices, parse_slice\n"
+             "from titan_jax.planner.topology import compile_only_devices, parse_slice\n"
              "print(len(compile_only_devices(parse_slice('v5e-4'))))"],
             env={k: v for k, v in env.items() if k != "JAX_PLATFORMS"}, capture_output=True,
             text=True, timeout=120)

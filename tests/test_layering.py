@@ -1,5 +1,5 @@
 """The package's layers, lowest first: config (and errors) < data < models, parallel < train
-< tools, parity < cli. A module never imports a higher layer, and no import cycle exists.
+< tools, planner, parity < cli. A module never imports a higher layer, and no import cycle exists.
 
 Read from the source (every `import`/`from ... import` of titan_jax, at any depth), so a lazy
 import inside a function counts too.
@@ -15,7 +15,7 @@ import titan_jax
 ROOT = Path(titan_jax.__file__).parent
 # Package (first component under titan_jax) -> layer rank.
 LAYERS = {"errors": 0, "config_schema": 0, "config": 0, "atomic_dir": 0, "jax_platform": 0,
-          "trees": 0, "yarn": 0, "cli_commands": 6,
+          "trees": 0, "yarn": 0, "cli_commands": 6, "planner": 5,
           "data": 1, "models": 2, "parallel": 3, "train": 4, "tools": 5, "parity": 5, "cli": 6}
 
 

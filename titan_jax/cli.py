@@ -63,7 +63,7 @@ def _inspect(config: JobConfig, json_out: str | None) -> int:
     from titan_jax.parallel.mesh import set_cpu_device_count
 
     set_cpu_device_count(config.job.cpu_devices)  # before JAX starts, as for train
-    from titan_jax.tools.inspect_step import format_report, inspect_trainer
+    from titan_jax.planner.inspect_step import format_report, inspect_trainer
     from titan_jax.train.trainer import build_trainer
 
     report = inspect_trainer(build_trainer(config))
@@ -74,7 +74,7 @@ def _inspect(config: JobConfig, json_out: str | None) -> int:
 
 
 def _compile(args: argparse.Namespace, config: JobConfig) -> int:
-    from titan_jax.tools.aot_compile import compile_report, format_report
+    from titan_jax.planner.aot_compile import compile_report, format_report
 
     report = compile_report(config, args.topology, args.num_slices)
     print(format_report(report))

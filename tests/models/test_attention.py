@@ -162,7 +162,7 @@ def test_train_steps_with_splash_match_the_xla_path(xla_losses, n_devices, overr
 def _temp_bytes(attention: str) -> int:
     from jax.experimental import topologies
 
-    from titan_jax.tools import inspect_step
+    from titan_jax.planner import inspect_step
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
     args = dataclasses.replace(ARGS, head_dim=128, max_seq_len=2048)

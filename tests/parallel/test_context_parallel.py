@@ -255,7 +255,7 @@ def test_a_kernel_that_cannot_take_cp_is_refused_naming_the_field():
 def test_32k_recipes_build_for_their_slices(recipe, topology, mesh):
     """Built (not compiled) on the slice's devices: the cp mesh, splash, 32K sequences and the
     global batch the plans fix (`benchmarks/tpu_plans.py` compiles them)."""
-    from titan_jax.parallel.topology import compile_only_devices, parse_slice
+    from titan_jax.planner.topology import compile_only_devices, parse_slice
 
     trainer = build_trainer(load_config(recipe), compile_only_devices(parse_slice(topology)))
     assert {k: v for k, v in trainer.mesh.shape.items() if v > 1} == {
@@ -303,7 +303,7 @@ def test_attention_under_cp_as_the_trainer_runs_it(backend, documents):
 
 
 def test_collectives_are_named_by_the_mesh_axes_they_span():
-    from titan_jax.tools.collectives import spanned_mesh_axes
+    from titan_jax.planner.collectives import spanned_mesh_axes
 
     shape = {"dp_replicate": 1, "fsdp": 4, "cp": 2, "ep": 1, "tp": 1}
     assert spanned_mesh_axes([[0, 1], [2, 3], [4, 5], [6, 7]], shape) == "cp"

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh
 from titan_jax.parallel.rules import ShardingRules
 from titan_jax.parallel.simple_fsdp import SHARDS, SimpleFSDP, simple_fsdp
-from titan_jax.tools import inspect_step
+from titan_jax.planner import inspect_step
 
 N_SHARDS, TOKENS, D = 8, 16, 8  # per shard: TOKENS tokens, one group of TOKENS/8 per expert
 AXES = ("expert", "embed", "mlp")

@@ -15,7 +15,7 @@ import pytest
 from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, tiny_config
 
 from titan_jax.parallel import expert_parallel
-from titan_jax.tools import hlo_stats, inspect_step, kernel_flops
+from titan_jax.planner import hlo_stats, inspect_step, kernel_flops
 from titan_jax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.skipif(

@@ -14,7 +14,7 @@ import pytest
 from parallel_helpers import PRESETS, preset_overrides
 
 from titan_jax.config import load_config
-from titan_jax.tools import inspect_step
+from titan_jax.planner import inspect_step
 from titan_jax.train.trainer import build_trainer
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -1,4 +1,4 @@
-"""`titan-jax inspect` (titan_jax/tools/inspect_step.py): the HLO collective parser and the
+"""`titan-jax inspect` (titan_jax/planner/inspect_step.py): the HLO collective parser and the
 report."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tiny_model import TINY
 
 from titan_jax.cli import main
 from titan_jax.config import load_config
-from titan_jax.tools.inspect_step import abstract_batch, collective_counts
+from titan_jax.planner.inspect_step import abstract_batch, collective_counts
 from titan_jax.train.setup import build_data
 from titan_jax.train.trainer import build_trainer
 

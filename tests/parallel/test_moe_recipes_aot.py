@@ -16,8 +16,8 @@ from test_tpu_aot import bf16_reductions
 
 from titan_jax.config import ConfigError, load_config
 from titan_jax.models.qwen3 import get_flavor
-from titan_jax.parallel.topology import compile_only_devices, parse_slice
-from titan_jax.tools import inspect_step
+from titan_jax.planner import inspect_step
+from titan_jax.planner.topology import compile_only_devices, parse_slice
 from titan_jax.train.trainer import build_trainer
 
 pytestmark = [pytest.mark.skipif(

@@ -57,7 +57,7 @@ def test_num_slices_must_be_positive_or_auto():
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
 def test_tpu_multislice_devices_put_replicas_on_separate_slices():
-    from titan_jax.parallel.topology import compile_only_devices, parse_slice
+    from titan_jax.planner.topology import compile_only_devices, parse_slice
 
     devices = compile_only_devices(parse_slice("v5p-8", num_slices=2))
     config = tiny_config("--parallelism.data_parallel_replicate_degree", "2")

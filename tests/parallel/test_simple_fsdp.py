@@ -23,7 +23,7 @@ from parallel_helpers import (
 )
 
 from titan_jax.config import ConfigError, load_config
-from titan_jax.tools import inspect_step
+from titan_jax.planner import inspect_step
 from titan_jax.train.trainer import build_trainer
 
 FLOAT_DTYPES = {"bf16", "f16", "f32", "f64"}

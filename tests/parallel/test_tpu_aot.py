@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, preset_overrides, tiny_config
 
-from titan_jax.tools import inspect_step
+from titan_jax.planner import inspect_step
 from titan_jax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.skipif(
@@ -118,7 +118,7 @@ def test_mixed_precision_reduce_bf16_reduces_gradients_in_bf16(implementation):
     """TorchTitan's `mixed_precision_reduce = "bfloat16"`: every gradient reduction is bf16
     (what is left in fp32 is the scalar loss, grad norm and the loss's softmax sums)."""
     hlo = compiled_hlo("fsdp8", implementation, "--training.mixed_precision_reduce", "bfloat16")
-    from titan_jax.tools import hlo_stats
+    from titan_jax.planner import hlo_stats
 
     # Left in fp32 too: the loss's per-token softmax sums over vocabulary shards (tokens x 4 B),
     # and the shard_map twin's staged reductions of the vocabulary split (activations and
@@ -328,7 +328,7 @@ MIN_GAIN = 1.2
 
 
 def overlap_report(lookahead: str) -> dict[str, Any]:
-    from titan_jax.tools.aot_compile import compile_report
+    from titan_jax.planner.aot_compile import compile_report
 
     config = tiny_config("--training.mixed_precision_param", "bfloat16",
                          "--activation_checkpoint.mode", "full", "--model.attention", "xla",

@@ -9,7 +9,7 @@ import pytest
 from tiny_model import TINY
 
 from titan_jax.config import load_config
-from titan_jax.tools import inspect_step
+from titan_jax.planner import inspect_step
 from titan_jax.train.trainer import build_trainer
 
 

@@ -1,5 +1,6 @@
-"""`titan-jax compile` (tools/aot_compile.py, tools/hlo_stats.py, parallel/topology.py): the train
-step compiled for named TPU slices on this CPU with libtpu, and the HLO arithmetic behind it."""
+"""`titan-jax compile` (planner/aot_compile.py, planner/hlo_stats.py, planner/topology.py): the
+train step compiled for named TPU slices on this CPU with libtpu, and the HLO arithmetic behind
+it."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from titan_jax.cli import main
-from titan_jax.parallel import topology
-from titan_jax.tools import hlo_stats
-from titan_jax.tools.hlo_cost import moved_bytes as _moved_bytes
+from titan_jax.planner import hlo_stats, topology
+from titan_jax.planner.hlo_cost import moved_bytes as _moved_bytes
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -212,7 +212,7 @@ def test_lowered_step_flops_equal_the_analytic_count_on_both_fsdp_paths(implemen
     from tiny_model import TINY
 
     from titan_jax.config import load_config
-    from titan_jax.tools import inspect_step
+    from titan_jax.planner import inspect_step
     from titan_jax.train.trainer import build_trainer
 
     config = load_config(None, [

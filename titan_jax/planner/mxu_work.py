@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 import re
 
-from titan_jax.tools import hlo_stats, kernel_flops
-from titan_jax.tools.hlo_stats import HloModule, Instruction
+from titan_jax.planner import hlo_stats, kernel_flops
+from titan_jax.planner.hlo_stats import HloModule, Instruction
 
 
 def _dims(text: str, key: str) -> list[int]:

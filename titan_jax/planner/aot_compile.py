@@ -7,7 +7,7 @@ can use), the largest buffers, FLOPs per step (analytic, and the program's matmu
 matmuls and splash kernels weighted by loop trip counts), the collectives of the compiled HLO
 and how much of each in-loop all-gather the schedule overlaps with compute, and two step-time
 estimates: `est_*`, each compiled instruction at max(FLOPs at the bf16 peak, HBM bytes at the
-HBM bandwidth) plus the collectives the schedule leaves exposed (tools/hlo_cost.py); and
+HBM bandwidth) plus the collectives the schedule leaves exposed (planner/hlo_cost.py); and
 `roofline_*`, compute at peak with collectives fully overlapped (an upper bound on MFU).
 """
 
@@ -25,9 +25,9 @@ import numpy as np
 
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.jax_platform import ASYNC_GATHER_FLAGS
-from titan_jax.parallel.topology import Chip, TpuSlice, compile_only_devices, parse_slice
-from titan_jax.tools import hlo_cost, hlo_stats, inspect_step, kernel_flops
-from titan_jax.tools.collectives import collectives
+from titan_jax.planner import hlo_cost, hlo_stats, inspect_step, kernel_flops
+from titan_jax.planner.collectives import collectives
+from titan_jax.planner.topology import Chip, TpuSlice, compile_only_devices, parse_slice
 from titan_jax.train.trainer import Trainer, build_trainer
 
 _OOM_TEMPORARIES = re.compile(r"HLO temporaries \(([0-9.]+)([GMK]?)\)")

@@ -30,8 +30,8 @@ import json
 import math
 import re
 
-from titan_jax.tools import hlo_stats
-from titan_jax.tools.hlo_stats import Instruction
+from titan_jax.planner import hlo_stats
+from titan_jax.planner.hlo_stats import Instruction
 
 _CONSTRAINTS = re.compile(r"operand_layout_constraints=\{(.*?)\}(?:, [a-z_]+=|$)")
 _METADATA = re.compile(r'"xprof_metadata":"(\{.*?\})"')

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from titan_jax.data.windows import batch_layout
-from titan_jax.tools import hlo_stats
-from titan_jax.tools.collectives import collectives
+from titan_jax.planner import hlo_stats
+from titan_jax.planner.collectives import collectives
 from titan_jax.train.trainer import Trainer
 from titan_jax.trees import named_leaves
 
@@ -58,7 +58,7 @@ def state_bytes(trainer: Trainer) -> tuple[int, int]:
 
 def collective_counts(hlo_text: str, mesh: jax.sharding.Mesh | None = None
                       ) -> list[dict[str, Any]]:
-    """The step's collectives (tools/collectives.py) grouped by (op, element dtype).
+    """The step's collectives (planner/collectives.py) grouped by (op, element dtype).
 
     `count`: instructions; `bytes`: their result sizes per device, summed. Async `-start` ops
     count as their op (their `-done` halves are skipped); a combined op counts once per dtype.

@@ -1,6 +1,6 @@
 # ruff: noqa: E501 (HLO text keeps its lines whole)
-"""The compiled-program cost model (tools/hlo_cost.py), kernel FLOPs (tools/kernel_flops.py),
-grouped-matmul FLOPs (tools/hlo_stats.py) and `fits` on both sides of XLA:TPU's memory edge."""
+"""The compiled-program cost model (planner/hlo_cost.py), kernel FLOPs (planner/kernel_flops.py),
+grouped-matmul FLOPs (planner/hlo_stats.py) and `fits` on both sides of XLA:TPU's memory edge."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import importlib.util
 
 import pytest
 
-from titan_jax.parallel.topology import CHIPS, Chip, parse_slice
-from titan_jax.tools import aot_compile, hlo_cost, hlo_stats, kernel_flops
+from titan_jax.planner import aot_compile, hlo_cost, hlo_stats, kernel_flops
+from titan_jax.planner.topology import CHIPS, Chip, parse_slice
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -226,7 +226,7 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
     sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
     from parallel_helpers import TINY, preset_overrides, tiny_config
 
-    from titan_jax.tools import inspect_step
+    from titan_jax.planner import inspect_step
     from titan_jax.train.trainer import build_trainer
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")

@@ -1,5 +1,5 @@
 """A step-time estimate read from the compiled (scheduled) TPU program, instruction by
-instruction, with published chip constants only (`parallel/topology.py`).
+instruction, with published chip constants only (`planner/topology.py`).
 
 Each instruction that the schedule runs (fusions, custom calls such as splash and the grouped
 matmuls, copies, ...) costs max(its MXU FLOPs at the chip's bf16 peak, its HBM bytes at the
@@ -32,10 +32,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from titan_jax.parallel.topology import Chip
-from titan_jax.tools import hlo_stats, kernel_flops
-from titan_jax.tools.hlo_stats import HloModule, Instruction
-from titan_jax.tools.mxu_work import computation_work, instruction_work
+from titan_jax.planner import hlo_stats, kernel_flops
+from titan_jax.planner.hlo_stats import HloModule, Instruction
+from titan_jax.planner.mxu_work import computation_work, instruction_work
+from titan_jax.planner.topology import Chip
 
 _ARRAY_LAYOUT = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from titan_jax.tools import hlo_cost, hlo_stats
+from titan_jax.planner import hlo_cost, hlo_stats
 
 
 def _network(groups: list[list[int]], slice_of: list[int]) -> str:

@@ -3,7 +3,7 @@ devices from libtpu, so a pod job can be compiled and measured on a CPU host.
 
 Cloud names count chips for v5e/v6e but TensorCores for v4/v5p (two per chip, one megacore JAX
 device): v5p-8 is 4 chips. The chip constants are the published per-chip figures cited below;
-they feed `titan-jax compile`'s estimate (tools/hlo_cost.py) and roofline bound only.
+they feed `titan-jax compile`'s estimate (planner/hlo_cost.py) and roofline bound only.
 """
 
 from __future__ import annotations
