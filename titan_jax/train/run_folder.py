@@ -250,7 +250,7 @@ class RunMirror:
             if kind is None:
                 raise
             log.warning(f"copying the run's files to {self.url} failed: {e}; they are in "
-                        f"{self.local}")
+                        f"{self.local} until this folder's next run starts a fresh mirror")
         else:  # all of it is at the URL now
             shutil.rmtree(self.local, ignore_errors=True)
         finally:
