@@ -47,7 +47,9 @@ train:
 # Two workers, one test file each at a time (module fixtures stay shared): most tests are
 # compile-bound and single-threaded. With tcmalloc preloaded (libtpu's compiles spend ~10% in
 # glibc's malloc) and one compilation cache for the session (tests/conftest.py) the whole
-# suite took 19.5-23 min on 2 cores (2026-12-03, two runs; 23 min 44 s without either).
+# suite took 19.5-23 min on 2 cores (2026-12-03, two runs; 23 min 44 s without either); 22 min 6 s
+# with 728 tests (2026-12-03, later). XLA:CPU at -O0 for tests halves compile-bound tests' CPU
+# but slows the run-bound ones as much (21 min 35 s) and flips an MoE routing near-tie: not used.
 test:
 	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile tests --nbmake notebooks
 
