@@ -41,7 +41,7 @@ from etils import epath
 from titan_jax.config import JobConfig
 from titan_jax.errors import TitanJaxError, quiet_closed_loop_callbacks, root_cause
 from titan_jax.train.checksums import checksums, in_host_memory
-from titan_jax.train.run_folder import run_paths
+from titan_jax.train.run_folder import is_url, run_paths
 from titan_jax.train.state_formats import count_from_schedule, schedule_counted
 from titan_jax.train.step import TrainState
 from titan_jax.train.trainer import Trainer
@@ -151,7 +151,7 @@ class Checkpointer:
                  async_save: bool = True, read_only: bool = False,
                  run_info: dict[str, Any] | None = None, state_bytes: int = 0):
         directory = epath.Path(directory)
-        self.directory = directory if "://" in str(directory) else directory.absolute()
+        self.directory = directory if is_url(str(directory)) else directory.absolute()
         if read_only:
             if not self.directory.is_dir():
                 raise CheckpointError(f"checkpoint folder {self.directory} does not exist")

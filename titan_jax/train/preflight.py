@@ -16,7 +16,7 @@ from etils import epath
 
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.train.checkpoint import CheckpointError, is_checkpoint_dir, listing
-from titan_jax.train.run_folder import run_paths
+from titan_jax.train.run_folder import is_url, run_paths
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -67,7 +67,7 @@ def check_outputs(config: JobConfig) -> None:
         folder_to_write(dump / config.profiling.save_traces_folder,
                          "profiling.save_traces_folder")
     c = config.checkpoint
-    if c.enable and "://" not in paths.checkpoints:
+    if c.enable and not is_url(paths.checkpoints):
         folder_to_write(Path(paths.checkpoints), "checkpoint.folder")
     if c.enable and c.last_save_in_hf:
         final = epath.Path(paths.checkpoints) / f"hf-{config.training.steps}"

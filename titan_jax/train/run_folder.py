@@ -49,7 +49,7 @@ def is_url(folder: str) -> bool:
 
 def orbax_location(url: str) -> str:
     """What orbax takes for a run folder URL: the path a file:// URL names, else the URL."""
-    return url.removeprefix("file://") if url.startswith("file://") else url
+    return url.removeprefix("file://")
 
 
 @dataclasses.dataclass(frozen=True)
