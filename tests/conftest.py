@@ -5,6 +5,8 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Once JAX's thread pool has run, torch's spinning OpenMP workers slow it ~20x on 2 cores.
@@ -27,6 +29,17 @@ os.environ["XDG_CACHE_HOME"] = _CACHE
 os.environ["TITAN_JAX_COMPILATION_CACHE"] = os.path.join(_CACHE, "titan_jax", "xla")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", os.environ["TITAN_JAX_COMPILATION_CACHE"])
+
+
+@pytest.fixture(scope="module")
+def module_tmp_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[Path]:
+    """A folder shared by a module's tests, removed after them (tmp_path_factory's folders
+    live to the end of the session, and a module's runs and checkpoints can be gigabytes)."""
+    path = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -45,9 +45,10 @@ def first_val_loss(dump: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
+def single(module_tmp_path):
     """One device, validating (which leaves the training losses as they are): (dump, losses)."""
-    dump = tmp_path_factory.mktemp("single")
+    dump = module_tmp_path / "single"
+    dump.mkdir()
     return dump, train_losses(dump, "--job.cpu_devices", "1", "--training.local_batch_size", "8",
                               *VALIDATION, "8")
 

@@ -54,8 +54,8 @@ def metrics(dump: Path) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("multihost")
+def runs(module_tmp_path):
+    root = module_tmp_path
     return {n: (root / f"p{n}", train(root / f"p{n}", n)) for n in (1, 2)}
 
 

@@ -100,10 +100,11 @@ def random_state(trainer, seed=0):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(module_tmp_path):
     """Step 2 of the tiny model on FSDP over 8 devices, saved with the data position after two
     batches; the next two batches of the uninterrupted stream."""
-    folder = tmp_path_factory.mktemp("saved")
+    folder = module_tmp_path / "saved"
+    folder.mkdir()
     config = make_config(folder)
     trainer = make_trainer(config)
     data = build_data(config, trainer)

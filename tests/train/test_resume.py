@@ -112,9 +112,9 @@ def snapshot(folder):
 
 
 @pytest.fixture(scope="module")
-def reference(env, tmp_path_factory):
+def reference(env, module_tmp_path):
     """An uninterrupted run, keeping its two newest checkpoints."""
-    run = Run(env, tmp_path_factory.mktemp("reference"), "--checkpoint.keep_latest_k", "2")
+    run = Run(env, module_tmp_path / "reference", "--checkpoint.keep_latest_k", "2")
     run.finish()
     return run
 
