@@ -23,6 +23,7 @@ import fsspec
 
 from titan_jax.config_schema import (
     AUTO,
+    QUANTIZE_MODULES,
     ActivationCheckpoint,
     Checkpoint,
     ConfigError,
@@ -36,6 +37,7 @@ from titan_jax.config_schema import (
     Optimizer,
     Parallelism,
     Profiling,
+    Quantize,
     Training,
     Validation,
 )
@@ -44,7 +46,7 @@ from titan_jax.yarn import YarnScaling
 # The schema's names are part of this module's interface (`from titan_jax.config import ...`).
 __all__ = ["AUTO", "ActivationCheckpoint", "Checkpoint", "ConfigError", "Distributed", "Job",
            "JobConfig", "LRScheduler", "Metrics", "Model", "Moe", "Optimizer", "Parallelism",
-           "Profiling", "Training", "Validation", "load_config", "parse_overrides",
+           "Profiling", "Quantize", "Training", "Validation", "load_config", "parse_overrides",
            "split_overrides", "validate"]
 
 
@@ -371,10 +373,28 @@ def _check_rest(config: JobConfig) -> None:
              f"{pr.profile_freq}]")
     _check_distributed(config.distributed)
     _check_yarn(config.model)
+    _check_quantize(config.quantize)
     c = config.checkpoint
     _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
     _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 "
              "(0 keeps all)")
+
+
+def _check_quantize(q: Quantize) -> None:
+    names = q.module_names()
+    unknown = [n for n in names if n not in QUANTIZE_MODULES]
+    _require(not unknown, f"quantize.modules={q.modules!r}: {', '.join(map(repr, unknown))} "
+             f"is not a group of matmuls; use a comma-separated subset of "
+             f"{','.join(QUANTIZE_MODULES)}")
+    _require(len(set(names)) == len(names), f"quantize.modules={q.modules!r} names a group twice")
+    _require(q.mode == "none" or names, f"quantize.modules is empty: nothing would run in "
+             f"{q.mode}; name some of {','.join(QUANTIZE_MODULES)}, or set quantize.mode=none")
+    _require(1 <= q.block_size <= 2**16,
+             f"quantize.block_size={q.block_size} must be in [1, 65536]")
+    _require(q.mode == "none" or "experts" not in names or q.scaling == "rowwise",
+             f"quantize.scaling={q.scaling}: the experts' grouped matmuls take rowwise scales "
+             "only (qwix's ragged_dot); use quantize.scaling=rowwise, or leave experts out of "
+             "quantize.modules")
 
 
 def _check_yarn(m: Model) -> None:

@@ -188,6 +188,30 @@ class Moe:
     router_aux_loss_coef: float = 0.0
 
 
+# The groups of matmuls `quantize.modules` names.
+QUANTIZE_MODULES = ("attention", "mlp", "experts")
+
+
+@dataclasses.dataclass
+class Quantize:
+    """Low-precision matmuls, quantized by qwix forward and backward; the weights, optimizer and
+    checkpoints stay as they are (titan_jax/models/quantization.py, docs/NUMERICS.md)."""
+
+    # fp8: e4m3 operands, e5m2 gradients (TPU7x, GPUs from Ada/Hopper); int8: both ways (TPU
+    # v4-v6e). Other chips are refused in one line; CPU emulates both (tests).
+    mode: Literal["none", "fp8", "int8"] = "none"
+    # Comma-separated: attention (q/k/v/o projections), mlp (dense SwiGLU), experts (MoE
+    # SwiGLU). The router, norms, attention scores and the output projection stay high.
+    modules: str = "attention,mlp,experts"
+    # Scale per row of each operand (rowwise), per operand (tensorwise), or per row and
+    # `block_size` contracted elements (blockwise). Experts take rowwise only.
+    scaling: Literal["rowwise", "tensorwise", "blockwise"] = "rowwise"
+    block_size: int = 128  # blockwise: contracted elements per scale
+
+    def module_names(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in self.modules.split(",") if name.strip())
+
+
 @dataclasses.dataclass
 class Metrics:
     log_freq: int = 10  # log every N steps (and the first and last)
@@ -264,6 +288,7 @@ class JobConfig:
     )
     checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
     moe: Moe = dataclasses.field(default_factory=Moe)
+    quantize: Quantize = dataclasses.field(default_factory=Quantize)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
     validation: Validation = dataclasses.field(default_factory=Validation)
     profiling: Profiling = dataclasses.field(default_factory=Profiling)

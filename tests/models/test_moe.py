@@ -15,9 +15,7 @@ from titan_jax.models.qwen3.moe import (
     EXPERT_KERNELS,
     dense_reference,
     expert_ffn,
-    grouped_swiglu,
     megablox_swiglu,
-    ragged_matmul,
     route,
     routed_experts,
     update_expert_bias,
@@ -149,7 +147,7 @@ def test_megablox_swiglu_equals_the_ragged_one_and_zeroes_the_padding_rows():
     rows = x[jnp.arange(64) // 2]
     sizes = jnp.bincount(experts.reshape(-1)[:50], length=ws[0].shape[0]).astype(jnp.int32)
     kernel = functools.partial(megablox_swiglu, interpret=True)
-    ragged = functools.partial(grouped_swiglu, ragged_matmul)
+    ragged = EXPERT_KERNELS["ragged"]
 
     @functools.partial(jax.jit, static_argnums=0)
     def out_and_grads(swiglu, rows, *ws):

@@ -6,6 +6,7 @@ bf16 across an all-reduce (it did, before the jit path reduced per-shard fp32 gr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import importlib.util
@@ -354,3 +355,42 @@ def test_lookahead_gather_raises_the_compiled_gather_overlap():
     layer_bf16 = 2 * a.dim * (2 * (a.n_heads + a.n_kv_heads) * a.head_dim + 3 * a.hidden_dim)
     temps = [r["memory"]["temp_size_in_bytes"] for r in (plain, ahead)]
     assert temps[1] <= temps[0] + layer_bf16, temps
+
+
+def _matmul_operand_types(hlo: str) -> collections.Counter:
+    """(lhs, rhs) element types of every dot and convolution of a compiled program."""
+    types = {m[1]: m[2] for m in re.finditer(r"(?m)^\s*(?:ROOT\s+)?(%[\w.\-]+) = (\w+)\[", hlo)}
+    return collections.Counter(
+        (types.get(m[1]), types.get(m[2]))
+        for m in re.finditer(r" (?:dot|convolution)\((%[\w.\-]+), (%[\w.\-]+)\)", hlo))
+
+
+def test_int8_training_on_v6e_runs_its_matmuls_in_int8_and_is_priced_at_the_int8_peak():
+    """`quantize.mode=int8` compiled for v6e-8: the projections' and SwiGLU's matmuls (forward
+    and both backward ones) take s8 x s8 operands, attention's score products stay bf16, and
+    the estimate prices the int8 ones at the chip's int8 rate (twice bf16's)."""
+    from jax.experimental import topologies
+
+    from titan_jax.planner import hlo_cost
+    from titan_jax.planner.topology import CHIPS
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x4")
+    programs = {}
+    for mode in ("none", "int8"):
+        config = tiny_config(*preset_overrides("fsdp8"), "--training.mixed_precision_param",
+                             "bfloat16", "--quantize.mode", mode)
+        trainer = build_trainer(config, list(topology.devices), model_args=TINY)
+        programs[mode] = trainer.lower_step(
+            trainer.abstract_state(), inspect_step.abstract_batch(trainer)).compile().as_text()
+    plain, int8 = (_matmul_operand_types(programs[m]) for m in ("none", "int8"))
+    assert ("s8", "s8") not in plain
+    # Per layer: 4 projections + 3 SwiGLU matmuls, each forward, grad-input and grad-weight.
+    assert int8[("s8", "s8")] >= 7 * 3
+    assert ("bf16", "bf16") in int8  # attention's own products, the loss's projection
+    chip = CHIPS["v6e"]
+    costs = {m: hlo_cost.estimate(programs[m], chip, 8) for m in programs}
+    assert costs["int8"]["flops_per_chip"] == pytest.approx(costs["none"]["flops_per_chip"],
+                                                            rel=0.05)
+    no_discount = dataclasses.replace(chip, peak_int8_ops=0.0)
+    assert (hlo_cost.estimate(programs["int8"], chip, 8)["compute_s"]
+            < hlo_cost.estimate(programs["int8"], no_discount, 8)["compute_s"])

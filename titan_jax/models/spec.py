@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from titan_jax.config import ConfigError, JobConfig
+from titan_jax.models.quantization import NONE, Quantization
 
 Params = dict[str, Any]
 Aux = dict[str, Any]  # {"loss": scalar, "stats": {name: array}}
@@ -75,6 +76,7 @@ class BuildOptions:
     attention: `model.attention` ("auto" picks by platform; see models/attention.py).
     lookahead_gather: gather each layer's weights one layer ahead in the layer scan
       (`models/lookahead.py`); full remat with re-gathering only.
+    quantization: which matmuls run in fp8 or int8 (`models/quantization.py`).
     """
 
     remat_mode: str = "none"
@@ -83,6 +85,7 @@ class BuildOptions:
     platform: str = "cpu"  # of the devices the model will run on, for kernel choices
     attention: str = "auto"
     lookahead_gather: bool = False
+    quantization: Quantization = NONE
 
 
 class HFAdapter(Protocol):

@@ -282,8 +282,9 @@ class _Walk:
         op = inst.op.removesuffix("-start").removesuffix("-done")
         if inst.op in _FREE or op in _COLLECTIVE or op in ("send", "recv"):
             return 0.0
-        work = [instruction_work(inst, defs, self.chip.mxu_dim)] + [
-            computation_work(self.module, c, self.memo, self.chip.mxu_dim)
+        factors = self.chip.mxu_time_factors
+        work = [instruction_work(inst, defs, self.chip.mxu_dim, factors)] + [
+            computation_work(self.module, c, self.memo, self.chip.mxu_dim, factors)
             for k, c in hlo_stats.called(inst) if k == "calls"]
         flops, array_flops = sum(w[0] for w in work), sum(w[1] for w in work)
         hbm = traffic(self.module, inst, defs)

@@ -1,6 +1,8 @@
 """The MXU work of compiled HLO instructions: FLOPs, and the FLOPs as the systolic array
-spends them (a matmul dimension short of a whole multiple of the array's side fills only part
-of it). Dots, XLA:TPU's matmul-shaped convolutions and the kernels `kernel_flops` knows."""
+spends them, in bf16-peak time (a matmul dimension short of a whole multiple of the array's
+side fills only part of it; int8 or fp8 operands run at the chip's faster rate for them,
+`Chip.mxu_time_factors`). Dots, XLA:TPU's matmul-shaped convolutions and the kernels
+`kernel_flops` knows."""
 
 from __future__ import annotations
 
@@ -16,17 +18,25 @@ def _dims(text: str, key: str) -> list[int]:
     return [int(d) for d in found[1].split(",") if d] if found else []
 
 
-def _matmul_work(flops: float, m: int, n: int, k: int, mxu_dim: int) -> tuple[float, float]:
+def _matmul_work(flops: float, m: int, n: int, k: int, mxu_dim: int, time_factor: float = 1.0
+                 ) -> tuple[float, float]:
     """(FLOPs, FLOPs as the MXU spends them): a weight-stationary systolic array holds a
     (contraction x one free dim) tile, so a contraction of k fills k of its depth and the
-    better-filling free dim (the compiler picks which operand stays) the other side."""
+    better-filling free dim (the compiler picks which operand stays) the other side.
+    time_factor: the operands' time per FLOP over bf16's (0.5 for int8 on v6e)."""
     fill = kernel_flops.array_efficiency(k, mxu_dim) * max(
         kernel_flops.array_efficiency(m, mxu_dim), kernel_flops.array_efficiency(n, mxu_dim))
-    return flops, flops / fill
+    return flops, flops / fill * time_factor
 
 
-def _dot_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int
-              ) -> tuple[float, float]:
+def _time_factor(operands: list[Instruction], factors: dict[str, float]) -> float:
+    """The factor both operands' element type has (int8 x int8, fp8 x fp8), else 1."""
+    kinds = {factors.get(hlo_stats.arrays(o.type)[0][0], 1.0) for o in operands}
+    return kinds.pop() if len(kinds) == 1 else 1.0
+
+
+def _dot_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int,
+              factors: dict[str, float]) -> tuple[float, float]:
     operands = [defs.get(o) for o in inst.operands[:2]]
     contracting = _dims(inst.rest, "lhs_contracting_dims")
     if len(operands) < 2 or None in operands or not contracting:
@@ -39,11 +49,11 @@ def _dot_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int
     n = math.prod(rhs[d] for d in range(len(rhs)) if d not in _dims(
         inst.rest, "rhs_contracting_dims") + _dims(inst.rest, "rhs_batch_dims"))
     flops = 2.0 * math.prod(hlo_stats.arrays(inst.type)[0][1]) * k
-    return _matmul_work(flops, m, n, k, mxu_dim)
+    return _matmul_work(flops, m, n, k, mxu_dim, _time_factor(operands, factors))
 
 
-def _conv_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int
-               ) -> tuple[float, float]:
+def _conv_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int,
+               factors: dict[str, float]) -> tuple[float, float]:
     """2 x output elements x (kernel input features x the window taps that meet the input,
     not padding): XLA:TPU writes some matmuls as padded convolutions."""
     labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", inst.rest)
@@ -61,7 +71,7 @@ def _conv_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int
     out = math.prod(hlo_stats.arrays(inst.type)[0][1])
     n = rhs_shape[labels[2].index("o")]
     return _matmul_work(2.0 * out * features * taps, out // max(n, 1), n, features * taps,
-                        mxu_dim)
+                        mxu_dim, _time_factor(operands, factors))
 
 
 def _kernel_work(inst: Instruction, mxu_dim: int) -> tuple[float, float]:
@@ -69,19 +79,21 @@ def _kernel_work(inst: Instruction, mxu_dim: int) -> tuple[float, float]:
     return flops, kernel_flops.splash_array_flops(inst, mxu_dim) or flops
 
 
-def instruction_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int
-                      ) -> tuple[float, float]:
+def instruction_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int,
+                     factors: dict[str, float] | None = None) -> tuple[float, float]:
+    """factors: time per FLOP over bf16's by HLO element type (`Chip.mxu_time_factors`)."""
     if inst.op == "dot":
-        return _dot_work(inst, defs, mxu_dim)
+        return _dot_work(inst, defs, mxu_dim, factors or {})
     if inst.op == "convolution":
-        return _conv_work(inst, defs, mxu_dim)
+        return _conv_work(inst, defs, mxu_dim, factors or {})
     if inst.op == "custom-call":
         return _kernel_work(inst, mxu_dim)
     return 0.0, 0.0
 
 
 def computation_work(module: HloModule, name: str, memo: dict[str, tuple[float, float]],
-                     mxu_dim: int = 0) -> tuple[float, float]:
+                     mxu_dim: int = 0, factors: dict[str, float] | None = None
+                     ) -> tuple[float, float]:
     """(MXU FLOPs, the FLOPs as the array spends them, padding included) of one run of a
     fused (or called) computation, nested fusions included."""
     if name in memo:
@@ -90,9 +102,9 @@ def computation_work(module: HloModule, name: str, memo: dict[str, tuple[float, 
     defs = module.defining(name)
     flops = spent = 0.0
     for inst in module.computations.get(name, []):
-        work = [instruction_work(inst, defs, mxu_dim)]
+        work = [instruction_work(inst, defs, mxu_dim, factors)]
         if inst.op in ("fusion", "call"):
-            work += [computation_work(module, c, memo, mxu_dim)
+            work += [computation_work(module, c, memo, mxu_dim, factors)
                      for kind, c in hlo_stats.called(inst) if kind == "calls"]
         flops += sum(w[0] for w in work)
         spent += sum(w[1] for w in work)

@@ -38,6 +38,13 @@ class Chip:
     source: str
     ici_ports: int = 2  # ICI links per chip (4 on a 2-D torus, 6 on a 3-D one)
     mxu_dim: int = 0  # the MXU's systolic array is mxu_dim x mxu_dim (0: shapes not priced)
+    peak_int8_ops: float = 0.0  # dense int8 OP/s (0: none published; priced at bf16's)
+
+    @property
+    def mxu_time_factors(self) -> dict[str, float]:
+        """Time per FLOP over bf16's, by HLO operand element type: where quantized matmuls
+        (`[quantize]`) run faster than bf16. MFU stays quoted against the bf16 peak."""
+        return {"s8": self.peak_bf16_flops / self.peak_int8_ops} if self.peak_int8_ops else {}
 
     def ring_bytes_per_s(self, dims: int = 1, wraparound: bool = True) -> float:
         """Bytes per second one chip sends in a ring collective laid over `dims` torus
@@ -75,8 +82,12 @@ _CHIP_TABLE = (
      "918 TFLOP/s bf16, 32 GB HBM at 1638 GBps, 800 GBps bidirectional ICI per chip, 4 ICI "
      "ports, two 256x256 MXUs, 4 x 200 Gbps NIC per 8-chip host"),
 )
+# int8 OP/s: the v5e and v6e pages (393 and 1836 TOPS, twice bf16); v5p's page gives none,
+# Google's launch post 918 TOPS (twice bf16); v4: none published.
+_INT8_OPS = {"v5e": 393e12, "v5p": 918e12, "v6e": 1836e12}
 CHIPS = {gen: Chip(gen, flops, hbm_gib * GiB, hbm_bw, ici, dcn, cores,
-                   f"docs.cloud.google.com/tpu/docs/{gen}: {words}", ports, mxu)
+                   f"docs.cloud.google.com/tpu/docs/{gen}: {words}", ports, mxu,
+                   _INT8_OPS.get(gen, 0.0))
          for gen, flops, hbm_gib, hbm_bw, ici, dcn, cores, ports, mxu, words in _CHIP_TABLE}
 
 # Chips -> physical shape of the single-slice topologies Cloud offers (3-D torus for v4/v5p,

@@ -2,7 +2,8 @@
 anything is written or allocated on devices: the model choice (`model.name`, `model.flavor`),
 the model against the config and the mesh (from the abstract model: shapes, heads, sequence
 lengths, every array's layout), the batch, SimpleFSDP's implementation, the attention kernel
-(resolved here, once), and the data (the tokenizer, loaded once, and every input).
+(resolved here, once), low-precision matmuls for the chip, and the data (the tokenizer, loaded
+once, and every input).
 
 `config.validate` checks the config by itself when it is loaded (types, ranges, one field
 against another); `resolve_degrees` checks the degrees against the device count as it
@@ -23,6 +24,7 @@ from titan_jax.data.pipeline import check_inputs
 from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
 from titan_jax.models import ModelDef, ModelSpec, get_model_spec
 from titan_jax.models.attention import CP_ATTENTION, SPLASH_BLOCKS, resolve_attention
+from titan_jax.models.quantization import NONE, Quantization
 from titan_jax.parallel.context_parallel import check_seq_len
 from titan_jax.parallel.mesh import MeshDegrees
 from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
@@ -115,7 +117,10 @@ def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
             "parallelism.fsdp_implementation=jit cannot host context parallelism (its K/V "
             "gathers run over the manual cp axis of the shard_map implementation); use auto or "
             "shard_map")
-    ragged = getattr(args, "is_moe", False) and platform != "cpu"  # CPU: the looped kernel
+    # CPU: the looped kernel, unless the experts are quantized (qwix's ragged_dot)
+    ragged = getattr(args, "is_moe", False) and (
+        platform != "cpu" or config.quantize.mode != "none"
+        and "experts" in config.quantize.module_names())
     if ragged and degrees.ep == 1:
         if p.fsdp_implementation == "jit":
             raise ConfigError(
@@ -139,6 +144,59 @@ def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
     if p.fsdp_implementation == "auto":
         return "shard_map" if degrees.cp > 1 else "jit"
     return p.fsdp_implementation
+
+
+# Where each mode has a fast path: fp8 on Ironwood (TPU7x, "the first TPUs" with fp8 in
+# their MXUs; v5p/v6e list fp8 at their bf16 rate, v5e none) and on NVIDIA GPUs from compute
+# capability 8.9 (Ada, Hopper, Blackwell); int8 on TPU v4-v6e (twice their bf16 rate on
+# v5e/v6e). CPU devices run both emulated, for tests.
+def _takes(mode: str, device: jax.Device) -> bool:
+    kind = device.device_kind
+    if device.platform == "cpu":
+        return True
+    if device.platform == "tpu":
+        return kind.startswith("TPU7") if mode == "fp8" else kind.startswith(("TPU v4", "TPU v5",
+                                                                              "TPU v6"))
+    capability = float(getattr(device, "compute_capability", "0") or 0)
+    return mode == "fp8" and capability >= 8.9
+
+
+def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
+                         devices: list[jax.Device]) -> Quantization:
+    """`[quantize]` for this run's devices and model: refused where the chip has no fast path
+    for the mode, the expert kernel takes no low-precision operands, or a block does not
+    divide a contracted dimension."""
+    q = config.quantize
+    if q.mode == "none":
+        return NONE
+    device, names = devices[0], q.module_names()
+    if not _takes(q.mode, device):
+        other = "int8" if q.mode == "fp8" else "fp8"
+        hint = (f"use quantize.mode={other}" if _takes(other, device)
+                else "use quantize.mode=none")
+        raise ConfigError(
+            f"quantize.mode={q.mode}: {device.device_kind} has no {q.mode} matmul units (fp8: "
+            f"TPU7x, NVIDIA from compute capability 8.9; int8: TPU v4-v6e); {hint}")
+    moe = getattr(args, "is_moe", False)
+    if moe and "experts" in names and device.platform == "tpu":
+        raise ConfigError(
+            f"quantize.modules={q.modules!r}: on TPU the experts run the megablox kernel, which "
+            f"takes no {q.mode} operands (XLA's ragged_dot would compute every expert's weight "
+            "gradient over every row); leave experts out of quantize.modules")
+    if q.scaling == "blockwise":
+        rows = config.training.seq_len // degrees.cp
+        dims = {"model dim": args.dim, "head_dim": args.head_dim, "tokens per sequence (per "
+                "context-parallel rank)": rows}
+        if "mlp" in names and not moe:
+            dims["hidden_dim"] = args.hidden_dim
+        bad = {name: n for name, n in dims.items() if n % q.block_size}
+        if bad:
+            name, n = next(iter(bad.items()))
+            raise ConfigError(
+                f"quantize.block_size={q.block_size} must divide the {name} ({n}) the blockwise "
+                "scales tile; choose a divisor, or quantize.scaling=rowwise")
+    return Quantization(q.mode, tuple(n for n in names if n != "experts" or moe), q.scaling,
+                        q.block_size)
 
 
 def check_reduce_dtype(config: JobConfig, devices: list[jax.Device], implementation: str

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from titan_jax.config import JobConfig
 from titan_jax.models import BuildOptions, ModelDef, ModelSpec
+from titan_jax.models.quantization import Quantization
 from titan_jax.models.remat import remat_mode_for
 from titan_jax.parallel.context_parallel import held_spans, to_load_balanced
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
@@ -165,7 +166,8 @@ def held_seq(sharding: NamedSharding, shape: tuple[int, int], devices: list[jax.
     return slice(min(r.start for r in spans), max(r.stop for r in spans))
 
 
-def _build_options(config: JobConfig, platform: str, attention: str) -> BuildOptions:
+def _build_options(config: JobConfig, platform: str, attention: str,
+                   quantization: Quantization) -> BuildOptions:
     reshard = config.parallelism.fsdp_reshard_after_forward in ("default", "always")
     return BuildOptions(
         remat_mode=remat_mode_for(config.activation_checkpoint.mode, platform),
@@ -174,7 +176,8 @@ def _build_options(config: JobConfig, platform: str, attention: str) -> BuildOpt
         # weight, stacked over layers).
         save_gathered_params=not reshard,
         activation_stats=config.metrics.log_activation_stats, platform=platform,
-        attention=attention, lookahead_gather=config.parallelism.fsdp_lookahead_gather)
+        attention=attention, lookahead_gather=config.parallelism.fsdp_lookahead_gather,
+        quantization=quantization)
 
 
 def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
@@ -197,7 +200,8 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     param_dtype = resolve_param_dtype(t.mixed_precision_param, devices)
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
     run_checks.check_lookahead_gather(config, args, implementation, attention)
-    model = spec.build(args, _build_options(config, platform, attention))
+    quantization = run_checks.resolve_quantization(config, args, degrees, devices)
+    model = spec.build(args, _build_options(config, platform, attention, quantization))
     rules = ShardingRules(mesh, table_for_vocab(mesh, args.vocab_size, implementation))
     param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)
     optimizer = build_optimizer(config.optimizer)

@@ -96,8 +96,9 @@ class Qwen3Def:
 def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> Qwen3Def:
     """Traces the module once abstractly (no weights allocated) to get its structure."""
     options = options or BuildOptions()
-    kernels = Kernels(expert_kernel_for(options.platform),
-                      resolve_attention(options.attention, options.platform), options.platform)
+    kernels = Kernels(expert_kernel_for(options.platform, options.quantization),
+                      resolve_attention(options.attention, options.platform), options.platform,
+                      options.quantization)
     abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernels))
     graphdef, state = nnx.split(abstract, nnx.Param)
     flat = jax.tree_util.tree_flatten_with_path(

@@ -38,6 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 from titan_jax.models.attention import KV_AXES, Q_AXES, attention
 from titan_jax.models.embedding import vocab_lookup
 from titan_jax.models.lookahead import scan_with_lookahead
+from titan_jax.models.quantization import NONE, DotGeneralQtConfig, Quantization, dot
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 from titan_jax.models.qwen3.moe import MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
 from titan_jax.models.sharding_hooks import (
@@ -68,6 +69,7 @@ class Kernels:
     expert_kernel: str = "looped"  # the MoE experts' SwiGLU (`moe.EXPERT_KERNELS`)
     attention: str = "xla"  # a resolved backend of `titan_jax/models/attention.py`
     platform: str = "cpu"  # of the target devices (splash runs interpreted off TPU)
+    quantization: Quantization = NONE  # low-precision matmuls (`models/quantization.py`)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
@@ -139,8 +141,10 @@ def apply_rope(x_BTNH: Array, cos_TH: Array, sin_TH: Array) -> Array:
 
 
 @jax.named_scope("project")
-def project(x: Array, w: nnx.Param, n_in: int, flat_weight: bool = False) -> Array:
-    """`x (..., *in) @ w (*in, *out) -> (..., *out)`, the weight read through the param hook.
+def project(x: Array, w: nnx.Param, n_in: int, flat_weight: bool = False,
+            quantized: DotGeneralQtConfig | None = None) -> Array:
+    """`x (..., *in) @ w (*in, *out) -> (..., *out)`, the weight read through the param hook;
+    in low precision where `quantized` says (`models/quantization.py`).
 
     The leading (batch, seq) dims are merged into one row dim for the matmul: XLA:CPU runs it
     faster than with two batch-free leading dims (BENCHMARKS.md, "CPU kernel choices"), and
@@ -156,10 +160,11 @@ def project(x: Array, w: nnx.Param, n_in: int, flat_weight: bool = False) -> Arr
     lead, ins, outs = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:], w_.shape[n_in:]
     if flat_weight and n_in == 1:
         w_ = checkpoint_name(w_.reshape(ins[0], math.prod(outs)), GATHERED_PARAM)
-        return (x.reshape(-1, ins[0]) @ w_).reshape(*lead, *outs)
+        return dot(x.reshape(-1, ins[0]), w_, (((1,), (0,)), ((), ())), quantized
+                   ).reshape(*lead, *outs)
     rows = x.reshape(-1, *ins)
     contract = (tuple(range(1, n_in + 1)), tuple(range(n_in)))
-    y = jax.lax.dot_general(rows, w_, (contract, ((), ())))
+    y = dot(rows, w_, (contract, ((), ())), quantized)
     return y.reshape(*lead, *outs)
 
 
@@ -176,6 +181,7 @@ class Attention(nnx.Module):
         self.n_rep = n // k
         self.scale = h**-0.5
         self.backend, self.platform = kernels.attention, kernels.platform
+        self.quantization = kernels.quantization
 
     def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
                  segment_ids_BT: Array | None = None, kv_cache: KVPair | None = None,
@@ -186,9 +192,10 @@ class Attention(nnx.Module):
         and the tokens attend to every cached position up to their own."""
         name = checkpoint_name
         flat = self.platform == "cpu"  # a CPU kernel choice (see `project`)
-        q_BTNH = name(project(x_BTD, self.wq, 1, flat), "q_proj")
-        k_BTKH = name(project(x_BTD, self.wk, 1, flat), "k_proj")
-        v_BTKH = name(project(x_BTD, self.wv, 1, flat), "v_proj")
+        qt = self.quantization.dot_config("attention")
+        q_BTNH = name(project(x_BTD, self.wq, 1, flat, qt), "q_proj")
+        k_BTKH = name(project(x_BTD, self.wk, 1, flat, qt), "k_proj")
+        v_BTKH = name(project(x_BTD, self.wv, 1, flat, qt), "v_proj")
         # Qwen3: per-head RMSNorm on q and k, then RoPE.
         q_BTNH = constrain(apply_rope(self.q_norm(q_BTNH), cos_TH, sin_TH), Q_AXES)
         k_BTKH = constrain(apply_rope(self.k_norm(k_BTKH), cos_TH, sin_TH), KV_AXES)
@@ -202,27 +209,29 @@ class Attention(nnx.Module):
             out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, self.scale, self.backend, self.platform,
                                  segment_ids_BT, q_start)
         out_BTNH = name(out_BTNH, "attn_out")
-        return name(project(out_BTNH, self.wo, 2), "wo_out"), kv_cache
+        return name(project(out_BTNH, self.wo, 2, quantized=qt), "wo_out"), kv_cache
 
 
 class FeedForward(nnx.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs):
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, quantization: Quantization = NONE):
         d, f = args.dim, args.hidden_dim
         self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
         self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02)
         self.w3 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
+        self.quantization = quantization
 
     def __call__(self, x_BTD: Array) -> Array:
         name = checkpoint_name
         # The two matmul outputs are saved, not their product: SiLU's backward needs both,
         # and recomputing them would redo two of the block's seven matmuls.
-        gate_BTF = name(project(x_BTD, self.w1, 1), "ffn_w1")
-        up_BTF = name(project(x_BTD, self.w3, 1), "ffn_w3")
+        qt = self.quantization.dot_config("mlp")
+        gate_BTF = name(project(x_BTD, self.w1, 1, quantized=qt), "ffn_w1")
+        up_BTF = name(project(x_BTD, self.w3, 1, quantized=qt), "ffn_w3")
         with jax.named_scope("swiglu"):
             hidden_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
-        return name(project(hidden_BTF, self.w2, 1), "ffn_out")
+        return name(project(hidden_BTF, self.w2, 1, quantized=qt), "ffn_out")
 
 
 class Block(nnx.Module):
@@ -235,9 +244,9 @@ class Block(nnx.Module):
         if args.is_moe:
             self.moe = MoE(args.dim, args.num_experts, args.moe_inter_dim, args.top_k,
                            args.norm_topk_prob, 0.02 / math.sqrt(2 * args.n_layers),
-                           kernels.expert_kernel, rngs)
+                           kernels.expert_kernel, rngs, kernels.quantization)
         else:
-            self.feed_forward = FeedForward(args, rngs)
+            self.feed_forward = FeedForward(args, rngs, kernels.quantization)
 
     def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
                  expert_bias_E: Array | None = None, segment_ids_BT: Array | None = None,

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from titan_jax.models.quantization import NONE, Quantization, ragged_dot
 from titan_jax.models.qwen3.looped_experts import looped_swiglu
 from titan_jax.models.qwen3.megablox import megablox_swiglu
 from titan_jax.models.sharding_hooks import dispatch_to_experts, use_param
@@ -62,10 +63,6 @@ def route(x_RD: Array, gate_DE: Array, expert_bias_E: Array, top_k: int, norm_to
     return experts, weights, probs
 
 
-def ragged_matmul(x_MD: Array, w_EDF: Array, group_sizes_E: Array) -> Array:
-    return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
-
-
 def grouped_swiglu(matmul: Callable[[Array, Array, Array], Array], x_MD: Array, w1_EDF: Array,
                    w3_EDF: Array, w2_EFD: Array, group_sizes_E: Array) -> Array:
     """Rows sorted by expert through their expert's SwiGLU, one grouped matmul per weight."""
@@ -77,16 +74,27 @@ def grouped_swiglu(matmul: Callable[[Array, Array, Array], Array], x_MD: Array, 
 
 # (rows sorted by expert (M, D), w1, w3, w2, group sizes (E,)) -> each row's SwiGLU (M, D).
 EXPERT_KERNELS: dict[str, Callable[..., Array]] = {
-    "ragged": functools.partial(grouped_swiglu, ragged_matmul), "looped": looped_swiglu,
-    "megablox": megablox_swiglu}
+    "ragged": functools.partial(grouped_swiglu, functools.partial(ragged_dot, config=None)),
+    "looped": looped_swiglu, "megablox": megablox_swiglu}
 
 
-def expert_kernel_for(platform: str) -> str:
+def expert_kernel_for(platform: str, quantization: Quantization = NONE) -> str:
+    """The platform's kernel; `ragged` (qwix's quantized `ragged_dot`) where the experts are
+    quantized, the one that takes low-precision operands."""
+    if quantization.applies_to("experts"):
+        return "ragged"
     return {"cpu": "looped", "tpu": "megablox"}.get(platform, "ragged")
 
 
+def expert_kernel(kernel: str, quantization: Quantization) -> Callable[..., Array]:
+    if kernel == "ragged" and quantization.applies_to("experts"):
+        return functools.partial(grouped_swiglu, functools.partial(
+            ragged_dot, config=quantization.ragged_config()))
+    return EXPERT_KERNELS[kernel]
+
+
 def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
-               kernel: str) -> Array:
+               kernel: str, quantization: Quantization = NONE) -> Array:
     """Each row through its expert's SwiGLU (dropless): sorted by expert, the grouped kernel,
     un-sorted by the inverse permutation (a gather both ways, no scatter-add). Rows whose id
     is not an expert held here (>= the number of experts: padding of an exchange buffer) sort
@@ -94,18 +102,21 @@ def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w
     order = jnp.argsort(experts_M, stable=True)
     group_sizes = jnp.bincount(experts_M, length=w1_EDF.shape[0]).astype(jnp.int32)
     with jax.named_scope("experts"):
-        y_MD = EXPERT_KERNELS[kernel](rows_MD[order], w1_EDF, w3_EDF, w2_EFD, group_sizes)
+        y_MD = expert_kernel(kernel, quantization)(rows_MD[order], w1_EDF, w3_EDF, w2_EFD,
+                                                    group_sizes)
     return y_MD[jnp.argsort(order)]
 
 
 def routed_experts(x_RD: Array, experts_RC: Array, weights_RC: Array, w1_EDF: Array,
-                   w3_EDF: Array, w2_EFD: Array, expert_kernel: str) -> Array:
+                   w3_EDF: Array, w2_EFD: Array, expert_kernel: str,
+                   quantization: Quantization = NONE) -> Array:
     """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]), dropless, in x's dtype. Each
     (token, slot) pick is one row through the active expert dispatch (local, or all-to-all
     under expert parallelism, where the weights are the experts held here); the k slots are
     summed in fp32, weighted by the gate."""
     def ffn(rows_MD: Array, experts_M: Array) -> Array:
-        return expert_ffn(rows_MD, experts_M, w1_EDF, w3_EDF, w2_EFD, expert_kernel)
+        return expert_ffn(rows_MD, experts_M, w1_EDF, w3_EDF, w2_EFD, expert_kernel,
+                          quantization)
 
     n, k = experts_RC.shape
     with jax.named_scope("moe_permute"):  # the picks' copies, sorts, exchange and weighted sum
@@ -139,7 +150,8 @@ class MoE(nnx.Module):
     "router_prob_sum": (E,) summed router probabilities, with gradient (HF's aux loss)})`."""
 
     def __init__(self, dim: int, num_experts: int, inter_dim: int, top_k: int,
-                 norm_topk_prob: bool, w2_std: float, expert_kernel: str, rngs: nnx.Rngs):
+                 norm_topk_prob: bool, w2_std: float, expert_kernel: str, rngs: nnx.Rngs,
+                 quantization: Quantization = NONE):
         def param(shape: tuple[int, ...], axes: tuple[str | None, ...], std: float
                   ) -> nnx.Param:
             return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32),
@@ -152,7 +164,7 @@ class MoE(nnx.Module):
         self.w3 = param((e, d, f), ("expert", "moe_embed", "mlp"), 0.02)
         self.w2 = param((e, f, d), ("expert", "mlp", "moe_embed"), w2_std)
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
-        self.expert_kernel = expert_kernel
+        self.expert_kernel, self.quantization = expert_kernel, quantization
 
     def __call__(self, x_BTD: Array, expert_bias_E: Array) -> tuple[Array, dict[str, Array]]:
         x_RD = x_BTD.reshape(-1, x_BTD.shape[-1])
@@ -161,7 +173,7 @@ class MoE(nnx.Module):
         dtype = x_BTD.dtype
         y_RD = routed_experts(x_RD, experts, weights, use_param(self.w1, dtype),
                               use_param(self.w3, dtype), use_param(self.w2, dtype),
-                              self.expert_kernel)
+                              self.expert_kernel, self.quantization)
         counts = jnp.bincount(experts.reshape(-1), length=self.num_experts)
         return y_RD.reshape(x_BTD.shape), {
             "tokens_per_expert": jax.lax.stop_gradient(counts.astype(jnp.float32)),

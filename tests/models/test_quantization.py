@@ -1,0 +1,102 @@
+"""Low-precision matmuls (models/quantization.py): each scaling recipe is the matmul of qwix's
+own quantize-dequantize of the operands, in both modes, for the dense and grouped forms; the
+backward quantizes the incoming gradient in the mode's gradient type."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+
+from titan_jax.models.quantization import QTYPES, Quantization, dot, ragged_dot
+
+DIMS = (((1,), (0,)), ((), ()))
+
+
+def _operands(m: int = 64, k: int = 256, n: int = 96) -> tuple[jax.Array, jax.Array]:
+    x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
+    w = 0.02 * jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
+    # Rows and columns of very different sizes, so one scale per operand and one per row differ.
+    return x * jnp.linspace(0.1, 10, m)[:, None], w * jnp.linspace(0.1, 10, n)[None, :]
+
+
+def _fake_quantized(a: jax.Array, qtype, **how) -> jax.Array:
+    return qwix.dequantize(qwix.quantize(a, qtype, **how))
+
+
+# How each recipe scales x (rows, contracted) and w (contracted, columns), in qwix's terms.
+RECIPES = {
+    "rowwise": ({"channelwise_axes": [0]}, {"channelwise_axes": [1]}),
+    "tensorwise": ({}, {}),
+    "blockwise": ({"channelwise_axes": [0], "tiled_axes": {1: 64}},
+                  {"channelwise_axes": [1], "tiled_axes": {0: 64}}),
+}
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+@pytest.mark.parametrize("scaling", sorted(RECIPES))
+def test_a_quantized_matmul_is_the_matmul_of_qwix_quantized_operands(mode, scaling):
+    x, w = _operands()
+    config = Quantization(mode, ("mlp",), scaling, block_size=64).dot_config("mlp")
+    got = jax.jit(lambda x, w: dot(x, w, DIMS, config))(x, w)
+    qtype = QTYPES[mode][0]
+    x_how, w_how = RECIPES[scaling]
+    # Both jitted: XLA may turn a division by the scale into a product with its inverse, which
+    # moves a value lying on a rounding boundary by one step.
+    want = jax.jit(lambda x, w: _fake_quantized(x, qtype, **x_how)
+                   @ _fake_quantized(w, qtype, **w_how))(x, w)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
+    exact = x @ w
+    error = float(jnp.linalg.norm(got - exact) / jnp.linalg.norm(exact))
+    assert 1e-4 < error < (0.05 if mode == "fp8" else 0.02)  # quantized, and not garbage
+
+
+def test_scales_follow_the_recipe():
+    """Rows of very different sizes: one scale per row keeps the small rows, one per tensor
+    rounds them away."""
+    x, w = _operands()
+    errors = {}
+    for scaling in ("rowwise", "tensorwise"):
+        config = Quantization("int8", ("mlp",), scaling).dot_config("mlp")
+        got, exact = dot(x, w, DIMS, config), x @ w
+        errors[scaling] = float(jnp.linalg.norm((got - exact)[:8]) / jnp.linalg.norm(exact[:8]))
+    assert errors["rowwise"] * 10 < errors["tensorwise"]
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_the_backward_quantizes_the_gradient_in_the_modes_gradient_type(mode):
+    x, w = _operands()
+    config = Quantization(mode, ("mlp",)).dot_config("mlp")
+    g = jax.random.normal(jax.random.key(2), (x.shape[0], w.shape[1]), jnp.float32)
+    _, vjp = jax.vjp(lambda x, w: dot(x, w, DIMS, config), x, w)
+    dx, dw = vjp(g)
+    exact_dx, exact_dw = g @ w.T, x.T @ g
+    for got, exact in ((dx, exact_dx), (dw, exact_dw)):
+        error = float(jnp.linalg.norm(got - exact) / jnp.linalg.norm(exact))
+        assert 1e-4 < error < (0.1 if mode == "fp8" else 0.03)
+    hlo = jax.jit(jax.grad(lambda x, w: jnp.sum(dot(x, w, DIMS, config) * g), (0, 1))
+                  ).lower(x, w).as_text()
+    forward, gradient = (jnp.dtype(t).name for t in QTYPES[mode])
+    names = {"float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2", "int8": "i8"}
+    assert names[forward] in hlo and names[gradient] in hlo
+
+
+def test_no_quantization_is_the_plain_matmul():
+    x, w = _operands()
+    assert Quantization().dot_config("mlp") is None
+    assert Quantization("int8", ("attention",)).dot_config("mlp") is None
+    np.testing.assert_array_equal(dot(x, w, DIMS, None), jax.lax.dot_general(x, w, DIMS))
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_grouped_matmuls_scale_per_row_and_per_output_column(mode):
+    x, _ = _operands(k=64)
+    w_EKN = 0.02 * jax.random.normal(jax.random.key(3), (4, 64, 48), jnp.float32)
+    sizes = jnp.array([10, 30, 0, 24], jnp.int32)
+    config = Quantization(mode, ("experts",)).ragged_config()
+    got = jax.jit(lambda x, w: ragged_dot(x, w, sizes, config))(x, w_EKN)
+    qtype = QTYPES[mode][0]
+    want = jax.jit(lambda x, w: jax.lax.ragged_dot(
+        _fake_quantized(x, qtype, channelwise_axes=[0]),
+        _fake_quantized(w, qtype, channelwise_axes=[2]), sizes))(x, w_EKN)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))

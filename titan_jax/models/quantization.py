@@ -1,0 +1,91 @@
+"""Low-precision matmuls (`[quantize]`): fp8 or int8 operands, quantized by qwix, forward and
+backward, as quantization-aware training does it.
+
+- fp8: e4m3 operands forward, e5m2 incoming gradients backward (TorchTitan's float8 and
+  MaxText's `fp8_full` recipe); int8: int8 both ways (AQT/qwix int8 training on v5e-v6e).
+- Scales are computed from the operands each step ("current" scaling, qwix's `absmax`):
+  `rowwise` one scale per row of each operand (per output channel of a weight), `tensorwise`
+  one per operand, `blockwise` one per `block_size` slice of the contracted dimension too.
+- The weights stay fp32 masters: each matmul quantizes the gathered weight it reads, so
+  optimizer state, checkpoints and HF exports do not change. What is quantized is chosen per
+  group of matmuls (`quantize.modules`); the router, norms, attention's own score and value products
+  and the loss's output projection stay in the parameter dtype.
+
+qwix's quantized-training primitives (`dot_general_qt`, `ragged_dot_qt`, what its `QtProvider`
+puts in place of `jax.lax.dot_general` / `ragged_dot`) are called directly: the model's
+matmuls are already one function each (`model.project`, `moe.grouped_swiglu`), and module-path
+interception would not see through the layer scan's merged module state. They live in qwix's
+`_src` (qwix 0.1.8, pinned in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from qwix._src.core.dot_general_qt import DotGeneralQtConfig, dot_general_qt
+from qwix._src.core.ragged_dot_qt import RaggedDotQtConfig, ragged_dot_qt
+
+Array = jax.Array
+
+# (forward operands, incoming gradients) per mode.
+QTYPES = {"fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2), "int8": (jnp.int8, jnp.int8)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """Which matmuls run in which low precision (none by default)."""
+
+    mode: str = "none"
+    modules: tuple[str, ...] = ()  # of config_schema.QUANTIZE_MODULES
+    scaling: str = "rowwise"
+    block_size: int = 128  # contracted elements per scale under "blockwise"
+
+    def applies_to(self, module: str) -> bool:
+        return self.mode != "none" and module in self.modules
+
+    def dot_config(self, module: str) -> DotGeneralQtConfig | None:
+        """qwix's config for `module`'s dense matmuls; None where they stay unquantized."""
+        if not self.applies_to(module):
+            return None
+        forward, gradient = QTYPES[self.mode]
+        tensorwise = self.scaling == "tensorwise"
+        tile = self.block_size if self.scaling == "blockwise" else None
+        return DotGeneralQtConfig(
+            lhs_qtype=forward, rhs_qtype=forward, tile_size=tile,
+            lhs_disable_channelwise_axes=tensorwise, rhs_disable_channelwise_axes=tensorwise,
+            dlhs_grad_qtype=gradient, drhs_grad_qtype=gradient,
+            dlhs_tile_size=tile, drhs_tile_size=tile,
+            dlhs_grad_disable_channelwise_axes=tensorwise,
+            drhs_grad_disable_channelwise_axes=tensorwise)
+
+    def ragged_config(self) -> RaggedDotQtConfig | None:
+        """qwix's config for the experts' grouped matmuls (rowwise: a scale per row of the
+        tokens, and per output column of the weights, shared by the experts)."""
+        if not self.applies_to("experts"):
+            return None
+        forward, gradient = QTYPES[self.mode]
+        return RaggedDotQtConfig(lhs_qtype=forward, rhs_qtype=forward,
+                                 dlhs_grad_qtype=gradient, drhs_grad_qtype=gradient)
+
+
+NONE = Quantization()
+
+
+def dot(x: Array, w: Array, dimension_numbers: jax.lax.DotDimensionNumbers,
+        config: DotGeneralQtConfig | None) -> Array:
+    """`jax.lax.dot_general(x, w, dimension_numbers)`, quantized when `config` says so; the
+    result is in x's dtype either way."""
+    if config is None:
+        return jax.lax.dot_general(x, w, dimension_numbers)
+    return dot_general_qt(x, w, dimension_numbers, config)
+
+
+def ragged_dot(x_MD: Array, w_EDF: Array, group_sizes_E: Array,
+               config: RaggedDotQtConfig | None) -> Array:
+    """`jax.lax.ragged_dot`, quantized when `config` says so, in x's dtype."""
+    if config is None:
+        return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
+    return ragged_dot_qt(x_MD, w_EDF, group_sizes_E, config,
+                         preferred_element_type=x_MD.dtype)
