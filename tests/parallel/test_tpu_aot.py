@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, preset_overrides, tiny_config
 
-from titan_jax.planner import inspect_step
+from titan_jax.planner import hlo_cost, inspect_step
+from titan_jax.planner.topology import CHIPS
 from titan_jax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.skipif(
@@ -371,9 +372,6 @@ def test_int8_training_on_v6e_runs_its_matmuls_in_int8_and_is_priced_at_the_int8
     the estimate prices the int8 ones at the chip's int8 rate (twice bf16's)."""
     from jax.experimental import topologies
 
-    from titan_jax.planner import hlo_cost
-    from titan_jax.planner.topology import CHIPS
-
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x4")
     programs = {}
     for mode in ("none", "int8"):
@@ -394,3 +392,26 @@ def test_int8_training_on_v6e_runs_its_matmuls_in_int8_and_is_priced_at_the_int8
     no_discount = dataclasses.replace(chip, peak_int8_ops=0.0)
     assert (hlo_cost.estimate(programs["int8"], chip, 8)["compute_s"]
             < hlo_cost.estimate(programs["int8"], no_discount, 8)["compute_s"])
+
+
+def test_fp8_training_on_ironwood_runs_its_matmuls_in_e4m3_forward_and_e5m2_backward():
+    """`quantize.mode=fp8` compiled for TPU7x (4 chips, 8 TensorCores): the projections' and
+    SwiGLU's forward matmuls take e4m3 x e4m3, the backward ones an e5m2 gradient; the estimate
+    prices them at Ironwood's fp8 rate."""
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="tpu7x:2x2x1")
+    config = tiny_config(*preset_overrides("fsdp8"), "--training.mixed_precision_param",
+                         "bfloat16", "--quantize.mode", "fp8")
+    trainer = build_trainer(config, list(topology.devices), model_args=TINY)
+    hlo = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer)
+                             ).compile().as_text()
+    types = _matmul_operand_types(hlo)
+    forward = types[("f8e4m3fn", "f8e4m3fn")]
+    backward = types[("f8e5m2", "f8e4m3fn")] + types[("f8e4m3fn", "f8e5m2")]
+    assert forward >= 7 and backward >= 2 * 7, types
+    chip = CHIPS["tpu7x"]  # fp8 at twice bf16's rate, e5m2 x e4m3 included
+    assert chip.mxu_time_factors == {"f8e4m3fn": 0.5, "f8e5m2": 0.5}
+    no_discount = dataclasses.replace(chip, peak_fp8_flops=0.0)
+    assert (hlo_cost.estimate(hlo, chip, 8)["compute_s"]
+            < hlo_cost.estimate(hlo, no_discount, 8)["compute_s"])

@@ -95,6 +95,10 @@ def test_slice_names_follow_cloud():
     assert topology.parse_slice("v6e-8").libtpu_name == "v6e:2x4"
     assert topology.parse_slice("v5e-256").chips == 256
     assert topology.parse_slice("v4-16").libtpu_name == "v4:2x2x2"
+    ironwood = topology.parse_slice("tpu7x-128")  # TensorCores: 64 chips, one 4x4x4 cube
+    assert (ironwood.chips, ironwood.libtpu_name) == (64, "tpu7x:4x4x4")
+    assert ironwood.wrapped_lengths == (4, 4, 4)
+    assert len(topology.compile_only_devices(topology.parse_slice("tpu7x-8"))) == 8
 
 
 def test_unknown_topology_lists_the_valid_names(capsys):

@@ -138,6 +138,7 @@ def fake_device(kind: str, platform: str = "gpu") -> SimpleNamespace:
         ("TPU v5 lite", 197e12),
         ("TPU v6 lite", 918e12),
         ("TPU v4", 275e12),
+        ("TPU7x", 2307e12 / 2),  # JAX shows an Ironwood chip as two devices
         ("NVIDIA H100 80GB HBM3", 989e12),
         ("NVIDIA H100 PCIe", 756e12),
         ("NVIDIA H200", 989e12),

@@ -24,7 +24,7 @@ COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
                   "ragged-all-to-all", "collective-permute")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*[({]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]+m[0-9]+[a-z]*)?)\[([0-9,]*)\]")  # f8e4m3fn too
 # A grouped-matmul kernel's (FLOPs, buffer rows) from (instruction, its computation), or None.
 GroupedKernel = Callable[["Instruction", str], "tuple[float, int] | None"]
 _CALLED = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)"

@@ -17,7 +17,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-# Dense bf16 peak FLOP/s per chip (vendor datasheets, without sparsity). First substring match
+# Dense bf16 peak FLOP/s per JAX device (vendor datasheets, without sparsity): a chip, or for
+# TPU7x (Ironwood), which JAX shows as two devices, half of one. First substring match
 # of the lower-cased device_kind wins, so more specific names come first ("tpu v5 lite" is v5e,
 # a bare "tpu v5" is v5p; "h100 pcie" before "h100").
 PEAK_BF16_FLOPS: tuple[tuple[str, str, float], ...] = (
@@ -27,7 +28,7 @@ PEAK_BF16_FLOPS: tuple[tuple[str, str, float], ...] = (
     ("tpu v5", "TPU v5p", 459e12),
     ("tpu v6 lite", "TPU v6e", 918e12),
     ("tpu v6e", "TPU v6e", 918e12),
-    ("tpu7x", "TPU v7x", 2307e12),
+    ("tpu7x", "TPU v7x TensorCore", 2307e12 / 2),  # JAX's device: one of a chip's two
     ("tpu v4", "TPU v4", 275e12),
     ("tpu v3", "TPU v3", 123e12),
     ("a100", "A100", 312e12),
