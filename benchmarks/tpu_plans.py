@@ -71,6 +71,14 @@ PLANS = (
          ("--parallelism.data_parallel_replicate_degree", "2"), num_slices=2),
 )
 
+# Low precision (issue 31): the 8B recipe with int8 matmuls on v6e (twice bf16's rate) and,
+# beside its bf16 twin, fp8 on Ironwood (tpu7x-8: 4 chips, 8 TensorCores).
+LOW_PRECISION_PLANS = (
+    Plan("8B v6e-8 int8", "configs/qwen3_8b.toml", "v6e-8", ("--quantize.mode", "int8")),
+    Plan("8B tpu7x-8", "configs/qwen3_8b.toml", "tpu7x-8"),
+    Plan("8B tpu7x-8 fp8", "configs/qwen3_8b.toml", "tpu7x-8", ("--quantize.mode", "fp8")),
+)
+
 # Long context (issue 20): 32K sequences with the global batch fixed so that context
 # parallelism is needed (fewer sequences than chips x their memory allows).
 LONG_CONTEXT_PLANS = (
@@ -88,7 +96,7 @@ LONG_CONTEXT_PLANS = (
           "--parallelism.context_parallel_degree", "4", "--parallelism.tensor_parallel_degree",
           "1", "--parallelism.expert_parallel_degree", "8")),
 )
-PLANS = PLANS + LONG_CONTEXT_PLANS
+PLANS = PLANS + LOW_PRECISION_PLANS + LONG_CONTEXT_PLANS
 
 
 def run(plan: Plan) -> dict[str, Any]:
@@ -133,8 +141,10 @@ def markdown(rows: list[str]) -> str:
         "(`memory_analysis()`, GB = 1e9 bytes): arguments (sharded params + AdamW state + "
         "batch) and temporaries; `fits` compares the program's peak of live buffers with the "
         "HBM XLA:TPU lets a program use, as the compiler does. The estimate prices each "
-        "compiled op at max(FLOPs at bf16 peak, bytes at HBM bandwidth) plus exposed "
-        "collectives; in brackets the roofline bound. Overlap: the share of the in-loop "
+        "compiled op at max(FLOPs at bf16 peak (int8/fp8 matmuls at the chip's rate for "
+        "them), bytes at HBM bandwidth) plus exposed collectives; MFU is against the bf16 "
+        "peak; in brackets the roofline bound. tpu7x figures are per TensorCore (JAX's "
+        "device; two a chip). Overlap: the share of the in-loop "
         "all-gathers' ICI time the schedule covers with compute. Estimates, not measurements.",
         "",
         "| recipe | mesh | remat | attention (kernel FLOPs per step) | args + temps (GB) | "

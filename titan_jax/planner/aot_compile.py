@@ -308,8 +308,9 @@ def format_report(r: dict[str, Any]) -> str:
                          "asynchronous")
     if r["est_step_time_s"] is not None:
         lines.append(
-            f"estimate (each compiled op at max(FLOPs at bf16 peak, bytes at HBM bandwidth) + "
-            f"exposed collectives): step {r['est_step_time_s'] * 1e3:.1f} ms (compute "
+            f"estimate (each compiled op at max(FLOPs at bf16 peak, int8/fp8 matmuls at theirs, "
+            f"bytes at HBM bandwidth) + exposed collectives; MFU against bf16's peak): step "
+            f"{r['est_step_time_s'] * 1e3:.1f} ms (compute "
             f"{r['est_compute_s'] * 1e3:.1f}, of which waiting on HBM<->VMEM copies "
             f"{r['est_dma_wait_s'] * 1e3:.1f}; exposed collectives "
             f"{r['est_exposed_collective_s'] * 1e3:.1f}), MFU {r['est_mfu_pct']:.1f}%")
