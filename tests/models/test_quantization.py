@@ -2,6 +2,8 @@
 own quantize-dequantize of the operands, in both modes, for the dense and grouped forms; the
 backward quantizes the incoming gradient in the mode's gradient type."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 import qwix
 
 from titan_jax.models.quantization import QTYPES, Quantization, dot, ragged_dot
+from titan_jax.models.qwen3.moe import EXPERT_KERNELS
 
 DIMS = (((1,), (0,)), ((), ()))
 
@@ -100,3 +103,73 @@ def test_grouped_matmuls_scale_per_row_and_per_output_column(mode):
         _fake_quantized(x, qtype, channelwise_axes=[0]),
         _fake_quantized(w, qtype, channelwise_axes=[2]), sizes))(x, w_EKN)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
+
+
+def _on_a_tpu_target(fn, *args):
+    """Runs `fn` on CPU with its TPU kernels interpreted: traced for a TPU target (tokamax asks
+    the target's chip for its tiling and checks the device unless cross-compiling), lowered
+    for the CPU."""
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+    from tokamax._src import config as tokamax_config
+
+    tpu = AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
+    mesh = AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                        abstract_device=tpu)
+    with jax.sharding.use_abstract_mesh(mesh), tokamax_config.cross_compile(True):
+        compiled = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).compile()
+    return compiled(*args)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantized_tpu_experts_stay_within_quantization_error_and_zero_the_padding_rows(mode):
+    """The TPU experts' quantized kernel (tokamax's, interpreted) through the SwiGLU: output
+    and gradients within quantization error of bf16's, and the exchange buffer's padding rows
+    zero both ways."""
+    from titan_jax.models.qwen3.megablox import megablox_swiglu
+
+    m, d, f, e = 512, 256, 256, 4
+    keys = jax.random.split(jax.random.key(4), 4)
+    x = jax.random.normal(keys[0], (m, d), jnp.float32).astype(jnp.bfloat16)
+    w1, w3 = (0.05 * jax.random.normal(k, (e, d, f), jnp.float32) for k in keys[1:3])
+    w2 = 0.05 * jax.random.normal(keys[3], (e, f, d), jnp.float32)
+    w1, w3, w2 = (w.astype(jnp.bfloat16) for w in (w1, w3, w2))
+    sizes = jnp.array([100, 200, 0, 150], jnp.int32)  # 62 padding rows
+    qdtype = Quantization(mode, ("experts",)).kernel_qtype()
+
+    def out_and_grads(kernel, *a):
+        y, vjp = jax.vjp(lambda *a: kernel(*a, sizes), *a)
+        return y, vjp(jnp.cos(y))
+
+    quantized = _on_a_tpu_target(functools.partial(
+        out_and_grads, functools.partial(megablox_swiglu, interpret=True, qdtype=qdtype)),
+        x, w1, w3, w2)
+    exact = jax.jit(functools.partial(out_and_grads, EXPERT_KERNELS["ragged"]))(x, w1, w3, w2)
+    (y, grads), (y0, grads0) = quantized, exact
+    assert not np.any(np.asarray(y[450:], np.float32)) and not np.any(
+        np.asarray(grads[0][450:], np.float32))
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    bound = 0.1 if mode == "fp8" else 0.03
+    assert all(1e-4 < rel(a, b) < bound for a, b in zip((y, *grads), (y0, *grads0), strict=True))
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_one_quantized_tpu_expert_matmul_is_that_of_qwix_quantized_operands(mode):
+    """fp32 in and out, so nothing but the quantization separates the kernel from qwix's
+    per-row (tokens) and per-expert, per-column (weights) quantize-dequantize."""
+    from titan_jax.models.qwen3.megablox import _quantized_gmm
+
+    x = jax.random.normal(jax.random.key(5), (512, 256), jnp.float32)
+    w = 0.05 * jax.random.normal(jax.random.key(6), (4, 256, 384), jnp.float32)
+    sizes = jnp.array([100, 200, 0, 150, 62], jnp.int32)  # the last: padding rows
+    qdtype = Quantization(mode, ("experts",)).kernel_qtype()
+    got = _on_a_tpu_target(lambda x, w: _quantized_gmm(x, w, sizes, qdtype, True), x, w)
+    qtype = QTYPES[mode][0]
+    want = jax.lax.ragged_dot(_fake_quantized(x, qtype, channelwise_axes=[0]),
+                              _fake_quantized(w, qtype, channelwise_axes=[0, 2]), sizes[:-1])
+    np.testing.assert_allclose(got[:450], want[:450], rtol=1e-5,
+                               atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    assert not np.any(np.asarray(got[450:]))

@@ -415,3 +415,27 @@ def test_fp8_training_on_ironwood_runs_its_matmuls_in_e4m3_forward_and_e5m2_back
     no_discount = dataclasses.replace(chip, peak_fp8_flops=0.0)
     assert (hlo_cost.estimate(hlo, chip, 8)["compute_s"]
             < hlo_cost.estimate(hlo, no_discount, 8)["compute_s"])
+
+
+@pytest.mark.parametrize("topology,mode,qtype", [("v5p-16", "int8", "s8"),
+                                                  ("tpu7x-8", "fp8", "f8e4m3fn")])
+def test_quantized_experts_compile_to_low_precision_kernels_on_tpu(topology, mode, qtype):
+    """MoE with `quantize.modules` including experts: the experts' grouped matmuls (tokamax's
+    Mosaic kernels, forward and both backward ones) take `qtype` operands."""
+    from titan_jax.planner.topology import compile_only_devices, parse_slice
+
+    moe = dataclasses.replace(TINY, dim=128, num_experts=4, top_k=2, moe_inter_dim=128)
+    # 4 x 64 tokens x 2 picks a device: the kernel takes at least 128 rows.
+    config = tiny_config(*preset_overrides("fsdp8"), "--training.mixed_precision_param",
+                         "bfloat16", "--quantize.mode", mode, "--training.seq_len", "64",
+                         "--training.local_batch_size", "4", "--training.global_batch_size",
+                         "32")
+    trainer = build_trainer(config, compile_only_devices(parse_slice(topology)), model_args=moe)
+    hlo = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer)
+                             ).compile().as_text()
+    types = {m[1]: m[2] for m in re.finditer(r"(?m)^\s*(?:ROOT\s+)?(%[\w.\-]+) = (\w+)\[", hlo)}
+    kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line
+               and "ragged" in line.lower()]
+    quantized = [k for k in kernels if any(types.get(o) == qtype for o in
+                                           re.findall(r"(%[\w.\-]+)", k.split("custom-call(")[1]))]
+    assert len(quantized) >= 3 * 3, len(quantized)  # w1, w3, w2: forward, dlhs, drhs

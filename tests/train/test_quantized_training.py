@@ -62,7 +62,7 @@ def _device(platform, kind, **extra):
 def test_a_chip_without_the_modes_fast_path_is_refused_naming_one_that_works(mode, device,
                                                                             hint):
     config = load_config(None, ["--quantize.mode", mode])
-    degrees = SimpleNamespace(cp=1)
+    degrees = SimpleNamespace(cp=1, tp=1)
     with pytest.raises(ConfigError, match=f"{device.device_kind} has no {mode}.*{hint}"):
         resolve_quantization(config, SMALL, degrees, [device])
     other = load_config(None, ["--quantize.mode", hint.rpartition("=")[2]])
@@ -70,7 +70,7 @@ def test_a_chip_without_the_modes_fast_path_is_refused_naming_one_that_works(mod
 
 
 def test_what_the_chips_take():
-    degrees = SimpleNamespace(cp=1)
+    degrees = SimpleNamespace(cp=1, tp=1)
     for mode, device in [("fp8", _device("tpu", "TPU7x")), ("int8", _device("tpu", "TPU v5")),
                          ("int8", _device("tpu", "TPU v6 lite")),
                          ("fp8", _device("gpu", "NVIDIA H100", compute_capability="9.0"))]:
@@ -79,14 +79,24 @@ def test_what_the_chips_take():
         assert q.mode == mode and q.modules == ("attention", "mlp")  # dense: no experts
 
 
-def test_experts_on_tpu_and_blocks_that_do_not_divide_are_refused():
-    degrees = SimpleNamespace(cp=1)
+def test_small_experts_on_tpu_and_blocks_that_do_not_divide_are_refused():
+    degrees = SimpleNamespace(cp=1, tp=1)
     tpu = [_device("tpu", "TPU v5")]
-    with pytest.raises(ConfigError, match="megablox kernel, which takes no int8"):
+    with pytest.raises(ConfigError, match="needs a model dim of at least 128, not 64"):
         resolve_quantization(load_config(None, ["--quantize.mode", "int8"]), SMALL_MOE,
                              degrees, tpu)
     config = load_config(None, ["--quantize.mode", "int8", "--quantize.modules", "attention"])
     assert resolve_quantization(config, SMALL_MOE, degrees, tpu).modules == ("attention",)
+    wide = dataclasses.replace(SMALL_MOE, dim=256, moe_inter_dim=256)
+    config = load_config(None, ["--quantize.mode", "int8"])
+    assert resolve_quantization(config, wide, degrees, tpu).modules == (
+        "attention", "mlp", "experts")
+    with pytest.raises(ConfigError, match="expert hidden dim per tensor-parallel rank"):
+        resolve_quantization(config, wide, SimpleNamespace(cp=1, tp=4), tpu)
+    short = load_config(None, ["--quantize.mode", "int8", "--training.local_batch_size", "1",
+                               "--training.seq_len", "32"])
+    with pytest.raises(ConfigError, match=r"number of expert rows per device .* not 64"):
+        resolve_quantization(short, wide, degrees, tpu)
     config = load_config(None, ["--quantize.mode", "int8", "--quantize.modules", "mlp",
                                 "--quantize.scaling", "blockwise", "--quantize.block_size", "48"])
     with pytest.raises(ConfigError, match=r"block_size=48 must divide the model dim \(64\)"):

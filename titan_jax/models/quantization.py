@@ -60,6 +60,11 @@ class Quantization:
             dlhs_grad_disable_channelwise_axes=tensorwise,
             drhs_grad_disable_channelwise_axes=tensorwise)
 
+    def kernel_qtype(self) -> str:
+        """The one operand type of a kernel that quantizes forward and backward alike
+        (tokamax's TPU grouped matmul): the forward's."""
+        return jnp.dtype(QTYPES[self.mode][0]).name
+
     def ragged_config(self) -> RaggedDotQtConfig | None:
         """qwix's config for the experts' grouped matmuls (rowwise: a scale per row of the
         tokens, and per output column of the weights, shared by the experts)."""

@@ -193,9 +193,14 @@ def require_libtpu() -> None:
 
 def compile_only_devices(tpu: TpuSlice) -> list[Any]:
     """The slice's devices, from libtpu, for ahead-of-time compiles (nothing runs on them);
-    multislice devices carry `slice_index`."""
+    multislice devices carry `slice_index`. tokamax's kernels (the quantized experts) check
+    that the host has the devices they compile for unless told it compiles for others."""
     require_libtpu()
+    from absl import flags
     from jax.experimental import topologies
+    from tokamax._src import config as tokamax_config
+
+    flags.FLAGS[tokamax_config.cross_compile.flag.name].value = True
 
     kwargs = {"num_slices": tpu.num_slices} if tpu.num_slices > 1 else {}
     return list(topologies.get_topology_desc(

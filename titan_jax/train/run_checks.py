@@ -179,10 +179,17 @@ def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
             f"TPU7x, NVIDIA from compute capability 8.9; int8: TPU v4-v6e); {hint}")
     moe = getattr(args, "is_moe", False)
     if moe and "experts" in names and device.platform == "tpu":
-        raise ConfigError(
-            f"quantize.modules={q.modules!r}: on TPU the experts run the megablox kernel, which "
-            f"takes no {q.mode} operands (XLA's ragged_dot would compute every expert's weight "
-            "gradient over every row); leave experts out of quantize.modules")
+        t = config.training
+        small = {"model dim": args.dim,
+                 "expert hidden dim per tensor-parallel rank": args.moe_inter_dim // degrees.tp,
+                 "number of expert rows per device (local_batch_size x seq_len / cp x top_k)":
+                     t.local_batch_size * t.seq_len // degrees.cp * args.top_k}
+        for name, n in small.items():
+            if n < 128:
+                raise ConfigError(
+                    f"quantize.modules={q.modules!r}: the quantized expert kernel on TPU "
+                    f"(tokamax's) needs a {name} of at least 128, not {n}; leave experts out "
+                    "of quantize.modules")
     if q.scaling == "blockwise":
         rows = config.training.seq_len // degrees.cp
         dims = {"model dim": args.dim, "head_dim": args.head_dim, "tokens per sequence (per "

@@ -79,18 +79,22 @@ EXPERT_KERNELS: dict[str, Callable[..., Array]] = {
 
 
 def expert_kernel_for(platform: str, quantization: Quantization = NONE) -> str:
-    """The platform's kernel; `ragged` (qwix's quantized `ragged_dot`) where the experts are
-    quantized, the one that takes low-precision operands."""
-    if quantization.applies_to("experts"):
+    """The platform's kernel; on CPU, `ragged` (qwix's quantized `ragged_dot`) where the
+    experts are quantized (the looped kernel takes no low-precision operands)."""
+    if platform == "cpu" and quantization.applies_to("experts"):
         return "ragged"
     return {"cpu": "looped", "tpu": "megablox"}.get(platform, "ragged")
 
 
 def expert_kernel(kernel: str, quantization: Quantization) -> Callable[..., Array]:
-    if kernel == "ragged" and quantization.applies_to("experts"):
-        return functools.partial(grouped_swiglu, functools.partial(
-            ragged_dot, config=quantization.ragged_config()))
-    return EXPERT_KERNELS[kernel]
+    """`kernel`'s SwiGLU, on quantized operands where `quantization` covers the experts:
+    qwix's `ragged_dot` (CPU, GPU), tokamax's grouped matmul (TPU)."""
+    if not quantization.applies_to("experts"):
+        return EXPERT_KERNELS[kernel]
+    if kernel == "megablox":
+        return functools.partial(megablox_swiglu, qdtype=quantization.kernel_qtype())
+    return functools.partial(grouped_swiglu, functools.partial(
+        ragged_dot, config=quantization.ragged_config()))
 
 
 def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
