@@ -55,6 +55,28 @@ def test_chunked_equals_unchunked_fp32(monkeypatch):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), chunked, full)
 
 
+def test_chunked_gradients_inside_shard_map_with_a_replicated_output_weight(monkeypatch):
+    """Tokens split over a manual axis, the output weight replicated (a vocabulary the mesh
+    does not split): the weight gradient's carry must vary over that axis as its terms do."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    h = jax.random.normal(jax.random.key(0), (8, 6, 4))
+    w = jax.random.normal(jax.random.key(1), (4, 11))
+    labels = jax.random.randint(jax.random.key(2), (8, 6), 0, 11)
+    monkeypatch.setattr(loss, "MAX_LOGITS_PER_CHUNK", 11 * 2)  # 2-token chunks
+    spec = jax.sharding.PartitionSpec
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(spec("data"), spec(), spec("data")),
+                   out_specs=(spec("data"), spec()))
+    def grads(h, w, labels):  # w's gradient: the sum over the shards' tokens, as autodiff's
+        return jax.grad(cross_entropy_sum, argnums=(0, 1))(h, w, labels)
+
+    dh, dw = grads(h, w, labels)
+    want_dh, want_dw = jax.grad(cross_entropy_sum, argnums=(0, 1))(h, w, labels)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dh, want_dh, rtol=1e-5, atol=1e-6)
+
+
 QWEN3_VOCAB_ARGS = dataclasses.replace(TINY, vocab_size=QWEN3_VOCAB, max_seq_len=512)
 QWEN3_VOCAB_OVERRIDES = ("--training.seq_len", "512", "--training.steps", "2")
 

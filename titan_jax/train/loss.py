@@ -152,9 +152,27 @@ def _chunked_bwd(residuals: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array
                                    preferred_element_type=jnp.float32)
         return dw_DV, dh_ID
 
+    # Inside shard_map the sum varies over every manual axis its terms vary over (the data
+    # axes of h when w is replicated): so must the carry it starts from.
+    varying = _varying(h_JID, w_DV, labels_JI, g)
     dw0 = jnp.zeros(w_DV.shape, jnp.float32)
+    if varying:
+        dw0 = jax.lax.pcast(dw0, tuple(sorted(varying)), to="varying")
     dw_DV, dh_JID = jax.lax.scan(chunk, dw0, (h_JID, labels_JI))
-    return dh_JID, dw_DV.astype(w_DV.dtype), None
+    return _like(dh_JID, h_JID), _like(dw_DV, w_DV).astype(w_DV.dtype), None
+
+
+def _varying(*xs: jax.Array) -> frozenset[str]:
+    """The manual (shard_map) axes any of `xs` varies over."""
+    return frozenset().union(*(jax.typeof(x).mat.varying for x in xs))
+
+
+def _like(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+    """`cotangent` summed over the manual axes it varies over and `primal` does not: a value
+    the same on every shard of an axis (a replicated weight) was used by each shard's terms,
+    and its gradient is their sum, as autodiff makes it for the implicit broadcast."""
+    extra = _varying(cotangent) - _varying(primal)
+    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
 
 
 chunked_cross_entropy_sum.defvjp(_chunked_fwd, _chunked_bwd)
