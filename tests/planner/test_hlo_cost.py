@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from titan_jax.planner import aot_compile, hlo_cost, hlo_stats, kernel_flops
+from titan_jax.planner import aot_compile, hlo_cost, hlo_stats, kernel_flops, mxu_work
 from titan_jax.planner.topology import CHIPS, Chip, parse_slice
 
 needs_libtpu = pytest.mark.skipif(
@@ -453,3 +453,30 @@ def test_which_rings_a_slice_closes_with_wraparound_links(name, shape, closed, o
         for sizes in [(shape[0],), (shape[0] * shape[1],), (0, 0), (shape[0], shape[1])]:
             assert tpu.ring_wraps(sizes), sizes
     assert tpu.ring_wraps((1,))
+
+
+# tokamax's quantized grouped matmuls as XLA:TPU prints them (`[quantize]` experts on TPU):
+# int8 values, and their bf16 scales broadcast to tiles, among the operands.
+_QUANTIZED_GMM = (
+    '  %pallas_tpu_ragged_dot_gmm.5 = bf16[512,256]{1,0} custom-call(%a, %b, %c, %d, %e, '
+    '/*index=5*/%x_q, %x_s, %w_q, %w_s), custom_call_target="tpu_custom_call", '
+    'operand_layout_constraints={s32[1]{0}, s32[5]{0}, s32[7]{0}, s32[7]{0}, s32[1]{0}, '
+    's8[512,128]{1,0}, bf16[512,128]{1,0}, s8[4,128,256]{2,1,0}, bf16[4,8,256]{2,1,0}}\n')
+_QUANTIZED_TGMM = (
+    '  %pallas_tpu_ragged_dot_tgmm.2 = bf16[4,128,256]{2,1,0} custom-call(%a, %b, %c, %d, %e, '
+    '/*index=5*/%x_q, %x_s, %g_q, %g_s), custom_call_target="tpu_custom_call", '
+    'operand_layout_constraints={s32[1]{0}, s32[5]{0}, s32[7]{0}, s32[7]{0}, s32[1]{0}, '
+    's8[512,128]{1,0}, bf16[8,128]{1,0}, s8[512,256]{1,0}, bf16[8,256]{1,0}}\n')
+
+
+def test_quantized_grouped_matmuls_count_their_values_and_run_at_the_low_precision_rate():
+    """The values, not the scales broadcast to the values' shape, are the matrices: 2 x 512
+    rows x 128 x 256 for both kernels; on v5p int8 runs at twice bf16's rate."""
+    module = hlo_stats.parse("ENTRY %main () -> f32[] {\n" + _QUANTIZED_GMM + _QUANTIZED_TGMM
+                             + "}\n")
+    gmm, tgmm = module.computations[module.entry]
+    for kernel in (gmm, tgmm):
+        assert kernel_flops.kernel_flops(kernel) == 2 * 512 * 128 * 256
+        flops, spent = mxu_work.instruction_work(kernel, {}, 128, CHIPS["v5p"].mxu_time_factors)
+        assert spent == flops / 2
+        assert mxu_work.instruction_work(kernel, {}, 128, {})[1] == flops  # v4: no int8 rate

@@ -36,6 +36,7 @@ from titan_jax.planner.hlo_stats import Instruction
 _CONSTRAINTS = re.compile(r"operand_layout_constraints=\{(.*?)\}(?:, [a-z_]+=|$)")
 _METADATA = re.compile(r'"xprof_metadata":"(\{.*?\})"')
 _FLOAT = ("bf16", "f16", "f32")
+_LOW_PRECISION = ("s8", "f8e4m3fn", "f8e5m2")
 _MEGABLOX = re.compile(r"(^|_)t?gmm[_.]")
 _SPLASH_MATMULS = {"splash_mha_fwd": 2, "splash_mha_dkv": 4, "splash_mha_dq": 3}
 
@@ -44,6 +45,18 @@ def operand_shapes(inst: Instruction) -> list[tuple[str, tuple[int, ...]]]:
     """The operand (dtype, shape)s a custom call declares in its layout constraints."""
     found = _CONSTRAINTS.search(inst.rest)
     return hlo_stats.arrays(found[1]) if found else []
+
+
+def matrix_operands(inst: Instruction) -> tuple[list[tuple[int, ...]], str | None]:
+    """The shapes of a grouped-matmul kernel's two matrices, and their element type when it
+    is a low-precision one. A quantized kernel (tokamax's, `[quantize]`) takes int8/fp8 values
+    and each one's float scales, broadcast to tiles as large as the values: the values are
+    the matrices."""
+    shapes = operand_shapes(inst)
+    low = [(dtype, s) for dtype, s in shapes if dtype in _LOW_PRECISION]
+    if low:
+        return [s for _, s in low], low[0][0]
+    return [s for dtype, s in shapes if dtype in _FLOAT], None
 
 
 def causal_blocks(seq_q: int, seq_kv: int, block_q: int, block_kv: int) -> int:
@@ -166,7 +179,7 @@ def megablox_flops(inst: Instruction, computation: str = "", hidden_split: int =
     if inst.op != "custom-call" or not (_MEGABLOX.search(inst.name)
                                         or _MEGABLOX.search(computation)):
         return None
-    operands = [s for dtype, s in operand_shapes(inst) if dtype in _FLOAT]
+    operands, _ = matrix_operands(inst)
     out = hlo_stats.arrays(inst.type)
     if len(operands) != 2 or len(out) != 1:
         return None

@@ -74,9 +74,14 @@ def _conv_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int,
                         mxu_dim, _time_factor(operands, factors))
 
 
-def _kernel_work(inst: Instruction, mxu_dim: int) -> tuple[float, float]:
+def _kernel_work(inst: Instruction, mxu_dim: int, factors: dict[str, float]
+                 ) -> tuple[float, float]:
     flops = kernel_flops.kernel_flops(inst)
-    return flops, kernel_flops.splash_array_flops(inst, mxu_dim) or flops
+    spent = kernel_flops.splash_array_flops(inst, mxu_dim) or flops
+    if kernel_flops.megablox_flops(inst) is not None:  # a grouped matmul: int8/fp8 operands?
+        _, dtype = kernel_flops.matrix_operands(inst)
+        spent *= factors.get(dtype, 1.0) if dtype else 1.0
+    return flops, spent
 
 
 def instruction_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int,
@@ -87,7 +92,7 @@ def instruction_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: i
     if inst.op == "convolution":
         return _conv_work(inst, defs, mxu_dim, factors or {})
     if inst.op == "custom-call":
-        return _kernel_work(inst, mxu_dim)
+        return _kernel_work(inst, mxu_dim, factors or {})
     return 0.0, 0.0
 
 
