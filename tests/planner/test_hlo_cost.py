@@ -265,6 +265,29 @@ ENTRY""")
     assert r["compute_s"] == pytest.approx(6.0)  # the transfer itself is not compute
 
 
+def test_an_all_gather_on_the_sparsecores_is_covered_by_the_work_between_start_and_done():
+    """Ironwood's form (tpu7x): an asynchronous call on the SparseCore thread, started, updated
+    and done, whose computation is the gather."""
+    text = SCHEDULE.replace(
+        "%ags = (bf16[500000000]{0}, bf16[1000000000]{0}) all-gather-start(%w), "
+        "replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}",
+        "%ags = ((), (), (s32[1]{0})) call-start(%w), async_execution_thread=\"sparsecore\", "
+        "to_apply=%gather")
+    text = text.replace("all-gather-done(%ags)", "call-done(%agu)")
+    text = text.replace("ENTRY", """%gather (g: bf16[500000000]) -> bf16[1000000000] {
+  %g = bf16[500000000]{0} parameter(0)
+  ROOT %ag = bf16[1000000000]{0} all-gather(%g), replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}
+}
+
+ENTRY""")
+    done = next(line for line in text.splitlines() if "call-done(%agu)" in line)
+    text = text.replace(done, "  %agu = ((), (), (s32[1]{0})) call-update(%ags)\n" + done)
+    r = hlo_cost.estimate(text, UNIT_CHIP, 8)
+    gather = next(c for c in r["collectives"] if c["op"] == "all-gather")
+    assert gather["seconds"] == pytest.approx(1.0) and gather["overlap"] == 1.0
+    assert r["exposed_collective_s"] == pytest.approx(1.0)  # the all-reduce only
+
+
 def test_the_report_hints_the_async_gather_flags_only_when_gathers_lie_exposed():
     report = {
         "model": "qwen3 8B", "topology": "v6e-8", "num_slices": 1, "chips": 8, "tpu": "v6e:2x4",

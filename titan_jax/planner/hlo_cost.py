@@ -192,6 +192,7 @@ class _Walk:
         """Seconds of one run of control computation `name` (loops inside included)."""
         defs = self.module.defining(name)
         spans: dict[str, list] = {}  # chain or start name -> [collective, first, last]
+        follows: dict[str, str] = {}  # an async call's update -> its start
         dmas: dict[str, list] = {}  # copy/slice-start name -> [bytes, first, last]
         seconds: list[float] = []
         moved: list[float] = []  # HBM bytes of each position (a loop: all its iterations)
@@ -206,11 +207,14 @@ class _Walk:
                 dmas[inst.operands[0]][2] = position
             op = inst.op.removesuffix("-start")
             fused = chains(self.module, inst)
-            if inst.op.endswith("-done") and inst.operands and inst.operands[0] in spans:
-                spans[inst.operands[0]][2] = position
+            started = follows.get(inst.operands[0], inst.operands[0]) if inst.operands else ""
+            if inst.op.endswith(("-done", "-update")) and started in spans:
+                spans[started][2] = position
+                follows[inst.name] = started
             elif op in _COLLECTIVE and inst.op.endswith("-start"):
                 spans[inst.name] = [self.collective(inst, op, defs), position, position]
-            elif inst.op == "async-start" and (inner := self.fused_collective(inst)):
+            elif inst.op in ("async-start", "call-start") and (
+                    inner := self.fused_collective(inst)):
                 spans[inst.name] = [inner, position, position]
             elif (op in _COLLECTIVE or op == "send") and not fused:
                 dcn = op == "send" and hlo_stats.MEGASCALE.search(inst.rest)
@@ -243,10 +247,14 @@ class _Walk:
             self.dma_s += times * extra
 
     def fused_collective(self, inst: Instruction) -> dict[str, Any] | None:
-        """The collective a fusion runs, if any. XLA:TPU's `all-reduce-scatter` fusions (an
-        all-reduce whose result is sliced to this device's shard) are reduce-scatters."""
+        """The collective a fusion (or an asynchronous call: XLA:TPU on Ironwood runs the
+        FSDP all-gathers on the SparseCores, `call-start(), async_execution_thread=
+        "sparsecore", to_apply=` a computation holding the gather) runs, if any. XLA:TPU's
+        `all-reduce-scatter` fusions (an all-reduce whose result is sliced to this device's
+        shard) are reduce-scatters."""
         for kind, callee in hlo_stats.called(inst):
-            for inner in self.module.computations.get(callee, []) if kind == "calls" else []:
+            calls = kind == "calls" or (kind == "to_apply" and inst.op == "call-start")
+            for inner in self.module.computations.get(callee, []) if calls else []:
                 if inner.op.removesuffix("-start") not in _COLLECTIVE:
                     continue
                 defs = self.module.defining(callee)
