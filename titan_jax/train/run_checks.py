@@ -164,8 +164,8 @@ def _takes(mode: str, device: jax.Device) -> bool:
 def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
                          devices: list[jax.Device]) -> Quantization:
     """`[quantize]` for this run's devices and model: refused where the chip has no fast path
-    for the mode, the expert kernel takes no low-precision operands, or a block does not
-    divide a contracted dimension."""
+    for the mode, the experts are smaller than the TPU kernel takes, or a block does not divide
+    a contracted dimension."""
     q = config.quantize
     if q.mode == "none":
         return NONE
