@@ -229,3 +229,14 @@ def test_lowered_step_flops_equal_the_analytic_count_on_both_fsdp_paths(implemen
     flops, unknown = hlo_stats.dot_flops(hlo_stats.parse(lowered.as_text(dialect="hlo")))
     analytic = trainer.flops_per_token() * trainer.tokens_per_step
     assert unknown == 0 and abs(flops / analytic - 1) < 0.02
+
+
+def test_a_quantized_run_quotes_its_mfu_against_the_low_precision_peak_beside_bf16s():
+    from titan_jax.planner.aot_compile import _low_precision_mfu
+
+    report = {"analytic_flops_per_step": 8 * 918e12 * 0.5, "est_step_time_s": 1.0}
+    chip = topology.CHIPS["v6e"]  # int8 at twice bf16's 918 TFLOP/s
+    assert _low_precision_mfu(report, "int8", chip, 8) == {
+        "low_precision_peak": "int8", "est_mfu_low_precision_pct": pytest.approx(25.0)}
+    assert _low_precision_mfu(report, "none", chip, 8) == {}
+    assert _low_precision_mfu(report, "fp8", chip, 8) == {}  # no fp8 peak published for v6e

@@ -245,7 +245,19 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
     report["cost_analysis_flops_per_chip"] = float(compiled.cost_analysis().get("flops", 0.0))
     report.update(_estimates(report, compiled.as_text(), tpu, n,
                              list(trainer.mesh.devices.flat), dict(trainer.mesh.shape), rings))
+    report.update(_low_precision_mfu(report, config.quantize.mode, tpu.chip, n))
     return report
+
+
+def _low_precision_mfu(report: dict[str, Any], mode: str, chip: Chip, n: int
+                       ) -> dict[str, Any]:
+    """The estimated MFU against the chip's peak in the run's low-precision mode (`[quantize]`),
+    beside the bf16-peak one the anchors quote; none without a mode or a published peak."""
+    peak = {"int8": chip.peak_int8_ops, "fp8": chip.peak_fp8_flops}.get(mode, 0.0)
+    if not peak or not report.get("est_step_time_s"):
+        return {}
+    return {"low_precision_peak": mode, "est_mfu_low_precision_pct": 100 * report[
+        "analytic_flops_per_step"] / (n * peak * report["est_step_time_s"])}
 
 
 def _gb(n: float | None) -> str:
@@ -313,7 +325,9 @@ def format_report(r: dict[str, Any]) -> str:
             f"{r['est_step_time_s'] * 1e3:.1f} ms (compute "
             f"{r['est_compute_s'] * 1e3:.1f}, of which waiting on HBM<->VMEM copies "
             f"{r['est_dma_wait_s'] * 1e3:.1f}; exposed collectives "
-            f"{r['est_exposed_collective_s'] * 1e3:.1f}), MFU {r['est_mfu_pct']:.1f}%")
+            f"{r['est_exposed_collective_s'] * 1e3:.1f}), MFU {r['est_mfu_pct']:.1f}%"
+            + (f" ({r['est_mfu_low_precision_pct']:.1f}% of the {r['low_precision_peak']} peak)"
+               if r.get("est_mfu_low_precision_pct") is not None else ""))
         lines.append(
             f"roofline bound (compute at peak, collectives fully overlapped): step "
             f"{r['roofline_step_time_s'] * 1e3:.1f} ms (compute {r['compute_s'] * 1e3:.1f}, "
