@@ -246,12 +246,25 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
     assert bound == pytest.approx(4 * analytic)  # ep x the picks: the buffers' shape bound
 
 
-def test_an_async_wrapped_all_gather_is_covered_by_the_work_between_start_and_done():
+# An all-gather run by another computation, started and waited for in the schedule's place:
+# XLA:TPU's async wrapper, and Ironwood's asynchronous call on the SparseCore thread (started,
+# updated, done).
+ASYNC_GATHERS = {
+    "async wrapper": ("%ags = ((bf16[500000000]{0}), bf16[1000000000]{0}) async-start(%w), "
+                      "calls=%gather", "async-done(%ags)"),
+    "sparsecore call": ("%ags = ((), (), (s32[1]{0})) call-start(%w), "
+                        'async_execution_thread="sparsecore", to_apply=%gather\n'
+                        "  %agu = ((), (), (s32[1]{0})) call-update(%ags)", "call-done(%agu)"),
+}
+
+
+@pytest.mark.parametrize("form", sorted(ASYNC_GATHERS))
+def test_an_all_gather_run_asynchronously_is_covered_by_the_work_between_start_and_done(form):
+    start, done = ASYNC_GATHERS[form]
     text = SCHEDULE.replace(
         "%ags = (bf16[500000000]{0}, bf16[1000000000]{0}) all-gather-start(%w), "
-        "replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}",
-        "%ags = ((bf16[500000000]{0}), bf16[1000000000]{0}) async-start(%w), calls=%gather")
-    text = text.replace("all-gather-done(%ags)", "async-done(%ags)")
+        "replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}", start)
+    text = text.replace("all-gather-done(%ags)", done)
     text = text.replace("ENTRY", """%gather (g: bf16[500000000]) -> bf16[1000000000] {
   %g = bf16[500000000]{0} parameter(0)
   ROOT %ag = bf16[1000000000]{0} all-gather(%g), replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}
@@ -263,29 +276,6 @@ ENTRY""")
     assert gather["seconds"] == pytest.approx(1.0) and gather["overlap"] == 1.0
     assert r["exposed_collective_s"] == pytest.approx(1.0)  # the all-reduce only
     assert r["compute_s"] == pytest.approx(6.0)  # the transfer itself is not compute
-
-
-def test_an_all_gather_on_the_sparsecores_is_covered_by_the_work_between_start_and_done():
-    """Ironwood's form (tpu7x): an asynchronous call on the SparseCore thread, started, updated
-    and done, whose computation is the gather."""
-    text = SCHEDULE.replace(
-        "%ags = (bf16[500000000]{0}, bf16[1000000000]{0}) all-gather-start(%w), "
-        "replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}",
-        "%ags = ((), (), (s32[1]{0})) call-start(%w), async_execution_thread=\"sparsecore\", "
-        "to_apply=%gather")
-    text = text.replace("all-gather-done(%ags)", "call-done(%agu)")
-    text = text.replace("ENTRY", """%gather (g: bf16[500000000]) -> bf16[1000000000] {
-  %g = bf16[500000000]{0} parameter(0)
-  ROOT %ag = bf16[1000000000]{0} all-gather(%g), replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}
-}
-
-ENTRY""")
-    done = next(line for line in text.splitlines() if "call-done(%agu)" in line)
-    text = text.replace(done, "  %agu = ((), (), (s32[1]{0})) call-update(%ags)\n" + done)
-    r = hlo_cost.estimate(text, UNIT_CHIP, 8)
-    gather = next(c for c in r["collectives"] if c["op"] == "all-gather")
-    assert gather["seconds"] == pytest.approx(1.0) and gather["overlap"] == 1.0
-    assert r["exposed_collective_s"] == pytest.approx(1.0)  # the all-reduce only
 
 
 def test_the_report_hints_the_async_gather_flags_only_when_gathers_lie_exposed():

@@ -42,7 +42,9 @@ _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _CHAIN = re.compile(r'chain_id="(\d+)"')
 _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
          "partition-id", "replica-id", "copy-start", "copy-done", "slice-start", "slice-done",
-         "opt-barrier", "add-dependency", "async-start", "async-update", "async-done")
+         "opt-barrier", "add-dependency", "async-start", "async-update", "async-done",
+         # another thread's work (Ironwood's SparseCore gathers), waited for at the done
+         "call-start", "call-update", "call-done")
 _COLLECTIVE = tuple(hlo_stats.COLLECTIVE_OPS)
 
 
