@@ -106,11 +106,11 @@ def microbatches(config: JobConfig, degrees: MeshDegrees) -> int:
 
 
 def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
-                           platform: str = "cpu") -> str:
+                           platform: str = "cpu", quantization: Quantization = NONE) -> str:
     """SimpleFSDP's implementation, with the checks expert parallelism needs. MoE on TPU/GPU
-    takes shard_map: the jit path maps the loss over data shards with vmap, which makes the
-    experts' `ragged_dot` a batched op that XLA:TPU rejects ("number of batch dimensions
-    should be 0"); inside shard_map it stays unbatched."""
+    (and quantized experts on CPU) takes shard_map: the jit path maps the loss over data
+    shards with vmap, which makes the experts' `ragged_dot` a batched op that XLA:TPU rejects
+    ("number of batch dimensions should be 0"); inside shard_map it stays unbatched."""
     p = config.parallelism
     if degrees.cp > 1 and p.fsdp_implementation == "jit":
         raise ConfigError(
@@ -119,8 +119,7 @@ def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
             "shard_map")
     # CPU: the looped kernel, unless the experts are quantized (qwix's ragged_dot)
     ragged = getattr(args, "is_moe", False) and (
-        platform != "cpu" or config.quantize.mode != "none"
-        and "experts" in config.quantize.module_names())
+        platform != "cpu" or quantization.applies_to("experts"))
     if ragged and degrees.ep == 1:
         if p.fsdp_implementation == "jit":
             raise ConfigError(

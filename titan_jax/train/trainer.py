@@ -195,12 +195,13 @@ def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
     run_checks.check_heads(config, args, degrees)
     n_microbatches = run_checks.microbatches(config, degrees)
     platform = devices[0].platform
-    implementation = run_checks.resolve_implementation(config, degrees, args, platform)
+    quantization = run_checks.resolve_quantization(config, args, degrees, devices)
+    implementation = run_checks.resolve_implementation(config, degrees, args, platform,
+                                                       quantization)
     run_checks.check_reduce_dtype(config, devices, implementation)
     param_dtype = resolve_param_dtype(t.mixed_precision_param, devices)
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
     run_checks.check_lookahead_gather(config, args, implementation, attention)
-    quantization = run_checks.resolve_quantization(config, args, degrees, devices)
     model = spec.build(args, _build_options(config, platform, attention, quantization))
     rules = ShardingRules(mesh, table_for_vocab(mesh, args.vocab_size, implementation))
     param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)
