@@ -88,7 +88,7 @@ def measure(flavor: str, batch: int, seq: int, warmup: int, steps: int, ac: str,
     trainer = build_trainer(config, [device], model_args=SMOKE if flavor == "smoke" else None)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, trainer.model.args.vocab_size, (batch, seq + 1)).astype(np.int32)
-    data = trainer.put_batch({"inputs": tokens[:, :-1], "labels": tokens[:, 1:]})
+    data = trainer.batches.put({"inputs": tokens[:, :-1], "labels": tokens[:, 1:]})
     start = time.perf_counter()
     compiled = trainer.lower_step(trainer.abstract_state(), data).compile()
     compile_s = time.perf_counter() - start

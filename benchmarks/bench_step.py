@@ -66,7 +66,7 @@ def time_jax(args: Qwen3Args, batch: int, seq: int, warmup: int, steps: int, ac:
     state = trainer.init_state()
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, args.vocab_size, (batch, seq + 1)).astype(np.int32)
-    data = trainer.put_batch({"inputs": tokens[:, :-1], "labels": tokens[:, 1:]})
+    data = trainer.batches.put({"inputs": tokens[:, :-1], "labels": tokens[:, 1:]})
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()

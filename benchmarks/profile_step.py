@@ -150,7 +150,7 @@ def setup(args: Qwen3Args, batch: int, seq: int, ac: str) -> tuple[Trainer, obje
                                 "--lr_scheduler.warmup_steps", "1"])
     trainer = build_trainer(config, jax.devices()[:1], model_args=args)
     tokens = np.random.default_rng(0).integers(0, args.vocab_size, (batch, seq + 1))
-    data = trainer.put_batch({"inputs": tokens[:, :-1].astype(np.int32),
+    data = trainer.batches.put({"inputs": tokens[:, :-1].astype(np.int32),
                               "labels": tokens[:, 1:].astype(np.int32)})
     return trainer, trainer.init_state(), data
 

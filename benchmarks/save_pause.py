@@ -66,7 +66,7 @@ def main() -> None:
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     before = _peak_rss_gib()
     if args.mode == "titan":
-        saver = Checkpointer.from_config(config, trainer)
+        saver = Checkpointer.for_run(trainer)
         save = lambda n, s: saver.save(n, s, data_state={}, tokens_seen=0)  # noqa: E731
     else:
         saver = ocp.CheckpointManager(folder / "checkpoint", options=ocp.CheckpointManagerOptions(

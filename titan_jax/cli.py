@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         set_cpu_device_count(config.job.cpu_devices)
         if config.distributed.num_processes <= 1:
             _enable_compilation_cache()
-        from titan_jax.train.bad_steps import BadStepsError
         from titan_jax.train.loop import train
+        from titan_jax.train.stopping import BadStepsError
 
         try:
             train(config)

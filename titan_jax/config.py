@@ -408,10 +408,8 @@ def _check_yarn(m: Model) -> None:
 
 def yarn_of(m: Model) -> YarnScaling:
     """The YaRN scaling the `[model]` yarn_* keys describe."""
-    return YarnScaling(factor=m.yarn_factor,
-                       original_max_position_embeddings=m.yarn_original_max_position_embeddings,
-                       beta_fast=m.yarn_beta_fast, beta_slow=m.yarn_beta_slow,
-                       attention_factor=m.yarn_attention_factor, truncate=m.yarn_truncate)
+    return YarnScaling(**{f.name: getattr(m, f"yarn_{f.name}")
+                          for f in dataclasses.fields(YarnScaling)})
 
 
 def _check_data(t: Training) -> None:

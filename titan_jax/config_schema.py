@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, Literal
 
 from titan_jax.errors import TitanJaxError
+from titan_jax.yarn import YarnScaling
 
 
 class ConfigError(TitanJaxError, ValueError):
@@ -39,13 +40,15 @@ class Model:
     attention: Literal["auto", "xla", "splash", "cudnn"] = "auto"
     # RoPE: "default" (the flavour's: plain) or "yarn" (YaRN as HF computes it, from the yarn_*
     # keys; HF's rope_parameters). Qwen3 reaches 128K from its native 32K: factor 4, 32768.
+    # Each `yarn_<field>` is titan_jax/yarn.py's YarnScaling.<field> (its default and range).
     rope_type: Literal["default", "yarn"] = "default"
-    yarn_factor: float = 4.0  # >= 1: how much longer than the original window
-    yarn_original_max_position_embeddings: int = 32768  # the window pre-training used
-    yarn_beta_fast: float = 32.0  # dims turning more often than this over it are kept
-    yarn_beta_slow: float = 1.0  # dims turning less often than this are interpolated
-    yarn_attention_factor: float = 0.0  # cos/sin scale; 0 = 0.1 * ln(factor) + 1 (HF)
-    yarn_truncate: bool = True  # round the ramp's ends to whole dims (HF's default)
+    yarn_factor: float = YarnScaling.factor  # >= 1: how much longer than the original window
+    yarn_original_max_position_embeddings: int = (  # the window pre-training used
+        YarnScaling.original_max_position_embeddings)
+    yarn_beta_fast: float = YarnScaling.beta_fast  # dims turning more often than this are kept
+    yarn_beta_slow: float = YarnScaling.beta_slow  # dims turning less often are interpolated
+    yarn_attention_factor: float = YarnScaling.attention_factor  # 0 = 0.1 * ln(factor) + 1
+    yarn_truncate: bool = YarnScaling.truncate  # round the ramp's ends to whole dims (HF)
 
 
 @dataclasses.dataclass

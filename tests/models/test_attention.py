@@ -133,7 +133,7 @@ def _losses(attention: str, n_devices: int, *overrides: str) -> np.ndarray:
     losses = []
     for step_tokens in tokens.astype(np.int32):
         batch = {"inputs": step_tokens[:, :-1], "labels": step_tokens[:, 1:]}
-        state, metrics = trainer.step_fn(state, trainer.put_batch(batch))
+        state, metrics = trainer.step_fn(state, trainer.batches.put(batch))
         losses.append(float(metrics["loss"]))
     return np.array(losses)
 

@@ -73,6 +73,6 @@ def run_losses(trainer: Trainer, host_state: object, batches: list[dict[str, np.
     state = jax.device_put(host_state, trainer.state_shardings)
     losses = []
     for batch in batches:
-        state, metrics = trainer.step_fn(state, trainer.put_batch(batch))
+        state, metrics = trainer.step_fn(state, trainer.batches.put(batch))
         losses.append(metrics["loss"])
     return np.array([float(x) for x in losses])

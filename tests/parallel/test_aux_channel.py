@@ -64,7 +64,7 @@ def tiny_config(*overrides: str):
 def train(trainer, batches, state=None):
     state = trainer.init_state() if state is None else state
     for batch in batches:
-        state, metrics = trainer.step_fn(state, trainer.put_batch(batch))
+        state, metrics = trainer.step_fn(state, trainer.batches.put(batch))
     return state, metrics
 
 
@@ -135,7 +135,7 @@ def test_activation_rms_per_layer_through_the_aux_channel(preset):
     state = trainer.init_state()
     params = jax.device_get(state["params"])
     both = {k: np.concatenate([v, v[::-1]]) for k, v in batch.items()}
-    _, metrics = trainer.step_fn(state, trainer.put_batch(both))
+    _, metrics = trainer.step_fn(state, trainer.batches.put(both))
     want = direct_activation_rms(trainer.model, params, jnp.asarray(both["inputs"]))
     np.testing.assert_allclose(metrics["activation_rms"], want, rtol=1e-5)
     assert _scalars(jax.device_get(metrics))["activation_rms/1"] == pytest.approx(want[1],

@@ -63,7 +63,7 @@ def test_cli_fsdp8_trains_like_one_device(single, tmp_path):
 
 def test_cli_cp_trains_and_validates_like_one_device(single, tmp_path):
     """`titan-jax train` end to end under context parallelism: the stream's rows
-    (`batch_rows`), laid out and split by `put_batch`, training and validation losses equal
+    (`batches.rows`), laid out and split by `batches.put`, training and validation losses equal
     one device's."""
     cp = train_losses(tmp_path / "cp", "--job.cpu_devices", "8", "--training.local_batch_size",
                       "2", "--parallelism.data_parallel_shard_degree", "4",

@@ -137,9 +137,9 @@ def test_cp_losses_equal_one_device(dense_reference, batches, mesh):
     seq, names = trainer.config.training.seq_len, list(trainer.mesh.axis_names)
     rank0 = list(np.take(trainer.mesh.devices, 0, axis=names.index("cp")).flat)
     chunk = seq // (2 * mesh["cp"])
-    assert trainer.batch_spans(seq) is None  # one process: all of every row
-    assert trainer.batch_spans(seq, rank0) == [(0, chunk), (seq - chunk, seq)]
-    assert trainer.batch_sharding.spec == P(("dp_replicate", "fsdp", "ep"), "cp")
+    assert trainer.batches.spans(seq) is None  # one process: all of every row
+    assert trainer.batches.spans(seq, rank0) == [(0, chunk), (seq - chunk, seq)]
+    assert trainer.batches.sharding.spec == P(("dp_replicate", "fsdp", "ep"), "cp")
     embed = trainer.state_shardings["params"]["layers"]["attention"]["wq"].spec[1]
     assert "cp" in (embed if isinstance(embed, tuple) else (embed,))  # weights sharded over cp
     np.testing.assert_allclose(run_losses(trainer, init, batches), want, rtol=1e-5)
@@ -185,14 +185,14 @@ def test_a_checkpoint_resumes_across_cp_degrees(dense_reference, batches, tmp_pa
     first = build_trainer(tiny_config(*cp_overrides(cp=2, fsdp=4)), model_args=TINY)
     state = jax.device_put(init, first.state_shardings)
     for batch in batches[:5]:
-        state, _ = first.step_fn(state, first.put_batch(batch))
+        state, _ = first.step_fn(state, first.batches.put(batch))
     with Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(5, state, data_state={}, tokens_seen=0)
         second = build_trainer(tiny_config(*cp_overrides(cp=4, tp=2)), model_args=TINY)
         state = ckpt.restore(5, second.abstract_state()).state
     losses = []
     for batch in batches[5:]:
-        state, metrics = second.step_fn(state, second.put_batch(batch))
+        state, metrics = second.step_fn(state, second.batches.put(batch))
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, want[5:], rtol=1e-5)
 
@@ -211,7 +211,7 @@ def test_moe_cp_losses_and_expert_bias_equal_one_device(batches):
         state = jax.device_put(init, t.state_shardings)
         losses = []
         for batch in batches:
-            state, metrics = t.step_fn(state, t.put_batch(batch))
+            state, metrics = t.step_fn(state, t.batches.put(batch))
             losses.append(float(metrics["loss"]))
         states.append((np.array(losses), np.asarray(state["buffers"]["expert_bias"])))
     (want, want_bias), (got, bias) = states

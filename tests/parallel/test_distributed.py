@@ -17,7 +17,7 @@ import pytest
 from tests.parallel.parallel_helpers import tiny_trainer
 from titan_jax.config import load_config
 from titan_jax.parallel import distributed
-from titan_jax.train.trainer import held_rows
+from titan_jax.parallel.batch_placement import held_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,8 +71,8 @@ def test_rows_come_from_the_batch_sharding_not_the_process_index():
                            "--parallelism.tensor_parallel_degree", "4",
                            "--training.local_batch_size", "4")
     devices = trainer.mesh.devices.reshape(2, 4)  # (fsdp, tp)
-    sharding = trainer.batch_sharding
-    assert trainer.batch_rows() == list(range(8))  # one process holds every device
+    sharding = trainer.batches.sharding
+    assert trainer.batches.rows() == list(range(8))  # one process holds every device
     # A host holding one fsdp rank's whole tp group reads that rank's rows ...
     assert held_rows(sharding, 8, list(devices[1])) == [4, 5, 6, 7]
     # ... and a host whose devices span both fsdp ranks (tp split across hosts) reads all 8,

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh
 from titan_jax.parallel.rules import ShardingRules
-from titan_jax.parallel.simple_fsdp import SHARDS, SimpleFSDP, simple_fsdp
+from titan_jax.parallel.simple_fsdp import IMPLEMENTATIONS, SHARDS, SimpleFSDP
 from titan_jax.planner import inspect_step
 
 N_SHARDS, TOKENS, D = 8, 16, 8  # per shard: TOKENS tokens, one group of TOKENS/8 per expert
@@ -56,7 +56,7 @@ def test_all_to_all_dispatch_composes_with_simple_fsdp(implementation):
     specs = rules.storage_specs({"experts": jax.ShapeDtypeStruct((N_SHARDS, D, D), jnp.float32)},
                                 {"experts": AXES})
     spec = specs["experts"]
-    fsdp = simple_fsdp(implementation, rules, specs)
+    fsdp = IMPLEMENTATIONS[implementation](rules, specs)
     axis = SHARDS if implementation == "jit" else "fsdp"
 
     def loss(params, x):

@@ -85,7 +85,7 @@ def test_inspect_and_compile_lower_the_program_training_runs(tmp_path):
         "--training.local_batch_size", "2", "--training.document_mask", "true",
         "--parallelism.data_parallel_shard_degree", "2"])
     trainer = build_trainer(config, jax.devices()[:2], model_args=TINY)
-    fed = trainer.put_batch(next(build_data(config, trainer)))
+    fed = trainer.batches.put(next(build_data(trainer)))
     lowered = abstract_batch(trainer)
     assert lowered["inputs"].shape == (4, 16, 3)
     assert {k: (v.shape, v.dtype, v.sharding) for k, v in lowered.items()} == {

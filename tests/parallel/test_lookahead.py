@@ -25,7 +25,7 @@ def loss_and_grads_of(tiny_init_state: object, batch: dict[str, np.ndarray], *ov
         return loss, g
 
     with jax.set_mesh(trainer.mesh):
-        loss, g = jax.jit(grads)(state["params"], state["buffers"], trainer.put_batch(batch))
+        loss, g = jax.jit(grads)(state["params"], state["buffers"], trainer.batches.put(batch))
     return float(loss), [np.asarray(x) for x in jax.tree.leaves(jax.device_get(g))]
 
 
@@ -65,11 +65,12 @@ def test_lookahead_gather_with_splash_on_the_jit_path_is_refused():
     path's vmap; the shard_map twin compiles it: docs/TPU.md)"""
     from parallel_helpers import TINY, tiny_config
 
+    from titan_jax.parallel.simple_fsdp import JitSimpleFSDP, ShardMapSimpleFSDP
     from titan_jax.train.run_checks import check_lookahead_gather
 
     config = tiny_config("--parallelism.fsdp_lookahead_gather", "true",
                          "--activation_checkpoint.mode", "full")
-    check_lookahead_gather(config, TINY, "shard_map", "splash")
-    check_lookahead_gather(config, TINY, "jit", "xla")
+    check_lookahead_gather(config, TINY, ShardMapSimpleFSDP, "splash")
+    check_lookahead_gather(config, TINY, JitSimpleFSDP, "xla")
     with pytest.raises(ConfigError, match="fsdp_implementation=shard_map"):
-        check_lookahead_gather(config, TINY, "jit", "splash")
+        check_lookahead_gather(config, TINY, JitSimpleFSDP, "splash")

@@ -27,7 +27,7 @@ def run(trainer, batches, state=None):
     state = trainer.init_state() if state is None else state
     losses, metrics = [], None
     for batch in batches:
-        state, metrics = trainer.step_fn(state, trainer.put_batch(batch))
+        state, metrics = trainer.step_fn(state, trainer.batches.put(batch))
         losses.append(float(metrics["loss"]))
     return state, np.array(losses), metrics
 

@@ -221,7 +221,7 @@ def test_a_weight_split_over_two_mesh_axes_gathers_in_order():
 
     from titan_jax.parallel.mesh import MeshDegrees, build_mesh
     from titan_jax.parallel.rules import ShardingRules
-    from titan_jax.parallel.simple_fsdp import simple_fsdp
+    from titan_jax.parallel.simple_fsdp import ShardMapSimpleFSDP
 
     mesh = build_mesh(MeshDegrees(1, 4, 1, ep=2))
     rules = ShardingRules(mesh)
@@ -229,7 +229,7 @@ def test_a_weight_split_over_two_mesh_axes_gathers_in_order():
     specs = rules.storage_specs({"w": w}, {"w": ("embed", None)})
     assert specs["w"] == P(("fsdp", "ep"))
     assert rules.weight_layout(("embed", None)).gathered_dims == ((0, "ep"), (0, "fsdp"))
-    fsdp = simple_fsdp("shard_map", rules, specs)
+    fsdp = ShardMapSimpleFSDP(rules, specs)
     data = rules.data_axes
 
     def gather(shard):

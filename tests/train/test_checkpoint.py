@@ -34,8 +34,8 @@ from titan_jax.train.checkpoint import (
 from titan_jax.train.loss import IGNORE_INDEX
 from titan_jax.train.model_io import export_hf
 from titan_jax.train.setup import build_data
-from titan_jax.train.signals import StopSignals
 from titan_jax.train.start import load_start
+from titan_jax.train.stopping import StopSignals
 from titan_jax.train.trainer import Trainer, build_trainer
 
 
@@ -107,11 +107,11 @@ def saved(module_tmp_path):
     folder.mkdir()
     config = make_config(folder)
     trainer = make_trainer(config)
-    data = build_data(config, trainer)
+    data = build_data(trainer)
     state = random_state(trainer)
     for _ in range(2):
         next(data)
-    with Checkpointer.from_config(config, trainer) as ckpt:
+    with Checkpointer.for_run(trainer) as ckpt:
         ckpt.save(2, state, data_state=data.get_state(), tokens_seen=256)
     return SimpleNamespace(config=config, folder=folder / "checkpoint", state=host(state),
                            next_batches=[next(data) for _ in range(2)])
@@ -126,7 +126,7 @@ def test_restore_onto_another_mesh_is_bit_exact(saved, mesh):
         assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 4, "ep": 1, "cp": 1, "tp": 1}
     else:
         trainer = make_trainer(saved.config, jax.devices()[:1])
-    restored = Checkpointer.from_config(saved.config, trainer).restore(
+    restored = Checkpointer.for_run(trainer).restore(
         2, trainer.abstract_state(), signature=resume_signature(saved.config, 8))
     assert restored.step == 2 and restored.tokens_seen == 256
     assert_trees_equal(restored.state, saved.state)
@@ -137,8 +137,8 @@ def test_restore_onto_another_mesh_is_bit_exact(saved, mesh):
 
 def test_data_iterator_resumes_through_the_checkpoint(saved):
     trainer = make_trainer(saved.config)
-    restored = Checkpointer.from_config(saved.config, trainer).restore(2, trainer.abstract_state())
-    data = build_data(saved.config, trainer)
+    restored = Checkpointer.for_run(trainer).restore(2, trainer.abstract_state())
+    data = build_data(trainer)
     data.set_state(json.loads(json.dumps(restored.data_state)))
     for expected in saved.next_batches:
         got = next(data)
@@ -237,7 +237,7 @@ def test_a_checkpoint_of_another_flavour_names_the_parameter_and_shapes(saved):
     trainer = make_trainer(saved.config, args=Qwen3Args(**{**vars(TINY), "dim": 64}))
     with pytest.raises(CheckpointError, match=r"params\.layers\.attention\.wk has shape "
                        r"\(2, 32, 2, 8\) in the checkpoint but \(2, 64, 2, 8\) in the model"):
-        Checkpointer.from_config(saved.config, trainer).restore(2, trainer.abstract_state())
+        Checkpointer.for_run(trainer).restore(2, trainer.abstract_state())
 
 
 @pytest.mark.parametrize("override,message", [
@@ -248,7 +248,7 @@ def test_a_config_change_that_breaks_resume_names_the_field(saved, override, mes
     config = make_config(saved.folder.parent, *override)
     trainer = make_trainer(config)
     with pytest.raises(CheckpointError, match="cannot resume") as error:
-        load_start(config, trainer, Checkpointer.from_config(config, trainer))
+        load_start(trainer, Checkpointer.for_run(trainer))
     assert message in str(error.value)
 
 
@@ -256,7 +256,7 @@ def test_a_missing_load_step_lists_the_available_ones(saved):
     config = make_config(saved.folder.parent, "--checkpoint.load_step", "3")
     trainer = make_trainer(config)
     with pytest.raises(CheckpointError, match="load_step=3 is not .* available: 2"):
-        load_start(config, trainer, Checkpointer.from_config(config, trainer))
+        load_start(trainer, Checkpointer.for_run(trainer))
 
 
 def test_an_unwritable_folder_is_refused(tmp_path):
@@ -268,7 +268,7 @@ def test_an_unwritable_folder_is_refused(tmp_path):
 def test_initial_load_path_model_only_and_full(saved, tmp_path):
     config = make_config(tmp_path, "--checkpoint.initial_load_path", str(saved.folder))
     trainer = make_trainer(config)
-    start = load_start(config, trainer, Checkpointer.from_config(config, trainer))
+    start = load_start(trainer, Checkpointer.for_run(trainer))
     assert start.step == 0 and start.data_state is None and "model only" in start.source
     assert_trees_equal(start.state["params"], saved.state["params"])
     assert int(start.state["step"]) == 0
@@ -276,14 +276,14 @@ def test_initial_load_path_model_only_and_full(saved, tmp_path):
 
     config = make_config(tmp_path / "full", "--checkpoint.initial_load_path",
                          str(saved.folder / "2"), "--checkpoint.initial_load_model_only", "false")
-    start = load_start(config, trainer, None)
+    start = load_start(make_trainer(config), None)
     assert start.step == 2 and start.data_state is not None
     assert_trees_equal(start.state, saved.state)
 
 
 def test_model_only_export_loads_as_weights_but_cannot_resume(saved, tmp_path):
     trainer = make_trainer(saved.config)
-    state = Checkpointer.from_config(saved.config, trainer).restore(
+    state = Checkpointer.for_run(trainer).restore(
         2, trainer.abstract_state()).state
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(6, state, data_state=None, tokens_seen=0, model_only=True, dtype="bfloat16")
@@ -299,14 +299,14 @@ def test_model_only_export_loads_as_weights_but_cannot_resume(saved, tmp_path):
 
 def test_hf_export_round_trips_through_initial_load_in_hf(saved, tmp_path):
     trainer = make_trainer(saved.config, jax.devices()[:1])
-    params = Checkpointer.from_config(saved.config, trainer).restore(
+    params = Checkpointer.for_run(trainer).restore(
         2, trainer.abstract_state(), model_only=True).state["params"]
     config = make_config(tmp_path)
-    path = export_hf(config, trainer, params, 6)
+    path = export_hf(make_trainer(config, jax.devices()[:1]), params, 6)
     assert path == tmp_path / "checkpoint" / "hf-6" and (path / "config.json").is_file()
     config = make_config(tmp_path / "b", "--checkpoint.initial_load_path", str(path),
                          "--checkpoint.initial_load_in_hf", "true")
-    start = load_start(config, make_trainer(config), None)
+    start = load_start(make_trainer(config), None)
     assert_trees_equal(start.state["params"], saved.state["params"])
 
 
@@ -326,7 +326,7 @@ def test_a_hf_directory_that_is_not_qwen3_is_refused(tmp_path):
     config = make_config(tmp_path, "--checkpoint.initial_load_path", str(tmp_path / "llama"),
                          "--checkpoint.initial_load_in_hf", "true")
     with pytest.raises(ValueError, match="model_type=.llama. is not a Qwen3 or Qwen3-MoE"):
-        load_start(config, make_trainer(config), None)
+        load_start(make_trainer(config), None)
 
 
 # The loop's policies, on one device.

@@ -51,7 +51,7 @@ def test_validation_loss_equals_the_model_on_any_mesh(tmp_path, mesh):
     config = make_config(tmp_path, *mesh, "--validation.local_batch_size", "2")
     devices = jax.devices()[:1] if not mesh else jax.devices()[:4]
     trainer = build_trainer(config, devices, model_args=TINY)
-    validator = Validator(config, trainer, load_tokenizer(""))
+    validator = Validator(trainer, load_tokenizer(""))
     state = trainer.init_state()
     params, buffers = state["params"], state["buffers"]
     result = validator.validate(params, buffers)
@@ -70,7 +70,7 @@ def test_too_small_validation_set_names_the_fields(tmp_path):
                          "--validation.seq_len", "64")
     trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
     with pytest.raises(ConfigError, match="validation.local_batch_size or validation.seq_len"):
-        Validator(config, trainer, load_tokenizer(""))
+        Validator(trainer, load_tokenizer(""))
 
 
 def test_training_logs_validation(tmp_path, capsys):
@@ -95,7 +95,7 @@ def test_bad_validation_source_names_the_field(tmp_path):
                          "--validation.dataset_path", str(tmp_path / "missing.jsonl"))
     trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
     with pytest.raises(ConfigError, match=r"validation.dataset_path='.*missing.jsonl' does not"):
-        Validator(config, trainer, load_tokenizer(""))
+        Validator(trainer, load_tokenizer(""))
 
 
 def test_validation_under_document_mask_equals_each_document_run_alone(tmp_path):
@@ -108,7 +108,7 @@ def test_validation_under_document_mask_equals_each_document_run_alone(tmp_path)
                          "--training.document_positions", "true", "--validation.dataset",
                          "jsonl", "--validation.dataset_path", str(held_out))
     trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
-    validator = Validator(config, trainer, load_tokenizer(""))
+    validator = Validator(trainer, load_tokenizer(""))
     state = trainer.init_state()
     result = validator.validate(state["params"], state["buffers"])
 

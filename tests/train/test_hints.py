@@ -23,36 +23,36 @@ def make_config(folder, *overrides):
         "--checkpoint.enable", "true", *overrides])
 
 
-@pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
-    return build_trainer(make_config(tmp_path_factory.mktemp("t")), jax.devices()[:1],
-                         model_args=TINY)
+def trainer_of(config):
+    return build_trainer(config, jax.devices()[:1], model_args=TINY)
 
 
-def save(trainer, dump, *steps, model_only=()):
+def save(dump, *steps, model_only=()):
     """Random states saved as `steps` of the run in `dump` (`model_only`: those steps only)."""
+    trainer = trainer_of(make_config(dump))
     rng = np.random.default_rng(0)
     state = jax.tree.map(lambda a: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype)
                                                   if a.dtype == np.float32 else
                                                   np.zeros(a.shape, a.dtype), a.sharding),
                          trainer.abstract_state())
-    with Checkpointer.from_config(make_config(dump), trainer) as ckpt:
+    with Checkpointer.for_run(trainer) as ckpt:
         for step in steps:
             ckpt.save(step, state, data_state={}, tokens_seen=0, model_only=step in model_only)
 
 
-def start(config, trainer):
-    ckpt = Checkpointer.from_config(config, trainer) if config.checkpoint.enable else None
+def start(config):
+    trainer = trainer_of(config)
+    ckpt = Checkpointer.for_run(trainer) if config.checkpoint.enable else None
     try:
-        return load_start(config, trainer, ckpt)
+        return load_start(trainer, ckpt)
     finally:
         if ckpt is not None:
             ckpt.close()
 
 
-def error_of(config, trainer) -> str:
+def error_of(config) -> str:
     with pytest.raises(CheckpointError) as error:
-        start(config, trainer)
+        start(config)
     return str(error.value)
 
 
@@ -72,64 +72,64 @@ def move_out(message, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_corrupt_newest_checkpoint(trainer, tmp_path):
+def test_a_corrupt_newest_checkpoint(tmp_path):
     config = make_config(tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoint"
-    save(trainer, tmp_path / "run", 2, 4)
+    save(tmp_path / "run", 2, 4)
     corrupt(ckpt / "4")
-    message = error_of(config, trainer)
+    message = error_of(config)
     assert "run again to resume from step 2" in message
     move_out(message, tmp_path)
-    assert start(config, trainer).step == 2
+    assert start(config).step == 2
 
 
-def test_a_final_model_only_checkpoint_both_ways(trainer, tmp_path):
+def test_a_final_model_only_checkpoint_both_ways(tmp_path):
     config = make_config(tmp_path / "run")
-    save(trainer, tmp_path / "run", 2, 6, model_only=(6,))
-    message = error_of(config, trainer)
+    save(tmp_path / "run", 2, 6, model_only=(6,))
+    message = error_of(config)
     assert "holds only the model" in message
     # 1. "use a new job.dump_folder with --checkpoint.initial_load_path X"
     path = re.search(r"--checkpoint.initial_load_path (\S+?);", message)[1]
     fresh = make_config(tmp_path / "new", "--checkpoint.initial_load_path", path)
-    restored = start(fresh, trainer)
+    restored = start(fresh)
     assert restored.step == 0 and "model only" in restored.source
     # 2. "to resume the full state of step 2 instead, move X out of Y"
     move_out(message, tmp_path)
-    assert start(config, trainer).step == 2
+    assert start(config).step == 2
 
 
-def test_a_load_step_older_than_newer_checkpoints(trainer, tmp_path):
+def test_a_load_step_older_than_newer_checkpoints(tmp_path):
     config = make_config(tmp_path / "run", "--checkpoint.load_step", "2")
     ckpt = tmp_path / "run" / "checkpoint"
-    save(trainer, tmp_path / "run", 2, 4)
-    message = error_of(config, trainer)
+    save(tmp_path / "run", 2, 4)
+    message = error_of(config)
     assert "older than checkpoints 4" in message and "move those out of that folder" in message
     shutil.move(ckpt / "4", tmp_path / "moved-away")
-    assert start(config, trainer).step == 2
+    assert start(config).step == 2
 
 
-def test_a_folder_that_is_not_a_checkpoint_is_never_touched(trainer, tmp_path):
+def test_a_folder_that_is_not_a_checkpoint_is_never_touched(tmp_path):
     config = make_config(tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoint"
-    save(trainer, tmp_path / "run", 2)
+    save(tmp_path / "run", 2)
     (ckpt / "7").mkdir()
     (ckpt / "7" / "holiday.jpg").write_bytes(b"mine")
-    message = error_of(config, trainer)
+    message = error_of(config)
     assert "holds 7/, which is not a titan-jax checkpoint" in message
     assert "delete" not in message
     assert Checkpointer(ckpt, read_only=True).steps() == [2]  # never listed as a step
     shutil.move(ckpt / "7", tmp_path / "7")  # "move it out of that folder"
-    assert start(config, trainer).step == 2
+    assert start(config).step == 2
     assert (tmp_path / "7" / "holiday.jpg").read_bytes() == b"mine"
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_corrupt_source_checkpoint_names_another_step(trainer, tmp_path):
+def test_a_corrupt_source_checkpoint_names_another_step(tmp_path):
     source = tmp_path / "source" / "checkpoint"
-    save(trainer, source.parent, 2, 4)
+    save(source.parent, 2, 4)
     corrupt(source / "4")
     config = make_config(tmp_path / "run", "--checkpoint.initial_load_path", str(source))
-    message = error_of(config, trainer)
+    message = error_of(config)
     path = re.search(r"read another step's folder instead, e.g. (\S+)", message)[1]
     config = make_config(tmp_path / "run", "--checkpoint.initial_load_path", path)
-    assert "model only" in start(config, trainer).source
+    assert "model only" in start(config).source

@@ -91,7 +91,7 @@ def qwen3_vocabulary_step():
     tokens = rng.integers(0, QWEN3_VOCAB, (8, 513)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
     init = jax.device_get(single.init_state())
-    _, want = single.step_fn(jax.device_put(init), single.put_batch(batch))
+    _, want = single.step_fn(jax.device_put(init), single.batches.put(batch))
     return init, batch, want
 
 
@@ -107,6 +107,6 @@ def test_qwen3_vocabulary_chunks_on_both_simple_fsdp_paths(qwen3_vocabulary_step
                                         "--parallelism.fsdp_implementation", implementation),
                             model_args=QWEN3_VOCAB_ARGS)
     _, got = sharded.step_fn(jax.device_put(init, sharded.state_shardings),
-                             sharded.put_batch(batch))
+                             sharded.batches.put(batch))
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
     np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-4)

@@ -52,7 +52,7 @@ def save_random(config, step, data_state):
                                                   if a.dtype == np.float32 else
                                                   np.zeros(a.shape, a.dtype), a.sharding),
                          trainer.abstract_state())
-    with Checkpointer.from_config(config, trainer) as ckpt:
+    with Checkpointer.for_run(trainer) as ckpt:
         ckpt.save(step, state, data_state=data_state, tokens_seen=0)
 
 

@@ -1,19 +1,19 @@
 """A step that hangs ends the job with a message after `distributed.step_timeout`
-(titan_jax/train/watchdog.py), tested with faked hangs (the loop's own use of it:
+(titan_jax/train/stopping.py), tested with faked hangs (the loop's own use of it:
 tests/train/test_checkpoint.py, which shares its compiled tiny step)."""
 
 import subprocess
 import sys
 import time
 
-from titan_jax.train.watchdog import StepWatchdog
+from titan_jax.train.stopping import StepWatchdog
 
 
 def test_a_hung_step_ends_the_process_with_the_message():
     """The main thread blocked outside Python (as in a collective that never completes)."""
     script = ("import threading\n"
               "from titan_jax.parallel.distributed import exit_job\n"
-              "from titan_jax.train.watchdog import StepWatchdog\n"
+              "from titan_jax.train.stopping import StepWatchdog\n"
               "with StepWatchdog(1, lambda m: exit_job(m, 1)) as w:\n"
               "    w.beat(7)\n"
               "    threading.Event().wait()  # hangs forever\n")

@@ -121,7 +121,7 @@ class WindowStream:
     arrays "inputs" and "labels" ((rows, S, 3) inputs with `document_mask`).
 
     `spans`: under context parallelism, the token ranges [a, b) of each row this process's
-    devices hold, in the order they hold them (the trainer's `batch_spans`); only those are
+    devices hold, in the order they hold them (the trainer's `batches.spans`); only those are
     read, and the rows are their concatenation (None: whole rows)."""
 
     def __init__(self, sources: Sequence[Source], *, seq_len: int, global_batch_size: int,

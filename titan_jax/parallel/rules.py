@@ -64,15 +64,14 @@ KEPT_IN_COMPUTE = ("batch", "seq", "expert", "vocab")
 GATHERED_VOCAB: Mapping[str, MeshAxes] = {"vocab": "tp", "vocab_embed": DEFAULT_TABLE["embed"]}
 
 
-def table_for_vocab(mesh: Mesh, vocab_size: int, implementation: str = "shard_map",
+def table_for_vocab(mesh: Mesh, vocab_size: int, split_across_replicas: bool = True,
                     table: Mapping[str, MeshAxes] = DEFAULT_TABLE) -> Mapping[str, MeshAxes]:
     """`table`, with the vocabulary tables gathered (GATHERED_VOCAB) when `vocab_size` does not
-    divide over the mesh axes `table` splits the vocabulary over, or under the jit
-    implementation with HSDP replicas: there XLA:TPU moves the bf16 cast in front of the
-    split loss's fp32 all-reduce of the hidden states' gradient (nested vmaps), and a
-    gradient reduced in bf16 costs more than the vocabulary buffers save."""
+    divide over the mesh axes `table` splits the vocabulary over, or when the mesh has HSDP
+    replicas and SimpleFSDP's implementation cannot keep the split across them
+    (`SimpleFSDP.splits_vocab_across_replicas`)."""
     split = math.prod(mesh.shape[a] for a in _as_tuple(table.get("vocab")))
-    replicas = implementation == "jit" and mesh.shape.get("dp_replicate", 1) > 1
+    replicas = not split_across_replicas and mesh.shape.get("dp_replicate", 1) > 1
     return table if vocab_size % split == 0 and not replicas else {**table, **GATHERED_VOCAB}
 
 

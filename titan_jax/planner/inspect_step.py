@@ -74,7 +74,7 @@ def abstract_batch(trainer: Trainer) -> dict[str, jax.ShapeDtypeStruct]:
     `batch_layout`: document masking's (B, T, 3) inputs too), as sharded abstract arrays."""
     t = trainer.config.training
     return {k: jax.ShapeDtypeStruct((trainer.global_batch_size, *shape), dtype,
-                                    sharding=trainer.batch_sharding)
+                                    sharding=trainer.batches.sharding)
             for k, (shape, dtype) in batch_layout(t.seq_len, t.document_mask).items()}
 
 

@@ -81,11 +81,14 @@ def schema_sections(source: str | None = None) -> dict[str, tuple[str, list[Fiel
     return sections
 
 
-def _default(text: str) -> str:
+def _default(text: str, value: object = None) -> str:
+    """The default as the docs show it: the schema's literal, else `value` (the field's default
+    at run time: one owned elsewhere, such as YaRN's) when it is a plain scalar."""
     try:
         value = ast.literal_eval(text)
     except ValueError:
-        return f"`{text}`"
+        if not isinstance(value, bool | int | float | str):
+            return f"`{text}`"
     if isinstance(value, bool):
         return "`true`" if value else "`false`"
     if value is None:
@@ -99,6 +102,8 @@ def render() -> str:
     out = [HEADER]
     for section in dataclasses.fields(config_schema.JobConfig):
         doc, fields = sections[section.type]  # the schema's annotations are strings
+        defaults = {f.name: f.default for f in dataclasses.fields(getattr(config_schema,
+                                                                         section.type))}
         out += [f"## [{section.name}]", ""]
         if doc:
             out += [" ".join(doc.split()), ""]
@@ -108,7 +113,8 @@ def render() -> str:
             if f.choices:
                 meaning += (" " if meaning else "") + "One of: " + ", ".join(
                     f"`{c}`" for c in f.choices) + "."
-            out.append(f"| `{section.name}.{f.name}` | {_default(f.default)} | {meaning} |")
+            default = _default(f.default, defaults[f.name])
+            out.append(f"| `{section.name}.{f.name}` | {default} | {meaning} |")
         out.append("")
     return "\n".join(out)
 

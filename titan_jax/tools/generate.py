@@ -25,7 +25,8 @@ from titan_jax.models import ModelSpec, get_model_spec
 from titan_jax.models.spec import Params
 from titan_jax.train.checkpoint import Checkpointer, is_checkpoint_dir
 from titan_jax.train.model_io import checkpoint_args, load_orbax, read_orbax_args
-from titan_jax.train.trainer import build_trainer, resolve_param_dtype
+from titan_jax.train.run_plan import resolve_param_dtype
+from titan_jax.train.trainer import build_trainer
 
 
 class GenerateError(TitanJaxError, ValueError):

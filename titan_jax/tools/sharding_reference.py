@@ -54,7 +54,8 @@ def render_table() -> str:
                    f"{comments[axis].replace('|', chr(92) + '|')} |")
     gathered = ", ".join(f"`{k}` -> {_axes(v)}" for k, v in rules.GATHERED_VOCAB.items())
     out += ["", f"A vocabulary the table's split does not divide (and, on the jit path, HSDP "
-            f"replicas) takes {gathered} instead (`rules.table_for_vocab`).", "", END]
+            f"replicas: `SimpleFSDP.splits_vocab_across_replicas`) takes {gathered} instead "
+            "(`rules.table_for_vocab`).", "", END]
     return "\n".join(out)
 
 

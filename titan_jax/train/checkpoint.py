@@ -179,7 +179,9 @@ class Checkpointer:
         quiet_closed_loop_callbacks()  # a failed read's one-line error stays one line
 
     @classmethod
-    def from_config(cls, config: JobConfig, trainer: Trainer) -> Checkpointer:
+    def for_run(cls, trainer: Trainer) -> Checkpointer:
+        """The checkpoints of the trainer's run (`checkpoint.*`, under its run folder)."""
+        config = trainer.config
         c = config.checkpoint
         run_info = {"resume": resume_signature(config, trainer.global_batch_size),
                     "model_args": dataclasses.asdict(trainer.model.args),

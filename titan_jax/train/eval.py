@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from titan_jax.config import ConfigError, JobConfig
+from titan_jax.config import ConfigError
 from titan_jax.data.pipeline import process_barrier, validation_corpus
 from titan_jax.data.tokenizer import Tokenizer
 from titan_jax.data.windows import ValidationWindows
@@ -47,7 +47,8 @@ def eval_step(params: Params, buffers: Params, batch: Batch, *, model: ModelDef,
 class Validator:
     """Runs validation every `validation.freq` steps (and at the last step)."""
 
-    def __init__(self, config: JobConfig, trainer: Trainer, tokenizer: Tokenizer):
+    def __init__(self, trainer: Trainer, tokenizer: Tokenizer):
+        config = trainer.config
         v = config.validation  # its seq_len is checked with the model's (run_checks)
         self.config, self.trainer, self.tokenizer = config, trainer, tokenizer
         self.global_batch_size = v.local_batch_size * trainer.degrees.dp
@@ -56,7 +57,7 @@ class Validator:
                                  parallelism=trainer.parallelism)
         self._step = jax.jit(step, in_shardings=(trainer.state_shardings["params"],
                                                  trainer.state_shardings["buffers"],
-                                                 trainer.batch_sharding))
+                                                 trainer.batches.sharding))
         # Fail before training starts, naming the setting, if there is not one batch.
         first = jax.process_index() == 0
         try:
@@ -66,7 +67,7 @@ class Validator:
         t = config.training  # the document masking training runs with
         self._windows = ValidationWindows(
             corpus, seq_len=v.seq_len, global_batch_size=self.global_batch_size,
-            rows=trainer.batch_rows(self.global_batch_size), document_mask=t.document_mask,
+            rows=trainer.batches.rows(self.global_batch_size), document_mask=t.document_mask,
             document_positions=t.document_positions)
         if self._windows.num_batches == 0:
             raise ConfigError(
@@ -88,7 +89,7 @@ class Validator:
         n_batches = 0
         with jax.set_mesh(self.trainer.mesh):
             for local in self.batches(self.config.validation.steps):
-                batch = self.trainer.put_batch(local, self.global_batch_size)
+                batch = self.trainer.batches.put(local, self.global_batch_size)
                 out = self._step(params, buffers, batch)
                 loss_sum, n_tokens = loss_sum + out["loss_sum"], n_tokens + out["n_tokens"]
                 n_batches += 1

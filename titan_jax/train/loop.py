@@ -29,7 +29,6 @@ from jax.experimental import multihost_utils
 from titan_jax.config import JobConfig
 from titan_jax.data.windows import WindowStream
 from titan_jax.parallel.distributed import JobFailures, exit_job, initialize_distributed
-from titan_jax.train.bad_steps import BadStepsError
 from titan_jax.train.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError, Restored
 from titan_jax.train.metrics import MetricsLogger
 from titan_jax.train.model_io import export_hf
@@ -39,12 +38,11 @@ from titan_jax.train.run_folder import RunMirror, RunPaths, run_paths
 from titan_jax.train.run_lock import RunLock, prepare_dump_folder, tidy_if_refused
 from titan_jax.train.run_log import RunLog
 from titan_jax.train.setup import RunSetup, assemble_run, open_data
-from titan_jax.train.signals import StopSignals
 from titan_jax.train.start import load_start
 from titan_jax.train.step import TrainState
 from titan_jax.train.step_report import StepReporter
+from titan_jax.train.stopping import BadStepsError, StepWatchdog, StopSignals
 from titan_jax.train.trainer import Trainer
-from titan_jax.train.watchdog import StepWatchdog
 
 
 @dataclasses.dataclass
@@ -128,7 +126,7 @@ def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
                                                     _end_hung_job(failures))))
         # Exits first: the other processes hear of an error before cleanups that wait on them.
         stack.enter_context(failures.guard())
-        logger.info(_summary(config, setup.trainer))
+        logger.info(_summary(setup.trainer))
         if start.step >= config.training.steps:
             logger.info(f"nothing to train: {start.source} is at step {start.step} and "
                         f"training.steps={config.training.steps}; raise training.steps to train "
@@ -137,7 +135,7 @@ def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
         state = _first_state(setup.trainer, start, logger)
         if start.data_state is not None and setup.data.resume_note:
             logger.info(setup.data.resume_note)
-        run.reporter = StepReporter(config, setup.trainer, logger, start.tokens_seen)
+        run.reporter = StepReporter(setup.trainer, logger, start.tokens_seen)
         if len(setup.data.sources) > 1:  # a mixture: tokens per source in the metrics
             run.reporter.data_metrics = lambda step: {
                 f"tokens_seen/{name}": n
@@ -170,9 +168,9 @@ def _open(stack: contextlib.ExitStack, config: JobConfig, setup: RunSetup, paths
         if main and (paths.url is None or Path(config.checkpoint.folder).is_absolute()):
             stack.enter_context(RunLock(paths.checkpoints, "checkpoint.folder"))
         # Closed (waiting for an in-flight save) on every exit, errors and signals included.
-        ckpt = stack.enter_context(Checkpointer.from_config(config, setup.trainer))
-    start = load_start(config, setup.trainer, ckpt)
-    open_data(config, setup)
+        ckpt = stack.enter_context(Checkpointer.for_run(setup.trainer))
+    start = load_start(setup.trainer, ckpt)
+    open_data(setup)
     if start.data_state is not None:
         try:
             setup.data.set_state(start.data_state)
@@ -189,7 +187,8 @@ def _end_hung_job(failures: JobFailures) -> Callable[[str], None]:
     return end
 
 
-def _summary(config: JobConfig, trainer: Trainer) -> str:
+def _summary(trainer: Trainer) -> str:
+    config = trainer.config
     return (f"{config.model.name} {config.model.flavor}: "
             f"{trainer.model.num_params() / 1e6:.1f}M params, "
             f"mesh {dict(trainer.mesh.shape)} ({trainer.degrees.mode}), "
@@ -215,7 +214,7 @@ def _run_steps(run: _Run, state: TrainState, first: int) -> tuple[int, TrainStat
     pending: tuple[int, Any] | None = None
     stopped, step = False, first
     for step in range(first + 1, config.training.steps + 1):
-        batch = trainer.put_batch(next(run.setup.data), seq_len=run.setup.data.seq_len)
+        batch = trainer.batches.put(next(run.setup.data), seq_len=run.setup.data.seq_len)
         run.profiler.before_step(step)
         state, metrics = trainer.step_fn(state, batch)
         # Read step N-1's metrics only after step N is queued: the device stays busy.
@@ -259,7 +258,7 @@ def _finish(run: _Run, step: int, state: TrainState, stopped: bool) -> RunResult
         logger.info(f"{run.stop.reason}: stopped after step {step}; {saved}")
         return RunResult(step, losses, state, run.stop.reason)
     if config.checkpoint.last_save_in_hf:
-        path = export_hf(config, run.setup.trainer, state["params"], step)
+        path = export_hf(run.setup.trainer, state["params"], step)
         logger.info(f"final model saved as HF safetensors in {path}")
     first = min(losses)
     logger.info(f"finished step {step}: loss {losses[first]:.4f} (step {first}) -> "

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
+from titan_jax.config import ConfigError
 from titan_jax.errors import TitanJaxError
 
 
@@ -193,8 +194,6 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(str(self.folder / tensorboard_folder))
         if enable_wandb:
-            from titan_jax.train.wandb_sink import WandbSink
-
             self._wandb = WandbSink(self.folder, run_config or {})
         self._show_bar = progress_bar
         self._postfix: dict[str, str] = {}
@@ -342,3 +341,26 @@ def _curve(jsonl: Path, key: str) -> tuple[list[int], list[float]]:
                 loss_by_step[int(record["step"])] = record[key]
     steps = sorted(loss_by_step)
     return steps, [loss_by_step[s] for s in steps]
+
+
+# wandb is an optional extra (`pip install -e '.[wandb]'`), imported only when enabled. The run
+# goes to project `$WANDB_PROJECT` (default "titan-jax") with the resolved config attached, and
+# its files under the dump folder. `WANDB_MODE=offline` logs without a network or an account
+# (`wandb sync` uploads later), as wandb's own environment variables allow.
+class WandbSink:
+    """One wandb run; `log` takes the same records as metrics.jsonl, under TensorBoard's tags."""
+
+    def __init__(self, folder: Path, run_config: dict[str, Any]):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("metrics.enable_wandb=true needs the wandb package: "
+                              "`.venv/bin/pip install -e '.[wandb]'`") from None
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "titan-jax"),
+                               dir=str(folder), config=run_config, name=folder.name)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self._run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._run.finish()

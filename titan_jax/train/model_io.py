@@ -25,7 +25,6 @@ import jax
 import orbax.checkpoint as ocp
 
 from titan_jax.atomic_dir import atomic_dir
-from titan_jax.config import JobConfig
 from titan_jax.errors import quiet_closed_loop_callbacks
 from titan_jax.models import BuildOptions, ModelSpec, spec_of_args
 from titan_jax.models.spec import Params
@@ -145,9 +144,10 @@ def _verify(path: Path, params: Params) -> None:
                               "its source")
 
 
-def export_hf(config: JobConfig, trainer: Trainer, params: Any, step: int) -> Path:
+def export_hf(trainer: Trainer, params: Any, step: int) -> Path:
     """Writes `params` as a HF safetensors directory `{checkpoint folder}/hf-{step}` (in
     `checkpoint.export_dtype`), under a temporary name first: the folder is whole or absent."""
+    config = trainer.config
     final = run_paths(config).hf_exports / f"hf-{step}"
     if final.exists():
         raise CheckpointSaveError(f"{final} already exists; not overwriting it")

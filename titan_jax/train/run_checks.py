@@ -28,6 +28,7 @@ from titan_jax.models.quantization import NONE, Quantization
 from titan_jax.parallel.context_parallel import check_seq_len
 from titan_jax.parallel.mesh import MeshDegrees
 from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
+from titan_jax.parallel.simple_fsdp import SimpleFSDP
 
 
 def check_model_choice(config: JobConfig) -> tuple[ModelSpec, Any]:
@@ -49,13 +50,13 @@ def check_moe_knobs(config: JobConfig, args: Any) -> None:
                           f"{config.model.flavor} is dense (leave [moe] out)")
 
 
-def check_lookahead_gather(config: JobConfig, args: Any, implementation: str, attention: str
+def check_lookahead_gather(config: JobConfig, args: Any, fsdp: type[SimpleFSDP], attention: str
                            ) -> None:
     """The look-ahead gather's scan recomputes each layer in backward from its input and its
     re-gathered weights (models/lookahead.py): full remat, re-sharded after forward, and every
     weight gathered in the compute dtype (the MoE router's is read in fp32). On the jit path
-    the splash kernel's per-shard shard_map does not trace in that backward (JAX: "vmap
-    spmd_axis_name cannot appear in shard_map out_specs")."""
+    the splash kernel's per-shard shard_map does not trace in that backward
+    (`SimpleFSDP.hosts_splash_lookahead`)."""
     p = config.parallelism
     if not p.fsdp_lookahead_gather:
         return
@@ -68,7 +69,7 @@ def check_lookahead_gather(config: JobConfig, args: Any, implementation: str, at
     if getattr(args, "is_moe", False):
         raise ConfigError("parallelism.fsdp_lookahead_gather=true applies to dense flavours; "
                           f"model.flavor={config.model.flavor} is MoE (set it false)")
-    if implementation == "jit" and attention == "splash":
+    if attention == "splash" and not fsdp.hosts_splash_lookahead:
         raise ConfigError("parallelism.fsdp_lookahead_gather=true with splash attention needs "
                           "parallelism.fsdp_implementation=shard_map (or model.attention=xla)")
 
@@ -205,11 +206,11 @@ def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
                         q.block_size)
 
 
-def check_reduce_dtype(config: JobConfig, devices: list[jax.Device], implementation: str
+def check_reduce_dtype(config: JobConfig, devices: list[jax.Device], fsdp: type[SimpleFSDP]
                        ) -> None:
-    if (config.training.mixed_precision_reduce == "bfloat16" and implementation == "shard_map"
+    if (config.training.mixed_precision_reduce == "bfloat16" and not fsdp.reduces_in_bf16_on_cpu
             and all(d.platform == "cpu" for d in devices)):
-        raise ConfigError(  # XLA:CPU aborts on a bf16 reduce-scatter ("opcode copy")
+        raise ConfigError(  # SimpleFSDP.reduces_in_bf16_on_cpu
             "training.mixed_precision_reduce=bfloat16 with parallelism.fsdp_implementation="
             "shard_map does not compile on CPU devices; use float32, or the jit implementation")
 

@@ -40,19 +40,19 @@ def _progress(message: str) -> None:
         print(f"titan-jax: {message}", flush=True)
 
 
-def build_data(config: JobConfig, trainer: Trainer, tokenizer: Tokenizer | None = None
-               ) -> WindowStream:
+def build_data(trainer: Trainer, tokenizer: Tokenizer | None = None) -> WindowStream:
     """The training windows of this process's rows (small sources become a token store under
     the dump folder first: data/pipeline.py). `tokenizer`: from `check_data`, else checked here."""
+    config = trainer.config
     if tokenizer is None:
         tokenizer = check_data(config, trainer.model.args, trainer.attention)
     t = config.training
     sources = training_sources(config, tokenizer, is_first=jax.process_index() == 0,
                                barrier=process_barrier, progress=_progress)
     return WindowStream(sources, seq_len=t.seq_len, global_batch_size=trainer.global_batch_size,
-                        seed=t.seed, rows=trainer.batch_rows(), document_mask=t.document_mask,
+                        seed=t.seed, rows=trainer.batches.rows(), document_mask=t.document_mask,
                         document_positions=t.document_positions,
-                        spans=trainer.batch_spans(t.seq_len))
+                        spans=trainer.batches.spans(t.seq_len))
 
 
 def assemble_run(config: JobConfig, devices: list[jax.Device] | None = None,
@@ -65,8 +65,8 @@ def assemble_run(config: JobConfig, devices: list[jax.Device] | None = None,
     return RunSetup(trainer, check_data(config, trainer.model.args, trainer.attention))
 
 
-def open_data(config: JobConfig, setup: RunSetup) -> None:
+def open_data(setup: RunSetup) -> None:
     """The training stream and the validator (under the run's lock: they may write a store)."""
-    setup.data = build_data(config, setup.trainer, setup.tokenizer)
-    if config.validation.enable:
-        setup.validator = Validator(config, setup.trainer, setup.tokenizer)
+    setup.data = build_data(setup.trainer, setup.tokenizer)
+    if setup.trainer.config.validation.enable:
+        setup.validator = Validator(setup.trainer, setup.tokenizer)

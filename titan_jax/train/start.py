@@ -47,13 +47,14 @@ def _resume_step(config: JobConfig, ckpt: Checkpointer) -> int | None:
     return load_step
 
 
-def load_start(config: JobConfig, trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
+def load_start(trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
     """Where a run starts: its own newest (or `load_step`) checkpoint, else
     `initial_load_path` (orbax or HF), else random init (`Restored()` with no state).
 
     A resume always wins over `initial_load_path`, as in TorchTitan. A returned step at or
     past `training.steps` means there is nothing left to train (its state is not loaded).
     """
+    config = trainer.config
     c = config.checkpoint
     if ckpt is None and c.load_step != -1:
         raise CheckpointError(f"checkpoint.load_step={c.load_step} needs checkpoint.enable=true")

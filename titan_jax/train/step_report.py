@@ -9,8 +9,6 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from titan_jax.config import JobConfig
-from titan_jax.train.bad_steps import BadSteps
 from titan_jax.train.metrics import (
     MetricsLogger,
     Throughput,
@@ -18,6 +16,7 @@ from titan_jax.train.metrics import (
     memory_stats,
 )
 from titan_jax.train.peak_flops import peak_flops_per_device
+from titan_jax.train.stopping import BadSteps
 from titan_jax.train.trainer import Trainer
 
 # What every train step reports; anything else comes from the model's aux channel.
@@ -39,8 +38,8 @@ def _scalars(metrics: dict[str, np.ndarray]) -> dict[str, float]:
 class StepReporter:
     """Reads step N's metrics (a device sync), logs them, applies the bad-step policy."""
 
-    def __init__(self, config: JobConfig, trainer: Trainer, logger: MetricsLogger,
-                 tokens_seen: int = 0):
+    def __init__(self, trainer: Trainer, logger: MetricsLogger, tokens_seen: int = 0):
+        config = trainer.config
         self.logger = logger
         self.tokens_seen = tokens_seen  # over all runs of this job, skipped steps included
         device = trainer.mesh.devices.flat[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from titan_jax.config_schema import Moe
 from titan_jax.models.spec import pick_flavor
 from titan_jax.yarn import MAX_SIZE, YarnScaling
 
@@ -32,10 +33,9 @@ class Qwen3Args:
     top_k: int = 0
     moe_inter_dim: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k gate weights (HF; TorchTitan route_norm)
-    # Aux-loss-free balancing (TorchTitan / DeepSeek-V3): expert bias step per optimizer step.
-    load_balance_coeff: float = 1e-3
-    # HF's auxiliary load-balancing loss, added to the loss times this (0 = off, as TorchTitan).
-    router_aux_loss_coef: float = 0.0
+    # The `[moe]` balancing knobs (config_schema.Moe owns their defaults and meaning).
+    load_balance_coeff: float = Moe.load_balance_coeff
+    router_aux_loss_coef: float = Moe.router_aux_loss_coef
 
     def __post_init__(self) -> None:
         if isinstance(self.yarn, dict):  # read back from JSON (checkpoint metadata)

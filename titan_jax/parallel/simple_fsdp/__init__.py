@@ -11,7 +11,7 @@ for each. Tensor-parallel dims (`tp`) stay split in compute.
 Two implementations share the one rules table and plug into the step the same way (the
 `Parallelism` hooks of `titan_jax/models/sharding_hooks.py`: `use_param` for the model's weight
 reads, `loss_map` around the summed loss), each a class of its own over a shared base
-(`base.py`), chosen once by `simple_fsdp(implementation, ...)`:
+(`base.py`), chosen once by name (`IMPLEMENTATIONS`; the run plan holds the class):
 - "jit" (`jit.py`, the compiler path): sharding constraints; GSPMD places and schedules the
   collectives.
 - "shard_map" (`shard_map.py`, the explicit twin): `jax.shard_map` over the data axes with
@@ -29,28 +29,13 @@ gathered weight, found by its checkpoint name, is recomputed in backward, i.e. r
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
-import jax.numpy as jnp
-
-from titan_jax.parallel.rules import ShardingRules
 from titan_jax.parallel.simple_fsdp.base import SimpleFSDP, only_axes
 from titan_jax.parallel.simple_fsdp.jit import REPLICAS, SHARDS, JitSimpleFSDP
 from titan_jax.parallel.simple_fsdp.shard_map import ShardMapSimpleFSDP
 
-Implementation = Literal["jit", "shard_map"]
 IMPLEMENTATIONS: dict[str, type[SimpleFSDP]] = {"jit": JitSimpleFSDP,
                                                  "shard_map": ShardMapSimpleFSDP}
 
 
-def simple_fsdp(implementation: Implementation, rules: ShardingRules, param_specs: Any,
-                buffer_specs: Any = None, *, reduce_dtype: Any = jnp.float32,
-                cp_method: str = "allgather", param_axes: Any = None) -> SimpleFSDP:
-    """SimpleFSDP in the named implementation (train/run_checks.py says which a run may use)."""
-    return IMPLEMENTATIONS[implementation](rules, param_specs, buffer_specs or {},
-                                           reduce_dtype=reduce_dtype, cp_method=cp_method,
-                                           param_axes=param_axes)
-
-
-__all__ = ["IMPLEMENTATIONS", "REPLICAS", "SHARDS", "Implementation", "JitSimpleFSDP",
-           "ShardMapSimpleFSDP", "SimpleFSDP", "only_axes", "simple_fsdp"]
+__all__ = ["IMPLEMENTATIONS", "REPLICAS", "SHARDS", "JitSimpleFSDP",
+           "ShardMapSimpleFSDP", "SimpleFSDP", "only_axes"]

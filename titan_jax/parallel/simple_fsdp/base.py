@@ -55,6 +55,11 @@ class SimpleFSDP(Parallelism, abc.ABC):
     """
 
     implementation = ""  # "jit" or "shard_map": the config's name of the subclass
+    # What an implementation cannot host, read by the run's checks and the rules table (each
+    # subclass that sets one False says why).
+    reduces_in_bf16_on_cpu = True  # mixed_precision_reduce=bfloat16 on CPU devices
+    hosts_splash_lookahead = True  # the look-ahead gather's scan around splash attention
+    splits_vocab_across_replicas = True  # vocabulary tables split in compute under HSDP
 
     rules: ShardingRules
     param_specs: Any

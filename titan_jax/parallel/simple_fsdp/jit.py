@@ -75,6 +75,14 @@ class JitSimpleFSDP(SimpleFSDP):
     """SimpleFSDP by sharding constraints (the module docstring says why the vmap)."""
 
     implementation = "jit"
+    # The splash kernel's per-shard shard_map does not trace in the look-ahead scan's backward
+    # here (JAX: "vmap spmd_axis_name cannot appear in shard_map out_specs").
+    hosts_splash_lookahead = False
+    # With HSDP replicas XLA:TPU moves the bf16 cast in front of the split loss's fp32
+    # all-reduce of the hidden states' gradient (nested vmaps): the vocabulary tables are
+    # gathered instead (`rules.table_for_vocab`), a gradient reduced in bf16 costing more than
+    # the vocabulary buffers save.
+    splits_vocab_across_replicas = False
 
     def _gather(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
                 dtype: jnp.dtype, kept: bool) -> jax.Array:

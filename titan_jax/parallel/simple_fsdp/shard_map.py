@@ -63,6 +63,7 @@ class ShardMapSimpleFSDP(SimpleFSDP):
     """SimpleFSDP with the collectives written out, manual over the data axes only."""
 
     implementation = "shard_map"
+    reduces_in_bf16_on_cpu = False  # XLA:CPU aborts on a bf16 reduce-scatter ("opcode copy")
 
     def _gather(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
                 dtype: jnp.dtype, kept: bool) -> jax.Array:

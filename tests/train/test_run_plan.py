@@ -1,0 +1,55 @@
+"""The run plan: every decision of a run made once, in order, and frozen; the trainer assembled
+from it decides nothing."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from tiny_model import TINY
+
+from titan_jax.config import ConfigError, load_config
+from titan_jax.parallel.rules import GATHERED_VOCAB
+from titan_jax.parallel.simple_fsdp import JitSimpleFSDP, ShardMapSimpleFSDP
+from titan_jax.train.run_plan import plan_run
+from titan_jax.train.trainer import assemble_trainer
+
+
+def config(*overrides):
+    return load_config(None, ["--training.seq_len", "16", "--training.local_batch_size", "2",
+                              *overrides])
+
+
+def test_a_plan_holds_every_decision_and_is_frozen():
+    plan = plan_run(config("--parallelism.data_parallel_shard_degree", "4",
+                           "--training.global_batch_size", "16"), jax.devices()[:4], TINY)
+    assert plan.fsdp is JitSimpleFSDP  # auto, without cp
+    assert plan.param_dtype == jnp.float32 and plan.attention == "xla"  # CPU devices
+    assert plan.n_microbatches == 2 and plan.global_batch_size == 16
+    assert dict(plan.mesh.shape)["fsdp"] == 4 and plan.model.args == TINY
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.attention = "splash"
+    trainer = assemble_trainer(plan)
+    assert trainer.plan is plan and trainer.global_batch_size == 16
+    assert isinstance(trainer.parallelism, JitSimpleFSDP)
+    assert trainer.batches.sharding.spec == plan.rules.batch_spec
+
+
+def test_context_parallelism_plans_the_shard_map_implementation():
+    plan = plan_run(config("--parallelism.context_parallel_degree", "2"), jax.devices()[:2],
+                    TINY)
+    assert plan.fsdp is ShardMapSimpleFSDP and plan.degrees.cp == 2
+
+
+@pytest.mark.parametrize("implementation, split", [("shard_map", True), ("jit", False)])
+def test_hsdp_keeps_the_vocabulary_split_where_the_implementation_can(implementation, split):
+    plan = plan_run(config("--parallelism.data_parallel_replicate_degree", "2",
+                           "--parallelism.data_parallel_shard_degree", "2",
+                           "--parallelism.fsdp_implementation", implementation),
+                    jax.devices()[:4], TINY)
+    assert (plan.rules.table["vocab"] != GATHERED_VOCAB["vocab"]) == split
+
+
+def test_a_refused_decision_names_its_field_before_anything_is_built():
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=3 must divide n_heads=4"):
+        plan_run(config("--parallelism.tensor_parallel_degree", "3"), jax.devices()[:3], TINY)

@@ -1,0 +1,107 @@
+"""Every decision a run makes about its model and devices, made once, in order, by `plan_run`.
+
+config -> model family and args -> degrees and mesh -> microbatches -> low precision ->
+SimpleFSDP's implementation -> dtypes -> attention kernel -> the model (abstract) -> the rules
+table and every array's storage layout. Each step is checked as it is decided (the checks are
+`run_checks`' plain functions, which raise ConfigError); the result is a frozen `RunPlan`, from
+which `trainer.assemble_trainer` builds the optimizer, shardings and step without deciding
+anything. Nothing here allocates on devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from titan_jax.config import JobConfig
+from titan_jax.models import BuildOptions, ModelDef, ModelSpec
+from titan_jax.models.quantization import Quantization
+from titan_jax.models.remat import remat_mode_for
+from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
+from titan_jax.parallel.rules import ShardingRules, table_for_vocab
+from titan_jax.parallel.simple_fsdp import IMPLEMENTATIONS, SimpleFSDP
+from titan_jax.train import run_checks
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    config: JobConfig
+    model_spec: ModelSpec  # the family (`model.name`)
+    devices: tuple[jax.Device, ...]  # the mesh's, possibly abstract (AOT compiles)
+    degrees: MeshDegrees
+    mesh: Mesh
+    n_microbatches: int  # per optimizer step
+    quantization: Quantization  # the matmuls run in fp8/int8
+    fsdp: type[SimpleFSDP]  # SimpleFSDP's implementation, chosen once
+    param_dtype: jnp.dtype  # the compute dtype weights are gathered in
+    attention: str  # the kernel `model.attention` resolved to for the devices
+    model: ModelDef  # built on the args and options above; abstract until `init`
+    rules: ShardingRules
+    param_specs: Any  # every param's storage layout
+    buffer_specs: Any
+
+    @property
+    def platform(self) -> str:
+        return self.devices[0].platform
+
+    @property
+    def global_batch_size(self) -> int:
+        """Rows of one optimizer step: `n_microbatches` passes over every data-parallel rank."""
+        return self.n_microbatches * self.config.training.local_batch_size * self.degrees.dp
+
+
+def resolve_param_dtype(name: str, devices: list[jax.Device]) -> jnp.dtype:
+    """`auto` follows the devices the mesh is built on, not the host: bf16 on TPU/GPU (also
+    when compiling ahead of time for them from a CPU host), fp32 on CPU (no bf16 matmuls)."""
+    if name == "auto":
+        return jnp.float32 if all(d.platform == "cpu" for d in devices) else jnp.bfloat16
+    return jnp.dtype(name)
+
+
+def build_options(config: JobConfig, platform: str, attention: str,
+                  quantization: Quantization) -> BuildOptions:
+    """How the model is built for this run's devices and parallelism."""
+    reshard = config.parallelism.fsdp_reshard_after_forward in ("default", "always")
+    return BuildOptions(
+        remat_mode=remat_mode_for(config.activation_checkpoint.mode, platform),
+        # Saved only when asked: on one weight shard the "gathered" weight is a copy of the
+        # stored one, which backward remakes for free (saved, it is a second copy of every
+        # weight, stacked over layers).
+        save_gathered_params=not reshard,
+        activation_stats=config.metrics.log_activation_stats, platform=platform,
+        attention=attention, lookahead_gather=config.parallelism.fsdp_lookahead_gather,
+        quantization=quantization)
+
+
+def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
+             model_args: Any = None) -> RunPlan:
+    """The run's plan on `devices` (default: all of JAX's), every decision checked as it is
+    made. `model_args` replaces `model.flavor`'s shape (tests and notebooks use tiny models)."""
+    spec, flavor = run_checks.check_model_choice(config)
+    args = spec.configure(flavor if model_args is None else model_args, config)
+    run_checks.check_model_fits(config, args)
+    devices = jax.devices() if devices is None else devices
+    degrees = resolve_degrees(config.parallelism, len(devices))
+    mesh = build_mesh(degrees, devices, config.parallelism.num_slices)
+    run_checks.check_heads(config, args, degrees)
+    n_microbatches = run_checks.microbatches(config, degrees)
+    platform = devices[0].platform
+    quantization = run_checks.resolve_quantization(config, args, degrees, devices)
+    implementation = run_checks.resolve_implementation(config, degrees, args, platform,
+                                                       quantization)
+    fsdp = IMPLEMENTATIONS[implementation]
+    run_checks.check_reduce_dtype(config, devices, fsdp)
+    param_dtype = resolve_param_dtype(config.training.mixed_precision_param, devices)
+    attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
+    run_checks.check_lookahead_gather(config, args, fsdp, attention)
+    model = spec.build(args, build_options(config, platform, attention, quantization))
+    table = table_for_vocab(mesh, args.vocab_size, fsdp.splits_vocab_across_replicas)
+    rules = ShardingRules(mesh, table)
+    param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)
+    return RunPlan(config, spec, tuple(devices), degrees, mesh, n_microbatches, quantization,
+                   fsdp, param_dtype, attention, model, rules, param_specs,
+                   buffer_specs)
