@@ -123,6 +123,8 @@ def row(plan: Plan, r: dict[str, Any]) -> str:
     attention = r["attention"] + (f" ({kernel / 1e15:.2f} PFLOP)" if kernel else "")
     est = (f"{r['est_step_time_s']:.2f} s / {r['est_mfu_pct']:.0f}% (<= "
            f"{r['roofline_mfu_pct']:.0f}%)" if r["est_step_time_s"] is not None else "-")
+    if r.get("est_all_to_one_rank_step_time_s"):
+        est += f"; one rank {r['est_all_to_one_rank_step_time_s']:.2f} s"
     overlap = r.get("in_loop_all_gather_overlap_pct")
     overlap = "-" if overlap is None else f"{overlap:.0f}%"
     return (f"| {plan.name} | {mesh} | {r['activation_checkpoint']} | {attention} | "
@@ -148,7 +150,10 @@ def markdown(rows: list[str]) -> str:
         "HBM XLA:TPU lets a program use, as the compiler does. The estimate prices each "
         "compiled op at max(FLOPs at bf16 peak (int8/fp8 matmuls at the chip's rate for "
         "them), bytes at HBM bandwidth) plus exposed collectives; MFU is against the bf16 "
-        "peak; in brackets the roofline bound. tpu7x figures are per TensorCore (JAX's "
+        "peak; in brackets the roofline bound. A MoE step is estimated at balanced routing "
+        "(the branch of each conditional that routing takes, grouped matmuls at the rows it "
+        "fills); `one rank`: every pick routed to one rank (the dropless fallback, whole "
+        "buffers). tpu7x figures are per TensorCore (JAX's "
         "device; two a chip). Overlap: the share of the in-loop "
         "all-gathers' ICI time the schedule covers with compute. Estimates, not measurements.",
         "",

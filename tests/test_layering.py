@@ -15,7 +15,7 @@ import titan_jax
 ROOT = Path(titan_jax.__file__).parent
 # Package (first component under titan_jax) -> layer rank.
 LAYERS = {"errors": 0, "config_schema": 0, "config": 0, "atomic_dir": 0, "jax_platform": 0,
-          "trees": 0, "yarn": 0, "cli_commands": 6, "planner": 5,
+          "planner_hints": 0, "trees": 0, "yarn": 0, "cli_commands": 6, "planner": 5,
           "data": 1, "models": 2, "parallel": 3, "train": 4, "tools": 5, "parity": 5, "cli": 6}
 
 

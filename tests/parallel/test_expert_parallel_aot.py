@@ -15,7 +15,8 @@ import pytest
 from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, tiny_config
 
 from titan_jax.parallel import expert_parallel
-from titan_jax.planner import hlo_stats, inspect_step, kernel_flops
+from titan_jax.planner import aot_compile, hlo_cost, hlo_stats, inspect_step, kernel_flops
+from titan_jax.planner.topology import CHIPS
 from titan_jax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.skipif(
@@ -127,3 +128,22 @@ def test_no_expert_kernel_runs_on_the_whole_receive_buffer(compiled):
     rows = sorted({kernel_flops.megablox_flops(i)[1] for body in program.computations.values()
                    for i in body if kernel_flops.megablox_flops(i)})
     assert rows == sorted({picks, capacity}), rows
+
+
+def test_the_estimate_prices_the_branch_and_rows_balanced_routing_takes(compiled):
+    """The expert FFN's conditionals (forward and backward) are priced by their capacity fast
+    path, the branch balanced routing takes, and its grouped matmuls at the rows that routing
+    fills; every pick on one rank (the dropless fallback over whole buffers) bounds it."""
+    trainer, _, program, _ = compiled
+    n, chip = trainer.mesh.size, CHIPS["v5p"]
+    rows = aot_compile.routed_rows(trainer)
+    assert rows == GLOBAL_BATCH // DATA_SHARDS * SEQ_LEN * TINY_MOE.top_k
+    balanced = hlo_cost.estimate(program, chip, n, routed_rows=rows)
+    skewed = hlo_cost.estimate(program, chip, n, costlier_branches=True)
+    assert all(c["expected"] for c in balanced["conditionals"])  # each says which it takes
+    fallbacks = [c for c in balanced["conditionals"]
+                 if any(o["seconds"] > c["seconds"] for o in c["others"])]
+    assert len(fallbacks) == 3  # the FFN's forward, its recompute (full remat) and backward
+    assert balanced["flops_per_chip"] < skewed["flops_per_chip"]
+    assert balanced["hbm_bytes_per_chip"] < skewed["hbm_bytes_per_chip"]
+    assert balanced["step_s"] < skewed["step_s"]

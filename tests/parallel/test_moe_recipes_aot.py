@@ -65,3 +65,4 @@ def test_shipped_moe_recipe_compiles_and_fits(compiled_recipe):
 def test_jit_implementation_with_moe_on_tpu_is_a_config_error():
     with pytest.raises(ConfigError, match="fsdp_implementation=jit cannot compile MoE experts"):
         build("30B-A3B v5p-16", "--parallelism.fsdp_implementation", "jit")
+

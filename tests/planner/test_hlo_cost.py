@@ -493,3 +493,56 @@ def test_quantized_grouped_matmuls_count_their_values_and_run_at_the_low_precisi
         flops, spent = mxu_work.instruction_work(kernel, {}, 128, CHIPS["v5p"].mxu_time_factors)
         assert spent == flops / 2
         assert mxu_work.instruction_work(kernel, {}, 128, {})[1] == flops  # v4: no int8 rate
+
+
+# A bf16 megablox gmm over a 512-row buffer (say, an EP receive buffer) of 4 experts.
+GMM_PROGRAM = """
+HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[512,128], w: bf16[4,128,256], g: s32[4]) -> bf16[512,256] {
+  %x = bf16[512,128]{1,0} parameter(0)
+  %w = bf16[4,128,256]{2,1,0} parameter(1)
+  %g = s32[4]{0} parameter(2)
+  ROOT %gmm.1 = bf16[512,256]{1,0} custom-call(%g, %x, %w), custom_call_target="tpu_custom_call", operand_layout_constraints={s32[4]{0}, bf16[512,128]{1,0}, bf16[4,128,256]{2,1,0}}
+}
+"""
+
+
+def test_a_grouped_matmul_is_priced_at_the_rows_balanced_routing_fills():
+    whole = hlo_cost.estimate(GMM_PROGRAM, UNIT_CHIP, 1)
+    assert whole["flops_per_chip"] == 2 * 512 * 128 * 256
+    rows_bytes, weight_bytes = 2 * 512 * (128 + 256), 2 * 4 * 128 * 256
+    assert whole["hbm_bytes_per_chip"] == rows_bytes + weight_bytes + 4 * 4
+    # 128 picks a device at balanced routing: the kernel visits a quarter of the buffer's
+    # row tiles; the experts' weights are read whole.
+    routed = hlo_cost.estimate(GMM_PROGRAM, UNIT_CHIP, 1, routed_rows=128)
+    assert routed["flops_per_chip"] == whole["flops_per_chip"] / 4
+    assert routed["hbm_bytes_per_chip"] == rows_bytes / 4 + weight_bytes + 4 * 4
+    # more picks than the buffer holds never price more than the buffer
+    assert hlo_cost.estimate(GMM_PROGRAM, UNIT_CHIP, 1, routed_rows=4096) == whole
+
+
+@pytest.mark.parametrize("marked, priced", [("costly", "costly"), ("cheap", "cheap"),
+                                            (None, "costly")])
+def test_a_conditional_is_priced_by_the_branch_a_step_takes(marked, priced):
+    """A program compiled here (CPU HLO: the same conditional and metadata): the branch traced
+    under `expected_branch` (a finite loss, balanced routing) is priced, FLOPs and bytes once;
+    unmarked, the costlier; the other branch is reported beside it."""
+    import jax
+    import jax.numpy as jnp
+
+    from titan_jax.planner_hints import expected_branch
+
+    n = 256
+    branches = {"costly": lambda x: x @ x @ x, "cheap": lambda x: x * 2}
+    costly, cheap = (expected_branch(f) if name == marked else f
+                     for name, f in branches.items())
+    step = jax.jit(lambda p, x: jax.lax.cond(p, costly, cheap, x))
+    r = hlo_cost.estimate(step.lower(True, jnp.ones((n, n))).compile().as_text(), UNIT_CHIP, 1)
+    assert r["flops_per_chip"] == (2 * 2 * n**3 if priced == "costly" else 0)
+    (conditional,) = r["conditionals"]
+    assert conditional["expected"] == (marked is not None)
+    (other,) = conditional["others"]
+    assert (other["seconds"] < conditional["seconds"]) == (priced == "costly")
+    # the branch's HBM traffic alone: the cheap one reads and writes one n x n array
+    assert (r["hbm_bytes_per_chip"] > 3 * 4 * n * n) == (priced == "costly")

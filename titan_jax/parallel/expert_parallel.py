@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from titan_jax.models.sharding_hooks import ExpertFFN
+from titan_jax.planner_hints import expected_branch
 
 # Rows the expert FFN computes on its fast path, as a multiple of this rank's own picks.
 CAPACITY_FACTOR = 1.25
@@ -155,7 +156,7 @@ def _taken_branch(b: _Branches, rows: jax.Array, ids: jax.Array, n_real: jax.Arr
     """The branch `n_real` takes. A custom VJP that saves only its inputs and recomputes the
     taken branch in backward: differentiated as is, a conditional saves the union of both
     branches' residuals (measured on CPU: +0.33 GB a device at the debug MoE recipe, ep 4)."""
-    return lax.cond(n_real <= b.capacity, b.fast, b.full, rows, ids, *weights)
+    return lax.cond(n_real <= b.capacity, expected_branch(b.fast), b.full, rows, ids, *weights)
 
 
 def _taken_branch_fwd(b: _Branches, rows: jax.Array, ids: jax.Array, n_real: jax.Array,
@@ -173,8 +174,8 @@ def _taken_branch_bwd(b: _Branches, saved: tuple[jax.Array, ...], g: jax.Array
             return jax.vjp(lambda x, w: branch(x, ids, *w), rows, weights)[1](g)
         return run
 
-    d_rows, d_weights = lax.cond(n_real <= b.capacity, grads(b.fast), grads(b.full), rows,
-                                 weights, g)
+    d_rows, d_weights = lax.cond(n_real <= b.capacity, expected_branch(grads(b.fast)),
+                                 grads(b.full), rows, weights, g)
     return (d_rows, None, None, *d_weights)
 
 

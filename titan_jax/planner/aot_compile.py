@@ -162,10 +162,23 @@ def _flops(trainer: Trainer, lowered: Any) -> dict[str, Any]:
             "flops_loops_of_unknown_length": unknown_loops}
 
 
+def routed_rows(trainer: Trainer) -> int | None:
+    """Rows a device's expert kernels cover at balanced routing: its own picks (tokens of one
+    microbatch on its data-parallel rank x top_k; each rank receives as many as it sends).
+    None for a dense model."""
+    args, t = trainer.model.args, trainer.config.training
+    if not getattr(args, "num_experts", 0):
+        return None
+    return t.local_batch_size * t.seq_len // trainer.degrees.cp * args.top_k
+
+
 def _estimates(report: dict[str, Any], hlo: str, tpu: TpuSlice, n: int,
                mesh_devices: list[Any], mesh_shape: dict[str, int],
-               rings: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
-    """Kernel FLOPs, the collectives, the predictive estimate and the roofline bound."""
+               rings: dict[str, tuple[int, ...]] | None = None,
+               routed: int | None = None) -> dict[str, Any]:
+    """Kernel FLOPs, the collectives, the predictive estimate and the roofline bound. A MoE
+    step (`routed`: its rows per device at balanced routing) is estimated at balanced routing
+    with the branch that takes, and bounded with every pick routed to one rank."""
     module = hlo_stats.parse(hlo)
     counts, _ = hlo_stats.executions(module)
     attention = n * sum(times * kernel_flops.kernel_flops(i) for name, times in counts.items()
@@ -173,7 +186,9 @@ def _estimates(report: dict[str, Any], hlo: str, tpu: TpuSlice, n: int,
     flops = report["dot_flops_per_step"] + report["grouped_matmul_flops_per_step"] + attention
     ops = collectives(hlo, mesh_devices, mesh_shape)
     chip = tpu.chip
-    cost = hlo_cost.estimate(hlo, chip, n, rings, tpu.ring_wraps)
+    cost = hlo_cost.estimate(hlo, chip, n, rings, tpu.ring_wraps, routed)
+    skewed = (hlo_cost.estimate(hlo, chip, n, rings, tpu.ring_wraps, costlier_branches=True)
+              if routed else None)
     gathers = [c for c in cost["collectives"] if c["op"] == "all-gather" and c["executions"] > 1]
     gather_s = sum(c["seconds"] * c["executions"] for c in gathers)
     covered_s = sum(min(c["covered_s"], c["seconds"]) * c["executions"] for c in gathers)
@@ -189,6 +204,11 @@ def _estimates(report: dict[str, Any], hlo: str, tpu: TpuSlice, n: int,
         "est_exposed_collective_s": cost["exposed_collective_s"],
         "est_dma_wait_s": cost["dma_wait_s"],
         "est_hbm_bytes_per_chip": cost["hbm_bytes_per_chip"],
+        "est_routed_rows_per_device": routed,
+        "est_conditionals": [{k: c[k] for k in ("name", "executions", "branch", "seconds",
+                                                "expected", "others")}
+                             for c in cost["conditionals"]],
+        "est_all_to_one_rank_step_time_s": skewed["step_s"] if skewed else None,
         "est_mfu_pct": 100 * report["analytic_flops_per_step"] / (peak * cost["step_s"]),
         "in_loop_all_gathers": len(gathers),
         "in_loop_all_gather_s": gather_s,
@@ -244,7 +264,8 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
     report["top_buffers"], report["scheduler_flags"] = buffers, flags
     report["cost_analysis_flops_per_chip"] = float(compiled.cost_analysis().get("flops", 0.0))
     report.update(_estimates(report, compiled.as_text(), tpu, n,
-                             list(trainer.mesh.devices.flat), dict(trainer.mesh.shape), rings))
+                             list(trainer.mesh.devices.flat), dict(trainer.mesh.shape), rings,
+                             routed_rows(trainer)))
     report.update(_low_precision_mfu(report, config.quantize.mode, tpu.chip, n))
     return report
 
@@ -281,6 +302,22 @@ def _memory_lines(r: dict[str, Any]) -> list[str]:
         lines.append("largest buffers: " + "; ".join(
             f"{_gb(b['bytes'])} {b['shapes'][:60]}" for b in r["top_buffers"][:5]))
     return lines
+
+
+def _moe_estimate_lines(r: dict[str, Any]) -> list[str]:
+    """What the estimate assumed of a MoE step, and its bound with every pick on one rank."""
+    if not r.get("est_routed_rows_per_device"):
+        return []
+    fallbacks = [c for c in r["est_conditionals"] if c["expected"]
+                 and any(o["seconds"] > c["seconds"] for o in c["others"])]
+    other_s = sum(c["executions"] * (max(o["seconds"] for o in c["others"]) - c["seconds"])
+                  for c in fallbacks)
+    return [f"  MoE: at balanced routing ({r['est_routed_rows_per_device']} rows per device "
+            "through the expert kernels, priced at the row tiles they cover, not their "
+            f"buffers) and the branches that routing takes ({len(fallbacks)} conditionals; "
+            f"their other branches, the dropless fallback when routing overflows the fast "
+            f"path's capacity, would add {other_s * 1e3:+.1f} ms); every pick routed to one "
+            f"rank: step {r['est_all_to_one_rank_step_time_s'] * 1e3:.1f} ms"]
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -328,6 +365,7 @@ def format_report(r: dict[str, Any]) -> str:
             f"{r['est_exposed_collective_s'] * 1e3:.1f}), MFU {r['est_mfu_pct']:.1f}%"
             + (f" ({r['est_mfu_low_precision_pct']:.1f}% of the {r['low_precision_peak']} peak)"
                if r.get("est_mfu_low_precision_pct") is not None else ""))
+        lines += _moe_estimate_lines(r)
         lines.append(
             f"roofline bound (compute at peak, collectives fully overlapped): step "
             f"{r['roofline_step_time_s'] * 1e3:.1f} ms (compute {r['compute_s'] * 1e3:.1f}, "

@@ -36,6 +36,7 @@ from titan_jax.planner import hlo_stats, kernel_flops
 from titan_jax.planner.hlo_stats import HloModule, Instruction
 from titan_jax.planner.mxu_work import computation_work, instruction_work
 from titan_jax.planner.topology import Chip
+from titan_jax.planner_hints import EXPECTED_BRANCH
 
 _ARRAY_LAYOUT = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
@@ -157,8 +158,10 @@ class _Walk:
     with the compute the schedule places under it."""
 
     def __init__(self, module: HloModule, chip: Chip, devices: int,
-                 rings: dict[str, tuple[int, ...]], ring_wraps: Callable[[tuple[int, ...]], bool]):
+                 rings: dict[str, tuple[int, ...]], ring_wraps: Callable[[tuple[int, ...]], bool],
+                 routed_rows: float | None = None, costlier_branches: bool = False):
         self.module, self.chip, self.devices = module, chip, devices
+        self.routed_rows, self.costlier_branches = routed_rows, costlier_branches
         self.rings, self.ring_wraps = rings, ring_wraps
         self.rings_by_group = {
             hlo_stats.group_size(inst, devices): rings[inst.name]
@@ -167,6 +170,43 @@ class _Walk:
         self.memo: dict[str, tuple[float, float]] = {}
         self.flops = self.hbm = self.compute_s = self.exposed_s = self.dma_s = 0.0
         self.collectives: list[dict[str, Any]] = []
+        self.conditionals: list[dict[str, Any]] = []
+
+    def _totals(self) -> tuple[Any, ...]:
+        return (self.flops, self.hbm, self.compute_s, self.exposed_s, self.dma_s,
+                list(self.collectives), list(self.conditionals))
+
+    def _restore(self, totals: tuple[Any, ...]) -> None:
+        (self.flops, self.hbm, self.compute_s, self.exposed_s, self.dma_s, collectives,
+         conditionals) = totals
+        self.collectives, self.conditionals = list(collectives), list(conditionals)
+
+    def conditional(self, inst: Instruction, times: float) -> float:
+        """Seconds of the branch a step takes: the one traced under `EXPECTED_BRANCH`
+        (`planner_hints`: a finite loss, balanced routing), else (or when pricing the bound:
+        `costlier_branches`) the costlier. Only that
+        branch's FLOPs, bytes and collectives count; each other is reported beside it
+        (`conditionals`)."""
+        before = self._totals()
+        branches = []  # (computation, seconds, totals after it)
+        for kind, name in hlo_stats.called(inst):
+            if kind in ("branch", "true_computation", "false_computation"):
+                seconds = self.visit(name, times)
+                branches.append((name, seconds, self._totals()))
+                self._restore(before)
+        if not branches:
+            return 0.0
+        own = hlo_stats.op_name(inst)
+        expected = [b for b in branches if _expected(self.module, b[0], own)]
+        taken = (expected[0] if len(expected) == 1 and not self.costlier_branches
+                 else max(branches, key=lambda b: b[1]))
+        self._restore(taken[2])
+        self.conditionals.append({
+            "name": inst.name, "executions": times, "branch": taken[0], "seconds": taken[1],
+            "expected": taken in expected,
+            "others": [{"branch": name, "seconds": s} for name, s, _ in branches
+                       if name != taken[0]]})
+        return taken[1]
 
     def collective(self, inst: Instruction, op: str, defs: dict[str, Instruction],
                    owner: str = "") -> dict[str, Any]:
@@ -285,19 +325,26 @@ class _Walk:
             body = re.search(r"\bbody=%?([\w.\-]+)", inst.rest)
             trips = hlo_stats.trip_count(self.module, inst) or 1
             return trips * self.visit(body[1], times * trips) if body else 0.0
-        if inst.op in ("call", "conditional"):
-            return max((self.visit(c, times) for k, c in hlo_stats.called(inst)
-                        if k in ("to_apply", "calls", "branch", "true_computation",
-                                 "false_computation")), default=0.0)
+        if inst.op == "conditional":
+            return self.conditional(inst, times)
+        if inst.op == "call":
+            return sum(self.visit(c, times) for k, c in hlo_stats.called(inst)
+                       if k in ("to_apply", "calls"))
         op = inst.op.removesuffix("-start").removesuffix("-done")
         if inst.op in _FREE or op in _COLLECTIVE or op in ("send", "recv"):
             return 0.0
         factors = self.chip.mxu_time_factors
-        work = [instruction_work(inst, defs, self.chip.mxu_dim, factors)] + [
+        own_flops, own_array = instruction_work(inst, defs, self.chip.mxu_dim, factors)
+        hbm = traffic(self.module, inst, defs)
+        rows = kernel_flops.grouped_rows(inst) if self.routed_rows else None
+        if rows:  # a grouped matmul visits only the row tiles its groups cover
+            share = min(1.0, self.routed_rows / rows)
+            own_flops, own_array = own_flops * share, own_array * share
+            hbm -= (1 - share) * _row_bytes(inst, defs, rows)
+        work = [(own_flops, own_array)] + [
             computation_work(self.module, c, self.memo, self.chip.mxu_dim, factors)
             for k, c in hlo_stats.called(inst) if k == "calls"]
         flops, array_flops = sum(w[0] for w in work), sum(w[1] for w in work)
-        hbm = traffic(self.module, inst, defs)
         self.flops += times * flops
         self.hbm += times * hbm
         spent = max(array_flops / self.chip.peak_bf16_flops, hbm / self.chip.hbm_bytes_per_s)
@@ -305,24 +352,54 @@ class _Walk:
         return spent
 
 
-def estimate(hlo_text: str, chip: Chip, devices: int,
+def _row_bytes(inst: Instruction, defs: dict[str, Instruction], rows: int) -> int:
+    """HBM bytes of a grouped matmul's operands and results that have one row per buffer row
+    (its tokens' sides; not the experts' weights)."""
+    total = 0
+    for hlo_type in [defs[o].type for o in inst.operands if o in defs] + [inst.type]:
+        for dtype, dims, layout in _ARRAY_LAYOUT.findall(hlo_type):
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            space = _MEMORY_SPACE.search(layout or "")
+            if shape and shape[0] == rows and (space is None or space[1] == "0"):
+                total += hlo_stats.nbytes(dtype, shape)
+    return total
+
+
+def _expected(module: HloModule, branch: str, conditional_op_name: str) -> bool:
+    """Whether `branch` was traced under `EXPECTED_BRANCH` inside the conditional (an op's
+    name below the conditional's own names the scope; one the conditional itself sits in
+    marks every branch, so it is not counted)."""
+    marker = f"/{EXPECTED_BRANCH}/"
+    return any(marker in hlo_stats.op_name(i).removeprefix(conditional_op_name)
+               for i in module.computations.get(branch, []))
+
+
+def estimate(program: str | HloModule, chip: Chip, devices: int,
              rings: dict[str, tuple[int, ...]] | None = None,
-             ring_wraps: Callable[[tuple[int, ...]], bool] = lambda sizes: True
+             ring_wraps: Callable[[tuple[int, ...]], bool] = lambda sizes: True,
+             routed_rows: float | None = None, costlier_branches: bool = False
              ) -> dict[str, Any]:
-    """The compiled step's estimated time per chip: `step_s` = `compute_s` (each instruction
-    at max(FLOPs at peak, HBM bytes at bandwidth)) + `exposed_collective_s`; `collectives`
-    lists each with its `seconds` on the network and the `overlap` share its schedule covers.
+    """The compiled step's (HLO text, or parsed) estimated time per chip: `step_s` =
+    `compute_s` (each instruction at max(FLOPs at peak, HBM bytes at bandwidth)) +
+    `exposed_collective_s`; `collectives` lists each with its `seconds` on the network and the
+    `overlap` share its schedule covers.
     `rings`: the ring sizes of each collective's algorithm, one per torus dimension it spans,
     by instruction name (`rings`, from the compiler's codegen dump); `ring_wraps`: whether
     rings of those sizes are closed by wraparound links (`TpuSlice.ring_wraps`; default: a
-    torus)."""
-    module = hlo_stats.parse(hlo_text)
-    walk = _Walk(module, chip, devices, rings or {}, ring_wraps)
+    torus). `routed_rows`: the rows a device's grouped matmuls cover at balanced routing (its
+    picks, tokens x top_k); each is priced at that share of its buffer (FLOPs and the bytes of
+    its row-shaped operands and results). A conditional is priced by the branch a step takes
+    (`_Walk.conditional`), the others listed in `conditionals`; `costlier_branches` prices
+    every conditional by its costlier branch instead (with no `routed_rows`: a MoE step's
+    bound, every pick routed to one rank)."""
+    module = hlo_stats.parse(program) if isinstance(program, str) else program
+    walk = _Walk(module, chip, devices, rings or {}, ring_wraps, routed_rows, costlier_branches)
     step_s = walk.visit(module.entry, 1)
     return {"step_s": step_s, "compute_s": walk.compute_s,
             "exposed_collective_s": walk.exposed_s, "dma_wait_s": walk.dma_s,
             "flops_per_chip": walk.flops,
-            "hbm_bytes_per_chip": walk.hbm, "collectives": walk.collectives}
+            "hbm_bytes_per_chip": walk.hbm, "collectives": walk.collectives,
+            "conditionals": walk.conditionals}
 
 
 _STRATEGY = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?"strategy":"Strategy\w*","debug":"'

@@ -34,6 +34,7 @@ MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _PASS_THROUGH = ("custom-call", "copy", "convert", "bitcast", "reshape")
 _MANUAL_BODY = "manual_computation_body"  # a shard_map body, as JAX names it
 _INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")  # the printer marks every fifth operand
+_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _HLO_ITEMSIZE = {"pred": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s8": 1, "s16": 2,
                  "s32": 4, "s64": 8, "u8": 1, "u16": 2, "u32": 4, "u64": 8,
@@ -157,6 +158,13 @@ def called(inst: Instruction) -> list[tuple[str, str]]:
     for group in _CALLED_LISTS.findall(inst.rest):
         called += [("branch", c.strip().lstrip("%")) for c in group.split(",")]
     return called
+
+
+def op_name(inst: Instruction) -> str:
+    """The JAX op name in an instruction's metadata ("" without one): the trace's name scopes,
+    `jit(step)/.../cond/branch_1_fun/...`."""
+    found = _OP_NAME.search(inst.rest)
+    return found[1] if found else ""
 
 
 def manual_scale(module: HloModule) -> int:

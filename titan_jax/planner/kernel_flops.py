@@ -191,6 +191,18 @@ def megablox_flops(inst: Instruction, computation: str = "", hidden_split: int =
     return None
 
 
+def grouped_rows(inst: Instruction) -> int | None:
+    """The rows of a grouped matmul's buffer (`ragged-dot`, megablox/tokamax `gmm`, `tgmm`):
+    the ragged dimension its groups are cut from; None for any other instruction."""
+    if inst.op != "custom-call":
+        return None
+    if inst.name.startswith("ragged-dot") and "metadata" not in inst.name:
+        lhs = next((s for _, s in operand_shapes(inst) if len(s) == 2), None)
+        return lhs[0] if lhs else None
+    megablox = megablox_flops(inst)
+    return megablox[1] if megablox else None
+
+
 def kernel_flops(inst: Instruction) -> float:
     """FLOPs of one run of a compiled custom call this module knows; 0 for any other."""
     if inst.op != "custom-call":

@@ -20,6 +20,7 @@ import optax
 
 from titan_jax.models.sharding_hooks import NO_PARALLELISM, Parallelism
 from titan_jax.models.spec import Aux, ModelDef, Params
+from titan_jax.planner_hints import expected_branch
 from titan_jax.train.loss import count_valid_tokens, cross_entropy_sum
 
 TrainState = dict[str, Any]  # {"params", "buffers", "opt_state", "step", "applied_updates"}
@@ -141,7 +142,7 @@ def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
     # `where(finite, new, old)` the old Adam moments are read by two fusions (the parameter's
     # and the moment's own) and copied first: 2 x the parameters' bytes of temporaries.
     new_params, new_buffers, new_opt_state = jax.lax.cond(
-        finite, update, lambda old: old, (params, buffers, opt_state))
+        finite, expected_branch(update), lambda old: old, (params, buffers, opt_state))
     new_state = {"params": new_params, "buffers": new_buffers, "opt_state": new_opt_state,
                  "step": state["step"] + 1,
                  APPLIED_UPDATES: state[APPLIED_UPDATES] + finite.astype(jnp.int32)}
