@@ -190,17 +190,25 @@ def main() -> None:
                         help="compile only the plans whose name starts with NAME")
     parser.add_argument("--json", metavar="DIR", help="also write each report as JSON here")
     parser.add_argument("--write", metavar="FILE", help="replace the table in FILE")
+    parser.add_argument("--reports", metavar="DIR",
+                        help="the rows from reports an earlier --json wrote, not compiles")
     opts = parser.parse_args()
     compile_only_libtpu()  # before libtpu loads: CPU-hosted, with titan-jax's default flags
     plans = [p for p in PLANS if not opts.only or any(p.name.startswith(o) for o in opts.only)]
     rows = []
     for plan in plans:
-        report = run(plan)
+        name = re.sub(r"[^\w.-]+", "_", plan.name)
+        if opts.reports:
+            path = Path(opts.reports) / f"{name}.json"
+            if not path.exists():
+                continue
+            report = json.loads(path.read_text())
+        else:
+            report = run(plan)
         rows.append(row(plan, report))
         print(rows[-1], flush=True)
         if opts.json:
             Path(opts.json).mkdir(parents=True, exist_ok=True)
-            name = re.sub(r"[^\w.-]+", "_", plan.name)
             write_text_atomic(Path(opts.json) / f"{name}.json", json.dumps(report, indent=2))
     print(markdown(rows))
     if opts.write:

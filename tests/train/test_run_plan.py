@@ -53,3 +53,14 @@ def test_hsdp_keeps_the_vocabulary_split_where_the_implementation_can(implementa
 def test_a_refused_decision_names_its_field_before_anything_is_built():
     with pytest.raises(ConfigError, match="tensor_parallel_degree=3 must divide n_heads=4"):
         plan_run(config("--parallelism.tensor_parallel_degree", "3"), jax.devices()[:3], TINY)
+
+
+@pytest.mark.parametrize("local_batch, split", [(2, True), (32, False)])
+def test_the_vocabulary_stays_split_while_its_tokens_move_fewer_bytes_than_its_tables(
+        local_batch, split):
+    """Split, a microbatch's tokens over the vocabulary's shards travel: 2 x 64 x 4 = 512 of
+    them against TINY's 2048 rows keeps the split; 32 x 64 x 4 = 8192 gathers the tables."""
+    plan = plan_run(config("--parallelism.data_parallel_shard_degree", "4",
+                           "--training.seq_len", "64", "--training.local_batch_size",
+                           str(local_batch)), jax.devices()[:4], TINY)
+    assert (plan.rules.table["vocab"] != GATHERED_VOCAB["vocab"]) == split

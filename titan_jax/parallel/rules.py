@@ -65,14 +65,24 @@ GATHERED_VOCAB: Mapping[str, MeshAxes] = {"vocab": "tp", "vocab_embed": DEFAULT_
 
 
 def table_for_vocab(mesh: Mesh, vocab_size: int, split_across_replicas: bool = True,
-                    table: Mapping[str, MeshAxes] = DEFAULT_TABLE) -> Mapping[str, MeshAxes]:
+                    table: Mapping[str, MeshAxes] = DEFAULT_TABLE,
+                    travelling_tokens: int = 0) -> Mapping[str, MeshAxes]:
     """`table`, with the vocabulary tables gathered (GATHERED_VOCAB) when `vocab_size` does not
-    divide over the mesh axes `table` splits the vocabulary over, or when the mesh has HSDP
+    divide over the mesh axes `table` splits the vocabulary over, when the mesh has HSDP
     replicas and SimpleFSDP's implementation cannot keep the split across them
-    (`SimpleFSDP.splits_vocab_across_replicas`)."""
+    (`SimpleFSDP.splits_vocab_across_replicas`), or when the split would move more bytes than
+    gathering the tables: split, a microbatch's tokens travel (`travelling_tokens`, every
+    token of the shards that split the vocabulary: hidden states gathered for the loss and its
+    recompute, their fp32 gradient reduce-scattered, the embedding's rows reduce-scattered and
+    their gradient gathered: ~14 bytes x dim a token), where gathered, each table travels
+    (gathered in bf16 for forward and again for backward, its fp32 gradient reduce-scattered:
+    ~8 bytes x dim a row, two tables when untied). Qwen3-235B on 128 shards of 4096 tokens
+    sends 524,288 tokens against 151,936 rows: gathered, as MaxText does."""
     split = math.prod(mesh.shape[a] for a in _as_tuple(table.get("vocab")))
     replicas = not split_across_replicas and mesh.shape.get("dp_replicate", 1) > 1
-    return table if vocab_size % split == 0 and not replicas else {**table, **GATHERED_VOCAB}
+    heavier = travelling_tokens > vocab_size
+    return (table if vocab_size % split == 0 and not replicas and not heavier
+            else {**table, **GATHERED_VOCAB})
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:

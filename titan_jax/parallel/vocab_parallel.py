@@ -20,8 +20,11 @@ rules table keeps the vocabulary split over the data axes in compute (`"vocab"` 
   fp32 (`train/loss.py`).
 
 Each weight's gradient is then complete on its own shard (every token has passed through),
-with no full-vocabulary buffer anywhere. The tensor-parallel split of the vocabulary (`tp`)
-stays with the partitioner, inside each shard's slice.
+with no full-vocabulary buffer anywhere. The tokens' traffic grows with the shards: where a
+microbatch's tokens over the shards outnumber the vocabulary's rows, gathering the tables as
+FSDP weights moves fewer bytes, and the rules table does that (`rules.table_for_vocab`). The
+tensor-parallel split of the vocabulary (`tp`) stays with the partitioner, inside each shard's
+slice.
 """
 
 from __future__ import annotations

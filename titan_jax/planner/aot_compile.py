@@ -205,6 +205,7 @@ def _estimates(report: dict[str, Any], hlo: str, tpu: TpuSlice, n: int,
         "est_dma_wait_s": cost["dma_wait_s"],
         "est_hbm_bytes_per_chip": cost["hbm_bytes_per_chip"],
         "est_routed_rows_per_device": routed,
+        "est_seconds_by_class": cost["seconds_by_class"],
         "est_conditionals": [{k: c[k] for k in ("name", "executions", "branch", "seconds",
                                                 "expected", "others")}
                              for c in cost["conditionals"]],
@@ -365,6 +366,10 @@ def format_report(r: dict[str, Any]) -> str:
             f"{r['est_exposed_collective_s'] * 1e3:.1f}), MFU {r['est_mfu_pct']:.1f}%"
             + (f" ({r['est_mfu_low_precision_pct']:.1f}% of the {r['low_precision_peak']} peak)"
                if r.get("est_mfu_low_precision_pct") is not None else ""))
+        if r.get("est_seconds_by_class"):
+            lines.append("  by op class: " + ", ".join(
+                f"{name} {s * 1e3:.1f} ms" for name, s in sorted(
+                    r["est_seconds_by_class"].items(), key=lambda kv: -kv[1]) if s >= 5e-4))
         lines += _moe_estimate_lines(r)
         lines.append(
             f"roofline bound (compute at peak, collectives fully overlapped): step "

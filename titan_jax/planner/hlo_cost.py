@@ -171,15 +171,20 @@ class _Walk:
         self.flops = self.hbm = self.compute_s = self.exposed_s = self.dma_s = 0.0
         self.collectives: list[dict[str, Any]] = []
         self.conditionals: list[dict[str, Any]] = []
+        self.by_class: dict[str, float] = {}  # seconds per op class (`op_class`)
 
     def _totals(self) -> tuple[Any, ...]:
         return (self.flops, self.hbm, self.compute_s, self.exposed_s, self.dma_s,
-                list(self.collectives), list(self.conditionals))
+                list(self.collectives), list(self.conditionals), dict(self.by_class))
 
     def _restore(self, totals: tuple[Any, ...]) -> None:
         (self.flops, self.hbm, self.compute_s, self.exposed_s, self.dma_s, collectives,
-         conditionals) = totals
+         conditionals, by_class) = totals
         self.collectives, self.conditionals = list(collectives), list(conditionals)
+        self.by_class = dict(by_class)
+
+    def _charge(self, op_class: str, seconds: float) -> None:
+        self.by_class[op_class] = self.by_class.get(op_class, 0.0) + seconds
 
     def conditional(self, inst: Instruction, times: float) -> float:
         """Seconds of the branch a step takes: the one traced under `EXPECTED_BRANCH`
@@ -287,6 +292,7 @@ class _Walk:
             self.hbm += times * size
             self.compute_s += times * extra
             self.dma_s += times * extra
+            self._charge("waiting on HBM copies", times * extra)
 
     def fused_collective(self, inst: Instruction) -> dict[str, Any] | None:
         """The collective a fusion (or an asynchronous call: XLA:TPU on Ironwood runs the
@@ -313,6 +319,7 @@ class _Walk:
         """Records a collective; returns its seconds the schedule leaves uncovered."""
         exposed = max(0.0, found["seconds"] - found["covered_s"])
         self.exposed_s += times * exposed
+        self._charge(f"exposed {found['op']}", times * exposed)
         found.update(executions=times, computation=computation,
                      overlap=min(1.0, found["covered_s"] / found["seconds"])
                      if found["seconds"] else 1.0)
@@ -336,8 +343,8 @@ class _Walk:
         factors = self.chip.mxu_time_factors
         own_flops, own_array = instruction_work(inst, defs, self.chip.mxu_dim, factors)
         hbm = traffic(self.module, inst, defs)
-        rows = kernel_flops.grouped_rows(inst) if self.routed_rows else None
-        if rows:  # a grouped matmul visits only the row tiles its groups cover
+        rows = kernel_flops.grouped_rows(inst)
+        if rows and self.routed_rows:  # it visits only the row tiles its groups cover
             share = min(1.0, self.routed_rows / rows)
             own_flops, own_array = own_flops * share, own_array * share
             hbm -= (1 - share) * _row_bytes(inst, defs, rows)
@@ -349,7 +356,25 @@ class _Walk:
         self.hbm += times * hbm
         spent = max(array_flops / self.chip.peak_bf16_flops, hbm / self.chip.hbm_bytes_per_s)
         self.compute_s += times * spent
+        self._charge(op_class(inst, bool(rows), flops), times * spent)
         return spent
+
+
+def op_class(inst: Instruction, grouped: bool, flops: float) -> str:
+    """What kind of work a priced instruction is, for the time-by-class report: the experts'
+    grouped matmuls, the attention kernels, other matmuls (fusions with MXU work), sorts,
+    copies, and the rest (elementwise, reductions, gathers and scatters)."""
+    if grouped:
+        return "grouped matmuls"
+    if inst.op == "custom-call" and kernel_flops.splash_flops(inst):
+        return "attention kernels"
+    if flops:
+        return "matmuls"
+    if inst.op == "sort":
+        return "sorts"
+    if inst.op in ("copy", "transpose"):
+        return "copies"
+    return "elementwise and other"
 
 
 def _row_bytes(inst: Instruction, defs: dict[str, Instruction], rows: int) -> int:
@@ -399,7 +424,7 @@ def estimate(program: str | HloModule, chip: Chip, devices: int,
             "exposed_collective_s": walk.exposed_s, "dma_wait_s": walk.dma_s,
             "flops_per_chip": walk.flops,
             "hbm_bytes_per_chip": walk.hbm, "collectives": walk.collectives,
-            "conditionals": walk.conditionals}
+            "conditionals": walk.conditionals, "seconds_by_class": walk.by_class}
 
 
 _STRATEGY = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?"strategy":"Strategy\w*","debug":"'

@@ -53,8 +53,10 @@ def render_table() -> str:
         out.append(f"| `{axis}` | {_axes(value)} | {kept} | "
                    f"{comments[axis].replace('|', chr(92) + '|')} |")
     gathered = ", ".join(f"`{k}` -> {_axes(v)}" for k, v in rules.GATHERED_VOCAB.items())
-    out += ["", f"A vocabulary the table's split does not divide (and, on the jit path, HSDP "
-            f"replicas: `SimpleFSDP.splits_vocab_across_replicas`) takes {gathered} instead "
+    out += ["", f"A vocabulary the table's split does not divide, or one whose split would "
+            "move more bytes than the tables (more tokens a microbatch over its shards than "
+            "vocabulary rows), and, on the jit path, HSDP replicas "
+            f"(`SimpleFSDP.splits_vocab_across_replicas`) take {gathered} instead "
             "(`rules.table_for_vocab`).", "", END]
     return "\n".join(out)
 

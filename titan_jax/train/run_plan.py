@@ -99,7 +99,12 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
     run_checks.check_lookahead_gather(config, args, fsdp, attention)
     model = spec.build(args, build_options(config, platform, attention, quantization))
-    table = table_for_vocab(mesh, args.vocab_size, fsdp.splits_vocab_across_replicas)
+    # the tokens of one microbatch over the shards that split the vocabulary (cp splits the
+    # same rows' positions; tp ranks share their tokens)
+    travelling = (config.training.local_batch_size * config.training.seq_len * degrees.fsdp
+                  * degrees.ep)
+    table = table_for_vocab(mesh, args.vocab_size, fsdp.splits_vocab_across_replicas,
+                            travelling_tokens=travelling)
     rules = ShardingRules(mesh, table)
     param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)
     return RunPlan(config, spec, tuple(devices), degrees, mesh, n_microbatches, quantization,
