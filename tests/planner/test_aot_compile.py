@@ -240,3 +240,19 @@ def test_a_quantized_run_quotes_its_mfu_against_the_low_precision_peak_beside_bf
         "low_precision_peak": "int8", "est_mfu_low_precision_pct": pytest.approx(25.0)}
     assert _low_precision_mfu(report, "none", chip, 8) == {}
     assert _low_precision_mfu(report, "fp8", chip, 8) == {}  # no fp8 peak published for v6e
+
+
+def test_a_moe_report_says_what_routing_it_assumed_and_its_one_rank_bound():
+    from titan_jax.planner.aot_compile import _moe_estimate_lines
+
+    fast = {"expected": True, "seconds": 0.01, "executions": 94,
+            "others": [{"seconds": 0.03}]}  # the dropless fallback costs 20 ms more a layer
+    guard = {"expected": True, "seconds": 0.02, "executions": 1, "others": [{"seconds": 0.0}]}
+    report = {"est_routed_rows_per_device": 32768, "est_conditionals": [fast, guard],
+              "est_all_to_one_rank_step_time_s": 17.3}
+    (line,) = _moe_estimate_lines(report)
+    assert "32768 rows per device" in line and "1 conditionals" in line
+    assert "+1880.0 ms" in line and "one rank: step 17300.0 ms" in line
+    (line,) = _moe_estimate_lines({**report, "est_all_to_one_rank_step_time_s": None})
+    assert "routing moves no work" in line
+    assert _moe_estimate_lines({"est_routed_rows_per_device": None}) == []

@@ -209,7 +209,9 @@ def _estimates(report: dict[str, Any], hlo: str, tpu: TpuSlice, n: int,
         "est_conditionals": [{k: c[k] for k in ("name", "executions", "branch", "seconds",
                                                 "expected", "others")}
                              for c in cost["conditionals"]],
-        "est_all_to_one_rank_step_time_s": skewed["step_s"] if skewed else None,
+        # none where routing moves nothing (no expert parallelism: no exchange, no fallback)
+        "est_all_to_one_rank_step_time_s": (
+            skewed["step_s"] if skewed and skewed["step_s"] > 1.001 * cost["step_s"] else None),
         "est_mfu_pct": 100 * report["analytic_flops_per_step"] / (peak * cost["step_s"]),
         "in_loop_all_gathers": len(gathers),
         "in_loop_all_gather_s": gather_s,
@@ -313,12 +315,16 @@ def _moe_estimate_lines(r: dict[str, Any]) -> list[str]:
                  and any(o["seconds"] > c["seconds"] for o in c["others"])]
     other_s = sum(c["executions"] * (max(o["seconds"] for o in c["others"]) - c["seconds"])
                   for c in fallbacks)
-    return [f"  MoE: at balanced routing ({r['est_routed_rows_per_device']} rows per device "
+    line = (f"  MoE: at balanced routing ({r['est_routed_rows_per_device']} rows per device "
             "through the expert kernels, priced at the row tiles they cover, not their "
-            f"buffers) and the branches that routing takes ({len(fallbacks)} conditionals; "
-            f"their other branches, the dropless fallback when routing overflows the fast "
+            "buffers)")
+    skewed = r["est_all_to_one_rank_step_time_s"]
+    if skewed is None:
+        return [line + "; without expert parallelism routing moves no work between devices"]
+    return [line + f" and the branches that routing takes ({len(fallbacks)} conditionals; "
+            "their other branches, the dropless fallback when routing overflows the fast "
             f"path's capacity, would add {other_s * 1e3:+.1f} ms); every pick routed to one "
-            f"rank: step {r['est_all_to_one_rank_step_time_s'] * 1e3:.1f} ms"]
+            f"rank: step {skewed * 1e3:.1f} ms"]
 
 
 def format_report(r: dict[str, Any]) -> str:
