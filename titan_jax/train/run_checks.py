@@ -1,14 +1,15 @@
-"""Every check of a run that needs more than the config alone, in one place, raised before
-anything is written or allocated on devices: the model choice (`model.name`, `model.flavor`),
-the model against the config and the mesh (from the abstract model: shapes, heads, sequence
-lengths, every array's layout), the batch, SimpleFSDP's implementation, the attention kernel
+"""The checks of a run that need more than the config alone, as plain functions that raise
+ConfigError, before anything is written or allocated on devices: the model choice
+(`model.name`, `model.flavor`), the model against the config and the mesh (from the abstract
+model: shapes, heads, sequence lengths, every array's layout), the batch, the attention kernel
 (resolved here, once), low-precision matmuls for the chip, and the data (the tokenizer, loaded
 once, and every input).
 
 `config.validate` checks the config by itself when it is loaded (types, ranges, one field
 against another); `resolve_degrees` checks the degrees against the device count as it
-computes them. `build_trainer` runs the model and mesh checks as it derives each thing they
-check, and `setup.assemble_run` the data checks after it.
+computes them and `simple_fsdp.choose_implementation` SimpleFSDP's implementation.
+`run_plan.plan_run` calls each check as it makes the decision it checks, and
+`setup.assemble_run` the data checks after it.
 """
 
 from __future__ import annotations
@@ -104,46 +105,6 @@ def microbatches(config: JobConfig, degrees: MeshDegrees) -> int:
             f"training.global_batch_size={global_batch} must be a multiple of "
             f"local_batch_size x data-parallel degree = {t.local_batch_size} x {degrees.dp}")
     return global_batch // per_step
-
-
-def resolve_implementation(config: JobConfig, degrees: MeshDegrees, args: Any,
-                           platform: str = "cpu", quantization: Quantization = NONE) -> str:
-    """SimpleFSDP's implementation, with the checks expert parallelism needs. MoE on TPU/GPU
-    (and quantized experts on CPU) takes shard_map: the jit path maps the loss over data
-    shards with vmap, which makes the experts' `ragged_dot` a batched op that XLA:TPU rejects
-    ("number of batch dimensions should be 0"); inside shard_map it stays unbatched."""
-    p = config.parallelism
-    if degrees.cp > 1 and p.fsdp_implementation == "jit":
-        raise ConfigError(
-            "parallelism.fsdp_implementation=jit cannot host context parallelism (its K/V "
-            "gathers run over the manual cp axis of the shard_map implementation); use auto or "
-            "shard_map")
-    # CPU: the looped kernel, unless the experts are quantized (qwix's ragged_dot)
-    ragged = getattr(args, "is_moe", False) and (
-        platform != "cpu" or quantization.applies_to("experts"))
-    if ragged and degrees.ep == 1:
-        if p.fsdp_implementation == "jit":
-            raise ConfigError(
-                f"parallelism.fsdp_implementation=jit cannot compile MoE experts for {platform} "
-                "(ragged_dot under the jit path's per-shard vmap); use auto or shard_map")
-        return "shard_map"
-    if degrees.ep > 1:
-        if not getattr(args, "is_moe", False):
-            raise ConfigError(
-                f"parallelism.expert_parallel_degree={degrees.ep} applies to MoE flavours only; "
-                f"model.flavor={config.model.flavor} is dense (use 1)")
-        if args.num_experts % degrees.ep:
-            raise ConfigError(
-                f"parallelism.expert_parallel_degree={degrees.ep} must divide the "
-                f"{args.num_experts} experts of model.flavor={config.model.flavor}")
-        if p.fsdp_implementation == "jit":
-            raise ConfigError(
-                "parallelism.fsdp_implementation=jit cannot host expert parallelism (its token "
-                "all-to-alls need the shard_map implementation); use auto or shard_map")
-        return "shard_map"
-    if p.fsdp_implementation == "auto":
-        return "shard_map" if degrees.cp > 1 else "jit"
-    return p.fsdp_implementation
 
 
 # Where each mode has a fast path: fp8 on Ironwood (TPU7x, "the first TPUs" with fp8 in

@@ -23,7 +23,7 @@ from titan_jax.models.quantization import Quantization
 from titan_jax.models.remat import remat_mode_for
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRules, table_for_vocab
-from titan_jax.parallel.simple_fsdp import IMPLEMENTATIONS, SimpleFSDP
+from titan_jax.parallel.simple_fsdp import SimpleFSDP, choose_implementation
 from titan_jax.train import run_checks
 
 
@@ -91,9 +91,8 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
     n_microbatches = run_checks.microbatches(config, degrees)
     platform = devices[0].platform
     quantization = run_checks.resolve_quantization(config, args, degrees, devices)
-    implementation = run_checks.resolve_implementation(config, degrees, args, platform,
-                                                       quantization)
-    fsdp = IMPLEMENTATIONS[implementation]
+    fsdp = choose_implementation(config.parallelism, degrees, args, config.model.flavor,
+                                 platform, quantization)
     run_checks.check_reduce_dtype(config, devices, fsdp)
     param_dtype = resolve_param_dtype(config.training.mixed_precision_param, devices)
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)

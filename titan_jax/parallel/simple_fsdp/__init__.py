@@ -11,7 +11,7 @@ for each. Tensor-parallel dims (`tp`) stay split in compute.
 Two implementations share the one rules table and plug into the step the same way (the
 `Parallelism` hooks of `titan_jax/models/sharding_hooks.py`: `use_param` for the model's weight
 reads, `loss_map` around the summed loss), each a class of its own over a shared base
-(`base.py`), chosen once by name (`IMPLEMENTATIONS`; the run plan holds the class):
+(`base.py`), chosen once (`choose_implementation`; the run plan holds the class):
 - "jit" (`jit.py`, the compiler path): sharding constraints; GSPMD places and schedules the
   collectives.
 - "shard_map" (`shard_map.py`, the explicit twin): `jax.shard_map` over the data axes with
@@ -29,6 +29,11 @@ gathered weight, found by its checkpoint name, is recomputed in backward, i.e. r
 
 from __future__ import annotations
 
+from typing import Any
+
+from titan_jax.config import ConfigError, Parallelism
+from titan_jax.models.quantization import NONE, Quantization
+from titan_jax.parallel.mesh import MeshDegrees
 from titan_jax.parallel.simple_fsdp.base import SimpleFSDP, only_axes
 from titan_jax.parallel.simple_fsdp.jit import REPLICAS, SHARDS, JitSimpleFSDP
 from titan_jax.parallel.simple_fsdp.shard_map import ShardMapSimpleFSDP
@@ -37,5 +42,47 @@ IMPLEMENTATIONS: dict[str, type[SimpleFSDP]] = {"jit": JitSimpleFSDP,
                                                  "shard_map": ShardMapSimpleFSDP}
 
 
-__all__ = ["IMPLEMENTATIONS", "REPLICAS", "SHARDS", "JitSimpleFSDP",
+def choose_implementation(p: Parallelism, degrees: MeshDegrees, args: Any, flavor: str,
+                          platform: str = "cpu", quantization: Quantization = NONE
+                          ) -> type[SimpleFSDP]:
+    """SimpleFSDP's implementation for a run (`parallelism.fsdp_implementation`, "auto" chosen
+    here), with the checks expert and context parallelism need; the one place that compares
+    the implementations' names. MoE on TPU/GPU (and quantized experts on CPU) takes shard_map:
+    the jit path maps the loss over data shards with vmap, which makes the experts'
+    `ragged_dot` a batched op that XLA:TPU rejects ("number of batch dimensions should be 0");
+    inside shard_map it stays unbatched."""
+    if degrees.cp > 1 and p.fsdp_implementation == "jit":
+        raise ConfigError(
+            "parallelism.fsdp_implementation=jit cannot host context parallelism (its K/V "
+            "gathers run over the manual cp axis of the shard_map implementation); use auto or "
+            "shard_map")
+    # CPU: the looped kernel, unless the experts are quantized (qwix's ragged_dot)
+    moe = getattr(args, "is_moe", False)
+    ragged = moe and (platform != "cpu" or quantization.applies_to("experts"))
+    if ragged and degrees.ep == 1:
+        if p.fsdp_implementation == "jit":
+            raise ConfigError(
+                f"parallelism.fsdp_implementation=jit cannot compile MoE experts for {platform} "
+                "(ragged_dot under the jit path's per-shard vmap); use auto or shard_map")
+        return ShardMapSimpleFSDP
+    if degrees.ep > 1:
+        if not moe:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree={degrees.ep} applies to MoE flavours only; "
+                f"model.flavor={flavor} is dense (use 1)")
+        if args.num_experts % degrees.ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree={degrees.ep} must divide the "
+                f"{args.num_experts} experts of model.flavor={flavor}")
+        if p.fsdp_implementation == "jit":
+            raise ConfigError(
+                "parallelism.fsdp_implementation=jit cannot host expert parallelism (its token "
+                "all-to-alls need the shard_map implementation); use auto or shard_map")
+        return ShardMapSimpleFSDP
+    if p.fsdp_implementation == "auto":
+        return ShardMapSimpleFSDP if degrees.cp > 1 else JitSimpleFSDP
+    return IMPLEMENTATIONS[p.fsdp_implementation]
+
+
+__all__ = ["IMPLEMENTATIONS", "choose_implementation", "REPLICAS", "SHARDS", "JitSimpleFSDP",
            "ShardMapSimpleFSDP", "SimpleFSDP", "only_axes"]
