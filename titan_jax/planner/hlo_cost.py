@@ -21,6 +21,11 @@ where the schedule leaves them exposed: a synchronous collective is exposed in f
 asynchronous one (XLA:TPU's `async-collective-start` ... continuation fusions ...
 `async-collective-done` chains, or `*-start`/`*-done` pairs) is covered by the estimated work
 the schedule places between its start and its done.
+It prices what a step runs at the assumptions MFU is quoted at: a `conditional` costs the
+branch the code traced under `planner_hints.EXPECTED_BRANCH` (a finite loss, balanced expert
+routing), and a grouped matmul the row tiles balanced routing fills (`routed_rows`), not its
+worst-case buffer. Seconds are also reported by op class (`op_class`, exposed collectives by
+kind).
 It is an estimate: elementwise work on the vector units, per-op launch overhead and MXU
 pipeline stalls are not priced (Google publishes no throughput for them), so it errs on the
 fast side.
@@ -189,9 +194,8 @@ class _Walk:
     def conditional(self, inst: Instruction, times: float) -> float:
         """Seconds of the branch a step takes: the one traced under `EXPECTED_BRANCH`
         (`planner_hints`: a finite loss, balanced routing), else (or when pricing the bound:
-        `costlier_branches`) the costlier. Only that
-        branch's FLOPs, bytes and collectives count; each other is reported beside it
-        (`conditionals`)."""
+        `costlier_branches`) the costlier. Only that branch's FLOPs, bytes and collectives
+        count; each other is reported beside it (`conditionals`)."""
         before = self._totals()
         branches = []  # (computation, seconds, totals after it)
         for kind, name in hlo_stats.called(inst):
