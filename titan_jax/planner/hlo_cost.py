@@ -66,19 +66,27 @@ def hbm_bytes(hlo_type: str) -> int:
 
 def _fused_operand_bytes(module: HloModule, fused: str, index: int, full: int) -> int:
     """What a fusion reads of its operand `index`: the slices when the fused computation reads
-    it only through dynamic-slices (a scan reading one layer of a stacked weight)."""
+    it only through dynamic-slices (a scan reading one layer of a stacked weight or of the
+    stacked saved activations), directly or inside a nested fusion."""
     insts = module.computations.get(fused, [])
     param = next((i for i in insts if i.op == "parameter" and i.rest.startswith(f"{index})")),
                  None)
     if param is None:
         return full
     users = [i for i in insts if param.name in i.operands]
-    if users and all(u.op == "dynamic-slice" and u.operands[0] == param.name for u in users):
-        return sum(hbm_bytes(u.type) for u in users)
     if users and all(u.op == "dynamic-update-slice" and u.operands[0] == param.name
                      for u in users):
         return 0  # updated in place: not read
-    return full
+    read = 0
+    for user in users:
+        nested = next((c for kind, c in hlo_stats.called(user) if kind == "calls"), None)
+        if user.op == "dynamic-slice" and user.operands[0] == param.name:
+            read += hbm_bytes(user.type)
+        elif user.op == "fusion" and nested and user.operands.count(param.name) == 1:
+            read += _fused_operand_bytes(module, nested, user.operands.index(param.name), full)
+        else:
+            return full
+    return min(read, full) if users else full
 
 
 def traffic(module: HloModule, inst: Instruction, defs: dict[str, Instruction]) -> float:
