@@ -13,15 +13,20 @@ source after source, real rows first. On TPU and GPU the exchange is `lax.ragged
 (only the picks travel); XLA:CPU has none, so there `dense_ragged_all_to_all` emulates it with
 the same arguments by a dense all-to-all of slots sized for a whole rank's picks.
 
-The buffers. The receive buffer is worst-case sized, `ep * m` rows (every pick of every rank
-to one rank: dropless), as MaxText's is: memory, not traffic. Its padding rows carry the id
-`n_local` (no expert): left out of the group sizes, not computed, zero out. The expert FFN
-runs on the first `capacity` rows (`CAPACITY_FACTOR` times the balanced share) when they hold
-every real row, as balanced-ish routing gives, and on the whole buffer otherwise
-(`bounded_ffn`; only the taken branch runs). Dropless either way. The whole buffer goes
-through in chunks of a rank's picks, each recomputed in backward, so that branch's working
-set is one chunk's (the compiler sizes a conditional for its larger branch: over the whole
-buffer at once it set the step's peak: 2.2 GB higher per chip at 30B-A3B v5p-16 ep8).
+The buffers. Dropless needs a receive buffer of `ep * m` rows in the worst case (every pick
+of every rank to one rank), as MaxText's is. The all-gathered counts say before anything is
+sent how many rows each rank will receive, the same on every rank of the exchange, so the
+choice is made there (`bounded_exchange`, one `lax.cond` around dispatch, FFN and combine):
+when no rank receives more than `capacity` rows (`CAPACITY_FACTOR` times the balanced share,
+as balanced-ish routing gives) the exchange receives into a buffer of `capacity` rows and
+the worst-case buffer never exists; otherwise into the worst-case one, through the FFN in
+chunks of a rank's picks, each recomputed in backward, so that branch's working set is one
+chunk's (the compiler sizes a conditional for its larger branch: over the whole buffer at once
+it set the step's peak: 2.2 GB higher per chip at 30B-A3B v5p-16 ep8). Padding rows carry the
+id `n_local` (no expert): left out of the group sizes, not computed, zero out. Deciding after
+the exchange instead (its first form) filled, relaid out, sliced and padded the worst-case
+buffer in every layer's forward, recompute and backward: ~1.2 s of 235B-A22B's v5p-256 step
+under the planner's estimate.
 """
 
 from __future__ import annotations
@@ -105,78 +110,124 @@ def expert_capacity(picks: int, rows: int) -> int:
     return min(capacity, rows)
 
 
-def bounded_ffn(ffn: ExpertFFN, rows_RD: jax.Array, ids_R: jax.Array, n_real: jax.Array,
-                capacity: int, chunk: int) -> jax.Array:
-    """`ffn` over the received rows (real rows first, `n_real` of them): over the first
-    `capacity` rows when they hold every real row, else over all of them (`lax.cond`), in
-    chunks of `chunk` rows (which divides the buffer)."""
-    if capacity >= rows_RD.shape[0]:
-        return ffn(rows_RD, ids_R)
-    # Each branch as a function of its closed-over values (the experts' weights), for the VJP.
-    fast, fast_weights = jax.closure_convert(ffn, rows_RD[:capacity], ids_R[:capacity])
-    full, full_weights = jax.closure_convert(ffn, rows_RD[:chunk], ids_R[:chunk])
-    branches = _Branches(fast, full, capacity, chunk, len(fast_weights))
-    return _taken_branch(branches, rows_RD, ids_R, n_real, *fast_weights, *full_weights)
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """A rank's side of one exchange: its `m` picks (sorted by expert) go out by `exchange`
+    over `axis` (`ep` ranks, `n_local` experts each), through the experts, and back. Every
+    rank's count per expert (`counts_SE`, all-gathered) fixes every offset."""
+
+    axis: str
+    ep: int
+    n_local: int
+    m: int
+    exchange: RaggedExchange
+
+    def through(self, ffn: ExpertFFN, rows_MD: jax.Array, counts_SE: jax.Array,
+                buffer_rows: int) -> jax.Array:
+        """Dispatch into a receive buffer of `buffer_rows` rows (real rows first, padding rows
+        the id `n_local`), `ffn` over it, and the results back in the sorted rows' order."""
+        rank = lax.axis_index(self.axis)
+        dispatch, combine = exchange_plan(
+            counts_SE.reshape(self.ep, self.ep, self.n_local).sum(-1), rank)
+        send = functools.partial(self.exchange, axis_name=self.axis)
+        received = send(rows_MD, zeros_varying_like(rows_MD, buffer_rows), *dispatch)
+        counts_SL = lax.dynamic_slice_in_dim(counts_SE, rank * self.n_local, self.n_local,
+                                             axis=1)
+        y = ffn(received, received_expert_ids(counts_SL, buffer_rows))
+        return send(y, zeros_varying_like(y, self.m), *combine)
+
+
+def bounded_exchange(ffn: ExpertFFN, rows_MD: jax.Array, counts_SE: jax.Array, route: _Route
+                     ) -> jax.Array:
+    """`route.through` with the smallest receive buffer every rank's rows fit: `capacity`
+    rows when no rank receives more (as balanced-ish routing gives), else the worst-case
+    buffer in chunks of `m` rows (`lax.cond`). The decision is read off the all-gathered
+    counts, so every rank of the exchange takes the same branch (their collectives match),
+    before anything is sent: the fast path never touches the worst-case buffer."""
+    worst = route.ep * route.m
+    capacity = expert_capacity(route.m, worst)
+    if capacity >= worst:
+        return route.through(ffn, rows_MD, counts_SE, worst)
+    def traced(rows: int) -> tuple[Callable[..., jax.Array], list[jax.Array]]:
+        """The FFN over `rows` rows as a function of its closed-over values (the experts'
+        weights), for the VJP."""
+        return jax.closure_convert(ffn, zeros_varying_like(rows_MD, rows),
+                                   zeros_varying_like(rows_MD, rows, (rows,), jnp.int32))
+
+    (fast, fast_weights), (full, full_weights) = traced(capacity), traced(route.m)
+    branches = _Branches(fast, full, route, capacity, len(fast_weights))
+    return _taken_branch(branches, rows_MD, counts_SE, *fast_weights, *full_weights)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Branches:
-    """The two branches of `bounded_ffn`: `fast_ffn` on the first `capacity` rows, `full_ffn`
-    on each `chunk` rows (each `(rows, ids, *weights) -> rows`); `weights` holds the fast
-    branch's `n_fast` weights, then the full one's."""
+    """The two branches of `bounded_exchange`, each `(rows, counts, *weights) -> rows`:
+    `fast` through a receive buffer of `capacity` rows, `full` through the worst-case one
+    chunk after chunk. `weights` holds the fast FFN's `n_fast` weights, then the full one's
+    (each FFN is `(rows, ids, *weights) -> rows`, traced for its row count)."""
 
     fast_ffn: Callable[..., jax.Array]
     full_ffn: Callable[..., jax.Array]
+    route: _Route
     capacity: int
-    chunk: int
     n_fast: int
 
-    def fast(self, rows: jax.Array, ids: jax.Array, *weights: jax.Array) -> jax.Array:
-        y = self.fast_ffn(rows[:self.capacity], ids[:self.capacity], *weights[:self.n_fast])
-        return jnp.pad(y, ((0, rows.shape[0] - self.capacity), (0, 0)))
+    def fits(self, counts_SE: jax.Array) -> jax.Array:
+        """Whether every rank receives at most `capacity` rows."""
+        return jnp.max(jnp.sum(counts_SE, axis=0).reshape(self.route.ep, -1).sum(-1)
+                       ) <= self.capacity
 
-    def full(self, rows: jax.Array, ids: jax.Array, *weights: jax.Array) -> jax.Array:
-        """Chunk after chunk (the FFN sorts each chunk's rows by expert itself), each
-        recomputed in backward: only the chunks' inputs are saved."""
-        weights = weights[self.n_fast:]
+    def fast(self, rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array) -> jax.Array:
+        weights = weights[:self.n_fast]
+        return self.route.through(lambda x, ids: self.fast_ffn(x, ids, *weights), rows,
+                                  counts_SE, self.capacity)
 
-        @jax.checkpoint
-        def one(_: None, chunk: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
-            return None, self.full_ffn(*chunk, *weights)
+    def full(self, rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array) -> jax.Array:
+        """The worst-case buffer chunk after chunk of `m` rows (the FFN sorts each chunk's
+        rows by expert itself), each recomputed in backward: only the chunks' inputs are
+        saved."""
+        m, weights = self.route.m, weights[self.n_fast:]
 
-        n = rows.shape[0] // self.chunk
-        _, y = lax.scan(one, None, (rows.reshape(n, self.chunk, *rows.shape[1:]),
-                                    ids.reshape(n, self.chunk)))
-        return y.reshape(rows.shape)
+        def chunked(x: jax.Array, ids: jax.Array) -> jax.Array:
+            @jax.checkpoint
+            def one(_: None, chunk: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+                return None, self.full_ffn(*chunk, *weights)
+
+            n = x.shape[0] // m
+            _, y = lax.scan(one, None, (x.reshape(n, m, *x.shape[1:]), ids.reshape(n, m)))
+            return y.reshape(x.shape)
+
+        return self.route.through(chunked, rows, counts_SE, self.route.ep * m)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _taken_branch(b: _Branches, rows: jax.Array, ids: jax.Array, n_real: jax.Array,
-                  *weights: jax.Array) -> jax.Array:
-    """The branch `n_real` takes. A custom VJP that saves only its inputs and recomputes the
+def _taken_branch(b: _Branches, rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
+                  ) -> jax.Array:
+    """The branch the counts take. A custom VJP that saves only its inputs and recomputes the
     taken branch in backward: differentiated as is, a conditional saves the union of both
     branches' residuals (measured on CPU: +0.33 GB a device at the debug MoE recipe, ep 4)."""
-    return lax.cond(n_real <= b.capacity, expected_branch(b.fast), b.full, rows, ids, *weights)
+    return lax.cond(b.fits(counts_SE), expected_branch(b.fast), b.full, rows, counts_SE,
+                    *weights)
 
 
-def _taken_branch_fwd(b: _Branches, rows: jax.Array, ids: jax.Array, n_real: jax.Array,
-                      *weights: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    return _taken_branch(b, rows, ids, n_real, *weights), (rows, ids, n_real, *weights)
+def _taken_branch_fwd(b: _Branches, rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
+                      ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    return _taken_branch(b, rows, counts_SE, *weights), (rows, counts_SE, *weights)
 
 
 def _taken_branch_bwd(b: _Branches, saved: tuple[jax.Array, ...], g: jax.Array
                       ) -> tuple[Any, ...]:
-    rows, ids, n_real, *weights = saved
+    rows, counts_SE, *weights = saved
 
     def grads(branch: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, ...]]:
         def run(rows: jax.Array, weights: list[jax.Array], g: jax.Array
                 ) -> tuple[jax.Array, ...]:
-            return jax.vjp(lambda x, w: branch(x, ids, *w), rows, weights)[1](g)
+            return jax.vjp(lambda x, w: branch(x, counts_SE, *w), rows, weights)[1](g)
         return run
 
-    d_rows, d_weights = lax.cond(n_real <= b.capacity, expected_branch(grads(b.fast)),
+    d_rows, d_weights = lax.cond(b.fits(counts_SE), expected_branch(grads(b.fast)),
                                  grads(b.full), rows, weights, g)
-    return (d_rows, None, None, *d_weights)
+    return (d_rows, None, *d_weights)
 
 
 _taken_branch.defvjp(_taken_branch_fwd, _taken_branch_bwd)
@@ -194,12 +245,15 @@ def received_expert_ids(counts_SL: jax.Array, rows: int) -> jax.Array:
     return jnp.where(row < ends[-1], group % n_local, n_local)
 
 
-def zeros_varying_like(x: jax.Array, rows: int) -> jax.Array:
-    """A zero buffer of `rows` rows like `x`'s, typed as varying over the mesh axes `x` varies
-    over. `lax.ragged_all_to_all` types its result as its output buffer: from a plain
-    (invariant) zeros the exchanged rows would be typed as replicated, and autodiff would
-    psum their cotangents over the data axes where they meet varying values."""
-    buffer = jnp.zeros((rows, *x.shape[1:]), x.dtype)
+def zeros_varying_like(x: jax.Array, rows: int, shape: tuple[int, ...] | None = None,
+                       dtype: Any = None) -> jax.Array:
+    """A zero buffer of `rows` rows like `x`'s (or of `shape` and `dtype`), typed as varying
+    over the mesh axes `x` varies over. `lax.ragged_all_to_all` types its result as its output
+    buffer: from a plain (invariant) zeros the exchanged rows would be typed as replicated,
+    and autodiff would psum their cotangents over the data axes where they meet varying
+    values."""
+    buffer = jnp.zeros((rows, *x.shape[1:]) if shape is None else shape,
+                       x.dtype if dtype is None else dtype)
     missing = tuple(a for a in jax.typeof(x).mat.varying
                     if a not in jax.typeof(buffer).mat.varying)
     return lax.pcast(buffer, missing, to="varying") if missing else buffer
@@ -213,13 +267,6 @@ def ragged_dispatch(rows_MD: jax.Array, experts_M: jax.Array, n_local: int, ffn:
     order = jnp.argsort(experts_M, stable=True)  # by expert, so by destination rank
     counts_SE = lax.all_gather(jnp.bincount(experts_M, length=ep * n_local).astype(jnp.int32),
                                axis)
-    rank = lax.axis_index(axis)
-    dispatch, combine = exchange_plan(counts_SE.reshape(ep, ep, n_local).sum(-1), rank)
-    send = functools.partial(exchange, axis_name=axis)
-    rows = send(rows_MD[order], zeros_varying_like(rows_MD, ep * m), *dispatch)
-    counts_SL = lax.dynamic_slice_in_dim(counts_SE, rank * n_local, n_local, axis=1)
-    ids = received_expert_ids(counts_SL, ep * m)
-    y = bounded_ffn(ffn, rows, ids, jnp.sum(dispatch.recv_sizes), expert_capacity(m, ep * m),
-                    chunk=m)
-    back = send(y, zeros_varying_like(y, m), *combine)
+    back = bounded_exchange(ffn, rows_MD[order], counts_SE, _Route(axis, ep, n_local, m,
+                                                                    exchange))
     return back[jnp.argsort(order)]
