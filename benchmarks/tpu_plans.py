@@ -123,8 +123,7 @@ def row(plan: Plan, r: dict[str, Any]) -> str:
     attention = r["attention"] + (f" ({kernel / 1e15:.2f} PFLOP)" if kernel else "")
     est = (f"{r['est_step_time_s']:.2f} s / {r['est_mfu_pct']:.0f}% (<= "
            f"{r['roofline_mfu_pct']:.0f}%)" if r["est_step_time_s"] is not None else "-")
-    if r.get("est_all_to_one_rank_step_time_s") and (
-            r["est_all_to_one_rank_step_time_s"] > 1.001 * r["est_step_time_s"]):
+    if r.get("est_all_to_one_rank_step_time_s"):
         est += f"; one rank {r['est_all_to_one_rank_step_time_s']:.2f} s"
     overlap = r.get("in_loop_all_gather_overlap_pct")
     overlap = "-" if overlap is None else f"{overlap:.0f}%"

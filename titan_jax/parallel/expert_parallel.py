@@ -148,6 +148,7 @@ def bounded_exchange(ffn: ExpertFFN, rows_MD: jax.Array, counts_SE: jax.Array, r
     capacity = expert_capacity(route.m, worst)
     if capacity >= worst:
         return route.through(ffn, rows_MD, counts_SE, worst)
+
     def traced(rows: int) -> tuple[Callable[..., jax.Array], list[jax.Array]]:
         """The FFN over `rows` rows as a function of its closed-over values (the experts'
         weights), for the VJP."""

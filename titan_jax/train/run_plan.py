@@ -31,22 +31,17 @@ from titan_jax.train import run_checks
 class RunPlan:
     config: JobConfig
     model_spec: ModelSpec  # the family (`model.name`)
-    devices: tuple[jax.Device, ...]  # the mesh's, possibly abstract (AOT compiles)
     degrees: MeshDegrees
-    mesh: Mesh
+    mesh: Mesh  # over the run's devices, possibly abstract (AOT compiles)
     n_microbatches: int  # per optimizer step
-    quantization: Quantization  # the matmuls run in fp8/int8
     fsdp: type[SimpleFSDP]  # SimpleFSDP's implementation, chosen once
     param_dtype: jnp.dtype  # the compute dtype weights are gathered in
     attention: str  # the kernel `model.attention` resolved to for the devices
-    model: ModelDef  # built on the args and options above; abstract until `init`
+    model: ModelDef  # built for the devices, dtypes, attention and low precision decided;
+    # abstract until `init`
     rules: ShardingRules
     param_specs: Any  # every param's storage layout
     buffer_specs: Any
-
-    @property
-    def platform(self) -> str:
-        return self.devices[0].platform
 
     @property
     def global_batch_size(self) -> int:
@@ -106,6 +101,5 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
                             travelling_tokens=travelling)
     rules = ShardingRules(mesh, table)
     param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)
-    return RunPlan(config, spec, tuple(devices), degrees, mesh, n_microbatches, quantization,
-                   fsdp, param_dtype, attention, model, rules, param_specs,
-                   buffer_specs)
+    return RunPlan(config, spec, degrees, mesh, n_microbatches, fsdp, param_dtype, attention,
+                   model, rules, param_specs, buffer_specs)
