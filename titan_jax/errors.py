@@ -68,8 +68,19 @@ def quiet_closed_loop_callbacks() -> None:
 
 def _drop_abandoned_orbax_task(record: logging.LogRecord) -> bool:
     message = record.getMessage()
-    return not (message.startswith("Task exception was never retrieved")
-                and f"{os.sep}orbax{os.sep}" in message)
+    if not message.startswith("Task exception was never retrieved"):
+        return True
+    if f"{os.sep}orbax{os.sep}" in message:  # one of orbax's coroutines
+        return False
+    # orbax also hands TensorStore's futures to the loop as they are; asyncio wraps each in a
+    # Task whose only frame awaits that future.
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        awaited = tb.tb_frame.f_locals.get("awaitable")
+        if type(awaited).__module__.startswith("tensorstore"):
+            return False
+        tb = tb.tb_next
+    return True
 
 
 def _is_closed_loop_callback(unraisable: Any) -> bool:
