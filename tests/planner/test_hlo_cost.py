@@ -190,6 +190,31 @@ def test_splash_under_cp_counts_its_query_shards_share_of_the_causal_mask():
     assert kernel_flops.kernel_flops(inst) == 2 * per_pair * whole_mask / 4
 
 
+def test_tokamax_splash_in_seq_minor_layouts_with_listed_blocks():
+    """tokamax's splash (MaxText's) takes q and k as (batch, heads, head_dim, seq), lists its
+    mask's blocks (1-D tables: fewer than causal under a local mask) and fuses dQ into the
+    dK/dV kernel, which then returns three arrays."""
+    line = (SPLASH.replace("bf16[2,16,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}, "
+                           "bf16[2,8,512,128]{3,2,1,0}", "bf16[2,16,128,512]{3,2,1,0}, "
+                           "bf16[2,8,128,512]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}")
+            .replace('\\"use_fused_bwd_kernel\\": false', '\\"q_layout\\": 2, \\"k_layout\\": 2'))
+    per_pair = 2 * 2 * 16 * 128 * 256 * 256
+
+    def flops(tables: str, name: str = "splash_mha_fwd_residuals.3", out: str = "") -> float:
+        text = line.replace("s8[1,1,1]{2,1,0}, s8[1,1,1]{2,1,0}", tables)
+        text = text.replace("splash_mha_fwd_residuals.3 = (", f"{name} = ({out}")
+        (inst,) = hlo_stats.parse("ENTRY %main () -> f32[] {\n" + text + "}\n").computations[
+            "main"]
+        return kernel_flops.kernel_flops(inst)
+
+    assert flops("s8[3]{0}, s8[3]{0}") == 2 * 3 * per_pair  # causal: 3 of 4 blocks
+    assert flops("s8[2]{0}, s8[2]{0}") == 2 * 2 * per_pair  # a local mask: the diagonal
+    assert flops("s8[1,1,1]{2,1,0}, s8[1,1,1]{2,1,0}") == 2 * 3 * per_pair  # a grid: causal
+    # dK/dV with dQ fused (dq, dk, dv returned): 5 matmuls a pair.
+    assert flops("s32[4]{0}, s32[4]{0}", "splash_mha_dkv_no_residuals.1",
+                 "bf16[2,16,512,128]{3,2,1,0}, ") == 5 * 3 * per_pair
+
+
 def _compile_pair(gib: float):
     """(a + 1, b * 2) of two f32 arrays of `gib` GiB each, not donated, on one v5e chip:
     its live buffers peak at 4 x gib (two arguments, two results), with no temporaries."""

@@ -39,6 +39,7 @@ _FLOAT = ("bf16", "f16", "f32")
 _LOW_PRECISION = ("s8", "f8e4m3fn", "f8e5m2")
 _MEGABLOX = re.compile(r"(^|_)t?gmm[_.]")
 _SPLASH_MATMULS = {"splash_mha_fwd": 2, "splash_mha_dkv": 4, "splash_mha_dq": 3}
+_SEQ_MINOR = 2  # splash's QKVLayout.SEQ_MINOR: q or k stored (batch, heads, head_dim, seq)
 
 
 def operand_shapes(inst: Instruction) -> list[tuple[str, tuple[int, ...]]]:
@@ -88,21 +89,32 @@ class _Splash:
 
 def _splash(inst: Instruction) -> _Splash | None:
     kind = next((k for k in _SPLASH_MATMULS if inst.name.startswith(k)), None)
-    shapes = [s if len(s) == 4 else (1, *s) for dtype, s in operand_shapes(inst)
+    operands = operand_shapes(inst)
+    shapes = [s if len(s) == 4 else (1, *s) for dtype, s in operands
               if dtype in _FLOAT and len(s) in (3, 4)]  # q, k first (the block tables are s8)
     if kind is None or inst.op != "custom-call" or len(shapes) < 2:
         return None
-    (batch, heads, seq_q, head_dim), (_, kv_heads, seq_kv, _) = shapes[0], shapes[1]
     meta = _METADATA.search(inst.rest)
     blocks = json.loads(meta[1].replace('\\"', '"')) if meta else {}
+    # q and k as (batch, heads, seq, head_dim), whichever layout the kernel takes them in.
+    q, k = (shape[:2] + shape[:1:-1] if blocks.get(f"{side}_layout") == _SEQ_MINOR else shape
+            for side, shape in zip("qk", shapes))
+    (batch, heads, seq_q, head_dim), (_, kv_heads, seq_kv, _) = q, k
     suffix = {"splash_mha_fwd": "", "splash_mha_dkv": "_dkv", "splash_mha_dq": "_dq"}[kind]
-    block_q = blocks.get(f"block_q{suffix}", seq_q)
-    block_kv = blocks.get(f"block_kv{suffix}", seq_kv)
-    fused_dq = kind == "splash_mha_dkv" and bool(blocks.get("use_fused_bwd_kernel"))
+    block_q = blocks.get(f"block_q{suffix}") or seq_q
+    block_kv = blocks.get(f"block_kv{suffix}") or seq_kv
+    # A dK/dV kernel that also computes dQ returns it beside dK and dV (tokamax's splash records
+    # no flag for it in the dK/dV kernel's metadata).
+    fused_dq = kind == "splash_mha_dkv" and (bool(blocks.get("use_fused_bwd_kernel"))
+                                             or len(hlo_stats.arrays(inst.type)) > 2)
     if seq_kv > seq_q and seq_kv % seq_q == 0:  # one query shard of the whole causal mask
         pairs = causal_blocks(seq_kv, seq_kv, block_q, block_kv) / (seq_kv // seq_q)
     else:
         pairs = causal_blocks(seq_q, seq_kv, block_q, block_kv)
+    # A kernel given its mask's blocks as a list (1-D tables: tokamax's splash) visits at most
+    # that many pairs: fewer than causal for a local (sliding-window) mask.
+    listed = [shape[0] for dtype, shape in operands if dtype in ("s8", "s32") and len(shape) == 1]
+    pairs = min(pairs, max(listed)) if listed else pairs
     return _Splash(kind, batch, heads, kv_heads, seq_q, seq_kv, head_dim, block_q, block_kv,
                    pairs, _SPLASH_MATMULS[kind] + fused_dq, 1 if kind == "splash_mha_fwd" else 2)
 
