@@ -10,12 +10,20 @@ program's `memory_analysis()` from what it prints. Nothing executes on a TPU.
 MoE step at balanced routing), with MFU from the same analytic FLOPs as ours (the recipes are
 the same Qwen3 models): two systems' programs for one slice under one cost model.
 
+`--calibrate` compiles MaxText's published Ironwood recipes (tpu-recipes `training/ironwood/`,
+each with the model keys and libtpu flags its `run_recipe.sh` sets) and prices each with the
+same estimator against the step time its authors measured on the hardware: the estimator's
+calibration on programs someone else ran (docs/TPU.md, "Calibration").
+
     .venv/bin/python benchmarks/maxtext_aot.py [--only NAME ...] [--price] [--json FILE]
+    .venv/bin/python benchmarks/maxtext_aot.py --calibrate [--only NAME ...] [--json FILE]
+                                               [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -24,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).parent))
 from maxtext_bench import HOW_TO_ADD, base_config, maxtext_python  # noqa: E402
@@ -48,6 +57,118 @@ RECIPES = {
 FIELDS = ("argument_size_in_bytes", "temp_size_in_bytes")
 
 
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """A MaxText recipe its authors measured on hardware (tpu-recipes' training/ironwood/README:
+    step time and MaxText's TFLOP/s per chip), with what its `run_recipe.sh` sets that shapes
+    the compiled program: MaxText keys (profiling, logging and data paths left out) and libtpu
+    flags."""
+    topology: str
+    keys: tuple[str, ...]
+    libtpu_flags: tuple[str, ...]
+    step_s: float
+    tflops_per_chip: float
+    top_k: int | None  # experts per token (None: dense)
+    source: str
+
+
+_TPU_RECIPES = "AI-Hypercomputer/tpu-recipes training/ironwood/"
+_SPLASH_SEQ_MINOR = ("attention=flash", "use_tokamax_splash=True", "sa_use_fused_bwd_kernel=True")
+CALIBRATION = {
+    "llama3.1-70b 8K bf16, 64 chips": Published(
+        "tpu7x-128",
+        ("model_name=llama3.1-70b", "dtype=bfloat16", "per_device_batch_size=2",
+         "max_target_length=8192", "use_iota_embed=True", "remat_policy=custom",
+         "decoder_layer_input=device", "context=device", "query_proj=device", "key_proj=device",
+         "value_proj=device", "qkv_proj=device", "ici_fsdp_parallelism=-1", "opt_type=adamw",
+         "mu_dtype=bfloat16", *_SPLASH_SEQ_MINOR, "sa_block_q=2048", "sa_block_kv=2048",
+         "sa_block_kv_compute=2048", "sa_block_q_dkv=2048", "sa_block_kv_dkv=2048",
+         "sa_block_kv_dkv_compute=2048", "sa_q_layout=SEQ_MINOR", "sa_k_layout=SEQ_MINOR",
+         "sa_v_layout=HEAD_DIM_MINOR"),
+        ("--xla_tpu_scoped_vmem_limit_kib=61440", "--xla_tpu_bf16_emission_mode=NATIVE_EMISSION",
+         "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
+         "--xla_tpu_use_single_sparse_core_for_all_gather_offload=true"),
+        12.20, 1207.05, None, _TPU_RECIPES + "llama3.1-70b/8k-bf16-tpu7x-4x4x4"),
+    "gpt-oss-120b 8K bf16, 64 chips": Published(
+        "tpu7x-128",
+        ("model_name=gpt-oss-120b", "per_device_batch_size=10.0", "max_target_length=8192",
+         "dtype=bfloat16", "weight_dtype=float32", "use_custom_sort_vjp=True",
+         "shard_exp_on_fsdp=True", "use_tokamax_gmm=True", "use_random_routing=False",
+         "remat_policy=custom", "decoder_layer_input=offload", "mlpwo=offload", "opt_type=adamw",
+         "megablox=True", "sparse_matmul=True", *_SPLASH_SEQ_MINOR, "sa_block_q=1024",
+         "sa_block_kv=1024", "sa_block_kv_compute=1024", "sa_block_q_dkv=2048",
+         "sa_block_kv_dkv=2048", "sa_block_kv_dkv_compute=2048", "sa_block_q_dq=2048",
+         "sa_block_kv_dq=2048", "sa_q_layout=SEQ_MINOR", "sa_k_layout=SEQ_MINOR",
+         "sa_v_layout=SEQ_MINOR", "ici_fsdp_parallelism=64", "ici_data_parallelism=2",
+         "use_gmm_v2=True", "wi_tile_fwd_batch_seq=256", "wi_tile_fwd_embed_dim=2880",
+         "wi_tile_fwd_mlp_dim=2944", "wi_tile_dlhs_batch_seq=256", "wi_tile_dlhs_mlp_dim=2880",
+         "wi_tile_dlhs_embed_dim=2944", "wi_tile_drhs_batch_seq=512",
+         "wi_tile_drhs_embed_dim=2880", "wi_tile_drhs_mlp_dim=1536", "wo_tile_fwd_batch_seq=256",
+         "wo_tile_fwd_mlp_dim=2880", "wo_tile_fwd_embed_dim=2944", "wo_tile_dlhs_batch_seq=256",
+         "wo_tile_dlhs_embed_dim=2880", "wo_tile_dlhs_mlp_dim=2944",
+         "wo_tile_drhs_batch_seq=512", "wo_tile_drhs_mlp_dim=2880",
+         "wo_tile_drhs_embed_dim=1536"),
+        ("--xla_tpu_scoped_vmem_limit_kib=65536", "--xla_tpu_bf16_emission_mode=NATIVE_EMISSION",
+         "--xla_tpu_enable_sparse_core_reduce_scatter_v2=true",
+         "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+         "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true",
+         "--xla_tpu_enable_all_gather_offload_tracing=true",
+         "--xla_tpu_use_tc_device_shape_on_sc=True", "--xla_sc_disable_megacore_partitioning=True",
+         "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false",
+         "--xla_enable_async_all_gather=true", "--xla_tpu_prefer_async_allgather_to_allreduce=true",
+         "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
+         "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
+         "--xla_tpu_enable_sparse_core_collective_offload_3d_all_gather=true",
+         "--xla_tpu_use_single_sparse_core_for_all_gather_offload=true",
+         "--xla_tpu_enable_concurrent_sparse_core_offloading=true",
+         "--xla_max_concurrent_async_all_gathers=2", "--xla_max_concurrent_async_reduce_scatters=2",
+         "--xla_tpu_aggressive_opt_barrier_removal=true",
+         "--xla_tpu_enable_offloading_gather_to_sparsecore=true",
+         "--xla_tpu_sparse_core_all_gather_latency_multiplier=1",
+         "--xla_tpu_sparse_core_reduce_scatter_latency_multiplier=3",
+         "--xla_tpu_enable_sparse_core_collective_aggregator=true",
+         "--xla_tpu_enable_latency_hiding_layer_scheduler=false",
+         "--xla_tpu_rerun_latency_hiding_scheduler_post_sc_assignment=true",
+         "--xla_tpu_enable_offloading_copy_to_sparsecore=false",
+         "--xla_tpu_scheduler_percent_shared_memory_limit=150",
+         "--xla_tpu_enable_layer_scheduler_for_dependent_collectives=true",
+         "--xla_tpu_enable_sparse_core_collective_offload_nd_reduce_scatter=true",
+         "--xla_tpu_pcie_bandwidth_multiplier=0.03",
+         "--xla_tpu_enable_multi_compute_overlap_in_layer_scheduler=true"),
+        14.93, 378.90, 4, _TPU_RECIPES + "gpt-oss-120b/8k-bf16-tpu7x-4x4x4"),
+    "qwen3-235b-a22b 4K bf16, 256 chips": Published(
+        "tpu7x-512",
+        ("model_name=qwen3-235b-a22b", "per_device_batch_size=16.0", "max_target_length=4096",
+         "dtype=bfloat16", "weight_dtype=float32", "opt_type=adamw", "remat_policy=custom",
+         "decoder_layer_input=offload", "use_custom_sort_vjp=True",
+         # The recipe sets use_random_routing=True, which MaxText 0.2.5 refuses without
+         # expert parallelism; the estimate prices balanced routing either way.
+         "use_random_routing=False",
+         "shard_exp_on_fsdp=False", "megablox=False", "sparse_matmul=True",
+         "use_tokamax_gmm=True", *_SPLASH_SEQ_MINOR, "sa_block_q=1024", "sa_block_kv=1024",
+         "sa_block_kv_compute=512", "sa_block_q_dkv=2048", "sa_block_kv_dkv=2048",
+         "sa_block_kv_dkv_compute=1024", "sa_block_q_dq=1024", "sa_block_kv_dq=1024",
+         "sa_q_layout=HEAD_DIM_MINOR", "sa_k_layout=SEQ_MINOR", "sa_v_layout=HEAD_DIM_MINOR",
+         "ici_fsdp_parallelism=-1"),
+        ("--xla_tpu_dvfs_p_state=3", "--xla_tpu_scoped_vmem_limit_kib=61440",
+         "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+         "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
+         "--xla_tpu_use_single_sparse_core_for_all_gather_offload=true",
+         "--xla_tpu_enable_all_experimental_scheduler_features=true",
+         "--xla_tpu_enable_scheduler_memory_pressure_tracking=true",
+         "--xla_tpu_host_transfer_overlap_limit=24",
+         "--xla_tpu_aggressive_opt_barrier_removal=ENABLED",
+         "--xla_lhs_prioritize_async_depth_over_stall=ENABLED",
+         "--xla_tpu_enable_ag_backward_pipelining=true",
+         "--xla_should_allow_loop_variant_parameter_in_chain=ENABLED",
+         "--xla_should_add_loop_invariant_op_in_chain=ENABLED",
+         "--xla_max_concurrent_host_send_recv=100",
+         "--xla_tpu_scheduler_percent_shared_memory_limit=100",
+         "--xla_latency_hiding_scheduler_rerun=2"),
+        30.87, 629.79, 8, _TPU_RECIPES + "qwen3-235b-a22b/4k-bf16-tpu7x-4x8x8"),
+}
+
+
 def memory_of(log: str) -> dict[str, int]:
     """The sizes of the `Memory analysis: ...` line `train_compile` prints."""
     line = next((x for x in log.splitlines() if x.startswith("Memory analysis:")), None)
@@ -56,47 +177,50 @@ def memory_of(log: str) -> dict[str, int]:
     return {f: int(m[1]) for f in FIELDS if (m := re.search(rf"{f}=(\d+)", line))}
 
 
-def _key(name: str, key: str) -> str:
-    return next(a.split("=", 1)[1] for a in COMMON + RECIPES[name] if a.startswith(key + "="))
+def _key(keys: tuple[str, ...], key: str) -> str:
+    return next(a.split("=", 1)[1] for a in keys if a.startswith(key + "="))
 
 
-def price(name: str, dump: Path) -> dict[str, float]:
-    """MaxText's compiled step (`dump`: its XLA dump) priced by our estimator."""
-    from titan_jax.models.qwen3 import get_flavor
-    from titan_jax.models.qwen3.flops import flops_per_token
+def estimate_dump(dump: Path, topology: str, routed_rows: float | None) -> dict[str, Any]:
+    """A MaxText compiled step (`dump`: its XLA dump) priced by our estimator, as `titan-jax
+    compile` prices ours: rings from the codegen dump, a MoE step at `routed_rows` (balanced)."""
     from titan_jax.planner import hlo_cost
     from titan_jax.planner.topology import compile_only_devices, parse_slice
 
     optimized = sorted(dump.glob("*jit_train_step*after_optimizations.txt"))
     codegen = sorted(dump.glob("*jit_train_step*after_codegen.txt"))
     if not optimized:
-        raise RuntimeError(f"MaxText's compile of {name} dumped no optimized train step")
-    tpu = parse_slice(_key(name, "compile_topology"))
-    n = len(compile_only_devices(tpu))  # JAX's devices (tpu7x: two a chip)
-    args = get_flavor(name.split()[0])
-    seq = int(_key(name, "max_target_length"))
-    per_device = int(_key(name, "per_device_batch_size"))
-    routed = per_device * seq * args.top_k if args.num_experts else None
-    cost = hlo_cost.estimate(optimized[-1].read_text(), tpu.chip, n,
+        raise RuntimeError(f"MaxText's compile for {topology} dumped no optimized train step")
+    tpu = parse_slice(topology)
+    cost = hlo_cost.estimate(optimized[-1].read_text(), tpu.chip,
+                             len(compile_only_devices(tpu)),
                              hlo_cost.rings(codegen[-1].read_text()) if codegen else None,
-                             tpu.ring_wraps, routed)
-    analytic = flops_per_token(args, seq) * per_device * seq * n
+                             tpu.ring_wraps, routed_rows)
     return {"est_step_time_s": cost["step_s"], "est_compute_s": cost["compute_s"],
             "est_exposed_collective_s": cost["exposed_collective_s"],
             "est_hbm_bytes_per_chip": cost["hbm_bytes_per_chip"],
-            "est_seconds_by_class": cost["seconds_by_class"],
-            "est_mfu_pct": 100 * analytic / (n * tpu.chip.peak_bf16_flops * cost["step_s"])}
+            "est_seconds_by_class": cost["seconds_by_class"]}
 
 
-def compile_recipe(python: Path, name: str, priced: bool = False) -> dict[str, float | str]:
-    with tempfile.TemporaryDirectory() as out:
+def train_compile(python: Path, run_name: str, keys: tuple[str, ...],
+                  libtpu_flags: tuple[str, ...] = (),
+                  price: Callable[[Path], dict[str, Any]] | None = None,
+                  keep: Path | None = None) -> dict[str, Any]:
+    """MaxText's `train_compile` of `keys` (its compiled step's memory and compile time), and
+    `price(dump)` of its XLA dump when asked; `keep`: a folder that keeps the run's output and
+    dump (one subfolder per recipe), to read the priced program."""
+    with tempfile.TemporaryDirectory(dir=keep, prefix=run_name.replace(" ", "_") + ".",
+                                     delete=keep is None) as out:
         command = [str(python), "-m", "maxtext.trainers.pre_train.train_compile",
-                   str(base_config(python)), f"run_name={name.replace(' ', '_')}",
-                   f"base_output_directory={out}", "compile_topology_num_slices=1",
-                   *COMMON, *RECIPES[name]]
+                   # tokamax's kernels refuse to trace for a TPU from a CPU host without it.
+                   "--tokamax_cross_compile=true",
+                   str(base_config(python)), f"run_name={run_name.replace(' ', '_')}",
+                   f"base_output_directory={out}", "compile_topology_num_slices=1", *keys]
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+        if libtpu_flags:
+            env["LIBTPU_INIT_ARGS"] = " ".join(libtpu_flags)
         dump = Path(out) / "xla_dump"
-        if priced:
+        if price:
             env["XLA_FLAGS"] = (f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
                                 "--xla_dump_hlo_module_re=jit_train_step").strip()
         start = time.perf_counter()
@@ -104,26 +228,82 @@ def compile_recipe(python: Path, name: str, priced: bool = False) -> dict[str, f
         seconds = time.perf_counter() - start
         log = done.stdout + done.stderr
         if done.returncode:
-            raise RuntimeError(f"MaxText's compile of {name} failed:\n{log[-3000:]}")
-        return {"recipe": name, "compile_s": round(seconds, 1),
+            raise RuntimeError(f"MaxText's compile of {run_name} failed:\n{log[-3000:]}")
+        return {"recipe": run_name, "compile_s": round(seconds, 1),
                 **{f: v / 1e9 for f, v in memory_of(log).items()},
-                **(price(name, dump) if priced else {})}
+                **(price(dump) if price else {})}
+
+
+def compile_recipe(python: Path, name: str, priced: bool = False, keep: Path | None = None
+                   ) -> dict[str, Any]:
+    """One `make plans` recipe compiled by MaxText; priced: with MFU from the same analytic
+    FLOPs as ours (the recipes are the same Qwen3 models)."""
+    from titan_jax.models.qwen3 import get_flavor
+    from titan_jax.models.qwen3.flops import flops_per_token
+    from titan_jax.planner.topology import compile_only_devices, parse_slice
+
+    keys = COMMON + RECIPES[name]
+    topology = _key(keys, "compile_topology")
+    args = get_flavor(name.split()[0])
+    seq, per_device = int(_key(keys, "max_target_length")), int(_key(keys, "per_device_batch_size"))
+
+    def price(dump: Path) -> dict[str, Any]:
+        routed = per_device * seq * args.top_k if args.num_experts else None
+        row = estimate_dump(dump, topology, routed)
+        tpu = parse_slice(topology)
+        n = len(compile_only_devices(tpu))  # JAX's devices (tpu7x: two a chip)
+        analytic = flops_per_token(args, seq) * per_device * seq * n
+        return row | {"est_mfu_pct": 100 * analytic
+                      / (n * tpu.chip.peak_bf16_flops * row["est_step_time_s"])}
+
+    return train_compile(python, name, keys, price=price if priced else None, keep=keep)
+
+
+def calibrate(python: Path, name: str, keep: Path | None = None) -> dict[str, Any]:
+    """A published recipe compiled by MaxText, priced, beside its authors' hardware figures.
+    Both MFUs count FLOPs as MaxText does (its TFLOP/s per chip): the estimate's is the
+    published one scaled by the measured over the estimated step time."""
+    from titan_jax.planner.topology import compile_only_devices, parse_slice
+
+    recipe = CALIBRATION[name]
+    keys = (f"compile_topology={recipe.topology}", "dataset_type=synthetic",
+            "enable_checkpointing=false", "enable_tensorboard=false", "steps=5", *recipe.keys)
+    per_device = float(_key(keys, "per_device_batch_size"))
+    routed = (per_device * int(_key(keys, "max_target_length")) * recipe.top_k
+              if recipe.top_k else None)
+    row = train_compile(python, name, keys, recipe.libtpu_flags,
+                        lambda dump: estimate_dump(dump, recipe.topology, routed), keep)
+    tpu = parse_slice(recipe.topology)
+    chip_peak = tpu.chip.peak_bf16_flops * len(compile_only_devices(tpu)) / tpu.chips
+    measured_mfu = 100 * recipe.tflops_per_chip * 1e12 / chip_peak
+    estimated_mfu = measured_mfu * recipe.step_s / row["est_step_time_s"]
+    return row | {"source": recipe.source, "measured_step_s": recipe.step_s,
+                  "measured_mfu_pct": measured_mfu, "est_mfu_pct": estimated_mfu,
+                  "mfu_residual_pct": 100 * (estimated_mfu / measured_mfu - 1)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", action="append", choices=sorted(RECIPES))
+    parser.add_argument("--only", action="append", choices=sorted(RECIPES | CALIBRATION))
     parser.add_argument("--price", action="store_true",
                         help="also price MaxText's compiled step with titan-jax's estimator")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="the published Ironwood recipes, priced against their measurements")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="keep each compile's output and XLA dump in a folder under DIR")
     opts = parser.parse_args()
     python = maxtext_python()
     if python is None:
         print(HOW_TO_ADD)
         return 2
     rows = []
-    for name in opts.only or RECIPES:
-        row = compile_recipe(python, name, opts.price)
+    if opts.keep:
+        opts.keep.mkdir(parents=True, exist_ok=True)
+    names = opts.only or (CALIBRATION if opts.calibrate else RECIPES)
+    for name in names:
+        row = (calibrate(python, name, opts.keep) if name in CALIBRATION
+               else compile_recipe(python, name, opts.price, opts.keep))
         rows.append(row)
         print(json.dumps(row), flush=True)
     if opts.json:

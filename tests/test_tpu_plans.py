@@ -15,8 +15,10 @@ def _plans():
     return module
 
 
-def test_only_replaces_its_rows_and_drops_an_older_layout():
+def test_only_replaces_its_rows_and_drops_an_older_layout_and_removed_plans():
     plans = _plans()
-    old = plans.markdown(["| a | 1 | x |", "| b | 2 | y |"]) + "\n| stale | old | layout | z |"
+    plans.PLANS = tuple(plans.Plan(name, "configs/qwen3_8b.toml", "v5p-8") for name in "abc")
+    old = (plans.markdown(["| a | 1 | x |", "| b | 2 | y |", "| gone | 0 | u |"])
+           + "\n| stale | old | layout | z |")
     rows = plans.merged(old, ["| b | 3 | w |", "| c | 4 | v |"])
     assert rows == ["| a | 1 | x |", "| b | 3 | w |", "| c | 4 | v |"]
