@@ -263,7 +263,7 @@ def calibrate(python: Path, name: str, keep: Path | None = None) -> dict[str, An
     """A published recipe compiled by MaxText, priced, beside its authors' hardware figures.
     Both MFUs count FLOPs as MaxText does (its TFLOP/s per chip): the estimate's is the
     published one scaled by the measured over the estimated step time."""
-    from titan_jax.planner.topology import compile_only_devices, parse_slice
+    from titan_jax.planner.topology import parse_slice
 
     recipe = CALIBRATION[name]
     keys = (f"compile_topology={recipe.topology}", "dataset_type=synthetic",
@@ -273,8 +273,8 @@ def calibrate(python: Path, name: str, keep: Path | None = None) -> dict[str, An
               if recipe.top_k else None)
     row = train_compile(python, name, keys, recipe.libtpu_flags,
                         lambda dump: estimate_dump(dump, recipe.topology, routed), keep)
-    tpu = parse_slice(recipe.topology)
-    chip_peak = tpu.chip.peak_bf16_flops * len(compile_only_devices(tpu)) / tpu.chips
+    chip = parse_slice(recipe.topology).chip
+    chip_peak = chip.peak_bf16_flops * chip.devices_per_chip
     measured_mfu = 100 * recipe.tflops_per_chip * 1e12 / chip_peak
     estimated_mfu = measured_mfu * recipe.step_s / row["est_step_time_s"]
     return row | {"source": recipe.source, "measured_step_s": recipe.step_s,

@@ -295,6 +295,12 @@ ASYNC_GATHERS = {
     "sparsecore call": ("%ags = ((), (), (s32[1]{0})) call-start(%w), "
                         'async_execution_thread="sparsecore", to_apply=%gather\n'
                         "  %agu = ((), (), (s32[1]{0})) call-update(%ags)", "call-done(%agu)"),
+    # MaxText's Ironwood recipes (SparseCore collective offload): an async computation that
+    # calls the one holding the gather.
+    "sparsecore async call": ("%ags = ((), (), (s32[1]{0})) async-start(%w), "
+                              'async_execution_thread="sparsecore", calls=%offloaded\n'
+                              "  %agu = ((), (), (s32[1]{0})) async-update(%ags)",
+                              "async-done(%agu)"),
 }
 
 
@@ -308,6 +314,11 @@ def test_an_all_gather_run_asynchronously_is_covered_by_the_work_between_start_a
     text = text.replace("ENTRY", """%gather (g: bf16[500000000]) -> bf16[1000000000] {
   %g = bf16[500000000]{0} parameter(0)
   ROOT %ag = bf16[1000000000]{0} all-gather(%g), replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}
+}
+
+%offloaded (o: bf16[500000000]) -> bf16[1000000000] {
+  %o = bf16[500000000]{0} parameter(0)
+  ROOT %c = bf16[1000000000]{0} call(%o), to_apply=%gather
 }
 
 ENTRY""")
@@ -451,6 +462,31 @@ ENTRY %main (a: bf16[4096,128], b: bf16[128,4096]) -> bf16[4096,4096] {
         "main"]
     assert kernel_flops.splash_array_flops(inst, 256) == 1.5 * kernel_flops.kernel_flops(inst)
     assert kernel_flops.splash_array_flops(inst, 128) == kernel_flops.kernel_flops(inst)
+
+
+def test_a_batched_dot_written_as_a_base_dilated_convolution_counts_one_tap_per_entry():
+    """XLA:TPU writes a batched dot (MaxText's MoE combine, BKE,BK -> BE) as a convolution
+    over the batch whose window meets one input element in each of its dilation's holes."""
+    conv = """
+ENTRY %main (a: bf16[4096,8,512], b: bf16[4096,8,1]) -> bf16[4096,1,512] {
+  %a = bf16[4096,8,512]{2,1,0} parameter(0)
+  %b = bf16[4096,8,1]{2,1,0} parameter(1)
+  ROOT %c = bf16[4096,1,512]{2,1,0} convolution(%a, %b), window={size=4096 stride=4095 lhs_dilate=4096}, dim_labels=0fb_0io->0fb
+}
+"""
+    r = hlo_cost.estimate(conv, UNIT_CHIP, 1)
+    assert r["flops_per_chip"] == 2.0 * 4096 * 512 * 8  # out x the 8 features, one tap each
+
+
+def test_a_collective_naming_no_algorithm_runs_on_one_ring_of_its_groups_chips():
+    """An Ironwood chip is two JAX devices on the chip's links: an unnamed gather over all 512
+    devices of a tpu7x-512 is a ring of its 256 chips, closed by the 4x8x8 torus's wraps."""
+    tpu = parse_slice("tpu7x-512")
+    text = SCHEDULE.replace("mesh['x'=2,'y'=4] {'x'}", "mesh['x'=512] {'x'}")
+    r = hlo_cost.estimate(text, tpu.chip, 512, None, tpu.ring_wraps)
+    gather = next(c for c in r["collectives"] if c["op"] == "all-gather")
+    assert gather["group"] == 512 and gather["wraparound"]
+    assert gather["bytes_per_s"] == tpu.chip.ring_bytes_per_s(1, wraparound=True)
 
 
 CODEGEN = """

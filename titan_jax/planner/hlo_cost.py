@@ -230,16 +230,19 @@ class _Walk:
         """A collective's bytes and seconds on the network: over ICI, rings over the torus
         dimensions its algorithm spans (`rings` of it or of the fusion `owner` that runs it;
         else those the compiler chose for another collective over groups of the same size, as
-        for the async gather fusions, which name no algorithm; else one ring of the group),
-        closed by wraparound links or not (`ring_wraps`)."""
+        for the async gather fusions, which name no algorithm; else one ring of the group's
+        chips: SparseCore-offloaded collectives name none), closed by wraparound links or not
+        (`ring_wraps`)."""
         dcn = op == "send"
         group = hlo_stats.group_size(inst, self.devices)
         size = collective_bytes(inst, op, defs) if not dcn else hlo_stats.nbytes(
             *hlo_stats.arrays(inst.type)[0])
         moved = moved_bytes(op, size, group) if not dcn else float(size)
+        # One ring of the group: its chips (Ironwood's two TensorCores share a chip's links).
+        whole = (max(1, group // self.chip.devices_per_chip),)
         sizes = (self.rings.get(owner) or self.rings.get(inst.name)
-                 or self.rings_by_group.get(group) or (group,))
-        sizes = (group,) if sizes == (0,) else sizes  # a 1-D emitter: one ring of the group
+                 or self.rings_by_group.get(group) or whole)
+        sizes = whole if sizes == (0,) else sizes  # a 1-D emitter: one ring of the group
         wraps = self.ring_wraps(sizes)
         bandwidth = (self.chip.dcn_bytes_per_s if dcn
                      else self.chip.ring_bytes_per_s(len(sizes), wraps))
@@ -309,22 +312,33 @@ class _Walk:
     def fused_collective(self, inst: Instruction) -> dict[str, Any] | None:
         """The collective a fusion (or an asynchronous call: XLA:TPU on Ironwood runs the
         FSDP all-gathers on the SparseCores, `call-start(), async_execution_thread=
-        "sparsecore", to_apply=` a computation holding the gather) runs, if any. XLA:TPU's
-        `all-reduce-scatter` fusions (an all-reduce whose result is sliced to this device's
-        shard) are reduce-scatters."""
+        "sparsecore", to_apply=` a computation holding the gather, or `async-start(...),
+        calls=` one that calls it) runs, if any. XLA:TPU's `all-reduce-scatter` fusions (an
+        all-reduce whose result is sliced to this device's shard) are reduce-scatters."""
+        found = self._called_collective(inst)
+        if found is None:
+            return None
+        inner, callee = found
+        defs = self.module.defining(callee)
+        if callee.startswith("all-reduce-scatter"):
+            found = self.collective(inner, "all-reduce", defs, inst.name)
+            size = sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(inst.type))
+            return {**found, "op": "reduce-scatter", "bytes": size,
+                    "seconds": moved_bytes("reduce-scatter", size, found["group"])
+                    / found["bytes_per_s"]}
+        return self.collective(inner, inner.op.removesuffix("-start"), defs, inst.name)
+
+    def _called_collective(self, inst: Instruction) -> tuple[Instruction, str] | None:
+        """The first collective in the computations `inst` calls, through nested calls and
+        fusions, with the computation that holds it."""
         for kind, callee in hlo_stats.called(inst):
-            calls = kind == "calls" or (kind == "to_apply" and inst.op == "call-start")
-            for inner in self.module.computations.get(callee, []) if calls else []:
-                if inner.op.removesuffix("-start") not in _COLLECTIVE:
-                    continue
-                defs = self.module.defining(callee)
-                if callee.startswith("all-reduce-scatter"):
-                    found = self.collective(inner, "all-reduce", defs, inst.name)
-                    size = sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(inst.type))
-                    return {**found, "op": "reduce-scatter", "bytes": size,
-                            "seconds": moved_bytes("reduce-scatter", size, found["group"])
-                            / found["bytes_per_s"]}
-                return self.collective(inner, inner.op.removesuffix("-start"), defs, inst.name)
+            if not (kind == "calls" or (kind == "to_apply" and inst.op in ("call-start", "call"))):
+                continue
+            for inner in self.module.computations.get(callee, []):
+                if inner.op.removesuffix("-start") in _COLLECTIVE:
+                    return inner, callee
+                if inner.op in ("call", "fusion") and (found := self._called_collective(inner)):
+                    return found
         return None
 
     def expose(self, found: dict[str, Any], times: float, computation: str) -> float:

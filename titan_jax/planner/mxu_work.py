@@ -55,18 +55,23 @@ def _dot_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int,
 def _conv_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int,
                factors: dict[str, float]) -> tuple[float, float]:
     """2 x output elements x (kernel input features x the window taps that meet the input,
-    not padding): XLA:TPU writes some matmuls as padded convolutions."""
+    not padding nor the holes of a dilated input): XLA:TPU writes some matmuls as padded
+    convolutions, and a batched one as a base-dilated convolution whose window meets one
+    input element per batch entry (window 65536, lhs_dilate 65536)."""
     labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", inst.rest)
     operands = [defs.get(o) for o in inst.operands[:2]]
     if labels is None or None in operands:
         return 0.0, 0.0
     lhs_shape = hlo_stats.arrays(operands[0].type)[0][1]
     rhs_shape = hlo_stats.arrays(operands[1].type)[0][1]
+    dilation = re.search(r"\blhs_dilate=([0-9x]+)", inst.rest)
+    lhs_dilate = [int(d) for d in dilation[1].split("x")] if dilation else []
     taps = 1
     for i, label in enumerate(labels[2]):
         if label.isdigit():
             spatial = lhs_shape[labels[1].index(label)]
-            taps *= min(rhs_shape[i], spatial)
+            dilate = lhs_dilate[int(label)] if int(label) < len(lhs_dilate) else 1
+            taps *= min(math.ceil(rhs_shape[i] / dilate), spatial)
     features = rhs_shape[labels[2].index("i")]
     out = math.prod(hlo_stats.arrays(inst.type)[0][1])
     n = rhs_shape[labels[2].index("o")]

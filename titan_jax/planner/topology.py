@@ -43,6 +43,7 @@ class Chip:
     mxu_dim: int = 0  # the MXU's systolic array is mxu_dim x mxu_dim (0: shapes not priced)
     peak_int8_ops: float = 0.0  # dense int8 OP/s (0: none published; priced at bf16's)
     peak_fp8_flops: float = 0.0  # dense fp8 FLOP/s (0: none faster than bf16)
+    devices_per_chip: int = 1  # JAX devices a chip is (tpu7x: one per TensorCore)
 
     @property
     def mxu_time_factors(self) -> dict[str, float]:
@@ -102,9 +103,11 @@ _CHIP_TABLE = (
 # (v5p/v6e list fp8 at their bf16 rate, v5e none).
 _INT8_OPS = {"v5e": 393e12, "v5p": 918e12, "v6e": 1836e12}
 _FP8_FLOPS = {"tpu7x": 4614e12 / 2}
+_DEVICES_PER_CHIP = {"tpu7x": 2}  # v4/v5p: one megacore device for both TensorCores
 CHIPS = {gen: Chip(gen, flops, hbm_gib * GiB, hbm_bw, ici, dcn, cores,
                    f"docs.cloud.google.com/tpu/docs/{gen}: {words}", ports, mxu,
-                   _INT8_OPS.get(gen, 0.0), _FP8_FLOPS.get(gen, 0.0))
+                   _INT8_OPS.get(gen, 0.0), _FP8_FLOPS.get(gen, 0.0),
+                   _DEVICES_PER_CHIP.get(gen, 1))
          for gen, flops, hbm_gib, hbm_bw, ici, dcn, cores, ports, mxu, words in _CHIP_TABLE}
 
 # Chips -> physical shape of the single-slice topologies Cloud offers (3-D torus for v4/v5p/
