@@ -158,6 +158,10 @@ class ActivationCheckpoint:
     # matmul outputs and attention's, recompute the cheap elementwise ops; offload: selective
     # with the saved activations in host memory (TPU/GPU; runs as selective on CPU devices).
     mode: Literal["none", "full", "selective", "offload"] = "selective"
+    # Keep each layer's input (what full remat saves of a layer) in host memory between forward
+    # and backward, as MaxText's decoder_layer_input=offload: the device then holds none of the
+    # layers x batch x seq x dim inputs. TPU/GPU (off on CPU devices, with a warning).
+    offload_layer_input: bool = False
 
 
 @dataclasses.dataclass

@@ -129,7 +129,9 @@ def _remat_loss_and_grads(args, mode: str | None):
     """Jitted loss and gradients of a model built with remat `mode` (None: no remat), on fixed
     params and tokens (op by op, each took several seconds)."""
     tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, args.vocab_size)
-    model = build_model_def(args, BuildOptions(remat_mode=mode or "none"))
+    base, _, offloaded = (mode or "none").partition("+")  # "full+input": its layer inputs too
+    model = build_model_def(args, BuildOptions(remat_mode=base,
+                                               offload_layer_input=bool(offloaded)))
     assert (model.remat is not None) == (mode is not None)
     params = build_model_def(args).init(jax.random.key(0))
     return jax.jit(jax.value_and_grad(lambda p: model.apply(p, tokens).std()))(params)
@@ -140,11 +142,12 @@ def _no_remat_loss_and_grads(flavor: str):
     return _remat_loss_and_grads({"dense": TINY, "moe": TINY_MOE}[flavor], None)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective", "offload"])
+@pytest.mark.parametrize("mode", ["full", "selective", "offload", "full+input"])
 @pytest.mark.parametrize("flavor", ["dense", "moe"])
 def test_activation_checkpointing_does_not_change_loss_or_gradients(mode, flavor):
-    """Each remat preset against no remat. "offload" built directly runs its real policy (the
-    trainer swaps it for selective on CPU devices; XLA:CPU still runs the host copies)."""
+    """Each remat preset against no remat. "offload" (and "+input": the layer inputs
+    offloaded) built directly runs its real policy (the trainer swaps it for selective on CPU
+    devices; XLA:CPU still runs the host copies)."""
     loss, grads = _remat_loss_and_grads({"dense": TINY, "moe": TINY_MOE}[flavor], mode)
     ref_loss, ref_grads = _no_remat_loss_and_grads(flavor)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)

@@ -153,7 +153,8 @@ def test_offload_follows_the_target_devices_not_the_host(caplog):
 def test_v5p_remat_modes_order_device_memory_and_offload_moves_activations_to_host():
     """Per-chip temporaries of a 16-layer step for v5p: full < selective < none, and offload
     keeps the selective activations in host memory (memory space S(5), host temporaries),
-    so its device temporaries drop below selective's."""
+    so its device temporaries drop below selective's; `offload_layer_input` keeps what full
+    remat saves, each layer's input, there instead."""
     import dataclasses
 
     from jax.experimental import topologies
@@ -161,10 +162,12 @@ def test_v5p_remat_modes_order_device_memory_and_offload_moves_activations_to_ho
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
     args = dataclasses.replace(TINY, n_layers=16, hidden_dim=512, max_seq_len=256)
     memory, hlo = {}, {}
-    for mode in ("none", "full", "selective", "offload"):
+    for mode in ("none", "full", "selective", "offload", "full+input"):
         config = tiny_config(*preset_overrides("fsdp8"), "--training.seq_len", "256",
+                             "--activation_checkpoint.offload_layer_input",
+                             str(mode == "full+input").lower(),
                              "--training.mixed_precision_param", "bfloat16",
-                             "--activation_checkpoint.mode", mode,
+                             "--activation_checkpoint.mode", mode.removesuffix("+input"),
                              # the XLA attention, whose saved values are exactly the named ones
                              # below (splash's kernel keeps residuals of its own)
                              "--model.attention", "xla")
@@ -181,6 +184,10 @@ def test_v5p_remat_modes_order_device_memory_and_offload_moves_activations_to_ho
     assert memory["offload"].host_temp_size_in_bytes == 16 * saved_per_layer, memory["offload"]
     assert memory["selective"].host_temp_size_in_bytes == 0
     assert "S(5)" in hlo["offload"] and "S(5)" not in hlo["selective"]
+    # full remat's saved layer inputs (one sequence per chip, the fp32 residual stream), all
+    # 16 on the host
+    assert memory["full+input"].host_temp_size_in_bytes == 16 * 256 * args.dim * 4
+    assert memory["full"].host_temp_size_in_bytes == 0
 
 
 VOCAB = 8 * 131  # a vocabulary size no other dimension of the tiny model has, split 8 ways

@@ -64,3 +64,21 @@ def test_the_vocabulary_stays_split_while_its_tokens_move_fewer_bytes_than_its_t
                            "--training.seq_len", "64", "--training.local_batch_size",
                            str(local_batch)), jax.devices()[:4], TINY)
     assert (plan.rules.table["vocab"] != GATHERED_VOCAB["vocab"]) == split
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (("--activation_checkpoint.mode", "none"), "offload_layer_input=true needs a remat mode"),
+    (("--activation_checkpoint.mode", "full", "--parallelism.fsdp_lookahead_gather", "true"),
+     "does not combine with parallelism.fsdp_lookahead_gather"),
+])
+def test_layer_input_offload_is_refused_where_no_remat_policy_can_offload_it(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        plan_run(config("--activation_checkpoint.offload_layer_input", "true", *overrides),
+                 jax.devices()[:1], TINY)
+
+
+def test_layer_input_offload_is_off_on_cpu_devices_with_a_warning(caplog):
+    plan = plan_run(config("--activation_checkpoint.offload_layer_input", "true",
+                           "--activation_checkpoint.mode", "full"), jax.devices()[:1], TINY)
+    assert not plan.model.options.offload_layer_input
+    assert "offload_layer_input on CPU devices is off" in caplog.text

@@ -13,6 +13,7 @@ from titan_jax.models.sharding_hooks import GATHERED_PARAM
 log = logging.getLogger(__name__)
 
 REMAT_MODES = ("none", "full", "selective", "offload")
+LAYER_INPUT = "layer_input"  # each scanned layer's input, named so a policy can offload it
 
 
 def is_gathered_param(prim: Any, params: dict[str, Any]) -> bool:
@@ -41,8 +42,8 @@ def save_anything_except_gathered_params(prim: Any, *_: Any, **params: Any) -> b
     return prim.name != "reshape" and not is_gathered_param(prim, params)
 
 
-def remat_policy(mode: str, save_gathered_params: bool, saved_activations: tuple[str, ...]
-                 ) -> Callable | None:
+def remat_policy(mode: str, save_gathered_params: bool, saved_activations: tuple[str, ...],
+                 offload_layer_input: bool = False) -> Callable | None:
     """The `jax.checkpoint` policy of a block, or None for no remat at all.
 
     mode: "none" keeps every activation, "full" recomputes the block, "selective" keeps the
@@ -52,11 +53,20 @@ def remat_policy(mode: str, save_gathered_params: bool, saved_activations: tuple
     save_gathered_params: keep the gathered weights (SimpleFSDP reshard_after_forward=never);
     otherwise backward gathers them again from the stored shards. Kept on the device even when
     offloading: copying a weight to the host and back costs more than gathering it again.
+    offload_layer_input: also keep each layer's input (`LAYER_INPUT`, which the layer scan
+    names) in host memory; the remat then starts from that copy, so the device saves none.
     """
     cp = jax.checkpoint_policies
     gathered = (GATHERED_PARAM,) if save_gathered_params else ()
     if mode == "none":
         return None if save_gathered_params else save_anything_except_gathered_params
+    if offload_layer_input and mode in ("full", "selective", "offload"):
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[*gathered, *(saved_activations if mode == "selective"
+                                                   else ())],
+            names_which_can_be_offloaded=[LAYER_INPUT, *(saved_activations if mode == "offload"
+                                                         else ())],
+            offload_src="device", offload_dst="pinned_host")
     if mode == "full":
         return cp.save_only_these_names(*gathered)
     if mode == "selective":
@@ -67,6 +77,16 @@ def remat_policy(mode: str, save_gathered_params: bool, saved_activations: tuple
             names_which_can_be_offloaded=list(saved_activations),
             offload_src="device", offload_dst="pinned_host")
     raise ValueError(f"activation_checkpoint.mode={mode!r}; valid: {', '.join(REMAT_MODES)}")
+
+
+def offload_layer_input_for(offload: bool, platform: str) -> bool:
+    """Whether a run offloads its layer inputs on devices of `platform`: not on CPU devices
+    (one memory: the copies would only add work), with a warning, as `remat_mode_for`."""
+    if offload and platform == "cpu":
+        log.warning("activation_checkpoint.offload_layer_input on CPU devices is off "
+                    "(no separate host memory to offload to)")
+        return False
+    return offload
 
 
 def remat_mode_for(mode: str, platform: str) -> str:

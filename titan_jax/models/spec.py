@@ -77,6 +77,7 @@ class BuildOptions:
     lookahead_gather: gather each layer's weights one layer ahead in the layer scan
       (`models/lookahead.py`); full remat with re-gathering only.
     quantization: which matmuls run in fp8 or int8 (`models/quantization.py`).
+    offload_layer_input: each layer's input kept in host memory under remat (`remat.py`).
     """
 
     remat_mode: str = "none"
@@ -86,6 +87,7 @@ class BuildOptions:
     attention: str = "auto"
     lookahead_gather: bool = False
     quantization: Quantization = NONE
+    offload_layer_input: bool = False
 
 
 class HFAdapter(Protocol):

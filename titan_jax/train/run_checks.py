@@ -75,6 +75,20 @@ def check_lookahead_gather(config: JobConfig, args: Any, fsdp: type[SimpleFSDP],
                           "parallelism.fsdp_implementation=shard_map (or model.attention=xla)")
 
 
+def check_layer_input_offload(config: JobConfig) -> None:
+    """A layer's input is offloaded by the layer scan's remat policy: there is none without
+    remat, and the look-ahead gather's scan remats on its own."""
+    a = config.activation_checkpoint
+    if not a.offload_layer_input:
+        return
+    if a.mode == "none":
+        raise ConfigError("activation_checkpoint.offload_layer_input=true needs a remat mode "
+                          "(activation_checkpoint.mode full, selective or offload; got none)")
+    if config.parallelism.fsdp_lookahead_gather:
+        raise ConfigError("activation_checkpoint.offload_layer_input=true does not combine "
+                          "with parallelism.fsdp_lookahead_gather=true (set one false)")
+
+
 def check_model_fits(config: JobConfig, args: Any) -> None:
     """The `[moe]` keys apply, and every sequence length fits the model's positions."""
     check_moe_knobs(config, args)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from titan_jax.config import JobConfig
 from titan_jax.models import BuildOptions, ModelDef, ModelSpec
 from titan_jax.models.quantization import Quantization
-from titan_jax.models.remat import remat_mode_for
+from titan_jax.models.remat import offload_layer_input_for, remat_mode_for
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRules, table_for_vocab
 from titan_jax.parallel.simple_fsdp import SimpleFSDP, choose_implementation
@@ -69,7 +69,8 @@ def build_options(config: JobConfig, platform: str, attention: str,
         save_gathered_params=not reshard,
         activation_stats=config.metrics.log_activation_stats, platform=platform,
         attention=attention, lookahead_gather=config.parallelism.fsdp_lookahead_gather,
-        quantization=quantization)
+        quantization=quantization, offload_layer_input=offload_layer_input_for(
+            config.activation_checkpoint.offload_layer_input, platform))
 
 
 def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
@@ -92,6 +93,7 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
     param_dtype = resolve_param_dtype(config.training.mixed_precision_param, devices)
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
     run_checks.check_lookahead_gather(config, args, fsdp, attention)
+    run_checks.check_layer_input_offload(config)
     model = spec.build(args, build_options(config, platform, attention, quantization))
     # the tokens of one microbatch over the shards that split the vocabulary (cp splits the
     # same rows' positions; tp ranks share their tokens)

@@ -42,7 +42,8 @@ class Qwen3Def:
     @property
     def remat(self) -> Callable | None:
         o = self.options
-        return remat_policy(o.remat_mode, o.save_gathered_params, SAVED_ACTIVATIONS)
+        return remat_policy(o.remat_mode, o.save_gathered_params, SAVED_ACTIVATIONS,
+                            o.offload_layer_input)
 
     def init(self, key: jax.Array) -> Params:
         """Random init (torchtitan's scheme, see model.py). jit it with out_shardings to shard."""

@@ -39,6 +39,7 @@ from titan_jax.models.attention import KV_AXES, Q_AXES, attention
 from titan_jax.models.embedding import vocab_lookup
 from titan_jax.models.lookahead import scan_with_lookahead
 from titan_jax.models.quantization import NONE, DotGeneralQtConfig, Quantization, dot
+from titan_jax.models.remat import LAYER_INPUT
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 from titan_jax.models.qwen3.moe import MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
 from titan_jax.models.sharding_hooks import (
@@ -370,7 +371,9 @@ def _layer_scan(run_layer: Callable, x_BTD: Array, layers: tuple[nnx.State, Any,
     each iteration's weights gathered in it, with the `remat` policy."""
     def body(x_BTD: Array, layer: tuple[nnx.State, Array | None, KVPair | None]
              ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
-        return run_layer(x_BTD, *layer, tables)
+        # Every use of the input goes through the name, so a policy that offloads it leaves
+        # the device nothing of it to save.
+        return run_layer(checkpoint_name(x_BTD, LAYER_INPUT), *layer, tables)
 
     if remat is not None:
         body = jax.checkpoint(body, policy=remat, prevent_cse=False)
