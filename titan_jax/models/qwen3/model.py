@@ -142,7 +142,7 @@ def apply_rope(x_BTNH: Array, cos_TH: Array, sin_TH: Array) -> Array:
 
 
 @jax.named_scope("project")
-def project(x: Array, w: nnx.Param, n_in: int, flat_weight: bool = False,
+def project(x: Array, w: nnx.Param, n_in: int,
             quantized: DotGeneralQtConfig | None = None) -> Array:
     """`x (..., *in) @ w (*in, *out) -> (..., *out)`, the weight read through the param hook;
     in low precision where `quantized` says (`models/quantization.py`).
@@ -151,15 +151,18 @@ def project(x: Array, w: nnx.Param, n_in: int, flat_weight: bool = False,
     faster than with two batch-free leading dims (BENCHMARKS.md, "CPU kernel choices"), and
     the merge is a free reshape on every backend. This is local to the kernel: callers see
     (B, T, ...) activations.
-    flat_weight: also merge the weight's out dims into one (a 2-D matmul), for XLA:CPU, whose
-    backward of a 3-D weight's matmul spends more time transposing than multiplying. Only
-    with one in dim: the contraction is unchanged, so are the numbers (merging `wo`'s two
-    contracted dims reorders its sums). The merged weight is named a gathered weight again,
-    so remat treats it as the weight itself.
+    With one in dim (q, k, v) the weight's out dims are merged too, a 2-D matmul: XLA:TPU
+    (libtpu 0.0.50 to 0.0.52) rewrites the (rows, dim) x (dim, heads, head_dim) matmul into a
+    convolution over the heads and aborts splitting its padded window on some meshes
+    (`TransformWindow: split of a padded window dim`: 30B-A3B on v6e-32, 235B-A22B over
+    fsdp512 on tpu7x-512), and XLA:CPU's backward of it spends more time transposing than
+    multiplying. The contraction is unchanged, so are the numbers (merging `wo`'s two
+    contracted dims would reorder its sums). The merged weight is named a gathered weight
+    again, so remat treats it as the weight itself.
     """
     w_ = use_param(w, x.dtype)
     lead, ins, outs = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:], w_.shape[n_in:]
-    if flat_weight and n_in == 1:
+    if n_in == 1 and len(outs) > 1:
         w_ = checkpoint_name(w_.reshape(ins[0], math.prod(outs)), GATHERED_PARAM)
         return dot(x.reshape(-1, ins[0]), w_, (((1,), (0,)), ((), ())), quantized
                    ).reshape(*lead, *outs)
@@ -192,11 +195,10 @@ class Attention(nnx.Module):
         (B, S, K, H) each, for decoding: the tokens' own are written at positions start..,
         and the tokens attend to every cached position up to their own."""
         name = checkpoint_name
-        flat = self.platform == "cpu"  # a CPU kernel choice (see `project`)
         qt = self.quantization.dot_config("attention")
-        q_BTNH = name(project(x_BTD, self.wq, 1, flat, qt), "q_proj")
-        k_BTKH = name(project(x_BTD, self.wk, 1, flat, qt), "k_proj")
-        v_BTKH = name(project(x_BTD, self.wv, 1, flat, qt), "v_proj")
+        q_BTNH = name(project(x_BTD, self.wq, 1, qt), "q_proj")
+        k_BTKH = name(project(x_BTD, self.wk, 1, qt), "k_proj")
+        v_BTKH = name(project(x_BTD, self.wv, 1, qt), "v_proj")
         # Qwen3: per-head RMSNorm on q and k, then RoPE.
         q_BTNH = constrain(apply_rope(self.q_norm(q_BTNH), cos_TH, sin_TH), Q_AXES)
         k_BTKH = constrain(apply_rope(self.k_norm(k_BTKH), cos_TH, sin_TH), KV_AXES)
