@@ -57,9 +57,12 @@ def compile_only_libtpu() -> None:
 # `xla_tpu_enable_async_collective_fusion_fuse_all_gather`, the third one MaxText's older recipes
 # set, is refused by libtpu 0.0.50 on every chip but v5e ("Continuation fusion for AllGather ...
 # not supported/recommended on platforms other than TPU v5e"): a v5p or v6e step would not
-# compile with it.
+# compile with it. The third keeps an all-gather an (async) all-gather: without it XLA:TPU
+# compiles some FSDP gathers as synchronous all-reduces of a zero-filled buffer, twice the bytes
+# (235B-A22B over fsdp512 on tpu7x-512: 12 s of a step); MaxText's Ironwood recipes set it.
 ASYNC_GATHER_FLAGS = ("--xla_enable_async_all_gather=true",
-                      "--xla_tpu_overlap_compute_collective_tc=true")
+                      "--xla_tpu_overlap_compute_collective_tc=true",
+                      "--xla_tpu_prefer_async_allgather_to_allreduce=true")
 
 
 def default_libtpu_flags() -> str:
