@@ -31,8 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from maxtext_bench import HOW_TO_ADD, base_config, maxtext_python  # noqa: E402

@@ -98,7 +98,7 @@ def _splash(inst: Instruction) -> _Splash | None:
     blocks = json.loads(meta[1].replace('\\"', '"')) if meta else {}
     # q and k as (batch, heads, seq, head_dim), whichever layout the kernel takes them in.
     q, k = (shape[:2] + shape[:1:-1] if blocks.get(f"{side}_layout") == _SEQ_MINOR else shape
-            for side, shape in zip("qk", shapes))
+            for side, shape in zip("qk", shapes[:2], strict=True))
     (batch, heads, seq_q, head_dim), (_, kv_heads, seq_kv, _) = q, k
     suffix = {"splash_mha_fwd": "", "splash_mha_dkv": "_dkv", "splash_mha_dq": "_dq"}[kind]
     block_q = blocks.get(f"block_q{suffix}") or seq_q

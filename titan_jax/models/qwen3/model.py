@@ -39,9 +39,9 @@ from titan_jax.models.attention import KV_AXES, Q_AXES, attention
 from titan_jax.models.embedding import vocab_lookup
 from titan_jax.models.lookahead import scan_with_lookahead
 from titan_jax.models.quantization import NONE, DotGeneralQtConfig, Quantization, dot
-from titan_jax.models.remat import LAYER_INPUT
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 from titan_jax.models.qwen3.moe import MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
+from titan_jax.models.remat import LAYER_INPUT
 from titan_jax.models.sharding_hooks import (
     GATHERED_PARAM,
     constrain,
