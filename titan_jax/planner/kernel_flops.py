@@ -111,9 +111,10 @@ def _splash(inst: Instruction) -> _Splash | None:
         pairs = causal_blocks(seq_kv, seq_kv, block_q, block_kv) / (seq_kv // seq_q)
     else:
         pairs = causal_blocks(seq_q, seq_kv, block_q, block_kv)
-    # A kernel given its mask's blocks as a list (1-D tables: tokamax's splash) visits at most
-    # that many pairs: fewer than causal for a local (sliding-window) mask.
-    listed = [shape[0] for dtype, shape in operands if dtype in ("s8", "s32") and len(shape) == 1]
+    # A kernel given its mask's blocks as a list (1-D s8 tables: tokamax's splash) visits at
+    # most that many pairs: fewer than causal for a local (sliding-window) mask. (s8 only: a
+    # 1-D s32 operand may be one example's segment ids, a row per token.)
+    listed = [shape[0] for dtype, shape in operands if dtype == "s8" and len(shape) == 1]
     pairs = min(pairs, max(listed)) if listed else pairs
     return _Splash(kind, batch, heads, kv_heads, seq_q, seq_kv, head_dim, block_q, block_kv,
                    pairs, _SPLASH_MATMULS[kind] + fused_dq, 1 if kind == "splash_mha_fwd" else 2)
