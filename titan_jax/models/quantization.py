@@ -15,17 +15,21 @@ qwix's quantized-training primitives (`dot_general_qt`, `ragged_dot_qt`, what it
 puts in place of `jax.lax.dot_general` / `ragged_dot`) are called directly: the model's
 matmuls are already one function each (`model.project`, `moe.grouped_swiglu`), and module-path
 interception would not see through the layer scan's merged module state. They live in qwix's
-`_src` (qwix 0.1.8, pinned in pyproject.toml).
+`_src` (qwix 0.1.8, pinned in pyproject.toml), imported where a matmul is quantized: a stack
+without qwix (the lent GPU machine's, benchmarks/gpu.sh) runs everything else.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-from qwix._src.core.dot_general_qt import DotGeneralQtConfig, dot_general_qt
-from qwix._src.core.ragged_dot_qt import RaggedDotQtConfig, ragged_dot_qt
+
+if TYPE_CHECKING:
+    from qwix._src.core.dot_general_qt import DotGeneralQtConfig
+    from qwix._src.core.ragged_dot_qt import RaggedDotQtConfig
 
 Array = jax.Array
 
@@ -49,6 +53,8 @@ class Quantization:
         """qwix's config for `module`'s dense matmuls; None where they stay unquantized."""
         if not self.applies_to(module):
             return None
+        from qwix._src.core.dot_general_qt import DotGeneralQtConfig
+
         forward, gradient = QTYPES[self.mode]
         tensorwise = self.scaling == "tensorwise"
         tile = self.block_size if self.scaling == "blockwise" else None
@@ -70,6 +76,8 @@ class Quantization:
         tokens, and per output column of the weights, shared by the experts)."""
         if not self.applies_to("experts"):
             return None
+        from qwix._src.core.ragged_dot_qt import RaggedDotQtConfig
+
         forward, gradient = QTYPES[self.mode]
         return RaggedDotQtConfig(lhs_qtype=forward, rhs_qtype=forward,
                                  dlhs_grad_qtype=gradient, drhs_grad_qtype=gradient)
@@ -84,6 +92,8 @@ def dot(x: Array, w: Array, dimension_numbers: jax.lax.DotDimensionNumbers,
     result is in x's dtype either way."""
     if config is None:
         return jax.lax.dot_general(x, w, dimension_numbers)
+    from qwix._src.core.dot_general_qt import dot_general_qt
+
     return dot_general_qt(x, w, dimension_numbers, config)
 
 
@@ -92,5 +102,7 @@ def ragged_dot(x_MD: Array, w_EDF: Array, group_sizes_E: Array,
     """`jax.lax.ragged_dot`, quantized when `config` says so, in x's dtype."""
     if config is None:
         return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
+    from qwix._src.core.ragged_dot_qt import ragged_dot_qt
+
     return ragged_dot_qt(x_MD, w_EDF, group_sizes_E, config,
                          preferred_element_type=x_MD.dtype)

@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 from titan_jax.models.attention import KV_AXES, Q_AXES, attention
 from titan_jax.models.embedding import vocab_lookup
 from titan_jax.models.lookahead import scan_with_lookahead
-from titan_jax.models.quantization import NONE, DotGeneralQtConfig, Quantization, dot
+from titan_jax.models.quantization import NONE, Quantization, dot
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 from titan_jax.models.qwen3.moe import MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
 from titan_jax.models.remat import LAYER_INPUT
@@ -50,6 +50,9 @@ from titan_jax.models.sharding_hooks import (
     sequence_split,
     use_param,
 )
+
+if TYPE_CHECKING:
+    from qwix._src.core.dot_general_qt import DotGeneralQtConfig
 
 Array = jax.Array
 
