@@ -529,7 +529,7 @@ print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1
 
 
 def _peak_rss_of_a_run(tmp_path: Path, saves: bool) -> dict:
-    argv = ["--job.dump_folder", str(tmp_path / f"saves-{saves}"), "--training.steps", "6",
+    argv = ["--job.dump_folder", str(tmp_path / f"saves-{saves}"), "--training.steps", "4",
             "--training.seq_len", "32", "--training.local_batch_size", "1",
             "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2",
             "--checkpoint.enable", str(saves).lower(), "--checkpoint.interval", "2",

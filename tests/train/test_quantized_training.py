@@ -1,5 +1,5 @@
 """Training with fp8 and int8 matmuls (`[quantize]`, emulated on CPU devices) learns like bf16:
-200 steps of a small model end within 2% of the bf16 run's loss, dense and MoE; chips without
+100 steps of a small model end within 2% of the bf16 run's loss, dense and MoE; chips without
 the mode's fast path are refused in one line."""
 
 import dataclasses
@@ -17,11 +17,11 @@ from titan_jax.train.run_checks import resolve_quantization
 SMALL = Qwen3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
                   vocab_size=2048, max_seq_len=64)
 SMALL_MOE = dataclasses.replace(SMALL, num_experts=4, top_k=2, moe_inter_dim=64)
-STEPS = 200
+STEPS = 100
 
 
 def final_loss(tmp_path, args, mode, seed, modules="attention,mlp,experts"):
-    """The mean loss of the last 20 of 200 steps, bf16 weights and activations."""
+    """The mean loss of the last 20 of 100 steps, bf16 weights and activations."""
     config = load_config(None, [
         "--job.dump_folder", str(tmp_path / f"{args.is_moe}-{mode}-{seed}"),
         "--training.seq_len", "64",
