@@ -140,6 +140,6 @@ def test_the_moe_recipe_learns_and_logs_expert_load(tmp_path, capsys, monkeypatc
     assert code == 0, out.err
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and all("moe_max_load" in r and "moe_idle_experts" in r for r in rows)
-    # 7.70 -> 7.32 (mean of three steps) here in the warm-up's last steps
+    # 7.70 -> 7.32 here (means of the first and the last three steps)
     assert sum(r["loss"] for r in rows[-3:]) < 0.97 * sum(r["loss"] for r in rows[:3])
     assert all(1 <= r["moe_max_load"] <= 64 and 0 <= r["moe_idle_experts"] < 1 for r in rows)
