@@ -182,9 +182,16 @@ def _key(keys: tuple[str, ...], key: str) -> str:
     return next(a.split("=", 1)[1] for a in keys if a.startswith(key + "="))
 
 
-def estimate_dump(dump: Path, topology: str, routed_rows: float | None) -> dict[str, Any]:
+def routed_rows(keys: tuple[str, ...], top_k: int | None) -> float | None:
+    """Expert rows a device computes at balanced routing (None: a dense model)."""
+    tokens = float(_key(keys, "per_device_batch_size")) * int(_key(keys, "max_target_length"))
+    return tokens * top_k if top_k else None
+
+
+def estimate_dump(dump: Path, topology: str, routed: float | None) -> dict[str, Any]:
     """A MaxText compiled step (`dump`: its XLA dump) priced by our estimator, as `titan-jax
-    compile` prices ours: rings from the codegen dump, a MoE step at `routed_rows` (balanced)."""
+    compile` prices ours: rings from the codegen dump, a MoE step at `routed` rows a device
+    (balanced routing)."""
     from titan_jax.planner import hlo_cost
     from titan_jax.planner.topology import compile_only_devices, parse_slice
 
@@ -196,7 +203,7 @@ def estimate_dump(dump: Path, topology: str, routed_rows: float | None) -> dict[
     cost = hlo_cost.estimate(optimized[-1].read_text(), tpu.chip,
                              len(compile_only_devices(tpu)),
                              hlo_cost.rings(codegen[-1].read_text()) if codegen else None,
-                             tpu.ring_wraps, routed_rows)
+                             tpu.ring_wraps, routed)
     return {"est_step_time_s": cost["step_s"], "est_compute_s": cost["compute_s"],
             "est_exposed_collective_s": cost["exposed_collective_s"],
             "est_hbm_bytes_per_chip": cost["hbm_bytes_per_chip"],
@@ -249,8 +256,8 @@ def compile_recipe(python: Path, name: str, priced: bool = False, keep: Path | N
     seq, per_device = int(_key(keys, "max_target_length")), int(_key(keys, "per_device_batch_size"))
 
     def price(dump: Path) -> dict[str, Any]:
-        routed = per_device * seq * args.top_k if args.num_experts else None
-        row = estimate_dump(dump, topology, routed)
+        row = estimate_dump(dump, topology, routed_rows(keys, args.top_k if args.num_experts
+                                                        else None))
         tpu = parse_slice(topology)
         n = len(compile_only_devices(tpu))  # JAX's devices (tpu7x: two a chip)
         analytic = flops_per_token(args, seq) * per_device * seq * n
@@ -269,9 +276,7 @@ def calibrate(python: Path, name: str, keep: Path | None = None) -> dict[str, An
     recipe = CALIBRATION[name]
     keys = (f"compile_topology={recipe.topology}", "dataset_type=synthetic",
             "enable_checkpointing=false", "enable_tensorboard=false", "steps=5", *recipe.keys)
-    per_device = float(_key(keys, "per_device_batch_size"))
-    routed = (per_device * int(_key(keys, "max_target_length")) * recipe.top_k
-              if recipe.top_k else None)
+    routed = routed_rows(keys, recipe.top_k)
     row = train_compile(python, name, keys, recipe.libtpu_flags,
                         lambda dump: estimate_dump(dump, recipe.topology, routed), keep)
     chip = parse_slice(recipe.topology).chip

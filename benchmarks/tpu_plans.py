@@ -69,7 +69,7 @@ PLANS = (
     # half the reduce-scatters' bytes.
     Plan("235B-A22B v5p-256 bf16 reduce", "configs/qwen3_235b_a22b.toml", "v5p-256",
          ("--training.mixed_precision_reduce", "bfloat16")),
-    # FSDP x TP 4, the 235B recipe shipped before expert parallelism (14.34 s a step).
+    # FSDP x TP 4, the 235B recipe shipped before expert parallelism.
     Plan("235B-A22B v5p-256 tp4", "configs/qwen3_235b_a22b.toml", "v5p-256",
          ("--parallelism.tensor_parallel_degree", "4", "--parallelism.expert_parallel_degree",
           "1")),

@@ -56,27 +56,20 @@ def remat_policy(mode: str, save_gathered_params: bool, saved_activations: tuple
     offload_layer_input: also keep each layer's input (`LAYER_INPUT`, which the layer scan
     names) in host memory; the remat then starts from that copy, so the device saves none.
     """
-    cp = jax.checkpoint_policies
+    if mode not in REMAT_MODES:
+        raise ValueError(
+            f"activation_checkpoint.mode={mode!r}; valid: {', '.join(REMAT_MODES)}")
     gathered = (GATHERED_PARAM,) if save_gathered_params else ()
     if mode == "none":
         return None if save_gathered_params else save_anything_except_gathered_params
-    if offload_layer_input and mode in ("full", "selective", "offload"):
-        return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[*gathered, *(saved_activations if mode == "selective"
-                                                   else ())],
-            names_which_can_be_offloaded=[LAYER_INPUT, *(saved_activations if mode == "offload"
-                                                         else ())],
-            offload_src="device", offload_dst="pinned_host")
-    if mode == "full":
-        return cp.save_only_these_names(*gathered)
-    if mode == "selective":
-        return cp.save_only_these_names(*saved_activations, *gathered)
-    if mode == "offload":
-        return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=list(gathered),
-            names_which_can_be_offloaded=list(saved_activations),
-            offload_src="device", offload_dst="pinned_host")
-    raise ValueError(f"activation_checkpoint.mode={mode!r}; valid: {', '.join(REMAT_MODES)}")
+    saved = [*gathered, *(saved_activations if mode == "selective" else ())]
+    offloaded = [*((LAYER_INPUT,) if offload_layer_input else ()),
+                 *(saved_activations if mode == "offload" else ())]
+    if not offloaded:
+        return jax.checkpoint_policies.save_only_these_names(*saved)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded,
+        offload_src="device", offload_dst="pinned_host")
 
 
 def offload_layer_input_for(offload: bool, platform: str) -> bool:
