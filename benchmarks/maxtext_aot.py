@@ -54,6 +54,10 @@ RECIPES = {
                            "ici_fsdp_parallelism=-1", "ici_expert_parallelism=8"),
     "235B-A22B v5p-256": ("compile_topology=v5p-256", "model_name=qwen3-235b-a22b", *MOE,
                           "ici_fsdp_parallelism=16", "ici_expert_parallelism=8"),
+    "235B-A22B v5p-256 ep16": ("compile_topology=v5p-256", "model_name=qwen3-235b-a22b", *MOE,
+                               "ici_fsdp_parallelism=8", "ici_expert_parallelism=16"),
+    "235B-A22B v5p-256 ep32": ("compile_topology=v5p-256", "model_name=qwen3-235b-a22b", *MOE,
+                               "ici_fsdp_parallelism=4", "ici_expert_parallelism=32"),
 }
 FIELDS = ("argument_size_in_bytes", "temp_size_in_bytes")
 

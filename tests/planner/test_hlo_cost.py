@@ -154,6 +154,41 @@ def test_grouped_matmuls_count_their_rows_and_scale_to_balanced_routing():
     assert hlo_stats.dot_flops(module)[0] == 0  # not dots
 
 
+# A conditional whose one branch runs a grouped matmul and whose other runs none (the expert
+# FFN's taken-branch VJP: the fallback recomputes, the fast path only exchanges rows).
+ONE_BRANCH_GROUPED = """
+HloModule m
+
+%grouped (p: (bf16[96,64], bf16[8,64,32], s32[8])) -> bf16[96,32] {
+  %p = (bf16[96,64]{1,0}, bf16[8,64,32]{2,1,0}, s32[8]{0}) parameter(0)
+  %x = bf16[96,64]{1,0} get-tuple-element(%p), index=0
+  %w = bf16[8,64,32]{2,1,0} get-tuple-element(%p), index=1
+  %g = s32[8]{0} get-tuple-element(%p), index=2
+  ROOT %y = bf16[96,32]{1,0} ragged-dot(%x, %w, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}
+}
+
+%none (p: (bf16[96,64], bf16[8,64,32], s32[8])) -> bf16[96,32] {
+  %p = (bf16[96,64]{1,0}, bf16[8,64,32]{2,1,0}, s32[8]{0}) parameter(0)
+  ROOT %z = bf16[96,32]{1,0} broadcast(bf16[] constant(0)), dimensions={}
+}
+
+ENTRY %main (c: pred[], x: bf16[96,64], w: bf16[8,64,32], g: s32[8]) -> bf16[96,32] {
+  %c = pred[] parameter(0)
+  %x = bf16[96,64]{1,0} parameter(1)
+  %w = bf16[8,64,32]{2,1,0} parameter(2)
+  %g = s32[8]{0} parameter(3)
+  %t = (bf16[96,64]{1,0}, bf16[8,64,32]{2,1,0}, s32[8]{0}) tuple(%x, %w, %g)
+  ROOT %r = bf16[96,32]{1,0} conditional(%c, %t, %t), true_computation=%none, false_computation=%grouped
+}
+"""
+
+
+def test_a_conditional_branch_without_grouped_matmuls_counts_zero_at_balanced_routing():
+    expected, bound = hlo_stats.ragged_dot_flops(hlo_stats.parse(ONE_BRANCH_GROUPED),
+                                                 expected_rows=24)
+    assert (expected, bound) == (0.0, 2 * 96 * 64 * 32)  # the cheaper branch; the costlier
+
+
 SPLASH = ('  %splash_mha_fwd_residuals.3 = (f32[2,512,128]{2,1,0}, bf16[2,16,512,128]{3,2,1,0}) '
           'custom-call(%a, %b, %q, %k, %v, %i), custom_call_target="tpu_custom_call", '
           'operand_layout_constraints={s8[1,1,1]{2,1,0}, s8[1,1,1]{2,1,0}, '
@@ -279,9 +314,9 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
     expected, bound = hlo_stats.ragged_dot_flops(
         hlo_stats.parse(lowered.as_text(dialect="hlo")), picks, kernel_flops.megablox_flops)
     # Per layer, in matmuls of picks x dim x inter: the forward's 3, full remat's recompute of
-    # them (3), and the backward of the expert FFN's taken branch, which recomputes its w1 and
-    # w3 (2; its custom VJP saves only inputs) before the 6 gradient matmuls.
-    analytic = args.n_layers * picks * (3 + 3 + 2 + 6) * (2 * args.dim * args.moe_inter_dim)
+    # w1 and w3 (2; w2's output is not needed in backward) and the 6 gradient matmuls, which
+    # take the expert FFN's residuals from that recompute.
+    analytic = args.n_layers * picks * (3 + 2 + 6) * (2 * args.dim * args.moe_inter_dim)
     assert expected == pytest.approx(analytic)
     assert bound == pytest.approx(4 * analytic)  # ep x the picks: the buffers' shape bound
 

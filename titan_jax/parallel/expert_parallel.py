@@ -204,30 +204,67 @@ class _Branches:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _taken_branch(b: _Branches, rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
                   ) -> jax.Array:
-    """The branch the counts take. A custom VJP that saves only its inputs and recomputes the
-    taken branch in backward: differentiated as is, a conditional saves the union of both
-    branches' residuals (measured on CPU: +0.33 GB a device at the debug MoE recipe, ep 4)."""
+    """The branch the counts take. Differentiated as is, a conditional saves the union of both
+    branches' residuals (measured on CPU: +0.33 GB a device at the debug MoE recipe, ep 4);
+    this VJP saves the fast path's residuals (its pullback's: the received rows and what the
+    FFN's own VJP keeps) beside the inputs, and recomputes only the fallback in backward. So
+    the fast path's backward (the one balanced routing takes) does not exchange the rows again
+    after full remat's recompute has just done so: one ragged all-to-all less a layer
+    (docs/MOE.md)."""
     return lax.cond(b.fits(counts_SE), expected_branch(b.fast), b.full, rows, counts_SE,
                     *weights)
 
 
+def _fast_pullback(b: _Branches, rows: jax.Array, counts_SE: jax.Array,
+                   weights: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
+    """The fast path's output and its VJP (a pytree: the residuals are its leaves)."""
+    return jax.vjp(lambda x, w: b.fast(x, counts_SE, *w), rows, weights)
+
+
 def _taken_branch_fwd(b: _Branches, rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
-                      ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    return _taken_branch(b, rows, counts_SE, *weights), (rows, counts_SE, *weights)
+                      ) -> tuple[jax.Array, tuple[Any, ...]]:
+    def residual_leaves(rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array) -> list:
+        return jax.tree.leaves(_fast_pullback(b, rows, counts_SE, weights)[1])
+
+    # The fallback returns zeros in the fast residuals' places: one conditional, one type.
+    avals = jax.make_jaxpr(residual_leaves)(rows, counts_SE, *weights).out_avals
+
+    def fast(rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
+             ) -> tuple[jax.Array, list[jax.Array]]:
+        y, pullback = _fast_pullback(b, rows, counts_SE, weights)
+        return y, jax.tree.leaves(pullback)
+
+    def full(rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
+             ) -> tuple[jax.Array, list[jax.Array]]:
+        return b.full(rows, counts_SE, *weights), [_zeros_of(a) for a in avals]
+
+    y, residuals = lax.cond(b.fits(counts_SE), expected_branch(fast), full, rows, counts_SE,
+                            *weights)
+    return y, (rows, counts_SE, weights, residuals)
 
 
-def _taken_branch_bwd(b: _Branches, saved: tuple[jax.Array, ...], g: jax.Array
-                      ) -> tuple[Any, ...]:
-    rows, counts_SE, *weights = saved
+def _zeros_of(aval: Any) -> jax.Array:
+    """Zeros of `aval`'s shape and dtype, varying over the mesh axes it varies over."""
+    zeros = jnp.zeros(aval.shape, aval.dtype)
+    return lax.pcast(zeros, tuple(aval.mat.varying), to="varying") if aval.mat.varying else zeros
 
-    def grads(branch: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, ...]]:
-        def run(rows: jax.Array, weights: list[jax.Array], g: jax.Array
-                ) -> tuple[jax.Array, ...]:
-            return jax.vjp(lambda x, w: branch(x, counts_SE, *w), rows, weights)[1](g)
-        return run
 
-    d_rows, d_weights = lax.cond(b.fits(counts_SE), expected_branch(grads(b.fast)),
-                                 grads(b.full), rows, weights, g)
+def _taken_branch_bwd(b: _Branches, saved: tuple[Any, ...], g: jax.Array) -> tuple[Any, ...]:
+    rows, counts_SE, weights, residuals = saved
+    pullback_tree = jax.tree.structure(
+        jax.eval_shape(lambda *a: _fast_pullback(b, a[0], a[1], a[2:])[1], rows, counts_SE,
+                       *weights))
+
+    def fast(rows: jax.Array, weights: tuple[jax.Array, ...], residuals: list[jax.Array],
+             g: jax.Array) -> tuple[Any, ...]:
+        return jax.tree.unflatten(pullback_tree, residuals)(g)
+
+    def full(rows: jax.Array, weights: tuple[jax.Array, ...], residuals: list[jax.Array],
+             g: jax.Array) -> tuple[Any, ...]:
+        return jax.vjp(lambda x, w: b.full(x, counts_SE, *w), rows, weights)[1](g)
+
+    d_rows, d_weights = lax.cond(b.fits(counts_SE), expected_branch(fast), full, rows, weights,
+                                 residuals, g)
     return (d_rows, None, *d_weights)
 
 

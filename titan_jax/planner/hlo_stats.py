@@ -272,8 +272,11 @@ def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]
                        ) -> tuple[float, float]:
     """Sums of per-computation (expected, bound), one branch of each conditional (one runs:
     the expert FFN's capacity fast path or its chunked whole-buffer fallback): the bound the
-    costlier, the expected count the cheaper, the fast path balanced routing takes."""
+    costlier, the expected count the cheaper, the fast path balanced routing takes. A branch
+    with no grouped matmul counts 0 (the expert FFN's backward may take the fast path's
+    residuals and compute nothing grouped in that conditional)."""
     branch_of: dict[str, tuple[str, str]] = {}  # computation -> (conditional, its branch)
+    branches: dict[str, dict[str, list[float]]] = collections.defaultdict(dict)
 
     def mark(name: str, key: tuple[str, str]) -> None:
         if name in branch_of or name not in module.computations:
@@ -292,13 +295,12 @@ def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]
                 if inst.op == "conditional" and kind in ("branch", "true_computation",
                                                           "false_computation"):
                     mark(callee, (f"{name}/{inst.name}", callee))
+                    branches[f"{name}/{inst.name}"].setdefault(callee, [0.0, 0.0])
                 else:
                     visit(callee, seen)
 
     visit(module.entry, set())
     total = [0.0, 0.0]
-    branches: dict[str, dict[str, list[float]]] = collections.defaultdict(
-        lambda: collections.defaultdict(lambda: [0.0, 0.0]))
     for name, (e, b) in per_computation.items():
         if name in branch_of:
             cond, branch = branch_of[name]
