@@ -183,10 +183,16 @@ ENTRY %main (c: pred[], x: bf16[96,64], w: bf16[8,64,32], g: s32[8]) -> bf16[96,
 """
 
 
-def test_a_conditional_branch_without_grouped_matmuls_counts_zero_at_balanced_routing():
-    expected, bound = hlo_stats.ragged_dot_flops(hlo_stats.parse(ONE_BRANCH_GROUPED),
-                                                 expected_rows=24)
-    assert (expected, bound) == (0.0, 2 * 96 * 64 * 32)  # the cheaper branch; the costlier
+def test_grouped_matmul_flops_count_the_expected_branch_else_the_cheaper_one():
+    """At balanced routing a conditional counts the branch traced under EXPECTED_BRANCH (the
+    fast path), else its cheaper one; a branch without grouped matmuls counts 0."""
+    per_op = 2 * 96 * 64 * 32
+    unmarked = hlo_stats.parse(ONE_BRANCH_GROUPED)
+    assert hlo_stats.ragged_dot_flops(unmarked, expected_rows=24) == (0.0, per_op)
+    marked = hlo_stats.parse(ONE_BRANCH_GROUPED.replace(
+        "rhs_group_dims={0}\n}", 'rhs_group_dims={0}, metadata={op_name="jit(step)/cond/'
+        'branch_1_fun/expected_branch/ragged_dot"}\n}'))
+    assert hlo_stats.ragged_dot_flops(marked, expected_rows=24) == (per_op / 4, per_op)
 
 
 SPLASH = ('  %splash_mha_fwd_residuals.3 = (f32[2,512,128]{2,1,0}, bf16[2,16,512,128]{3,2,1,0}) '
@@ -301,6 +307,7 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
     sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
     from parallel_helpers import TINY, preset_overrides, tiny_config
 
+    from titan_jax.parallel import expert_parallel
     from titan_jax.planner import inspect_step
     from titan_jax.train.trainer import build_trainer
 
@@ -311,14 +318,18 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
     trainer = build_trainer(config, list(topology.devices), model_args=args)
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     picks = trainer.tokens_per_step * args.top_k
-    expected, bound = hlo_stats.ragged_dot_flops(
-        hlo_stats.parse(lowered.as_text(dialect="hlo")), picks, kernel_flops.megablox_flops)
+    module = hlo_stats.parse(lowered.as_text(dialect="hlo", debug_info=True))
+    expected, bound = hlo_stats.ragged_dot_flops(module, picks, kernel_flops.megablox_flops)
     # Per layer, in matmuls of picks x dim x inter: the forward's 3, full remat's recompute of
     # w1 and w3 (2; w2's output is not needed in backward) and the 6 gradient matmuls, which
     # take the expert FFN's residuals from that recompute.
     analytic = args.n_layers * picks * (3 + 2 + 6) * (2 * args.dim * args.moe_inter_dim)
     assert expected == pytest.approx(analytic)
-    assert bound == pytest.approx(4 * analytic)  # ep x the picks: the buffers' shape bound
+    # The bound: the fallback's 11 over the buffers (ep x the picks), and the recompute of w1
+    # and w3 over the capacity buffer (the costlier branch there).
+    per_rank = picks // len(topology.devices)
+    capacity = expert_parallel.expert_capacity(per_rank, 4 * per_rank) / per_rank
+    assert bound == pytest.approx(analytic / 11 * (11 * 4 + 2 * capacity))
 
 
 # An all-gather run by another computation, started and waited for in the schedule's place:

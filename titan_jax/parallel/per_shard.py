@@ -10,14 +10,18 @@ need `check_vma=False`. Inside SimpleFSDP's shard_map twin, which is type-checke
 collectives' transposes depend on it), differentiating such a kernel fails: the kernel's
 backward returns untyped cotangents for typed (varying) inputs. `typed_kernel` wraps it in a
 custom_vjp whose forward and backward run unchecked and are re-typed as varying over the data
-axes they really vary over; the backward is the kernel's own VJP, traced on untyped abstract
-inputs and evaluated on the typed ones (it recomputes the kernel's forward: the twin is a
-cross-check, not the fast path).
+axes they really vary over. The forward is the kernel's own VJP's forward, its residuals
+returned beside the output (each with a leading dim over the model axes the kernel is mapped
+over, as a shard_map output needs); the backward applies the kernel's VJP to them. Both are
+traced on untyped abstract values and evaluated on the typed ones. So the backward does not
+compute the kernel's forward again (splash attention's forward, the experts' w1 and w3
+grouped matmuls), as it did when only the inputs were saved.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax import lax
@@ -52,21 +56,40 @@ def manual_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],
         missing = tuple(a for a in data_axes if a not in jax.typeof(x).mat.varying)
         return lax.pcast(x, missing, to="varying") if missing else x
 
-    def kernel_vjp(*primals_and_ct: jax.Array) -> tuple[jax.Array, ...]:
-        # Traced on untyped abstract values (autodiff then type-checks), run on typed ones.
-        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in primals_and_ct]
-        closed = jax.make_jaxpr(lambda *a: jax.vjp(kernel, *a[:-1])[1](a[-1]))(*abstract)
-        return tuple(jaxpr_as_fun(closed)(*primals_and_ct))
+    residual_spec = PartitionSpec(tuple(sorted(model_axes)) or None)
+    pullback_tree: list[Any] = []  # the kernel VJP's structure, from the forward's trace
+
+    def untyped(f: Callable[..., Any], *xs: jax.Array) -> list[jax.Array]:
+        """`f`'s flat outputs, traced on untyped abstract values, evaluated on `xs`."""
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
+        return jaxpr_as_fun(jax.make_jaxpr(f)(*abstract))(*xs)
+
+    def forward(*xs: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        def traced(*a: jax.Array) -> list[jax.Array]:
+            y, pullback = jax.vjp(kernel, *a)
+            leaves, tree = jax.tree.flatten(pullback)
+            pullback_tree[:] = [tree]
+            return [y, *leaves]
+
+        y, *residuals = untyped(traced, *xs)
+        return y, [r[None] for r in residuals]  # a leading dim over the model axes
+
+    def backward(residuals: list[jax.Array], g: jax.Array) -> tuple[jax.Array, ...]:
+        def traced(g: jax.Array, *leaves: jax.Array) -> tuple[jax.Array, ...]:
+            return jax.tree.unflatten(pullback_tree[0], leaves)(g)
+
+        return tuple(untyped(traced, g, *(r[0] for r in residuals)))
 
     @jax.custom_vjp
     def typed_kernel(*xs: jax.Array) -> jax.Array:
         return vary(unchecked(kernel, in_specs, out_spec)(*xs))
 
-    def fwd(*xs: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        return typed_kernel(*xs), xs
+    def fwd(*xs: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        y, residuals = unchecked(forward, in_specs, (out_spec, residual_spec))(*xs)
+        return vary(y), residuals
 
-    def bwd(xs: tuple[jax.Array, ...], g: jax.Array) -> tuple[jax.Array, ...]:
-        cts = unchecked(kernel_vjp, (*in_specs, out_spec), in_specs)(*xs, g)
+    def bwd(residuals: list[jax.Array], g: jax.Array) -> tuple[jax.Array, ...]:
+        cts = unchecked(backward, (residual_spec, out_spec), in_specs)(residuals, g)
         return tuple(vary(ct) for ct in cts)
 
     typed_kernel.defvjp(fwd, bwd)

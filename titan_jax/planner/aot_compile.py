@@ -150,7 +150,8 @@ def _build(config: JobConfig, tpu: TpuSlice, devices: list[Any], model_args: Any
 def _flops(trainer: Trainer, lowered: Any) -> dict[str, Any]:
     """FLOPs per step of the lowered (global) program: dots, and grouped matmuls at the rows
     balanced routing fills (their buffer's shape bound beside them)."""
-    module = hlo_stats.parse(lowered.as_text(dialect="hlo"))
+    # debug_info: the ops' names, which mark the conditionals' expected branches
+    module = hlo_stats.parse(lowered.as_text(dialect="hlo", debug_info=True))
     dots, unknown_loops = hlo_stats.dot_flops(module)
     top_k = getattr(trainer.model.args, "top_k", 0) if getattr(
         trainer.model.args, "num_experts", 0) else 0

@@ -41,7 +41,6 @@ from titan_jax.planner import hlo_stats, kernel_flops
 from titan_jax.planner.hlo_stats import HloModule, Instruction
 from titan_jax.planner.mxu_work import computation_work, instruction_work
 from titan_jax.planner.topology import Chip
-from titan_jax.planner_hints import EXPECTED_BRANCH
 
 _ARRAY_LAYOUT = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
@@ -214,7 +213,7 @@ class _Walk:
         if not branches:
             return 0.0
         own = hlo_stats.op_name(inst)
-        expected = [b for b in branches if _expected(self.module, b[0], own)]
+        expected = [b for b in branches if hlo_stats.is_expected_branch(self.module, b[0], own)]
         taken = (expected[0] if len(expected) == 1 and not self.costlier_branches
                  else max(branches, key=lambda b: b[1]))
         self._restore(taken[2])
@@ -414,15 +413,6 @@ def _row_bytes(inst: Instruction, defs: dict[str, Instruction], rows: int) -> in
             if shape and shape[0] == rows and (space is None or space[1] == "0"):
                 total += hlo_stats.nbytes(dtype, shape)
     return total
-
-
-def _expected(module: HloModule, branch: str, conditional_op_name: str) -> bool:
-    """Whether `branch` was traced under `EXPECTED_BRANCH` inside the conditional (an op's
-    name below the conditional's own names the scope; one the conditional itself sits in
-    marks every branch, so it is not counted)."""
-    marker = f"/{EXPECTED_BRANCH}/"
-    return any(marker in hlo_stats.op_name(i).removeprefix(conditional_op_name)
-               for i in module.computations.get(branch, []))
 
 
 def estimate(program: str | HloModule, chip: Chip, devices: int,

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from titan_jax.planner_hints import EXPECTED_BRANCH
+
 COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
                   "ragged-all-to-all", "collective-permute")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*[({]")
@@ -272,11 +274,12 @@ def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]
                        ) -> tuple[float, float]:
     """Sums of per-computation (expected, bound), one branch of each conditional (one runs:
     the expert FFN's capacity fast path or its chunked whole-buffer fallback): the bound the
-    costlier, the expected count the cheaper, the fast path balanced routing takes. A branch
-    with no grouped matmul counts 0 (the expert FFN's backward may take the fast path's
-    residuals and compute nothing grouped in that conditional)."""
+    costlier, the expected count the branch traced under `EXPECTED_BRANCH` (the fast path
+    balanced routing takes; the cheaper one where no branch is marked). A branch with no
+    grouped matmul counts 0."""
     branch_of: dict[str, tuple[str, str]] = {}  # computation -> (conditional, its branch)
     branches: dict[str, dict[str, list[float]]] = collections.defaultdict(dict)
+    expected: dict[str, str] = {}  # conditional -> its branch traced as the expected one
 
     def mark(name: str, key: tuple[str, str]) -> None:
         if name in branch_of or name not in module.computations:
@@ -294,8 +297,11 @@ def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]
                 seen.add(callee)
                 if inst.op == "conditional" and kind in ("branch", "true_computation",
                                                           "false_computation"):
-                    mark(callee, (f"{name}/{inst.name}", callee))
-                    branches[f"{name}/{inst.name}"].setdefault(callee, [0.0, 0.0])
+                    key = f"{name}/{inst.name}"
+                    mark(callee, (key, callee))
+                    branches[key].setdefault(callee, [0.0, 0.0])
+                    if is_expected_branch(module, callee, op_name(inst)):
+                        expected[key] = callee
                 else:
                     visit(callee, seen)
 
@@ -309,10 +315,20 @@ def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]
         else:
             total[0] += e
             total[1] += b
-    for alternatives in branches.values():
-        total[0] += min(e for e, _ in alternatives.values())
+    for cond, alternatives in branches.items():
+        total[0] += (alternatives[expected[cond]][0] if cond in expected else
+                     min(e for e, _ in alternatives.values()))
         total[1] += max(b for _, b in alternatives.values())
     return total[0], total[1]
+
+
+def is_expected_branch(module: HloModule, branch: str, conditional_op_name: str) -> bool:
+    """Whether `branch` was traced under `EXPECTED_BRANCH` inside its conditional (an op's
+    name below the conditional's own names the scope; one the conditional itself sits in
+    marks every branch, so it is not counted)."""
+    marker = f"/{EXPECTED_BRANCH}/"
+    return any(marker in op_name(i).removeprefix(conditional_op_name)
+               for i in module.computations.get(branch, []))
 
 
 def replica_groups(inst: Instruction) -> list[list[int]]:
