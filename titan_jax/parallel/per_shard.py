@@ -15,7 +15,9 @@ returned beside the output (each with a leading dim over the model axes the kern
 over, as a shard_map output needs); the backward applies the kernel's VJP to them. Both are
 traced on untyped abstract values and evaluated on the typed ones. So the backward does not
 compute the kernel's forward again (splash attention's forward, the experts' w1 and w3
-grouped matmuls), as it did when only the inputs were saved.
+grouped matmuls), as it did when only the inputs were saved. An input that is whole on every
+shard of a model axis the kernel is mapped over (the experts' rows, under tp) gets its
+cotangent summed over that axis: each shard's is a partial sum.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, PartitionSpec
@@ -45,8 +48,14 @@ def manual_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],
                      data_axes: tuple[str, ...]) -> jax.Array:
     """The shard_map path: the data axes are already manual; a nested shard_map maps the
     model-parallel axes the specs name (none: the kernel sees this shard whole)."""
-    model_axes = frozenset(a for spec in (*in_specs, out_spec) for entry in spec if entry
-                           for a in (entry if isinstance(entry, tuple) else (entry,)))
+    def axes_of(spec: PartitionSpec) -> frozenset[str]:
+        return frozenset(a for entry in spec if entry
+                         for a in (entry if isinstance(entry, tuple) else (entry,)))
+
+    model_axes = frozenset().union(*map(axes_of, (*in_specs, out_spec)))
+    # An input whole on each shard of a model axis (the experts' rows, whose hidden dim tp
+    # splits) gets a partial cotangent from each: summed over those axes.
+    summed_over = [tuple(sorted(model_axes - axes_of(spec))) for spec in in_specs]
 
     def unchecked(f: Kernel, specs: tuple[PartitionSpec, ...], out: object) -> Kernel:
         return jax.shard_map(f, in_specs=specs, out_specs=out, axis_names=model_axes,
@@ -78,7 +87,9 @@ def manual_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],
         def traced(g: jax.Array, *leaves: jax.Array) -> tuple[jax.Array, ...]:
             return jax.tree.unflatten(pullback_tree[0], leaves)(g)
 
-        return tuple(untyped(traced, g, *(r[0] for r in residuals)))
+        cts = untyped(traced, g, *(r[0] for r in residuals))
+        return tuple(lax.psum(ct, axes) if axes and jnp.issubdtype(ct.dtype, jnp.inexact)
+                     else ct for ct, axes in zip(cts, summed_over, strict=True))
 
     @jax.custom_vjp
     def typed_kernel(*xs: jax.Array) -> jax.Array:
