@@ -26,7 +26,8 @@ def test_an_abandoned_orbax_task_collected_later_prints_nothing(tmp_path):
     """orbax's failed reads can also end as Tasks that asyncio reports when they are collected
     ("Task exception was never retrieved", through its logger): dropped for orbax's coroutines
     and the TensorStore futures orbax hands to the loop as they are (asyncio wraps each in a
-    Task of its own), so a failed read still prints just its one line; other Tasks still print."""
+    Task of its own), or any Task failing with a TensorStore read error, so a failed read still
+    prints just its one line; other Tasks still print."""
     import subprocess
     import sys
 
@@ -34,6 +35,8 @@ def test_an_abandoned_orbax_task_collected_later_prints_nothing(tmp_path):
     (tmp_path / "orbax" / "reader.py").write_text("async def read():\n    raise ValueError(1)\n")
     (tmp_path / "other.py").write_text(
         "async def read():\n    raise ValueError(2)\n"
+        "async def failed_store_read():\n"
+        "    raise ValueError(\"NOT_FOUND: Error reading [tensorstore_spec='{}']\")\n"
         "class Awaitable:\n    def __await__(self):\n        raise ValueError(3)\n        yield\n")
     script = (
         "import asyncio, gc, sys\n"
@@ -43,7 +46,8 @@ def test_an_abandoned_orbax_task_collected_later_prints_nothing(tmp_path):
         "quiet_closed_loop_callbacks()\n"
         "import tensorstore as ts\n"
         "failed_open = ts.open({'driver': 'zarr', 'kvstore': 'memory://none/'}, open=True)\n"
-        "for read in (reader.read(), other.read(), failed_open, other.Awaitable()):\n"
+        "for read in (reader.read(), other.read(), failed_open, other.Awaitable(),\n"
+        "             other.failed_store_read()):\n"
         "    loop = asyncio.new_event_loop()\n"
         "    asyncio.ensure_future(read, loop=loop)\n"
         "    loop.run_until_complete(asyncio.sleep(0.01))\n"

@@ -72,6 +72,10 @@ def _drop_abandoned_orbax_task(record: logging.LogRecord) -> bool:
         return True
     if f"{os.sep}orbax{os.sep}" in message:  # one of orbax's coroutines
         return False
+    # A TensorStore read error names its spec; seen in CI in a Task whose traceback did not
+    # show the future it awaited (2026-12-05).
+    if "tensorstore_spec=" in message:
+        return False
     # orbax also hands TensorStore's futures to the loop as they are; asyncio wraps each in a
     # Task whose only frame awaits that future.
     tb = record.exc_info[2] if record.exc_info else None
