@@ -215,24 +215,29 @@ def _taken_branch(b: _Branches, rows: jax.Array, counts_SE: jax.Array, *weights:
                     *weights)
 
 
-def _fast_pullback(b: _Branches, rows: jax.Array, counts_SE: jax.Array,
-                   weights: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
-    """The fast path's output and its VJP (a pytree: the residuals are its leaves)."""
-    return jax.vjp(lambda x, w: b.fast(x, counts_SE, *w), rows, weights)
+def _fast_residuals(b: _Branches, rows: jax.Array, counts_SE: jax.Array,
+                    weights: tuple[jax.Array, ...]) -> tuple[jax.Array, Any, list, list]:
+    """The fast path's output, its VJP's structure, for each of the VJP's leaves the input it
+    is (an index into (rows, counts, *weights), or None) and the leaves that are not inputs:
+    the residuals to keep (the inputs are kept anyway; through the conditional's output they
+    would be copied, the experts' weights among them)."""
+    y, pullback = jax.vjp(lambda x, w: b.fast(x, counts_SE, *w), rows, weights)
+    leaves, tree = jax.tree.flatten(pullback)
+    position = {id(x): i for i, x in enumerate((rows, counts_SE, *weights))}
+    sources = [position.get(id(leaf)) for leaf in leaves]
+    return y, tree, sources, [leaf for leaf, i in zip(leaves, sources, strict=True) if i is None]
 
 
 def _taken_branch_fwd(b: _Branches, rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
                       ) -> tuple[jax.Array, tuple[Any, ...]]:
-    def residual_leaves(rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array) -> list:
-        return jax.tree.leaves(_fast_pullback(b, rows, counts_SE, weights)[1])
-
     # The fallback returns zeros in the fast residuals' places: one conditional, one type.
-    avals = jax.make_jaxpr(residual_leaves)(rows, counts_SE, *weights).out_avals
+    avals = jax.make_jaxpr(lambda *a: _fast_residuals(b, a[0], a[1], a[2:])[3])(
+        rows, counts_SE, *weights).out_avals
 
     def fast(rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
              ) -> tuple[jax.Array, list[jax.Array]]:
-        y, pullback = _fast_pullback(b, rows, counts_SE, weights)
-        return y, jax.tree.leaves(pullback)
+        y, _, _, residuals = _fast_residuals(b, rows, counts_SE, weights)
+        return y, residuals
 
     def full(rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
              ) -> tuple[jax.Array, list[jax.Array]]:
@@ -251,13 +256,21 @@ def _zeros_of(aval: Any) -> jax.Array:
 
 def _taken_branch_bwd(b: _Branches, saved: tuple[Any, ...], g: jax.Array) -> tuple[Any, ...]:
     rows, counts_SE, weights, residuals = saved
-    pullback_tree = jax.tree.structure(
-        jax.eval_shape(lambda *a: _fast_pullback(b, a[0], a[1], a[2:])[1], rows, counts_SE,
-                       *weights))
+    structure: list[Any] = []  # (VJP structure, leaf sources), from a trace of the fast path
+
+    def traced(*a: jax.Array) -> list[jax.Array]:
+        _, tree, sources, kept = _fast_residuals(b, a[0], a[1], a[2:])
+        structure[:] = [tree, sources]
+        return kept
+
+    jax.eval_shape(traced, rows, counts_SE, *weights)
+    tree, sources = structure
 
     def fast(rows: jax.Array, weights: tuple[jax.Array, ...], residuals: list[jax.Array],
              g: jax.Array) -> tuple[Any, ...]:
-        return jax.tree.unflatten(pullback_tree, residuals)(g)
+        inputs, kept = (rows, counts_SE, *weights), iter(residuals)
+        leaves = [next(kept) if i is None else inputs[i] for i in sources]
+        return jax.tree.unflatten(tree, leaves)(g)
 
     def full(rows: jax.Array, weights: tuple[jax.Array, ...], residuals: list[jax.Array],
              g: jax.Array) -> tuple[Any, ...]:

@@ -66,7 +66,10 @@ def manual_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],
         return lax.pcast(x, missing, to="varying") if missing else x
 
     residual_spec = PartitionSpec(tuple(sorted(model_axes)) or None)
-    pullback_tree: list[Any] = []  # the kernel VJP's structure, from the forward's trace
+    # The kernel VJP's structure, and for each of its leaves the kernel input it is (None: a
+    # residual the forward returns), from the forward's trace. Inputs are not returned: a
+    # shard_map output would copy them (the experts' rows and weights, each layer).
+    pullback: list[Any] = []
 
     def untyped(f: Callable[..., Any], *xs: jax.Array) -> list[jax.Array]:
         """`f`'s flat outputs, traced on untyped abstract values, evaluated on `xs`."""
@@ -75,19 +78,26 @@ def manual_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],
 
     def forward(*xs: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
         def traced(*a: jax.Array) -> list[jax.Array]:
-            y, pullback = jax.vjp(kernel, *a)
-            leaves, tree = jax.tree.flatten(pullback)
-            pullback_tree[:] = [tree]
-            return [y, *leaves]
+            y, vjp = jax.vjp(kernel, *a)
+            leaves, tree = jax.tree.flatten(vjp)
+            position = {id(x): i for i, x in enumerate(a)}
+            sources = [position.get(id(leaf)) for leaf in leaves]
+            pullback[:] = [tree, sources]
+            return [y, *(leaf for leaf, i in zip(leaves, sources, strict=True) if i is None)]
 
         y, *residuals = untyped(traced, *xs)
         return y, [r[None] for r in residuals]  # a leading dim over the model axes
 
-    def backward(residuals: list[jax.Array], g: jax.Array) -> tuple[jax.Array, ...]:
-        def traced(g: jax.Array, *leaves: jax.Array) -> tuple[jax.Array, ...]:
-            return jax.tree.unflatten(pullback_tree[0], leaves)(g)
+    def backward(xs: tuple[jax.Array, ...], residuals: list[jax.Array], g: jax.Array
+                 ) -> tuple[jax.Array, ...]:
+        tree, sources = pullback
+        computed = iter(r[0] for r in residuals)
+        leaves = [next(computed) if i is None else xs[i] for i in sources]
 
-        cts = untyped(traced, g, *(r[0] for r in residuals))
+        def traced(g: jax.Array, *leaves: jax.Array) -> tuple[jax.Array, ...]:
+            return jax.tree.unflatten(tree, leaves)(g)
+
+        cts = untyped(traced, g, *leaves)
         return tuple(lax.psum(ct, axes) if axes and jnp.issubdtype(ct.dtype, jnp.inexact)
                      else ct for ct, axes in zip(cts, summed_over, strict=True))
 
@@ -95,12 +105,12 @@ def manual_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],
     def typed_kernel(*xs: jax.Array) -> jax.Array:
         return vary(unchecked(kernel, in_specs, out_spec)(*xs))
 
-    def fwd(*xs: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    def fwd(*xs: jax.Array) -> tuple[jax.Array, tuple[Any, ...]]:
         y, residuals = unchecked(forward, in_specs, (out_spec, residual_spec))(*xs)
-        return vary(y), residuals
+        return vary(y), (xs, residuals)
 
-    def bwd(residuals: list[jax.Array], g: jax.Array) -> tuple[jax.Array, ...]:
-        cts = unchecked(backward, (residual_spec, out_spec), in_specs)(residuals, g)
+    def bwd(saved: tuple[Any, ...], g: jax.Array) -> tuple[jax.Array, ...]:
+        cts = unchecked(backward, (in_specs, residual_spec, out_spec), in_specs)(*saved, g)
         return tuple(vary(ct) for ct in cts)
 
     typed_kernel.defvjp(fwd, bwd)
