@@ -181,6 +181,32 @@ def test_selective_remat_saves_matmul_outputs_and_recomputes_elementwise_ops(cap
     assert not unnamed, lines
 
 
+def test_full_remat_of_a_moe_block_saves_its_routing_and_no_other_value(capsys):
+    """Full remat recomputes the block but keeps the router's picks and gate weights (a few
+    numbers a token), so backward does not wait on the recomputed router; nothing else is
+    saved but the block's arguments and (as configured) the gathered weights."""
+    from flax import nnx
+    from jax.ad_checkpoint import print_saved_residuals
+
+    policy = build_model_def(TINY_MOE, BuildOptions(remat_mode="full")).remat
+    graphdef, state = nnx.split(Block(TINY_MOE, nnx.Rngs(0), Kernels(expert_kernel="looped")))
+    cos, sin = rope_tables(jnp.arange(4), TINY_MOE.head_dim, TINY_MOE.rope_theta)
+    bias = jnp.zeros(TINY_MOE.num_experts)
+
+    def block_sum(state, x):
+        return nnx.merge(graphdef, state)(x, cos, sin, bias)[0].sum()
+
+    print_saved_residuals(jax.checkpoint(block_sum, policy=policy), state,
+                          jnp.ones((1, 4, TINY_MOE.dim)))
+    lines = capsys.readouterr().out.strip().splitlines()
+    named = [line for line in lines if "named '" in line and GATHERED_PARAM not in line]
+    assert len(named) == 2 and all("named 'moe_routing'" in line for line in named), lines
+    assert {line.split("[")[0] for line in named} == {"i32", "f32"}  # picks, gate weights
+    unnamed = [line for line in lines if "named '" not in line
+               and not line.endswith(("from the argument x", "from a constant"))]
+    assert not unnamed, lines
+
+
 def test_bf16_weights_are_cast_at_use_and_logits_stay_fp32():
     model = build_model_def(TINY)
     params = model.init(jax.random.key(0))

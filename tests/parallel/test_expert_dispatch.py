@@ -1,6 +1,7 @@
 """The expert-parallel exchange (parallel/expert_parallel.py) against every expert run locally:
-outputs and gradients, on the fast path (balanced routing: the real rows fit the capacity) and
-the overflow path (every pick to one rank), through the CPU emulation of the ragged all-to-all,
+outputs and gradients, with no overflow (balanced routing: the real rows fit the capacity),
+some (one rank receives about three times its share: the first exchange fills it, the rest
+overflows) and all (every pick to one rank), through the CPU emulation of the ragged all-to-all,
 which takes the offsets and sizes the TPU/GPU `lax.ragged_all_to_all` takes (one
 `exchange_plan`); and the emulation against the ragged all-to-all's documented semantics."""
 
@@ -100,13 +101,17 @@ def jitted_loss_grads():
     return tuple(jax.jit(grad(f)) for f in loss_fns(ep_mesh(EP)))
 
 
-@pytest.mark.parametrize("routing", ["balanced", "all_to_rank_0"])
+@pytest.mark.parametrize("routing", ["balanced", "skewed_to_rank_0", "all_to_rank_0"])
 def test_exchange_equals_local_experts_outputs_and_gradients(routing):
     mesh = ep_mesh(EP)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(EP * N, D)), jnp.float32)
-    if routing == "balanced":
+    if routing != "all_to_rank_0":
         experts = np.stack([rng.permutation(E)[:K] for _ in range(EP * N)])
+        if routing == "skewed_to_rank_0":  # expert 0 (rank 0) first choice of 60% of tokens
+            experts[rng.random(EP * N) < 0.6, 0] = 0
+            experts[:, 1] = np.where(experts[:, 1] == experts[:, 0], 1 + experts[:, 0],
+                                     experts[:, 1])
     else:  # experts 0 and 1 live on rank 0: it receives every pick, ep times its share
         experts = np.tile([0, 1], (EP * N, 1))
     experts = jnp.asarray(experts, jnp.int32)
@@ -122,8 +127,24 @@ def test_exchange_equals_local_experts_outputs_and_gradients(routing):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
     capacity = expert_parallel.expert_capacity(N * K, EP * N * K)
     assert capacity < EP * N * K  # the fast path exists at this shape
-    received_on_rank_0 = int(jnp.sum(experts // (E // EP) == 0))
-    assert (received_on_rank_0 > capacity) == (routing == "all_to_rank_0")
+    received = np.bincount(np.asarray(experts).reshape(-1) // (E // EP), minlength=EP)
+    assert (received[0] > capacity) == (routing != "balanced")
+    assert (received[0] < 2 * capacity) == (routing != "all_to_rank_0")
+
+
+def test_the_first_exchange_fills_each_receiver_source_after_source_up_to_its_capacity():
+    """`capped_counts`: each source's picks for a receiver, in expert order, sent while the
+    receiver has room; the rest overflow."""
+    ep, n_local, capacity = 3, 2, 5
+    counts_SDL = np.array([[[1, 1], [3, 0], [0, 0]],
+                           [[2, 1], [2, 2], [1, 0]],
+                           [[0, 2], [1, 0], [2, 2]]], np.int32)
+    got = np.asarray(expert_parallel.capped_counts(jnp.asarray(counts_SDL.reshape(ep, -1)),
+                                                   ep, capacity)).reshape(counts_SDL.shape)
+    want = np.array([[[1, 1], [3, 0], [0, 0]],
+                     [[2, 1], [2, 0], [1, 0]],  # receiver 1 has 2 rows left for source 1
+                     [[0, 0], [0, 0], [2, 2]]], np.int32)  # receiver 0 is full at 5
+    np.testing.assert_array_equal(got, want)
 
 
 def test_ragged_exchange_rows_vary_over_ep_so_no_cotangent_is_summed_over_ranks():

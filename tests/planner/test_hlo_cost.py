@@ -185,7 +185,8 @@ ENTRY %main (c: pred[], x: bf16[96,64], w: bf16[8,64,32], g: s32[8]) -> bf16[96,
 
 def test_grouped_matmul_flops_count_the_expected_branch_else_the_cheaper_one():
     """At balanced routing a conditional counts the branch traced under EXPECTED_BRANCH (the
-    fast path), else its cheaper one; a branch without grouped matmuls counts 0."""
+    fast path) or the sibling of one traced under RARE_BRANCH, else its cheaper one; a branch
+    without grouped matmuls counts 0."""
     per_op = 2 * 96 * 64 * 32
     unmarked = hlo_stats.parse(ONE_BRANCH_GROUPED)
     assert hlo_stats.ragged_dot_flops(unmarked, expected_rows=24) == (0.0, per_op)
@@ -193,6 +194,10 @@ def test_grouped_matmul_flops_count_the_expected_branch_else_the_cheaper_one():
         "rhs_group_dims={0}\n}", 'rhs_group_dims={0}, metadata={op_name="jit(step)/cond/'
         'branch_1_fun/expected_branch/ragged_dot"}\n}'))
     assert hlo_stats.ragged_dot_flops(marked, expected_rows=24) == (per_op / 4, per_op)
+    rare = hlo_stats.parse(ONE_BRANCH_GROUPED.replace(
+        "rhs_group_dims={0}\n}", 'rhs_group_dims={0}, metadata={op_name="jit(step)/cond/'
+        'branch_1_fun/rare_branch/ragged_dot"}\n}'))
+    assert hlo_stats.ragged_dot_flops(rare, expected_rows=24) == (0.0, per_op)
 
 
 SPLASH = ('  %splash_mha_fwd_residuals.3 = (f32[2,512,128]{2,1,0}, bf16[2,16,512,128]{3,2,1,0}) '
@@ -325,11 +330,13 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
     # take the expert FFN's residuals from that recompute.
     analytic = args.n_layers * picks * (3 + 2 + 6) * (2 * args.dim * args.moe_inter_dim)
     assert expected == pytest.approx(analytic)
-    # The bound: the fallback's 11 over the buffers (ep x the picks), and the recompute of w1
-    # and w3 over the capacity buffer (the costlier branch there).
+    # The bound (every pick to one rank): the 11 over the capacity buffer, and the overflow's
+    # over its buffer: its forward, again in remat's recompute, and in its own backward w1 and
+    # w3 recomputed (its chunks save only their inputs) and the 6 gradient matmuls: 14.
     per_rank = picks // len(topology.devices)
-    capacity = expert_parallel.expert_capacity(per_rank, 4 * per_rank) / per_rank
-    assert bound == pytest.approx(analytic / 11 * (11 * 4 + 2 * capacity))
+    capacity = expert_parallel.expert_capacity(per_rank, 4 * per_rank)
+    overflow = expert_parallel.overflow_rows(per_rank, 4, capacity)
+    assert bound == pytest.approx(analytic / 11 / per_rank * (11 * capacity + 14 * overflow))
 
 
 # An all-gather run by another computation, started and waited for in the schedule's place:
@@ -645,19 +652,21 @@ def test_a_grouped_matmul_is_priced_at_the_rows_balanced_routing_fills():
 
 
 @pytest.mark.parametrize("marked, priced", [("costly", "costly"), ("cheap", "cheap"),
-                                            (None, "costly")])
+                                            ("rare costly", "cheap"), (None, "costly")])
 def test_a_conditional_is_priced_by_the_branch_a_step_takes(marked, priced):
     """A program compiled here (CPU HLO: the same conditional and metadata): the branch traced
-    under `expected_branch` (a finite loss, balanced routing) is priced, FLOPs and bytes once;
-    unmarked, the costlier; the other branch is reported beside it."""
+    under `expected_branch` (a finite loss, balanced routing), or the sibling of one traced
+    under `rare_branch`, is priced, FLOPs and bytes once; unmarked, the costlier; the other
+    branch is reported beside it."""
     import jax
     import jax.numpy as jnp
 
-    from titan_jax.planner_hints import expected_branch
+    from titan_jax.planner_hints import expected_branch, rare_branch
 
     n = 256
     branches = {"costly": lambda x: x @ x @ x, "cheap": lambda x: x * 2}
-    costly, cheap = (expected_branch(f) if name == marked else f
+    costly, cheap = (expected_branch(f) if name == marked else
+                     rare_branch(f) if f"rare {name}" == marked else f
                      for name, f in branches.items())
     step = jax.jit(lambda p, x: jax.lax.cond(p, costly, cheap, x))
     r = hlo_cost.estimate(step.lower(True, jnp.ones((n, n))).compile().as_text(), UNIT_CHIP, 1)

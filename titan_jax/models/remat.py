@@ -43,7 +43,8 @@ def save_anything_except_gathered_params(prim: Any, *_: Any, **params: Any) -> b
 
 
 def remat_policy(mode: str, save_gathered_params: bool, saved_activations: tuple[str, ...],
-                 offload_layer_input: bool = False) -> Callable | None:
+                 offload_layer_input: bool = False, always_saved: tuple[str, ...] = ()
+                 ) -> Callable | None:
     """The `jax.checkpoint` policy of a block, or None for no remat at all.
 
     mode: "none" keeps every activation, "full" recomputes the block, "selective" keeps the
@@ -55,6 +56,8 @@ def remat_policy(mode: str, save_gathered_params: bool, saved_activations: tuple
     offloading: copying a weight to the host and back costs more than gathering it again.
     offload_layer_input: also keep each layer's input (`LAYER_INPUT`, which the layer scan
     names) in host memory; the remat then starts from that copy, so the device saves none.
+    always_saved: names kept in every mode that recomputes: small values whose recompute
+    would hold back the backward's schedule (the MoE routing: model.py).
     """
     if mode not in REMAT_MODES:
         raise ValueError(
@@ -62,7 +65,7 @@ def remat_policy(mode: str, save_gathered_params: bool, saved_activations: tuple
     gathered = (GATHERED_PARAM,) if save_gathered_params else ()
     if mode == "none":
         return None if save_gathered_params else save_anything_except_gathered_params
-    saved = [*gathered, *(saved_activations if mode == "selective" else ())]
+    saved = [*gathered, *always_saved, *(saved_activations if mode == "selective" else ())]
     offloaded = [*((LAYER_INPUT,) if offload_layer_input else ()),
                  *(saved_activations if mode == "offload" else ())]
     if not offloaded:

@@ -14,19 +14,21 @@ source after source, real rows first. On TPU and GPU the exchange is `lax.ragged
 the same arguments by a dense all-to-all of slots sized for a whole rank's picks.
 
 The buffers. Dropless needs a receive buffer of `ep * m` rows in the worst case (every pick
-of every rank to one rank), as MaxText's is. The all-gathered counts say before anything is
-sent how many rows each rank will receive, the same on every rank of the exchange, so the
-choice is made there (`bounded_exchange`, one `lax.cond` around dispatch, FFN and combine):
-when no rank receives more than `capacity` rows (`CAPACITY_FACTOR` times the balanced share,
-as balanced-ish routing gives) the exchange receives into a buffer of `capacity` rows and
-the worst-case buffer never exists; otherwise into the worst-case one, through the FFN in
-chunks of a rank's picks, each recomputed in backward, so that branch's working set is one
-chunk's (the compiler sizes a conditional for its larger branch: over the whole buffer at once
-it set the step's peak: 2.2 GB higher per chip at 30B-A3B v5p-16 ep8). Padding rows carry the
-id `n_local` (no expert): left out of the group sizes, not computed, zero out. Deciding after
-the exchange instead (its first form) filled, relaid out, sliced and padded the worst-case
-buffer in every layer's forward, recompute and backward: ~1.2 s of 235B-A22B's v5p-256 step
-under the planner's estimate.
+of every rank to one rank), as MaxText's is. Every step receives into a buffer of `capacity`
+rows instead (`CAPACITY_FACTOR` times the balanced share): the picks that fit there, each
+receiver filled source after source (`capped_counts`: all of them under balanced-ish routing),
+go through the FFN and back in a first exchange outside any conditional, so the compiler can
+overlap its all-to-alls with the layer's other work. The rest, the overflow, travels in a
+second exchange into the worst-case buffer, through the FFN in chunks of a rank's picks (each
+recomputed in backward: that branch's working set is one chunk's), under a `lax.cond` that
+runs only when some rank overflows; the all-gathered counts say so before anything is sent,
+the same on every rank of the exchange (`dropless_exchange`). Padding rows carry the id
+`n_local` (no expert): left out of the group sizes, not computed, zero out. Its first form
+received every step into the worst-case buffer (filled, relaid out, sliced and padded in every
+layer's forward, recompute and backward: ~1.2 s of 235B-A22B's v5p-256 step under the
+planner's estimate); its second chose a capacity or a worst-case branch for the whole exchange
+up front, which left the exchanges inside a conditional, where nothing outside it can run
+under them (docs/MOE.md).
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from titan_jax.models.sharding_hooks import ExpertFFN
-from titan_jax.planner_hints import expected_branch
+from titan_jax.planner_hints import rare_branch
 
-# Rows the expert FFN computes on its fast path, as a multiple of this rank's own picks.
+# Rows each rank receives in the first exchange, as a multiple of its own picks.
 CAPACITY_FACTOR = 1.25
 ROW_ALIGN = 64  # the capacity is rounded up to this (the CPU grouped matmul's block)
 
@@ -66,18 +68,20 @@ def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
-def exchange_plan(counts_SD: jax.Array, rank: jax.Array) -> tuple[ExchangeSlices,
-                                                                   ExchangeSlices]:
+def exchange_plan(counts_SD: jax.Array, rank: jax.Array, starts_SD: jax.Array | None = None
+                  ) -> tuple[ExchangeSlices, ExchangeSlices]:
     """(dispatch, combine) slices of rank `rank`, from `counts_SD[s, d]`, the picks rank s
-    sends rank d (every rank's, all-gathered). Dispatch: my rows sorted by destination, sent
-    from offset sum_{d' < d} counts[me, d'], written on rank d after the rows of the ranks
-    before me, sum_{s < me} counts[s, d]. Combine is its mirror: the results go back from
-    where the rows arrived to where they left."""
+    sends rank d (every rank's, all-gathered), each slice starting at `starts_SD[s, d]` among
+    s's rows (default: packed, sum_{d' < d} counts[s, d']). The receiver packs what it gets
+    source after source: rank s's rows land on d after those of the ranks before it,
+    sum_{s' < s} counts[s', d]. Combine is the mirror: the results go back from where the rows
+    arrived to where they left."""
     send_sizes, recv_sizes = counts_SD[rank], counts_SD[:, rank]
-    sent_from = _exclusive_cumsum(counts_SD, axis=1)  # [s, d]: where s's rows for d start
-    lands_at = _exclusive_cumsum(counts_SD, axis=0)  # [s, d]: where they go on d
-    dispatch = ExchangeSlices(sent_from[rank], send_sizes, lands_at[rank], recv_sizes)
-    combine = ExchangeSlices(lands_at[:, rank], recv_sizes, sent_from[:, rank], send_sizes)
+    if starts_SD is None:
+        starts_SD = _exclusive_cumsum(counts_SD, axis=1)
+    lands_at = _exclusive_cumsum(counts_SD, axis=0)  # [s, d]: where s's rows go on d
+    dispatch = ExchangeSlices(starts_SD[rank], send_sizes, lands_at[rank], recv_sizes)
+    combine = ExchangeSlices(lands_at[:, rank], recv_sizes, starts_SD[:, rank], send_sizes)
     return dispatch, combine
 
 
@@ -105,16 +109,22 @@ def exchange_for(platform: str, picks: int) -> RaggedExchange:
 
 
 def expert_capacity(picks: int, rows: int) -> int:
-    """Rows of the expert FFN's fast path (see the module docstring)."""
+    """Rows of the first exchange's receive buffer (see the module docstring)."""
     capacity = -(-int(picks * CAPACITY_FACTOR) // ROW_ALIGN) * ROW_ALIGN
     return min(capacity, rows)
 
 
+def overflow_rows(picks: int, ep: int, capacity: int) -> int:
+    """Rows of the overflow's receive buffer: what no receiver's first `capacity` rows hold
+    when every rank sends it all its `picks`, in whole chunks of `picks` rows."""
+    return -(-(ep * picks - capacity) // picks) * picks
+
+
 @dataclasses.dataclass(frozen=True)
 class _Route:
-    """A rank's side of one exchange: its `m` picks (sorted by expert) go out by `exchange`
+    """A rank's side of the exchanges: its `m` picks (sorted by expert) go out by `exchange`
     over `axis` (`ep` ranks, `n_local` experts each), through the experts, and back. Every
-    rank's count per expert (`counts_SE`, all-gathered) fixes every offset."""
+    rank's count per expert (all-gathered) fixes every offset."""
 
     axis: str
     ep: int
@@ -122,166 +132,137 @@ class _Route:
     m: int
     exchange: RaggedExchange
 
-    def through(self, ffn: ExpertFFN, rows_MD: jax.Array, counts_SE: jax.Array,
-                buffer_rows: int) -> jax.Array:
-        """Dispatch into a receive buffer of `buffer_rows` rows (real rows first, padding rows
-        the id `n_local`), `ffn` over it, and the results back in the sorted rows' order."""
+    def through(self, ffn: ExpertFFN, rows_MD: jax.Array, sent_SE: jax.Array,
+                starts_SD: jax.Array, buffer_rows: int, output_MD: jax.Array) -> jax.Array:
+        """Dispatch `sent_SE[s, e]` rows per source and expert (each source's slice for rank d
+        starting at `starts_SD[s, d]` of its sorted rows) into a receive buffer of
+        `buffer_rows` rows (real rows first, padding rows the id `n_local`), `ffn` over it,
+        and the results back into `output_MD` at the rows they left from."""
         rank = lax.axis_index(self.axis)
-        dispatch, combine = exchange_plan(
-            counts_SE.reshape(self.ep, self.ep, self.n_local).sum(-1), rank)
+        dispatch, combine = exchange_plan(self.per_rank(sent_SE), rank, starts_SD)
         send = functools.partial(self.exchange, axis_name=self.axis)
         received = send(rows_MD, zeros_varying_like(rows_MD, buffer_rows), *dispatch)
-        counts_SL = lax.dynamic_slice_in_dim(counts_SE, rank * self.n_local, self.n_local,
-                                             axis=1)
-        y = ffn(received, received_expert_ids(counts_SL, buffer_rows))
-        return send(y, zeros_varying_like(y, self.m), *combine)
+        sent_SL = lax.dynamic_slice_in_dim(sent_SE, rank * self.n_local, self.n_local, axis=1)
+        return send(ffn(received, received_expert_ids(sent_SL, buffer_rows)), output_MD,
+                    *combine)
+
+    def per_rank(self, counts_SE: jax.Array) -> jax.Array:
+        """(ep, ep) counts per (source, destination rank) from counts per (source, expert)."""
+        return counts_SE.reshape(self.ep, self.ep, self.n_local).sum(-1)
 
 
-def bounded_exchange(ffn: ExpertFFN, rows_MD: jax.Array, counts_SE: jax.Array, route: _Route
-                     ) -> jax.Array:
-    """`route.through` with the smallest receive buffer every rank's rows fit: `capacity`
-    rows when no rank receives more (as balanced-ish routing gives), else the worst-case
-    buffer in chunks of `m` rows (`lax.cond`). The decision is read off the all-gathered
-    counts, so every rank of the exchange takes the same branch (their collectives match),
-    before anything is sent: the fast path never touches the worst-case buffer."""
-    worst = route.ep * route.m
+def capped_counts(counts_SE: jax.Array, ep: int, capacity: int) -> jax.Array:
+    """The picks per (source, expert) that fit in the receivers' first `capacity` rows, each
+    receiver filled source after source, each source's rows for it in expert order (as they
+    are sent): a prefix of every source's slice, and all of it where the receiver has room."""
+    counts_SDL = counts_SE.reshape(ep, ep, -1)
+    lands_at_SD = _exclusive_cumsum(counts_SDL.sum(-1), axis=0)
+    sent_SD = jnp.clip(capacity - lands_at_SD, 0, counts_SDL.sum(-1))
+    before_SDL = _exclusive_cumsum(counts_SDL, axis=2)
+    return jnp.clip(sent_SD[..., None] - before_SDL, 0, counts_SDL).reshape(counts_SE.shape)
+
+
+def dropless_exchange(ffn: ExpertFFN, rows_MD: jax.Array, counts_SE: jax.Array, route: _Route
+                      ) -> jax.Array:
+    """`route.through` every pick, dropless, with a receive buffer of `capacity` rows on the
+    path every step runs: the picks that fit in it (all of them under balanced-ish routing)
+    travel in a first exchange outside any conditional, so the compiler may overlap it with
+    the layer's other work; those that do not, the overflow, travel in a second exchange
+    through the worst-case buffer, under a conditional that runs it only when some rank
+    overflows (the same decision on every rank: it is read off the all-gathered counts)."""
+    worst, starts_SD = route.ep * route.m, _exclusive_cumsum(route.per_rank(counts_SE), axis=1)
     capacity = expert_capacity(route.m, worst)
     if capacity >= worst:
-        return route.through(ffn, rows_MD, counts_SE, worst)
-
-    def traced(rows: int) -> tuple[Callable[..., jax.Array], list[jax.Array]]:
-        """The FFN over `rows` rows as a function of its closed-over values (the experts'
-        weights), for the VJP."""
-        return jax.closure_convert(ffn, zeros_varying_like(rows_MD, rows),
-                                   zeros_varying_like(rows_MD, rows, (rows,), jnp.int32))
-
-    (fast, fast_weights), (full, full_weights) = traced(capacity), traced(route.m)
-    branches = _Branches(fast, full, route, capacity, len(fast_weights))
-    return _taken_branch(branches, rows_MD, counts_SE, *fast_weights, *full_weights)
+        return route.through(ffn, rows_MD, counts_SE, starts_SD, worst,
+                             zeros_varying_like(rows_MD, route.m))
+    first_SE = capped_counts(counts_SE, route.ep, capacity)
+    y_MD = route.through(ffn, rows_MD, first_SE, starts_SD, capacity,
+                         zeros_varying_like(rows_MD, route.m))
+    # The FFN over one chunk of `m` rows, as a function of its closed-over values (the experts'
+    # weights), for the overflow's VJP.
+    chunk_ffn, weights = jax.closure_convert(
+        ffn, zeros_varying_like(rows_MD, route.m),
+        zeros_varying_like(rows_MD, route.m, (route.m,), jnp.int32))
+    overflow = _Overflow(chunk_ffn, route, capacity)
+    return _with_overflow(overflow, y_MD, rows_MD, counts_SE, first_SE, *weights)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Branches:
-    """The two branches of `bounded_exchange`, each `(rows, counts, *weights) -> rows`:
-    `fast` through a receive buffer of `capacity` rows, `full` through the worst-case one
-    chunk after chunk. `weights` holds the fast FFN's `n_fast` weights, then the full one's
-    (each FFN is `(rows, ids, *weights) -> rows`, traced for its row count)."""
+class _Overflow:
+    """The picks past the receivers' `capacity` rows: a second exchange into the worst-case
+    buffer, the FFN over it chunk after chunk of `m` rows (`chunk_ffn(rows, ids, *weights)`,
+    which sorts each chunk's rows by expert itself), each chunk recomputed in backward so that
+    only the chunks' inputs are saved."""
 
-    fast_ffn: Callable[..., jax.Array]
-    full_ffn: Callable[..., jax.Array]
+    chunk_ffn: Callable[..., jax.Array]
     route: _Route
     capacity: int
-    n_fast: int
 
-    def fits(self, counts_SE: jax.Array) -> jax.Array:
-        """Whether every rank receives at most `capacity` rows."""
-        return jnp.max(jnp.sum(counts_SE, axis=0).reshape(self.route.ep, -1).sum(-1)
-                       ) <= self.capacity
+    def occurs(self, counts_SE: jax.Array) -> jax.Array:
+        """Whether some rank receives more than `capacity` rows."""
+        return jnp.max(self.route.per_rank(counts_SE).sum(0)) > self.capacity
 
-    def fast(self, rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array) -> jax.Array:
-        weights = weights[:self.n_fast]
-        return self.route.through(lambda x, ids: self.fast_ffn(x, ids, *weights), rows,
-                                  counts_SE, self.capacity)
-
-    def full(self, rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array) -> jax.Array:
-        """The worst-case buffer chunk after chunk of `m` rows (the FFN sorts each chunk's
-        rows by expert itself), each recomputed in backward: only the chunks' inputs are
-        saved."""
-        m, weights = self.route.m, weights[self.n_fast:]
+    def add(self, y_MD: jax.Array, rows_MD: jax.Array, counts_SE: jax.Array,
+            first_SE: jax.Array, *weights: jax.Array) -> jax.Array:
+        """`y_MD` with the overflowing picks' results written in."""
+        route, m = self.route, self.route.m
 
         def chunked(x: jax.Array, ids: jax.Array) -> jax.Array:
             @jax.checkpoint
             def one(_: None, chunk: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
-                return None, self.full_ffn(*chunk, *weights)
+                return None, self.chunk_ffn(*chunk, *weights)
 
             n = x.shape[0] // m
             _, y = lax.scan(one, None, (x.reshape(n, m, *x.shape[1:]), ids.reshape(n, m)))
             return y.reshape(x.shape)
 
-        return self.route.through(chunked, rows, counts_SE, self.route.ep * m)
+        starts_SD = (_exclusive_cumsum(route.per_rank(counts_SE), axis=1)
+                     + route.per_rank(first_SE))
+        return route.through(chunked, rows_MD, counts_SE - first_SE, starts_SD,
+                             overflow_rows(m, route.ep, self.capacity), y_MD)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _taken_branch(b: _Branches, rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
-                  ) -> jax.Array:
-    """The branch the counts take. Differentiated as is, a conditional saves the union of both
-    branches' residuals (measured on CPU: +0.33 GB a device at the debug MoE recipe, ep 4);
-    this VJP saves the fast path's residuals (its pullback's: the received rows and what the
-    FFN's own VJP keeps) beside the inputs, and recomputes only the fallback in backward. So
-    the fast path's backward (the one balanced routing takes) does not exchange the rows again
-    after full remat's recompute has just done so: one ragged all-to-all less a layer
-    (docs/MOE.md)."""
-    return lax.cond(b.fits(counts_SE), expected_branch(b.fast), b.full, rows, counts_SE,
-                    *weights)
+def _with_overflow(o: _Overflow, y_MD: jax.Array, rows_MD: jax.Array, counts_SE: jax.Array,
+                   first_SE: jax.Array, *weights: jax.Array) -> jax.Array:
+    """`o.add` where some rank overflows, else `y_MD` as it is. Differentiated as is, the
+    conditional would save the overflow branch's residuals (the worst-case buffer) every
+    layer; this VJP saves nothing of its own and recomputes the overflow in backward when it
+    occurred."""
+    return lax.cond(o.occurs(counts_SE), rare_branch(o.add), lambda y, *_: y, y_MD, rows_MD,
+                    counts_SE, first_SE, *weights)
 
 
-def _fast_residuals(b: _Branches, rows: jax.Array, counts_SE: jax.Array,
-                    weights: tuple[jax.Array, ...]) -> tuple[jax.Array, Any, list, list]:
-    """The fast path's output, its VJP's structure, for each of the VJP's leaves the input it
-    is (an index into (rows, counts, *weights), or None) and the leaves that are not inputs:
-    the residuals to keep (the inputs are kept anyway; through the conditional's output they
-    would be copied, the experts' weights among them)."""
-    y, pullback = jax.vjp(lambda x, w: b.fast(x, counts_SE, *w), rows, weights)
-    leaves, tree = jax.tree.flatten(pullback)
-    position = {id(x): i for i, x in enumerate((rows, counts_SE, *weights))}
-    sources = [position.get(id(leaf)) for leaf in leaves]
-    return y, tree, sources, [leaf for leaf, i in zip(leaves, sources, strict=True) if i is None]
+def _with_overflow_fwd(o: _Overflow, y_MD: jax.Array, rows_MD: jax.Array,
+                       counts_SE: jax.Array, first_SE: jax.Array, *weights: jax.Array
+                       ) -> tuple[jax.Array, tuple[Any, ...]]:
+    return (_with_overflow(o, y_MD, rows_MD, counts_SE, first_SE, *weights),
+            (rows_MD, counts_SE, first_SE, weights))
 
 
-def _taken_branch_fwd(b: _Branches, rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
-                      ) -> tuple[jax.Array, tuple[Any, ...]]:
-    # The fallback returns zeros in the fast residuals' places: one conditional, one type.
-    avals = jax.make_jaxpr(lambda *a: _fast_residuals(b, a[0], a[1], a[2:])[3])(
-        rows, counts_SE, *weights).out_avals
+def _with_overflow_bwd(o: _Overflow, saved: tuple[Any, ...], g: jax.Array
+                       ) -> tuple[Any, ...]:
+    rows_MD, counts_SE, first_SE, weights = saved
 
-    def fast(rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
-             ) -> tuple[jax.Array, list[jax.Array]]:
-        y, _, _, residuals = _fast_residuals(b, rows, counts_SE, weights)
-        return y, residuals
+    def recomputed(g: jax.Array, rows_MD: jax.Array, weights: tuple[jax.Array, ...]
+                   ) -> tuple[Any, ...]:
+        _, pullback = jax.vjp(lambda x, w: o.add(zeros_varying_like(g, g.shape[0]), x,
+                                                 counts_SE, first_SE, *w), rows_MD, weights)
+        return pullback(g)
 
-    def full(rows: jax.Array, counts_SE: jax.Array, *weights: jax.Array
-             ) -> tuple[jax.Array, list[jax.Array]]:
-        return b.full(rows, counts_SE, *weights), [_zeros_of(a) for a in avals]
+    def passed(g: jax.Array, rows_MD: jax.Array, weights: tuple[jax.Array, ...]
+               ) -> tuple[Any, ...]:
+        return jax.tree.map(lambda x: zeros_varying_like(x, x.shape[0]), (rows_MD, weights))
 
-    y, residuals = lax.cond(b.fits(counts_SE), expected_branch(fast), full, rows, counts_SE,
-                            *weights)
-    return y, (rows, counts_SE, weights, residuals)
-
-
-def _zeros_of(aval: Any) -> jax.Array:
-    """Zeros of `aval`'s shape and dtype, varying over the mesh axes it varies over."""
-    zeros = jnp.zeros(aval.shape, aval.dtype)
-    return lax.pcast(zeros, tuple(aval.mat.varying), to="varying") if aval.mat.varying else zeros
+    d_rows, d_weights = lax.cond(o.occurs(counts_SE), rare_branch(recomputed), passed, g,
+                                 rows_MD, weights)
+    # y_MD's cotangent is g as it is, outside the conditional, so that the first exchange's
+    # backward need not wait for it: the rows the overflow writes are rows the first exchange
+    # did not (its output buffer's zeros), whose cotangent it never reads.
+    return (g, d_rows, None, None, *d_weights)
 
 
-def _taken_branch_bwd(b: _Branches, saved: tuple[Any, ...], g: jax.Array) -> tuple[Any, ...]:
-    rows, counts_SE, weights, residuals = saved
-    structure: list[Any] = []  # (VJP structure, leaf sources), from a trace of the fast path
-
-    def traced(*a: jax.Array) -> list[jax.Array]:
-        _, tree, sources, kept = _fast_residuals(b, a[0], a[1], a[2:])
-        structure[:] = [tree, sources]
-        return kept
-
-    jax.eval_shape(traced, rows, counts_SE, *weights)
-    tree, sources = structure
-
-    def fast(rows: jax.Array, weights: tuple[jax.Array, ...], residuals: list[jax.Array],
-             g: jax.Array) -> tuple[Any, ...]:
-        inputs, kept = (rows, counts_SE, *weights), iter(residuals)
-        leaves = [next(kept) if i is None else inputs[i] for i in sources]
-        return jax.tree.unflatten(tree, leaves)(g)
-
-    def full(rows: jax.Array, weights: tuple[jax.Array, ...], residuals: list[jax.Array],
-             g: jax.Array) -> tuple[Any, ...]:
-        return jax.vjp(lambda x, w: b.full(x, counts_SE, *w), rows, weights)[1](g)
-
-    d_rows, d_weights = lax.cond(b.fits(counts_SE), expected_branch(fast), full, rows, weights,
-                                 residuals, g)
-    return (d_rows, None, *d_weights)
-
-
-_taken_branch.defvjp(_taken_branch_fwd, _taken_branch_bwd)
+_with_overflow.defvjp(_with_overflow_fwd, _with_overflow_bwd)
 
 
 def received_expert_ids(counts_SL: jax.Array, rows: int) -> jax.Array:
@@ -318,6 +299,6 @@ def ragged_dispatch(rows_MD: jax.Array, experts_M: jax.Array, n_local: int, ffn:
     order = jnp.argsort(experts_M, stable=True)  # by expert, so by destination rank
     counts_SE = lax.all_gather(jnp.bincount(experts_M, length=ep * n_local).astype(jnp.int32),
                                axis)
-    back = bounded_exchange(ffn, rows_MD[order], counts_SE, _Route(axis, ep, n_local, m,
-                                                                    exchange))
+    back = dropless_exchange(ffn, rows_MD[order], counts_SE, _Route(axis, ep, n_local, m,
+                                                                     exchange))
     return back[jnp.argsort(order)]

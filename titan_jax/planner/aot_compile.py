@@ -323,8 +323,8 @@ def _moe_estimate_lines(r: dict[str, Any]) -> list[str]:
     if skewed is None:
         return [line + "; without expert parallelism routing moves no work between devices"]
     return [line + f" and the branches that routing takes ({len(fallbacks)} conditionals; "
-            "their other branches, the dropless fallback when routing overflows the fast "
-            f"path's capacity, would add {other_s * 1e3:+.1f} ms); every pick routed to one "
+            "their other branches, the overflow exchange when routing overflows the experts' "
+            f"capacity, would add {other_s * 1e3:+.1f} ms); every pick routed to one "
             f"rank: step {skewed * 1e3:.1f} ms"]
 
 

@@ -22,8 +22,8 @@ asynchronous one (XLA:TPU's `async-collective-start` ... continuation fusions ..
 `async-collective-done` chains, or `*-start`/`*-done` pairs) is covered by the estimated work
 the schedule places between its start and its done.
 It prices what a step runs at the assumptions MFU is quoted at: a `conditional` costs the
-branch the code traced under `planner_hints.EXPECTED_BRANCH` (a finite loss, balanced expert
-routing), and a grouped matmul the row tiles balanced routing fills (`routed_rows`), not its
+branch the code traced as the one a step takes (`planner_hints`: a finite loss, balanced
+expert routing), and a grouped matmul the row tiles balanced routing fills (`routed_rows`), not its
 worst-case buffer. Seconds are also reported by op class (`op_class`, exposed collectives by
 kind).
 It is an estimate: elementwise work on the vector units, per-op launch overhead and MXU
@@ -199,7 +199,7 @@ class _Walk:
         self.by_class[op_class] = self.by_class.get(op_class, 0.0) + seconds
 
     def conditional(self, inst: Instruction, times: float) -> float:
-        """Seconds of the branch a step takes: the one traced under `EXPECTED_BRANCH`
+        """Seconds of the branch a step takes: the one traced as such
         (`planner_hints`: a finite loss, balanced routing), else (or when pricing the bound:
         `costlier_branches`) the costlier. Only that branch's FLOPs, bytes and collectives
         count; each other is reported beside it (`conditionals`)."""
@@ -213,7 +213,8 @@ class _Walk:
         if not branches:
             return 0.0
         own = hlo_stats.op_name(inst)
-        expected = [b for b in branches if hlo_stats.is_expected_branch(self.module, b[0], own)]
+        marked = hlo_stats.expected_branches(self.module, [b[0] for b in branches], own)
+        expected = [b for b in branches if b[0] in marked]
         taken = (expected[0] if len(expected) == 1 and not self.costlier_branches
                  else max(branches, key=lambda b: b[1]))
         self._restore(taken[2])

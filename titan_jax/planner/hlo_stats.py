@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from titan_jax.planner_hints import EXPECTED_BRANCH
+from titan_jax.planner_hints import EXPECTED_BRANCH, RARE_BRANCH
 
 COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
                   "ragged-all-to-all", "collective-permute")
@@ -273,10 +273,10 @@ def _ragged_dot(inst: Instruction, defs: dict[str, Instruction]) -> tuple[float,
 def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]]
                        ) -> tuple[float, float]:
     """Sums of per-computation (expected, bound), one branch of each conditional (one runs:
-    the expert FFN's capacity fast path or its chunked whole-buffer fallback): the bound the
-    costlier, the expected count the branch traced under `EXPECTED_BRANCH` (the fast path
-    balanced routing takes; the cheaper one where no branch is marked). A branch with no
-    grouped matmul counts 0."""
+    the expert FFN's overflow exchange, or not): the bound the
+    costlier, the expected count the branch traced as the one a step takes
+    (`expected_branches`: the path balanced routing takes; the cheaper one where no branch is
+    marked). A branch with no grouped matmul counts 0."""
     branch_of: dict[str, tuple[str, str]] = {}  # computation -> (conditional, its branch)
     branches: dict[str, dict[str, list[float]]] = collections.defaultdict(dict)
     expected: dict[str, str] = {}  # conditional -> its branch traced as the expected one
@@ -291,19 +291,24 @@ def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]
 
     def visit(name: str, seen: set[str]) -> None:
         for inst in module.computations.get(name, []):
+            alternatives = []
             for kind, callee in called(inst):
                 if callee in seen:
                     continue
                 seen.add(callee)
                 if inst.op == "conditional" and kind in ("branch", "true_computation",
                                                           "false_computation"):
-                    key = f"{name}/{inst.name}"
-                    mark(callee, (key, callee))
-                    branches[key].setdefault(callee, [0.0, 0.0])
-                    if is_expected_branch(module, callee, op_name(inst)):
-                        expected[key] = callee
+                    alternatives.append(callee)
                 else:
                     visit(callee, seen)
+            if alternatives:
+                key = f"{name}/{inst.name}"
+                for callee in alternatives:
+                    mark(callee, (key, callee))
+                    branches[key].setdefault(callee, [0.0, 0.0])
+                taken = expected_branches(module, alternatives, op_name(inst))
+                if len(taken) == 1:
+                    expected[key] = taken[0]
 
     visit(module.entry, set())
     total = [0.0, 0.0]
@@ -322,13 +327,21 @@ def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]
     return total[0], total[1]
 
 
-def is_expected_branch(module: HloModule, branch: str, conditional_op_name: str) -> bool:
-    """Whether `branch` was traced under `EXPECTED_BRANCH` inside its conditional (an op's
-    name below the conditional's own names the scope; one the conditional itself sits in
-    marks every branch, so it is not counted)."""
-    marker = f"/{EXPECTED_BRANCH}/"
-    return any(marker in op_name(i).removeprefix(conditional_op_name)
-               for i in module.computations.get(branch, []))
+def expected_branches(module: HloModule, branches: list[str], conditional_op_name: str
+                      ) -> list[str]:
+    """The branches of a conditional traced as the one a step takes: under `EXPECTED_BRANCH`,
+    else those not under `RARE_BRANCH` where a sibling is (`planner_hints`). An op's name
+    below the conditional's own names the scope; one the conditional itself sits in marks
+    every branch, so it is not counted."""
+    def marked(branch: str, scope: str) -> bool:
+        return any(f"/{scope}/" in op_name(i).removeprefix(conditional_op_name)
+                   for i in module.computations.get(branch, []))
+
+    expected = [b for b in branches if marked(b, EXPECTED_BRANCH)]
+    if expected:
+        return expected
+    rare = [b for b in branches if marked(b, RARE_BRANCH)]
+    return [b for b in branches if b not in rare] if rare else []
 
 
 def replica_groups(inst: Instruction) -> list[list[int]]:

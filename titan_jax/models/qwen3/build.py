@@ -18,7 +18,8 @@ from flax import nnx
 
 from titan_jax.models.attention import resolve_attention
 from titan_jax.models.qwen3.args import Qwen3Args
-from titan_jax.models.qwen3.model import SAVED_ACTIVATIONS, Kernels, Qwen3, stacked_logical_axes
+from titan_jax.models.qwen3.model import (ALWAYS_SAVED, SAVED_ACTIVATIONS, Kernels, Qwen3,
+                                          stacked_logical_axes)
 from titan_jax.models.qwen3.moe import expert_kernel_for, update_expert_bias
 from titan_jax.models.remat import remat_policy
 from titan_jax.models.spec import Aux, BuildOptions, Params
@@ -43,7 +44,7 @@ class Qwen3Def:
     def remat(self) -> Callable | None:
         o = self.options
         return remat_policy(o.remat_mode, o.save_gathered_params, SAVED_ACTIVATIONS,
-                            o.offload_layer_input)
+                            o.offload_layer_input, ALWAYS_SAVED)
 
     def init(self, key: jax.Array) -> Params:
         """Random init (torchtitan's scheme, see model.py). jit it with out_shardings to shard."""

@@ -40,7 +40,7 @@ from titan_jax.models.embedding import vocab_lookup
 from titan_jax.models.lookahead import scan_with_lookahead
 from titan_jax.models.quantization import NONE, Quantization, dot
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
-from titan_jax.models.qwen3.moe import MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
+from titan_jax.models.qwen3.moe import MOE_ROUTING, MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
 from titan_jax.models.remat import LAYER_INPUT
 from titan_jax.models.sharding_hooks import (
     GATHERED_PARAM,
@@ -61,6 +61,8 @@ Array = jax.Array
 # between them (norms, RoPE, SiLU * mul, residual adds) is recomputed in backward.
 SAVED_ACTIVATIONS = ("q_proj", "k_proj", "v_proj", "attn_out", "wo_out", "ffn_w1", "ffn_w3",
                      "ffn_out", *MOE_SAVED_ACTIVATIONS)
+# Names every remat mode saves (see `remat_policy`).
+ALWAYS_SAVED = (MOE_ROUTING,)
 KVPair = tuple[Array, Array]  # (keys, values) of a KV cache
 # Logical axes of the activations the layout is pinned at (rules: titan_jax/parallel/rules.py).
 ACT_AXES = ("batch", "seq", "embed")

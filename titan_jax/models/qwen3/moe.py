@@ -48,6 +48,11 @@ from titan_jax.models.sharding_hooks import dispatch_to_experts, use_param
 Array = jax.Array
 # The experts' matmul outputs, which selective activation checkpointing saves (model.py).
 MOE_SAVED_ACTIVATIONS = ("moe_w1", "moe_w3", "moe_w2")
+# The router's picks and gate weights (top_k numbers a token), which every remat mode saves:
+# recomputed, the weighted sum's backward would wait on the recomputed router, and the
+# compiler fuses that with the gate's backward, so the output gradient's exchange would start
+# only after the whole recomputed FFN (docs/MOE.md).
+MOE_ROUTING = "moe_routing"
 
 
 @jax.named_scope("router")
@@ -174,6 +179,7 @@ class MoE(nnx.Module):
         x_RD = x_BTD.reshape(-1, x_BTD.shape[-1])
         experts, weights, probs = route(x_RD, use_param(self.gate, jnp.float32), expert_bias_E,
                                         self.top_k, self.norm_topk_prob)
+        experts, weights = checkpoint_name((experts, weights), MOE_ROUTING)
         dtype = x_BTD.dtype
         y_RD = routed_experts(x_RD, experts, weights, use_param(self.w1, dtype),
                               use_param(self.w3, dtype), use_param(self.w2, dtype),
