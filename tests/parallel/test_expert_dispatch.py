@@ -135,7 +135,7 @@ def test_exchange_equals_local_experts_outputs_and_gradients(routing):
 def test_the_first_exchange_fills_each_receiver_source_after_source_up_to_its_capacity():
     """`capped_counts`: each source's picks for a receiver, in expert order, sent while the
     receiver has room; the rest overflow."""
-    ep, n_local, capacity = 3, 2, 5
+    ep, capacity = 3, 5  # 2 experts a rank
     counts_SDL = np.array([[[1, 1], [3, 0], [0, 0]],
                            [[2, 1], [2, 2], [1, 0]],
                            [[0, 2], [1, 0], [2, 2]]], np.int32)

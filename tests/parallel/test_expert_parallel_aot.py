@@ -111,3 +111,49 @@ def test_experts_run_the_megablox_kernels_counted_at_the_analytic_flops(compiled
     capacity = expert_parallel.expert_capacity(per_rank, EP * per_rank)
     overflow = expert_parallel.overflow_rows(per_rank, EP, capacity)
     assert bound == pytest.approx(analytic / 11 / per_rank * (11 * capacity + 14 * overflow))
+
+
+def test_no_compute_dtype_copy_of_the_stacked_expert_weights(compiled):
+    """XLA:TPU (bfloat16 propagation, loop-invariant code motion) would cast each layer-stacked
+    fp32 expert weight to one bf16 copy of all layers before the layer loops, held through the
+    step; `compiler_workarounds.cast_in_loop` keeps each layer casting its own slice."""
+    trainer, _, program, _ = compiled
+    experts = jax.tree.leaves(trainer.abstract_state()["params"]["layers"]["moe"])
+    copies = [f"bf16[{','.join(map(str, w.sharding.shard_shape(w.shape)))}]" for w in experts
+              if w.ndim == 4]  # (layers, experts, in, out) per chip
+    assert len(copies) == 3
+    assert not [i.name for body in program.computations.values() for i in body
+                if any(c in i.type for c in copies)], copies
+
+
+def test_no_expert_kernel_runs_on_the_whole_receive_buffer(compiled):
+    """The overflow branch runs the buffer in chunks of a rank's picks (each recomputed in
+    backward): no kernel takes the whole worst-case buffer at once, whose activations and
+    gradients set the compiled step's peak (the compiler sizes a conditional for its larger
+    branch)."""
+    _, _, program, _ = compiled
+    picks = GLOBAL_BATCH // DATA_SHARDS * SEQ_LEN * TINY_MOE.top_k  # a rank's, per chip
+    capacity = expert_parallel.expert_capacity(picks, EP * picks)
+    rows = sorted({kernel_flops.megablox_flops(i)[1] for body in program.computations.values()
+                   for i in body if kernel_flops.megablox_flops(i)})
+    assert rows == sorted({picks, capacity}), rows
+
+
+def test_the_estimate_prices_the_branch_and_rows_balanced_routing_takes(compiled):
+    """The overflow exchange's conditionals (forward, remat's recompute, backward) are priced
+    by the branch balanced routing takes, which skips it, and the grouped matmuls at the rows
+    that routing fills; every pick on one rank (the overflow through the worst-case buffer)
+    bounds it."""
+    trainer, _, program, _ = compiled
+    n, chip = trainer.mesh.size, CHIPS["v5p"]
+    rows = aot_compile.routed_rows(trainer)
+    assert rows == GLOBAL_BATCH // DATA_SHARDS * SEQ_LEN * TINY_MOE.top_k
+    balanced = hlo_cost.estimate(program, chip, n, routed_rows=rows)
+    skewed = hlo_cost.estimate(program, chip, n, costlier_branches=True)
+    assert all(c["expected"] for c in balanced["conditionals"])  # each says which it takes
+    fallbacks = [c for c in balanced["conditionals"]
+                 if any(o["seconds"] > c["seconds"] for o in c["others"])]
+    assert len(fallbacks) == 3 and all(c["seconds"] < 1e-6 for c in fallbacks)
+    assert balanced["flops_per_chip"] < skewed["flops_per_chip"]
+    assert balanced["hbm_bytes_per_chip"] < skewed["hbm_bytes_per_chip"]
+    assert balanced["step_s"] < skewed["step_s"]

@@ -18,8 +18,13 @@ from flax import nnx
 
 from titan_jax.models.attention import resolve_attention
 from titan_jax.models.qwen3.args import Qwen3Args
-from titan_jax.models.qwen3.model import (ALWAYS_SAVED, SAVED_ACTIVATIONS, Kernels, Qwen3,
-                                          stacked_logical_axes)
+from titan_jax.models.qwen3.model import (
+    ALWAYS_SAVED,
+    SAVED_ACTIVATIONS,
+    Kernels,
+    Qwen3,
+    stacked_logical_axes,
+)
 from titan_jax.models.qwen3.moe import expert_kernel_for, update_expert_bias
 from titan_jax.models.remat import remat_policy
 from titan_jax.models.spec import Aux, BuildOptions, Params
