@@ -62,29 +62,34 @@ def test_dense_emulation_follows_the_ragged_all_to_all_semantics_with_the_plans_
     np.testing.assert_array_equal(got, picks)  # every row back where it left
 
 
-def local_dispatch(rows, experts, n_local, ffn):
-    del n_local
-    return ffn(rows, experts)
+def local_moe_out(x, experts, weights, w1, w3, w2):
+    """sum_k weights * FFN_{expert}(x), every expert here, weighted after the FFN."""
+    n, k = experts.shape
+    y = expert_ffn(x[jnp.arange(n * k) // k], experts.reshape(-1), w1, w3, w2, "looped")
+    return jnp.einsum("nk,nkd->nd", weights, y.reshape(n, k, -1).astype(jnp.float32))
 
 
-def moe_out(dispatch, x, experts, weights, w1, w3, w2, n_local):
-    """sum_k weights * FFN_{expert}(x), each (token, slot) pick one row through `dispatch`."""
-    def ffn(rows, ids):
-        return expert_ffn(rows, ids, w1, w3, w2, "looped")
+CPU_EXCHANGE = exchange_for("cpu", N * K)
+
+
+def exchanged_moe_out(x, experts, weights, w1, w3, w2, exchange=CPU_EXCHANGE):
+    """The same, each (token, slot) pick one row through the exchange with its gate weight,
+    which scales the FFN's output on the expert's rank."""
+    def ffn(rows, ids, gates):
+        return expert_ffn(rows, ids, w1, w3, w2, "looped") * gates[:, None]
 
     n, k = experts.shape
-    y = dispatch(x[jnp.arange(n * k) // k], experts.reshape(-1), n_local, ffn)
-    return jnp.einsum("nk,nkd->nd", weights, y.reshape(n, k, -1).astype(jnp.float32))
+    y = ragged_dispatch(x[jnp.arange(n * k) // k], experts.reshape(-1), weights.reshape(-1),
+                        E // EP, ffn, axis="ep", ep=EP, exchange=exchange)
+    return jnp.sum(y.reshape(n, k, -1), axis=1)
 
 
 def loss_fns(mesh):
     def local(x, experts, weights, w1, w3, w2):
-        return jnp.sum(jnp.sin(moe_out(local_dispatch, x, experts, weights, w1, w3, w2, E)))
+        return jnp.sum(jnp.sin(local_moe_out(x, experts, weights, w1, w3, w2)))
 
     def per_rank(x, experts, weights, w1, w3, w2):
-        dispatch = functools.partial(ragged_dispatch, axis="ep", ep=EP,
-                                     exchange=exchange_for("cpu", N * K))
-        out = moe_out(dispatch, x, experts, weights, w1, w3, w2, E // EP)
+        out = exchanged_moe_out(x, experts, weights, w1, w3, w2)
         return jax.lax.psum(jnp.sum(jnp.sin(out)), "ep")
 
     rows, experts_split = P("ep"), P("ep")
@@ -153,17 +158,15 @@ def test_ragged_exchange_rows_vary_over_ep_so_no_cotangent_is_summed_over_ranks(
     buffers must vary over `ep`; typed replicated, the backward would psum the rows'
     cotangents over the ranks (other ranks' tokens)."""
     def per_rank(x, experts, weights, w1, w3, w2):
-        dispatch = functools.partial(ragged_dispatch, axis="ep", ep=EP,
-                                     exchange=jax.lax.ragged_all_to_all)
-        out = moe_out(dispatch, x, experts, weights, w1, w3, w2, E // EP)
+        out = exchanged_moe_out(x, experts, weights, w1, w3, w2, jax.lax.ragged_all_to_all)
         return jax.lax.psum(jnp.sum(out), "ep")
 
     shapes = [((EP * N, D), jnp.float32), ((EP * N, K), jnp.int32), ((EP * N, K), jnp.float32),
               ((E, D, F), jnp.float32), ((E, D, F), jnp.float32), ((E, F, D), jnp.float32)]
     sharded = jax.shard_map(per_rank, mesh=ep_mesh(EP), in_specs=P("ep"), out_specs=P())
-    grads = jax.grad(sharded, argnums=(0, 3, 4, 5))
+    grads = jax.grad(sharded, argnums=(0, 2, 3, 4, 5))
     jaxpr = str(jax.make_jaxpr(grads)(*(jax.ShapeDtypeStruct(s, t) for s, t in shapes)))
-    assert jaxpr.count("ragged_all_to_all") >= 4  # dispatch and combine, both ways
+    assert jaxpr.count("ragged_all_to_all") >= 6  # rows, gates and results, both ways
     summed = [line for line in jaxpr.splitlines()  # of arrays: the loss's scalar is summed
               if "psum_invariant" in line and re.search(r":\w+\[\d", line)]
     assert summed == [], summed

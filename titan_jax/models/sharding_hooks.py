@@ -4,7 +4,8 @@ A model calls four functions, naming dimensions by logical axis only (`("batch",
 "embed")`), and the active `Parallelism` answers each under the same name:
 - `use_param(param, dtype)`: the weight as the forward uses it;
 - `constrain(x, logical_axes)`: an activation pinned to its layout;
-- `dispatch_to_experts(rows, experts, n_local, ffn)`: MoE picks through their experts' FFN;
+- `dispatch_to_experts(rows, experts, gates, n_local, ffn)`: MoE picks through their
+  experts' FFN, each output scaled by its gate weight;
 - `run_per_shard(kernel, args, in_axes, out_axes)`: a kernel the compiler cannot partition
   (Pallas), run on each device's shard;
 - `sequence_split()`: where this shard's tokens sit in the sequence, for RoPE and attention
@@ -44,8 +45,9 @@ from titan_jax.models.spec import Aux, Params
 LogicalAxes = tuple[str | None, ...]
 # checkpoint_name of every weight as the forward uses it (cast, and gathered under FSDP).
 GATHERED_PARAM = "fsdp_gathered_param"
-# (rows (M, D), local expert id of each row (M,)) -> each row through its expert's FFN (M, D).
-ExpertFFN = Callable[[jax.Array, jax.Array], jax.Array]
+# (rows (M, D), local expert id of each row (M,), gate weight of each row (M,)) -> each row
+# through its expert's FFN, scaled by its gate weight (M, D).
+ExpertFFN = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 Kernel = Callable[..., jax.Array]
 # A batch's summed loss and its aux, (params, buffers, inputs_BT, labels_BT) -> (scalar, aux).
 SummedLoss = Callable[[Params, Params, jax.Array, jax.Array], tuple[jax.Array, Aux]]
@@ -151,13 +153,13 @@ class Parallelism:
         del logical_axes
         return x
 
-    def dispatch_to_experts(self, rows_MD: jax.Array, experts_M: jax.Array, n_local: int,
-                            ffn: ExpertFFN) -> jax.Array:
+    def dispatch_to_experts(self, rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array,
+                            n_local: int, ffn: ExpertFFN) -> jax.Array:
         """Each row (one (token, slot) pick) through the FFN of its expert (`experts_M`, global
-        ids), in the rows' order. `ffn` holds the `n_local` experts kept here; every expert is
-        here without expert parallelism."""
+        ids) with its gate weight (`gates_M`), in the rows' order. `ffn` holds the `n_local`
+        experts kept here; every expert is here without expert parallelism."""
         del n_local
-        return ffn(rows_MD, experts_M)
+        return ffn(rows_MD, experts_M, gates_M)
 
     def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
                       in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
@@ -204,9 +206,9 @@ class _Pregathered(Parallelism):
     def constrain(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         return self.outer.constrain(x, logical_axes)
 
-    def dispatch_to_experts(self, rows_MD: jax.Array, experts_M: jax.Array, n_local: int,
-                            ffn: ExpertFFN) -> jax.Array:
-        return self.outer.dispatch_to_experts(rows_MD, experts_M, n_local, ffn)
+    def dispatch_to_experts(self, rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array,
+                            n_local: int, ffn: ExpertFFN) -> jax.Array:
+        return self.outer.dispatch_to_experts(rows_MD, experts_M, gates_M, n_local, ffn)
 
     def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
                       in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
@@ -271,10 +273,10 @@ def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
     return _ACTIVE.get().constrain(x, logical_axes)
 
 
-def dispatch_to_experts(rows_MD: jax.Array, experts_M: jax.Array, n_local: int,
-                        ffn: ExpertFFN) -> jax.Array:
+def dispatch_to_experts(rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array,
+                        n_local: int, ffn: ExpertFFN) -> jax.Array:
     """The MoE layer's picks through their experts (see `Parallelism.dispatch_to_experts`)."""
-    return _ACTIVE.get().dispatch_to_experts(rows_MD, experts_M, n_local, ffn)
+    return _ACTIVE.get().dispatch_to_experts(rows_MD, experts_M, gates_M, n_local, ffn)
 
 
 def run_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],

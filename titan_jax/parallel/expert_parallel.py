@@ -132,19 +132,25 @@ class _Route:
     m: int
     exchange: RaggedExchange
 
-    def through(self, ffn: ExpertFFN, rows_MD: jax.Array, sent_SE: jax.Array,
-                starts_SD: jax.Array, buffer_rows: int, output_MD: jax.Array) -> jax.Array:
-        """Dispatch `sent_SE[s, e]` rows per source and expert (each source's slice for rank d
-        starting at `starts_SD[s, d]` of its sorted rows) into a receive buffer of
-        `buffer_rows` rows (real rows first, padding rows the id `n_local`), `ffn` over it,
-        and the results back into `output_MD` at the rows they left from."""
+    def through(self, ffn: ExpertFFN, rows_MD: jax.Array, gates_M: jax.Array,
+                sent_SE: jax.Array, starts_SD: jax.Array, buffer_rows: int,
+                output_MD: jax.Array) -> jax.Array:
+        """Dispatch `sent_SE[s, e]` rows and their gate weights per source and expert (each
+        source's slice for rank d starting at `starts_SD[s, d]` of its sorted rows) into a
+        receive buffer of `buffer_rows` rows (real rows first, padding rows the id `n_local`
+        and gate 0), `ffn` over it, and the results back into `output_MD` at the rows they
+        left from. The gates travel too (a number a row) so that the FFN's outputs are scaled
+        where they are computed: backward then takes the gates' gradient there, and needs no
+        recomputed combine to bring the outputs to the tokens (one exchange of rows less a
+        layer under remat)."""
         rank = lax.axis_index(self.axis)
         dispatch, combine = exchange_plan(self.per_rank(sent_SE), rank, starts_SD)
         send = functools.partial(self.exchange, axis_name=self.axis)
         received = send(rows_MD, zeros_varying_like(rows_MD, buffer_rows), *dispatch)
+        gates = send(gates_M, zeros_varying_like(gates_M, buffer_rows), *dispatch)
         sent_SL = lax.dynamic_slice_in_dim(sent_SE, rank * self.n_local, self.n_local, axis=1)
-        return send(ffn(received, received_expert_ids(sent_SL, buffer_rows)), output_MD,
-                    *combine)
+        return send(ffn(received, received_expert_ids(sent_SL, buffer_rows), gates),
+                    output_MD, *combine)
 
     def per_rank(self, counts_SE: jax.Array) -> jax.Array:
         """(ep, ep) counts per (source, destination rank) from counts per (source, expert)."""
@@ -162,8 +168,8 @@ def capped_counts(counts_SE: jax.Array, ep: int, capacity: int) -> jax.Array:
     return jnp.clip(sent_SD[..., None] - before_SDL, 0, counts_SDL).reshape(counts_SE.shape)
 
 
-def dropless_exchange(ffn: ExpertFFN, rows_MD: jax.Array, counts_SE: jax.Array, route: _Route
-                      ) -> jax.Array:
+def dropless_exchange(ffn: ExpertFFN, rows_MD: jax.Array, gates_M: jax.Array,
+                      counts_SE: jax.Array, route: _Route) -> jax.Array:
     """`route.through` every pick, dropless, with a receive buffer of `capacity` rows on the
     path every step runs: the picks that fit in it (all of them under balanced-ish routing)
     travel in a first exchange outside any conditional, so the compiler may overlap it with
@@ -173,26 +179,27 @@ def dropless_exchange(ffn: ExpertFFN, rows_MD: jax.Array, counts_SE: jax.Array, 
     worst, starts_SD = route.ep * route.m, _exclusive_cumsum(route.per_rank(counts_SE), axis=1)
     capacity = expert_capacity(route.m, worst)
     if capacity >= worst:
-        return route.through(ffn, rows_MD, counts_SE, starts_SD, worst,
+        return route.through(ffn, rows_MD, gates_M, counts_SE, starts_SD, worst,
                              zeros_varying_like(rows_MD, route.m))
     first_SE = capped_counts(counts_SE, route.ep, capacity)
-    y_MD = route.through(ffn, rows_MD, first_SE, starts_SD, capacity,
+    y_MD = route.through(ffn, rows_MD, gates_M, first_SE, starts_SD, capacity,
                          zeros_varying_like(rows_MD, route.m))
     # The FFN over one chunk of `m` rows, as a function of its closed-over values (the experts'
     # weights), for the overflow's VJP.
     chunk_ffn, weights = jax.closure_convert(
         ffn, zeros_varying_like(rows_MD, route.m),
-        zeros_varying_like(rows_MD, route.m, (route.m,), jnp.int32))
+        zeros_varying_like(rows_MD, route.m, (route.m,), jnp.int32),
+        zeros_varying_like(gates_M, route.m))
     overflow = _Overflow(chunk_ffn, route, capacity)
-    return _with_overflow(overflow, y_MD, rows_MD, counts_SE, first_SE, *weights)
+    return _with_overflow(overflow, y_MD, rows_MD, gates_M, counts_SE, first_SE, *weights)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Overflow:
     """The picks past the receivers' `capacity` rows: a second exchange into the worst-case
-    buffer, the FFN over it chunk after chunk of `m` rows (`chunk_ffn(rows, ids, *weights)`,
-    which sorts each chunk's rows by expert itself), each chunk recomputed in backward so that
-    only the chunks' inputs are saved."""
+    buffer, the FFN over it chunk after chunk of `m` rows (`chunk_ffn(rows, ids, gates,
+    *weights)`, which sorts each chunk's rows by expert itself), each chunk recomputed in
+    backward so that only the chunks' inputs are saved."""
 
     chunk_ffn: Callable[..., jax.Array]
     route: _Route
@@ -202,64 +209,65 @@ class _Overflow:
         """Whether some rank receives more than `capacity` rows."""
         return jnp.max(self.route.per_rank(counts_SE).sum(0)) > self.capacity
 
-    def add(self, y_MD: jax.Array, rows_MD: jax.Array, counts_SE: jax.Array,
-            first_SE: jax.Array, *weights: jax.Array) -> jax.Array:
+    def add(self, y_MD: jax.Array, rows_MD: jax.Array, gates_M: jax.Array,
+            counts_SE: jax.Array, first_SE: jax.Array, *weights: jax.Array) -> jax.Array:
         """`y_MD` with the overflowing picks' results written in."""
         route, m = self.route, self.route.m
 
-        def chunked(x: jax.Array, ids: jax.Array) -> jax.Array:
+        def chunked(x: jax.Array, ids: jax.Array, gates: jax.Array) -> jax.Array:
             @jax.checkpoint
-            def one(_: None, chunk: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+            def one(_: None, chunk: tuple[jax.Array, ...]) -> tuple[None, jax.Array]:
                 return None, self.chunk_ffn(*chunk, *weights)
 
             n = x.shape[0] // m
-            _, y = lax.scan(one, None, (x.reshape(n, m, *x.shape[1:]), ids.reshape(n, m)))
+            _, y = lax.scan(one, None, (x.reshape(n, m, *x.shape[1:]), ids.reshape(n, m),
+                                        gates.reshape(n, m)))
             return y.reshape(x.shape)
 
         starts_SD = (_exclusive_cumsum(route.per_rank(counts_SE), axis=1)
                      + route.per_rank(first_SE))
-        return route.through(chunked, rows_MD, counts_SE - first_SE, starts_SD,
+        return route.through(chunked, rows_MD, gates_M, counts_SE - first_SE, starts_SD,
                              overflow_rows(m, route.ep, self.capacity), y_MD)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _with_overflow(o: _Overflow, y_MD: jax.Array, rows_MD: jax.Array, counts_SE: jax.Array,
-                   first_SE: jax.Array, *weights: jax.Array) -> jax.Array:
+def _with_overflow(o: _Overflow, y_MD: jax.Array, rows_MD: jax.Array, gates_M: jax.Array,
+                   counts_SE: jax.Array, first_SE: jax.Array, *weights: jax.Array
+                   ) -> jax.Array:
     """`o.add` where some rank overflows, else `y_MD` as it is. Differentiated as is, the
     conditional would save the overflow branch's residuals (the worst-case buffer) every
     layer; this VJP saves nothing of its own and recomputes the overflow in backward when it
     occurred."""
     return lax.cond(o.occurs(counts_SE), rare_branch(o.add), lambda y, *_: y, y_MD, rows_MD,
-                    counts_SE, first_SE, *weights)
+                    gates_M, counts_SE, first_SE, *weights)
 
 
-def _with_overflow_fwd(o: _Overflow, y_MD: jax.Array, rows_MD: jax.Array,
+def _with_overflow_fwd(o: _Overflow, y_MD: jax.Array, rows_MD: jax.Array, gates_M: jax.Array,
                        counts_SE: jax.Array, first_SE: jax.Array, *weights: jax.Array
                        ) -> tuple[jax.Array, tuple[Any, ...]]:
-    return (_with_overflow(o, y_MD, rows_MD, counts_SE, first_SE, *weights),
-            (rows_MD, counts_SE, first_SE, weights))
+    return (_with_overflow(o, y_MD, rows_MD, gates_M, counts_SE, first_SE, *weights),
+            (rows_MD, gates_M, counts_SE, first_SE, weights))
 
 
 def _with_overflow_bwd(o: _Overflow, saved: tuple[Any, ...], g: jax.Array
                        ) -> tuple[Any, ...]:
-    rows_MD, counts_SE, first_SE, weights = saved
+    rows_MD, gates_M, counts_SE, first_SE, weights = saved
 
-    def recomputed(g: jax.Array, rows_MD: jax.Array, weights: tuple[jax.Array, ...]
-                   ) -> tuple[Any, ...]:
-        _, pullback = jax.vjp(lambda x, w: o.add(zeros_varying_like(g, g.shape[0]), x,
-                                                 counts_SE, first_SE, *w), rows_MD, weights)
+    def recomputed(g: jax.Array, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        _, pullback = jax.vjp(lambda x, gates, w: o.add(zeros_varying_like(g, g.shape[0]), x,
+                                                        gates, counts_SE, first_SE, *w),
+                              *inputs)
         return pullback(g)
 
-    def passed(g: jax.Array, rows_MD: jax.Array, weights: tuple[jax.Array, ...]
-               ) -> tuple[Any, ...]:
-        return jax.tree.map(lambda x: zeros_varying_like(x, x.shape[0]), (rows_MD, weights))
+    def passed(g: jax.Array, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        return jax.tree.map(lambda x: zeros_varying_like(x, x.shape[0]), inputs)
 
-    d_rows, d_weights = lax.cond(o.occurs(counts_SE), rare_branch(recomputed), passed, g,
-                                 rows_MD, weights)
+    d_rows, d_gates, d_weights = lax.cond(o.occurs(counts_SE), rare_branch(recomputed), passed,
+                                          g, (rows_MD, gates_M, weights))
     # y_MD's cotangent is g as it is, outside the conditional, so that the first exchange's
     # backward need not wait for it: the rows the overflow writes are rows the first exchange
     # did not (its output buffer's zeros), whose cotangent it never reads.
-    return (g, d_rows, None, None, *d_weights)
+    return (g, d_rows, d_gates, None, None, *d_weights)
 
 
 _with_overflow.defvjp(_with_overflow_fwd, _with_overflow_bwd)
@@ -291,14 +299,16 @@ def zeros_varying_like(x: jax.Array, rows: int, shape: tuple[int, ...] | None = 
     return lax.pcast(buffer, missing, to="varying") if missing else buffer
 
 
-def ragged_dispatch(rows_MD: jax.Array, experts_M: jax.Array, n_local: int, ffn: ExpertFFN,
-                    axis: str, ep: int, exchange: RaggedExchange) -> jax.Array:
+def ragged_dispatch(rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array,
+                    n_local: int, ffn: ExpertFFN, axis: str, ep: int, exchange: RaggedExchange
+                    ) -> jax.Array:
     """Each row (one pick) through its expert, held by rank `experts_M // n_local` of mesh
-    axis `axis` (size `ep`); the results in the rows' order (see the module docstring)."""
+    axis `axis` (size `ep`), scaled by its gate weight; the results in the rows' order (see
+    the module docstring)."""
     m = rows_MD.shape[0]
     order = jnp.argsort(experts_M, stable=True)  # by expert, so by destination rank
     counts_SE = lax.all_gather(jnp.bincount(experts_M, length=ep * n_local).astype(jnp.int32),
                                axis)
-    back = dropless_exchange(ffn, rows_MD[order], counts_SE, _Route(axis, ep, n_local, m,
-                                                                     exchange))
+    back = dropless_exchange(ffn, rows_MD[order], gates_M[order], counts_SE,
+                             _Route(axis, ep, n_local, m, exchange))
     return back[jnp.argsort(order)]

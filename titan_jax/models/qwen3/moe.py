@@ -7,12 +7,13 @@ experts; experts are chosen by top-k of (probabilities + expert_bias); gate weig
 only changes which experts are chosen, never the weights, and carries no gradient.
 
 Experts (dropless): every (token, slot) pair is sorted by expert (stable), the rows are
-gathered, three grouped matmuls run SwiGLU per expert, the results are un-sorted by the inverse
-permutation (a gather, whose backward is a gather too, not a scatter-add) and summed over the
-k slots in fp32, weighted by the gate weights. The picks go through the active expert dispatch
-(`sharding_hooks.dispatch_to_experts`): local by default, an all-to-all over the `ep` mesh axis
-under expert parallelism (`titan_jax/parallel/expert_parallel.py`), which only moves rows: the
-routing and the weighted sum stay here.
+gathered, three grouped matmuls run SwiGLU per expert, each output is scaled by its gate weight
+where it is computed, and the results are un-sorted by the inverse permutation (a gather,
+whose backward is a gather too, not a scatter-add) and summed over the k slots in fp32. The
+picks go through the active expert dispatch (`sharding_hooks.dispatch_to_experts`): local by
+default, an all-to-all over the `ep` mesh axis under expert parallelism
+(`titan_jax/parallel/expert_parallel.py`), which moves rows and their gate weights: the routing
+and the sum over slots stay here.
 
 Expert kernels (`EXPERT_KERNELS`: the SwiGLU of rows sorted by expert), chosen by the target
 platform:
@@ -121,18 +122,20 @@ def routed_experts(x_RD: Array, experts_RC: Array, weights_RC: Array, w1_EDF: Ar
                    quantization: Quantization = NONE) -> Array:
     """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]), dropless, in x's dtype. Each
     (token, slot) pick is one row through the active expert dispatch (local, or all-to-all
-    under expert parallelism, where the weights are the experts held here); the k slots are
-    summed in fp32, weighted by the gate."""
-    def ffn(rows_MD: Array, experts_M: Array) -> Array:
-        return expert_ffn(rows_MD, experts_M, w1_EDF, w3_EDF, w2_EFD, expert_kernel,
+    under expert parallelism, where the weights are the experts held here), its output scaled
+    by its gate weight in fp32 where the experts compute it and cast to x's dtype (as
+    TorchTitan's and HF's); the k slots are summed in fp32."""
+    def ffn(rows_MD: Array, experts_M: Array, gates_M: Array) -> Array:
+        y_MD = expert_ffn(rows_MD, experts_M, w1_EDF, w3_EDF, w2_EFD, expert_kernel,
                           quantization)
+        return (y_MD.astype(jnp.float32) * gates_M[:, None]).astype(y_MD.dtype)
 
     n, k = experts_RC.shape
-    with jax.named_scope("moe_permute"):  # the picks' copies, sorts, exchange and weighted sum
+    with jax.named_scope("moe_permute"):  # the picks' copies, sorts, exchange and sum
         rows_MD = x_RD[jnp.arange(n * k) // k]
-        y_MD = dispatch_to_experts(rows_MD, experts_RC.reshape(-1), w1_EDF.shape[0], ffn)
-        y_RCD = y_MD.reshape(n, k, -1).astype(jnp.float32)
-        return jnp.einsum("rc,rcd->rd", weights_RC, y_RCD).astype(x_RD.dtype)
+        y_MD = dispatch_to_experts(rows_MD, experts_RC.reshape(-1), weights_RC.reshape(-1),
+                                   w1_EDF.shape[0], ffn)
+        return jnp.sum(y_MD.reshape(n, k, -1).astype(jnp.float32), axis=1).astype(x_RD.dtype)
 
 
 def dense_reference(x_RD: Array, experts_RC: Array, weights_RC: Array, w1_EDF: Array,

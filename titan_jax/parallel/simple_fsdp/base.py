@@ -111,15 +111,16 @@ class SimpleFSDP(Parallelism, abc.ABC):
         """`value` (in the reduce dtype) cast to `dtype` and gathered to `layout.compute`;
         `kept`: the compute layout keeps a data-parallel split (vocabulary, experts)."""
 
-    def dispatch_to_experts(self, rows_MD: jax.Array, experts_M: jax.Array, n_local: int,
-                            ffn: ExpertFFN) -> jax.Array:
+    def dispatch_to_experts(self, rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array,
+                            n_local: int, ffn: ExpertFFN) -> jax.Array:
         """Under expert parallelism the picks travel to their expert's rank and back by the
         target devices' ragged all-to-all (`parallel/expert_parallel.py`: emulated on CPU);
         otherwise every expert is local."""
         if self.ep == 1:
-            return super().dispatch_to_experts(rows_MD, experts_M, n_local, ffn)
+            return super().dispatch_to_experts(rows_MD, experts_M, gates_M, n_local, ffn)
         exchange = exchange_for(self.mesh.devices.flat[0].platform, rows_MD.shape[0])
-        return ragged_dispatch(rows_MD, experts_M, n_local, ffn, "ep", self.ep, exchange)
+        return ragged_dispatch(rows_MD, experts_M, gates_M, n_local, ffn, "ep", self.ep,
+                               exchange)
 
     def vocab_split(self) -> VocabSplit:
         """The vocabulary tables' split over the data axes (`parallel/vocab_parallel.py`),
