@@ -327,7 +327,7 @@ def _check_training(t: Training) -> None:
 def _check_rest(config: JobConfig) -> None:
     p = config.parallelism
     for name in ("data_parallel_replicate_degree", "tensor_parallel_degree",
-                 "expert_parallel_degree", "context_parallel_degree"):
+                 "expert_parallel_degree", "expert_parallel_chunks", "context_parallel_degree"):
         degree = getattr(p, name)
         _require(degree >= 1, f"parallelism.{name}={degree} must be >= 1")
     _require(

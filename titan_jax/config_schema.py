@@ -102,6 +102,10 @@ class Parallelism:
     # Experts split over this many of the data-parallel shard ranks (MoE flavours only); the
     # token dispatch and combine are all-to-alls over it.
     expert_parallel_degree: int = 1
+    # Under expert parallelism each layer's picks travel in this many exchanges, pipelined so
+    # that one chunk's dispatch and another's combine run under a third's experts (docs/MOE.md);
+    # must divide each device's picks (tokens x top_k a microbatch).
+    expert_parallel_chunks: int = 1
     # Context parallelism: each sequence split over this many devices (a `cp` mesh axis), in
     # 2 x cp chunks, rank i holding chunks i and 2cp-1-i so causal work is equal; attention
     # all-gathers K/V over cp. Weights are also sharded over cp (one more FSDP axis).

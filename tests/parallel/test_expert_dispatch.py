@@ -69,27 +69,25 @@ def local_moe_out(x, experts, weights, w1, w3, w2):
     return jnp.einsum("nk,nkd->nd", weights, y.reshape(n, k, -1).astype(jnp.float32))
 
 
-CPU_EXCHANGE = exchange_for("cpu", N * K)
-
-
-def exchanged_moe_out(x, experts, weights, w1, w3, w2, exchange=CPU_EXCHANGE):
+def exchanged_moe_out(x, experts, weights, w1, w3, w2, exchange, chunks=1):
     """The same, each (token, slot) pick one row through the exchange with its gate weight,
-    which scales the FFN's output on the expert's rank."""
+    which scales the FFN's output on the expert's rank; in `chunks` pipelined exchanges."""
     def ffn(rows, ids, gates):
         return expert_ffn(rows, ids, w1, w3, w2, "looped") * gates[:, None]
 
     n, k = experts.shape
     y = ragged_dispatch(x[jnp.arange(n * k) // k], experts.reshape(-1), weights.reshape(-1),
-                        E // EP, ffn, axis="ep", ep=EP, exchange=exchange)
+                        E // EP, ffn, axis="ep", ep=EP, exchange=exchange, chunks=chunks)
     return jnp.sum(y.reshape(n, k, -1), axis=1)
 
 
-def loss_fns(mesh):
+def loss_fns(mesh, chunks):
     def local(x, experts, weights, w1, w3, w2):
         return jnp.sum(jnp.sin(local_moe_out(x, experts, weights, w1, w3, w2)))
 
     def per_rank(x, experts, weights, w1, w3, w2):
-        out = exchanged_moe_out(x, experts, weights, w1, w3, w2)
+        out = exchanged_moe_out(x, experts, weights, w1, w3, w2,
+                                exchange_for("cpu", N * K // chunks), chunks)
         return jax.lax.psum(jnp.sum(jnp.sin(out)), "ep")
 
     rows, experts_split = P("ep"), P("ep")
@@ -100,14 +98,15 @@ def loss_fns(mesh):
 
 
 @functools.cache
-def jitted_loss_grads():
-    """(local, sharded) jitted losses and gradients, compiled once for both routings."""
+def jitted_loss_grads(chunks):
+    """(local, sharded) jitted losses and gradients, compiled once for every routing."""
     grad = functools.partial(jax.value_and_grad, argnums=(0, 2, 3, 4, 5))
-    return tuple(jax.jit(grad(f)) for f in loss_fns(ep_mesh(EP)))
+    return tuple(jax.jit(grad(f)) for f in loss_fns(ep_mesh(EP), chunks))
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
 @pytest.mark.parametrize("routing", ["balanced", "skewed_to_rank_0", "all_to_rank_0"])
-def test_exchange_equals_local_experts_outputs_and_gradients(routing):
+def test_exchange_equals_local_experts_outputs_and_gradients(routing, chunks):
     mesh = ep_mesh(EP)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(EP * N, D)), jnp.float32)
@@ -123,18 +122,20 @@ def test_exchange_equals_local_experts_outputs_and_gradients(routing):
     weights = jax.nn.softmax(jnp.asarray(rng.normal(size=(EP * N, K)), jnp.float32), -1)
     ws = [jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in
           ((E, D, F), (E, D, F), (E, F, D))]
-    local, sharded = jitted_loss_grads()
+    local, sharded = jitted_loss_grads(chunks)
     want, want_grads = local(x, experts, weights, *ws)
     with jax.set_mesh(mesh):
         got, got_grads = sharded(x, experts, weights, *ws)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
-    capacity = expert_parallel.expert_capacity(N * K, EP * N * K)
-    assert capacity < EP * N * K  # the fast path exists at this shape
-    received = np.bincount(np.asarray(experts).reshape(-1) // (E // EP), minlength=EP)
-    assert (received[0] > capacity) == (routing != "balanced")
-    assert (received[0] < 2 * capacity) == (routing != "all_to_rank_0")
+    m = N * K // chunks  # a rank's picks in one exchange
+    capacity = expert_parallel.expert_capacity(m, EP * m)
+    assert capacity < EP * m  # the overflow exchange exists at this shape
+    # what rank 0 receives in each chunk's exchange (each rank's picks split in order)
+    received = (np.asarray(experts).reshape(EP, chunks, m) // (E // EP) == 0).sum((0, 2))
+    assert (received.max() > capacity) == (routing != "balanced")
+    assert (received.max() < 2 * capacity) == (routing != "all_to_rank_0")
 
 
 def test_the_first_exchange_fills_each_receiver_source_after_source_up_to_its_capacity():
@@ -158,7 +159,7 @@ def test_ragged_exchange_rows_vary_over_ep_so_no_cotangent_is_summed_over_ranks(
     buffers must vary over `ep`; typed replicated, the backward would psum the rows'
     cotangents over the ranks (other ranks' tokens)."""
     def per_rank(x, experts, weights, w1, w3, w2):
-        out = exchanged_moe_out(x, experts, weights, w1, w3, w2, jax.lax.ragged_all_to_all)
+        out = exchanged_moe_out(x, experts, weights, w1, w3, w2, jax.lax.ragged_all_to_all, 2)
         return jax.lax.psum(jnp.sum(out), "ep")
 
     shapes = [((EP * N, D), jnp.float32), ((EP * N, K), jnp.int32), ((EP * N, K), jnp.float32),
@@ -166,7 +167,7 @@ def test_ragged_exchange_rows_vary_over_ep_so_no_cotangent_is_summed_over_ranks(
     sharded = jax.shard_map(per_rank, mesh=ep_mesh(EP), in_specs=P("ep"), out_specs=P())
     grads = jax.grad(sharded, argnums=(0, 2, 3, 4, 5))
     jaxpr = str(jax.make_jaxpr(grads)(*(jax.ShapeDtypeStruct(s, t) for s, t in shapes)))
-    assert jaxpr.count("ragged_all_to_all") >= 6  # rows, gates and results, both ways
+    assert jaxpr.count("ragged_all_to_all") >= 2 * 6  # rows, gates, results, both ways
     summed = [line for line in jaxpr.splitlines()  # of arrays: the loss's scalar is summed
               if "psum_invariant" in line and re.search(r":\w+\[\d", line)]
     assert summed == [], summed

@@ -62,16 +62,17 @@ def test_moe_losses_and_expert_bias_equal_one_device(reference, preset, implemen
     np.testing.assert_allclose(state["buffers"]["expert_bias"], want_bias, atol=1e-7)
 
 
-@pytest.mark.parametrize("preset, ep", [  # ep2: experts' model dim over the fsdp rest; ep8: none
-    ("fsdp8", 2), ("fsdp8", 8),
-    pytest.param("hsdp2x4", 2, marks=[pytest.mark.slow, pytest.mark.xfail(
+@pytest.mark.parametrize("preset, ep, chunks", [  # ep2: experts' model dim over the fsdp
+    ("fsdp8", 2, 1), ("fsdp8", 8, 1), ("fsdp8", 8, 2),  # rest; ep8: none
+    pytest.param("hsdp2x4", 2, 1, marks=[pytest.mark.slow, pytest.mark.xfail(
         strict=False, reason="on some CPUs (2026-12-02) a near-tie flips routing picks from "
         "step 13: expert bias off by sign steps, losses by 3e-5; under investigation")]),
-    pytest.param("fsdp4_tp2", 2, marks=pytest.mark.slow)])
-def test_expert_parallel_losses_and_expert_bias_equal_one_device(reference, preset, ep):
+    pytest.param("fsdp4_tp2", 2, 1, marks=pytest.mark.slow)])
+def test_expert_parallel_losses_and_expert_bias_equal_one_device(reference, preset, ep, chunks):
     init, want_losses, want_bias = reference
     trainer = build_trainer(tiny_config(*preset_overrides(preset),
-                                        "--parallelism.expert_parallel_degree", str(ep)),
+                                        "--parallelism.expert_parallel_degree", str(ep),
+                                        "--parallelism.expert_parallel_chunks", str(chunks)),
                             model_args=TINY_MOE)
     assert trainer.degrees.ep == ep and trainer.parallelism.implementation == "shard_map"
     # Experts are split over ep; their model dim over what is left of the FSDP ranks.
@@ -96,6 +97,24 @@ def test_expert_parallel_config_errors(overrides, args, message):
 
     with pytest.raises(ConfigError, match=message):
         build_trainer(tiny_config(*preset_overrides("fsdp8"), *overrides), model_args=args)
+
+
+def test_expert_parallel_chunks_that_do_not_divide_the_picks_are_refused_with_a_working_hint():
+    from titan_jax.config import ConfigError
+
+    ep = ("--parallelism.expert_parallel_degree", "2")
+    with pytest.raises(ConfigError, match="expert_parallel_degree is 1"):
+        build_trainer(tiny_config(*preset_overrides("fsdp8"), "--parallelism."
+                                  "expert_parallel_chunks", "2"), model_args=TINY_MOE)
+    with pytest.raises(ConfigError, match=r"must divide each device's 32 picks") as refused:
+        build_trainer(tiny_config(*preset_overrides("fsdp8"), *ep,
+                                  "--parallelism.expert_parallel_chunks", "3"),
+                      model_args=TINY_MOE)
+    hint = str(refused.value).rsplit("use ", 1)[1]
+    trainer = build_trainer(tiny_config(*preset_overrides("fsdp8"), *ep,
+                                        "--parallelism.expert_parallel_chunks", hint),
+                            model_args=TINY_MOE)
+    assert trainer.parallelism.ep_chunks == int(hint) == 2
 
 
 def test_resume_restores_the_expert_bias_bitwise(reference, tmp_path):

@@ -29,6 +29,12 @@ layer's forward, recompute and backward: ~1.2 s of 235B-A22B's v5p-256 step unde
 planner's estimate); its second chose a capacity or a worst-case branch for the whole exchange
 up front, which left the exchanges inside a conditional, where nothing outside it can run
 under them (docs/MOE.md).
+
+The chunks (`parallelism.expert_parallel_chunks`). A layer's exchanges wait on each other's
+neighbours: the dispatch on the router, the experts on the dispatch, the combine on the
+experts. Split into chunks, each exchanged on its own, one chunk's dispatch and another's
+combine can run while a third's experts compute; an optimization barrier joins them so, as
+XLA:TPU's scheduler does not on its own (`dropless_exchange`).
 """
 
 from __future__ import annotations
@@ -120,6 +126,16 @@ def overflow_rows(picks: int, ep: int, capacity: int) -> int:
     return -(-(ep * picks - capacity) // picks) * picks
 
 
+class Delivery(NamedTuple):
+    """What a dispatch leaves on the experts' side: the received rows, their local expert ids
+    and gate weights, and the slices that send the results back."""
+
+    rows: jax.Array
+    ids: jax.Array
+    gates: jax.Array
+    back: ExchangeSlices
+
+
 @dataclasses.dataclass(frozen=True)
 class _Route:
     """A rank's side of the exchanges: its `m` picks (sorted by expert) go out by `exchange`
@@ -132,25 +148,35 @@ class _Route:
     m: int
     exchange: RaggedExchange
 
-    def through(self, ffn: ExpertFFN, rows_MD: jax.Array, gates_M: jax.Array,
-                sent_SE: jax.Array, starts_SD: jax.Array, buffer_rows: int,
-                output_MD: jax.Array) -> jax.Array:
-        """Dispatch `sent_SE[s, e]` rows and their gate weights per source and expert (each
+    def dispatch(self, rows_MD: jax.Array, gates_M: jax.Array, sent_SE: jax.Array,
+                 starts_SD: jax.Array, buffer_rows: int) -> Delivery:
+        """Send `sent_SE[s, e]` rows and their gate weights per source and expert (each
         source's slice for rank d starting at `starts_SD[s, d]` of its sorted rows) into a
         receive buffer of `buffer_rows` rows (real rows first, padding rows the id `n_local`
-        and gate 0), `ffn` over it, and the results back into `output_MD` at the rows they
-        left from. The gates travel too (a number a row) so that the FFN's outputs are scaled
+        and gate 0). The gates travel too (a number a row) so that the FFN's outputs are scaled
         where they are computed: backward then takes the gates' gradient there, and needs no
         recomputed combine to bring the outputs to the tokens (one exchange of rows less a
         layer under remat)."""
         rank = lax.axis_index(self.axis)
-        dispatch, combine = exchange_plan(self.per_rank(sent_SE), rank, starts_SD)
+        out, back = exchange_plan(self.per_rank(sent_SE), rank, starts_SD)
         send = functools.partial(self.exchange, axis_name=self.axis)
-        received = send(rows_MD, zeros_varying_like(rows_MD, buffer_rows), *dispatch)
-        gates = send(gates_M, zeros_varying_like(gates_M, buffer_rows), *dispatch)
+        received = send(rows_MD, zeros_varying_like(rows_MD, buffer_rows), *out)
+        gates = send(gates_M, zeros_varying_like(gates_M, buffer_rows), *out)
         sent_SL = lax.dynamic_slice_in_dim(sent_SE, rank * self.n_local, self.n_local, axis=1)
-        return send(ffn(received, received_expert_ids(sent_SL, buffer_rows), gates),
-                    output_MD, *combine)
+        return Delivery(received, received_expert_ids(sent_SL, buffer_rows), gates, back)
+
+    def combine(self, y: jax.Array, output_MD: jax.Array, back: ExchangeSlices) -> jax.Array:
+        """The FFN's results `y` (a delivery's rows) back into `output_MD` at the rows they
+        left from."""
+        return self.exchange(y, output_MD, *back, axis_name=self.axis)
+
+    def through(self, ffn: ExpertFFN, rows_MD: jax.Array, gates_M: jax.Array,
+                sent_SE: jax.Array, starts_SD: jax.Array, buffer_rows: int,
+                output_MD: jax.Array) -> jax.Array:
+        """`dispatch`, `ffn` over what arrived, `combine`."""
+        rows, ids, gates, back = self.dispatch(rows_MD, gates_M, sent_SE, starts_SD,
+                                               buffer_rows)
+        return self.combine(ffn(rows, ids, gates), output_MD, back)
 
     def per_rank(self, counts_SE: jax.Array) -> jax.Array:
         """(ep, ep) counts per (source, destination rank) from counts per (source, expert)."""
@@ -168,30 +194,56 @@ def capped_counts(counts_SE: jax.Array, ep: int, capacity: int) -> jax.Array:
     return jnp.clip(sent_SD[..., None] - before_SDL, 0, counts_SDL).reshape(counts_SE.shape)
 
 
-def dropless_exchange(ffn: ExpertFFN, rows_MD: jax.Array, gates_M: jax.Array,
-                      counts_SE: jax.Array, route: _Route) -> jax.Array:
-    """`route.through` every pick, dropless, with a receive buffer of `capacity` rows on the
-    path every step runs: the picks that fit in it (all of them under balanced-ish routing)
-    travel in a first exchange outside any conditional, so the compiler may overlap it with
-    the layer's other work; those that do not, the overflow, travel in a second exchange
-    through the worst-case buffer, under a conditional that runs it only when some rank
-    overflows (the same decision on every rank: it is read off the all-gathered counts)."""
-    worst, starts_SD = route.ep * route.m, _exclusive_cumsum(route.per_rank(counts_SE), axis=1)
-    capacity = expert_capacity(route.m, worst)
-    if capacity >= worst:
-        return route.through(ffn, rows_MD, gates_M, counts_SE, starts_SD, worst,
-                             zeros_varying_like(rows_MD, route.m))
-    first_SE = capped_counts(counts_SE, route.ep, capacity)
-    y_MD = route.through(ffn, rows_MD, gates_M, first_SE, starts_SD, capacity,
-                         zeros_varying_like(rows_MD, route.m))
+class _Chunk(NamedTuple):
+    """One chunk of a rank's picks, sorted by expert (`order`), with every rank's count per
+    expert (`counts_SE`, all-gathered) and those its first exchange sends (`first_SE`)."""
+
+    order: jax.Array
+    rows: jax.Array
+    gates: jax.Array
+    counts_SE: jax.Array
+    first_SE: jax.Array
+
+
+def dropless_exchange(ffn: ExpertFFN, chunks: list[_Chunk], route: _Route, capacity: int
+                      ) -> list[jax.Array]:
+    """Every chunk's picks through `ffn` and back (each in its sorted order), dropless, with a
+    receive buffer of `capacity` rows on the path every step runs: the picks that fit in it
+    (all of them under balanced-ish routing) travel in a first exchange outside any
+    conditional, so the compiler may overlap it with other work; those that do not, the
+    overflow, travel in a second exchange through the worst-case buffer, under a conditional
+    that runs it only when some rank overflows (the same decision on every rank: it is read
+    off the all-gathered counts).
+
+    The chunks' first exchanges are pipelined: an optimization barrier joins each chunk's FFN
+    output with the next chunk's dispatch and the previous chunk's combine, so both of those
+    exchanges run while this chunk's experts compute (XLA:TPU's scheduler, left alone, runs the
+    chunks one after the other: docs/MOE.md)."""
+    def starts(chunk: _Chunk) -> jax.Array:
+        return _exclusive_cumsum(route.per_rank(chunk.counts_SE), axis=1)
+
+    def dispatch(chunk: _Chunk) -> Delivery:
+        return route.dispatch(chunk.rows, chunk.gates, chunk.first_SE, starts(chunk), capacity)
+
+    delivered, outs = [dispatch(chunks[0])], []
+    for i, chunk in enumerate(chunks):
+        y = ffn(delivered[i].rows, delivered[i].ids, delivered[i].gates)
+        if len(chunks) > 1:
+            y, delivered[i + 1:], outs[i - 1:] = lax.optimization_barrier(
+                (y, [dispatch(c) for c in chunks[i + 1:i + 2]], outs[i - 1:]))
+        outs.append(route.combine(y, zeros_varying_like(chunk.rows, route.m),
+                                  delivered[i].back))
+    if capacity >= route.ep * route.m:
+        return outs
     # The FFN over one chunk of `m` rows, as a function of its closed-over values (the experts'
     # weights), for the overflow's VJP.
     chunk_ffn, weights = jax.closure_convert(
-        ffn, zeros_varying_like(rows_MD, route.m),
-        zeros_varying_like(rows_MD, route.m, (route.m,), jnp.int32),
-        zeros_varying_like(gates_M, route.m))
+        ffn, zeros_varying_like(chunks[0].rows, route.m),
+        zeros_varying_like(chunks[0].rows, route.m, (route.m,), jnp.int32),
+        zeros_varying_like(chunks[0].gates, route.m))
     overflow = _Overflow(chunk_ffn, route, capacity)
-    return _with_overflow(overflow, y_MD, rows_MD, gates_M, counts_SE, first_SE, *weights)
+    return [_with_overflow(overflow, y, c.rows, c.gates, c.counts_SE, c.first_SE, *weights)
+            for y, c in zip(outs, chunks, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,15 +352,23 @@ def zeros_varying_like(x: jax.Array, rows: int, shape: tuple[int, ...] | None = 
 
 
 def ragged_dispatch(rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array,
-                    n_local: int, ffn: ExpertFFN, axis: str, ep: int, exchange: RaggedExchange
-                    ) -> jax.Array:
+                    n_local: int, ffn: ExpertFFN, axis: str, ep: int, exchange: RaggedExchange,
+                    chunks: int = 1) -> jax.Array:
     """Each row (one pick) through its expert, held by rank `experts_M // n_local` of mesh
     axis `axis` (size `ep`), scaled by its gate weight; the results in the rows' order (see
-    the module docstring)."""
-    m = rows_MD.shape[0]
-    order = jnp.argsort(experts_M, stable=True)  # by expert, so by destination rank
-    counts_SE = lax.all_gather(jnp.bincount(experts_M, length=ep * n_local).astype(jnp.int32),
-                               axis)
-    back = dropless_exchange(ffn, rows_MD[order], gates_M[order], counts_SE,
-                             _Route(axis, ep, n_local, m, exchange))
-    return back[jnp.argsort(order)]
+    the module docstring). `chunks`: the rows travel in that many exchanges, pipelined, so
+    that each one's exchanges run under another's experts."""
+    m = rows_MD.shape[0] // chunks
+    route = _Route(axis, ep, n_local, m, exchange)
+    capacity = expert_capacity(m, ep * m)
+    planned = []
+    for rows, experts, gates in zip(jnp.split(rows_MD, chunks), jnp.split(experts_M, chunks),
+                                    jnp.split(gates_M, chunks), strict=True):
+        order = jnp.argsort(experts, stable=True)  # by expert, so by destination rank
+        counts_SE = lax.all_gather(
+            jnp.bincount(experts, length=ep * n_local).astype(jnp.int32), axis)
+        planned.append(_Chunk(order, rows[order], gates[order], counts_SE,
+                              capped_counts(counts_SE, ep, capacity)))
+    backs = dropless_exchange(ffn, planned, route, capacity)
+    return jnp.concatenate([y[jnp.argsort(c.order)] for y, c in zip(backs, planned,
+                                                                      strict=True)])

@@ -155,8 +155,9 @@ def _flops(trainer: Trainer, lowered: Any) -> dict[str, Any]:
     dots, unknown_loops = hlo_stats.dot_flops(module)
     top_k = getattr(trainer.model.args, "top_k", 0) if getattr(
         trainer.model.args, "num_experts", 0) else 0
+    chunks = trainer.config.parallelism.expert_parallel_chunks  # each kernel runs one chunk
     grouped, grouped_bound = hlo_stats.ragged_dot_flops(
-        module, trainer.tokens_per_step * top_k if top_k else None,
+        module, trainer.tokens_per_step * top_k // chunks if top_k else None,
         functools.partial(kernel_flops.megablox_flops, hidden_split=trainer.degrees.tp))
     return {"dot_flops_per_step": dots, "grouped_matmul_flops_per_step": grouped,
             "grouped_matmul_flops_bound_per_step": grouped_bound,
@@ -164,13 +165,15 @@ def _flops(trainer: Trainer, lowered: Any) -> dict[str, Any]:
 
 
 def routed_rows(trainer: Trainer) -> int | None:
-    """Rows a device's expert kernels cover at balanced routing: its own picks (tokens of one
-    microbatch on its data-parallel rank x top_k; each rank receives as many as it sends).
+    """Rows each of a device's expert kernels covers at balanced routing: its own picks
+    (tokens of one microbatch on its data-parallel rank x top_k; each rank receives as many
+    as it sends), over `parallelism.expert_parallel_chunks` (each kernel runs one chunk).
     None for a dense model."""
     args, t = trainer.model.args, trainer.config.training
     if not getattr(args, "num_experts", 0):
         return None
-    return t.local_batch_size * t.seq_len // trainer.degrees.cp * args.top_k
+    return (t.local_batch_size * t.seq_len // trainer.degrees.cp * args.top_k
+            // trainer.config.parallelism.expert_parallel_chunks)
 
 
 def _estimates(report: dict[str, Any], hlo: str, tpu: TpuSlice, n: int,
@@ -317,7 +320,7 @@ def _moe_estimate_lines(r: dict[str, Any]) -> list[str]:
     other_s = sum(c["executions"] * (max(o["seconds"] for o in c["others"]) - c["seconds"])
                   for c in fallbacks)
     line = (f"  MoE: at balanced routing ({r['est_routed_rows_per_device']} rows per device "
-            "through the expert kernels, priced at the row tiles they cover, not their "
+            "through each expert kernel, priced at the row tiles they cover, not their "
             "buffers)")
     skewed = r["est_all_to_one_rank_step_time_s"]
     if skewed is None:

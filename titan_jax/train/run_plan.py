@@ -84,6 +84,7 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
     degrees = resolve_degrees(config.parallelism, len(devices))
     mesh = build_mesh(degrees, devices, config.parallelism.num_slices)
     run_checks.check_heads(config, args, degrees)
+    run_checks.check_expert_chunks(config, args, degrees)
     n_microbatches = run_checks.microbatches(config, degrees)
     platform = devices[0].platform
     quantization = run_checks.resolve_quantization(config, args, degrees, devices)

@@ -114,6 +114,7 @@ def assemble_trainer(plan: RunPlan) -> Trainer:
     parallelism = plan.fsdp(plan.rules, plan.param_specs, plan.buffer_specs,
                             reduce_dtype=jnp.dtype(t.mixed_precision_reduce),
                             cp_method=config.parallelism.context_parallel_method,
+                            ep_chunks=config.parallelism.expert_parallel_chunks,
                             param_axes=plan.model.logical_axes)
     return Trainer(
         plan, WSDSchedule.from_config(config.optimizer.lr, config.lr_scheduler, t.steps),

@@ -50,8 +50,9 @@ class SimpleFSDP(Parallelism, abc.ABC):
     A weight's layout comes from its logical axes as used (`ShardingRules.weight_layout`).
     param_specs, buffer_specs: storage PartitionSpecs of the params and buffers (trees).
     reduce_dtype: dtype of gradient reductions (TorchTitan's `mixed_precision_reduce`; fp32 by
-    default). cp_method: `parallelism.context_parallel_method`. param_axes: the params' logical
-    axes (tree), which the jit path needs to hand each shard its slice of the vocabulary tables.
+    default). cp_method: `parallelism.context_parallel_method`. ep_chunks:
+    `parallelism.expert_parallel_chunks`. param_axes: the params' logical axes (tree), which the
+    jit path needs to hand each shard its slice of the vocabulary tables.
     """
 
     implementation = ""  # "jit" or "shard_map": the config's name of the subclass
@@ -66,6 +67,7 @@ class SimpleFSDP(Parallelism, abc.ABC):
     buffer_specs: Any = dataclasses.field(default_factory=dict)
     reduce_dtype: Any = jnp.float32
     cp_method: str = "allgather"
+    ep_chunks: int = 1
     param_axes: Any = None
 
     @property
@@ -118,9 +120,10 @@ class SimpleFSDP(Parallelism, abc.ABC):
         otherwise every expert is local."""
         if self.ep == 1:
             return super().dispatch_to_experts(rows_MD, experts_M, gates_M, n_local, ffn)
-        exchange = exchange_for(self.mesh.devices.flat[0].platform, rows_MD.shape[0])
+        exchange = exchange_for(self.mesh.devices.flat[0].platform,
+                                rows_MD.shape[0] // self.ep_chunks)
         return ragged_dispatch(rows_MD, experts_M, gates_M, n_local, ffn, "ep", self.ep,
-                               exchange)
+                               exchange, self.ep_chunks)
 
     def vocab_split(self) -> VocabSplit:
         """The vocabulary tables' split over the data axes (`parallel/vocab_parallel.py`),
