@@ -102,6 +102,23 @@ ENTRY %main (w: f32[36,1000], i: s32[]) -> f32[1,1000] {{
     assert hlo_cost.traffic(module, fusion, module.defining("main")) == 2 * 4000
 
 
+def test_an_allocated_buffer_moves_no_bytes():
+    """XLA:TPU's `AllocateBuffer` (an uninitialised buffer a loop then fills) reserves memory
+    only; the copy beside it reads and writes its 2 GB."""
+    module = """
+HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[31,16384,2048]) -> (bf16[31,16384,2048], bf16[31,16384,2048]) {
+  %x = bf16[31,16384,2048]{2,1,0} parameter(0)
+  %a = bf16[31,16384,2048]{2,1,0} custom-call(), custom_call_target="AllocateBuffer"
+  %c = bf16[31,16384,2048]{2,1,0} copy(%x)
+  ROOT %t = (bf16[31,16384,2048]{2,1,0}, bf16[31,16384,2048]{2,1,0}) tuple(%a, %c)
+}
+"""
+    r = hlo_cost.estimate(module, UNIT_CHIP, 1)
+    assert r["hbm_bytes_per_chip"] == 2 * 31 * 16384 * 2048 * 2
+
+
 # A loop body's in-place update of a 4 GB buffer with a 1 GB slice, and a 3 GB prefetch into
 # VMEM (S(1)) started before a 2 TFLOP dot (2 s) whose operands are already on chip.
 IN_PLACE_AND_PREFETCH = """

@@ -195,8 +195,9 @@ def capped_counts(counts_SE: jax.Array, ep: int, capacity: int) -> jax.Array:
 
 
 class _Chunk(NamedTuple):
-    """One chunk of a rank's picks, sorted by expert (`order`), with every rank's count per
-    expert (`counts_SE`, all-gathered) and those its first exchange sends (`first_SE`)."""
+    """One chunk of a rank's picks, sorted by expert (`order`: their indices among all the
+    rows), with every rank's count per expert (`counts_SE`, all-gathered) and those its first
+    exchange sends (`first_SE`)."""
 
     order: jax.Array
     rows: jax.Array
@@ -362,13 +363,14 @@ def ragged_dispatch(rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array
     route = _Route(axis, ep, n_local, m, exchange)
     capacity = expert_capacity(m, ep * m)
     planned = []
-    for rows, experts, gates in zip(jnp.split(rows_MD, chunks), jnp.split(experts_M, chunks),
-                                    jnp.split(gates_M, chunks), strict=True):
-        order = jnp.argsort(experts, stable=True)  # by expert, so by destination rank
+    for c, experts in enumerate(jnp.split(experts_M, chunks)):
+        # by expert, so by destination rank; gathered from the whole rows (a split would copy)
+        order = jnp.argsort(experts, stable=True) + c * m
         counts_SE = lax.all_gather(
             jnp.bincount(experts, length=ep * n_local).astype(jnp.int32), axis)
-        planned.append(_Chunk(order, rows[order], gates[order], counts_SE,
+        planned.append(_Chunk(order, rows_MD[order], gates_M[order], counts_SE,
                               capped_counts(counts_SE, ep, capacity)))
     backs = dropless_exchange(ffn, planned, route, capacity)
-    return jnp.concatenate([y[jnp.argsort(c.order)] for y, c in zip(backs, planned,
-                                                                      strict=True)])
+    # back in the rows' order: the inverse of the chunks' orders, one gather
+    inverse = jnp.argsort(jnp.concatenate([c.order for c in planned]))
+    return jnp.concatenate(backs)[inverse]

@@ -51,6 +51,9 @@ _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
          # another thread's work (Ironwood's SparseCore gathers), waited for at the done
          "call-start", "call-update", "call-done")
 _COLLECTIVE = tuple(hlo_stats.COLLECTIVE_OPS)
+# XLA:TPU's allocation of an uninitialised buffer (one that a loop or an in-place update then
+# fills): it reserves memory and moves no byte.
+_ALLOCATION = re.compile(r'custom_call_target="AllocateBuffer"')
 
 
 def hbm_bytes(hlo_type: str) -> int:
@@ -364,7 +367,8 @@ class _Walk:
             return sum(self.visit(c, times) for k, c in hlo_stats.called(inst)
                        if k in ("to_apply", "calls"))
         op = inst.op.removesuffix("-start").removesuffix("-done")
-        if inst.op in _FREE or op in _COLLECTIVE or op in ("send", "recv"):
+        if (inst.op in _FREE or op in _COLLECTIVE or op in ("send", "recv")
+                or _ALLOCATION.search(inst.rest)):
             return 0.0
         factors = self.chip.mxu_time_factors
         own_flops, own_array = instruction_work(inst, defs, self.chip.mxu_dim, factors)
