@@ -19,8 +19,8 @@ rows instead (`CAPACITY_FACTOR` times the balanced share): the picks that fit th
 receiver filled source after source (`capped_counts`: all of them under balanced-ish routing),
 go through the FFN and back in a first exchange outside any conditional, so the compiler can
 overlap its all-to-alls with the layer's other work. The rest, the overflow, travels in a
-second exchange into the worst-case buffer, through the FFN in chunks of a rank's picks (each
-recomputed in backward: that branch's working set is one chunk's), under a `lax.cond` that
+second exchange into the worst-case buffer, through the FFN in blocks of a rank's picks (each
+recomputed in backward: that branch's working set is one block's), under a `lax.cond` that
 runs only when some rank overflows; the all-gathered counts say so before anything is sent,
 the same on every rank of the exchange (`dropless_exchange`). Padding rows carry the id
 `n_local` (no expert): left out of the group sizes, not computed, zero out. Its first form
@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from titan_jax.models.permutation import permute
 from titan_jax.models.sharding_hooks import ExpertFFN
 from titan_jax.planner_hints import rare_branch
 
@@ -122,7 +123,7 @@ def expert_capacity(picks: int, rows: int) -> int:
 
 def overflow_rows(picks: int, ep: int, capacity: int) -> int:
     """Rows of the overflow's receive buffer: what no receiver's first `capacity` rows hold
-    when every rank sends it all its `picks`, in whole chunks of `picks` rows."""
+    when every rank sends it all its `picks`, in whole blocks of `picks` rows."""
     return -(-(ep * picks - capacity) // picks) * picks
 
 
@@ -195,11 +196,12 @@ def capped_counts(counts_SE: jax.Array, ep: int, capacity: int) -> jax.Array:
 
 
 class _Chunk(NamedTuple):
-    """One chunk of a rank's picks, sorted by expert (`order`: their indices among all the
-    rows), with every rank's count per expert (`counts_SE`, all-gathered) and those its first
+    """One chunk of a rank's picks, sorted by expert (`order`, and its inverse permutation),
+    with every rank's count per expert (`counts_SE`, all-gathered) and those its first
     exchange sends (`first_SE`)."""
 
     order: jax.Array
+    inverse: jax.Array
     rows: jax.Array
     gates: jax.Array
     counts_SE: jax.Array
@@ -236,25 +238,27 @@ def dropless_exchange(ffn: ExpertFFN, chunks: list[_Chunk], route: _Route, capac
                                   delivered[i].back))
     if capacity >= route.ep * route.m:
         return outs
-    # The FFN over one chunk of `m` rows, as a function of its closed-over values (the experts'
+    # The FFN over one block of `m` rows, as a function of its closed-over values (the experts'
     # weights), for the overflow's VJP.
-    chunk_ffn, weights = jax.closure_convert(
+    block_ffn, weights = jax.closure_convert(
         ffn, zeros_varying_like(chunks[0].rows, route.m),
         zeros_varying_like(chunks[0].rows, route.m, (route.m,), jnp.int32),
         zeros_varying_like(chunks[0].gates, route.m))
-    overflow = _Overflow(chunk_ffn, route, capacity)
+    overflow = _Overflow(block_ffn, route, capacity)
     return [_with_overflow(overflow, y, c.rows, c.gates, c.counts_SE, c.first_SE, *weights)
             for y, c in zip(outs, chunks, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Overflow:
-    """The picks past the receivers' `capacity` rows: a second exchange into the worst-case
-    buffer, the FFN over it chunk after chunk of `m` rows (`chunk_ffn(rows, ids, gates,
-    *weights)`, which sorts each chunk's rows by expert itself), each chunk recomputed in
-    backward so that only the chunks' inputs are saved."""
+    """A chunk's picks past the receivers' `capacity` rows: a second exchange into the
+    worst-case buffer, the FFN over it block after block of `m` rows (`block_ffn(rows, ids,
+    gates, *weights)`, which sorts each block's rows by expert itself), each block recomputed
+    in backward so that only the blocks' inputs are saved. One conditional a chunk: one for
+    all of a layer's chunks would hold all their worst-case buffers at once (235B-A22B
+    v5p-256, 2 chunks: +7.7 GiB at the step's peak)."""
 
-    chunk_ffn: Callable[..., jax.Array]
+    block_ffn: Callable[..., jax.Array]
     route: _Route
     capacity: int
 
@@ -267,10 +271,10 @@ class _Overflow:
         """`y_MD` with the overflowing picks' results written in."""
         route, m = self.route, self.route.m
 
-        def chunked(x: jax.Array, ids: jax.Array, gates: jax.Array) -> jax.Array:
+        def blocked(x: jax.Array, ids: jax.Array, gates: jax.Array) -> jax.Array:
             @jax.checkpoint
-            def one(_: None, chunk: tuple[jax.Array, ...]) -> tuple[None, jax.Array]:
-                return None, self.chunk_ffn(*chunk, *weights)
+            def one(_: None, block: tuple[jax.Array, ...]) -> tuple[None, jax.Array]:
+                return None, self.block_ffn(*block, *weights)
 
             n = x.shape[0] // m
             _, y = lax.scan(one, None, (x.reshape(n, m, *x.shape[1:]), ids.reshape(n, m),
@@ -279,7 +283,7 @@ class _Overflow:
 
         starts_SD = (_exclusive_cumsum(route.per_rank(counts_SE), axis=1)
                      + route.per_rank(first_SE))
-        return route.through(chunked, rows_MD, gates_M, counts_SE - first_SE, starts_SD,
+        return route.through(blocked, rows_MD, gates_M, counts_SE - first_SE, starts_SD,
                              overflow_rows(m, route.ep, self.capacity), y_MD)
 
 
@@ -295,16 +299,14 @@ def _with_overflow(o: _Overflow, y_MD: jax.Array, rows_MD: jax.Array, gates_M: j
                     gates_M, counts_SE, first_SE, *weights)
 
 
-def _with_overflow_fwd(o: _Overflow, y_MD: jax.Array, rows_MD: jax.Array, gates_M: jax.Array,
-                       counts_SE: jax.Array, first_SE: jax.Array, *weights: jax.Array
-                       ) -> tuple[jax.Array, tuple[Any, ...]]:
-    return (_with_overflow(o, y_MD, rows_MD, gates_M, counts_SE, first_SE, *weights),
-            (rows_MD, gates_M, counts_SE, first_SE, weights))
+def _with_overflow_fwd(o: _Overflow, y_MD: jax.Array, *inputs: jax.Array
+                       ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    return _with_overflow(o, y_MD, *inputs), inputs
 
 
-def _with_overflow_bwd(o: _Overflow, saved: tuple[Any, ...], g: jax.Array
+def _with_overflow_bwd(o: _Overflow, saved: tuple[jax.Array, ...], g: jax.Array
                        ) -> tuple[Any, ...]:
-    rows_MD, gates_M, counts_SE, first_SE, weights = saved
+    rows_MD, gates_M, counts_SE, first_SE, *weights = saved
 
     def recomputed(g: jax.Array, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         _, pullback = jax.vjp(lambda x, gates, w: o.add(zeros_varying_like(g, g.shape[0]), x,
@@ -316,7 +318,7 @@ def _with_overflow_bwd(o: _Overflow, saved: tuple[Any, ...], g: jax.Array
         return jax.tree.map(lambda x: zeros_varying_like(x, x.shape[0]), inputs)
 
     d_rows, d_gates, d_weights = lax.cond(o.occurs(counts_SE), rare_branch(recomputed), passed,
-                                          g, (rows_MD, gates_M, weights))
+                                          g, (rows_MD, gates_M, tuple(weights)))
     # y_MD's cotangent is g as it is, outside the conditional, so that the first exchange's
     # backward need not wait for it: the rows the overflow writes are rows the first exchange
     # did not (its output buffer's zeros), whose cotangent it never reads.
@@ -363,14 +365,15 @@ def ragged_dispatch(rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array
     route = _Route(axis, ep, n_local, m, exchange)
     capacity = expert_capacity(m, ep * m)
     planned = []
-    for c, experts in enumerate(jnp.split(experts_M, chunks)):
-        # by expert, so by destination rank; gathered from the whole rows (a split would copy)
-        order = jnp.argsort(experts, stable=True) + c * m
+    for c in range(chunks):
+        rows, experts, gates = (a[c * m:(c + 1) * m] for a in (rows_MD, experts_M, gates_M))
+        order = jnp.argsort(experts, stable=True)  # by expert, so by destination rank
+        inverse = jnp.argsort(order)
         counts_SE = lax.all_gather(
             jnp.bincount(experts, length=ep * n_local).astype(jnp.int32), axis)
-        planned.append(_Chunk(order, rows_MD[order], gates_M[order], counts_SE,
+        planned.append(_Chunk(order, inverse, permute(rows, order, inverse),
+                              permute(gates, order, inverse), counts_SE,
                               capped_counts(counts_SE, ep, capacity)))
     backs = dropless_exchange(ffn, planned, route, capacity)
-    # back in the rows' order: the inverse of the chunks' orders, one gather
-    inverse = jnp.argsort(jnp.concatenate([c.order for c in planned]))
-    return jnp.concatenate(backs)[inverse]
+    return jnp.concatenate([permute(y, c.inverse, c.order)
+                            for y, c in zip(backs, planned, strict=True)])

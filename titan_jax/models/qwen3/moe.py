@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from titan_jax.models.permutation import permute
 from titan_jax.models.quantization import NONE, Quantization, ragged_dot
 from titan_jax.models.qwen3.looped_experts import looped_swiglu
 from titan_jax.models.qwen3.megablox import megablox_swiglu
@@ -110,11 +111,12 @@ def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w
     is not an expert held here (>= the number of experts: padding of an exchange buffer) sort
     last, are left out of the group sizes, not computed, and come back zero."""
     order = jnp.argsort(experts_M, stable=True)
+    inverse = jnp.argsort(order)
     group_sizes = jnp.bincount(experts_M, length=w1_EDF.shape[0]).astype(jnp.int32)
     with jax.named_scope("experts"):
-        y_MD = expert_kernel(kernel, quantization)(rows_MD[order], w1_EDF, w3_EDF, w2_EFD,
-                                                    group_sizes)
-    return y_MD[jnp.argsort(order)]
+        y_MD = expert_kernel(kernel, quantization)(permute(rows_MD, order, inverse), w1_EDF,
+                                                    w3_EDF, w2_EFD, group_sizes)
+    return permute(y_MD, inverse, order)
 
 
 def routed_experts(x_RD: Array, experts_RC: Array, weights_RC: Array, w1_EDF: Array,
@@ -132,7 +134,8 @@ def routed_experts(x_RD: Array, experts_RC: Array, weights_RC: Array, w1_EDF: Ar
 
     n, k = experts_RC.shape
     with jax.named_scope("moe_permute"):  # the picks' copies, sorts, exchange and sum
-        rows_MD = x_RD[jnp.arange(n * k) // k]
+        # each token's row k times (a broadcast: its gradient is a sum over k, no scatter-add)
+        rows_MD = jnp.broadcast_to(x_RD[:, None], (n, k, x_RD.shape[-1])).reshape(n * k, -1)
         y_MD = dispatch_to_experts(rows_MD, experts_RC.reshape(-1), weights_RC.reshape(-1),
                                    w1_EDF.shape[0], ffn)
         return jnp.sum(y_MD.reshape(n, k, -1).astype(jnp.float32), axis=1).astype(x_RD.dtype)
