@@ -51,9 +51,9 @@ Array = jax.Array
 # The experts' matmul outputs, which selective activation checkpointing saves (model.py).
 MOE_SAVED_ACTIVATIONS = ("moe_w1", "moe_w3", "moe_w2")
 # The router's picks and gate weights (top_k numbers a token), which every remat mode saves:
-# recomputed, the weighted sum's backward would wait on the recomputed router, and the
-# compiler fuses that with the gate's backward, so the output gradient's exchange would start
-# only after the whole recomputed FFN (docs/MOE.md).
+# the backward's first exchange (the output's gradient to the experts) needs only them, and
+# recomputed, it would wait for the recomputed router and what the compiler fuses with it
+# (2-layer 235B program: that exchange 17% covered by compute, saved 100%; docs/MOE.md).
 MOE_ROUTING = "moe_routing"
 
 
