@@ -110,21 +110,25 @@ def check_heads(config: JobConfig, args: Any, degrees: MeshDegrees) -> None:
 
 
 def check_expert_chunks(config: JobConfig, args: Any, degrees: MeshDegrees) -> None:
-    """`parallelism.expert_parallel_chunks` splits each device's picks of a microbatch into
-    equal exchanges, under expert parallelism."""
-    chunks, t = config.parallelism.expert_parallel_chunks, config.training
+    """`parallelism.expert_parallel_chunks` splits each device's picks of a microbatch (and of
+    a validation batch) into equal exchanges, under expert parallelism."""
+    chunks = config.parallelism.expert_parallel_chunks
     if chunks == 1:
         return
     if degrees.ep == 1:
         raise ConfigError(f"parallelism.expert_parallel_chunks={chunks} pipelines expert "
                           "parallelism's exchanges; parallelism.expert_parallel_degree is 1 "
                           "(use 1)")
-    picks = t.local_batch_size * t.seq_len // degrees.cp * getattr(args, "top_k", 1)
-    if picks % chunks:
-        fits = max(d for d in range(1, chunks) if picks % d == 0)
-        raise ConfigError(f"parallelism.expert_parallel_chunks={chunks} must divide each "
-                          f"device's {picks} picks a microbatch (local_batch_size x seq_len / "
-                          f"cp x top_k); use {fits}")
+    batches = [("", config.training)] + (
+        [("validation ", config.validation)] if config.validation.enable else [])
+    for name, b in batches:
+        picks = b.local_batch_size * b.seq_len // degrees.cp * getattr(args, "top_k", 1)
+        if picks % chunks:
+            fits = max(d for d in range(1, chunks) if picks % d == 0)
+            raise ConfigError(
+                f"parallelism.expert_parallel_chunks={chunks} must divide each device's "
+                f"{picks} picks a {name or 'micro'}batch (local_batch_size x seq_len / cp x "
+                f"top_k); use {fits}")
 
 
 def microbatches(config: JobConfig, degrees: MeshDegrees) -> int:
