@@ -115,10 +115,11 @@ def test_expert_parallel_chunks_that_do_not_divide_the_picks_are_refused_with_a_
                                         "--parallelism.expert_parallel_chunks", hint),
                             model_args=TINY_MOE)
     assert trainer.parallelism.ep_chunks == int(hint) == 2
-    # a validation batch's picks split the same way: 1 x 5 tokens x top_k 2
+    # a validation batch's picks split the same way: 1 x 3 tokens x top_k 2; the hint divides
+    # the training batch's 32 picks too (3 would divide the validation's 6 only)
     validation = ("--validation.enable", "true", "--validation.local_batch_size", "1",
-                  "--validation.seq_len", "5")
-    with pytest.raises(ConfigError, match="10 picks a validation batch") as refused:
+                  "--validation.seq_len", "3")
+    with pytest.raises(ConfigError, match="6 picks a validation batch") as refused:
         build_trainer(tiny_config(*preset_overrides("fsdp8"), *ep, *validation,
                                   "--parallelism.expert_parallel_chunks", "4"),
                       model_args=TINY_MOE)

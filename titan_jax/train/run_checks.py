@@ -119,16 +119,17 @@ def check_expert_chunks(config: JobConfig, args: Any, degrees: MeshDegrees) -> N
         raise ConfigError(f"parallelism.expert_parallel_chunks={chunks} pipelines expert "
                           "parallelism's exchanges; parallelism.expert_parallel_degree is 1 "
                           "(use 1)")
-    batches = [("", config.training)] + (
+    batches = [("micro", config.training)] + (
         [("validation ", config.validation)] if config.validation.enable else [])
-    for name, b in batches:
-        picks = b.local_batch_size * b.seq_len // degrees.cp * getattr(args, "top_k", 1)
-        if picks % chunks:
-            fits = max(d for d in range(1, chunks) if picks % d == 0)
+    picks = {name: b.local_batch_size * b.seq_len // degrees.cp * getattr(args, "top_k", 1)
+             for name, b in batches}
+    for name, n in picks.items():
+        if n % chunks:
+            # the hint must hold for every batch, not only the one refused
+            fits = max(d for d in range(1, chunks) if all(p % d == 0 for p in picks.values()))
             raise ConfigError(
                 f"parallelism.expert_parallel_chunks={chunks} must divide each device's "
-                f"{picks} picks a {name or 'micro'}batch (local_batch_size x seq_len / cp x "
-                f"top_k); use {fits}")
+                f"{n} picks a {name}batch (local_batch_size x seq_len / cp x top_k); use {fits}")
 
 
 def microbatches(config: JobConfig, degrees: MeshDegrees) -> int:
