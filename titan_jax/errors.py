@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import sys
+import warnings
 from typing import Any
 
 # Failures of the machine rather than of titan-jax: named first when a save or write fails.
@@ -64,6 +65,19 @@ def quiet_closed_loop_callbacks() -> None:
     # A read's Task that failed after the loop stopped waiting for it is reported by asyncio's
     # logger when collected ("Task exception was never retrieved"), not through the hook.
     logging.getLogger("asyncio").addFilter(_drop_abandoned_orbax_task)
+
+
+def quiet_unstarted_reads() -> None:
+    """Drop the "coroutine ... was never awaited" warnings of reads that a failed read left
+    unstarted; call it where that failure is turned into one line.
+
+    orbax gathers a restore's metadata reads as Tasks on its loop; when the first read fails it
+    closes the loop, and reads not yet started then warn as they are collected, at any later
+    point or at exit (seen in CI: 'Store._get_array_metadatas', 2026-12-05). The warning
+    carries no module to match, and titan-jax runs no coroutines of its own, so after such a
+    failure every such warning is the library's."""
+    warnings.filterwarnings("ignore", message=r"coroutine '.+' was never awaited",
+                            category=RuntimeWarning)
 
 
 def _drop_abandoned_orbax_task(record: logging.LogRecord) -> bool:

@@ -39,7 +39,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from titan_jax.config import JobConfig
-from titan_jax.errors import TitanJaxError, quiet_closed_loop_callbacks, root_cause
+from titan_jax.errors import (
+    TitanJaxError,
+    quiet_closed_loop_callbacks,
+    quiet_unstarted_reads,
+    root_cause,
+)
 from titan_jax.train.checksums import checksums, in_host_memory
 from titan_jax.train.run_folder import is_url, run_paths
 from titan_jax.train.state_formats import count_from_schedule, schedule_counted
@@ -334,6 +339,7 @@ class Checkpointer:
         except CheckpointError:
             raise
         except Exception as e:
+            quiet_unstarted_reads()
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} is unreadable (corrupt or truncated): "
                 f"{first_line(e)}; {self._others(step)}") from e

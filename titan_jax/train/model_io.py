@@ -25,7 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from titan_jax.atomic_dir import atomic_dir
-from titan_jax.errors import quiet_closed_loop_callbacks
+from titan_jax.errors import quiet_closed_loop_callbacks, quiet_unstarted_reads
 from titan_jax.models import BuildOptions, ModelSpec, spec_of_args
 from titan_jax.models.spec import Params
 from titan_jax.train.checkpoint import (
@@ -123,6 +123,7 @@ def load_orbax(path: str | Path, spec: ModelSpec, shardings: Params | None = Non
     try:
         params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
     except Exception as e:  # orbax and TensorStore raise bare Exception and ValueError
+        quiet_unstarted_reads()
         raise CheckpointError(f"orbax model {path} is unreadable (corrupt or truncated): "
                               f"{first_line(e)}; convert it again from its source") from e
     _verify(path, params)
