@@ -14,7 +14,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The two test workers (pytest-xdist) both load libtpu for ahead-of-time TPU compiles; without
 # this the second one fails on libtpu's multi-process lockfile. No TPU is ever opened here.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+from titan_jax.jax_platform import default_libtpu_flags  # noqa: E402
 from titan_jax.parallel.mesh import xla_flags_with_cpu_devices  # noqa: E402
+
+# TPU programs compile with the libtpu flags `train` and `compile` set, so the AOT tests check
+# the schedules and memory that ship.
+default_libtpu_flags()
 
 os.environ["XLA_FLAGS"] = xla_flags_with_cpu_devices(os.environ.get("XLA_FLAGS", ""), 8)
 

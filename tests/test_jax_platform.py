@@ -51,10 +51,10 @@ def test_cli_on_this_cpu_host_prints_no_tpu_noise():
 
 
 def test_libtpu_overlap_flags_are_added_unless_the_user_names_them(monkeypatch):
-    from titan_jax.jax_platform import ASYNC_GATHER_FLAGS, default_libtpu_flags
+    from titan_jax.jax_platform import ASYNC_GATHER_FLAGS, DEFAULT_LIBTPU_FLAGS, default_libtpu_flags
 
     monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
-    assert default_libtpu_flags().split() == list(ASYNC_GATHER_FLAGS)
+    assert default_libtpu_flags().split() == list(DEFAULT_LIBTPU_FLAGS)
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_enable_async_all_gather=false --other=1")
     args = default_libtpu_flags().split()
     assert args[:2] == ["--xla_enable_async_all_gather=false", "--other=1"]
@@ -75,18 +75,19 @@ for name in ("v5p:2x2x1", "v6e:2x2", "v5e:2x2"):
     x = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
     gather = jax.shard_map(lambda x: jax.lax.all_gather(x, "fsdp", tiled=True) @ x.T,
                            mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))
-    jax.jit(gather).lower(x).compile()
-    print(name, "compiled")
+    hlo = jax.jit(gather).lower(x).compile().as_text()
+    print(name, "sparsecore" if 'async_execution_thread="sparsecore"' in hlo else "tensorcore")
 """
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
 def test_the_default_libtpu_flags_compile_on_every_tpu_generation():
-    """The flags `compile` and `train` add are ones this libtpu takes on v5p, v6e and v5e: 0.0.50
-    refuses the fused all-gather continuation MaxText's older recipes set on all but v5e."""
+    """The flags `compile` and `train` add are ones this libtpu takes on v5p, v6e and v5e (0.0.50
+    refuses the fused all-gather continuation MaxText's older recipes set on all but v5e), and
+    they run the FSDP gather on the SparseCores where a chip has them (not v5e)."""
     env = {k: v for k, v in os.environ.items() if k not in ("LIBTPU_INIT_ARGS", "JAX_PLATFORMS")}
     proc = subprocess.run([sys.executable, "-c", GATHER_PROGRAM], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["v5p:2x2x1", "compiled", "v6e:2x2", "compiled", "v5e:2x2",
-                                   "compiled"]
+    assert proc.stdout.split() == ["v5p:2x2x1", "sparsecore", "v6e:2x2", "sparsecore",
+                                   "v5e:2x2", "tensorcore"]

@@ -399,7 +399,7 @@ ENTRY""")
     assert r["compute_s"] == pytest.approx(6.0)  # the transfer itself is not compute
 
 
-def test_the_report_hints_the_async_gather_flags_only_when_gathers_lie_exposed():
+def test_the_report_hints_the_overlap_flags_it_lacks_only_when_gathers_lie_exposed():
     report = {
         "model": "qwen3 8B", "topology": "v6e-8", "num_slices": 1, "chips": 8, "tpu": "v6e:2x4",
         "mesh": {"fsdp": 8}, "mode": "fully_shard", "fsdp_implementation": "jit",
@@ -411,8 +411,12 @@ def test_the_report_hints_the_async_gather_flags_only_when_gathers_lie_exposed()
         "collectives": [], "in_loop_all_gathers": 18, "in_loop_all_gather_s": 0.05,
         "in_loop_all_gather_overlap_pct": 0.0, "in_loop_all_gather_min_overlap_pct": 0.0,
         "scheduler_flags": {"xla_enable_async_all_gather": "auto"}, "est_step_time_s": None}
-    assert " ".join(aot_compile.ASYNC_GATHER_FLAGS) in aot_compile.format_report(report)
-    report["scheduler_flags"] = {"xla_enable_async_all_gather": "true"}
+    assert "hint: LIBTPU_INIT_ARGS='--xla_enable_async_all_gather=true' (" in (
+        aot_compile.format_report(report))
+    offload = "xla_tpu_enable_sparse_core_collective_offload_all_gather"
+    report["scheduler_flags"] = {"xla_enable_async_all_gather": "true", offload: "false"}
+    assert f"hint: LIBTPU_INIT_ARGS='--{offload}=true' (" in aot_compile.format_report(report)
+    report["scheduler_flags"] = {"xla_enable_async_all_gather": "true", offload: "true"}
     assert "hint" not in aot_compile.format_report(report)
     report.update(scheduler_flags={}, in_loop_all_gather_overlap_pct=95.0)
     assert "hint" not in aot_compile.format_report(report)

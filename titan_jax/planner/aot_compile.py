@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.jax_platform import ASYNC_GATHER_FLAGS
+from titan_jax.jax_platform import DEFAULT_LIBTPU_FLAGS, SPARSECORE_OFFLOAD_FLAGS
 from titan_jax.planner import hlo_cost, hlo_stats, inspect_step, kernel_flops
 from titan_jax.planner.collectives import collectives
 from titan_jax.planner.topology import Chip, TpuSlice, compile_only_devices, parse_slice
@@ -42,7 +42,8 @@ SCHEDULER_FLAGS = ("xla_enable_async_all_gather", "xla_max_concurrent_async_all_
                    "xla_tpu_enable_async_collective_fusion_while_loops",
                    "xla_enable_async_reduce_scatter_fusion", "xla_enable_async_all_reduce",
                    "xla_tpu_enable_latency_hiding_scheduler",
-                   "xla_latency_hiding_scheduler_rerun")
+                   "xla_latency_hiding_scheduler_rerun",
+                   *(f.removeprefix("--").partition("=")[0] for f in SPARSECORE_OFFLOAD_FLAGS))
 
 
 
@@ -361,9 +362,10 @@ def format_report(r: dict[str, Any]) -> str:
             f"{r['in_loop_all_gather_overlap_pct']:.0f}% covered by the compute the schedule "
             f"places under them (worst {r['in_loop_all_gather_min_overlap_pct']:.0f}%); "
             f"libtpu flags: {flags}")
-        if r["in_loop_all_gather_overlap_pct"] < 90 and r["scheduler_flags"].get(
-                "xla_enable_async_all_gather") != "true":
-            lines.append(f"  hint: LIBTPU_INIT_ARGS='{' '.join(ASYNC_GATHER_FLAGS)}' (titan-jax "
+        off = [f for f in DEFAULT_LIBTPU_FLAGS if r["scheduler_flags"].get(
+            f.removeprefix("--").partition("=")[0], "true") != "true"]
+        if r["in_loop_all_gather_overlap_pct"] < 90 and off:
+            lines.append(f"  hint: LIBTPU_INIT_ARGS='{' '.join(off)}' (titan-jax "
                          "sets them by default unless LIBTPU_INIT_ARGS names them) makes them "
                          "asynchronous")
     if r["est_step_time_s"] is not None:
