@@ -51,7 +51,11 @@ def test_cli_on_this_cpu_host_prints_no_tpu_noise():
 
 
 def test_libtpu_overlap_flags_are_added_unless_the_user_names_them(monkeypatch):
-    from titan_jax.jax_platform import ASYNC_GATHER_FLAGS, DEFAULT_LIBTPU_FLAGS, default_libtpu_flags
+    from titan_jax.jax_platform import (
+        ASYNC_GATHER_FLAGS,
+        DEFAULT_LIBTPU_FLAGS,
+        default_libtpu_flags,
+    )
 
     monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
     assert default_libtpu_flags().split() == list(DEFAULT_LIBTPU_FLAGS)
