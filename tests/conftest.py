@@ -48,3 +48,25 @@ def module_tmp_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
     path = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+# The test files whose single tests run longest (minutes of libtpu compile or subprocess
+# training; `make test`'s --durations). Started first, the two workers (--dist loadfile hands
+# out files in collection order) run them side by side and finish on the short files, rather
+# than one worker ending on a long one while the other idles.
+LONGEST_FILES = ("tests/parallel/test_moe_recipe_235b_aot.py",
+                 "tests/parallel/test_moe_recipes_aot.py", "tests/parallel/test_tpu_aot.py",
+                 "tests/train/test_resume.py", "tests/parallel/test_multihost.py",
+                 "tests/train/test_quantized_training.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = [f for f in LONGEST_FILES if not (config.rootpath / f).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FILES names missing files: {missing}")
+
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.partition("::")[0]
+        return LONGEST_FILES.index(path) if path in LONGEST_FILES else len(LONGEST_FILES)
+
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
