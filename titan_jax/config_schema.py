@@ -119,10 +119,10 @@ class Parallelism:
     # "default" = "always": free the gathered weight after forward, re-gather in backward.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     # Gather each layer's weights one layer ahead inside the layer scan (MaxText's look-ahead
-    # weight prefetch): the scan carries the next layer's gathered bf16 weights, so the
-    # gathers overlap a whole layer's forward (docs/TPU.md, "FSDP gathers overlapped?"); costs
-    # one layer of gathered weights. Dense flavours, activation_checkpoint.mode=full and
-    # re-sharding after forward only, and with splash attention the shard_map
+    # weight prefetch): the scan carries the next layer's gathered bf16 weights (a MoE
+    # router's in fp32), so the gathers overlap a whole layer's forward (docs/TPU.md, "FSDP
+    # gathers overlapped?"); costs one layer of gathered weights. activation_checkpoint.mode=
+    # full and re-sharding after forward only, and with splash attention the shard_map
     # implementation; the numbers are the same as without.
     fsdp_lookahead_gather: bool = False
     # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit

@@ -63,14 +63,14 @@ def test_lookahead_gather_needs_full_remat_that_regathers(overrides, named):
 def test_lookahead_gather_with_splash_on_the_jit_path_is_refused():
     """(its per-shard shard_map does not trace in the look-ahead's backward under the jit
     path's vmap; the shard_map twin compiles it: docs/TPU.md)"""
-    from parallel_helpers import TINY, tiny_config
+    from parallel_helpers import tiny_config
 
     from titan_jax.parallel.simple_fsdp import JitSimpleFSDP, ShardMapSimpleFSDP
     from titan_jax.train.run_checks import check_lookahead_gather
 
     config = tiny_config("--parallelism.fsdp_lookahead_gather", "true",
                          "--activation_checkpoint.mode", "full")
-    check_lookahead_gather(config, TINY, ShardMapSimpleFSDP, "splash")
-    check_lookahead_gather(config, TINY, JitSimpleFSDP, "xla")
+    check_lookahead_gather(config, ShardMapSimpleFSDP, "splash")
+    check_lookahead_gather(config, JitSimpleFSDP, "xla")
     with pytest.raises(ConfigError, match="fsdp_implementation=shard_map"):
-        check_lookahead_gather(config, TINY, JitSimpleFSDP, "splash")
+        check_lookahead_gather(config, JitSimpleFSDP, "splash")

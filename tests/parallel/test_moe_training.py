@@ -84,6 +84,22 @@ def test_expert_parallel_losses_and_expert_bias_equal_one_device(reference, pres
     np.testing.assert_allclose(state["buffers"]["expert_bias"], want_bias, atol=1e-7)
 
 
+def test_lookahead_gather_with_expert_parallelism_trains_like_one_device(reference):
+    """Each MoE layer's weights gathered a layer ahead (models/lookahead.py): the router's in
+    fp32, as the router reads it, the experts' over the FSDP ranks ep2 leaves."""
+    init, want_losses, want_bias = reference
+    trainer = build_trainer(tiny_config(*preset_overrides("fsdp8"),
+                                        "--parallelism.expert_parallel_degree", "2",
+                                        "--activation_checkpoint.mode", "full",
+                                        "--parallelism.fsdp_lookahead_gather", "true"),
+                            model_args=TINY_MOE)
+    assert trainer.model.options.lookahead_gather
+    state, losses, _ = run(trainer, make_batches(STEPS),
+                           jax.device_put(init, trainer.state_shardings))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    np.testing.assert_allclose(state["buffers"]["expert_bias"], want_bias, atol=1e-7)
+
+
 @pytest.mark.parametrize("overrides, args, message", [
     (("--parallelism.expert_parallel_degree", "2"), TINY, "applies to MoE flavours only"),
     (("--parallelism.expert_parallel_degree", "8", "--parallelism.data_parallel_shard_degree",

@@ -241,11 +241,15 @@ def use_param(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
 
 def gather_layer(layer: nnx.State, dtype: jnp.dtype) -> nnx.State:
     """Every weight of one layer (a slice of the stacked layers' state) as `use_param` would
-    hand it to the forward in `dtype`: cast, and gathered when a mesh is active."""
+    hand it to the forward in `dtype` (or in the `read_dtype` its metadata names, as the MoE
+    router's fp32): cast, and gathered when a mesh is active."""
     hooks = _ACTIVE.get()
-    return jax.tree.map(
-        lambda v: v.replace(hooks.use_param(v[...], tuple(v.logical_axes), dtype)), layer,
-        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def gather(v: nnx.Variable) -> nnx.Variable:
+        read_dtype = v.get_metadata().get("read_dtype", dtype)
+        return v.replace(hooks.use_param(v[...], tuple(v.logical_axes), read_dtype))
+
+    return jax.tree.map(gather, layer, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 @contextlib.contextmanager

@@ -51,12 +51,10 @@ def check_moe_knobs(config: JobConfig, args: Any) -> None:
                           f"{config.model.flavor} is dense (leave [moe] out)")
 
 
-def check_lookahead_gather(config: JobConfig, args: Any, fsdp: type[SimpleFSDP], attention: str
-                           ) -> None:
+def check_lookahead_gather(config: JobConfig, fsdp: type[SimpleFSDP], attention: str) -> None:
     """The look-ahead gather's scan recomputes each layer in backward from its input and its
-    re-gathered weights (models/lookahead.py): full remat, re-sharded after forward, and every
-    weight gathered in the compute dtype (the MoE router's is read in fp32). On the jit path
-    the splash kernel's per-shard shard_map does not trace in that backward
+    re-gathered weights (models/lookahead.py): full remat, re-sharded after forward. On the
+    jit path the splash kernel's per-shard shard_map does not trace in that backward
     (`SimpleFSDP.hosts_splash_lookahead`)."""
     p = config.parallelism
     if not p.fsdp_lookahead_gather:
@@ -67,9 +65,6 @@ def check_lookahead_gather(config: JobConfig, args: Any, fsdp: type[SimpleFSDP],
             "parallelism.fsdp_lookahead_gather=true needs activation_checkpoint.mode=full and "
             f"parallelism.fsdp_reshard_after_forward default or always (got mode={mode}, "
             f"fsdp_reshard_after_forward={p.fsdp_reshard_after_forward})")
-    if getattr(args, "is_moe", False):
-        raise ConfigError("parallelism.fsdp_lookahead_gather=true applies to dense flavours; "
-                          f"model.flavor={config.model.flavor} is MoE (set it false)")
     if attention == "splash" and not fsdp.hosts_splash_lookahead:
         raise ConfigError("parallelism.fsdp_lookahead_gather=true with splash attention needs "
                           "parallelism.fsdp_implementation=shard_map (or model.attention=xla)")

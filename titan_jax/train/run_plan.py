@@ -93,7 +93,7 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
     run_checks.check_reduce_dtype(config, devices, fsdp)
     param_dtype = resolve_param_dtype(config.training.mixed_precision_param, devices)
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
-    run_checks.check_lookahead_gather(config, args, fsdp, attention)
+    run_checks.check_lookahead_gather(config, fsdp, attention)
     run_checks.check_layer_input_offload(config)
     model = spec.build(args, build_options(config, platform, attention, quantization))
     # the tokens of one microbatch over the shards that split the vocabulary (cp splits the

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,7 @@ MOE_SAVED_ACTIVATIONS = ("moe_w1", "moe_w3", "moe_w2")
 # recomputed, it would wait for the recomputed router and what the compiler fuses with it
 # (2-layer 235B program: that exchange 17% covered by compute, saved 100%; docs/MOE.md).
 MOE_ROUTING = "moe_routing"
+ROUTER_DTYPE = jnp.float32  # the router reads its weight in fp32 (TorchTitan, HF)
 
 
 @jax.named_scope("router")
@@ -167,13 +169,14 @@ class MoE(nnx.Module):
     def __init__(self, dim: int, num_experts: int, inter_dim: int, top_k: int,
                  norm_topk_prob: bool, w2_std: float, expert_kernel: str, rngs: nnx.Rngs,
                  quantization: Quantization = NONE):
-        def param(shape: tuple[int, ...], axes: tuple[str | None, ...], std: float
-                  ) -> nnx.Param:
+        def param(shape: tuple[int, ...], axes: tuple[str | None, ...], std: float,
+                  **metadata: Any) -> nnx.Param:
             return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32),
-                             logical_axes=axes)
+                             logical_axes=axes, **metadata)
 
         e, d, f = num_experts, dim, inter_dim
-        self.gate = param((d, e), ("embed", None), 0.02)
+        # `read_dtype`: the look-ahead gather (models/lookahead.py) reads it as the router does.
+        self.gate = param((d, e), ("embed", None), 0.02, read_dtype=ROUTER_DTYPE)
         # "moe_embed": the experts' model dim, FSDP-split apart from `ep`, which splits experts.
         self.w1 = param((e, d, f), ("expert", "moe_embed", "mlp"), 0.02)
         self.w3 = param((e, d, f), ("expert", "moe_embed", "mlp"), 0.02)
@@ -183,7 +186,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTD: Array, expert_bias_E: Array) -> tuple[Array, dict[str, Array]]:
         x_RD = x_BTD.reshape(-1, x_BTD.shape[-1])
-        experts, weights, probs = route(x_RD, use_param(self.gate, jnp.float32), expert_bias_E,
+        experts, weights, probs = route(x_RD, use_param(self.gate, ROUTER_DTYPE), expert_bias_E,
                                         self.top_k, self.norm_topk_prob)
         experts, weights = checkpoint_name((experts, weights), MOE_ROUTING)
         dtype = x_BTD.dtype
