@@ -65,23 +65,26 @@ def test_reads_a_failed_read_left_unstarted_warn_only_until_it_is_quieted():
     collected (a CI run printed it at exit, after the one-line error)."""
     import subprocess
     import sys
+    import textwrap
 
-    script = (
-        "import asyncio, gc, sys\n"
-        "from titan_jax.errors import quiet_unstarted_reads\n"
-        "async def read_metadata():\n    pass\n"
-        "def abandon():\n"
-        "    loop = asyncio.new_event_loop()\n"
-        "    loop.close()\n"
-        "    try:\n"
-        "        loop.create_task(read_metadata())\n"
-        "    except RuntimeError:  # Event loop is closed\n"
-        "        pass\n"
-        "    gc.collect()\n"
-        "abandon()\n"
-        "print('quieted', file=sys.stderr)\n"
-        "quiet_unstarted_reads()\n"
-        "abandon()\n")
+    script = textwrap.dedent("""
+        import asyncio, gc, sys
+        from titan_jax.errors import quiet_unstarted_reads
+        async def read_metadata():
+            pass
+        def abandon():
+            loop = asyncio.new_event_loop()
+            loop.close()
+            try:
+                loop.create_task(read_metadata())
+            except RuntimeError:  # Event loop is closed
+                pass
+            gc.collect()
+        abandon()
+        print('quieted', file=sys.stderr)
+        quiet_unstarted_reads()
+        abandon()
+        """)
     err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60).stderr
     before, after = err.split("quieted\n")
