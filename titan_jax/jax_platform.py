@@ -65,11 +65,11 @@ ASYNC_GATHER_FLAGS = ("--xla_enable_async_all_gather=true",
                       "--xla_tpu_overlap_compute_collective_tc=true",
                       "--xla_tpu_prefer_async_allgather_to_allreduce=true")
 # ... and that run them on the SparseCores (v5p, v6e, tpu7x), so each FSDP all-gather and
-# gradient reduce-scatter is asynchronous beside the TensorCore's compute: with the two above
-# alone libtpu 0.0.50 compiles the in-loop gathers of v5p and v6e steps synchronously. Measured
-# on 2-layer steps (docs/TPU.md): Qwen3-8B v6e-8 220 -> 184 ms, 235B-A22B v5p-256 in-loop
-# gathers 0 -> 72% covered. A chip without SparseCores (v5e) ignores them: its step compiles
-# to the same schedule. MaxText's recipes set them too, with
+# gradient reduce-scatter is asynchronous beside the TensorCore's compute: with the three above
+# alone libtpu 0.0.50 compiles the in-loop gathers of v5p and v6e steps synchronously. Estimated
+# (docs/TPU.md): Qwen3-8B v6e-8 1.40 -> 0.94 s a step, 235B-A22B v5p-256 3.60 -> 3.04 s, their
+# in-loop gathers 0 -> 94% and 73% covered. v5e (no SparseCores) and tpu7x (offloaded by
+# default) compile the same schedule with them. MaxText's recipes set them too, with
 # `xla_tpu_enable_async_collective_fusion_fuse_all_gather=false`, which is left out: on v5e it
 # turns off the fused continuation that overlaps its gathers there (653 -> 675 ms).
 SPARSECORE_OFFLOAD_FLAGS = ("--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
