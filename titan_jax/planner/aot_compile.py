@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.jax_platform import DEFAULT_LIBTPU_FLAGS, SPARSECORE_OFFLOAD_FLAGS
+from titan_jax.jax_platform import DEFAULT_LIBTPU_FLAGS
 from titan_jax.planner import hlo_cost, hlo_stats, inspect_step, kernel_flops
 from titan_jax.planner.collectives import collectives
 from titan_jax.planner.topology import Chip, TpuSlice, compile_only_devices, parse_slice
@@ -33,17 +33,23 @@ from titan_jax.train.trainer import Trainer, build_trainer
 _OOM_TEMPORARIES = re.compile(r"HLO temporaries \(([0-9.]+)([GMK]?)\)")
 _AVAILABLE_HBM = re.compile(r"available HBM \(([0-9.]+)([GMK]?)\)")
 _UNITS = {"G": 2**30, "M": 2**20, "K": 2**10, "": 1}
+
+
+def _flag_name(flag: str) -> str:
+    """The name of a "--name=value" flag."""
+    return flag.removeprefix("--").partition("=")[0]
+
+
 # libtpu flags the compiled schedule's collective overlap depends on (their values are read
-# from the compile's flag dump into the report).
-SCHEDULER_FLAGS = ("xla_enable_async_all_gather", "xla_max_concurrent_async_all_gathers",
+# from the compile's flag dump into the report): titan-jax's defaults, and the scheduler's.
+SCHEDULER_FLAGS = (*map(_flag_name, DEFAULT_LIBTPU_FLAGS), "xla_max_concurrent_async_all_gathers",
                    "xla_tpu_enable_async_collective_fusion",
                    "xla_tpu_enable_async_collective_fusion_fuse_all_gather",
                    "xla_tpu_enable_async_collective_fusion_multiple_steps",
                    "xla_tpu_enable_async_collective_fusion_while_loops",
                    "xla_enable_async_reduce_scatter_fusion", "xla_enable_async_all_reduce",
                    "xla_tpu_enable_latency_hiding_scheduler",
-                   "xla_latency_hiding_scheduler_rerun",
-                   *(f.removeprefix("--").partition("=")[0] for f in SPARSECORE_OFFLOAD_FLAGS))
+                   "xla_latency_hiding_scheduler_rerun")
 
 
 
@@ -362,8 +368,9 @@ def format_report(r: dict[str, Any]) -> str:
             f"{r['in_loop_all_gather_overlap_pct']:.0f}% covered by the compute the schedule "
             f"places under them (worst {r['in_loop_all_gather_min_overlap_pct']:.0f}%); "
             f"libtpu flags: {flags}")
-        off = [f for f in DEFAULT_LIBTPU_FLAGS if r["scheduler_flags"].get(
-            f.removeprefix("--").partition("=")[0], "true") != "true"]
+        # a flag a report does not list (one saved before it was a default) counts as set
+        off = [f for f in DEFAULT_LIBTPU_FLAGS
+               if r["scheduler_flags"].get(_flag_name(f), "true") != "true"]
         if r["in_loop_all_gather_overlap_pct"] < 90 and off:
             lines.append(f"  hint: LIBTPU_INIT_ARGS='{' '.join(off)}' (titan-jax "
                          "sets them by default unless LIBTPU_INIT_ARGS names them) makes them "
