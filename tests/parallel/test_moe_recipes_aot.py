@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
+from collections.abc import Iterator
 
 import pytest
 from test_tpu_aot import bf16_reductions
@@ -50,6 +51,12 @@ def check_shipped_recipe(name: str) -> None:
     assert per_chip < 95 * 2**30, (name, per_chip)  # v5p HBM
     hlo = compiled.as_text()
     assert "tgmm" in hlo and "ragged-dot" not in hlo  # the experts' megablox kernels (TPU)
+    if trainer.mesh.shape["ep"] > 1:
+        args = trainer.model.args
+        gathered_w13 = f"bf16[{args.num_experts // trainer.mesh.shape['ep']},{args.dim}," \
+                       f"{args.moe_inter_dim}]"
+        late = list(gathers_after_dispatch(hlo, gathered_w13))
+        assert late == [], late
     if trainer.mesh.shape["tp"] == 1:  # (TP's activation partial sums are bf16 by design)
         # Except the vocabulary split's activation-shaped (rows, dim) sums: the embedding's
         # rows (one shard contributes each: exact in bf16) and the loss's partial gradients
@@ -57,6 +64,21 @@ def check_shipped_recipe(name: str) -> None:
         # gradients (1-D or 3-D here, or (dim, experts)) stay fp32.
         rows = re.compile(rf"= bf16\[\d+,{trainer.model.args.dim}\]")
         assert [r for r in bf16_reductions(hlo) if not rows.search(r)] == []
+
+
+def gathers_after_dispatch(hlo: str, shape: str) -> Iterator[str]:
+    """Each layer loop body (forward; backward with its recompute) of a compiled program, by
+    name, whose all-gathers of two `shape` weights (the experts' w1 and w3, as the forward uses
+    them) are not both done before its first token exchange: the MoE layer ties them to its
+    input, so that they gather under attention (models/qwen3/moe.py)."""
+    done = re.compile(rf"= {re.escape(shape)}\{{[^}}]*\}} call-done\(")
+    loops = set(re.findall(r"body=(%[\w.\-]+)", hlo))
+    for computation in re.split(r"\n(?=%\S+ \()", hlo):
+        lines = computation.splitlines()
+        name = lines[0].partition(" ")[0]
+        starts = [i for i, line in enumerate(lines) if " ragged-all-to-all-start(" in line]
+        if name in loops and starts and sum(map(bool, map(done.search, lines[:starts[0]]))) < 2:
+            yield name
 
 
 def test_shipped_30b_recipe_compiles_and_fits():

@@ -186,12 +186,19 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTD: Array, expert_bias_E: Array) -> tuple[Array, dict[str, Array]]:
         x_RD = x_BTD.reshape(-1, x_BTD.shape[-1])
+        dtype = x_BTD.dtype
+        # w1 and w3 (cast, FSDP-gathered) tied to the input, so gathered before the router:
+        # XLA:TPU runs the FSDP all-gathers on the SparseCores one at a time, in schedule order,
+        # and the dispatch's row permutations run there too. Gathered at its use, the first one
+        # waited behind those with little compute left to hide under (7% covered on the 2-layer
+        # 235B-A22B v5p-256 program); now they gather under attention (docs/MOE.md). w2, used
+        # last, gathers under their matmuls.
+        x_RD, w1_EDF, w3_EDF = jax.lax.optimization_barrier(
+            (x_RD, use_param(self.w1, dtype), use_param(self.w3, dtype)))
         experts, weights, probs = route(x_RD, use_param(self.gate, ROUTER_DTYPE), expert_bias_E,
                                         self.top_k, self.norm_topk_prob)
         experts, weights = checkpoint_name((experts, weights), MOE_ROUTING)
-        dtype = x_BTD.dtype
-        y_RD = routed_experts(x_RD, experts, weights, use_param(self.w1, dtype),
-                              use_param(self.w3, dtype), use_param(self.w2, dtype),
+        y_RD = routed_experts(x_RD, experts, weights, w1_EDF, w3_EDF, use_param(self.w2, dtype),
                               self.expert_kernel, self.quantization)
         counts = jnp.bincount(experts.reshape(-1), length=self.num_experts)
         return y_RD.reshape(x_BTD.shape), {
