@@ -97,11 +97,13 @@ LOW_PRECISION_PLANS = (
           "--parallelism.expert_parallel_degree", "8"),
          measured="MaxText, real tpu7x-512: 30.87 s, 27.3% MFU (its count)"),
     # MaxText's layout for that recipe: FSDP over all 512, no expert parallelism, the 16
-    # sequences at once with each layer's input offloaded to host memory.
+    # sequences at once with each layer's input offloaded to host memory; the experts' weights
+    # gathered at their use (28.37 s; 29.86 s gathered before the router, docs/MOE.md).
     Plan("235B-A22B tpu7x-512 16 x 4096 fsdp512", "configs/qwen3_235b_a22b.toml", "tpu7x-512",
          ("--training.local_batch_size", "16", "--parallelism.expert_parallel_degree", "1",
           "--parallelism.expert_parallel_chunks", "1",
-          "--activation_checkpoint.offload_layer_input", "true"),
+          "--activation_checkpoint.offload_layer_input", "true",
+          "--parallelism.fsdp_expert_gather_before_router", "false"),
          measured="MaxText, real tpu7x-512: 30.87 s, 27.3% MFU (its count)"),
     # The same slice at the shipped recipe's 1 x 4096 tokens per TensorCore, in fp8 (at ep8).
     Plan("235B-A22B tpu7x-512 fp8", "configs/qwen3_235b_a22b.toml", "tpu7x-512",

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from titan_jax.config import load_config
+from titan_jax.models.quantization import NONE
 from titan_jax.models.qwen3 import QWEN3_FLAVORS, Qwen3Args, build_model_def
 from titan_jax.models.qwen3.flops import count_params
 from titan_jax.models.qwen3.moe import (
@@ -20,6 +22,7 @@ from titan_jax.models.qwen3.moe import (
     routed_experts,
     update_expert_bias,
 )
+from titan_jax.train import run_plan
 
 
 def numpy_route(x, gate, bias, k, norm):
@@ -159,3 +162,21 @@ def test_megablox_swiglu_equals_the_ragged_one_and_zeroes_the_padding_rows():
     assert not np.asarray(got[50:]).any()
     for a, b in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)  # sums of ~50 rows
+
+
+@pytest.mark.parametrize("before_router", [True, False])
+def test_the_experts_w1_and_w3_are_gathered_before_the_router_unless_turned_off(before_router):
+    """`parallelism.fsdp_expert_gather_before_router` reaches each MoE layer: on (the default),
+    an optimization barrier ties w1 and w3, as the forward reads them, to the router's input
+    (where the compiled schedule gathers them is `test_moe_recipes_aot.py`'s)."""
+    config = load_config("configs/qwen3_debug_moe.toml", [
+        "--parallelism.fsdp_expert_gather_before_router", str(before_router).lower()])
+    model = build_model_def(QWEN3_FLAVORS["debugmodel_moe"],
+                            run_plan.build_options(config, "cpu", "xla", NONE))
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(model.forward)(model.abstract_params, model.init_buffers(), tokens))
+    args = model.args
+    w_EDF = f"f32[{args.num_experts},{args.dim},{args.moe_inter_dim}]"
+    tied = [line for line in jaxpr.splitlines()
+            if "optimization_barrier" in line and line.count(w_EDF) == 2]
+    assert len(tied) == (1 if before_router else 0), tied

@@ -76,6 +76,8 @@ class BuildOptions:
     attention: `model.attention` ("auto" picks by platform; see models/attention.py).
     lookahead_gather: gather each layer's weights one layer ahead in the layer scan
       (`models/lookahead.py`); full remat with re-gathering only.
+    expert_gather_before_router: MoE layers gather their experts' w1 and w3 before routing
+      (`models/qwen3/moe.py`), a schedule choice: the numbers are the same.
     quantization: which matmuls run in fp8 or int8 (`models/quantization.py`).
     offload_layer_input: each layer's input kept in host memory under remat (`remat.py`).
     """
@@ -86,6 +88,7 @@ class BuildOptions:
     platform: str = "cpu"  # of the devices the model will run on, for kernel choices
     attention: str = "auto"
     lookahead_gather: bool = False
+    expert_gather_before_router: bool = True
     quantization: Quantization = NONE
     offload_layer_input: bool = False
 

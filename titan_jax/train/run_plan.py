@@ -69,6 +69,7 @@ def build_options(config: JobConfig, platform: str, attention: str,
         save_gathered_params=not reshard,
         activation_stats=config.metrics.log_activation_stats, platform=platform,
         attention=attention, lookahead_gather=config.parallelism.fsdp_lookahead_gather,
+        expert_gather_before_router=config.parallelism.fsdp_expert_gather_before_router,
         quantization=quantization, offload_layer_input=offload_layer_input_for(
             config.activation_checkpoint.offload_layer_input, platform))
 

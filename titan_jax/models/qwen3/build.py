@@ -105,7 +105,7 @@ def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> Qwe
     options = options or BuildOptions()
     kernels = Kernels(expert_kernel_for(options.platform, options.quantization),
                       resolve_attention(options.attention, options.platform), options.platform,
-                      options.quantization)
+                      options.quantization, options.expert_gather_before_router)
     abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernels))
     graphdef, state = nnx.split(abstract, nnx.Param)
     flat = jax.tree_util.tree_flatten_with_path(

@@ -70,12 +70,13 @@ ACT_AXES = ("batch", "seq", "embed")
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """Kernel choices, made for the target devices' platform (build.py)."""
+    """Kernel and schedule choices, made for the target devices (build.py)."""
 
     expert_kernel: str = "looped"  # the MoE experts' SwiGLU (`moe.EXPERT_KERNELS`)
     attention: str = "xla"  # a resolved backend of `titan_jax/models/attention.py`
     platform: str = "cpu"  # of the target devices (splash runs interpreted off TPU)
     quantization: Quantization = NONE  # low-precision matmuls (`models/quantization.py`)
+    expert_gather_before_router: bool = True  # `moe.MoE`'s w1 and w3, before routing
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
@@ -252,7 +253,8 @@ class Block(nnx.Module):
         if args.is_moe:
             self.moe = MoE(args.dim, args.num_experts, args.moe_inter_dim, args.top_k,
                            args.norm_topk_prob, 0.02 / math.sqrt(2 * args.n_layers),
-                           kernels.expert_kernel, rngs, kernels.quantization)
+                           kernels.expert_kernel, rngs, kernels.quantization,
+                           kernels.expert_gather_before_router)
         else:
             self.feed_forward = FeedForward(args, rngs, kernels.quantization)
 

@@ -168,7 +168,7 @@ class MoE(nnx.Module):
 
     def __init__(self, dim: int, num_experts: int, inter_dim: int, top_k: int,
                  norm_topk_prob: bool, w2_std: float, expert_kernel: str, rngs: nnx.Rngs,
-                 quantization: Quantization = NONE):
+                 quantization: Quantization = NONE, gather_before_router: bool = True):
         def param(shape: tuple[int, ...], axes: tuple[str | None, ...], std: float,
                   **metadata: Any) -> nnx.Param:
             return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32),
@@ -183,18 +183,20 @@ class MoE(nnx.Module):
         self.w2 = param((e, f, d), ("expert", "mlp", "moe_embed"), w2_std)
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
         self.expert_kernel, self.quantization = expert_kernel, quantization
+        self.gather_before_router = gather_before_router
 
     def __call__(self, x_BTD: Array, expert_bias_E: Array) -> tuple[Array, dict[str, Array]]:
         x_RD = x_BTD.reshape(-1, x_BTD.shape[-1])
         dtype = x_BTD.dtype
-        # w1 and w3 (cast, FSDP-gathered) tied to the input, so gathered before the router:
-        # XLA:TPU runs the FSDP all-gathers on the SparseCores one at a time, in schedule order,
-        # and the dispatch's row permutations run there too. Gathered at its use, the first one
-        # waited behind those with little compute left to hide under (7% covered on the 2-layer
-        # 235B-A22B v5p-256 program); now they gather under attention (docs/MOE.md). w2, used
-        # last, gathers under their matmuls.
-        x_RD, w1_EDF, w3_EDF = jax.lax.optimization_barrier(
-            (x_RD, use_param(self.w1, dtype), use_param(self.w3, dtype)))
+        w1_EDF, w3_EDF = use_param(self.w1, dtype), use_param(self.w3, dtype)
+        if self.gather_before_router:
+            # w1 and w3 (cast, FSDP-gathered) tied to the input, so gathered before the router:
+            # XLA:TPU runs the FSDP all-gathers on the SparseCores one at a time, in schedule
+            # order, and the dispatch's row permutations run there too. Gathered at its use, the
+            # first waited behind those with little compute left to hide under (7% covered on
+            # the 2-layer 235B-A22B v5p-256 program); tied, both gather under the attention
+            # (docs/MOE.md). w2, used last, gathers under their matmuls.
+            x_RD, w1_EDF, w3_EDF = jax.lax.optimization_barrier((x_RD, w1_EDF, w3_EDF))
         experts, weights, probs = route(x_RD, use_param(self.gate, ROUTER_DTYPE), expert_bias_E,
                                         self.top_k, self.norm_topk_prob)
         experts, weights = checkpoint_name((experts, weights), MOE_ROUTING)
