@@ -17,6 +17,10 @@ matmuls are already one function each (`model.project`, `moe.grouped_swiglu`), a
 interception would not see through the layer scan's merged module state. They live in qwix's
 `_src` (qwix 0.1.8, pinned in pyproject.toml), imported where a matmul is quantized: a stack
 without qwix (the lent GPU machine's, benchmarks/gpu.sh) runs everything else.
+
+Importing this module also makes `reduce_precision` of an fp8 value to its own format the
+identity (`_lower_reduce_precision`): jax's remat inserts that op on every saved fp8 value,
+and XLA's IEEE reading of it turned e4m3fn's top binade into NaN.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import mlir as _mlir_internals
+from jax.interpreters import mlir
 
 if TYPE_CHECKING:
     from qwix._src.core.dot_general_qt import DotGeneralQtConfig
@@ -84,6 +90,35 @@ class Quantization:
 
 
 NONE = Quantization()
+
+
+_XLA_REDUCE_PRECISION = _mlir_internals._lowerings[jax.lax.reduce_precision_p].rule
+
+
+def _lower_reduce_precision(ctx: mlir.LoweringRuleContext, operand: mlir.ir.Value, *,
+                            exponent_bits: int, mantissa_bits: int) -> list[mlir.ir.Value]:
+    """`reduce_precision` that leaves a float8 value reduced to its own format as it is.
+
+    jax's remat (`ad_checkpoint._insert_reduce_precision`, jax 0.12) rounds every saved
+    residual to `finfo(dtype)`'s bits against excess precision; for an fp8 residual (qwix's
+    quantized operands, saved when the remat policy saves anything) that is
+    `reduce_precision(x, 4, 3)` on an e4m3fn array. XLA reads those bits as an IEEE format
+    with infinities, whose largest finite value is 240: e4m3fn's [256, 448], where absmax
+    scaling puts each row's largest element, became NaN, and so did the loss at step 1
+    (`activation_checkpoint.mode=none` with reshard_after_forward). An fp8 value holds no
+    excess precision, so the identity is exact. Without it:
+    tests/train/test_quantized_training.py::test_fp8_trains_the_debug_recipe_under_every_remat_mode.
+    """
+    dtype = ctx.avals_in[0].dtype
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+        info = jnp.finfo(dtype)
+        if (exponent_bits, mantissa_bits) == (info.nexp, info.nmant):
+            return [operand]
+    return _XLA_REDUCE_PRECISION(ctx, operand, exponent_bits=exponent_bits,
+                                 mantissa_bits=mantissa_bits)
+
+
+mlir.register_lowering(jax.lax.reduce_precision_p, _lower_reduce_precision)
 
 
 def dot(x: Array, w: Array, dimension_numbers: jax.lax.DotDimensionNumbers,
