@@ -68,6 +68,15 @@ class Training:
     dataset: Literal["tokens", "pydoc", "text", "jsonl", "parquet", "hf_disk"] = "pydoc"
     dataset_path: str = ""  # store folder(s) for "tokens"; file, directory or glob for files
     text_field: str = "text"  # field/column holding the text (jsonl, parquet, hf_disk)
+    # What jsonl/parquet records hold: "text" (a document in text_field) | "messages" (a
+    # conversation: `messages`, a list of {role, content}, and optional `tools`) |
+    # "prompt_completion" (`prompt` and `completion`: strings or lists of messages).
+    # Conversations are rendered with the chat template and only the assistant's tokens are
+    # trained on (SFT, docs/POSTTRAINING.md); validation reads its files the same way.
+    data_format: Literal["text", "messages", "prompt_completion"] = "text"
+    # The chat template: a .jinja file, a tokenizer_config.json or a folder holding either;
+    # "" = the tokenizer's own (beside model.tokenizer_path; the shipped tokenizer has one).
+    chat_template: str = ""
     # Several token stores with weights (`[[training.mixture]]` tables of path and weight),
     # interleaved deterministically; replaces dataset/dataset_path when given.
     mixture: list[MixtureSource] = dataclasses.field(default_factory=list)

@@ -53,6 +53,15 @@ def test_jsonl_source_with_custom_field(tmp_path):
     assert list(load_documents("jsonl", str(tmp_path / "*.jsonl"), "content")) == DOCS[:4]
 
 
+def test_a_byte_order_mark_opening_a_file_is_not_text(tmp_path):
+    """Windows editors open UTF-8 files with a BOM: jsonl parses, the first document is clean."""
+    bom = "\ufeff".encode()
+    (tmp_path / "a.jsonl").write_bytes(bom + _write_jsonl(tmp_path / "x", DOCS[:2]).read_bytes())
+    (tmp_path / "a.txt").write_bytes(bom + b"first\n\nsecond \xef\xbb\xbf\n")
+    assert load_documents("jsonl", str(tmp_path / "a.jsonl"), "text") == DOCS[:2]
+    assert load_documents("text", str(tmp_path / "a.txt"), "") == ["first", "second \ufeff"]
+
+
 def test_parquet_source(tmp_path):
     pq.write_table(pa.table({"body": DOCS[:5], "n": list(range(5))}), tmp_path / "a.parquet")
     pq.write_table(

@@ -58,11 +58,11 @@ def test_a_full_disk_or_read_only_folder_is_one_line_and_the_rerun_goes_on(
     real = prepare._write_shard
     calls = []
 
-    def failing(fs, folder, index, blocks):
+    def failing(fs, folder, index, blocks, masked):
         calls.append(index)
         if len(calls) == 2:
             raise OSError(code, os.strerror(code), f"{folder}/tokens-{index:05d}.bin.tmp")
-        return real(fs, folder, index, blocks)
+        return real(fs, folder, index, blocks, masked)
 
     monkeypatch.setattr(prepare, "_write_shard", failing)
     assert main(_argv(src, str(out))) == 2

@@ -13,6 +13,9 @@ Sources (`dataset`, `dataset_path`, `text_field`):
 For text/jsonl/parquet, `dataset_path` is a file, a directory (searched recursively) or a glob,
 local or any fsspec URL (gs://, s3://, memory://). `prepare-data` (data/prepare.py) turns a source
 into a token store; training reads only stores.
+
+jsonl and parquet files of conversations (SFT) are read as records (`read_records`): whole JSON
+objects, or the named columns of each row; data/conversations.py renders them.
 """
 
 from __future__ import annotations
@@ -73,6 +76,49 @@ def read_documents(dataset: str, file: str, text_field: str) -> Iterator[str]:
                                                                                text_field))
 
 
+def read_records(dataset: str, file: str, fields: tuple[str, ...]
+                 ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) of each record of one jsonl or parquet file, in file order, streamed;
+    every record has `fields` (a jsonl record keeps its other keys too); `where` names its file
+    and line (or row) for messages."""
+    if dataset == "parquet":
+        yield from _parquet_records(file, fields)
+        return
+    if dataset != "jsonl":
+        raise DataError(f"dataset={dataset!r} holds texts, not conversations: use jsonl or "
+                        "parquet files with a `messages` (or `prompt` and `completion`) field")
+    with _open_text(file) as f:
+        for lineno, line in _lines(f, file):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{file}:{lineno}: not valid JSON ({e})") from e
+            missing = [k for k in fields if not isinstance(record, dict) or k not in record]
+            if missing:
+                raise DataError(f"{file}:{lineno}: no field {missing[0]!r}")
+            yield f"{file}:{lineno}", record
+
+
+def _parquet_records(file: str, fields: tuple[str, ...]) -> Iterator[tuple[str, dict[str, Any]]]:
+    fs, path = filesystem(file)
+    with fs.open(path, "rb") as f:
+        try:
+            parquet = pq.ParquetFile(f, page_checksum_verification=True)
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{file}: not a parquet file ({_one_line(e)})") from None
+        names = parquet.schema_arrow.names
+        missing = [k for k in fields if k not in names]
+        if missing:
+            raise DataError(f"{file}: no column {missing[0]!r} (columns: {names})")
+        row = 0
+        for batch in _batches(parquet, file, list(fields)):
+            for record in batch.to_pylist():
+                yield f"{file} row {row}", record
+                row += 1
+
+
 def _pydoc(split: str) -> list[str]:
     from pydoc_data.topics import topics
 
@@ -99,7 +145,9 @@ def _open_text(file: str) -> IO[str]:
             raw = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd")
         else:
             raw = zstandard.ZstdDecompressor().stream_reader(raw)
-    return io.TextIOWrapper(raw, encoding="utf-8", newline="")
+    # utf-8-sig: a byte-order mark that opens the file (Windows editors write one) is dropped,
+    # not read as part of the first line or document; one anywhere else stays text.
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
 
 
 def _lines(f: IO[str], file: str) -> Iterator[tuple[int, str]]:
@@ -163,11 +211,13 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _batches(parquet: pq.ParquetFile, file: str, field: str) -> Iterator[pa.RecordBatch]:
+def _batches(parquet: pq.ParquetFile, file: str, field: str | list[str]
+             ) -> Iterator[pa.RecordBatch]:
     groups = parquet.num_row_groups
+    columns = [field] if isinstance(field, str) else field
     for group in range(groups):  # one at a time, so that damage is named by its row group
         try:
-            yield from parquet.iter_batches(columns=[field], batch_size=1024, row_groups=[group])
+            yield from parquet.iter_batches(columns=columns, batch_size=1024, row_groups=[group])
         except (pa.ArrowException, OSError) as e:  # damaged data pages under a good footer
             raise DataError(f"{file}: column {field!r} is corrupt in row group {group} (of "
                             f"{groups}): {_one_line(e)}") from None

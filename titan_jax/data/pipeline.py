@@ -6,6 +6,10 @@ on first use under `{dump_folder}/data/` (named by a hash of the source, its fil
 times, and the tokenizer, so a changed input is prepared again) by process 0 while the others
 wait; a process that cannot see process 0's folder (no shared filesystem) prepares its own
 copy. For large corpora and pods, run `titan-jax prepare-data` ahead instead.
+
+`training.data_format` "messages" or "prompt_completion": the files hold conversations, rendered
+with the chat template into stores that carry a loss mask (data/conversations.py); the
+validation files are read the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import json
 from collections.abc import Callable
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.data.dataset import Split, read_documents, source_files
+from titan_jax.data.conversations import ChatFormat, encode_record, load_chat_format
+from titan_jax.data.dataset import Split, read_documents, read_records, source_files
 from titan_jax.data.paths import filesystem, join
 from titan_jax.data.prepare import prepare_store
 from titan_jax.data.store import Corpus, open_corpus, read_manifest
@@ -35,9 +40,18 @@ def process_barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def chat_format(config: JobConfig) -> ChatFormat | None:
+    """The run's conversation format (None: its files hold texts)."""
+    t = config.training
+    if t.data_format == "text":
+        return None
+    return load_chat_format(t.data_format, t.chat_template, config.model.tokenizer_path)
+
+
 def cached_store(dataset: str, dataset_path: str, text_field: str, split: Split,
                  tokenizer: Tokenizer, root: str, *, is_first: bool, barrier: Barrier,
-                 progress: Callable[[str], None] = lambda _: None) -> str:
+                 progress: Callable[[str], None] = lambda _: None,
+                 chat: ChatFormat | None = None) -> str:
     """The store of a (small) source under `root`, prepared by the first process if needed."""
     files = source_files(dataset, dataset_path, split)
     stamps = []
@@ -45,15 +59,16 @@ def cached_store(dataset: str, dataset_path: str, text_field: str, split: Split,
         fs, path = filesystem(file)
         info = fs.info(path)
         stamps.append([file, info.get("size"), info.get("mtime")])
-    key = json.dumps([dataset, dataset_path, text_field, split, tokenizer.sha256, stamps],
-                     default=str)
+    key = json.dumps([dataset, dataset_path, text_field, split, tokenizer.sha256, stamps,
+                      *([chat.kind, chat.sha256] if chat else [])], default=str)
     store = join(root, f"{dataset}-{split}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
     for turn in ("first", "rest"):  # process 0 prepares; the others only if they cannot see it
         if (turn == "first") == is_first and read_manifest(store) is None:
             progress(f"preparing {dataset} ({split}) as a token store in {store}")
             prepare_store(dataset=dataset, dataset_path=dataset_path, text_field=text_field,
                           tokenizer=tokenizer, output=store, split=split,
-                          keep_partial=False)  # a fixed input is another store's key
+                          keep_partial=False,  # a fixed input is another store's key
+                          chat=chat)
         if turn == "first":
             barrier(f"titan_jax token store {store}")
     return store
@@ -65,11 +80,15 @@ def check_inputs(config: JobConfig, tokenizer: Tokenizer) -> None:
     t, v = config.training, config.validation
     for spec in [m.path for m in t.mixture] or [t.dataset_path] * (t.dataset == "tokens"):
         open_corpus(spec, tokenizer)
+    chat = chat_format(config)
     if not t.mixture and t.dataset != "tokens":
         for file in source_files(t.dataset, t.dataset_path, "train"):
-            # Each file opens and yields its first document: unreadable, damaged or mistyped
-            # files fail here, before the store is written.
-            next(iter(read_documents(t.dataset, file, t.text_field)), None)
+            # Each file opens and yields its first document (a conversation: rendered):
+            # unreadable, damaged or mistyped files fail here, before the store is written.
+            if chat is None:
+                next(iter(read_documents(t.dataset, file, t.text_field)), None)
+            elif (first := next(iter(read_records(t.dataset, file, chat.fields)), None)):
+                encode_record(*first, chat, tokenizer)
     if v.enable:
         try:
             if v.dataset == "tokens":
@@ -91,7 +110,7 @@ def training_sources(config: JobConfig, tokenizer: Tokenizer, *, is_first: bool,
         return [Source(t.dataset_path, open_corpus(t.dataset_path, tokenizer))]
     store = cached_store(t.dataset, t.dataset_path, t.text_field, "train", tokenizer,
                          join(config.job.dump_folder, "data"), is_first=is_first,
-                         barrier=barrier, progress=progress)
+                         barrier=barrier, progress=progress, chat=chat_format(config))
     return [Source(t.dataset, open_corpus(store, tokenizer))]
 
 
@@ -102,5 +121,5 @@ def validation_corpus(config: JobConfig, tokenizer: Tokenizer, *, is_first: bool
         return open_corpus(v.dataset_path, tokenizer, what="validation.dataset_path")
     store = cached_store(v.dataset, v.dataset_path, config.training.text_field, "validation",
                          tokenizer, join(config.job.dump_folder, "data"), is_first=is_first,
-                         barrier=barrier)
+                         barrier=barrier, chat=chat_format(config))
     return open_corpus(store, tokenizer, what="validation.dataset_path")

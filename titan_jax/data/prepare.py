@@ -11,11 +11,15 @@ with the same bytes as an uninterrupted run.
 
 Several machines: `num_shards` N and `shard_index` I give machine I the input files i with
 i % N == I; each writes a store of its own, and training reads them together (store.py).
+
+Conversations (`chat`, data/conversations.py): each record is rendered with the chat template
+and tokenized whole; the shard gets a loss mask beside its tokens (a version 2 store).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -30,13 +34,16 @@ import numpy as np
 import tokenizers
 
 from titan_jax.atomic_dir import hidden_name
-from titan_jax.data.dataset import DataError, Split, read_documents, source_files
+from titan_jax.data.conversations import ChatFormat, encode_conversations
+from titan_jax.data.dataset import DataError, Split, read_documents, read_records, source_files
 from titan_jax.data.paths import filesystem, is_local, join
 from titan_jax.data.store import (
     FORMAT,
     MANIFEST,
+    MASKED_VERSION,
     VERSION,
     StoreError,
+    mask_name,
     read_manifest,
     shard_names,
     token_dtype,
@@ -46,14 +53,17 @@ from titan_jax.data.tokenizer import Tokenizer
 CHUNK_CHARS = 1 << 20  # ~1 MB of text per tokenizing task
 # Tokenizing is CPU-bound: more processes than this only cost memory (a tokenizer each).
 MAX_WORKERS_PER_CPU = 4
+# An encoded chunk: (tokens as bytes, each document's length, the loss mask as bytes or None).
+Block = tuple[bytes, np.ndarray, bytes | None]
+Document = str | tuple[str, dict[str, Any]]  # a text, or (where, record) of a conversation
 
 
-def _chunks(texts: Iterator[str]) -> Iterator[list[str]]:
-    chunk: list[str] = []
+def _chunks(documents: Iterator[Document]) -> Iterator[list[Document]]:
+    chunk: list[Document] = []
     size = 0
-    for text in texts:
-        chunk.append(text)
-        size += len(text)
+    for document in documents:
+        chunk.append(document)
+        size += len(document if isinstance(document, str) else str(document[1]))
         if size >= CHUNK_CHARS:
             yield chunk
             chunk, size = [], 0
@@ -61,25 +71,37 @@ def _chunks(texts: Iterator[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def encode_chunk(tok: Tokenizer, texts: list[str], dtype: str) -> tuple[bytes, np.ndarray]:
-    """(tokens with EOS after each document, as `dtype` bytes; each document's length)."""
-    ids = tok.encode_batch(texts)
+def encode_chunk(tok: Tokenizer, documents: list[Document], dtype: str,
+                 chat: ChatFormat | None = None) -> Block:
+    """(tokens with EOS after each document, as `dtype` bytes; each document's length; for
+    conversations, their loss mask, 0 on the EOS)."""
+    if chat is not None:
+        ids, masks = encode_conversations(documents, chat, tok)
+    else:
+        ids, masks = tok.encode_batch(documents), None
     lengths = np.array([len(x) + 1 for x in ids], np.int64)
     out = np.empty(int(lengths.sum()), dtype)
     ends = np.cumsum(lengths)
     out[ends - 1] = tok.eos_id
     for end, length, x in zip(ends, lengths, ids, strict=True):
         out[end - length:end - 1] = x
-    return out.tobytes(), lengths
+    if masks is None:
+        return out.tobytes(), lengths, None
+    mask = np.zeros(len(out), np.uint8)
+    for end, length, m in zip(ends, lengths, masks, strict=True):
+        mask[end - length:end - 1] = m
+    return out.tobytes(), lengths, mask.tobytes()
 
 
 _WORKER: Tokenizer | None = None
+_WORKER_CHAT: ChatFormat | None = None
 
 
-def _init_worker(text: str, eos_id: int, parent: int) -> None:
-    global _WORKER
+def _init_worker(text: str, eos_id: int, chat: ChatFormat | None, parent: int) -> None:
+    global _WORKER, _WORKER_CHAT
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     _WORKER = Tokenizer(tokenizers.Tokenizer.from_str(text), eos_id=eos_id)
+    _WORKER_CHAT = chat
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
 
 
@@ -91,9 +113,9 @@ def _exit_with(parent: int) -> None:
     os._exit(1)
 
 
-def _encode_in_worker(texts: list[str], dtype: str) -> tuple[bytes, np.ndarray]:
+def _encode_in_worker(documents: list[Document], dtype: str) -> Block:
     assert _WORKER is not None
-    return encode_chunk(_WORKER, texts, dtype)
+    return encode_chunk(_WORKER, documents, dtype, _WORKER_CHAT)
 
 
 class _Encoder:
@@ -102,21 +124,22 @@ class _Encoder:
     in flight, so memory stays bounded whatever the file sizes; chunks of the next files are
     encoded while the current file's are written."""
 
-    def __init__(self, tok: Tokenizer, workers: int, dtype: str):
-        self.tok, self.dtype = tok, dtype
+    def __init__(self, tok: Tokenizer, workers: int, dtype: str, chat: ChatFormat | None):
+        self.tok, self.dtype, self.chat = tok, dtype, chat
         self.pool = None if workers <= 1 else ProcessPoolExecutor(
             workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker, initargs=(tok.to_json(), tok.eos_id, os.getpid()))
+            initializer=_init_worker, initargs=(tok.to_json(), tok.eos_id, chat, os.getpid()))
         self.depth = 2 * max(1, workers)
 
-    def _submit(self, chunk: list[str] | None) -> Any:
+    def _submit(self, chunk: list[Document] | None) -> Any:
         if chunk is None:
             return None
         if self.pool is None:
-            return encode_chunk(self.tok, chunk, self.dtype)
+            return encode_chunk(self.tok, chunk, self.dtype, self.chat)
         return self.pool.submit(_encode_in_worker, chunk, self.dtype)
 
-    def map(self, items: Iterator[tuple[int, list[str] | None]]) -> Iterator[tuple[int, Any]]:
+    def map(self, items: Iterator[tuple[int, list[Document] | None]]
+            ) -> Iterator[tuple[int, Any]]:
         """A damaged input raises only after what was read before it: the files before the
         damaged one are finished (and kept for a rerun) whatever the read-ahead."""
         pending: collections.deque[tuple[int, Any]] = collections.deque()
@@ -148,35 +171,42 @@ def _write_atomic(fs: Any, path: str, data: bytes) -> None:
     fs.mv(path + ".tmp", path)
 
 
-def _write_shard(fs: Any, folder: str, index: int, blocks: Iterator[tuple[bytes, np.ndarray]]
+def _write_shard(fs: Any, folder: str, index: int, blocks: Iterator[Block], masked: bool
                  ) -> dict[str, Any]:
-    """Streams one input file's encoded chunks into its shard; returns its manifest entry."""
-    tokens_name, docs_name = shard_names(index)
-    tokens_path, docs_path = join(folder, tokens_name), join(folder, docs_name)
-    digests = hashlib.sha256(), hashlib.sha256()
+    """Streams one input file's encoded chunks into its shard (and its loss mask, `masked`);
+    returns its manifest entry."""
+    keys = ("tokens_sha256", "docs_sha256", *(("mask_sha256",) if masked else ()))
+    paths = [join(folder, name) for name in
+             (*shard_names(index), *((mask_name(index),) if masked else ()))]
+    digests = [hashlib.sha256() for _ in paths]
     n_tokens = n_docs = 0
     try:
-        with fs.open(tokens_path + ".tmp", "wb") as ft, fs.open(docs_path + ".tmp", "wb") as fd:
-            for data, lengths in blocks:
+        with contextlib.ExitStack() as stack:
+            files = [stack.enter_context(fs.open(p + ".tmp", "wb")) for p in paths]
+            for data, lengths, mask in blocks:
                 ends = (np.cumsum(lengths) + n_tokens).astype("<i8").tobytes()
-                for f, digest, b in ((ft, digests[0], data), (fd, digests[1], ends)):
+                for f, digest, b in zip(files, digests, (data, ends, mask), strict=False):
                     f.write(b)
                     digest.update(b)
                 n_tokens += int(lengths.sum())
                 n_docs += len(lengths)
     except DataError:  # its input is damaged: no half of its shard stays behind
-        fs.rm([p + ".tmp" for p in (tokens_path, docs_path) if fs.exists(p + ".tmp")])
+        fs.rm([p + ".tmp" for p in paths if fs.exists(p + ".tmp")])
         raise
-    fs.mv(tokens_path + ".tmp", tokens_path)
-    fs.mv(docs_path + ".tmp", docs_path)
+    for p in paths:
+        fs.mv(p + ".tmp", p)
     return {"file_index": index, "tokens": n_tokens, "documents": n_docs,
-            "tokens_sha256": digests[0].hexdigest(), "docs_sha256": digests[1].hexdigest()}
+            **{key: digest.hexdigest() for key, digest in zip(keys, digests, strict=True)}}
 
 
 def _request(dataset: str, dataset_path: str, text_field: str, split: Split, tok: Tokenizer,
-             files: list[str], num_shards: int, shard_index: int) -> dict[str, Any]:
-    inputs = hashlib.sha256("\n".join([dataset, text_field, split, *files]).encode()).hexdigest()
-    return {
+             files: list[str], num_shards: int, shard_index: int, chat: ChatFormat | None
+             ) -> dict[str, Any]:
+    what = [dataset, text_field, split, *files]
+    if chat is not None:  # another template or format is another store
+        what += [chat.kind, chat.sha256]
+    inputs = hashlib.sha256("\n".join(what).encode()).hexdigest()
+    request = {
         "format": FORMAT, "version": VERSION, "dtype": token_dtype(tok.vocab_size).str,
         "tokenizer": {"sha256": tok.sha256, "path": tok.where, "vocab_size": tok.vocab_size,
                       "eos_id": tok.eos_id},
@@ -184,6 +214,11 @@ def _request(dataset: str, dataset_path: str, text_field: str, split: Split, tok
                    "split": split, "files": len(files), "inputs_sha256": inputs},
         "part": {"num_shards": num_shards, "shard_index": shard_index},
     }
+    if chat is not None:
+        request.update(version=MASKED_VERSION, loss_mask=True)
+        request["source"]["chat"] = {"format": chat.kind, "template": chat.source,
+                                     "template_sha256": chat.sha256}
+    return request
 
 
 def _start_folder(fs: Any, folder: str, request: dict[str, Any]) -> None:
@@ -207,10 +242,10 @@ def partial_folder(out_path: str) -> str:
 def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer: Tokenizer,
                   output: str, split: Split = "train", workers: int = 1, num_shards: int = 1,
                   shard_index: int = 0, progress: Callable[[str], None] = lambda _: None,
-                  keep_partial: bool = True) -> dict[str, Any]:
+                  keep_partial: bool = True, chat: ChatFormat | None = None) -> dict[str, Any]:
     """Writes (or finishes, or finds already written) the store at `output`; its manifest.
     An input found damaged part way leaves the shards finished so far for a rerun to keep, or
-    (`keep_partial=False`) nothing."""
+    (`keep_partial=False`) nothing. `chat`: the source holds conversations, rendered so."""
     cpus = os.cpu_count() or 1
     if not 1 <= workers <= MAX_WORKERS_PER_CPU * cpus:
         raise DataError(f"--workers={workers} must be in [1, {MAX_WORKERS_PER_CPU * cpus}] "
@@ -223,7 +258,7 @@ def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer
         raise DataError(f"--num-shards={num_shards} exceeds the {len(files)} input files of "
                         f"dataset_path={dataset_path!r}: shard {shard_index} would be empty")
     request = _request(dataset, dataset_path, text_field, split, tokenizer, files, num_shards,
-                       shard_index)
+                       shard_index, chat)
     done = read_manifest(output)
     if done is not None:
         same = {**done, "tokenizer": {**done["tokenizer"], "path": tokenizer.where}}
@@ -244,7 +279,7 @@ def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer
     _start_folder(fs, folder, request)
     try:
         entries = _write_shards(fs, folder, mine, dataset, text_field, tokenizer, workers,
-                                progress)
+                                progress, chat)
     except DataError as e:
         if not keep_partial:
             fs.rm(folder, recursive=True)
@@ -277,10 +312,13 @@ def _finish(fs: Any, folder: str, final: str | None, manifest: dict[str, Any]) -
         fs.mv(folder, final, recursive=True)
 
 
-def _items(todo: list[tuple[int, str]], dataset: str, text_field: str
-           ) -> Iterator[tuple[int, list[str] | None]]:
+def _items(todo: list[tuple[int, str]], dataset: str, text_field: str,
+           chat: ChatFormat | None) -> Iterator[tuple[int, list[Document] | None]]:
     for i, file in todo:
-        yield from ((i, c) for c in _chunks(read_documents(dataset, file, text_field)))
+        documents: Iterator[Document] = (
+            read_documents(dataset, file, text_field) if chat is None
+            else read_records(dataset, file, chat.fields))
+        yield from ((i, c) for c in _chunks(documents))
         yield i, None  # the file's end: its shard exists even when it holds no document
 
 
@@ -296,7 +334,8 @@ def _file_blocks(encoded: Iterator[tuple[int, Any]], index: int) -> Iterator[Any
 
 def _write_shards(fs: Any, folder: str, mine: list[tuple[int, str]], dataset: str,
                   text_field: str, tok: Tokenizer, workers: int,
-                  progress: Callable[[str], None]) -> list[dict[str, Any]]:
+                  progress: Callable[[str], None], chat: ChatFormat | None
+                  ) -> list[dict[str, Any]]:
     entries: dict[int, dict[str, Any]] = {}
     for i, file in mine:
         record = join(folder, f"shard-{i:05d}.json")
@@ -306,11 +345,12 @@ def _write_shards(fs: Any, folder: str, mine: list[tuple[int, str]], dataset: st
             progress(f"{file}: kept from an earlier run")
     todo = [(i, f) for i, f in mine if i not in entries]
     files = dict(todo)
-    encoder = _Encoder(tok, workers, token_dtype(tok.vocab_size).str)
+    encoder = _Encoder(tok, workers, token_dtype(tok.vocab_size).str, chat)
     try:
-        encoded = encoder.map(_items(todo, dataset, text_field))
+        encoded = encoder.map(_items(todo, dataset, text_field, chat))
         for i, _ in todo:
-            entry = {**_write_shard(fs, folder, i, _file_blocks(encoded, i)), "source": files[i]}
+            entry = {**_write_shard(fs, folder, i, _file_blocks(encoded, i), chat is not None),
+                     "source": files[i]}
             _write_atomic(fs, join(folder, f"shard-{i:05d}.json"), json.dumps(entry).encode())
             entries[i] = entry
             progress(f"[{len(entries)}/{len(mine)}] {files[i]}: {entry['tokens']:,} tokens")

@@ -4,6 +4,9 @@ A store is a folder (local or an fsspec URL) holding, per input file i of its so
   tokens-{i:05d}.bin   the file's documents' tokens, each document followed by EOS, as raw
                        little-endian uint16 (vocabularies up to 65,536 ids) or uint32;
   docs-{i:05d}.bin     int64 end offset (exclusive, in the shard's tokens) of each document;
+  mask-{i:05d}.bin     (stores of conversations, `loss_mask` in the manifest) one byte per
+                       token: 1 where the token is trained on as a label (an assistant's), 0
+                       where it is only read (prompts, role headers, the EOS between documents);
 and `manifest.json`: the tokenizer's sha256, vocab size and EOS id, the source, token and
 document counts, and every shard's sha256. The manifest is written last: a folder without one is
 not a store. Shards are named by their input file's index in the source's sorted file list, so
@@ -30,7 +33,10 @@ from titan_jax.data.paths import filesystem, glob_dirs, is_local, join
 from titan_jax.data.tokenizer import Tokenizer
 from titan_jax.errors import TitanJaxError
 
-FORMAT, VERSION = "titan-jax-token-store", 1
+FORMAT = "titan-jax-token-store"
+# Version 2 stores carry a loss mask: a reader of version 1 only would train on their prompts,
+# so it refuses them. Plain token stores stay version 1, readable by every titan-jax.
+VERSION, MASKED_VERSION = 1, 2
 MANIFEST = "manifest.json"
 
 
@@ -44,6 +50,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def shard_names(file_index: int) -> tuple[str, str]:
     return f"tokens-{file_index:05d}.bin", f"docs-{file_index:05d}.bin"
+
+
+def mask_name(file_index: int) -> str:
+    return f"mask-{file_index:05d}.bin"
 
 
 def read_manifest(store: str) -> dict[str, Any] | None:
@@ -61,8 +71,9 @@ def read_manifest(store: str) -> dict[str, Any] | None:
     except OSError as e:
         raise StoreError(f"{url} cannot be read: {e.strerror or e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
-            or manifest.get("version") != VERSION:
-        raise StoreError(f"{url} is not a version {VERSION} titan-jax token store")
+            or manifest.get("version") not in (VERSION, MASKED_VERSION):
+        raise StoreError(f"{url} is not a version {VERSION} or {MASKED_VERSION} titan-jax "
+                         "token store")
     problem = _manifest_problem(manifest)
     if problem:
         raise StoreError(f"{url} is damaged ({problem}); prepare the store again")
@@ -89,11 +100,15 @@ def _manifest_problem(m: dict[str, Any]) -> str | None:
         return f"source={source!r}"
     if not isinstance(shards, list) or not shards:
         return "no shards"
+    masked = m["version"] == MASKED_VERSION
+    if m.get("loss_mask", False) is not masked:
+        return f"loss_mask={m.get('loss_mask')!r} in a version {m['version']} store"
+    digests = ("tokens_sha256", "docs_sha256", *(("mask_sha256",) if masked else ()))
     for entry in shards:
         if not (isinstance(entry, dict) and _is_count(entry.get("file_index"))
                 and entry["file_index"] < source["files"] and _is_count(entry.get("tokens"))
                 and _is_count(entry.get("documents"))
-                and all(isinstance(entry.get(k), str) for k in ("tokens_sha256", "docs_sha256"))):
+                and all(isinstance(entry.get(k), str) for k in digests)):
             return f"shard entry {entry!r}"[:200]
     for key in ("tokens", "documents"):
         if m.get(key) != sum(e[key] for e in shards):
@@ -113,14 +128,24 @@ class Shard:
     def __post_init__(self) -> None:
         tokens, docs = shard_names(self.entry["file_index"])
         self.tokens_url, self.docs_url = join(self.store, tokens), join(self.store, docs)
+        self.mask_url = (join(self.store, mask_name(self.entry["file_index"]))
+                         if "mask_sha256" in self.entry else None)
         self.num_tokens = int(self.entry["tokens"])
         self.local = is_local(self.tokens_url)
         self._tokens: Any = None
         self._docs: np.ndarray | None = None
+        self._mask: Any = None
+
+    def _files(self) -> list[tuple[str, int, str]]:
+        """(url, size in bytes, manifest digest key) of each of the shard's files."""
+        files = [(self.tokens_url, self.num_tokens * self.dtype.itemsize, "tokens_sha256"),
+                 (self.docs_url, int(self.entry["documents"]) * 8, "docs_sha256")]
+        if self.mask_url is not None:
+            files.append((self.mask_url, self.num_tokens, "mask_sha256"))
+        return files
 
     def check_sizes(self) -> None:
-        for url, size in ((self.tokens_url, self.num_tokens * self.dtype.itemsize),
-                          (self.docs_url, int(self.entry["documents"]) * 8)):
+        for url, size, _ in self._files():
             fs, path = filesystem(url)
             if not fs.isfile(path):
                 raise StoreError(f"shard {url} is missing; prepare the store again")
@@ -131,7 +156,7 @@ class Shard:
     def verify(self) -> None:
         """Every byte against the manifest's checksums (reads the whole shard)."""
         self.check_sizes()
-        for url, key in ((self.tokens_url, "tokens_sha256"), (self.docs_url, "docs_sha256")):
+        for url, _, key in self._files():
             fs, path = filesystem(url)
             digest = hashlib.sha256()
             with fs.open(path, "rb") as f:
@@ -175,6 +200,18 @@ class Shard:
         self._check_ids(tokens, start)
         return tokens
 
+    def read_mask(self, start: int, stop: int) -> np.ndarray:
+        """The loss mask of tokens [start, stop) (all ones where the shard has none)."""
+        if self.mask_url is None:
+            return np.ones(stop - start, np.uint8)
+        if self._mask is None:
+            fs, path = filesystem(self.mask_url)
+            self._mask = np.memmap(path, np.uint8, mode="r") if self.local else (fs, path)
+        if self.local:
+            return np.asarray(self._mask[start:stop])
+        fs, path = self._mask
+        return np.frombuffer(fs.cat_file(path, start=start, end=stop), np.uint8)
+
     def document_ends(self) -> np.ndarray:
         if self._docs is None:
             fs, path = filesystem(self.docs_url)
@@ -196,18 +233,28 @@ class Corpus:
         sizes = np.array([s.num_tokens for s in self.shards], np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])
         self.num_tokens = int(self.starts[-1])
+        # Some tokens are prompts, not labels (conversations): windows ignore their labels.
+        self.has_loss_mask = any(s.mask_url is not None for s in self.shards)
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) as int32."""
-        out = np.empty(stop - start, np.int32)
+    def _gather(self, start: int, stop: int, dtype: type, read: Any) -> np.ndarray:
+        """`read(shard, begin, end)` over the shards that tokens [start, stop) span."""
+        out = np.empty(stop - start, dtype)
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         pos = start
         while pos < stop:
             begin, end = int(self.starts[i]), int(self.starts[i + 1])
             take = min(stop, end)
-            out[pos - start:take - start] = self.shards[i].read(pos - begin, take - begin)
+            out[pos - start:take - start] = read(self.shards[i], pos - begin, take - begin)
             pos, i = take, i + 1
         return out
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) as int32."""
+        return self._gather(start, stop, np.int32, Shard.read)
+
+    def read_mask(self, start: int, stop: int) -> np.ndarray:
+        """The loss mask of tokens [start, stop): True where a token is trained on as a label."""
+        return self._gather(start, stop, np.uint8, Shard.read_mask).astype(bool)
 
     def document_ends(self, start: int, stop: int) -> np.ndarray:
         """Positions in (start, stop] where a document ends (exclusive end offsets)."""

@@ -43,6 +43,12 @@ class Tokenizer:
         # No BOS/EOS here: the data pipeline decides where document boundaries go.
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, each token's [start, end) characters in `text`): how data/chat.py maps the
+        spans it trains on to tokens."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Many documents at once (the Rust side spreads them over its threads)."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]

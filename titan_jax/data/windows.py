@@ -18,6 +18,10 @@ document it belongs to inside its window: the model attends only within a segmen
 position (restarting at 0 with each document with `document_positions`, else 0..S-1); and the
 label predicting a document's first token from the previous document's EOS is IGNORE_INDEX: one
 fewer loss token per document boundary inside a window.
+
+A store of conversations (store.py, `loss_mask`) marks the tokens trained on: every other
+label (system and user turns, role headers) is IGNORE_INDEX, so the loss is the mean over the
+assistants' tokens in the step (train/loss.py divides by the labels not ignored).
 """
 
 from __future__ import annotations
@@ -95,6 +99,10 @@ def read_row(corpus: Corpus, start: int, seq_len: int, document_mask: bool = Fal
     pieces = [corpus.read(start + a, start + b + 1) for a, b in spans]
     inputs = np.concatenate([p[:-1] for p in pieces])
     labels = np.concatenate([p[1:] for p in pieces])
+    if corpus.has_loss_mask:  # the label of input t is token t + 1: its mask decides
+        trained = np.concatenate([corpus.read_mask(start + a + 1, start + b + 1)
+                                  for a, b in spans])
+        labels[~trained] = IGNORE_INDEX
     if document_mask:
         t = np.concatenate([np.arange(a, b) for a, b in spans])
         return document_fields(corpus, start, inputs, labels, t, seq_len, document_positions)

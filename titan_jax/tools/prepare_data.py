@@ -14,6 +14,7 @@ from titan_jax.atomic_dir import hidden_name
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.dataset import DataError
 from titan_jax.data.paths import filesystem, is_local
+from titan_jax.data.pipeline import chat_format
 from titan_jax.data.prepare import prepare_store
 from titan_jax.data.store import open_corpus
 from titan_jax.data.tokenizer import load_tokenizer
@@ -51,7 +52,8 @@ def prepare_data(config: JobConfig, output: str, *, workers: int = 1, num_shards
         manifest = prepare_store(dataset=t.dataset, dataset_path=t.dataset_path,
                                  text_field=t.text_field, tokenizer=tokenizer, output=output,
                                  workers=workers, num_shards=num_shards,
-                                 shard_index=shard_index, progress=progress)
+                                 shard_index=shard_index, progress=progress,
+                                 chat=chat_format(config))
     seconds = time.perf_counter() - start
     if messages and "already prepared" in messages[-1]:
         return manifest
