@@ -61,6 +61,8 @@ def _check(tmp_path, capsys, argv, message):
     assert snapshot(tmp_path) == before  # nothing written, nothing lost
 
 
+LONG = "a" * 300
+TOO_LONG = "the name aaaaaaaaaaaa...aaaa is 300 bytes, longer than the 255 bytes a file name may"
 CASES = {
     "missing": [
         (["--model.tokenizer_path", "TMP/nope"], "tokenizer path 'TMP/nope': no tokenizer.json"),
@@ -104,6 +106,11 @@ CASES = {
         (["--model.tokenizer_path", "TMP/latin1.json"],
          "tokenizer file 'TMP/latin1.json' is not UTF-8 text (byte 5)"),
     ],
+    "too long": [  # a name past the file system's 255 bytes: one line, nothing created
+        (["--job.dump_folder", f"TMP/{LONG}/run"], f"job.dump_folder=TMP/{LONG}/run: {TOO_LONG}"),
+        (["--job.dump_folder", "TMP/x", "--checkpoint.enable", "true", "--checkpoint.folder",
+          LONG], f"checkpoint.folder=TMP/x/{LONG}: {TOO_LONG}"),
+    ],
     "out of range": [
         (["--distributed.num_processes", "2", "--distributed.process_id", "0",
           "--distributed.coordinator_address", "localhost:70000"],
@@ -134,6 +141,8 @@ OTHER_CASES = [
     ([*GENERATE, "TMP/tiny", "--prompt", "caf\udce9"], "--prompt is not UTF-8 text (character 3)"),
     (["convert", "--from", "orbax", "--to", "hf", "TMP/tiny", "TMP/file/out"],
      "destination TMP/file/out lies under TMP/file, which is a file"),
+    (["convert", "--from", "orbax", "--to", "hf", "TMP/tiny", f"TMP/{LONG}"],
+     f"destination TMP/{LONG}: {TOO_LONG}"),
     (["convert", "--from", "orbax", "--to", "hf", "TMP/tiny", "TMP/out", "--max-shard-size", "0"],
      "--max-shard-size '0' must be at least 1 byte"),
     (["convert", "--from", "orbax", "--to", "hf", "TMP/truncated", "TMP/out"],

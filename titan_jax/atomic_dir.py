@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from titan_jax.errors import TitanJaxError
+from titan_jax.errors import TitanJaxError, long_name, root_cause
 
 
 class DestinationError(TitanJaxError, ValueError):
@@ -38,9 +38,16 @@ def _temporary(path: Path, what: str) -> Path:
     return path.with_name(hidden_name(path.name, what))
 
 
+def check_names_fit(dst: str | Path) -> None:
+    """Every name in `dst` fits its file system (a 300-byte folder name does not)."""
+    if (too_long := long_name(dst)) is not None:
+        raise DestinationError(f"destination {dst}: {too_long}")
+
+
 def check_destination(dst: str | Path, *, overwrite: bool = False,
                       source: str | Path | None = None) -> Path:
     """`dst` resolved, or a DestinationError saying why it must not be written."""
+    check_names_fit(dst)
     dst = Path(dst).resolve()
     if source is not None:
         src = Path(source).resolve()
@@ -78,15 +85,21 @@ def atomic_dir(dst: str | Path, *, overwrite: bool = False, source: str | Path |
     """
     dst = check_destination(dst, overwrite=overwrite, source=source)
     tmp = _temporary(dst, "tmp")
-    if writer:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
-        tmp.mkdir(parents=True)
     try:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+            tmp.mkdir(parents=True)
         yield tmp
-    except BaseException:
+    except BaseException as e:
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        cause = None if isinstance(e, TitanJaxError) or not isinstance(e, Exception) \
+            else root_cause(e)
+        if cause is None:
+            raise
+        # the machine's refusal (a full disk, a folder of another user's), not a bug: one line
+        raise DestinationError(f"{cause}: writing {dst} failed; {dst} is as it was before"
+                               ) from e
     if not writer:
         return
     _normal_modes(tmp)

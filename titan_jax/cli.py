@@ -7,6 +7,7 @@ import argparse
 import inspect
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -101,6 +102,9 @@ def _parity(args: argparse.Namespace, config: JobConfig) -> int:
         except ValueError:
             raise ConfigError(f"--bar {item!r}: expected NAME=NUMBER with NAME one of "
                              f"{', '.join(BARS)}") from None
+        if not math.isfinite(bars[name]):  # nan would fail every check, inf pass every one
+            raise ConfigError(f"--bar {item!r}: {value} must be a finite number (the largest "
+                              f"{name} that passes)")
     _check_parity_lengths(args, config)
     references = REFERENCES if args.reference == "all" else (args.reference,)
     report = run_from_config(config, args.hf_checkpoint, references=references,

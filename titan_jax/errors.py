@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 # Failures of the machine rather than of titan-jax: named first when a save or write fails.
@@ -40,6 +41,41 @@ def root_cause(error: BaseException) -> str | None:
         if os.strerror(code) in text:
             return os.strerror(code)
     return None
+
+
+def long_name(path: str | os.PathLike[str]) -> str | None:
+    """What in `path` is past the bytes one name may have on its file system (NAME_MAX), for
+    a one-line error; None when every name fits. Reads nothing but the limit: a long name under
+    a folder that does not exist yet is found before anything is created."""
+    path = os.path.abspath(path)
+    name = max(path.split(os.sep), key=lambda n: len(os.fsencode(n)))
+    size, limit = len(os.fsencode(name)), _name_max(path)
+    if size <= limit:
+        return None
+    return (f"the name {name[:12]}...{name[-4:]} is {size} bytes, longer than the {limit} bytes "
+            "a file name may have here; use a shorter name")
+
+
+def name_too_long(path: str | os.PathLike[str]) -> str:
+    """Why the file system refused `path` with ENAMETOOLONG: a name too long, or else the whole
+    path."""
+    return long_name(path) or (f"the path is {len(os.fsencode(os.path.abspath(path)))} bytes, "
+                               "longer than the file system takes (File name too long); use a "
+                               "shorter path")
+
+
+def _name_max(path: str) -> int:
+    existing = next((p for p in (path, *_parents(path)) if os.path.isdir(p)), os.sep)
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255  # ext4, xfs, btrfs
+
+
+def _parents(path: str) -> Iterator[str]:
+    while (parent := os.path.dirname(path)) != path:
+        yield parent
+        path = parent
 
 
 def quiet_closed_loop_callbacks() -> None:

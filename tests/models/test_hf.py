@@ -311,6 +311,38 @@ def test_missing_tensor_wrong_shape_and_unexpected_tensor_are_named(tmp_path):
         hf.load_hf_params(src)
 
 
+def test_a_weight_of_a_non_floating_dtype_is_refused_naming_file_tensor_and_dtype(tmp_path):
+    """A header's dtype is read as declared: float bits relabelled I32 would load as integers
+    cast to floats, a bool or an fp8 tensor likewise; every float dtype loads as before."""
+    src = save_hf_model(UNTIED, tmp_path)
+    name = "model.layers.1.mlp.up_proj.weight"
+    weight = tensors(src)[name]
+    for changed in (weight.astype(np.float16), weight.astype(np.float64),
+                    weight.astype(ml_dtypes.bfloat16)):
+        _rewrite(src, change={name: changed})
+        loaded = hf.load_hf_params(src)["layers"]["feed_forward"]["w3"][1]
+        np.testing.assert_array_equal(loaded, changed.astype(np.float32).T)
+    for changed, dtype in ((weight.view(np.int32), "I32"), (weight > 0, "BOOL")):
+        _rewrite(src, change={name: changed})
+        with pytest.raises(HFCheckpointError, match=rf"^{src}/model.safetensors: tensor '{name}' "
+                           rf"has dtype {dtype}; a weight loads from a floating-point tensor of "
+                           r"dtype F32, F16, BF16, F64$"):
+            hf.load_hf_params(src)
+    # fp8, which numpy's safetensors reader cannot decode: its header written by hand
+    data = {k: v.astype(np.float32) for k, v in tensors(src).items() if k != name}
+    _rewrite(src, drop=[name], change=data)
+    blob = (src / "model.safetensors").read_bytes()
+    size = int.from_bytes(blob[:8], "little")
+    header, body = json.loads(blob[8:8 + size]), blob[8 + size:]
+    header[name] = {"dtype": "F8_E4M3", "shape": list(weight.shape),
+                    "data_offsets": [len(body), len(body) + weight.size]}
+    encoded = json.dumps(header).encode()
+    (src / "model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + body
+                                            + bytes(weight.size))
+    with pytest.raises(HFCheckpointError, match=f"tensor '{name}' has dtype F8_E4M3; "):
+        hf.load_hf_params(src)
+
+
 def test_a_layer_count_the_files_do_not_hold_is_refused_before_anything_is_built(tmp_path):
     """A tampered num_hidden_layers would build a list of 10**9 expected tensors (23 GB
     before the first shape comparison): the count is checked against the files first."""
@@ -331,6 +363,24 @@ def test_stored_model_args_are_range_checked(tmp_path):
         with pytest.raises(CheckpointError,
                            match=rf"model_args.json: n_layers={shown} must be an integer in"):
             load_orbax(path, QWEN3)
+
+
+def test_an_orbax_model_this_user_may_not_read_is_named_so(tmp_path, monkeypatch):
+    """Not "corrupt": root (the tests' user) reads anything, so the read is refused here."""
+    path = tmp_path / "model"
+    save_orbax(path, build_model_def(UNTIED).init(jax.random.key(0)), UNTIED)
+    real = type(path).read_text
+
+    def read_text(self, *args, **kwargs):
+        if self.name == ARGS_FILE:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(path), "read_text", read_text)
+    with pytest.raises(CheckpointError) as error:
+        load_orbax(path, QWEN3)
+    assert str(error.value) == (f"orbax model {path} cannot be read: Permission denied "
+                                f"({path / ARGS_FILE}); make it readable by this user")
 
 
 def test_tied_checkpoint_with_lm_head_loads_and_ignores_it(tmp_path):

@@ -169,6 +169,11 @@ def test_files_in_transformers_5s_fused_layout_load_too(hf_moe, tmp_path):
     args = read_hf_config(path)
     fused, hub = load_hf_params(tmp_path, args), load_hf_params(path, args)
     jax.tree.map(np.testing.assert_array_equal, fused, hub)
+    name = "model.layers.1.mlp.experts.gate_up_proj"  # float bits relabelled: named as stored
+    state[name] = state[name].float().view(torch.int32)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(HFCheckpointError, match=f"tensor '{name}' has dtype I32; a weight loads"):
+        load_hf_params(tmp_path, args)
 
 
 

@@ -58,6 +58,12 @@ def test_parity_cli_bad_arguments(capsys):
     assert main(["parity", "--config", "configs/qwen3_debug.toml", "--bar", "kl=1"]) == 2
     assert "--bar 'kl=1': expected NAME=NUMBER with NAME one of logits_max_abs_diff" in \
         capsys.readouterr().err
+    for value in ("nan", "inf", "-inf"):
+        assert main(["parity", "--config", "configs/qwen3_debug.toml", "--bar",
+                     f"kl_max={value}"]) == 2
+        assert capsys.readouterr().err == (f"titan-jax: error: --bar 'kl_max={value}': {value} "
+                                           "must be a finite number (the largest kl_max that "
+                                           "passes)\n")
     assert main(["parity", "--config", "configs/qwen3_debug.toml", "--hf-checkpoint",
                  "/nonexistent"]) == 2
     assert "HF model directory /nonexistent does not exist" in capsys.readouterr().err

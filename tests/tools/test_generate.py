@@ -71,6 +71,9 @@ def test_from_a_training_run_newest_step(tmp_path, capsys):
     (["--checkpoint", "."], "is neither a checkpoint step folder"),
     (["--hf-checkpoint", "x", "--checkpoint", "y"], "not allowed with argument"),
     (["--checkpoint", "y", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+    (["--checkpoint", "y", "--top-p", "0.9"], "--top-p 0.9 needs --temperature > 0 (it is 0: "
+     "greedy decoding, which --top-p would not change); add e.g. --temperature 0.7, or leave "
+     "--top-p out"),
 ])
 def test_bad_input_is_one_line(capsys, args, message):
     try:

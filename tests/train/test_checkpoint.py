@@ -3,6 +3,7 @@
 In-process on a tiny Qwen3 (the subprocess kill/resume tests are in test_resume.py).
 """
 
+import errno
 import gc
 import hashlib
 import json
@@ -231,6 +232,33 @@ def test_a_damaged_checkpoint_is_refused_and_left_alone(tmp_path, damage, messag
     assert digests(tmp_path) == before
     assert_trees_equal(Checkpointer(tmp_path).restore(1, target).state, state)
     gc.collect()  # here, under this test's warning filter
+
+
+def test_a_checkpoint_this_user_may_not_read_is_named_so_not_called_corrupt(tmp_path,
+                                                                            monkeypatch):
+    """Not corrupt, and moving it out of the folder is no remedy (as root, which the tests run
+    as, chmod denies nothing: the file's open is refused here as the OS refuses another user's)."""
+    from etils import epath
+
+    state = small_state()
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          state)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state, data_state={}, tokens_seen=0)
+        ckpt.save(2, state, data_state={}, tokens_seen=0)
+    denied = tmp_path / "2" / "meta" / "metadata"
+    real_open = epath.gpath._GPath.open
+
+    def open_(self, *args, **kwargs):
+        if Path(self) == denied:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(epath.gpath._GPath, "open", open_)
+    with pytest.raises(CheckpointError) as error:
+        Checkpointer(tmp_path).restore(2, target)
+    assert str(error.value) == (f"checkpoint {tmp_path / '2'} cannot be read: Permission denied "
+                                f"({denied}); make it readable by this user")
 
 
 def test_a_checkpoint_of_another_flavour_names_the_parameter_and_shapes(saved):

@@ -39,6 +39,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HF's default "5GB"
+# The header dtypes a weight loads from (widened or narrowed to the params' dtype). An integer
+# or bool tensor would be cast to floats silently; fp8 the numpy reader cannot decode.
+WEIGHT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 class HFCheckpointError(TitanJaxError, ValueError):
@@ -117,6 +120,14 @@ class Reader:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.stored_shape(name)
 
+    def stored_name(self, name: str) -> str:
+        """The tensor in the files that `name` is read from (itself, or what a view reads)."""
+        return name
+
+    def stored_dtype(self, name: str) -> str:
+        """The dtype the file's header declares for `name` ("F32", "BF16", "I32", ...)."""
+        return self.open(self.files[name]).get_slice(name).get_dtype()
+
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         return self.open(self.files[name]).get_slice(name)[index]
 
@@ -134,6 +145,12 @@ def check_tensors(reader: Reader, tensors: list[HFTensor], known: Iterable[str],
                 f"{reader.files[t.name]}: tensor {t.name!r} has shape {shape}, expected "
                 f"{t.hf_shape} from config.json"
             )
+        stored = reader.stored_name(t.name)
+        dtype = reader.stored_dtype(stored)
+        if dtype not in WEIGHT_DTYPES:
+            raise HFCheckpointError(
+                f"{reader.files[stored]}: tensor {stored!r} has dtype {dtype}; a weight loads "
+                f"from a floating-point tensor of dtype {', '.join(WEIGHT_DTYPES)}")
     known = {t.name for t in tensors} | set(known)
     unknown = sorted(n for n in reader.files if n not in known and not ignored.fullmatch(n))
     if unknown:

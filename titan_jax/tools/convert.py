@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from titan_jax.atomic_dir import DestinationError, check_destination
+from titan_jax.atomic_dir import DestinationError, check_destination, check_names_fit
 from titan_jax.config import ConfigError
 from titan_jax.models import get_model_spec
 from titan_jax.models.safetensors_io import DEFAULT_MAX_SHARD_SIZE, parse_size
@@ -16,6 +16,7 @@ FORMATS = ("hf", "orbax")
 
 
 def _check_destination_parents(dst: Path) -> None:
+    check_names_fit(dst)
     for parent in dst.absolute().parents:
         if parent.exists():
             if not parent.is_dir():

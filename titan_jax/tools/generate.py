@@ -49,6 +49,10 @@ class GenerateOptions:
                                 "(0 = greedy)")
         if not 0 < self.top_p <= 1:
             raise GenerateError(f"--top-p {self.top_p} must be in (0, 1]")
+        if self.top_p < 1 and self.temperature == 0:  # greedy decoding never samples
+            raise GenerateError(f"--top-p {self.top_p} needs --temperature > 0 (it is 0: greedy "
+                                "decoding, which --top-p would not change); add e.g. "
+                                "--temperature 0.7, or leave --top-p out")
         if not 0 <= self.seed < 2**31:
             raise GenerateError(f"--seed {self.seed} must be in [0, 2**31)")
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import shlex
@@ -126,6 +127,26 @@ def _ensure_writable(directory: epath.Path) -> None:
         raise CheckpointError(
             f"checkpoint folder {directory} is not writable: {e.strerror or e}"
         ) from None
+
+
+_DENIED = (os.strerror(errno.EACCES), os.strerror(errno.EPERM))
+
+
+def permission_denied(e: BaseException) -> str | None:
+    """`Permission denied (FILE)` when `e` is a read this user may not make (a file or folder
+    of another user's), else None: such a file is not corrupt, and moving it aside is not the
+    remedy."""
+    cause = root_cause(e)
+    if cause not in _DENIED:
+        return None
+    current: BaseException | None = e
+    seen: set[int] = set()
+    while current is not None and id(current) not in seen:
+        if getattr(current, "filename", None):
+            return f"{cause} ({current.filename})"
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return cause
 
 
 def first_line(e: BaseException) -> str:
@@ -340,6 +361,9 @@ class Checkpointer:
             raise
         except Exception as e:
             quiet_unstarted_reads()
+            if (denied := permission_denied(e)) is not None:
+                raise CheckpointError(f"checkpoint {self.directory / str(step)} cannot be read: "
+                                      f"{denied}; make it readable by this user") from e
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} is unreadable (corrupt or truncated): "
                 f"{first_line(e)}; {self._others(step)}") from e

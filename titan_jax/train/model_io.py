@@ -34,6 +34,7 @@ from titan_jax.train.checkpoint import (
     CheckpointSaveError,
     first_line,
     is_checkpoint_dir,
+    permission_denied,
 )
 from titan_jax.train.checksums import checksums
 from titan_jax.train.run_folder import run_paths
@@ -68,6 +69,9 @@ def read_orbax_args(path: str | Path, spec: ModelSpec) -> Any:
         what = "does not exist" if not Path(path).exists() else \
             f"has no {ARGS_FILE} (not a titan-jax orbax model directory)"
         raise CheckpointError(f"{path} {what}") from None
+    except PermissionError as e:
+        raise CheckpointError(f"orbax model {path} cannot be read: {e.strerror} ({file}); "
+                              "make it readable by this user") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: not valid JSON: {e}") from None
     known = {f.name for f in dataclasses.fields(spec.args_class)}
@@ -124,6 +128,9 @@ def load_orbax(path: str | Path, spec: ModelSpec, shardings: Params | None = Non
         params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
     except Exception as e:  # orbax and TensorStore raise bare Exception and ValueError
         quiet_unstarted_reads()
+        if (denied := permission_denied(e)) is not None:
+            raise CheckpointError(f"orbax model {path} cannot be read: {denied}; make it "
+                                  "readable by this user") from e
         raise CheckpointError(f"orbax model {path} is unreadable (corrupt or truncated): "
                               f"{first_line(e)}; convert it again from its source") from e
     _verify(path, params)

@@ -8,6 +8,7 @@ read: a run they refuse leaves the dump folder exactly as it was.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from etils import epath
 
 from titan_jax.config import ConfigError, JobConfig
+from titan_jax.errors import long_name, name_too_long
 from titan_jax.train.checkpoint import CheckpointError, is_checkpoint_dir, listing
 from titan_jax.train.run_folder import is_url, run_paths
 
@@ -22,15 +24,23 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def folder_to_write(path: Path, field: str) -> None:
-    """`path` (a folder the run will create or write into) is not a file, nor under one."""
-    for p in (path, *path.parents):
-        if p.exists():
-            if not p.is_dir():
-                where = "is" if p == path else f"lies under {p}, which is"
-                raise ConfigError(f"{field}={path} {where} a file, not a folder")
-            if not os.access(p, os.W_OK | os.X_OK):
-                raise ConfigError(f"{field}={path} is not writable: Permission denied ({p})")
-            return
+    """`path` (a folder the run will create or write into) is not a file, nor under one, and
+    its names fit the file system."""
+    if (too_long := long_name(path)) is not None:  # found before a parent is created
+        raise ConfigError(f"{field}={path}: {too_long}")
+    try:
+        for p in (path, *path.parents):
+            if p.exists():
+                if not p.is_dir():
+                    where = "is" if p == path else f"lies under {p}, which is"
+                    raise ConfigError(f"{field}={path} {where} a file, not a folder")
+                if not os.access(p, os.W_OK | os.X_OK):
+                    raise ConfigError(f"{field}={path} is not writable: Permission denied ({p})")
+                return
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG:
+            raise
+        raise ConfigError(f"{field}={path}: {name_too_long(path)}") from None
 
 
 def check_output_file(path: str | Path, flag: str) -> None:

@@ -15,12 +15,13 @@ computes them and `simple_fsdp.choose_implementation` SimpleFSDP's implementatio
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from titan_jax.config import ConfigError, JobConfig, Moe
+from titan_jax.config import ConfigError, JobConfig, Moe, Parallelism
 from titan_jax.data.pipeline import check_inputs
 from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
 from titan_jax.models import ModelDef, ModelSpec, get_model_spec
@@ -40,8 +41,9 @@ def check_model_choice(config: JobConfig) -> tuple[ModelSpec, Any]:
 
 
 def check_moe_knobs(config: JobConfig, args: Any) -> None:
-    """`[moe]` keys set on a dense flavour are refused, as an expert degree is: nothing reads
-    them there."""
+    """`[moe]` keys, and `parallelism.fsdp_expert_gather_before_router`, changed from their
+    defaults on a dense flavour are refused, as an expert degree is: nothing reads them there.
+    (A value equal to its default changes nothing, set or not: it is not told apart.)"""
     if getattr(args, "is_moe", False):
         return
     changed = [f"moe.{f.name}={getattr(config.moe, f.name)}" for f in dataclasses.fields(Moe)
@@ -49,6 +51,11 @@ def check_moe_knobs(config: JobConfig, args: Any) -> None:
     if changed:
         raise ConfigError(f"{changed[0]} applies to MoE flavours only; model.flavor="
                           f"{config.model.flavor} is dense (leave [moe] out)")
+    gather = config.parallelism.fsdp_expert_gather_before_router
+    if gather != Parallelism.fsdp_expert_gather_before_router:
+        raise ConfigError(f"parallelism.fsdp_expert_gather_before_router={str(gather).lower()} "
+                          f"applies to MoE flavours only; model.flavor={config.model.flavor} is "
+                          "dense (leave it out)")
 
 
 def check_lookahead_gather(config: JobConfig, fsdp: type[SimpleFSDP], attention: str) -> None:
@@ -121,10 +128,24 @@ def check_expert_chunks(config: JobConfig, args: Any, degrees: MeshDegrees) -> N
     for name, n in picks.items():
         if n % chunks:
             # the hint must hold for every batch, not only the one refused
-            fits = max(d for d in range(1, chunks) if all(p % d == 0 for p in picks.values()))
+            fits = divisor_below(math.gcd(*picks.values()), chunks)
             raise ConfigError(
                 f"parallelism.expert_parallel_chunks={chunks} must divide each device's "
                 f"{n} picks a {name}batch (local_batch_size x seq_len / cp x top_k); use {fits}")
+
+
+def divisor_below(n: int, bound: int, tries: int = 1 << 16) -> int:
+    """A divisor of `n` (>= 1) below `bound`, for a hint: the largest one when n <= tries**2
+    (every pair d, n // d is then seen), else the largest of the pairs with d <= tries. The
+    work stays bounded whatever the numbers: a user's `bound` of 10**9 must not loop 10**9
+    times."""
+    if n < bound:
+        return n
+    best = 1
+    for d in range(1, min(math.isqrt(n), tries) + 1):
+        if n % d == 0:
+            best = max([best, *(x for x in (d, n // d) if x < bound)])
+    return best
 
 
 def microbatches(config: JobConfig, degrees: MeshDegrees) -> int:
@@ -156,13 +177,21 @@ def _takes(mode: str, device: jax.Device) -> bool:
 
 def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
                          devices: list[jax.Device]) -> Quantization:
-    """`[quantize]` for this run's devices and model: refused where the chip has no fast path
-    for the mode, the experts are smaller than the TPU kernel takes, or a block does not divide
-    a contracted dimension."""
+    """`[quantize]` for this run's devices and model: refused where the model has none of the
+    groups named, the chip has no fast path for the mode, the experts are smaller than the TPU
+    kernel takes, or a block does not divide a contracted dimension."""
     q = config.quantize
     if q.mode == "none":
         return NONE
     device, names = devices[0], q.module_names()
+    moe = getattr(args, "is_moe", False)
+    present = ("attention", "experts" if moe else "mlp")  # a MoE layer has no dense SwiGLU
+    if not set(names) & set(present):
+        missing = "experts" if not moe else "dense mlp (its feed-forward is the experts)"
+        raise ConfigError(
+            f"quantize.modules={q.modules!r}: model.flavor={config.model.flavor} is "
+            f"{'MoE' if moe else 'dense'} and has no {missing}, so nothing would run in "
+            f"{q.mode}; name some of {','.join(present)}, or set quantize.mode=none")
     if not _takes(q.mode, device):
         other = "int8" if q.mode == "fp8" else "fp8"
         hint = (f"use quantize.mode={other}" if _takes(other, device)
@@ -170,7 +199,6 @@ def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
         raise ConfigError(
             f"quantize.mode={q.mode}: {device.device_kind} has no {q.mode} matmul units (fp8: "
             f"TPU7x, NVIDIA from compute capability 8.9; int8: TPU v4-v6e); {hint}")
-    moe = getattr(args, "is_moe", False)
     if moe and "experts" in names and device.platform == "tpu":
         t = config.training
         small = {"model dim": args.dim,

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from titan_jax.config import ConfigError
-from titan_jax.errors import TitanJaxError
+from titan_jax.errors import TitanJaxError, name_too_long
 
 LOCK_FILE = ".titan-jax.lock"
 log = logging.getLogger(__name__)
@@ -49,11 +49,13 @@ def prepare_dump_folder(folder: str | Path, field: str = "job.dump_folder") -> P
     """`folder` (the value of `field`), created if needed; a ConfigError if it is a file or
     cannot be made."""
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"{field}={folder} is a file, not a folder")
     try:
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"{field}={folder} is a file, not a folder")
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise ConfigError(f"{field}={folder}: {name_too_long(folder)}") from None
         raise ConfigError(f"{field}={folder} is not writable: {e.strerror or e}") from None
     return folder
 

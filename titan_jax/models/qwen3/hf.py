@@ -61,6 +61,9 @@ class _Reader(Reader):
             return (rows // 2 if fused.endswith("gate_up_proj") else rows, cols)
         return self.stored_shape(name)
 
+    def stored_name(self, name: str) -> str:
+        return self.fused[name][0] if name in self.fused else name
+
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         if name in self.fused:
             fused, expert, first = self.fused[name]
