@@ -111,6 +111,18 @@ CASES = {
         (["--job.dump_folder", "TMP/x", "--checkpoint.enable", "true", "--checkpoint.folder",
           LONG], f"checkpoint.folder=TMP/x/{LONG}: {TOO_LONG}"),
     ],
+    "url": [  # refused at once: no network reached, no local folder named "gs:" made
+        (["--training.dataset", "jsonl", "--training.dataset_path", "hdfs://nn/x.jsonl"],
+         "hdfs://nn/x.jsonl: hdfs:// is not supported; titan-jax takes local paths, file://, "
+         "gs://"),
+        (["--training.dataset", "jsonl", "--training.dataset_path", "s3://bucket/x.jsonl"],
+         "s3://bucket/x.jsonl: s3:// needs a package that is not installed (Install s3fs"),
+        (["--training.dataset", "jsonl", "--training.dataset_path", "http://127.0.0.1:9/x.jsonl"],
+         "dataset_path='http://127.0.0.1:9/x.jsonl' cannot be read: "),
+        (["--checkpoint.initial_load_path", "gs://bucket/ckpt"],
+         "checkpoint.initial_load_path gs://bucket/ckpt: a URL, and "
+         "checkpoint.initial_load_path takes a local path; copy it to a local folder first"),
+    ],
     "out of range": [
         (["--distributed.num_processes", "2", "--distributed.process_id", "0",
           "--distributed.coordinator_address", "localhost:70000"],
@@ -150,6 +162,10 @@ OTHER_CASES = [
     (["convert", "--from", "orbax", "--to", "hf", "TMP/flipped", "TMP/out"],
      "orbax model TMP/flipped is corrupt: tok_embeddings does not match the checksum recorded "
      "when it was written; convert it again from its source"),
+    ([*GENERATE, "gs://bucket/run/checkpoint", "--prompt", "x"],
+     "--checkpoint gs://bucket/run/checkpoint: a URL, and --checkpoint takes a local path"),
+    (["convert", "--from", "orbax", "--to", "hf", "TMP/tiny", "gs://bucket/out"],
+     "DST gs://bucket/out: a URL, and DST takes a local path"),
     (["inspect", "--config", "configs/qwen3_debug.toml", "--json", "TMP/folder"],
      "--json TMP/folder is a folder"),
     (["compile", "--config", "configs/qwen3_debug.toml", "--topology", "v5p-8", "--json",
@@ -165,6 +181,7 @@ def test_generate_convert_and_report_inputs(tmp_path, capsys, orbax_model):
     shutil.copytree(orbax_model, tmp_path / "tiny")
     for argv, message in OTHER_CASES:
         _check(tmp_path, capsys, argv, message)
+    assert not Path("gs:").exists()  # a URL was never taken for a local folder
 
 
 def test_an_unwritable_metrics_file_is_named_before_anything_runs(tmp_path, monkeypatch):

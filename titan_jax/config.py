@@ -228,6 +228,11 @@ def _localize_run_folders(config: JobConfig) -> None:
     checkpoints in a bucket the run folder is the bucket's URL."""
     for section, key in (("job", "dump_folder"), ("checkpoint", "folder")):
         value = getattr(getattr(config, section), key)
+        if value.startswith("file:") and "://" not in value:
+            # fsspec reads `file:run` as the relative path `run`, pathlib as a folder named
+            # "file:run": one meaning for every reader, or the run splits between two folders.
+            setattr(getattr(config, section), key, value.removeprefix("file:"))
+            continue
         if "://" not in value:
             continue
         parsed = urllib.parse.urlparse(value)

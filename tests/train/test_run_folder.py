@@ -124,3 +124,9 @@ def test_run_folder_urls_and_paths(tmp_path):
         load_config(None, ["--checkpoint.folder", "gs://bucket/ckpt"])
     with pytest.raises(ConfigError, match="names host 'host'"):
         load_config(None, ["--job.dump_folder", "file://host/run"])
+    # `file:run` (no //) is the relative path fsspec reads it as, for pathlib's readers too:
+    # one run folder, not a "file:run" folder beside a "run" one.
+    relative = load_config(None, ["--job.dump_folder", "file:runs/a", "--checkpoint.folder",
+                                  "file:ckpt"])
+    assert (relative.job.dump_folder, relative.checkpoint.folder) == ("runs/a", "ckpt")
+    assert run_paths(relative).checkpoints == "runs/a/ckpt"

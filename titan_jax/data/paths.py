@@ -2,21 +2,54 @@
 
 Remote files are read by byte range (fsspec's `cat_file(path, start, end)`), never downloaded
 whole; a local file is memory-mapped by its reader instead (data/store.py).
+
+The URLs taken: gs:// (gcsfs, in the tpu extra), s3:// (with s3fs installed), http(s):// (to
+read), memory:// and file://. Any other scheme, or one whose package is missing, is refused at
+once in one line: fsspec would otherwise try it (pyarrow's hdfs looks for a JVM) or fail deep
+in a traceback. Fields that take local paths only (`local_path`) refuse every URL but file://,
+rather than make a local folder named "gs:".
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from titan_jax.errors import TitanJaxError
+
 _GLOB = "*?["
+# fsspec protocols titan-jax reads and writes through; None is a local path.
+SCHEMES = (None, "file", "local", "memory", "gs", "gcs", "s3", "s3a", "http", "https")
+WHAT_WORKS = "local paths, file://, gs:// (and s3:// with s3fs installed; http(s):// to read)"
+
+
+class PathError(TitanJaxError, ValueError):
+    """A path or URL that cannot be used: the message names it and what would work."""
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """(fsspec filesystem, path inside it) of a local path or URL."""
-    return fsspec.core.url_to_fs(url)
+    """(fsspec filesystem, path inside it) of a local path or URL of `SCHEMES`."""
+    scheme = fsspec.core.split_protocol(url)[0]
+    if scheme not in SCHEMES:
+        raise PathError(f"{url}: {scheme}:// is not supported; titan-jax takes {WHAT_WORKS}")
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:  # the scheme's package is not installed: fsspec says which
+        raise PathError(f"{url}: {scheme}:// needs a package that is not installed ({e})"
+                        ) from None
+
+
+def local_path(value: str, field: str) -> Path:
+    """`value` of a field that takes a local path: a file:// URL is the path it names; another
+    URL is refused (it would be read as a folder named after its scheme)."""
+    scheme, path = fsspec.core.split_protocol(value)
+    if scheme in (None, "file", "local"):
+        return Path(path)
+    raise PathError(f"{field} {value}: a URL, and {field} takes a local path; copy it to a "
+                    "local folder first and give that folder")
 
 
 def is_local(url: str) -> bool:
@@ -36,16 +69,19 @@ def _url(fs: Any, path: str, like: str) -> str:
 def glob_files(pattern: str, suffixes: tuple[str, ...], error: type[Exception]) -> list[str]:
     """Files named by a file, a folder (searched recursively for `suffixes`) or a glob, sorted."""
     fs, path = filesystem(pattern)
-    if any(c in pattern for c in _GLOB):
-        found = [p for p in fs.glob(path) if fs.isfile(p)]
-    elif fs.isdir(path):
-        found = [p for p in fs.find(path) if p.endswith(suffixes)]
-    elif fs.isfile(path):
-        found = [path]
-    elif fs.exists(path):
-        raise error(f"dataset_path={pattern!r} is neither a regular file nor a folder")
-    else:
-        raise error(f"dataset_path={pattern!r} does not exist")
+    try:
+        if any(c in pattern for c in _GLOB):
+            found = [p for p in fs.glob(path) if fs.isfile(p)]
+        elif fs.isdir(path):
+            found = [p for p in fs.find(path) if p.endswith(suffixes)]
+        elif fs.isfile(path):
+            found = [path]
+        elif fs.exists(path):
+            raise error(f"dataset_path={pattern!r} is neither a regular file nor a folder")
+        else:
+            raise error(f"dataset_path={pattern!r} does not exist")
+    except OSError as e:  # a host that does not answer, a bucket this user may not list
+        raise error(f"dataset_path={pattern!r} cannot be read: {e.strerror or e}") from None
     if not found:
         raise error(f"dataset_path={pattern!r} matches no {'/'.join(suffixes)} files")
     return [_url(fs, p, pattern) for p in sorted(found)]

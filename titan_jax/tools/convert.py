@@ -8,6 +8,7 @@ from typing import Any
 
 from titan_jax.atomic_dir import DestinationError, check_destination, check_names_fit
 from titan_jax.config import ConfigError
+from titan_jax.data.paths import local_path
 from titan_jax.models import get_model_spec
 from titan_jax.models.safetensors_io import DEFAULT_MAX_SHARD_SIZE, parse_size
 from titan_jax.train.model_io import load_orbax, save_orbax
@@ -33,6 +34,7 @@ def convert(src: str | Path, dst: str | Path, src_format: str, dst_format: str, 
 
     `dst` is written whole or not at all; a non-empty `dst` is refused unless `overwrite`, and
     the source is never written (checked before anything is read)."""
+    src, dst = local_path(str(src), "SRC"), local_path(str(dst), "DST")
     for name, fmt in (("--from", src_format), ("--to", dst_format)):
         if fmt not in FORMATS:
             raise ConfigError(f"{name} {fmt!r}; valid: {', '.join(FORMATS)}")

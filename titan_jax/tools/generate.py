@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from titan_jax.config import JobConfig
+from titan_jax.data.paths import local_path
 from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
 from titan_jax.errors import TitanJaxError
 from titan_jax.models import ModelSpec, get_model_spec
@@ -92,8 +93,9 @@ def _source(checkpoint: str | None, hf_checkpoint: str | None, spec: ModelSpec
     if (checkpoint is None) == (hf_checkpoint is None):
         raise GenerateError("give exactly one of --checkpoint PATH or --hf-checkpoint DIR")
     if hf_checkpoint is not None:
-        return Path(hf_checkpoint), spec.hf.read_config(Path(hf_checkpoint))
-    source = resolve_checkpoint(checkpoint)
+        path = local_path(hf_checkpoint, "--hf-checkpoint")
+        return path, spec.hf.read_config(path)
+    source = resolve_checkpoint(local_path(checkpoint, "--checkpoint"))
     return source, _orbax_args(source, spec)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from etils import epath
 
 from titan_jax.config import ConfigError, JobConfig
+from titan_jax.data.paths import local_path
 from titan_jax.errors import long_name, name_too_long
 from titan_jax.train.checkpoint import CheckpointError, is_checkpoint_dir, listing
 from titan_jax.train.run_folder import is_url, run_paths
@@ -137,7 +138,7 @@ def check_initial_load_path(config: JobConfig) -> None:
     c = config.checkpoint
     if not c.initial_load_path or (c.enable and own_steps(config)):
         return
-    path = Path(c.initial_load_path)
+    path = local_path(c.initial_load_path, "checkpoint.initial_load_path")
     if not path.exists():
         raise CheckpointError(f"checkpoint.initial_load_path={path} does not exist")
     if not path.is_dir():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan_jax.config import JobConfig
+from titan_jax.data.paths import local_path
 from titan_jax.models import BuildOptions
 from titan_jax.train.checkpoint import (
     Checkpointer,
@@ -69,7 +70,7 @@ def load_start(trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
         return restored
     if not c.initial_load_path:
         return Restored()
-    path = Path(c.initial_load_path)
+    path = local_path(c.initial_load_path, "checkpoint.initial_load_path")
     if not path.exists():
         raise CheckpointError(f"checkpoint.initial_load_path={c.initial_load_path} does not exist")
     if c.initial_load_in_hf or (path / "model_args.json").is_file():
