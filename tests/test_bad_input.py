@@ -164,6 +164,8 @@ OTHER_CASES = [
      "when it was written; convert it again from its source"),
     ([*GENERATE, "gs://bucket/run/checkpoint", "--prompt", "x"],
      "--checkpoint gs://bucket/run/checkpoint: a URL, and --checkpoint takes a local path"),
+    (["convert", "--from", "hf", "--to", "orbax", "TMP/hf", "TMP/out", "--dtype", "bfloat16"],
+     "--dtype bfloat16 applies to --to hf only"),
     (["convert", "--from", "orbax", "--to", "hf", "TMP/tiny", "gs://bucket/out"],
      "DST gs://bucket/out: a URL, and DST takes a local path"),
     (["inspect", "--config", "configs/qwen3_debug.toml", "--json", "TMP/folder"],
@@ -182,6 +184,14 @@ def test_generate_convert_and_report_inputs(tmp_path, capsys, orbax_model):
     for argv, message in OTHER_CASES:
         _check(tmp_path, capsys, argv, message)
     assert not Path("gs:").exists()  # a URL was never taken for a local folder
+
+
+def test_a_missing_mixture_store_is_named_as_the_mixture_path(tmp_path, capsys):
+    recipe = tmp_path / "mix.toml"
+    recipe.write_text(f'[model]\nflavor = "debugmodel"\n[training]\nseq_len = 16\n'
+                      f'[[training.mixture]]\npath = "{tmp_path}/nope"\n')
+    _check(tmp_path, capsys, ["train", "--config", str(recipe), "--job.dump_folder", "TMP/out"],
+           "training.mixture.path: TMP/nope is not a token store (no manifest.json)")
 
 
 def test_an_unwritable_metrics_file_is_named_before_anything_runs(tmp_path, monkeypatch):

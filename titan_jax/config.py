@@ -396,10 +396,6 @@ def _check_quantize(q: Quantize) -> None:
              f"{q.mode}; name some of {','.join(QUANTIZE_MODULES)}, or set quantize.mode=none")
     _require(1 <= q.block_size <= 2**16,
              f"quantize.block_size={q.block_size} must be in [1, 65536]")
-    _require(q.mode == "none" or "experts" not in names or q.scaling == "rowwise",
-             f"quantize.scaling={q.scaling}: the experts' grouped matmuls take rowwise scales "
-             "only (qwix's ragged_dot); use quantize.scaling=rowwise, or leave experts out of "
-             "quantize.modules")
 
 
 def _check_yarn(m: Model) -> None:

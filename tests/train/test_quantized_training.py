@@ -127,6 +127,15 @@ def test_what_the_chips_take():
         assert q.mode == mode and q.modules == ("attention", "mlp")  # dense: no experts
 
 
+def test_tensorwise_scales_are_refused_for_experts_only_where_there_are_experts():
+    degrees = SimpleNamespace(cp=1, tp=1)
+    cpu = [_device("cpu", "cpu")]
+    config = load_config(None, ["--quantize.mode", "int8", "--quantize.scaling", "tensorwise"])
+    assert resolve_quantization(config, SMALL, degrees, cpu).modules == ("attention", "mlp")
+    with pytest.raises(ConfigError, match="experts' grouped matmuls take rowwise scales only"):
+        resolve_quantization(config, SMALL_MOE, degrees, cpu)
+
+
 def test_small_experts_on_tpu_and_blocks_that_do_not_divide_are_refused():
     degrees = SimpleNamespace(cp=1, tp=1)
     tpu = [_device("tpu", "TPU v5")]

@@ -78,8 +78,10 @@ def check_inputs(config: JobConfig, tokenizer: Tokenizer) -> None:
     """Fails on a missing input or store, or another tokenizer's store, before anything is
     written (listing files and reading manifests only)."""
     t, v = config.training, config.validation
-    for spec in [m.path for m in t.mixture] or [t.dataset_path] * (t.dataset == "tokens"):
-        open_corpus(spec, tokenizer)
+    for m in t.mixture:
+        open_corpus(m.path, tokenizer, what="training.mixture.path")
+    if not t.mixture and t.dataset == "tokens":
+        open_corpus(t.dataset_path, tokenizer)
     chat = chat_format(config)
     if not t.mixture and t.dataset != "tokens":
         for file in source_files(t.dataset, t.dataset_path, "train"):

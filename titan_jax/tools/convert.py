@@ -40,6 +40,9 @@ def convert(src: str | Path, dst: str | Path, src_format: str, dst_format: str, 
             raise ConfigError(f"{name} {fmt!r}; valid: {', '.join(FORMATS)}")
     if src_format == dst_format == "orbax":
         raise ConfigError("--from orbax --to orbax: nothing to convert")
+    if dst_format == "orbax" and dtype != "float32":  # orbax models keep fp32 masters
+        raise ConfigError(f"--dtype {dtype} applies to --to hf only; an orbax model keeps the "
+                          "float32 weights training reads (leave --dtype out)")
     try:
         size = parse_size(max_shard_size)
     except ValueError as e:

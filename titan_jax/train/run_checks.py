@@ -199,6 +199,11 @@ def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
         raise ConfigError(
             f"quantize.mode={q.mode}: {device.device_kind} has no {q.mode} matmul units (fp8: "
             f"TPU7x, NVIDIA from compute capability 8.9; int8: TPU v4-v6e); {hint}")
+    if moe and "experts" in names and q.scaling != "rowwise":  # a dense model has none
+        raise ConfigError(
+            f"quantize.scaling={q.scaling}: the experts' grouped matmuls take rowwise scales "
+            "only (qwix's ragged_dot); use quantize.scaling=rowwise, or leave experts out of "
+            "quantize.modules")
     if moe and "experts" in names and device.platform == "tpu":
         t = config.training
         small = {"model dim": args.dim,
