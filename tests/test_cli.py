@@ -143,3 +143,17 @@ def test_the_moe_recipe_learns_and_logs_expert_load(tmp_path, capsys, monkeypatc
     # 7.70 -> 7.32 here (means of the first and the last three steps)
     assert sum(r["loss"] for r in rows[-3:]) < 0.97 * sum(r["loss"] for r in rows[:3])
     assert all(1 <= r["moe_max_load"] <= 64 and 0 <= r["moe_idle_experts"] < 1 for r in rows)
+
+
+def test_a_compilation_cache_that_is_a_file_is_one_line_and_not_used(tmp_path, capsys,
+                                                                     monkeypatch):
+    import titan_jax.cli as cli
+
+    before = jax.config.jax_compilation_cache_dir
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("TITAN_JAX_COMPILATION_CACHE", str(tmp_path / "cache"))
+    cli._enable_compilation_cache()
+    assert capsys.readouterr().err == (
+        f"titan-jax: the compilation cache {tmp_path / 'cache'} is not a folder; compiling "
+        "without one (set TITAN_JAX_COMPILATION_CACHE to a folder, or to '' for none)\n")
+    assert jax.config.jax_compilation_cache_dir == before

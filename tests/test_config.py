@@ -1,3 +1,4 @@
+import os
 import re
 
 import pytest
@@ -46,6 +47,7 @@ def test_unknown_key_suggests_nearest(tmp_path):
     (["--training.local_batch_size", "0"], "training.local_batch_size=0 must be >= 1"),
     (["--optimizer.lr", "-1"], "optimizer.lr=-1.0 must be > 0"),
     (["--training.steps"], "has no value"),
+    (["--model.yarn_factor", "8"], "model.yarn_factor=8.0 applies with model.rope_type=yarn only"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
@@ -108,8 +110,12 @@ def test_config_file_errors_name_the_file(tmp_path):
         load_config(binary)
     with pytest.raises(ConfigError, match=r"config file .*empty.toml is empty"):
         load_config(write(tmp_path, "").rename(tmp_path / "empty.toml"))
-    with pytest.raises(ConfigError, match=r"config file .* cannot be read"):
+    with pytest.raises(ConfigError, match=r"config file .* is not a regular file"):
         load_config(tmp_path)  # a directory
+    fifo = tmp_path / "recipe.toml"
+    os.mkfifo(fifo)  # reading it would block until a writer came: refused at once
+    with pytest.raises(ConfigError, match=r"config file .*recipe.toml is not a regular file"):
+        load_config(fifo)
 
 
 @pytest.mark.parametrize("override,message", [

@@ -209,6 +209,11 @@ def _enable_compilation_cache() -> None:
     cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     cache = os.environ.get("TITAN_JAX_COMPILATION_CACHE",
                            str(Path(cache_home) / "titan_jax" / "xla"))
+    if cache and Path(cache).exists() and not Path(cache).is_dir():
+        print(f"titan-jax: the compilation cache {cache} is not a folder; compiling without "
+              "one (set TITAN_JAX_COMPILATION_CACHE to a folder, or to '' for none)",
+              file=sys.stderr)
+        return
     if cache:
         jax.config.update("jax_compilation_cache_dir", cache)
 

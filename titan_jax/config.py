@@ -188,6 +188,8 @@ def load_config(
     config = JobConfig()
     if path is not None:
         path = Path(path)
+        if path.exists() and not path.is_file():  # a FIFO would block the read for ever
+            raise ConfigError(f"config file {path} is not a regular file; give a TOML file")
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
@@ -399,7 +401,12 @@ def _check_quantize(q: Quantize) -> None:
 
 
 def _check_yarn(m: Model) -> None:
-    if m.rope_type != "yarn":
+    if m.rope_type != "yarn":  # nothing reads the yarn_* keys then: a changed one is a slip
+        for f in dataclasses.fields(YarnScaling):
+            value = getattr(m, f"yarn_{f.name}")
+            _require(value == getattr(YarnScaling, f.name),
+                     f"model.yarn_{f.name}={value} applies with model.rope_type=yarn only (it "
+                     f"is {m.rope_type!r}); add --model.rope_type yarn, or leave it out")
         return
     try:
         yarn_of(m).validate(prefix="model.yarn_")
