@@ -170,6 +170,20 @@ def test_kill_at_any_point_resumes_bitwise_and_sigterm_saves(env, reference, tmp
 
 
 @pytest.mark.slow
+def test_a_second_ctrl_c_quits_at_once(env, tmp_path):
+    """Inside a step (long ones here), not after it: the second SIGINT takes its default
+    action rather than a KeyboardInterrupt that waits for the compiled call to return."""
+    run = Run(env, tmp_path / "run", "--training.seq_len", "512")
+    run.wait_for(lambda: 1 in run.losses(), "step 1")
+    run.signal(signal.SIGINT)
+    run.wait_for(lambda: "send it again to quit at once" in run.output(), "the first note")
+    start = time.monotonic()
+    run.signal(signal.SIGINT)
+    code = run.proc.wait(60)
+    assert code == -signal.SIGINT and time.monotonic() - start < 5, (code, run.output())
+
+
+@pytest.mark.slow
 def test_a_url_run_folder_killed_resumes_bitwise_on_another_machine(env, reference, tmp_path):
     """`--job.dump_folder file://...` goes the way of a gs:// bucket (train/run_folder.py):
     metrics and log through a local mirror copied out at saves, checkpoints written there by

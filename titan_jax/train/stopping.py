@@ -33,7 +33,10 @@ class StopSignals:
     One process: the handler sets a flag. Several processes must all stop at the same step, so
     there SIGTERM is left to JAX's preemption service (which `jax.distributed.initialize`
     installs, and which picks a step every process reaches) and a Ctrl-C is forwarded to it as
-    SIGTERM. A second signal gets the previous handler: Ctrl-C twice quits at once.
+    SIGTERM. A second signal of the kind takes its default action (SIG_DFL): Ctrl-C twice
+    quits at once, even inside a compiled step or a checkpoint wait, where Python's own
+    KeyboardInterrupt would wait for the call to return. What the kill leaves is what kill -9
+    leaves: the last finished checkpoint, from which the same command resumes.
     """
 
     def __init__(self, notify: Callable[[str], None]):
@@ -56,7 +59,7 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signal.Signals(signum).name
-        signal.signal(signum, self._previous.pop(signum))
+        signal.signal(signum, signal.SIG_DFL)  # __exit__ still puts the previous one back
         self._notify(f"{self.received} received: stopping after the current step and saving it "
                      "(send it again to quit at once)")
         if jax.process_count() > 1:
