@@ -45,3 +45,23 @@ def nested_set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
+
+
+def split_by_name(tree: dict[str, Any], names: frozenset[str] | None
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the nested dict of the leaves whose dotted name is in `names`, that of the others);
+    `names` None selects every leaf. `merge_nested` puts them back together."""
+    if names is None:
+        return tree, {}
+    selected, rest = {}, {}
+    for name, leaf in named_leaves(tree).items():
+        nested_set(selected if name in names else rest, tuple(name.split(".")), leaf)
+    return selected, rest
+
+
+def merge_nested(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """The union of two nested dicts whose leaves have different names."""
+    merged = dict(a)
+    for key, value in b.items():
+        merged[key] = merge_nested(merged[key], value) if key in merged else value
+    return merged

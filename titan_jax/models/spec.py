@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from titan_jax.config import ConfigError, JobConfig
+from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.quantization import NONE, Quantization
 
 Params = dict[str, Any]
@@ -44,6 +45,8 @@ class ModelDef(Protocol):
     logical_axes: Params  # same tree as abstract_params; tuples of logical axis names
     abstract_buffers: Params
     buffer_logical_axes: Params
+    # Dotted names of the params the optimizer trains (LoRA: the adapters); None: every param.
+    trainable: frozenset[str] | None
 
     def init(self, key: jax.Array) -> Params: ...
 
@@ -80,6 +83,8 @@ class BuildOptions:
       (`models/qwen3/moe.py`), a schedule choice: the numbers are the same.
     quantization: which matmuls run in fp8 or int8 (`models/quantization.py`).
     offload_layer_input: each layer's input kept in host memory under remat (`remat.py`).
+    lora: LoRA adapters beside the projections it names, the only params trained
+      (`models/lora.py`).
     """
 
     remat_mode: str = "none"
@@ -91,6 +96,7 @@ class BuildOptions:
     expert_gather_before_router: bool = True
     quantization: Quantization = NONE
     offload_layer_input: bool = False
+    lora: Lora = NO_LORA
 
 
 class HFAdapter(Protocol):

@@ -54,6 +54,9 @@ DEFAULT_TABLE: Mapping[str, MeshAxes] = {
     # MoE experts: split over ep (expert parallelism), their model dim FSDP-split over the rest.
     "expert": "ep",
     "moe_embed": ("fsdp", "cp"),  # the experts' model dim (ep already splits their expert dim)
+    # LoRA adapters' rank dim: small, never split (their other dim is the base weight's axis,
+    # so A and B are sharded and gathered like the weight they sit beside).
+    "lora_rank": None,
 }
 # Logical axes whose data-parallel splits survive into compute: the batch and the sequence (they
 # are the data) and the experts (under expert parallelism each rank computes the experts it

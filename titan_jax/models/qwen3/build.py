@@ -44,6 +44,7 @@ class Qwen3Def:
     options: BuildOptions = BuildOptions()
     abstract_buffers: Params = dataclasses.field(default_factory=dict)
     buffer_logical_axes: Params = dataclasses.field(default_factory=dict)
+    trainable: frozenset[str] | None = None  # the LoRA adapters' names when there are any
 
     @property
     def remat(self) -> Callable | None:
@@ -52,8 +53,10 @@ class Qwen3Def:
                             o.offload_layer_input, ALWAYS_SAVED)
 
     def init(self, key: jax.Array) -> Params:
-        """Random init (torchtitan's scheme, see model.py). jit it with out_shardings to shard."""
-        model = Qwen3(self.args, nnx.Rngs(params=key))
+        """Random init (torchtitan's scheme, see model.py; LoRA adapters as PEFT's, from a
+        key of their own). jit it with out_shardings to shard."""
+        model = Qwen3(self.args, nnx.Rngs(params=key, lora=jax.random.fold_in(key, 1)),
+                      lora=self.options.lora)
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     def init_buffers(self) -> Params:
@@ -106,19 +109,23 @@ def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> Qwe
     kernels = Kernels(expert_kernel_for(options.platform, options.quantization),
                       resolve_attention(options.attention, options.platform), options.platform,
                       options.quantization, options.expert_gather_before_router)
-    abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernels))
+    abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernels, options.lora))
     graphdef, state = nnx.split(abstract, nnx.Param)
     flat = jax.tree_util.tree_flatten_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )[0]
-    shapes, axes = {}, {}
+    shapes, axes, adapters = {}, {}, set()
     for path, var in flat:
-        names = tuple(leaf_name(path).split("."))
+        name = leaf_name(path)
+        names = tuple(name.split("."))
         nested_set(shapes, names, jax.ShapeDtypeStruct(var.shape, var.dtype))
         nested_set(axes, names, stacked_logical_axes(names, var.logical_axes))
+        if isinstance(var, nnx.LoRAParam):
+            adapters.add(name)
     buffers, buffer_axes = {}, {}
     if args.is_moe:  # non-trainable: never an nnx.Param, so never seen by the optimizer
         buffers[EXPERT_BIAS] = jax.ShapeDtypeStruct((args.n_layers, args.num_experts),
                                                     jnp.float32)
         buffer_axes[EXPERT_BIAS] = ("layers", "expert")
-    return Qwen3Def(args, graphdef, shapes, axes, options, buffers, buffer_axes)
+    return Qwen3Def(args, graphdef, shapes, axes, options, buffers, buffer_axes,
+                    frozenset(adapters) if adapters else None)

@@ -38,6 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 from titan_jax.models.attention import KV_AXES, Q_AXES, attention
 from titan_jax.models.embedding import vocab_lookup
 from titan_jax.models.lookahead import scan_with_lookahead
+from titan_jax.models.lora import NO_LORA, RANK_AXIS, Lora, init_a, lora_delta
 from titan_jax.models.quantization import NONE, Quantization, dot
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 from titan_jax.models.qwen3.moe import MOE_ROUTING, MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
@@ -87,6 +88,27 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
 
 def _ones(shape: tuple[int, ...], axes: tuple[str | None, ...]) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, jnp.float32), logical_axes=axes)
+
+
+class Adapter(nnx.Module):
+    """LoRA's A (in..., r) and B (r, out...) beside one projection's weight (in..., out...),
+    read through the param hook like it (`models/lora.py`)."""
+
+    def __init__(self, in_shape: tuple[int, ...], in_axes: tuple[str | None, ...],
+                 out_shape: tuple[int, ...], out_axes: tuple[str | None, ...], lora: Lora,
+                 rngs: nnx.Rngs):
+        # A stream of its own: the base weights draw the same keys with or without adapters.
+        self.lora_a = nnx.LoRAParam(init_a(rngs.lora(), in_shape, lora.rank),
+                                    logical_axes=(*in_axes, RANK_AXIS))
+        self.lora_b = nnx.LoRAParam(jnp.zeros((lora.rank, *out_shape), jnp.float32),
+                                    logical_axes=(RANK_AXIS, *out_axes))
+        self.scale = lora.alpha / lora.rank
+
+    @jax.named_scope("lora")
+    def __call__(self, rows: Array) -> Array:
+        """The adapter's term for `rows` (R, in...): (R, out...)."""
+        return lora_delta(rows, use_param(self.lora_a, rows.dtype),
+                          use_param(self.lora_b, rows.dtype), self.scale)
 
 
 class RMSNorm(nnx.Module):
@@ -149,9 +171,11 @@ def apply_rope(x_BTNH: Array, cos_TH: Array, sin_TH: Array) -> Array:
 
 @jax.named_scope("project")
 def project(x: Array, w: nnx.Param, n_in: int,
-            quantized: DotGeneralQtConfig | None = None) -> Array:
+            quantized: DotGeneralQtConfig | None = None, adapter: Adapter | None = None
+            ) -> Array:
     """`x (..., *in) @ w (*in, *out) -> (..., *out)`, the weight read through the param hook;
-    in low precision where `quantized` says (`models/quantization.py`).
+    in low precision where `quantized` says (`models/quantization.py`); plus the LoRA
+    `adapter`'s term where the projection has one (`models/lora.py`).
 
     The leading (batch, seq) dims are merged into one row dim for the matmul: XLA:CPU runs it
     faster than with two batch-free leading dims (BENCHMARKS.md, "CPU kernel choices"), and
@@ -168,24 +192,39 @@ def project(x: Array, w: nnx.Param, n_in: int,
     """
     w_ = use_param(w, x.dtype)
     lead, ins, outs = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:], w_.shape[n_in:]
+    rows = x.reshape(-1, *ins)
     if n_in == 1 and len(outs) > 1:
         w_ = checkpoint_name(w_.reshape(ins[0], math.prod(outs)), GATHERED_PARAM)
-        return dot(x.reshape(-1, ins[0]), w_, (((1,), (0,)), ((), ())), quantized
-                   ).reshape(*lead, *outs)
-    rows = x.reshape(-1, *ins)
-    contract = (tuple(range(1, n_in + 1)), tuple(range(n_in)))
-    y = dot(rows, w_, (contract, ((), ())), quantized)
+        y = dot(rows, w_, (((1,), (0,)), ((), ())), quantized).reshape(-1, *outs)
+    else:
+        contract = (tuple(range(1, n_in + 1)), tuple(range(n_in)))
+        y = dot(rows, w_, (contract, ((), ())), quantized)
+    if adapter is not None:
+        y = y + adapter(rows)
     return y.reshape(*lead, *outs)
 
 
+def _adapter(lora: Lora, projection: str, w: nnx.Param, n_in: int, rngs: nnx.Rngs
+             ) -> Adapter | None:
+    """A LoRA adapter beside `w` (the HF `projection`) when `lora` targets it, else None."""
+    if not lora.targets(projection):
+        return None
+    shape, axes = w.shape, tuple(w.logical_axes)
+    return Adapter(shape[:n_in], axes[:n_in], shape[n_in:], axes[n_in:], lora, rngs)
+
+
 class Attention(nnx.Module):
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels):
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels, lora: Lora = NO_LORA):
         d, n, k, h = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
         wo_std = 0.02 / math.sqrt(2 * args.n_layers) if args.is_moe else 0.02
         self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), 0.02)
         self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), 0.02)
         self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), 0.02)
         self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), wo_std)
+        self.wq_lora = _adapter(lora, "q_proj", self.wq, 1, rngs)
+        self.wk_lora = _adapter(lora, "k_proj", self.wk, 1, rngs)
+        self.wv_lora = _adapter(lora, "v_proj", self.wv, 1, rngs)
+        self.wo_lora = _adapter(lora, "o_proj", self.wo, 2, rngs)
         self.q_norm = RMSNorm(h, args.norm_eps, "head_dim")
         self.k_norm = RMSNorm(h, args.norm_eps, "head_dim")
         self.n_rep = n // k
@@ -202,9 +241,9 @@ class Attention(nnx.Module):
         and the tokens attend to every cached position up to their own."""
         name = checkpoint_name
         qt = self.quantization.dot_config("attention")
-        q_BTNH = name(project(x_BTD, self.wq, 1, qt), "q_proj")
-        k_BTKH = name(project(x_BTD, self.wk, 1, qt), "k_proj")
-        v_BTKH = name(project(x_BTD, self.wv, 1, qt), "v_proj")
+        q_BTNH = name(project(x_BTD, self.wq, 1, qt, self.wq_lora), "q_proj")
+        k_BTKH = name(project(x_BTD, self.wk, 1, qt, self.wk_lora), "k_proj")
+        v_BTKH = name(project(x_BTD, self.wv, 1, qt, self.wv_lora), "v_proj")
         # Qwen3: per-head RMSNorm on q and k, then RoPE.
         q_BTNH = constrain(apply_rope(self.q_norm(q_BTNH), cos_TH, sin_TH), Q_AXES)
         k_BTKH = constrain(apply_rope(self.k_norm(k_BTKH), cos_TH, sin_TH), KV_AXES)
@@ -218,17 +257,21 @@ class Attention(nnx.Module):
             out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, self.scale, self.backend, self.platform,
                                  segment_ids_BT, q_start)
         out_BTNH = name(out_BTNH, "attn_out")
-        return name(project(out_BTNH, self.wo, 2, quantized=qt), "wo_out"), kv_cache
+        return name(project(out_BTNH, self.wo, 2, qt, self.wo_lora), "wo_out"), kv_cache
 
 
 class FeedForward(nnx.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, quantization: Quantization = NONE):
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, quantization: Quantization = NONE,
+                 lora: Lora = NO_LORA):
         d, f = args.dim, args.hidden_dim
         self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
         self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02)
         self.w3 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
+        self.w1_lora = _adapter(lora, "gate_proj", self.w1, 1, rngs)
+        self.w2_lora = _adapter(lora, "down_proj", self.w2, 1, rngs)
+        self.w3_lora = _adapter(lora, "up_proj", self.w3, 1, rngs)
         self.quantization = quantization
 
     def __call__(self, x_BTD: Array) -> Array:
@@ -236,19 +279,19 @@ class FeedForward(nnx.Module):
         # The two matmul outputs are saved, not their product: SiLU's backward needs both,
         # and recomputing them would redo two of the block's seven matmuls.
         qt = self.quantization.dot_config("mlp")
-        gate_BTF = name(project(x_BTD, self.w1, 1, quantized=qt), "ffn_w1")
-        up_BTF = name(project(x_BTD, self.w3, 1, quantized=qt), "ffn_w3")
+        gate_BTF = name(project(x_BTD, self.w1, 1, qt, self.w1_lora), "ffn_w1")
+        up_BTF = name(project(x_BTD, self.w3, 1, qt, self.w3_lora), "ffn_w3")
         with jax.named_scope("swiglu"):
             hidden_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
-        return name(project(hidden_BTF, self.w2, 1, quantized=qt), "ffn_out")
+        return name(project(hidden_BTF, self.w2, 1, qt, self.w2_lora), "ffn_out")
 
 
 class Block(nnx.Module):
     """Attention + SwiGLU feed-forward, or + routed experts (`moe`) for MoE flavours."""
 
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels):
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels, lora: Lora = NO_LORA):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, rngs, kernels)
+        self.attention = Attention(args, rngs, kernels, lora)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if args.is_moe:
             self.moe = MoE(args.dim, args.num_experts, args.moe_inter_dim, args.top_k,
@@ -256,7 +299,7 @@ class Block(nnx.Module):
                            kernels.expert_kernel, rngs, kernels.quantization,
                            kernels.expert_gather_before_router)
         else:
-            self.feed_forward = FeedForward(args, rngs, kernels.quantization)
+            self.feed_forward = FeedForward(args, rngs, kernels.quantization, lora)
 
     def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
                  expert_bias_E: Array | None = None, segment_ids_BT: Array | None = None,
@@ -281,8 +324,10 @@ class Block(nnx.Module):
 class Qwen3(nnx.Module):
     """Qwen3 decoder. `__call__(tokens_BT) -> logits_BTV` (fp32)."""
 
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels = Kernels()):
-        """kernels: attention and MoE kernels, chosen for the target platform (build.py)."""
+    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels = Kernels(),
+                 lora: Lora = NO_LORA):
+        """kernels: attention and MoE kernels, chosen for the target platform (build.py).
+        lora: the projections that carry LoRA adapters (`models/lora.py`)."""
         args.validate()
         self.args = args
         self.tok_embeddings = _param(rngs, (args.vocab_size, args.dim), ("vocab", "vocab_embed"),
@@ -291,7 +336,7 @@ class Qwen3(nnx.Module):
         @nnx.split_rngs(splits=args.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs: nnx.Rngs) -> Block:
-            return Block(args, rngs, kernels)
+            return Block(args, rngs, kernels, lora)
 
         # Stacked on a leading "layers" axis (see `stacked_logical_axes`).
         self.layers = make_layers(rngs)

@@ -1,0 +1,145 @@
+"""LoRA adapters against PEFT's: the same adapter weights give PEFT's logits and gradients on a
+HF Qwen3 (fp32), and fresh adapters are initialised as PEFT initialises them."""
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_fixtures import random_hf_model
+from tiny_model import UNTIED
+
+from titan_jax.models.lora import Lora
+from titan_jax.models.qwen3 import build_model_def, hf
+from titan_jax.models.spec import BuildOptions
+from titan_jax.trees import merge_nested, nested_get, split_by_name
+
+try:  # the `parity` extra; CI installs it, so there a missing one is a failure, not a skip
+    import peft
+    import torch
+except ImportError as e:
+    if os.environ.get("CI"):
+        raise
+    pytest.skip(f"needs the parity extra: {e}", allow_module_level=True)
+
+# HF/PEFT projection -> (its module in a HF layer, titan-jax's weight path in a layer, the
+# weight's number of in dims).
+PROJECTIONS = {
+    "q_proj": ("self_attn", ("attention", "wq"), 1),
+    "k_proj": ("self_attn", ("attention", "wk"), 1),
+    "v_proj": ("self_attn", ("attention", "wv"), 1),
+    "o_proj": ("self_attn", ("attention", "wo"), 2),
+    "gate_proj": ("mlp", ("feed_forward", "w1"), 1),
+    "up_proj": ("mlp", ("feed_forward", "w3"), 1),
+    "down_proj": ("mlp", ("feed_forward", "w2"), 1),
+}
+
+
+def peft_model(tmp_path, targets, rank, alpha):
+    """A random HF Qwen3 (UNTIED: head_dim != dim / heads) saved to `tmp_path`, wrapped by
+    PEFT's LoRA with random nonzero adapters."""
+    base = random_hf_model(UNTIED)
+    base.save_pretrained(str(tmp_path))
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def lora_modules(model, layer: int, projection: str):
+    group = PROJECTIONS[projection][0]
+    module = getattr(getattr(model.base_model.model.model.layers[layer], group), projection)
+    return module.lora_A["default"], module.lora_B["default"]
+
+
+def ours_from_peft(model, targets, rank, alpha, tmp_path):
+    """(titan-jax's model def with the same adapters, its params: the saved base weights and
+    PEFT's adapters in titan-jax's layout)."""
+    ours = build_model_def(UNTIED, BuildOptions(lora=Lora(rank, alpha, tuple(targets))))
+    adapters = split_by_name(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                                          ours.abstract_params), ours.trainable)[0]
+    for projection in targets:
+        _, path, n_in = PROJECTIONS[projection]
+        node = nested_get(adapters, ("layers", *path[:-1], f"{path[-1]}_lora"))
+        for layer in range(UNTIED.n_layers):
+            a, b = lora_modules(model, layer, projection)
+            # torch's (r, in) and (out, r) -> titan-jax's (in..., r) and (r, out...).
+            a_ours = node["lora_a"][layer]
+            a_ours[...] = a.weight.detach().numpy().T.reshape(a_ours.shape)
+            b_ours = node["lora_b"][layer]
+            b_ours[...] = b.weight.detach().numpy().T.reshape(b_ours.shape)
+    return ours, merge_nested(hf.load_hf_params(tmp_path, UNTIED), adapters)
+
+
+def mean_cross_entropy(logits_BTV, labels_BT):
+    logp = jax.nn.log_softmax(logits_BTV, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels_BT[..., None], axis=-1))
+
+
+@pytest.mark.parametrize(("targets", "rank", "alpha"), [
+    (tuple(PROJECTIONS), 4, 8.0),  # every projection a dense layer has
+    (("q_proj", "v_proj"), 8, 32.0),  # PEFT's default targets for Qwen3
+])
+def test_logits_and_adapter_gradients_match_peft(tmp_path, targets, rank, alpha):
+    model = peft_model(tmp_path, targets, rank, alpha)
+    ours, params = ours_from_peft(model, targets, rank, alpha, tmp_path)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, UNTIED.vocab_size, (2, 33))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    theirs_logits = model(torch.tensor(inputs)).logits
+    theirs_loss = torch.nn.functional.cross_entropy(
+        theirs_logits.reshape(-1, UNTIED.vocab_size), torch.tensor(labels).reshape(-1))
+    theirs_loss.backward()
+
+    adapters, base = split_by_name(params, ours.trainable)
+
+    def loss(adapters):
+        return mean_cross_entropy(ours.apply(merge_nested(adapters, base), inputs), labels)
+
+    logits = np.asarray(ours.apply(params, inputs))
+    np.testing.assert_allclose(logits, theirs_logits.detach().numpy(), rtol=0, atol=1e-5)
+    # The adapters matter: without them the logits are far from these.
+    with model.disable_adapter():
+        base_logits = model(torch.tensor(inputs)).logits.detach().numpy()
+    assert np.abs(logits - base_logits).max() > 1e-2
+    grads = jax.grad(loss)(adapters)
+    for projection in targets:
+        _, path, _ = PROJECTIONS[projection]
+        node = nested_get(grads, ("layers", *path[:-1], f"{path[-1]}_lora"))
+        for layer in range(UNTIED.n_layers):
+            a, b = lora_modules(model, layer, projection)
+            grad_a = np.asarray(node["lora_a"][layer])
+            grad_b = np.asarray(node["lora_b"][layer])
+            np.testing.assert_allclose(grad_a.reshape(-1, rank).T, a.weight.grad.numpy(),
+                                       rtol=0, atol=1e-4, err_msg=f"{projection} A {layer}")
+            np.testing.assert_allclose(grad_b.reshape(rank, -1).T, b.weight.grad.numpy(),
+                                       rtol=0, atol=1e-4, err_msg=f"{projection} B {layer}")
+
+
+def test_fresh_adapters_are_initialised_as_peft_initialises_them(tmp_path):
+    """A: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (torch.nn.Linear's kaiming-uniform, a=sqrt(5)),
+    fan_in the weight's whole input (o_proj's heads x head_dim); B: zeros."""
+    targets, rank = ("q_proj", "o_proj", "down_proj"), 16
+    model = peft.get_peft_model(random_hf_model(UNTIED), peft.LoraConfig(
+        r=rank, lora_alpha=8, target_modules=list(targets)))
+    ours = build_model_def(UNTIED, BuildOptions(lora=Lora(rank, 8.0, targets)))
+    params = ours.init(jax.random.key(0))
+    for projection in targets:
+        _, path, _ = PROJECTIONS[projection]
+        node = nested_get(params, ("layers", *path[:-1], f"{path[-1]}_lora"))
+        theirs_a, theirs_b = lora_modules(model, 0, projection)
+        fan_in = theirs_a.weight.shape[1]
+        assert math.prod(node["lora_a"].shape[1:-1]) == fan_in
+        bound = 1 / math.sqrt(fan_in)
+        for a in (np.asarray(node["lora_a"]), theirs_a.weight.detach().numpy()):
+            assert np.abs(a).max() <= bound
+            assert np.abs(a).max() > 0.9 * bound, projection
+            np.testing.assert_allclose(a.std(), bound / math.sqrt(3), rtol=0.15)
+        assert not np.asarray(node["lora_b"]).any() and not theirs_b.weight.any()

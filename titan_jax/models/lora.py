@@ -1,0 +1,74 @@
+"""LoRA adapters (`[lora]`), as PEFT's `LoraLayer` computes them: `y = x W + (x A) B * alpha / r`,
+A (the weight's in dims..., r) initialised like torch.nn.Linear's weight (kaiming-uniform with
+a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))), B (r, the weight's out dims...) zeros, so a
+fresh adapter changes nothing.
+
+The adapters are ordinary parameters of the model, not qwix's `LoraProvider`
+(`apply_lora_to_model`): the provider intercepts `dot_general` by module path and finds the
+weight by identity among the current module's attributes, creating A and B lazily on the
+first call. Here the layers run under `lax.scan` over merged module state and every weight
+is read through `use_param` (cast and gathered), so the provider would find no weight, and
+adapters created inside the scan would be one layer's, not stacked. Declared as `nnx.Param`s
+(`nnx.LoRAParam`, so the build can tell them from the base) with logical axes, they are
+stacked per layer, sharded by the rules table and read through `use_param` like every other
+weight (the module, `Adapter`, is in qwen3/model.py, beside the projections that read it).
+The delta itself is qwix's LoRA math (`_compute_lora_delta`, what its provider adds to a
+`dot_general`), imported where an adapter runs, as `quantization.py` imports qwix.
+
+Adapters train, the base stays frozen: `build.py` names the adapters' params
+(`ModelDef.trainable`) and the train step differentiates and optimizes only those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# The logical axis of the adapters' rank dim (parallel/rules.py: replicated).
+RANK_AXIS = "lora_rank"
+# torch.nn.Linear's (and so PEFT's lora_A) init: kaiming_uniform(a=sqrt(5)), a uniform bound
+# of gain * sqrt(3 / fan_in) with gain^2 = 2 / (1 + 5): variance scale 1/3.
+_KAIMING_UNIFORM_SQRT5 = 1 / 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """Which projections carry adapters (HF/PEFT names, e.g. "q_proj"), their rank and alpha;
+    rank 0: none."""
+
+    rank: int = 0
+    alpha: float = 8.0
+    projections: tuple[str, ...] = ()
+
+    def targets(self, projection: str) -> bool:
+        return self.rank > 0 and projection in self.projections
+
+
+NO_LORA = Lora()
+
+
+def init_a(key: jax.Array, in_shape: tuple[int, ...], rank: int) -> Array:
+    """A fresh A (in..., rank) in fp32: PEFT's, torch.nn.Linear's init over fan_in = prod(in)."""
+    n_in = len(in_shape)
+    init = jax.nn.initializers.variance_scaling(
+        _KAIMING_UNIFORM_SQRT5, "fan_in", "uniform", in_axis=tuple(range(n_in)), out_axis=n_in)
+    return init(key, (*in_shape, rank), jnp.float32)
+
+
+def lora_delta(rows: Array, a: Array, b: Array, scale: float) -> Array:
+    """The adapter's term `(rows A) B * scale` for `rows` (R, in...), A (in..., r) and
+    B (r, out...), as the weights are used (cast, gathered): (R, out...) in the rows' dtype."""
+    from qwix._src.providers.lora import _compute_lora_delta
+
+    n_in = a.ndim - 1
+    ins, rank, outs = a.shape[:n_in], b.shape[0], b.shape[1:]
+    # B's out dims merged, as `project` merges a weight's: one 2-D matmul per factor.
+    delta = _compute_lora_delta(rows, a, b.reshape(rank, math.prod(outs)),
+                                tuple(range(1, n_in + 1)), (), ins, (), (math.prod(outs),),
+                                rank)
+    return (delta * jnp.asarray(scale, delta.dtype)).reshape(-1, *outs)
