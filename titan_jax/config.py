@@ -23,6 +23,7 @@ import fsspec
 
 from titan_jax.config_schema import (
     AUTO,
+    LORA_TARGETS,
     QUANTIZE_MODULES,
     ActivationCheckpoint,
     Checkpoint,
@@ -30,6 +31,7 @@ from titan_jax.config_schema import (
     Distributed,
     Job,
     JobConfig,
+    Lora,
     LRScheduler,
     Metrics,
     Model,
@@ -45,9 +47,9 @@ from titan_jax.yarn import YarnScaling
 
 # The schema's names are part of this module's interface (`from titan_jax.config import ...`).
 __all__ = ["AUTO", "ActivationCheckpoint", "Checkpoint", "ConfigError", "Distributed", "Job",
-           "JobConfig", "LRScheduler", "Metrics", "Model", "Moe", "Optimizer", "Parallelism",
-           "Profiling", "Quantize", "Training", "Validation", "load_config", "parse_overrides",
-           "split_overrides", "validate"]
+           "JobConfig", "LRScheduler", "Lora", "Metrics", "Model", "Moe", "Optimizer",
+           "Parallelism", "Profiling", "Quantize", "Training", "Validation", "load_config",
+           "parse_overrides", "split_overrides", "validate"]
 
 
 def _suggest(name: str, valid: typing.Iterable[str]) -> str:
@@ -381,6 +383,10 @@ def _check_rest(config: JobConfig) -> None:
     _check_distributed(config.distributed)
     _check_yarn(config.model)
     _check_quantize(config.quantize)
+    _check_lora(config.lora)
+    _require(config.lora.rank == 0 or not config.checkpoint.last_save_in_hf,
+             "checkpoint.last_save_in_hf=true with lora.rank > 0: LoRA adapters are not exported "
+             "to HF yet (the base weights alone would be written); set it false")
     c = config.checkpoint
     _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
     _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 "
@@ -398,6 +404,31 @@ def _check_quantize(q: Quantize) -> None:
              f"{q.mode}; name some of {','.join(QUANTIZE_MODULES)}, or set quantize.mode=none")
     _require(1 <= q.block_size <= 2**16,
              f"quantize.block_size={q.block_size} must be in [1, 65536]")
+
+
+def _check_lora(lo: Lora) -> None:
+    """A rank of 0 is off, so any other lora key changed then is a mistake (it would do
+    nothing); with a rank, the targets are known names and dropout is 0 (not supported yet)."""
+    if lo.rank <= 0:
+        changed = [f"lora.{f.name}={getattr(lo, f.name)!r}" for f in dataclasses.fields(Lora)
+                   if f.name != "rank" and getattr(lo, f.name) != f.default]
+        _require(not changed, f"{changed[0] if changed else ''} has no effect with lora.rank="
+                 f"{lo.rank}; set lora.rank >= 1 to train adapters, or leave [lora] out")
+        _require(lo.rank == 0, f"lora.rank={lo.rank} must be >= 1, or 0 (off)")
+        return
+    _require(lo.alpha > 0, f"lora.alpha={lo.alpha} must be > 0")
+    _require(lo.dropout == 0, f"lora.dropout={lo.dropout}: LoRA dropout is not supported yet; "
+             "use 0")
+    names = lo.target_names()
+    unknown = [n for n in names if n not in LORA_TARGETS]
+    _require(not unknown, f"lora.target_modules={lo.target_modules!r}: "
+             f"{', '.join(map(repr, unknown))} is no target; use a comma-separated subset of "
+             f"{','.join(LORA_TARGETS)}")
+    _require(names, "lora.target_modules is empty; name some of " + ",".join(LORA_TARGETS))
+    _require("experts" not in names, f"lora.target_modules={lo.target_modules!r}: adapters on "
+             "the MoE experts are not supported yet; target attention (and mlp on dense models)")
+    _require(len(set(names)) == len(names),
+             f"lora.target_modules={lo.target_modules!r} names a target twice")
 
 
 def _check_yarn(m: Model) -> None:

@@ -239,6 +239,35 @@ class Quantize:
         return tuple(name.strip() for name in self.modules.split(",") if name.strip())
 
 
+# What `lora.target_modules` can name: groups of projections, expanded to HF/PEFT's names of
+# the Qwen3 projections, which may also be named one by one.
+LORA_GROUPS = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+               "mlp": ("gate_proj", "up_proj", "down_proj")}
+LORA_TARGETS = (*LORA_GROUPS, "experts", *(n for names in LORA_GROUPS.values() for n in names))
+
+
+@dataclasses.dataclass
+class Lora:
+    """LoRA fine-tuning (PEFT's): low-rank adapters beside the chosen projections are trained,
+    the base weights stay frozen (titan_jax/models/lora.py, docs/POSTTRAINING.md)."""
+
+    rank: int = 0  # the adapters' rank r; 0 = off (full fine-tuning)
+    alpha: float = 8.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # on the adapters' input in training; only 0 is supported yet
+    # Comma-separated: attention (q/k/v/o projections), mlp (the dense SwiGLU's gate/up/down),
+    # and/or HF/PEFT names q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj.
+    # The default is PEFT's for Qwen3. experts (MoE) is not supported yet.
+    target_modules: str = "q_proj,v_proj"
+
+    def target_names(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in self.target_modules.split(",") if name.strip())
+
+    def projections(self) -> tuple[str, ...]:
+        """The HF/PEFT names of the projections the targets cover, groups expanded."""
+        names = (n for t in self.target_names() for n in LORA_GROUPS.get(t, (t,)))
+        return tuple(dict.fromkeys(names))
+
+
 @dataclasses.dataclass
 class Metrics:
     log_freq: int = 10  # log every N steps (and the first and last)
@@ -316,6 +345,7 @@ class JobConfig:
     checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
     moe: Moe = dataclasses.field(default_factory=Moe)
     quantize: Quantize = dataclasses.field(default_factory=Quantize)
+    lora: Lora = dataclasses.field(default_factory=Lora)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
     validation: Validation = dataclasses.field(default_factory=Validation)
     profiling: Profiling = dataclasses.field(default_factory=Profiling)

@@ -15,6 +15,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from titan_jax.parallel.rules import ShardingRules
+from titan_jax.trees import split_by_name
 
 
 def named_shardings(rules: ShardingRules, specs: Any) -> Any:
@@ -25,13 +26,16 @@ def named_shardings(rules: ShardingRules, specs: Any) -> Any:
 
 def train_state_shardings(rules: ShardingRules, param_specs: Any, buffer_specs: Any,
                           optimizer: optax.GradientTransformation, abstract_params: Any,
-                          scalars: Iterable[str]) -> dict[str, Any]:
-    """{"params", "buffers", "opt_state", *scalars}: the train state's shardings."""
+                          scalars: Iterable[str], trainable: frozenset[str] | None = None
+                          ) -> dict[str, Any]:
+    """{"params", "buffers", "opt_state", *scalars}: the train state's shardings; the
+    optimizer's state is over the `trainable` params (dotted names; None: all)."""
     param_shardings = named_shardings(rules, param_specs)
     replicated = NamedSharding(rules.mesh, PartitionSpec())
     opt_shardings = optax.tree_utils.tree_map_params(
-        optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, abstract_params),
-        param_shardings, transform_non_params=lambda _: replicated)
+        optimizer, lambda _, sharding: sharding,
+        jax.eval_shape(optimizer.init, split_by_name(abstract_params, trainable)[0]),
+        split_by_name(param_shardings, trainable)[0], transform_non_params=lambda _: replicated)
     return {"params": param_shardings, "buffers": named_shardings(rules, buffer_specs),
             "opt_state": opt_shardings, **{name: replicated for name in scalars}}
 

@@ -22,10 +22,12 @@ import jax
 import jax.numpy as jnp
 
 from titan_jax.config import ConfigError, JobConfig, Moe, Parallelism
+from titan_jax.config_schema import LORA_GROUPS
 from titan_jax.data.pipeline import check_inputs
 from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
 from titan_jax.models import ModelDef, ModelSpec, get_model_spec
 from titan_jax.models.attention import CP_ATTENTION, SPLASH_BLOCKS, resolve_attention
+from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.quantization import NONE, Quantization
 from titan_jax.parallel.context_parallel import check_seq_len
 from titan_jax.parallel.mesh import MeshDegrees
@@ -230,6 +232,24 @@ def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
                 "scales tile; choose a divisor, or quantize.scaling=rowwise")
     return Quantization(q.mode, tuple(n for n in names if n != "experts" or moe), q.scaling,
                         q.block_size)
+
+
+def resolve_lora(config: JobConfig, args: Any) -> Lora:
+    """`[lora]` for this model: the projections its targets name that the model has (a MoE
+    layer has no dense SwiGLU); refused where they name none of them, as PEFT refuses."""
+    lo = config.lora
+    if lo.rank == 0:
+        return NO_LORA
+    moe = getattr(args, "is_moe", False)
+    present = LORA_GROUPS["attention"] + (() if moe else LORA_GROUPS["mlp"])
+    projections = tuple(n for n in lo.projections() if n in present)
+    if not projections:
+        kind = "MoE (its feed-forward is the experts)" if moe else "dense"
+        raise ConfigError(
+            f"lora.target_modules={lo.target_modules!r} matches no projection of model.flavor="
+            f"{config.model.flavor}, which is {kind}; name some of "
+            f"{','.join(('attention',) if moe else ('attention', 'mlp'))},{','.join(present)}")
+    return Lora(lo.rank, lo.alpha, projections)
 
 
 def check_reduce_dtype(config: JobConfig, devices: list[jax.Device], fsdp: type[SimpleFSDP]

@@ -1,11 +1,11 @@
 """Every decision a run makes about its model and devices, made once, in order, by `plan_run`.
 
 config -> model family and args -> degrees and mesh -> microbatches -> low precision ->
-SimpleFSDP's implementation -> dtypes -> attention kernel -> the model (abstract) -> the rules
-table and every array's storage layout. Each step is checked as it is decided (the checks are
-`run_checks`' plain functions, which raise ConfigError); the result is a frozen `RunPlan`, from
-which `trainer.assemble_trainer` builds the optimizer, shardings and step without deciding
-anything. Nothing here allocates on devices.
+SimpleFSDP's implementation -> dtypes -> attention kernel -> LoRA targets -> the model
+(abstract) -> the rules table and every array's storage layout. Each step is checked as it is
+decided (the checks are `run_checks`' plain functions, which raise ConfigError); the result is
+a frozen `RunPlan`, from which `trainer.assemble_trainer` builds the optimizer, shardings and
+step without deciding anything. Nothing here allocates on devices.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from titan_jax.config import JobConfig
 from titan_jax.models import BuildOptions, ModelDef, ModelSpec
+from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.quantization import Quantization
 from titan_jax.models.remat import offload_layer_input_for, remat_mode_for
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
@@ -58,7 +59,7 @@ def resolve_param_dtype(name: str, devices: list[jax.Device]) -> jnp.dtype:
 
 
 def build_options(config: JobConfig, platform: str, attention: str,
-                  quantization: Quantization) -> BuildOptions:
+                  quantization: Quantization, lora: Lora = NO_LORA) -> BuildOptions:
     """How the model is built for this run's devices and parallelism."""
     reshard = config.parallelism.fsdp_reshard_after_forward in ("default", "always")
     return BuildOptions(
@@ -71,7 +72,7 @@ def build_options(config: JobConfig, platform: str, attention: str,
         attention=attention, lookahead_gather=config.parallelism.fsdp_lookahead_gather,
         expert_gather_before_router=config.parallelism.fsdp_expert_gather_before_router,
         quantization=quantization, offload_layer_input=offload_layer_input_for(
-            config.activation_checkpoint.offload_layer_input, platform))
+            config.activation_checkpoint.offload_layer_input, platform), lora=lora)
 
 
 def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
@@ -96,7 +97,8 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
     run_checks.check_lookahead_gather(config, fsdp, attention)
     run_checks.check_layer_input_offload(config)
-    model = spec.build(args, build_options(config, platform, attention, quantization))
+    lora = run_checks.resolve_lora(config, args)
+    model = spec.build(args, build_options(config, platform, attention, quantization, lora))
     # the tokens of one microbatch over the shards that split the vocabulary (cp splits the
     # same rows' positions; tp ranks share their tokens)
     travelling = (config.training.local_batch_size * config.training.seq_len * degrees.fsdp

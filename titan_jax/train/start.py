@@ -91,9 +91,10 @@ def load_start(trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
 
 
 def _load_params(path: Path, trainer: Trainer) -> Restored:
-    """Weights from a HF directory, or from `titan-jax convert --to orbax` output."""
-    abstract = trainer.model.abstract_params
-    shardings = trainer.state_shardings["params"]
+    """Weights from a HF directory, or from `titan-jax convert --to orbax` output: a base
+    model's (LoRA's adapters start fresh)."""
+    abstract = trainer.base_params(trainer.model.abstract_params)
+    shardings = trainer.base_params(trainer.state_shardings["params"])
     if trainer.config.checkpoint.initial_load_in_hf:
         source = f"HF checkpoint {path}"
         params = trainer.model_spec.hf.load_params(path, trainer.model.args, shardings)

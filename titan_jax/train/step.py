@@ -7,6 +7,12 @@ Graph Trainer: the compiler sees collectives, remat and the optimizer in one gra
 The step talks to the model only through its interface (`titan_jax/models/spec.py`): the
 forward's aux loss joins the summed cross-entropy, its aux stats are summed over microbatches
 and shards, turned into metrics, and given to `update_buffers` after the optimizer.
+
+Only the model's trainable params (`ModelDef.trainable`: the LoRA adapters when it has any,
+else all) are differentiated and updated, and only they have optimizer state: the others are
+split off before `value_and_grad`, so no gradient (nor its reduce-scatter) exists for them,
+and they leave the step as they came in. The params stay one nested dict in the state (what
+checkpoints and exports read), adapters under their own keys beside their weights.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from titan_jax.models.sharding_hooks import NO_PARALLELISM, Parallelism
 from titan_jax.models.spec import Aux, ModelDef, Params
 from titan_jax.planner_hints import expected_branch
 from titan_jax.train.loss import count_valid_tokens, cross_entropy_sum
+from titan_jax.trees import merge_nested, split_by_name
 
 TrainState = dict[str, Any]  # {"params", "buffers", "opt_state", "step", "applied_updates"}
 # The train state's count of optimizer updates applied (skipped, non-finite steps excluded): the
@@ -37,9 +44,11 @@ class StepOptions:
     max_norm: float = 1.0  # 0 disables clipping
 
 
-def init_train_state(params: Params, buffers: Params, optimizer: optax.GradientTransformation
-                     ) -> TrainState:
-    return {"params": params, "buffers": buffers, "opt_state": optimizer.init(params),
+def init_train_state(params: Params, buffers: Params, optimizer: optax.GradientTransformation,
+                     trainable: frozenset[str] | None = None) -> TrainState:
+    """A fresh state; optimizer state for the `trainable` params only (None: all)."""
+    return {"params": params, "buffers": buffers,
+            "opt_state": optimizer.init(split_by_name(params, trainable)[0]),
             "step": jnp.zeros((), jnp.int32), APPLIED_UPDATES: jnp.zeros((), jnp.int32)}
 
 
@@ -56,8 +65,9 @@ def split_microbatches(x_BT: jax.Array, n: int) -> jax.Array:
 def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batch,
                    options: StepOptions, parallelism: Parallelism = NO_PARALLELISM
                    ) -> tuple[jax.Array, Params, jax.Array, dict[str, jax.Array]]:
-    """(mean loss over all valid tokens of the batch, its gradient, the token count, the
-    forward's aux stats summed over the batch).
+    """(mean loss over all valid tokens of the batch, its gradient with respect to the
+    model's trainable params (`ModelDef.trainable`), the token count, the forward's aux stats
+    summed over the batch).
 
     `parallelism.loss_map` transforms the summed-loss function before it is differentiated;
     SimpleFSDP maps it over data-parallel shards so that each shard's gradient exists, and is
@@ -66,6 +76,7 @@ def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batc
     the forward has returned, and call them too.
     """
     n_tokens = count_valid_tokens(batch["labels"])
+    params, frozen = split_by_name(params, model.trainable)
 
     def summed_loss(p: Params, b: Params, inputs: jax.Array, labels: jax.Array
                     ) -> tuple[jax.Array, Aux]:
@@ -75,7 +86,8 @@ def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batc
 
     def microbatch_loss(p: Params, inputs: jax.Array, labels: jax.Array
                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        total, aux = parallelism.loss_map(summed_loss)(p, buffers, inputs, labels)
+        total, aux = parallelism.loss_map(summed_loss)(merge_nested(p, frozen), buffers, inputs,
+                                                        labels)
         return total / n_tokens, aux["stats"]
 
     value_and_grad = jax.value_and_grad(microbatch_loss, has_aux=True)
@@ -127,6 +139,7 @@ def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
     params, buffers, opt_state = state["params"], state["buffers"], state["opt_state"]
     loss, grads, n_tokens, stats = loss_and_grads(model, params, buffers, batch, options,
                                                   parallelism)
+    params, frozen = split_by_name(params, model.trainable)
     grads, grad_norm = clip_by_global_norm(grads, options.max_norm)
     lr = schedule(state[APPLIED_UPDATES])  # this update's LR, the one logged
 
@@ -143,7 +156,8 @@ def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
     # and the moment's own) and copied first: 2 x the parameters' bytes of temporaries.
     new_params, new_buffers, new_opt_state = jax.lax.cond(
         finite, expected_branch(update), lambda old: old, (params, buffers, opt_state))
-    new_state = {"params": new_params, "buffers": new_buffers, "opt_state": new_opt_state,
+    new_state = {"params": merge_nested(new_params, frozen), "buffers": new_buffers,
+                 "opt_state": new_opt_state,
                  "step": state["step"] + 1,
                  APPLIED_UPDATES: state[APPLIED_UPDATES] + finite.astype(jnp.int32)}
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "n_tokens": n_tokens,

@@ -27,6 +27,7 @@ from titan_jax.train.step import (
     init_train_state,
     train_step,
 )
+from titan_jax.trees import merge_nested, named_leaves, split_by_name
 
 
 @dataclasses.dataclass
@@ -65,22 +66,37 @@ class Trainer:
 
         def init(key: jax.Array) -> TrainState:
             return init_train_state(self.model.init(key), self.model.init_buffers(),
-                                    self.optimizer)
+                                    self.optimizer, self.model.trainable)
 
         with jax.set_mesh(self.mesh):
             return jax.jit(init, out_shardings=self.state_shardings)(key)
 
     def state_from_params(self, params: Any) -> TrainState:
-        """A fresh train state (new optimizer and buffers, step 0) around loaded params."""
+        """A fresh train state (new optimizer and buffers, step 0) around loaded params. A
+        base model's weights (`base_params`: no LoRA adapters) get fresh adapters, whose B is
+        zero: the model starts as the base."""
+        trainable = self.model.trainable
+        fresh_adapters = trainable is not None and not trainable & set(named_leaves(params))
+        key = jax.random.key(self.config.training.seed)
+
+        def state(params: Any, key: jax.Array) -> TrainState:
+            if fresh_adapters:  # the rest of this init is dead code to XLA
+                params = merge_nested(params, split_by_name(self.model.init(key), trainable)[0])
+            return init_train_state(params, self.model.init_buffers(), self.optimizer, trainable)
+
         with jax.set_mesh(self.mesh):
-            return jax.jit(lambda p: init_train_state(p, self.model.init_buffers(),
-                                                      self.optimizer),
-                           out_shardings=self.state_shardings)(params)
+            return jax.jit(state, out_shardings=self.state_shardings)(params, key)
+
+    def base_params(self, tree: Any) -> Any:
+        """A params-shaped `tree` without the LoRA adapters: the part a base model fills."""
+        trainable = self.model.trainable
+        return tree if trainable is None else split_by_name(tree, trainable)[1]
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the train state, without allocating it."""
         shapes = jax.eval_shape(lambda: init_train_state(
-            self.model.abstract_params, self.model.abstract_buffers, self.optimizer))
+            self.model.abstract_params, self.model.abstract_buffers, self.optimizer,
+            self.model.trainable))
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_shardings)
 
@@ -110,7 +126,7 @@ def assemble_trainer(plan: RunPlan) -> Trainer:
     optimizer = build_optimizer(config.optimizer)
     state_shardings = train_state_shardings(plan.rules, plan.param_specs, plan.buffer_specs,
                                             optimizer, plan.model.abstract_params,
-                                            ("step", APPLIED_UPDATES))
+                                            ("step", APPLIED_UPDATES), plan.model.trainable)
     parallelism = plan.fsdp(plan.rules, plan.param_specs, plan.buffer_specs,
                             reduce_dtype=jnp.dtype(t.mixed_precision_reduce),
                             cp_method=config.parallelism.context_parallel_method,
