@@ -89,6 +89,56 @@ def test_fresh_adapters_start_as_the_base_model(tmp_path):
                                   full.model.apply(base, tokens))
 
 
+def lora_losses(tmp_path, n_devices, *overrides, steps=3):
+    """The losses of `steps` LoRA steps on fixed random batches of 4 x 16 tokens, from one
+    init (made on one device) put onto this mesh."""
+    config = make_config(tmp_path, *LORA, "--training.global_batch_size", "4", *overrides)
+    one = build_trainer(make_config(tmp_path, *LORA, "--training.local_batch_size", "4"),
+                        jax.devices()[:1], model_args=TINY)
+    trainer = build_trainer(config, jax.devices()[:n_devices], model_args=TINY)
+    state = jax.device_put(jax.device_get(one.init_state()), trainer.state_shardings)
+    tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (steps, 4, 17), np.int32)
+    losses = []
+    for t in tokens:
+        batch = trainer.batches.put({"inputs": t[:, :-1], "labels": t[:, 1:]})
+        state, metrics = trainer.step_fn(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses)
+
+
+@pytest.mark.parametrize(("local_batch", "overrides"), [
+    # the jit path: adapters gathered over fsdp, B split over tp with its weight
+    ("2", ("--parallelism.data_parallel_shard_degree", "2",
+           "--parallelism.tensor_parallel_degree", "2")),
+    ("1", ("--parallelism.fsdp_implementation", "shard_map")),  # the explicit twin, fsdp 4
+])
+def test_lora_losses_are_the_same_sharded(tmp_path, local_batch, overrides):
+    sharded = lora_losses(tmp_path, 4, "--training.local_batch_size", local_batch, *overrides)
+    np.testing.assert_allclose(sharded, lora_losses(tmp_path, 1, "--training.local_batch_size",
+                                                    "4"), rtol=1e-5)
+
+
+def test_lora_on_a_moe_model_trains_the_attention_adapters_only(tmp_path):
+    """A MoE layer has no dense SwiGLU: `attention,mlp` puts adapters on attention alone; the
+    experts and router stay frozen and the expert bias (a buffer) still moves."""
+    moe = dataclasses.replace(TINY, num_experts=4, top_k=2, moe_inter_dim=16)
+    trainer = build_trainer(make_config(tmp_path, *LORA), jax.devices()[:1], model_args=moe)
+    assert {n.split(".")[1] for n in trainer.model.trainable} == {"attention"}
+    state = trainer.init_state()
+    first = jax.device_get(state)
+    tokens = np.random.default_rng(0).integers(0, moe.vocab_size, (2, 17), np.int32)
+    for _ in range(2):
+        state, metrics = trainer.step_fn(state, trainer.batches.put(
+            {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}))
+    last = jax.device_get(state)
+    assert np.isfinite(metrics["loss"])
+    adapters, base = split_by_name(last["params"], trainer.model.trainable)
+    jax.tree.map(np.testing.assert_array_equal, base,
+                 split_by_name(first["params"], trainer.model.trainable)[1])
+    assert all(b.any() for n, b in named_leaves(adapters).items() if n.endswith("lora_b"))
+    assert not np.array_equal(last["buffers"]["expert_bias"], first["buffers"]["expert_bias"])
+
+
 def state_and_temp_bytes(config):
     trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
     compiled = trainer.lower_step(trainer.abstract_state(), abstract_batch(trainer)).compile()
