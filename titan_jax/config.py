@@ -412,8 +412,9 @@ def _check_lora(lo: Lora) -> None:
     if lo.rank <= 0:
         changed = [f"lora.{f.name}={getattr(lo, f.name)!r}" for f in dataclasses.fields(Lora)
                    if f.name != "rank" and getattr(lo, f.name) != f.default]
-        _require(not changed, f"{changed[0] if changed else ''} has no effect with lora.rank="
-                 f"{lo.rank}; set lora.rank >= 1 to train adapters, or leave [lora] out")
+        if changed:
+            raise ConfigError(f"{changed[0]} has no effect with lora.rank={lo.rank}; set "
+                              "lora.rank >= 1 to train adapters, or leave [lora] out")
         _require(lo.rank == 0, f"lora.rank={lo.rank} must be >= 1, or 0 (off)")
         return
     _require(lo.alpha > 0, f"lora.alpha={lo.alpha} must be > 0")

@@ -72,6 +72,26 @@ def test_lora_fine_tunes_a_hf_base_model_leaving_it_bitwise(tmp_path):
     assert not moment_shapes & base_shapes
 
 
+@pytest.mark.slow
+def test_a_lora_run_resumes_bitwise(tmp_path):
+    """Adapters, their Adam moments and the frozen base are checkpointed and restored: a run
+    stopped at step 2 and resumed ends as the uninterrupted one, bit for bit."""
+    common = (*LORA, "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+              "--checkpoint.last_save_model_only", "false",
+              "--lr_scheduler.decay_ratio", "0")  # an LR that does not depend on the steps
+
+    def run(folder, steps):
+        config = make_config(tmp_path / folder, *common, "--training.steps", str(steps))
+        return loop.train(config, jax.devices()[:1], model_args=TINY)
+
+    whole = run("whole", 4)
+    run("split", 2)
+    resumed = run("split", 4)
+    assert resumed.losses == {s: whole.losses[s] for s in (3, 4)}
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state),
+                 jax.device_get(whole.state))
+
+
 def test_fresh_adapters_start_as_the_base_model(tmp_path):
     """B is zero: a fresh adapter adds nothing (A is PEFT's init: tests/models/test_lora.py)."""
     config = make_config(tmp_path, *LORA)
@@ -106,14 +126,16 @@ def lora_losses(tmp_path, n_devices, *overrides, steps=3):
     return np.array(losses)
 
 
-@pytest.mark.parametrize(("local_batch", "overrides"), [
+@pytest.mark.parametrize(("n_devices", "local_batch", "overrides"), [
     # the jit path: adapters gathered over fsdp, B split over tp with its weight
-    ("2", ("--parallelism.data_parallel_shard_degree", "2",
-           "--parallelism.tensor_parallel_degree", "2")),
-    ("1", ("--parallelism.fsdp_implementation", "shard_map")),  # the explicit twin, fsdp 4
+    (4, "2", ("--parallelism.data_parallel_shard_degree", "2",
+              "--parallelism.tensor_parallel_degree", "2")),
+    (4, "1", ("--parallelism.fsdp_implementation", "shard_map")),  # the explicit twin, fsdp 4
+    (1, "2", ()),  # two microbatches: the adapters' gradients accumulated
 ])
-def test_lora_losses_are_the_same_sharded(tmp_path, local_batch, overrides):
-    sharded = lora_losses(tmp_path, 4, "--training.local_batch_size", local_batch, *overrides)
+def test_lora_losses_are_the_same_sharded(tmp_path, n_devices, local_batch, overrides):
+    sharded = lora_losses(tmp_path, n_devices, "--training.local_batch_size", local_batch,
+                          *overrides)
     np.testing.assert_allclose(sharded, lora_losses(tmp_path, 1, "--training.local_batch_size",
                                                     "4"), rtol=1e-5)
 
