@@ -73,6 +73,33 @@ def test_lora_fine_tunes_a_hf_base_model_leaving_it_bitwise(tmp_path):
 
 
 @pytest.mark.slow
+def test_lora_starts_from_a_full_fine_tuning_checkpoint(tmp_path):
+    """`initial_load_path` to a titan-jax run of the base model (no adapters in it): its
+    weights, fresh adapters; a LoRA run's own checkpoint brings its adapters."""
+    base_run = make_config(tmp_path / "base", "--training.steps", "2",
+                           "--checkpoint.enable", "true")
+    base = jax.device_get(loop.train(base_run, jax.devices()[:1], model_args=TINY).state)
+
+    def start(source):
+        config = make_config(tmp_path / "lora", *LORA, "--checkpoint.initial_load_path",
+                             str(source))
+        trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
+        restored = load_start(trainer, None)
+        return trainer, jax.device_get(restored.state["params"])
+
+    trainer, params = start(tmp_path / "base" / "checkpoint" / "2")
+    adapters, frozen = split_by_name(params, trainer.model.trainable)
+    jax.tree.map(np.testing.assert_array_equal, frozen, base["params"])
+    assert not any(b.any() for n, b in named_leaves(adapters).items() if n.endswith("lora_b"))
+
+    lora_run = make_config(tmp_path / "lora_run", *LORA, "--training.steps", "2",
+                           "--checkpoint.enable", "true")
+    trained = jax.device_get(loop.train(lora_run, jax.devices()[:1], model_args=TINY).state)
+    _, params = start(tmp_path / "lora_run" / "checkpoint" / "2")
+    jax.tree.map(np.testing.assert_array_equal, params, trained["params"])
+
+
+@pytest.mark.slow
 def test_a_lora_run_resumes_bitwise(tmp_path):
     """Adapters, their Adam moments and the frozen base are checkpointed and restored: a run
     stopped at step 2 and resumed ends as the uninterrupted one, bit for bit."""

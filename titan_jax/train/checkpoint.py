@@ -298,6 +298,16 @@ class Checkpointer:
                 raise ValueError(f"meta item is not a titan-jax v{FORMAT_VERSION} record")
         return meta
 
+    def _saved_tree(self, step: int) -> Any:
+        """The metadata tree of step `step`'s saved state (no array read)."""
+        with self._reading(step):
+            return ocp.PyTreeCheckpointHandler().metadata(
+                self._manager.directory / str(step) / "state").tree
+
+    def saved_params(self, step: int) -> set[str]:
+        """The dotted names of step `step`'s saved params (e.g. "layers.attention.wq")."""
+        return set(named_leaves(self._saved_tree(step).get("params", {})))
+
     def restore(self, step: int, abstract_state: TrainState, *, model_only: bool = False,
                 signature: dict[str, Any] | None = None) -> Restored:
         """Step `step` restored into `abstract_state`'s shapes, dtypes and shardings.
@@ -313,9 +323,7 @@ class Checkpointer:
                 f"resume training. {self._model_only_hint(step)}")
         wanted = {k: abstract_state[k] for k in MODEL_KEYS if k in abstract_state} \
             if model_only else abstract_state
-        with self._reading(step):
-            saved = ocp.PyTreeCheckpointHandler().metadata(
-                self._manager.directory / str(step) / "state").tree
+        saved = self._saved_tree(step)
         # A key with no arrays (a dense model's buffers) that the checkpoint lacks, because it
         # was written before the key existed, is not read: it has nothing to restore.
         empty = {k: v for k, v in wanted.items() if not jax.tree.leaves(v) and k not in saved}

@@ -82,7 +82,12 @@ def load_start(trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
     model_only = c.initial_load_model_only
     with Checkpointer(root, read_only=True) as source:
         step = _newest_step(source) if step is None else step
-        restored = source.restore(step, trainer.abstract_state(), model_only=model_only,
+        abstract = trainer.abstract_state()
+        trainable = trainer.model.trainable
+        if model_only and trainable and not trainable & source.saved_params(step):
+            # A base model's run (no LoRA adapters): its weights, fresh adapters.
+            abstract = {**abstract, "params": trainer.base_params(abstract["params"])}
+        restored = source.restore(step, abstract, model_only=model_only,
                                   signature=resume_signature(config, trainer.global_batch_size))
     if model_only:
         restored.state = trainer.state_from_params(restored.state["params"])
