@@ -88,13 +88,7 @@ def read_records(dataset: str, file: str, fields: tuple[str, ...]
         raise DataError(f"dataset={dataset!r} holds texts, not conversations: use jsonl or "
                         "parquet files with a `messages` (or `prompt` and `completion`) field")
     with _open_text(file) as f:
-        for lineno, line in _lines(f, file):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{file}:{lineno}: not valid JSON ({e})") from e
+        for lineno, record in _jsonl_records(f, file):
             missing = [k for k in fields if not isinstance(record, dict) or k not in record]
             if missing:
                 raise DataError(f"{file}:{lineno}: no field {missing[0]!r}")
@@ -171,14 +165,19 @@ def _text_blocks(f: IO[str]) -> Iterator[str]:
         yield "".join(block).rstrip()
 
 
-def _jsonl_texts(f: IO[str], file: str, field: str) -> Iterator[str]:
+def _jsonl_records(f: IO[str], file: str) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) of each non-blank line."""
     for lineno, line in _lines(f, file):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield lineno, json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{file}:{lineno}: not valid JSON ({e})") from e
+
+
+def _jsonl_texts(f: IO[str], file: str, field: str) -> Iterator[str]:
+    for lineno, record in _jsonl_records(f, file):
         if not isinstance(record, dict) or field not in record:
             raise DataError(f"{file}:{lineno}: no field text_field={field!r}")
         if not isinstance(record[field], str):
