@@ -186,6 +186,16 @@ def test_generate_convert_and_report_inputs(tmp_path, capsys, orbax_model):
     assert not Path("gs:").exists()  # a URL was never taken for a local folder
 
 
+def test_a_run_folder_that_is_a_broken_symlink_is_named(tmp_path, capsys):
+    (tmp_path / "run").symlink_to(tmp_path / "gone")
+    assert main([*TRAIN, "--job.dump_folder", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"titan-jax: error: job.dump_folder={tmp_path}/run: {tmp_path}/run is a "
+                   f"broken symbolic link (to {tmp_path}/gone); remove it, or make it point at "
+                   "a folder\n"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 def test_a_missing_mixture_store_is_named_as_the_mixture_path(tmp_path, capsys):
     recipe = tmp_path / "mix.toml"
     recipe.write_text(f'[model]\nflavor = "debugmodel"\n[training]\nseq_len = 16\n'

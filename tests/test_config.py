@@ -158,3 +158,11 @@ def test_training_mixture_tables_parse_validate_and_print(tmp_path):
         load_config(None, ["--training.mixture", "x"])
     with pytest.raises(ConfigError, match="training.dataset='tokens' needs training.dataset_path"):
         load_config(None, ["--training.dataset", "tokens"])
+
+
+def test_a_store_listed_twice_in_a_mixture_is_refused(tmp_path):
+    recipe = write(tmp_path, '[[training.mixture]]\npath = "/data/web"\nweight = 2\n'
+                   '[[training.mixture]]\npath = "/data/web"\n')
+    with pytest.raises(ConfigError, match=r"training.mixture\[1\].path='/data/web' is also "
+                       r"training.mixture\[0\]'s; list it once, with the weights summed"):
+        load_config(recipe)

@@ -458,6 +458,10 @@ def _check_data(t: Training) -> None:
                  f"training.mixture[{i}].path is empty; name a token store folder")
         _require(math.isfinite(m.weight) and m.weight > 0,
                  f"training.mixture[{i}].weight={m.weight} must be a number > 0")
+        # Sources are named by path (metrics, the data state): a path twice is one source.
+        first = next(j for j, other in enumerate(t.mixture) if other.path == m.path)
+        _require(first == i, f"training.mixture[{i}].path={m.path!r} is also "
+                 f"training.mixture[{first}]'s; list it once, with the weights summed")
     total = sum(m.weight for m in t.mixture)
     _require(math.isfinite(total), f"training.mixture weights sum to {total}; scale them down "
              "(only their ratios matter)")

@@ -31,6 +31,9 @@ def folder_to_write(path: Path, field: str) -> None:
         raise ConfigError(f"{field}={path}: {too_long}")
     try:
         for p in (path, *path.parents):
+            if p.is_symlink() and not p.exists():  # mkdir would say only "File exists"
+                raise ConfigError(f"{field}={path}: {p} is a broken symbolic link (to "
+                                  f"{os.readlink(p)}); remove it, or make it point at a folder")
             if p.exists():
                 if not p.is_dir():
                     where = "is" if p == path else f"lies under {p}, which is"
