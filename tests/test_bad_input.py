@@ -5,6 +5,7 @@ line `titan-jax: error: ...` naming the file or field, exit 2, and leave every f
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from damaged_inputs import write_damaged_inputs
 from tiny_model import TINY
 
 from titan_jax.cli import main
+from titan_jax.data import paths
 from titan_jax.models.qwen3 import build_model_def
 from titan_jax.train import preflight
 from titan_jax.train.model_io import save_orbax
@@ -184,6 +186,34 @@ def test_generate_convert_and_report_inputs(tmp_path, capsys, orbax_model):
     for argv, message in OTHER_CASES:
         _check(tmp_path, capsys, argv, message)
     assert not Path("gs:").exists()  # a URL was never taken for a local folder
+
+
+@pytest.fixture
+def no_dns(monkeypatch):
+    """A machine that cannot resolve Cloud Storage's host (as this sandbox, whatever the
+    machine the tests run on)."""
+    def unresolved(*_, **__):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(paths.socket, "getaddrinfo", unresolved)
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    paths.cloud_storage_unreachable.cache_clear()
+    yield
+    paths.cloud_storage_unreachable.cache_clear()
+
+
+@pytest.mark.parametrize("argv,url", [
+    (["prepare-data", "--config", "configs/qwen3_debug.toml", "--output", "gs://b/store"],
+     "gs://b/store"),
+    ([*TRAIN, "--job.dump_folder", "gs://b/run"], "gs://b/run"),
+    ([*TRAIN, "--job.dump_folder", "TMP/run", "--training.dataset", "tokens",
+      "--training.dataset_path", "gs://b/store"], "gs://b/store/manifest.json"),
+])
+def test_a_bucket_this_machine_cannot_reach_is_one_line_at_once(tmp_path, capsys, no_dns,
+                                                                argv, url):
+    """(gcsfs retried for a minute or more, then printed tracebacks.)"""
+    _check(tmp_path, capsys, argv, f"{url}: Cloud Storage (storage.googleapis.com) cannot be "
+           "reached from this machine (Name or service not known); use a local path")
 
 
 def test_a_run_folder_that_is_a_broken_symlink_is_named(tmp_path, capsys):

@@ -8,10 +8,17 @@ read), memory:// and file://. Any other scheme, or one whose package is missing,
 once in one line: fsspec would otherwise try it (pyarrow's hdfs looks for a JVM) or fail deep
 in a traceback. Fields that take local paths only (`local_path`) refuse every URL but file://,
 rather than make a local folder named "gs:".
+
+A gs:// URL on a machine that cannot resolve Cloud Storage's host is refused at once too:
+gcsfs would retry for a minute or more and end in tracebacks (or, for a read, in "no such
+file").
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +31,7 @@ _GLOB = "*?["
 # fsspec protocols titan-jax reads and writes through; None is a local path.
 SCHEMES = (None, "file", "local", "memory", "gs", "gcs", "s3", "s3a", "http", "https")
 WHAT_WORKS = "local paths, file://, gs:// (and s3:// with s3fs installed; http(s):// to read)"
+GCS_HOST = "storage.googleapis.com"
 
 
 class PathError(TitanJaxError, ValueError):
@@ -35,11 +43,27 @@ def filesystem(url: str) -> tuple[Any, str]:
     scheme = fsspec.core.split_protocol(url)[0]
     if scheme not in SCHEMES:
         raise PathError(f"{url}: {scheme}:// is not supported; titan-jax takes {WHAT_WORKS}")
+    if scheme in ("gs", "gcs") and (why := cloud_storage_unreachable()) is not None:
+        raise PathError(f"{url}: Cloud Storage ({GCS_HOST}) cannot be reached from this machine "
+                        f"({why}); use a local path, or run where the bucket can be reached")
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as e:  # the scheme's package is not installed: fsspec says which
         raise PathError(f"{url}: {scheme}:// needs a package that is not installed ({e})"
                         ) from None
+
+
+@functools.cache
+def cloud_storage_unreachable() -> str | None:
+    """Why this machine cannot resolve Cloud Storage's host, or None; asked once a process (a
+    GCS emulator, `STORAGE_EMULATOR_HOST`, is taken as reachable)."""
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        return None
+    try:
+        socket.getaddrinfo(GCS_HOST, 443)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def local_path(value: str, field: str) -> Path:
