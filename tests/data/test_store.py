@@ -178,6 +178,10 @@ def test_a_corrupted_or_truncated_shard_is_named(tmp_path, capsys):
         open_corpus(str(tmp_path / "store"), TOK)
     with pytest.raises(StoreError, match="is not a token store .no manifest.json.; write one"):
         open_corpus(str(tmp_path / "src"), TOK)
+    # No hint to prepare a store in memory: another process's memory is not this one's.
+    with pytest.raises(StoreError, match="memory://nowhere is not a token store .no manifest"
+                       ".json.; a memory:// store lives in the process that wrote it"):
+        open_corpus("memory://nowhere", TOK)
 
 
 @pytest.mark.parametrize("damage, problem", [

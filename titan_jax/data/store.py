@@ -285,9 +285,11 @@ def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.datase
     for store in stores:
         manifest = read_manifest(store)
         if manifest is None:
-            raise StoreError(f"{what}: {store} is not a token store (no {MANIFEST}); write one "
-                             "with `titan-jax prepare-data --config ... --output "
-                             f"{shlex.quote(store)}`")
+            hint = ("write one with `titan-jax prepare-data --config ... --output "
+                    f"{shlex.quote(store)}`")
+            if store.startswith("memory://"):  # another process's memory: prepare-data cannot
+                hint = "a memory:// store lives in the process that wrote it; use a folder"
+            raise StoreError(f"{what}: {store} is not a token store (no {MANIFEST}); {hint}")
         _check_tokenizer(store, manifest["tokenizer"], tokenizer)
         source = manifest["source"]
         files[source["inputs_sha256"]] = source["files"]
