@@ -17,17 +17,26 @@ The delta itself is qwix's LoRA math (`_compute_lora_delta`, what its provider a
 
 Adapters train, the base stays frozen: `build.py` names the adapters' params
 (`ModelDef.trainable`) and the train step differentiates and optimizes only those.
+
+An adapter sits in the params tree beside its weight: `{name}_lora` = {"lora_a", "lora_b"} next
+to `{name}`, both stacked on the same leading dims (the layers). `merged` folds them into the
+weights for a plain model (`titan-jax convert --to hf`, `checkpoint.last_save_in_hf`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+Params = dict[str, Any]
+
+# An adapter's key beside its weight's: `wq` -> `wq_lora` (qwen3/model.py's attributes).
+ADAPTER_SUFFIX = "_lora"
 
 # The logical axis of the adapters' rank dim (parallel/rules.py: replicated).
 RANK_AXIS = "lora_rank"
@@ -72,3 +81,29 @@ def lora_delta(rows: Array, a: Array, b: Array, scale: float) -> Array:
                                 tuple(range(1, n_in + 1)), (), ins, (), (math.prod(outs),),
                                 rank)
     return (delta * jnp.asarray(scale, delta.dtype)).reshape(-1, *outs)
+
+
+def merged(params: Params, lora: Lora) -> Params:
+    """`params` with every adapter folded into the weight beside it, `W + (A B) * alpha / r` in
+    fp32 (PEFT's `merge_and_unload`), and the adapters dropped: a plain model's params, which
+    compute what the adapted model computes."""
+    if not isinstance(params, dict):
+        return params
+    out = {k: merged(v, lora) for k, v in params.items() if not k.endswith(ADAPTER_SUFFIX)}
+    for key, adapter in params.items():
+        if key.endswith(ADAPTER_SUFFIX):
+            weight = key[:-len(ADAPTER_SUFFIX)]
+            out[weight] = _merge(out[weight], adapter["lora_a"], adapter["lora_b"],
+                                 lora.alpha / lora.rank)
+    return out
+
+
+def _merge(w: Array, a: Array, b: Array, scale: float) -> Array:
+    """W (lead..., in..., out...) + A (lead..., in..., r) B (lead..., r, out...) * scale."""
+    lead = a.ndim + b.ndim - w.ndim - 2  # the stacked dims all three share
+    n_in = a.ndim - lead - 1
+    stack, ins, outs = w.shape[:lead], w.shape[lead:lead + n_in], w.shape[lead + n_in:]
+    a2 = a.astype(jnp.float32).reshape(*stack, math.prod(ins), a.shape[-1])
+    b2 = b.astype(jnp.float32).reshape(*stack, b.shape[lead], math.prod(outs))
+    delta = jnp.matmul(a2, b2, precision=jax.lax.Precision.HIGHEST).reshape(w.shape)
+    return (w.astype(jnp.float32) + delta * jnp.float32(scale)).astype(w.dtype)

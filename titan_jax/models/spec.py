@@ -111,6 +111,12 @@ class HFAdapter(Protocol):
     def save(self, path: str | Path, params: Params, args: Any, dtype: str = "float32",
              **options: Any) -> Any: ...
 
+    def save_peft(self, path: str | Path, params: Params, args: Any, lora: Lora,
+                  base_model: str | None = None, dtype: str = "float32", **options: Any
+                  ) -> Any:
+        """The LoRA adapters in `params` as a PEFT adapter directory."""
+        ...
+
     def live_tensors(self, params: Params, args: Any) -> dict[str, Any]:
         """Every tensor (e.g. gradients) under a live transformers model's parameter names."""
         ...

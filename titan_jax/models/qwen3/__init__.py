@@ -19,6 +19,7 @@ class _HF:
     read_config = staticmethod(read_hf_config)
     load_params = staticmethod(hf.load_hf_params)
     save = staticmethod(hf.save_hf)
+    save_peft = staticmethod(hf.save_peft)
     live_tensors = staticmethod(hf.live_hf_tensors)
 
 

@@ -18,9 +18,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from safetensors.numpy import save_file
 
 from titan_jax.atomic_dir import atomic_dir
 from titan_jax.models import safetensors_io
+from titan_jax.models.lora import Lora
 from titan_jax.models.qwen3.args import Qwen3Args
 from titan_jax.models.qwen3.hf_config import (
     CONFIG_FILE,
@@ -28,10 +30,18 @@ from titan_jax.models.qwen3.hf_config import (
     hf_config_from_args,
     read_hf_config,
 )
-from titan_jax.models.qwen3.hf_tensors import IGNORED, fused_expert_layout, hf_tensors
+from titan_jax.models.qwen3.hf_tensors import (
+    IGNORED,
+    fused_expert_layout,
+    hf_tensors,
+    peft_tensors,
+)
 from titan_jax.models.safetensors_io import DEFAULT_MAX_SHARD_SIZE, HFCheckpointError, Reader
 
 Params = dict[str, Any]
+
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 class _Reader(Reader):
@@ -156,3 +166,37 @@ def save_hf(path: str | Path, params: Params, args: Qwen3Args, dtype: str = "flo
         names = safetensors_io.write_files(tmp, params, hf_tensors(args), np_dtype, limit,
                                            writer)
     return [Path(path) / name for name in [CONFIG_FILE, *names]]
+
+
+def peft_config(lora: Lora, base_model: str | None) -> dict[str, Any]:
+    """PEFT's `adapter_config.json` for `lora` on a Qwen3 causal LM (what PEFT 0.21's
+    `LoraConfig.save_pretrained` writes for these settings; PEFT fills any other field with its
+    default when it loads the file)."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
+        "target_modules": sorted(lora.projections), "bias": "none", "fan_in_fan_out": False,
+        "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
+        "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
+        "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+    }
+
+
+def save_peft(path: str | Path, params: Params, args: Qwen3Args, lora: Lora,
+              base_model: str | None = None, dtype: str = "float32", *, overwrite: bool = False,
+              source: str | Path | None = None) -> list[Path]:
+    """Writes the adapters in `params` as a PEFT LoRA adapter directory (adapter_config.json +
+    adapter_model.safetensors), for `PeftModel.from_pretrained` on the HF base model
+    (`base_model`, recorded in the config; None when unknown). Every process calls this;
+    process 0 writes. Whole or not at all, as `save_hf`."""
+    np_dtype = safetensors_io.save_dtype(dtype)
+    writer = jax.process_index() == 0
+    with atomic_dir(path, overwrite=overwrite, source=source, writer=writer) as tmp:
+        # Adapters are small (r x (in + out) per projection): one file, gathered at once.
+        tensors = dict(safetensors_io.iter_tensors(params, peft_tensors(args, lora), np_dtype))
+        if writer:
+            (tmp / PEFT_CONFIG_FILE).write_text(
+                json.dumps(peft_config(lora, base_model), indent=2) + "\n")
+            save_file(tensors, str(tmp / PEFT_WEIGHTS_FILE),
+                                     metadata={"format": "pt"})
+    return [Path(path) / PEFT_CONFIG_FILE, Path(path) / PEFT_WEIGHTS_FILE]

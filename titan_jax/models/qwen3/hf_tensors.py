@@ -36,6 +36,7 @@ import re
 
 import numpy as np
 
+from titan_jax.models.lora import ADAPTER_SUFFIX, Lora
 from titan_jax.models.qwen3.args import Qwen3Args
 from titan_jax.models.safetensors_io import HFTensor
 
@@ -71,10 +72,10 @@ def _expert_tensors(args: Qwen3Args, i: int) -> list[HFTensor]:
     return out
 
 
-def hf_tensors(args: Qwen3Args) -> list[HFTensor]:
-    """Every HF tensor of the model, in HF's file order."""
-    d, f, v, hd = args.dim, args.hidden_dim, args.vocab_size, args.head_dim
-    shapes = {
+def _layer_shapes(args: Qwen3Args) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Each layer tensor's titan-jax shape (per layer), by its path under `layers`."""
+    d, f, hd = args.dim, args.hidden_dim, args.head_dim
+    return {
         ("attention", "wq"): (d, args.n_heads, hd), ("attention", "wk"): (d, args.n_kv_heads, hd),
         ("attention", "wv"): (d, args.n_kv_heads, hd), ("attention", "wo"): (args.n_heads, hd, d),
         ("attention", "q_norm", "weight"): (hd,), ("attention", "k_norm", "weight"): (hd,),
@@ -82,6 +83,12 @@ def hf_tensors(args: Qwen3Args) -> list[HFTensor]:
         ("feed_forward", "w2"): (f, d), ("attention_norm", "weight"): (d,),
         ("ffn_norm", "weight"): (d,),
     }
+
+
+def hf_tensors(args: Qwen3Args) -> list[HFTensor]:
+    """Every HF tensor of the model, in HF's file order."""
+    d, v = args.dim, args.vocab_size
+    shapes = _layer_shapes(args)
     out = [HFTensor("model.embed_tokens.weight", ("tok_embeddings",), None, (v, d), None)]
     for i in range(args.n_layers):
         out += [HFTensor(f"model.layers.{i}.{name}", ("layers", *path), i, shapes[path], n_in)
@@ -92,6 +99,28 @@ def hf_tensors(args: Qwen3Args) -> list[HFTensor]:
     out.append(HFTensor("model.norm.weight", ("norm", "weight"), None, (d,), None))
     if not args.tie_embeddings:
         out.append(HFTensor("lm_head.weight", ("lm_head",), None, (d, v), 1))
+    return out
+
+
+def peft_tensors(args: Qwen3Args, lora: Lora) -> list[HFTensor]:
+    """The tensors of PEFT's adapter file for `lora`'s adapters (`adapter_model.safetensors`,
+    as PEFT's `save_pretrained` names them: the model's module path under `base_model.model.`,
+    the adapter's name dropped). torch's lora_A (r, in) and lora_B (out, r) are Linear weights,
+    so A (in..., r) and B (r, out...) map as any weight does, in dims first."""
+    shapes = _layer_shapes(args)
+    out = []
+    for i in range(args.n_layers):
+        for path, name, n_in in _LAYER_TENSORS:
+            module = name.removesuffix(".weight")
+            if n_in is None or not lora.targets(module.rpartition(".")[2]):
+                continue
+            shape = shapes[path]
+            adapter = ("layers", *path[:-1], path[-1] + ADAPTER_SUFFIX)
+            prefix = f"base_model.model.model.layers.{i}.{module}"
+            out += [HFTensor(f"{prefix}.lora_A.weight", (*adapter, "lora_a"), i,
+                             (*shape[:n_in], lora.rank), n_in),
+                    HFTensor(f"{prefix}.lora_B.weight", (*adapter, "lora_b"), i,
+                             (lora.rank, *shape[n_in:]), 1)]
     return out
 
 
