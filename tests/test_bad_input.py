@@ -167,7 +167,7 @@ OTHER_CASES = [
     ([*GENERATE, "gs://bucket/run/checkpoint", "--prompt", "x"],
      "--checkpoint gs://bucket/run/checkpoint: a URL, and --checkpoint takes a local path"),
     (["convert", "--from", "hf", "--to", "orbax", "TMP/hf", "TMP/out", "--dtype", "bfloat16"],
-     "--dtype bfloat16 applies to --to hf only"),
+     "--dtype bfloat16 applies to --to hf and peft only"),
     (["convert", "--from", "orbax", "--to", "hf", "TMP/tiny", "gs://bucket/out"],
      "DST gs://bucket/out: a URL, and DST takes a local path"),
     (["inspect", "--config", "configs/qwen3_debug.toml", "--json", "TMP/folder"],

@@ -66,15 +66,19 @@ COMMANDS: tuple[tuple[str, str, str, list[Argument | Choice]], ...] = (
       _arg("--json", metavar="OUT", help="also write the figures as JSON to OUT"),
       _arg("--bar", action="append", default=[], metavar="NAME=VALUE",
            help=BARS_HELP)]),
-    ("convert", "convert model weights between HF safetensors and orbax",
+    ("convert", "convert model weights between HF safetensors, orbax and PEFT adapters",
      "HF model directory (config.json + safetensors) <-> titan-jax model-only orbax "
      "checkpoint (DST/model_args.json + DST/params). --from orbax also reads one step of a "
-     "training run ({dump_folder}/checkpoint/{step}). hf -> hf re-types or re-shards.",
+     "training run ({dump_folder}/checkpoint/{step}, or the checkpoint folder for its newest "
+     "step); a LoRA run's step converts to PEFT's "
+     "adapter directory (--to peft: adapter_config.json + adapter_model.safetensors) or, "
+     "adapters merged into the weights, to a plain HF model (--to hf). hf -> hf re-types or "
+     "re-shards.",
      [_arg("--from", dest="src_format", choices=["hf", "orbax"], required=True),
-      _arg("--to", dest="dst_format", choices=["hf", "orbax"], required=True),
+      _arg("--to", dest="dst_format", choices=["hf", "orbax", "peft"], required=True),
       _arg("src", metavar="SRC"), _arg("dst", metavar="DST"),
       _arg("--dtype", choices=["float32", "bfloat16"], default="float32",
-           help="dtype of HF output tensors"),
+           help="dtype of HF or PEFT output tensors"),
       _arg("--max-shard-size", default="5GB",
            help="split HF output into files of at most this size (e.g. 5GB, 500MiB)"),
       _arg("--overwrite", action="store_true",

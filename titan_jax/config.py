@@ -384,9 +384,6 @@ def _check_rest(config: JobConfig) -> None:
     _check_yarn(config.model)
     _check_quantize(config.quantize)
     _check_lora(config.lora)
-    _require(config.lora.rank == 0 or not config.checkpoint.last_save_in_hf,
-             "checkpoint.last_save_in_hf=true with lora.rank > 0: LoRA adapters are not exported "
-             "to HF yet (the base weights alone would be written); set it false")
     c = config.checkpoint
     _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
     _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 "

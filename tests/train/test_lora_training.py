@@ -212,7 +212,6 @@ def test_lora_step_holds_no_gradient_or_moments_of_the_base(tmp_path):
     ((*LORA, "--lora.dropout", "0.1"), "LoRA dropout is not supported yet"),
     ((*LORA[:4], "--lora.target_modules", "experts"), "the MoE experts are not supported yet"),
     ((*LORA, "--lora.alpha", "0"), "lora.alpha=0.0 must be > 0"),
-    ((*LORA, "--checkpoint.last_save_in_hf", "true"), "LoRA adapters are not exported"),
 ])
 def test_bad_lora_keys_are_refused_in_one_line(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match="^[^\n]*$") as e:

@@ -1,5 +1,5 @@
-"""`titan-jax generate`: text from a trained checkpoint or a HF directory of the recipe's
-`model.name`.
+"""`titan-jax generate`: text from a trained checkpoint (a LoRA run's with its adapters merged
+into the weights) or a HF directory of the recipe's `model.name`.
 
 Weights are loaded straight onto the shardings the recipe's mesh gives them in training
 (`[parallelism]`, `job.cpu_devices`), and decoding (the family's `ModelSpec.generate`; Qwen3's
@@ -19,13 +19,23 @@ import jax
 import numpy as np
 
 from titan_jax.config import JobConfig
+from titan_jax.config import Lora as LoraSection
 from titan_jax.data.paths import local_path
 from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
 from titan_jax.errors import TitanJaxError
 from titan_jax.models import ModelSpec, get_model_spec
+from titan_jax.models.lora import merged
 from titan_jax.models.spec import Params
 from titan_jax.train.checkpoint import Checkpointer, is_checkpoint_dir
-from titan_jax.train.model_io import checkpoint_args, load_orbax, read_orbax_args
+from titan_jax.train.model_io import (
+    ARGS_FILE,
+    NO_ADAPTERS,
+    checkpoint_args,
+    load_orbax,
+    orbax_source,
+    read_orbax_args,
+    run_lora,
+)
 from titan_jax.train.run_plan import resolve_param_dtype
 from titan_jax.train.trainer import build_trainer
 
@@ -72,13 +82,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.is_dir():
         raise GenerateError(f"--checkpoint {path} is a file; give a run's checkpoint folder, "
                             "one of its step folders, or an orbax model directory")
-    if is_checkpoint_dir(path) or (path / "model_args.json").is_file():
-        return path
-    steps = [p for p in path.iterdir() if is_checkpoint_dir(p)]
-    if not steps:
+    source = orbax_source(path)
+    if not is_checkpoint_dir(source) and not (source / ARGS_FILE).is_file():
         raise GenerateError(f"--checkpoint {path} is neither a checkpoint step folder, a folder of "
                          "them, nor an orbax model directory (model_args.json + params/)")
-    return max(steps, key=lambda p: int(p.name))
+    return source
 
 
 def _orbax_args(path: Path, spec: ModelSpec) -> Any:
@@ -127,16 +135,23 @@ def _prompt_ids(tokenizer: Tokenizer, options: GenerateOptions, args: Any) -> li
 
 def _load_params(config: JobConfig, source: Path, from_hf: bool, args: Any, spec: ModelSpec
                  ) -> tuple[Params, jax.sharding.Mesh]:
-    """The weights on the shardings the recipe's mesh gives them in training."""
-    # The mesh and shardings of training; its seq_len only has to fit the loaded model.
+    """The weights on the shardings the recipe's mesh gives them in training (a LoRA run's
+    adapters with them, then merged into the weights: decoding runs the plain model)."""
+    adapters = NO_ADAPTERS if from_hf else run_lora(source, spec)
+    # The mesh and shardings of training; its seq_len only has to fit the loaded model, its
+    # adapters are the checkpoint's (the recipe's `[lora]` does not change what was saved).
     mesh_config = copy.deepcopy(config)
     mesh_config.training.seq_len = min(config.training.seq_len, args.max_seq_len)
     mesh_config.validation.enable = False
+    lora = adapters.lora
+    mesh_config.lora = LoraSection(lora.rank, lora.alpha, target_modules=",".join(
+        lora.projections)) if lora.rank else LoraSection()
     trainer = build_trainer(mesh_config, model_args=args)
     shardings = trainer.state_shardings["params"]
     if from_hf:
         return spec.hf.load_params(source, args, shardings), trainer.mesh
-    return load_orbax(source, spec, shardings)[1], trainer.mesh
+    params = load_orbax(source, spec, shardings, lora)[1]
+    return (merged(params, lora) if lora.rank else params), trainer.mesh
 
 
 def generate_text(config: JobConfig, checkpoint: str | None, hf_checkpoint: str | None,

@@ -11,7 +11,8 @@ The orbax side is a model-only checkpoint directory:
                           have none, and are read unchecked)
 
 Read are that, or one step folder of a training run (`{dump_folder}/checkpoint/{step}`, its
-params only). Restores go straight onto target shardings (orbax reads each device's slice).
+params only; a LoRA run's with its adapters when asked, `run_lora`). Restores go straight onto
+target shardings (orbax reads each device's slice).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ import jax
 import orbax.checkpoint as ocp
 
 from titan_jax.atomic_dir import atomic_dir
+from titan_jax.config import JobConfig
+from titan_jax.config import Lora as LoraSection
 from titan_jax.errors import quiet_closed_loop_callbacks, quiet_unstarted_reads
 from titan_jax.models import BuildOptions, ModelSpec, spec_of_args
+from titan_jax.models.lora import NO_LORA, Lora, merged
 from titan_jax.models.spec import Params
 from titan_jax.train.checkpoint import (
     Checkpointer,
@@ -37,6 +41,7 @@ from titan_jax.train.checkpoint import (
     permission_denied,
 )
 from titan_jax.train.checksums import checksums
+from titan_jax.train.run_checks import resolve_lora
 from titan_jax.train.run_folder import run_paths
 from titan_jax.train.trainer import Trainer
 
@@ -99,24 +104,70 @@ def checkpoint_args(ckpt: Checkpointer, step: int, spec: ModelSpec) -> Any:
                          f"checkpoint {ckpt.directory / str(step)} (model_args)")
 
 
-def _abstract_params(args: Any, shardings: Params | None) -> Params:
-    abstract = spec_of_args(args).build(args, BuildOptions()).abstract_params
+def newest_step(path: Path) -> Path | None:
+    """The newest step folder of a run's checkpoint folder `path`; None if it holds none."""
+    steps = [p for p in path.iterdir() if is_checkpoint_dir(p)] if path.is_dir() else []
+    return max(steps, key=lambda p: int(p.name), default=None)
+
+
+def orbax_source(path: Path) -> Path:
+    """`path` as the orbax readers take it: a run's checkpoint folder means its newest step;
+    anything else (a step folder, an orbax model directory) is `path` itself."""
+    if is_checkpoint_dir(path) or (path / ARGS_FILE).is_file():
+        return path
+    return newest_step(path) or path
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLora:
+    """A run's LoRA adapters as its checkpoint recorded them (its `[lora]`, resolved for the
+    model as training resolved it), and the HF base model it started from, if any."""
+
+    lora: Lora
+    base_model: str | None  # checkpoint.initial_load_path, when read as a HF directory
+
+
+NO_ADAPTERS = RunLora(NO_LORA, None)
+
+
+def run_lora(path: str | Path, spec: ModelSpec) -> RunLora:
+    """The adapters of a run's step folder `path` (NO_LORA for a run without, for a run saved
+    before `[lora]` existed, and for an orbax model directory: none of them hold any). Reads
+    the step's meta only."""
+    path = Path(path).resolve()
+    if not is_checkpoint_dir(path):
+        return NO_ADAPTERS
+    with Checkpointer(path.parent, read_only=True) as ckpt:
+        step = int(path.name)
+        args = checkpoint_args(ckpt, step, spec)
+        recorded = ckpt.meta(step).get("config", {})
+    config = JobConfig()
+    config.model.flavor = recorded.get("model", {}).get("flavor", config.model.flavor)
+    config.lora = LoraSection(**recorded.get("lora", {}))
+    c = recorded.get("checkpoint", {})
+    base = c.get("initial_load_path") if c.get("initial_load_in_hf") else None
+    return RunLora(resolve_lora(config, args), base or None)
+
+
+def _abstract_params(args: Any, shardings: Params | None, lora: Lora = NO_LORA) -> Params:
+    abstract = spec_of_args(args).build(args, BuildOptions(lora=lora)).abstract_params
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: default, abstract) if shardings is None else shardings
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         abstract, shardings)
 
 
-def load_orbax(path: str | Path, spec: ModelSpec, shardings: Params | None = None
-               ) -> tuple[Any, Params]:
+def load_orbax(path: str | Path, spec: ModelSpec, shardings: Params | None = None,
+               lora: Lora = NO_LORA) -> tuple[Any, Params]:
     """(args, params) of a model-only orbax checkpoint, or of one step of a training run's
-    checkpoints (its params only), restored onto `shardings` (None: the default device)."""
+    checkpoints (its params only, with the adapters `lora` says it holds: `run_lora`),
+    restored onto `shardings` (None: the default device)."""
     path = Path(path).resolve()
     if is_checkpoint_dir(path):
         with Checkpointer(path.parent, read_only=True) as ckpt:
             step = int(path.name)
             args = checkpoint_args(ckpt, step, spec)
-            target = {"params": _abstract_params(args, shardings)}
+            target = {"params": _abstract_params(args, shardings, lora)}
             return args, ckpt.restore(step, target, model_only=True).state["params"]
     args = read_orbax_args(path, spec)
     target = _abstract_params(args, shardings)
@@ -154,11 +205,15 @@ def _verify(path: Path, params: Params) -> None:
 
 def export_hf(trainer: Trainer, params: Any, step: int) -> Path:
     """Writes `params` as a HF safetensors directory `{checkpoint folder}/hf-{step}` (in
-    `checkpoint.export_dtype`), under a temporary name first: the folder is whole or absent."""
+    `checkpoint.export_dtype`; a LoRA run's adapters merged into the weights), under a
+    temporary name first: the folder is whole or absent."""
     config = trainer.config
     final = run_paths(config).hf_exports / f"hf-{step}"
     if final.exists():
         raise CheckpointSaveError(f"{final} already exists; not overwriting it")
+    lora = resolve_lora(config, trainer.model.args)
+    if lora.rank:  # the adapted model, as one plain HF model
+        params = merged(params, lora)
     trainer.model_spec.hf.save(final, params, trainer.model.args,
                                dtype=config.checkpoint.export_dtype)
     return final
