@@ -20,6 +20,7 @@ objects, or the named columns of each row; data/conversations.py renders them.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
@@ -95,13 +96,20 @@ def read_records(dataset: str, file: str, fields: tuple[str, ...]
             yield f"{file}:{lineno}", record
 
 
-def _parquet_records(file: str, fields: tuple[str, ...]) -> Iterator[tuple[str, dict[str, Any]]]:
+@contextlib.contextmanager
+def _open_parquet(file: str) -> Iterator[pq.ParquetFile]:
     fs, path = filesystem(file)
     with fs.open(path, "rb") as f:
         try:
+            # Pages written with checksums are verified: their damage is found, not trained on.
             parquet = pq.ParquetFile(f, page_checksum_verification=True)
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{file}: not a parquet file ({_one_line(e)})") from None
+        yield parquet
+
+
+def _parquet_records(file: str, fields: tuple[str, ...]) -> Iterator[tuple[str, dict[str, Any]]]:
+    with _open_parquet(file) as parquet:
         names = parquet.schema_arrow.names
         missing = [k for k in fields if k not in names]
         if missing:
@@ -186,13 +194,7 @@ def _jsonl_texts(f: IO[str], file: str, field: str) -> Iterator[str]:
 
 
 def _parquet_texts(file: str, field: str) -> Iterator[str]:
-    fs, path = filesystem(file)
-    with fs.open(path, "rb") as f:
-        try:
-            # Pages written with checksums are verified: their damage is found, not trained on.
-            parquet = pq.ParquetFile(f, page_checksum_verification=True)
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{file}: not a parquet file ({_one_line(e)})") from None
+    with _open_parquet(file) as parquet:
         names = parquet.schema_arrow.names
         if field not in names:
             raise DataError(f"{file}: no column text_field={field!r} (columns: {names})")
