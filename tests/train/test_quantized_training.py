@@ -24,11 +24,11 @@ SMALL_MOE = dataclasses.replace(SMALL, num_experts=4, top_k=2, moe_inter_dim=64)
 # The debug recipe's model at its every dim (256 wide, head_dim 128, ffn 3072), 2 layers.
 DEBUG_2_LAYERS = dataclasses.replace(QWEN3_FLAVORS["debugmodel"], n_layers=2)
 RECIPE = "configs/qwen3_debug.toml"
-STEPS = 60
+STEPS = 40
 
 
 def final_loss(tmp_path, args, mode, modules="attention,mlp,experts"):
-    """The mean loss of the last 15 of 60 steps of the debug recipe's settings (its remat
+    """The mean loss of the last 15 of 40 steps of the debug recipe's settings (its remat
     mode, batch, schedule) with bf16 weights and activations."""
     config = load_config(RECIPE, [
         "--job.dump_folder", str(tmp_path / f"{args.is_moe}-{mode}"),
