@@ -46,7 +46,7 @@ def env(tmp_path_factory):
 class Run:
     """One `titan-jax train` process on one CPU device, writing into `folder`."""
 
-    def __init__(self, env, folder, *extra, dump_folder=None):
+    def __init__(self, env, folder, *extra, dump_folder=None, args=ARGS):
         self.folder = folder
         self.metrics = folder / "metrics.jsonl"
         self.first_line = len(_lines(self.metrics))  # earlier runs' lines come before
@@ -54,7 +54,7 @@ class Run:
         self.log = folder.parent / f"{folder.name}-{time.monotonic_ns()}.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "titan_jax.cli", "train", *ARGS, "--job.cpu_devices",
+                [sys.executable, "-m", "titan_jax.cli", "train", *args, "--job.cpu_devices",
                  "1", "--job.dump_folder", dump_folder or str(folder), *extra],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
