@@ -62,18 +62,28 @@ def forward_loss_grads(model: torch.nn.Module, inputs_T: np.ndarray, labels_T: n
     return logits[0].detach().numpy(), loss.item(), grads
 
 
-def train_trajectory(path: str | Path, recipe: JobConfig, batches: list[dict[str, np.ndarray]],
-                     lr_scheduler: Callable[[torch.optim.Optimizer, int], Any]
-                     ) -> tuple[list[float], list[float]]:
-    """(loss, lr) of each step of a PyTorch loop with the recipe, from the weights at `path`.
+def load_peft_model(path: str | Path, adapter: str | Path) -> torch.nn.Module:
+    """The HF model at `path` with PEFT's LoRA adapters from the adapter directory `adapter`
+    (adapter_config.json + adapter_model.safetensors), trainable, fp32, eval mode."""
+    from peft import PeftModel
 
-    torch.optim.AdamW with the recipe's hyper-parameters (weight decay on every parameter, as
-    TorchTitan), `lr_scheduler(optimizer, total_steps)` stepped after each update (TorchTitan's
-    LambdaLR), and clip_grad_norm_ at training.max_norm.
+    return PeftModel.from_pretrained(load_model(path), str(adapter), is_trainable=True).eval()
+
+
+def train_trajectory(path: str | Path, recipe: JobConfig, batches: list[dict[str, np.ndarray]],
+                     lr_scheduler: Callable[[torch.optim.Optimizer, int], Any],
+                     adapter: str | Path | None = None) -> tuple[list[float], list[float]]:
+    """(loss, lr) of each step of a PyTorch loop with the recipe, from the weights at `path`
+    (with PEFT's adapters from `adapter`: then only they train, as PEFT trains them).
+
+    torch.optim.AdamW with the recipe's hyper-parameters (weight decay on every trained
+    parameter, as TorchTitan), `lr_scheduler(optimizer, total_steps)` stepped after each update
+    (TorchTitan's LambdaLR), and clip_grad_norm_ at training.max_norm.
     """
-    model = load_model(path).train()
+    model = (load_model(path) if adapter is None else load_peft_model(path, adapter)).train()
+    trained = [p for p in model.parameters() if p.requires_grad]
     o = recipe.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
+    optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=(o.beta1, o.beta2),
                                   eps=o.eps, weight_decay=o.weight_decay)
     scheduler = lr_scheduler(optimizer, len(batches))
     max_norm = recipe.training.max_norm
@@ -85,7 +95,7 @@ def train_trajectory(path: str | Path, recipe: JobConfig, batches: list[dict[str
             np.asarray(batch["labels"], np.int64)))
         loss.backward()
         if max_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            torch.nn.utils.clip_grad_norm_(trained, max_norm)
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()

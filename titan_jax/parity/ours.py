@@ -64,7 +64,8 @@ def train_trajectory(model: ModelDef, params: Params, recipe: JobConfig,
     """(loss, lr) of each of len(batches) steps of titan-jax's train step from `params`.
 
     The recipe's optimizer, WSD schedule (over len(batches) steps) and clipping, fp32 weights,
-    one microbatch per step. `params` is not consumed (the step donates a copy).
+    one microbatch per step; only the model's trainable params (its LoRA adapters, when it
+    has any) are updated. `params` is not consumed (the step donates a copy).
     """
     schedule = WSDSchedule.from_config(recipe.optimizer.lr, recipe.lr_scheduler, len(batches))
     optimizer = build_optimizer(recipe.optimizer)
@@ -72,7 +73,8 @@ def train_trajectory(model: ModelDef, params: Params, recipe: JobConfig,
                           max_norm=recipe.training.max_norm)
     step = jax.jit(functools.partial(train_step, model=model, optimizer=optimizer,
                                      schedule=schedule, options=options), donate_argnums=0)
-    state = init_train_state(jax.tree.map(jnp.copy, params), model.init_buffers(), optimizer)
+    state = init_train_state(jax.tree.map(jnp.copy, params), model.init_buffers(), optimizer,
+                             model.trainable)
     losses, lrs = [], []
     for batch in batches:
         state, metrics = step(state, {k: jnp.asarray(v) for k, v in batch.items()})
