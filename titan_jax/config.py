@@ -107,11 +107,37 @@ def _coerce(where: str, value: Any, hint: Any) -> Any:
         return _number(where, value, hint)
     if origin is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
         return _coerce_tables(where, value, typing.get_args(hint)[0])
+    if hint == dict[str, list[str]]:
+        return _coerce_name_lists(where, value)
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}={value!r} is not a string")
         return value
     raise TypeError(f"unsupported config type {hint} for {where}")
+
+
+def _coerce_name_lists(where: str, value: Any) -> dict[str, list[str]]:
+    """A TOML table of names (`key = "a"` or `key = ["a", "b"]`, `[]` for none), or its
+    command-line form `key=a+b,other=` -> {key: [names]}."""
+    if isinstance(value, str):
+        value = dict(_name_list_item(where, item) for item in value.split(",") if item.strip())
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a TOML table of names (or key=a+b,other= on the "
+                          f"command line), not {value!r}")
+    out = {}
+    for key, names in value.items():
+        names = [names] if isinstance(names, str) else names
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"{where}.{key}={names!r} must be a name or a list of names")
+        out[key] = list(names)
+    return out
+
+
+def _name_list_item(where: str, item: str) -> tuple[str, list[str]]:
+    key, eq, names = item.partition("=")
+    if not eq or not key.strip():
+        raise ConfigError(f"{where}: {item.strip()!r} is not key=name+name (or key= for none)")
+    return key.strip(), [n.strip() for n in names.split("+") if n.strip()]
 
 
 def _coerce_tables(where: str, value: Any, cls: type) -> list[Any]:

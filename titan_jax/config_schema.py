@@ -151,6 +151,12 @@ class Parallelism:
     # devices know their slice; others make one slice). The DCN axis carries HSDP's replicate
     # degree when it divides it, else the FSDP degree; every other axis stays inside a slice.
     num_slices: int = -1
+    # Rules of the sharding table (titan_jax/parallel/rules.py) replaced for this recipe:
+    # logical axis -> the mesh axes that split it ([] = none), e.g. a TOML table
+    # `[parallelism.sharding_rules]` with `kv_heads = []` (K/V heads replicated over tp, for a
+    # tensor-parallel degree that does not divide them), or `--parallelism.sharding_rules
+    # kv_heads=,mlp=tp` (mesh axes joined by +). Checked like the table itself.
+    sharding_rules: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

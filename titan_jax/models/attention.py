@@ -18,6 +18,7 @@ them as its `SegmentIds`; cudnn does not take them here (the trainer refuses the
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,12 @@ import jax.numpy as jnp
 
 from titan_jax.config import ConfigError
 from titan_jax.models.ring_attention import ring_attention
-from titan_jax.models.sharding_hooks import SequenceSplit, run_per_shard, sequence_split
+from titan_jax.models.sharding_hooks import (
+    SequenceSplit,
+    run_per_shard,
+    sequence_split,
+    split_degree,
+)
 
 Array = jax.Array
 ATTENTION_BACKENDS = ("auto", "xla", "splash", "cudnn")
@@ -220,8 +226,10 @@ def _split_sequence_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale
         return splash_cp_attention(q, k, v, scale, split.degree, split.chunks(),
                                    platform != "tpu", *ids)
 
-    args = (q_BTNH, split.in_position_order(k_BSKH), split.in_position_order(v_BSKH))
-    axes = (Q_AXES, KV_AXES, KV_AXES)
+    k_BSKH, v_BSKH, kv_axes = kv_split_like_queries(
+        split.in_position_order(k_BSKH), split.in_position_order(v_BSKH), q_BTNH.shape[2])
+    args = (q_BTNH, k_BSKH, v_BSKH)
+    axes = (Q_AXES, kv_axes, kv_axes)
     if segment_ids_BT is not None:
         args += (segment_ids_BT, split.in_position_order(kv_ids_BS))
         axes += (("batch", "seq"), ("batch", "seq"))
@@ -264,12 +272,34 @@ def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, backend
                                     jnp.arange(k_BSKH.shape[1]))
     if q_start is not None:
         raise ValueError(f"a KV cache (decoding) needs the xla attention, not {backend}")
+    k_BSKH, v_BSKH, kv_axes = kv_split_like_queries(k_BSKH, v_BSKH, q_BTNH.shape[2])
     if segment_ids_BT is None:
         return run_per_shard(_kernel(backend, platform, scale), (q_BTNH, k_BSKH, v_BSKH),
-                             (Q_AXES, KV_AXES, KV_AXES), Q_AXES)
+                             (Q_AXES, kv_axes, kv_axes), Q_AXES)
     if backend != "splash":
         raise ValueError(f"segment ids (document masking) need the xla or splash attention, "
                          f"not {backend}")
     return run_per_shard(_kernel(backend, platform, scale),
                          (q_BTNH, k_BSKH, v_BSKH, segment_ids_BT),
-                         (Q_AXES, KV_AXES, KV_AXES, ("batch", "seq")), Q_AXES)
+                         (Q_AXES, kv_axes, kv_axes, ("batch", "seq")), Q_AXES)
+
+
+def kv_split_like_queries(k_BSKH: Array, v_BSKH: Array, n_heads: int
+                          ) -> tuple[Array, Array, tuple[str, ...]]:
+    """K/V for a per-shard kernel, and their logical axes. Where the query heads are split
+    more ways than the K/V heads (a recipe keeps the K/V heads whole over tp:
+    `parallelism.sharding_rules`), each shard's kernel would get its own query heads against
+    every K/V head, a GQA grouping that is not the model's. So the K/V heads are repeated to
+    lcm(K, split) and split like the query heads: each shard then holds exactly the K/V heads
+    its query heads use (one, where the split is a multiple of K), in the model's grouping."""
+    heads, kv_heads = split_degree("heads"), split_degree("kv_heads")
+    if heads == kv_heads:
+        return k_BSKH, v_BSKH, KV_AXES
+    n_kv = k_BSKH.shape[2]
+    repeat = math.lcm(n_kv, heads) // n_kv
+    if kv_heads != 1 or n_heads % (n_kv * repeat):
+        raise ValueError(f"{n_heads} query heads split {heads} ways and {n_kv} K/V heads split "
+                         f"{kv_heads} ways: a per-shard kernel needs the K/V heads split like "
+                         "the query heads, or whole")
+    expand = lambda x: jnp.repeat(x, repeat, axis=2)  # noqa: E731
+    return expand(k_BSKH), expand(v_BSKH), Q_AXES

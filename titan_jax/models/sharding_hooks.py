@@ -168,6 +168,12 @@ class Parallelism:
         del in_axes, out_axes
         return kernel(*args)
 
+    def split_degree(self, logical_axis: str) -> int:
+        """How many ways a per-shard kernel's arguments are split on `logical_axis` (the
+        model-parallel splits the rules table gives it: e.g. the heads over tp)."""
+        del logical_axis
+        return 1
+
     def sequence_split(self) -> SequenceSplit:
         """How each sequence is split over devices (see SequenceSplit)."""
         return WholeSequence()
@@ -213,6 +219,9 @@ class _Pregathered(Parallelism):
     def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
                       in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
         return self.outer.run_per_shard(kernel, args, in_axes, out_axes)
+
+    def split_degree(self, logical_axis: str) -> int:
+        return self.outer.split_degree(logical_axis)
 
     def sequence_split(self) -> SequenceSplit:
         return self.outer.sequence_split()
@@ -281,6 +290,11 @@ def dispatch_to_experts(rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.A
                         n_local: int, ffn: ExpertFFN) -> jax.Array:
     """The MoE layer's picks through their experts (see `Parallelism.dispatch_to_experts`)."""
     return _ACTIVE.get().dispatch_to_experts(rows_MD, experts_M, gates_M, n_local, ffn)
+
+
+def split_degree(logical_axis: str) -> int:
+    """How many ways a per-shard kernel's arguments are split on `logical_axis`."""
+    return _ACTIVE.get().split_degree(logical_axis)
 
 
 def run_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],

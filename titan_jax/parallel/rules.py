@@ -67,6 +67,21 @@ KEPT_IN_COMPUTE = ("batch", "seq", "expert", "vocab")
 GATHERED_VOCAB: Mapping[str, MeshAxes] = {"vocab": "tp", "vocab_embed": DEFAULT_TABLE["embed"]}
 
 
+def table_with_overrides(overrides: Mapping[str, list[str]],
+                         table: Mapping[str, MeshAxes] = DEFAULT_TABLE
+                         ) -> Mapping[str, MeshAxes]:
+    """`table` with a recipe's rules (`parallelism.sharding_rules`: logical axis -> mesh axes,
+    [] for none) in place of its own; a rule for an axis the table does not have is refused.
+    The mesh axes are checked by `ShardingRules`, the shapes by `storage_specs`."""
+    unknown = sorted(set(overrides) - set(table))
+    if unknown:
+        raise ShardingRuleError(f"parallelism.sharding_rules: {unknown[0]!r} is not a logical "
+                                f"axis of the sharding table; valid: {', '.join(table)}")
+    rules = {name: (axes[0] if len(axes) == 1 else tuple(axes)) if axes else None
+             for name, axes in overrides.items()}
+    return {**table, **rules}
+
+
 def table_for_vocab(mesh: Mesh, vocab_size: int, split_across_replicas: bool = True,
                     table: Mapping[str, MeshAxes] = DEFAULT_TABLE,
                     travelling_tokens: int = 0) -> Mapping[str, MeshAxes]:
@@ -81,14 +96,14 @@ def table_for_vocab(mesh: Mesh, vocab_size: int, split_across_replicas: bool = T
     (gathered in bf16 for forward and again for backward, its fp32 gradient reduce-scattered:
     ~8 bytes x dim a row, two tables when untied). Qwen3-235B on 128 shards of 4096 tokens
     sends 524,288 tokens against 151,936 rows: gathered, as MaxText does."""
-    split = math.prod(mesh.shape[a] for a in _as_tuple(table.get("vocab")))
+    split = math.prod(mesh.shape[a] for a in axes_tuple(table.get("vocab")))
     replicas = not split_across_replicas and mesh.shape.get("dp_replicate", 1) > 1
     heavier = travelling_tokens > vocab_size
     return (table if vocab_size % split == 0 and not replicas and not heavier
             else {**table, **GATHERED_VOCAB})
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -125,7 +140,7 @@ class ShardingRules:
 
     def __post_init__(self) -> None:
         for name, axes in self.table.items():
-            unknown = [a for a in _as_tuple(axes) if a not in self.mesh.shape]
+            unknown = [a for a in axes_tuple(axes) if a not in self.mesh.shape]
             if unknown:
                 raise ShardingRuleError(f"sharding rule {name!r} -> {axes!r}: mesh has no axis "
                                         f"{unknown[0]!r} (axes: {', '.join(self.mesh.shape)})")
@@ -133,12 +148,12 @@ class ShardingRules:
     @property
     def batch_axes(self) -> tuple[str, ...]:
         """Mesh axes the batch's rows are split over."""
-        return _as_tuple(self.table.get("batch"))
+        return axes_tuple(self.table.get("batch"))
 
     @property
     def seq_axes(self) -> tuple[str, ...]:
         """Mesh axes each sequence is split over (context parallelism)."""
-        return tuple(a for a in _as_tuple(self.table.get("seq")) if a not in self.batch_axes)
+        return tuple(a for a in axes_tuple(self.table.get("seq")) if a not in self.batch_axes)
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -217,7 +232,7 @@ class ShardingRules:
         """Mesh axes of logical `axis` that split it (size-1 axes dropped: minimal specs)."""
         if axis is None:
             return ()
-        return tuple(a for a in _as_tuple(self.table[axis]) if self.mesh.shape[a] > 1)
+        return tuple(a for a in axes_tuple(self.table[axis]) if self.mesh.shape[a] > 1)
 
     def _spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...] | None,
               drop: tuple[str, ...], keep_data_splits: bool = True) -> PartitionSpec:

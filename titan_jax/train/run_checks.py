@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from titan_jax.config import ConfigError, JobConfig, Moe, Parallelism
 from titan_jax.config_schema import LORA_GROUPS
@@ -31,7 +33,13 @@ from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.quantization import NONE, Quantization
 from titan_jax.parallel.context_parallel import check_seq_len
 from titan_jax.parallel.mesh import MeshDegrees
-from titan_jax.parallel.rules import ShardingRuleError, ShardingRules
+from titan_jax.parallel.rules import (
+    MeshAxes,
+    ShardingRuleError,
+    ShardingRules,
+    axes_tuple,
+    table_with_overrides,
+)
 from titan_jax.parallel.simple_fsdp import SimpleFSDP
 
 
@@ -106,11 +114,29 @@ def check_model_fits(config: JobConfig, args: Any) -> None:
                 f"{args.max_seq_len} of model.flavor={config.model.flavor}")
 
 
-def check_heads(config: JobConfig, args: Any, degrees: MeshDegrees) -> None:
-    if args.n_heads % degrees.tp or args.n_kv_heads % degrees.tp:
+def check_sharding_rules(config: JobConfig, mesh: Mesh) -> None:
+    """The recipe's `parallelism.sharding_rules` name logical axes of the table and axes of
+    the mesh."""
+    try:
+        ShardingRules(mesh, table_with_overrides(config.parallelism.sharding_rules))
+    except ShardingRuleError as e:
+        raise ConfigError(str(e) if str(e).startswith("parallelism.") else
+                          f"parallelism.sharding_rules: {e}") from None
+
+
+def check_heads(config: JobConfig, args: Any, degrees: MeshDegrees,
+                table: Mapping[str, MeshAxes]) -> None:
+    """Tensor parallelism divides the attention heads and the K/V heads, where the table splits
+    them over tp (a recipe may keep the K/V heads whole: `kv_heads = []`)."""
+    split = {name: n for name, n in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads))
+             if "tp" in axes_tuple(table.get(name[2:]))}
+    if any(n % degrees.tp for n in split.values()):
+        hint = (" (or keep the K/V heads whole over tp: parallelism.sharding_rules "
+                "kv_heads=)" if args.n_heads % degrees.tp == 0 else "")
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree={degrees.tp} must divide n_heads={args.n_heads} "
-            f"and n_kv_heads={args.n_kv_heads} of model.flavor={config.model.flavor}")
+            f"parallelism.tensor_parallel_degree={degrees.tp} must divide "
+            f"{' and '.join(f'{k}={v}' for k, v in split.items())} of "
+            f"model.flavor={config.model.flavor}{hint}")
 
 
 def check_expert_chunks(config: JobConfig, args: Any, degrees: MeshDegrees) -> None:

@@ -23,7 +23,7 @@ from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.quantization import Quantization
 from titan_jax.models.remat import offload_layer_input_for, remat_mode_for
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
-from titan_jax.parallel.rules import ShardingRules, table_for_vocab
+from titan_jax.parallel.rules import ShardingRules, table_for_vocab, table_with_overrides
 from titan_jax.parallel.simple_fsdp import SimpleFSDP, choose_implementation
 from titan_jax.train import run_checks
 
@@ -85,7 +85,9 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
     devices = jax.devices() if devices is None else devices
     degrees = resolve_degrees(config.parallelism, len(devices))
     mesh = build_mesh(degrees, devices, config.parallelism.num_slices)
-    run_checks.check_heads(config, args, degrees)
+    run_checks.check_sharding_rules(config, mesh)
+    recipe_table = table_with_overrides(config.parallelism.sharding_rules)
+    run_checks.check_heads(config, args, degrees, recipe_table)
     run_checks.check_expert_chunks(config, args, degrees)
     n_microbatches = run_checks.microbatches(config, degrees)
     platform = devices[0].platform
@@ -104,7 +106,7 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
     travelling = (config.training.local_batch_size * config.training.seq_len * degrees.fsdp
                   * degrees.ep)
     table = table_for_vocab(mesh, args.vocab_size, fsdp.splits_vocab_across_replicas,
-                            travelling_tokens=travelling)
+                            table=recipe_table, travelling_tokens=travelling)
     rules = ShardingRules(mesh, table)
     param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)
     return RunPlan(config, spec, degrees, mesh, n_microbatches, fsdp, param_dtype, attention,

@@ -152,6 +152,10 @@ class SimpleFSDP(Parallelism, abc.ABC):
         local = lambda axes: self.rules.local_compute_spec("activation", axes)  # noqa: E731
         return tuple(local(axes) for axes in in_axes), local(out_axes)
 
+    def split_degree(self, logical_axis: str) -> int:
+        spec = self.rules.local_compute_spec("activation", (logical_axis,))
+        return math.prod(self.mesh.shape[a] for a in mesh_axes_of(spec))
+
     @abc.abstractmethod
     def constrain(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         """Pins an activation of one data shard to its model-parallel layout from the table
