@@ -449,8 +449,6 @@ def _check_lora(lo: Lora) -> None:
              f"{', '.join(map(repr, unknown))} is no target; use a comma-separated subset of "
              f"{','.join(LORA_TARGETS)}")
     _require(names, "lora.target_modules is empty; name some of " + ",".join(LORA_TARGETS))
-    _require("experts" not in names, f"lora.target_modules={lo.target_modules!r}: adapters on "
-             "the MoE experts are not supported yet; target attention (and mlp on dense models)")
     _require(len(set(names)) == len(names),
              f"lora.target_modules={lo.target_modules!r} names a target twice")
 

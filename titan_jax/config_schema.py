@@ -246,10 +246,12 @@ class Quantize:
 
 
 # What `lora.target_modules` can name: groups of projections, expanded to HF/PEFT's names of
-# the Qwen3 projections, which may also be named one by one.
+# the Qwen3 projections, which may also be named one by one (the MoE experts' as the ends of
+# PEFT's `target_parameters`: transformers fuses each layer's experts into two parameters).
 LORA_GROUPS = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
-               "mlp": ("gate_proj", "up_proj", "down_proj")}
-LORA_TARGETS = (*LORA_GROUPS, "experts", *(n for names in LORA_GROUPS.values() for n in names))
+               "mlp": ("gate_proj", "up_proj", "down_proj"),
+               "experts": ("experts.gate_up_proj", "experts.down_proj")}
+LORA_TARGETS = (*LORA_GROUPS, *(n for names in LORA_GROUPS.values() for n in names))
 
 
 @dataclasses.dataclass
@@ -261,8 +263,9 @@ class Lora:
     alpha: float = 8.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
     dropout: float = 0.0  # on the adapters' input in training; only 0 is supported yet
     # Comma-separated: attention (q/k/v/o projections), mlp (the dense SwiGLU's gate/up/down),
-    # and/or HF/PEFT names q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj.
-    # The default is PEFT's for Qwen3. experts (MoE) is not supported yet.
+    # experts (each MoE expert's gate+up and down), and/or HF/PEFT names q_proj, k_proj,
+    # v_proj, o_proj, gate_proj, up_proj, down_proj, experts.gate_up_proj, experts.down_proj.
+    # The default is PEFT's for Qwen3.
     target_modules: str = "q_proj,v_proj"
 
     def target_names(self) -> tuple[str, ...]:

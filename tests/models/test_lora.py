@@ -143,3 +143,87 @@ def test_fresh_adapters_are_initialised_as_peft_initialises_them(tmp_path):
             assert np.abs(a).max() > 0.9 * bound, projection
             np.testing.assert_allclose(a.std(), bound / math.sqrt(3), rtol=0.15)
         assert not np.asarray(node["lora_b"]).any() and not theirs_b.weight.any()
+
+
+def from_peft_layout(t, x):
+    """A PEFT adapter tensor (its file's layout) in titan-jax's, the inverse of
+    `safetensors_io.to_hf_layout`."""
+    n = len(t.shape)
+    dims = t.hf_dims or (tuple(range(t.n_in, n)), tuple(range(t.n_in)))
+    order = [d for group in dims for d in group]
+    return x.reshape([t.shape[d] for d in order]).transpose(np.argsort(order))
+
+
+def by_peft_name(model, value):
+    """{PEFT's file name: value(param)} of a live PEFT model's adapter params."""
+    return {n.replace(".default", ""): value(p) for n, p in model.named_parameters()
+            if ".lora_" in n}
+
+
+# Attention and both expert parameters; one expert parameter alone (no nesting of PEFT's
+# wrappers: its tensors lose `.base_layer`).
+@pytest.mark.parametrize("targets", [
+    ("q_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"),
+    ("v_proj", "experts.gate_up_proj")])
+def test_moe_expert_adapters_match_peft(tmp_path, targets):
+    """PEFT on transformers 5's fused experts (`target_parameters`): per expert, one A and B
+    over gate_up_proj's gate and up outputs, and one over down_proj; logits and every
+    adapter's gradient equal ours, and our PEFT export of the same adapters loads as them."""
+    from hf_fixtures import random_hf_moe_model
+
+    from titan_jax.models.qwen3.hf_config import read_hf_config
+    from titan_jax.models.qwen3.hf_tensors import peft_tensors
+
+    rank, alpha = 4, 8.0
+    base = random_hf_moe_model(32)
+    base.save_pretrained(str(tmp_path / "base"))
+    args = read_hf_config(tmp_path / "base")
+    experts = [f"mlp.{t}" for t in targets if t.startswith("experts.")]
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=[t for t in targets if t not in
+                                                  set(t.removeprefix("mlp.") for t in experts)],
+        target_parameters=experts))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.eval()
+
+    lora = Lora(rank, alpha, targets)
+    ours = build_model_def(args, BuildOptions(lora=lora))
+    theirs_values = by_peft_name(model, lambda p: p.detach().numpy())
+    tensors = peft_tensors(args, lora)
+    assert sorted(t.name for t in tensors) == sorted(theirs_values)
+    adapters = split_by_name(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                                          ours.abstract_params), ours.trainable)[0]
+    for t in tensors:
+        nested_get(adapters, t.path)[t.layer] = from_peft_layout(t, theirs_values[t.name])
+    params = merge_nested(hf.load_hf_params(tmp_path / "base", args), adapters)
+
+    tokens = np.random.default_rng(0).integers(0, args.vocab_size, (2, 33))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    theirs_logits = model(torch.tensor(inputs)).logits
+    torch.nn.functional.cross_entropy(theirs_logits.reshape(-1, args.vocab_size),
+                                      torch.tensor(labels).reshape(-1)).backward()
+    logits = np.asarray(ours.apply(params, inputs))
+    np.testing.assert_allclose(logits, theirs_logits.detach().numpy(), rtol=0, atol=1e-5)
+    with model.disable_adapter():
+        assert np.abs(logits - model(torch.tensor(inputs)).logits.detach().numpy()).max() > 1e-2
+
+    adapter_params, frozen = split_by_name(params, ours.trainable)
+    grads = jax.grad(lambda a: mean_cross_entropy(
+        ours.apply(merge_nested(a, frozen), inputs), labels))(adapter_params)
+    theirs_grads = by_peft_name(model, lambda p: p.grad.numpy())
+    for t in tensors:
+        np.testing.assert_allclose(
+            np.asarray(nested_get(grads, t.path)[t.layer]),
+            from_peft_layout(t, theirs_grads[t.name]), rtol=0, atol=1e-4, err_msg=t.name)
+
+    # Our export of these adapters, loaded by PEFT onto the base: the same logits.
+    hf.save_peft(tmp_path / "ours", jax.device_put(params), args, lora)
+    base_again = random_hf_moe_model(32)
+    loaded = peft.PeftModel.from_pretrained(base_again, str(tmp_path / "ours")).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded(torch.tensor(inputs)).logits.numpy(), logits,
+                                   rtol=0, atol=1e-5)

@@ -19,8 +19,15 @@ Adapters train, the base stays frozen: `build.py` names the adapters' params
 (`ModelDef.trainable`) and the train step differentiates and optimizes only those.
 
 An adapter sits in the params tree beside its weight: `{name}_lora` = {"lora_a", "lora_b"} next
-to `{name}`, both stacked on the same leading dims (the layers). `merged` folds them into the
-weights for a plain model (`titan-jax convert --to hf`, `checkpoint.last_save_in_hf`).
+to `{name}`, both stacked on the same leading dims (the layers, and the experts for an expert
+weight: one A and B per expert, A (..., E, in..., r), B (..., E, r, out...)). An adapter over
+several weights that read the same input is *joined*: one A, and B's first out dim indexes the
+weights, keyed by their names joined with `JOIN` (`w1_and_w3_lora` beside the MoE's `w1` and
+`w3`: transformers fuses the experts' gate and up projections into one `gate_up_proj`, and
+PEFT's adapter on it is one A and one B over both outputs). `merged` folds adapters into the
+weights for a plain model (`titan-jax convert --to hf`, `checkpoint.last_save_in_hf`);
+`merge_into` is the same fold for one weight at use (the MoE experts', whose grouped kernels
+then run unchanged, as PEFT's fused-expert adapter folds itself into the weight).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ Params = dict[str, Any]
 
 # An adapter's key beside its weight's: `wq` -> `wq_lora` (qwen3/model.py's attributes).
 ADAPTER_SUFFIX = "_lora"
+# Joins the names of the weights a joined adapter spans: `w1_and_w3_lora`.
+JOIN = "_and_"
 
 # The logical axis of the adapters' rank dim (parallel/rules.py: replicated).
 RANK_AXIS = "lora_rank"
@@ -61,12 +70,15 @@ class Lora:
 NO_LORA = Lora()
 
 
-def init_a(key: jax.Array, in_shape: tuple[int, ...], rank: int) -> Array:
-    """A fresh A (in..., rank) in fp32: PEFT's, torch.nn.Linear's init over fan_in = prod(in)."""
-    n_in = len(in_shape)
+def init_a(key: jax.Array, in_shape: tuple[int, ...], rank: int,
+           stack_shape: tuple[int, ...] = ()) -> Array:
+    """A fresh A (stack..., in..., rank) in fp32: PEFT's, torch.nn.Linear's init over
+    fan_in = prod(in), for each of the stacked adapters (experts)."""
+    lead, n_in = len(stack_shape), len(in_shape)
     init = jax.nn.initializers.variance_scaling(
-        _KAIMING_UNIFORM_SQRT5, "fan_in", "uniform", in_axis=tuple(range(n_in)), out_axis=n_in)
-    return init(key, (*in_shape, rank), jnp.float32)
+        _KAIMING_UNIFORM_SQRT5, "fan_in", "uniform", in_axis=tuple(range(lead, lead + n_in)),
+        out_axis=lead + n_in, batch_axis=tuple(range(lead)))
+    return init(key, (*stack_shape, *in_shape, rank), jnp.float32)
 
 
 def lora_delta(rows: Array, a: Array, b: Array, scale: float) -> Array:
@@ -84,22 +96,35 @@ def lora_delta(rows: Array, a: Array, b: Array, scale: float) -> Array:
 
 
 def merged(params: Params, lora: Lora) -> Params:
-    """`params` with every adapter folded into the weight beside it, `W + (A B) * alpha / r` in
-    fp32 (PEFT's `merge_and_unload`), and the adapters dropped: a plain model's params, which
-    compute what the adapted model computes."""
+    """`params` with every adapter folded into the weight(s) beside it, `W + (A B) * alpha / r`
+    in fp32 (PEFT's `merge_and_unload`), and the adapters dropped: a plain model's params,
+    which compute what the adapted model computes."""
     if not isinstance(params, dict):
         return params
     out = {k: merged(v, lora) for k, v in params.items() if not k.endswith(ADAPTER_SUFFIX)}
     for key, adapter in params.items():
         if key.endswith(ADAPTER_SUFFIX):
-            weight = key[:-len(ADAPTER_SUFFIX)]
-            out[weight] = _merge(out[weight], adapter["lora_a"], adapter["lora_b"],
-                                 lora.alpha / lora.rank)
+            names = key[:-len(ADAPTER_SUFFIX)].split(JOIN)
+            folded = fold([out[n] for n in names], adapter["lora_a"], adapter["lora_b"],
+                          lora.alpha / lora.rank)
+            out.update(zip(names, folded, strict=True))
     return out
 
 
-def _merge(w: Array, a: Array, b: Array, scale: float) -> Array:
-    """W (lead..., in..., out...) + A (lead..., in..., r) B (lead..., r, out...) * scale."""
+def fold(weights: list[Array], a: Array, b: Array, scale: float) -> list[Array]:
+    """Each weight (lead..., in..., out...) plus its share of the adapter A (lead..., in..., r),
+    B (lead..., r, [len(weights),] out...): B's dim after the rank indexes the weights of a
+    joined adapter."""
+    if len(weights) == 1:
+        return [merge_into(weights[0], a, b, scale)]
+    lead = a.ndim + b.ndim - 3 - weights[0].ndim  # B's rank dim
+    return [merge_into(w, a, jnp.take(b, i, axis=lead + 1), scale)
+            for i, w in enumerate(weights)]
+
+
+def merge_into(w: Array, a: Array, b: Array, scale: float) -> Array:
+    """W (lead..., in..., out...) + A (lead..., in..., r) B (lead..., r, out...) * scale, summed
+    in fp32, in W's dtype."""
     lead = a.ndim + b.ndim - w.ndim - 2  # the stacked dims all three share
     n_in = a.ndim - lead - 1
     stack, ins, outs = w.shape[:lead], w.shape[lead:lead + n_in], w.shape[lead + n_in:]

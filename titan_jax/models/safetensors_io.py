@@ -55,6 +55,8 @@ class HFTensor:
     `path`: key path into params; `layer`: index on the stacked layers axis (None outside layers);
     `shape`: the titan-jax shape (per layer); `n_in`: for linear weights, how many leading titan
     dims form the input side (HF stores the transpose, flattened to (out, in)); None = same layout.
+    `hf_dims`: for a layout of its own (written only: PEFT's fused-expert adapters), each HF dim
+    as the titan dims merged into it, in order (n_in's is ((n_in, ...), (0, ..., n_in - 1))).
     """
 
     name: str
@@ -63,9 +65,12 @@ class HFTensor:
     shape: tuple[int, ...]
     n_in: int | None
     expert: int | None = None  # index on the stacked experts axis (after the layers axis)
+    hf_dims: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
+        if self.hf_dims is not None:
+            return tuple(math.prod(self.shape[d] for d in dims) for dims in self.hf_dims)
         if self.n_in is None:
             return self.shape
         return (math.prod(self.shape[self.n_in:]), math.prod(self.shape[:self.n_in]))
@@ -73,6 +78,8 @@ class HFTensor:
 
 def to_hf_layout(t: HFTensor, x: np.ndarray) -> np.ndarray:
     """A titan-jax (per-layer) array in HF layout."""
+    if t.hf_dims is not None:
+        return x.transpose([d for dims in t.hf_dims for d in dims]).reshape(t.hf_shape)
     if t.n_in is None:
         return x
     n_in = math.prod(t.shape[:t.n_in])

@@ -262,19 +262,21 @@ def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
 
 def resolve_lora(config: JobConfig, args: Any) -> Lora:
     """`[lora]` for this model: the projections its targets name that the model has (a MoE
-    layer has no dense SwiGLU); refused where they name none of them, as PEFT refuses."""
+    layer has experts, not a dense SwiGLU; a dense one no experts); refused where they name
+    none of them, as PEFT refuses."""
     lo = config.lora
     if lo.rank == 0:
         return NO_LORA
     moe = getattr(args, "is_moe", False)
-    present = LORA_GROUPS["attention"] + (() if moe else LORA_GROUPS["mlp"])
+    groups = ("attention", "experts" if moe else "mlp")
+    present = tuple(n for g in groups for n in LORA_GROUPS[g])
     projections = tuple(n for n in lo.projections() if n in present)
     if not projections:
-        kind = "MoE (its feed-forward is the experts)" if moe else "dense"
+        kind = "MoE (its feed-forward is the experts)" if moe else "dense (it has no experts)"
         raise ConfigError(
             f"lora.target_modules={lo.target_modules!r} matches no projection of model.flavor="
             f"{config.model.flavor}, which is {kind}; name some of "
-            f"{','.join(('attention',) if moe else ('attention', 'mlp'))},{','.join(present)}")
+            f"{','.join(groups)},{','.join(present)}")
     return Lora(lo.rank, lo.alpha, projections)
 
 

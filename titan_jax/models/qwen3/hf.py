@@ -172,10 +172,12 @@ def peft_config(lora: Lora, base_model: str | None) -> dict[str, Any]:
     """PEFT's `adapter_config.json` for `lora` on a Qwen3 causal LM (what PEFT 0.21's
     `LoraConfig.save_pretrained` writes for these settings; PEFT fills any other field with its
     default when it loads the file)."""
+    experts = sorted(f"mlp.{p}" for p in lora.projections if p.startswith("experts."))
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
-        "target_modules": sorted(lora.projections), "bias": "none", "fan_in_fan_out": False,
+        "target_modules": sorted(p for p in lora.projections if not p.startswith("experts.")),
+        "target_parameters": experts or None, "bias": "none", "fan_in_fan_out": False,
         "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
         "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
         "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},

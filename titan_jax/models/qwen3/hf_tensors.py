@@ -26,6 +26,19 @@ stacked over layers, then experts):
     m.l.{i}.mlp.experts.{j}.up_proj.weight (F, D)      L.moe.w3[j]             (D, F)
     m.l.{i}.mlp.experts.{j}.down_proj.weight (D, F)    L.moe.w2[j]             (F, D)
 
+LoRA adapters (`peft_tensors`, PEFT's adapter file; `p` = `base_model.model.model.layers.{i}`,
+r the rank, E the experts; dense projections' A (r, in) and B (out, r) as any weight):
+
+    p.self_attn.q_proj.lora_A.weight      (r, D)      L.attention.wq_lora.lora_a  (D, r)
+    p.mlp.experts[.base_layer].lora_A.weight (E*r, D) L.moe.w1_and_w3_lora.lora_a (E, D, r)
+    p.mlp.experts[.base_layer].lora_B.weight (2F, r*E) L.moe.w1_and_w3_lora.lora_b (E, r, 2, F)
+    p.mlp.experts.lora_A.weight           (E*r, F)    L.moe.w2_lora.lora_a        (E, F, r)
+    p.mlp.experts.lora_B.weight           (D, r*E)    L.moe.w2_lora.lora_b        (E, r, D)
+
+The experts' are PEFT's `ParamWrapper`s on transformers' fused `gate_up_proj` and `down_proj`:
+A's rows expert-major, B's columns rank-major (`ParamWrapper.get_delta_weight`); with both
+targeted, the gate_up wrapper is the inner one (`.base_layer`).
+
 The MoE expert bias is a training buffer with no HF counterpart: it is not exported, and a
 model loaded from HF starts with a zero bias (what HF's router computes).
 """
@@ -38,6 +51,7 @@ import numpy as np
 
 from titan_jax.models.lora import ADAPTER_SUFFIX, Lora
 from titan_jax.models.qwen3.args import Qwen3Args
+from titan_jax.models.qwen3.moe import DOWN, GATE_UP
 from titan_jax.models.safetensors_io import HFTensor
 
 # (titan path under `layers`, HF name under model.layers.{i}, n_in)
@@ -106,7 +120,8 @@ def peft_tensors(args: Qwen3Args, lora: Lora) -> list[HFTensor]:
     """The tensors of PEFT's adapter file for `lora`'s adapters (`adapter_model.safetensors`,
     as PEFT's `save_pretrained` names them: the model's module path under `base_model.model.`,
     the adapter's name dropped). torch's lora_A (r, in) and lora_B (out, r) are Linear weights,
-    so A (in..., r) and B (r, out...) map as any weight does, in dims first."""
+    so a dense A (in..., r) and B (r, out...) map as any weight does, in dims first; the
+    experts' as the module docstring shows."""
     shapes = _layer_shapes(args)
     out = []
     for i in range(args.n_layers):
@@ -121,6 +136,26 @@ def peft_tensors(args: Qwen3Args, lora: Lora) -> list[HFTensor]:
                              (*shape[:n_in], lora.rank), n_in),
                     HFTensor(f"{prefix}.lora_B.weight", (*adapter, "lora_b"), i,
                              (lora.rank, *shape[n_in:]), 1)]
+        if args.is_moe:
+            out += _expert_adapter_tensors(args, lora, i)
+    return out
+
+
+def _expert_adapter_tensors(args: Qwen3Args, lora: Lora, i: int) -> list[HFTensor]:
+    d, e, f, r = args.dim, args.num_experts, args.moe_inter_dim, lora.rank
+    prefix = f"base_model.model.model.layers.{i}.mlp.experts"
+    inner = ".base_layer" if lora.targets(DOWN) else ""  # gate_up's wrapper is inside down's
+    a_dims = ((0, 2), (1,))  # (E, in, r) -> (E*r, in)
+    out = []
+    for projection, key, wrapper, a_shape, b_shape, b_dims in (
+            (GATE_UP, "w1_and_w3", inner, (e, d, r), (e, r, 2, f), ((2, 3), (1, 0))),
+            (DOWN, "w2", "", (e, f, r), (e, r, d), ((2,), (1, 0)))):
+        if lora.targets(projection):
+            path = ("layers", "moe", key + ADAPTER_SUFFIX)
+            out += [HFTensor(f"{prefix}{wrapper}.lora_A.weight", (*path, "lora_a"), i,
+                             a_shape, None, hf_dims=a_dims),
+                    HFTensor(f"{prefix}{wrapper}.lora_B.weight", (*path, "lora_b"), i,
+                             b_shape, None, hf_dims=b_dims)]
     return out
 
 

@@ -38,8 +38,9 @@ from jax.ad_checkpoint import checkpoint_name
 from titan_jax.models.attention import KV_AXES, Q_AXES, attention
 from titan_jax.models.embedding import vocab_lookup
 from titan_jax.models.lookahead import scan_with_lookahead
-from titan_jax.models.lora import NO_LORA, RANK_AXIS, Lora, init_a, lora_delta
+from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.quantization import NONE, Quantization, dot
+from titan_jax.models.qwen3.adapter import Adapter, adapter_beside
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 from titan_jax.models.qwen3.moe import MOE_ROUTING, MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
 from titan_jax.models.remat import LAYER_INPUT
@@ -88,27 +89,6 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
 
 def _ones(shape: tuple[int, ...], axes: tuple[str | None, ...]) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, jnp.float32), logical_axes=axes)
-
-
-class Adapter(nnx.Module):
-    """LoRA's A (in..., r) and B (r, out...) beside one projection's weight (in..., out...),
-    read through the param hook like it (`models/lora.py`)."""
-
-    def __init__(self, in_shape: tuple[int, ...], in_axes: tuple[str | None, ...],
-                 out_shape: tuple[int, ...], out_axes: tuple[str | None, ...], lora: Lora,
-                 rngs: nnx.Rngs):
-        # A stream of its own: the base weights draw the same keys with or without adapters.
-        self.lora_a = nnx.LoRAParam(init_a(rngs.lora(), in_shape, lora.rank),
-                                    logical_axes=(*in_axes, RANK_AXIS))
-        self.lora_b = nnx.LoRAParam(jnp.zeros((lora.rank, *out_shape), jnp.float32),
-                                    logical_axes=(RANK_AXIS, *out_axes))
-        self.scale = lora.alpha / lora.rank
-
-    @jax.named_scope("lora")
-    def __call__(self, rows: Array) -> Array:
-        """The adapter's term for `rows` (R, in...): (R, out...)."""
-        return lora_delta(rows, use_param(self.lora_a, rows.dtype),
-                          use_param(self.lora_b, rows.dtype), self.scale)
 
 
 class RMSNorm(nnx.Module):
@@ -204,15 +184,6 @@ def project(x: Array, w: nnx.Param, n_in: int,
     return y.reshape(*lead, *outs)
 
 
-def _adapter(lora: Lora, projection: str, w: nnx.Param, n_in: int, rngs: nnx.Rngs
-             ) -> Adapter | None:
-    """A LoRA adapter beside `w` (the HF `projection`) when `lora` targets it, else None."""
-    if not lora.targets(projection):
-        return None
-    shape, axes = w.shape, tuple(w.logical_axes)
-    return Adapter(shape[:n_in], axes[:n_in], shape[n_in:], axes[n_in:], lora, rngs)
-
-
 class Attention(nnx.Module):
     def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels, lora: Lora = NO_LORA):
         d, n, k, h = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
@@ -221,10 +192,10 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), 0.02)
         self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), 0.02)
         self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), wo_std)
-        self.wq_lora = _adapter(lora, "q_proj", self.wq, 1, rngs)
-        self.wk_lora = _adapter(lora, "k_proj", self.wk, 1, rngs)
-        self.wv_lora = _adapter(lora, "v_proj", self.wv, 1, rngs)
-        self.wo_lora = _adapter(lora, "o_proj", self.wo, 2, rngs)
+        self.wq_lora = adapter_beside(lora, "q_proj", self.wq, 1, rngs)
+        self.wk_lora = adapter_beside(lora, "k_proj", self.wk, 1, rngs)
+        self.wv_lora = adapter_beside(lora, "v_proj", self.wv, 1, rngs)
+        self.wo_lora = adapter_beside(lora, "o_proj", self.wo, 2, rngs)
         self.q_norm = RMSNorm(h, args.norm_eps, "head_dim")
         self.k_norm = RMSNorm(h, args.norm_eps, "head_dim")
         self.n_rep = n // k
@@ -269,9 +240,9 @@ class FeedForward(nnx.Module):
         self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
         self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02)
         self.w3 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
-        self.w1_lora = _adapter(lora, "gate_proj", self.w1, 1, rngs)
-        self.w2_lora = _adapter(lora, "down_proj", self.w2, 1, rngs)
-        self.w3_lora = _adapter(lora, "up_proj", self.w3, 1, rngs)
+        self.w1_lora = adapter_beside(lora, "gate_proj", self.w1, 1, rngs)
+        self.w2_lora = adapter_beside(lora, "down_proj", self.w2, 1, rngs)
+        self.w3_lora = adapter_beside(lora, "up_proj", self.w3, 1, rngs)
         self.quantization = quantization
 
     def __call__(self, x_BTD: Array) -> Array:
@@ -297,7 +268,7 @@ class Block(nnx.Module):
             self.moe = MoE(args.dim, args.num_experts, args.moe_inter_dim, args.top_k,
                            args.norm_topk_prob, 0.02 / math.sqrt(2 * args.n_layers),
                            kernels.expert_kernel, rngs, kernels.quantization,
-                           kernels.expert_gather_before_router)
+                           kernels.expert_gather_before_router, lora)
         else:
             self.feed_forward = FeedForward(args, rngs, kernels.quantization, lora)
 

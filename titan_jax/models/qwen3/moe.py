@@ -42,8 +42,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.permutation import permute
 from titan_jax.models.quantization import NONE, Quantization, ragged_dot
+from titan_jax.models.qwen3.adapter import adapter_beside
 from titan_jax.models.qwen3.looped_experts import looped_swiglu
 from titan_jax.models.qwen3.megablox import megablox_swiglu
 from titan_jax.models.sharding_hooks import dispatch_to_experts, use_param
@@ -57,6 +59,9 @@ MOE_SAVED_ACTIVATIONS = ("moe_w1", "moe_w3", "moe_w2")
 # (2-layer 235B program: that exchange 17% covered by compute, saved 100%; docs/MOE.md).
 MOE_ROUTING = "moe_routing"
 ROUTER_DTYPE = jnp.float32  # the router reads its weight in fp32 (TorchTitan, HF)
+# The experts' LoRA targets, named as PEFT's `target_parameters` end (transformers' fused
+# `mlp.experts.gate_up_proj` (w1 and w3: one joined adapter) and `mlp.experts.down_proj`).
+GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"
 
 
 @jax.named_scope("router")
@@ -161,14 +166,16 @@ def update_expert_bias(bias_LE: Array, counts_LE: Array, coeff: float) -> Array:
 
 
 class MoE(nnx.Module):
-    """Router + routed SwiGLU experts.
+    """Router + routed SwiGLU experts, with LoRA adapters per expert where `lora` targets
+    them, folded into the expert weights at use (`adapter.py`).
 
     `__call__(x_BTD, expert_bias_E) -> (y_BTD, {"tokens_per_expert": (E,) picks, no gradient;
     "router_prob_sum": (E,) summed router probabilities, with gradient (HF's aux loss)})`."""
 
     def __init__(self, dim: int, num_experts: int, inter_dim: int, top_k: int,
                  norm_topk_prob: bool, w2_std: float, expert_kernel: str, rngs: nnx.Rngs,
-                 quantization: Quantization = NONE, gather_before_router: bool = True):
+                 quantization: Quantization = NONE, gather_before_router: bool = True,
+                 lora: Lora = NO_LORA):
         def param(shape: tuple[int, ...], axes: tuple[str | None, ...], std: float,
                   **metadata: Any) -> nnx.Param:
             return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32),
@@ -181,6 +188,8 @@ class MoE(nnx.Module):
         self.w1 = param((e, d, f), ("expert", "moe_embed", "mlp"), 0.02)
         self.w3 = param((e, d, f), ("expert", "moe_embed", "mlp"), 0.02)
         self.w2 = param((e, f, d), ("expert", "mlp", "moe_embed"), w2_std)
+        self.w1_and_w3_lora = adapter_beside(lora, GATE_UP, (self.w1, self.w3), 1, rngs, 1)
+        self.w2_lora = adapter_beside(lora, DOWN, self.w2, 1, rngs, 1)
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
         self.expert_kernel, self.quantization = expert_kernel, quantization
         self.gather_before_router = gather_before_router
@@ -197,11 +206,16 @@ class MoE(nnx.Module):
             # the 2-layer 235B-A22B v5p-256 program); tied, both gather under the attention
             # (docs/MOE.md). w2, used last, gathers under their matmuls.
             x_RD, w1_EDF, w3_EDF = jax.lax.optimization_barrier((x_RD, w1_EDF, w3_EDF))
+        if self.w1_and_w3_lora is not None:
+            w1_EDF, w3_EDF = self.w1_and_w3_lora.fold(w1_EDF, w3_EDF)
         experts, weights, probs = route(x_RD, use_param(self.gate, ROUTER_DTYPE), expert_bias_E,
                                         self.top_k, self.norm_topk_prob)
         experts, weights = checkpoint_name((experts, weights), MOE_ROUTING)
-        y_RD = routed_experts(x_RD, experts, weights, w1_EDF, w3_EDF, use_param(self.w2, dtype),
-                              self.expert_kernel, self.quantization)
+        w2_EFD = use_param(self.w2, dtype)
+        if self.w2_lora is not None:
+            (w2_EFD,) = self.w2_lora.fold(w2_EFD)
+        y_RD = routed_experts(x_RD, experts, weights, w1_EDF, w3_EDF, w2_EFD, self.expert_kernel,
+                              self.quantization)
         counts = jnp.bincount(experts.reshape(-1), length=self.num_experts)
         return y_RD.reshape(x_BTD.shape), {
             "tokens_per_expert": jax.lax.stop_gradient(counts.astype(jnp.float32)),

@@ -1,0 +1,66 @@
+"""The LoRA adapter module of Qwen3's projections and experts (the math: `models/lora.py`).
+
+Dense projections add the adapter's term to their output (`Adapter.__call__`, PEFT's
+`LoraLayer`); the MoE experts fold it into their weights at use (`Adapter.fold`, PEFT's
+`ParamWrapper` on transformers' fused expert parameters), so every expert kernel and the
+expert-parallel dispatch run on ordinary weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from titan_jax.models.lora import RANK_AXIS, Lora, fold, init_a, lora_delta
+from titan_jax.models.sharding_hooks import use_param
+
+Array = jax.Array
+
+
+class Adapter(nnx.Module):
+    """LoRA's A (stack..., in..., r) and B (stack..., r, out...) beside one projection's weight
+    (stack..., in..., out...), read through the param hook like it; `stack`: leading dims with
+    an adapter each (the experts)."""
+
+    def __init__(self, in_shape: tuple[int, ...], in_axes: tuple[str | None, ...],
+                 out_shape: tuple[int, ...], out_axes: tuple[str | None, ...], lora: Lora,
+                 rngs: nnx.Rngs, stack_shape: tuple[int, ...] = (),
+                 stack_axes: tuple[str | None, ...] = ()):
+        # A stream of its own: the base weights draw the same keys with or without adapters.
+        self.lora_a = nnx.LoRAParam(init_a(rngs.lora(), in_shape, lora.rank, stack_shape),
+                                    logical_axes=(*stack_axes, *in_axes, RANK_AXIS))
+        self.lora_b = nnx.LoRAParam(
+            jnp.zeros((*stack_shape, lora.rank, *out_shape), jnp.float32),
+            logical_axes=(*stack_axes, RANK_AXIS, *out_axes))
+        self.scale = lora.alpha / lora.rank
+
+    @jax.named_scope("lora")
+    def __call__(self, rows: Array) -> Array:
+        """The adapter's term for `rows` (R, in...): (R, out...)."""
+        return lora_delta(rows, use_param(self.lora_a, rows.dtype),
+                          use_param(self.lora_b, rows.dtype), self.scale)
+
+    @jax.named_scope("lora")
+    def fold(self, *weights: Array) -> tuple[Array, ...]:
+        """Each weight (stack..., in..., out...), as used, plus its share of `A B * scale`
+        (several weights: a joined adapter, B's dim after the rank indexes them)."""
+        a, b = (use_param(p, weights[0].dtype) for p in (self.lora_a, self.lora_b))
+        return tuple(fold(list(weights), a, b, self.scale))
+
+
+def adapter_beside(lora: Lora, projection: str, weights: nnx.Param | tuple[nnx.Param, ...],
+                   n_in: int, rngs: nnx.Rngs, n_stack: int = 0) -> Adapter | None:
+    """A LoRA adapter beside `weights` (the HF/PEFT `projection`; several equal weights: one
+    adapter joined over them) when `lora` targets it, else None. The weights' first `n_stack`
+    dims get an adapter each, their next `n_in` are the input."""
+    if not lora.targets(projection):
+        return None
+    w = weights[0] if isinstance(weights, tuple) else weights
+    shape, axes = w.shape, tuple(w.logical_axes)
+    ins, outs = slice(n_stack, n_stack + n_in), slice(n_stack + n_in, None)
+    out_shape, out_axes = shape[outs], axes[outs]
+    if isinstance(weights, tuple) and len(weights) > 1:
+        out_shape, out_axes = (len(weights), *out_shape), (None, *out_axes)
+    return Adapter(shape[ins], axes[ins], out_shape, out_axes, lora, rngs, shape[:n_stack],
+                   axes[:n_stack])
