@@ -3,6 +3,7 @@ have no optimizer state, the compiled step holds less; bad `[lora]` keys are ref
 line."""
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -136,15 +137,18 @@ def test_fresh_adapters_start_as_the_base_model(tmp_path):
                                   full.model.apply(base, tokens))
 
 
-def lora_losses(tmp_path, n_devices, *overrides, steps=3):
-    """The losses of `steps` LoRA steps on fixed random batches of 4 x 16 tokens, from one
-    init (made on one device) put onto this mesh."""
-    config = make_config(tmp_path, *LORA, "--training.global_batch_size", "4", *overrides)
-    one = build_trainer(make_config(tmp_path, *LORA, "--training.local_batch_size", "4"),
-                        jax.devices()[:1], model_args=TINY)
-    trainer = build_trainer(config, jax.devices()[:n_devices], model_args=TINY)
-    state = jax.device_put(jax.device_get(one.init_state()), trainer.state_shardings)
-    tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (steps, 4, 17), np.int32)
+def lora_losses(tmp_path, n_devices, *overrides, steps=3, lora=LORA, args=TINY, batch=4,
+                init=None):
+    """The losses of `steps` LoRA steps on fixed random batches of `batch` x 16 tokens, from
+    one init (made on one device, changed by `init` if given) put onto this mesh."""
+    config = make_config(tmp_path, *lora, "--training.global_batch_size", str(batch),
+                         *overrides)
+    one = build_trainer(make_config(tmp_path, *lora, "--training.local_batch_size", str(batch)),
+                        jax.devices()[:1], model_args=args)
+    trainer = build_trainer(config, jax.devices()[:n_devices], model_args=args)
+    start = jax.device_get(one.init_state())
+    state = jax.device_put(init(start) if init else start, trainer.state_shardings)
+    tokens = np.random.default_rng(0).integers(0, args.vocab_size, (steps, batch, 17), np.int32)
     losses = []
     for t in tokens:
         batch = trainer.batches.put({"inputs": t[:, :-1], "labels": t[:, 1:]})
@@ -165,6 +169,53 @@ def test_lora_losses_are_the_same_sharded(tmp_path, n_devices, local_batch, over
                           *overrides)
     np.testing.assert_allclose(sharded, lora_losses(tmp_path, 1, "--training.local_batch_size",
                                                     "4"), rtol=1e-5)
+
+
+MOE = dataclasses.replace(TINY, num_experts=8, top_k=2, moe_inter_dim=16)
+EXPERT_LORA = (*LORA[:4], "--lora.target_modules", "attention,experts")
+
+
+def sharp_router(state):
+    """A router far from init's near-uniform one: with every probability ~1/8, rounding
+    differences between meshes flip top-k near-ties and the runs part."""
+    state["params"]["layers"]["moe"]["gate"] = state["params"]["layers"]["moe"]["gate"] * 50
+    return state
+
+
+@pytest.mark.parametrize("overrides", [
+    # ep4 x fsdp2: each rank holds 2 experts and their adapters, picks travel by the ragged
+    # exchange (its CPU emulation), the experts' model dim split over fsdp
+    pytest.param(("--parallelism.data_parallel_shard_degree", "8",
+                  "--parallelism.expert_parallel_degree", "4"), marks=pytest.mark.slow),
+    ("--parallelism.data_parallel_shard_degree", "8"),  # fsdp8 (jit), experts gathered
+])
+def test_expert_adapters_train_to_one_devices_losses_sharded(tmp_path, overrides):
+    losses = functools.partial(lora_losses, tmp_path, lora=EXPERT_LORA, args=MOE, batch=8,
+                               init=sharp_router, steps=2)
+    sharded = losses(8, "--training.local_batch_size", "1", *overrides)
+    np.testing.assert_allclose(sharded, losses(1, "--training.local_batch_size", "8"),
+                               rtol=1e-5)
+
+
+def test_expert_adapters_train_and_leave_the_experts_frozen(tmp_path):
+    trainer = build_trainer(make_config(tmp_path, *EXPERT_LORA), jax.devices()[:1],
+                            model_args=MOE)
+    assert {n for n in trainer.model.trainable if ".moe." in n} == {
+        "layers.moe.w1_and_w3_lora.lora_a", "layers.moe.w1_and_w3_lora.lora_b",
+        "layers.moe.w2_lora.lora_a", "layers.moe.w2_lora.lora_b"}
+    state = trainer.init_state()
+    first = jax.device_get(state)
+    tokens = np.random.default_rng(0).integers(0, MOE.vocab_size, (2, 17), np.int32)
+    for _ in range(2):
+        state, _ = trainer.step_fn(state, trainer.batches.put(
+            {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}))
+    last = jax.device_get(state)
+    adapters, base = split_by_name(last["params"], trainer.model.trainable)
+    jax.tree.map(np.testing.assert_array_equal, base,
+                 split_by_name(first["params"], trainer.model.trainable)[1])
+    moe = adapters["layers"]["moe"]
+    assert moe["w1_and_w3_lora"]["lora_b"].shape == (2, 8, 4, 2, 16)  # (L, E, r, gate|up, F)
+    assert all(np.abs(a["lora_b"]).max() > 0 for a in moe.values())
 
 
 def test_lora_on_a_moe_model_trains_the_attention_adapters_only(tmp_path):
@@ -210,7 +261,6 @@ def test_lora_step_holds_no_gradient_or_moments_of_the_base(tmp_path):
     ((*LORA[:4], "--lora.target_modules", " , "), "lora.target_modules is empty"),
     ((*LORA[:4], "--lora.target_modules", "q_proj,q_proj"), "names a target twice"),
     ((*LORA, "--lora.dropout", "0.1"), "LoRA dropout is not supported yet"),
-    ((*LORA[:4], "--lora.target_modules", "experts"), "the MoE experts are not supported yet"),
     ((*LORA, "--lora.alpha", "0"), "lora.alpha=0.0 must be > 0"),
 ])
 def test_bad_lora_keys_are_refused_in_one_line(tmp_path, overrides, message):
@@ -228,3 +278,9 @@ def test_targets_the_model_lacks_are_refused(tmp_path):
     assert resolve_lora(config, TINY).projections == ("gate_proj", "up_proj", "down_proj")
     attention = make_config(tmp_path, *LORA[:4], "--lora.target_modules", "mlp,o_proj")
     assert resolve_lora(attention, moe).projections == ("o_proj",)
+    experts = make_config(tmp_path, *LORA[:4], "--lora.target_modules", "experts.down_proj")
+    with pytest.raises(ConfigError, match="^[^\n]*matches no projection of model.flavor="
+                                          "debugmodel, which is dense .it has no experts.; "
+                                          "name some of attention,mlp,q_proj"):
+        resolve_lora(experts, TINY)
+    assert resolve_lora(experts, moe).projections == ("experts.down_proj",)
