@@ -441,8 +441,7 @@ def _check_lora(lo: Lora) -> None:
         _require(lo.rank == 0, f"lora.rank={lo.rank} must be >= 1, or 0 (off)")
         return
     _require(lo.alpha > 0, f"lora.alpha={lo.alpha} must be > 0")
-    _require(lo.dropout == 0, f"lora.dropout={lo.dropout}: LoRA dropout is not supported yet; "
-             "use 0")
+    _require(0 <= lo.dropout < 1, f"lora.dropout={lo.dropout} must be in [0, 1)")
     names = lo.target_names()
     unknown = [n for n in names if n not in LORA_TARGETS]
     _require(not unknown, f"lora.target_modules={lo.target_modules!r}: "
@@ -451,6 +450,10 @@ def _check_lora(lo: Lora) -> None:
     _require(names, "lora.target_modules is empty; name some of " + ",".join(LORA_TARGETS))
     _require(len(set(names)) == len(names),
              f"lora.target_modules={lo.target_modules!r} names a target twice")
+    experts = [p for p in lo.projections() if p.startswith("experts.")]
+    _require(not (lo.dropout and experts), f"lora.dropout={lo.dropout} with adapters on the "
+             f"experts ({','.join(experts)}): PEFT's fused-expert adapters take no dropout; set "
+             "lora.dropout=0, or leave the experts out of lora.target_modules")
 
 
 def _check_yarn(m: Model) -> None:

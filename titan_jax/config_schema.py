@@ -261,7 +261,8 @@ class Lora:
 
     rank: int = 0  # the adapters' rank r; 0 = off (full fine-tuning)
     alpha: float = 8.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
-    dropout: float = 0.0  # on the adapters' input in training; only 0 is supported yet
+    # PEFT's lora_dropout: on the adapters' input, in training only, in [0, 1) (0 with experts)
+    dropout: float = 0.0
     # Comma-separated: attention (q/k/v/o projections), mlp (the dense SwiGLU's gate/up/down),
     # experts (each MoE expert's gate+up and down), and/or HF/PEFT names q_proj, k_proj,
     # v_proj, o_proj, gate_proj, up_proj, down_proj, experts.gate_up_proj, experts.down_proj.

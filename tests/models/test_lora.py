@@ -227,3 +227,37 @@ def test_moe_expert_adapters_match_peft(tmp_path, targets):
     with torch.no_grad():
         np.testing.assert_allclose(loaded(torch.tensor(inputs)).logits.numpy(), logits,
                                    rtol=0, atol=1e-5)
+
+
+def test_dropout_masks_the_adapter_input_only():
+    """PEFT's `lora_B(lora_A(dropout(x)))`: the base matmul sees x whole; the adapter sees x
+    with each element zeroed at the rate and the rest scaled by 1 / (1 - rate), the mask drawn
+    from the layer's key and the adapter's own salt. No key (eval, generate): no dropout."""
+    import zlib
+
+    from flax import nnx
+
+    from titan_jax.models.qwen3.adapter import adapter_beside
+    from titan_jax.models.qwen3.model import project
+
+    rng = np.random.default_rng(0)
+    w = nnx.Param(jnp.asarray(rng.normal(size=(8, 6)), jnp.float32), logical_axes=("embed", "mlp"))
+    rate = 0.3
+    adapter = adapter_beside(Lora(2, 4.0, ("gate_proj",), rate), "gate_proj", w, 1,
+                             nnx.Rngs(params=0, lora=1))
+    adapter.lora_b[...] = jnp.asarray(rng.normal(size=(2, 6)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
+    key = jax.random.key(7)
+
+    got = np.asarray(project(x, w, 1, None, adapter, key))
+    keep = jax.random.bernoulli(jax.random.fold_in(key, zlib.crc32(b"gate_proj")), 1 - rate,
+                                (10, 8))
+    rows = x.reshape(10, 8)
+    a, b = adapter.lora_a[...], adapter.lora_b[...]
+    want = rows @ w[...] + (jnp.where(keep, rows / (1 - rate), 0) @ a @ b) * 2.0
+    np.testing.assert_allclose(got, np.asarray(want).reshape(2, 5, 6), rtol=1e-6, atol=1e-6)
+    without = np.asarray(project(x, w, 1, None, adapter))
+    np.testing.assert_allclose(without, np.asarray(rows @ w[...] + rows @ a @ b * 2.0).reshape(
+        2, 5, 6), rtol=1e-6, atol=1e-6)
+    assert np.abs(got - without).max() > 1e-2
+    assert 0.1 < 1 - float(keep.mean()) < 0.5  # about the rate dropped

@@ -101,10 +101,13 @@ def test_lora_starts_from_a_full_fine_tuning_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_lora_run_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("dropout", ["0", "0.2"])
+def test_a_lora_run_resumes_bitwise(tmp_path, dropout):
     """Adapters, their Adam moments and the frozen base are checkpointed and restored: a run
-    stopped at step 2 and resumed ends as the uninterrupted one, bit for bit."""
-    common = (*LORA, "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+    stopped at step 2 and resumed ends as the uninterrupted one, bit for bit (with dropout
+    too: its keys are the seed's and the step's)."""
+    common = (*LORA, "--lora.dropout", dropout, "--checkpoint.enable", "true",
+              "--checkpoint.interval", "2",
               "--checkpoint.last_save_model_only", "false",
               "--lr_scheduler.decay_ratio", "0")  # an LR that does not depend on the steps
 
@@ -118,6 +121,21 @@ def test_a_lora_run_resumes_bitwise(tmp_path):
     assert resumed.losses == {s: whole.losses[s] for s in (3, 4)}
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state),
                  jax.device_get(whole.state))
+
+
+def test_dropout_changes_training_the_same_way_for_a_seed(tmp_path):
+    """Fresh adapters add nothing (B = 0), so the first step's loss is dropout's as well; then
+    dropout changes the losses (two microbatches a step, each its own masks); the same seed
+    gives the same run, bit for bit, another seed other masks."""
+    def losses(dropout, *overrides):
+        return lora_losses(tmp_path, 1, "--training.local_batch_size", "2", "--lora.dropout",
+                           dropout, *overrides, lora=LORA, batch=4, steps=2)
+
+    off, on = losses("0"), losses("0.3")
+    assert off[0] == on[0] and off[1] != on[1], (off, on)
+    np.testing.assert_array_equal(losses("0.3"), on)
+    # The init is the same (lora_losses makes it with the default seed): only the masks change.
+    assert losses("0.3", "--training.seed", "43")[1] != on[1]
 
 
 def test_fresh_adapters_start_as_the_base_model(tmp_path):
@@ -260,7 +278,11 @@ def test_lora_step_holds_no_gradient_or_moments_of_the_base(tmp_path):
     ((*LORA[:4], "--lora.target_modules", "q_proj,query"), "'query' is no target"),
     ((*LORA[:4], "--lora.target_modules", " , "), "lora.target_modules is empty"),
     ((*LORA[:4], "--lora.target_modules", "q_proj,q_proj"), "names a target twice"),
-    ((*LORA, "--lora.dropout", "0.1"), "LoRA dropout is not supported yet"),
+    ((*LORA, "--lora.dropout", "1"), "lora.dropout=1.0 must be in [0, 1)"),
+    ((*LORA, "--lora.dropout", "-0.1"), "lora.dropout=-0.1 must be in [0, 1)"),
+    ((*LORA[:4], "--lora.target_modules", "q_proj,experts", "--lora.dropout", "0.1"),
+     "PEFT's fused-expert adapters take no dropout"),
+    (("--lora.dropout", "0.1"), "lora.dropout=0.1 has no effect with lora.rank=0"),
     ((*LORA, "--lora.alpha", "0"), "lora.alpha=0.0 must be > 0"),
 ])
 def test_bad_lora_keys_are_refused_in_one_line(tmp_path, overrides, message):

@@ -56,18 +56,35 @@ _KAIMING_UNIFORM_SQRT5 = 1 / 3
 
 @dataclasses.dataclass(frozen=True)
 class Lora:
-    """Which projections carry adapters (HF/PEFT names, e.g. "q_proj"), their rank and alpha;
-    rank 0: none."""
+    """Which projections carry adapters (HF/PEFT names, e.g. "q_proj"), their rank and alpha,
+    and the dropout on their input in training; rank 0: none."""
 
     rank: int = 0
     alpha: float = 8.0
     projections: tuple[str, ...] = ()
+    dropout: float = 0.0
 
     def targets(self, projection: str) -> bool:
         return self.rank > 0 and projection in self.projections
 
 
 NO_LORA = Lora()
+# Folded into the run's seed for the dropout keys: a stream apart from init's.
+_DROPOUT_STREAM = 0x10BA
+
+
+def dropout_key(seed: int, step: Array) -> Array:
+    """The LoRA dropout key of training step `step` (a function of the seed and the step, so a
+    resumed run draws what the uninterrupted one did). The step folds in each microbatch's
+    index, the model each layer's and each adapter's (`dropout`)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _DROPOUT_STREAM), step)
+
+
+def dropout(rows: Array, key: Array, rate: float) -> Array:
+    """PEFT's `lora_dropout` (torch's `nn.Dropout`): each element zeroed with probability
+    `rate`, the others scaled by 1 / (1 - rate)."""
+    keep = jax.random.bernoulli(key, 1 - rate, rows.shape)
+    return jnp.where(keep, rows / jnp.asarray(1 - rate, rows.dtype), jnp.zeros((), rows.dtype))
 
 
 def init_a(key: jax.Array, in_shape: tuple[int, ...], rank: int,

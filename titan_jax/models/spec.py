@@ -53,7 +53,10 @@ class ModelDef(Protocol):
     def init_buffers(self) -> Params: ...
 
     def forward(self, params: Params, buffers: Params, tokens_BT: jax.Array,
-                dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, Aux]: ...
+                dtype: jnp.dtype, dropout_key: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, Aux]:
+        """`dropout_key`: the step's LoRA dropout key (training only; None: no dropout)."""
+        ...
 
     def apply(self, params: Params, tokens_BT: jax.Array, dtype: jnp.dtype) -> jax.Array:
         """Logits (B, T, V) in fp32 (for parity and decoding; training never builds them)."""

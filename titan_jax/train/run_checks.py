@@ -277,7 +277,7 @@ def resolve_lora(config: JobConfig, args: Any) -> Lora:
             f"lora.target_modules={lo.target_modules!r} matches no projection of model.flavor="
             f"{config.model.flavor}, which is {kind}; name some of "
             f"{','.join(groups)},{','.join(present)}")
-    return Lora(lo.rank, lo.alpha, projections)
+    return Lora(lo.rank, lo.alpha, projections, lo.dropout)
 
 
 def check_reduce_dtype(config: JobConfig, devices: list[jax.Device], fsdp: type[SimpleFSDP]

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from titan_jax.models.lora import dropout_key
 from titan_jax.models.sharding_hooks import NO_PARALLELISM, Parallelism
 from titan_jax.models.spec import Aux, ModelDef, Params
 from titan_jax.planner_hints import expected_branch
@@ -42,6 +43,7 @@ class StepOptions:
     n_microbatches: int = 1
     param_dtype: Any = jnp.float32  # weights are cast to this at use
     max_norm: float = 1.0  # 0 disables clipping
+    dropout_seed: int | None = None  # LoRA dropout's keys (`lora.dropout_key`); None: off
 
 
 def init_train_state(params: Params, buffers: Params, optimizer: optax.GradientTransformation,
@@ -63,7 +65,8 @@ def split_microbatches(x_BT: jax.Array, n: int) -> jax.Array:
 
 
 def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batch,
-                   options: StepOptions, parallelism: Parallelism = NO_PARALLELISM
+                   options: StepOptions, parallelism: Parallelism = NO_PARALLELISM,
+                   key: jax.Array | None = None
                    ) -> tuple[jax.Array, Params, jax.Array, dict[str, jax.Array]]:
     """(mean loss over all valid tokens of the batch, its gradient with respect to the
     model's trainable params (`ModelDef.trainable`), the token count, the forward's aux stats
@@ -74,33 +77,37 @@ def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batc
     cast to the reduce dtype, before it is reduced. Its hooks answer the model's calls over
     the whole differentiation: custom_vjp backward rules (the chunked loss's) are traced after
     the forward has returned, and call them too.
+    `key`: the step's dropout key, each microbatch's its index folded in (None: no dropout).
     """
     n_tokens = count_valid_tokens(batch["labels"])
     params, frozen = split_by_name(params, model.trainable)
 
-    def summed_loss(p: Params, b: Params, inputs: jax.Array, labels: jax.Array
-                    ) -> tuple[jax.Array, Aux]:
-        h, w_out, aux = model.forward(p, b, inputs, options.param_dtype)
-        with jax.named_scope("loss"):
-            return cross_entropy_sum(h, w_out, labels) + aux["loss"], aux
-
-    def microbatch_loss(p: Params, inputs: jax.Array, labels: jax.Array
+    def microbatch_loss(p: Params, inputs: jax.Array, labels: jax.Array, i: jax.Array
                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        mb_key = None if key is None else jax.random.fold_in(key, i)
+
+        def summed_loss(p: Params, b: Params, inputs: jax.Array, labels: jax.Array
+                        ) -> tuple[jax.Array, Aux]:
+            h, w_out, aux = model.forward(p, b, inputs, options.param_dtype, mb_key)
+            with jax.named_scope("loss"):
+                return cross_entropy_sum(h, w_out, labels) + aux["loss"], aux
+
         total, aux = parallelism.loss_map(summed_loss)(merge_nested(p, frozen), buffers, inputs,
                                                         labels)
         return total / n_tokens, aux["stats"]
 
     value_and_grad = jax.value_and_grad(microbatch_loss, has_aux=True)
 
-    def grad_fn(p: Params, inputs: jax.Array, labels: jax.Array) -> Any:
+    def grad_fn(p: Params, inputs: jax.Array, labels: jax.Array, i: jax.Array) -> Any:
         with parallelism.installed():
-            return value_and_grad(p, inputs, labels)
+            return value_and_grad(p, inputs, labels, i)
 
     if options.n_microbatches == 1:
-        (loss, stats), grads = grad_fn(params, batch["inputs"], batch["labels"])
+        (loss, stats), grads = grad_fn(params, batch["inputs"], batch["labels"], jnp.int32(0))
         return loss, grads, n_tokens, stats
 
-    def accumulate(carry: tuple[jax.Array, Params, Any], mb: tuple[jax.Array, jax.Array]
+    def accumulate(carry: tuple[jax.Array, Params, Any],
+                   mb: tuple[jax.Array, jax.Array, jax.Array]
                    ) -> tuple[tuple[jax.Array, Params, Any], None]:
         loss_acc, grads_acc, stats_acc = carry
         (loss, stats), grads = grad_fn(params, *mb)
@@ -108,7 +115,8 @@ def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batc
                 jax.tree.map(jnp.add, stats_acc, stats)), None
 
     microbatches = (split_microbatches(batch["inputs"], options.n_microbatches),
-                    split_microbatches(batch["labels"], options.n_microbatches))
+                    split_microbatches(batch["labels"], options.n_microbatches),
+                    jnp.arange(options.n_microbatches, dtype=jnp.int32))
     stats_shape = jax.eval_shape(lambda: grad_fn(params, *jax.tree.map(lambda x: x[0],
                                                                         microbatches))[0][1])
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
@@ -137,8 +145,10 @@ def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
     forward and backward, and its `loss_map` splits the batch's loss (see `loss_and_grads`).
     """
     params, buffers, opt_state = state["params"], state["buffers"], state["opt_state"]
+    key = (None if options.dropout_seed is None
+           else dropout_key(options.dropout_seed, state["step"]))
     loss, grads, n_tokens, stats = loss_and_grads(model, params, buffers, batch, options,
-                                                  parallelism)
+                                                  parallelism, key)
     params, frozen = split_by_name(params, model.trainable)
     grads, grad_norm = clip_by_global_norm(grads, options.max_norm)
     lr = schedule(state[APPLIED_UPDATES])  # this update's LR, the one logged

@@ -135,7 +135,8 @@ def assemble_trainer(plan: RunPlan) -> Trainer:
     return Trainer(
         plan, WSDSchedule.from_config(config.optimizer.lr, config.lr_scheduler, t.steps),
         optimizer, StepOptions(n_microbatches=plan.n_microbatches, param_dtype=plan.param_dtype,
-                               max_norm=t.max_norm),
+                               max_norm=t.max_norm,
+                               dropout_seed=t.seed if plan.model.options.lora.dropout else None),
         state_shardings,
         BatchPlacement(batch_sharding(plan.rules), plan.global_batch_size, plan.degrees.cp),
         parallelism)

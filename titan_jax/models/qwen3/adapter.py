@@ -8,11 +8,13 @@ expert-parallel dispatch run on ordinary weights.
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from titan_jax.models.lora import RANK_AXIS, Lora, fold, init_a, lora_delta
+from titan_jax.models.lora import RANK_AXIS, Lora, dropout, fold, init_a, lora_delta
 from titan_jax.models.sharding_hooks import use_param
 
 Array = jax.Array
@@ -26,18 +28,23 @@ class Adapter(nnx.Module):
     def __init__(self, in_shape: tuple[int, ...], in_axes: tuple[str | None, ...],
                  out_shape: tuple[int, ...], out_axes: tuple[str | None, ...], lora: Lora,
                  rngs: nnx.Rngs, stack_shape: tuple[int, ...] = (),
-                 stack_axes: tuple[str | None, ...] = ()):
+                 stack_axes: tuple[str | None, ...] = (), projection: str = ""):
         # A stream of its own: the base weights draw the same keys with or without adapters.
         self.lora_a = nnx.LoRAParam(init_a(rngs.lora(), in_shape, lora.rank, stack_shape),
                                     logical_axes=(*stack_axes, *in_axes, RANK_AXIS))
         self.lora_b = nnx.LoRAParam(
             jnp.zeros((*stack_shape, lora.rank, *out_shape), jnp.float32),
             logical_axes=(*stack_axes, RANK_AXIS, *out_axes))
-        self.scale = lora.alpha / lora.rank
+        self.scale, self.dropout = lora.alpha / lora.rank, lora.dropout
+        # Folded into a layer's dropout key: each adapter of a layer draws its own mask.
+        self.salt = zlib.crc32(projection.encode())
 
     @jax.named_scope("lora")
-    def __call__(self, rows: Array) -> Array:
-        """The adapter's term for `rows` (R, in...): (R, out...)."""
+    def __call__(self, rows: Array, dropout_key: Array | None = None) -> Array:
+        """The adapter's term for `rows` (R, in...): (R, out...); with the layer's
+        `dropout_key` (training), dropout on the rows first, as PEFT's."""
+        if dropout_key is not None and self.dropout > 0:
+            rows = dropout(rows, jax.random.fold_in(dropout_key, self.salt), self.dropout)
         return lora_delta(rows, use_param(self.lora_a, rows.dtype),
                           use_param(self.lora_b, rows.dtype), self.scale)
 
@@ -63,4 +70,4 @@ def adapter_beside(lora: Lora, projection: str, weights: nnx.Param | tuple[nnx.P
     if isinstance(weights, tuple) and len(weights) > 1:
         out_shape, out_axes = (len(weights), *out_shape), (None, *out_axes)
     return Adapter(shape[ins], axes[ins], out_shape, out_axes, lora, rngs, shape[:n_stack],
-                   axes[:n_stack])
+                   axes[:n_stack], projection)

@@ -63,12 +63,15 @@ class Qwen3Def:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.abstract_buffers)
 
     def forward(self, params: Params, buffers: Params, tokens_BT: jax.Array,
-                dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, jax.Array, Aux]:
-        """(final hidden states (B, T, D), output projection (D, V), aux), for the loss."""
+                dtype: jnp.dtype = jnp.float32, dropout_key: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, Aux]:
+        """(final hidden states (B, T, D), output projection (D, V), aux), for the loss;
+        `dropout_key`: LoRA dropout on (training), None: off."""
         model = nnx.merge(self.graphdef, params)
         h_BTD, stats, aux_loss, _ = model.hidden_states(
             tokens_BT, dtype, self.remat, self.options.activation_stats,
-            buffers.get(EXPERT_BIAS), lookahead=self.options.lookahead_gather)
+            buffers.get(EXPERT_BIAS), lookahead=self.options.lookahead_gather,
+            dropout_key=dropout_key)
         return h_BTD, model.output_weight(dtype), {"loss": aux_loss, "stats": stats}
 
     def apply(self, params: Params, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32

@@ -151,11 +151,12 @@ def apply_rope(x_BTNH: Array, cos_TH: Array, sin_TH: Array) -> Array:
 
 @jax.named_scope("project")
 def project(x: Array, w: nnx.Param, n_in: int,
-            quantized: DotGeneralQtConfig | None = None, adapter: Adapter | None = None
-            ) -> Array:
+            quantized: DotGeneralQtConfig | None = None, adapter: Adapter | None = None,
+            dropout_key: Array | None = None) -> Array:
     """`x (..., *in) @ w (*in, *out) -> (..., *out)`, the weight read through the param hook;
     in low precision where `quantized` says (`models/quantization.py`); plus the LoRA
-    `adapter`'s term where the projection has one (`models/lora.py`).
+    `adapter`'s term where the projection has one (`models/lora.py`), its input under dropout
+    with the layer's `dropout_key`.
 
     The leading (batch, seq) dims are merged into one row dim for the matmul: XLA:CPU runs it
     faster than with two batch-free leading dims (BENCHMARKS.md, "CPU kernel choices"), and
@@ -180,7 +181,7 @@ def project(x: Array, w: nnx.Param, n_in: int,
         contract = (tuple(range(1, n_in + 1)), tuple(range(n_in)))
         y = dot(rows, w_, (contract, ((), ())), quantized)
     if adapter is not None:
-        y = y + adapter(rows)
+        y = y + adapter(rows, dropout_key)
     return y.reshape(*lead, *outs)
 
 
@@ -205,16 +206,19 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
                  segment_ids_BT: Array | None = None, kv_cache: KVPair | None = None,
-                 start: Array | int = 0) -> tuple[Array, KVPair | None]:
+                 start: Array | int = 0, dropout_key: Array | None = None
+                 ) -> tuple[Array, KVPair | None]:
         """(output, the updated `kv_cache`). segment_ids_BT: attend only within equal ids
         (documents packed in one window). kv_cache: this layer's cached keys and values
         (B, S, K, H) each, for decoding: the tokens' own are written at positions start..,
-        and the tokens attend to every cached position up to their own."""
+        and the tokens attend to every cached position up to their own. dropout_key: the
+        layer's LoRA dropout key (training)."""
         name = checkpoint_name
         qt = self.quantization.dot_config("attention")
-        q_BTNH = name(project(x_BTD, self.wq, 1, qt, self.wq_lora), "q_proj")
-        k_BTKH = name(project(x_BTD, self.wk, 1, qt, self.wk_lora), "k_proj")
-        v_BTKH = name(project(x_BTD, self.wv, 1, qt, self.wv_lora), "v_proj")
+        key = dropout_key
+        q_BTNH = name(project(x_BTD, self.wq, 1, qt, self.wq_lora, key), "q_proj")
+        k_BTKH = name(project(x_BTD, self.wk, 1, qt, self.wk_lora, key), "k_proj")
+        v_BTKH = name(project(x_BTD, self.wv, 1, qt, self.wv_lora, key), "v_proj")
         # Qwen3: per-head RMSNorm on q and k, then RoPE.
         q_BTNH = constrain(apply_rope(self.q_norm(q_BTNH), cos_TH, sin_TH), Q_AXES)
         k_BTKH = constrain(apply_rope(self.k_norm(k_BTKH), cos_TH, sin_TH), KV_AXES)
@@ -228,7 +232,7 @@ class Attention(nnx.Module):
             out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, self.scale, self.backend, self.platform,
                                  segment_ids_BT, q_start)
         out_BTNH = name(out_BTNH, "attn_out")
-        return name(project(out_BTNH, self.wo, 2, qt, self.wo_lora), "wo_out"), kv_cache
+        return name(project(out_BTNH, self.wo, 2, qt, self.wo_lora, key), "wo_out"), kv_cache
 
 
 class FeedForward(nnx.Module):
@@ -245,16 +249,16 @@ class FeedForward(nnx.Module):
         self.w3_lora = adapter_beside(lora, "up_proj", self.w3, 1, rngs)
         self.quantization = quantization
 
-    def __call__(self, x_BTD: Array) -> Array:
+    def __call__(self, x_BTD: Array, dropout_key: Array | None = None) -> Array:
         name = checkpoint_name
         # The two matmul outputs are saved, not their product: SiLU's backward needs both,
         # and recomputing them would redo two of the block's seven matmuls.
-        qt = self.quantization.dot_config("mlp")
-        gate_BTF = name(project(x_BTD, self.w1, 1, qt, self.w1_lora), "ffn_w1")
-        up_BTF = name(project(x_BTD, self.w3, 1, qt, self.w3_lora), "ffn_w3")
+        qt, key = self.quantization.dot_config("mlp"), dropout_key
+        gate_BTF = name(project(x_BTD, self.w1, 1, qt, self.w1_lora, key), "ffn_w1")
+        up_BTF = name(project(x_BTD, self.w3, 1, qt, self.w3_lora, key), "ffn_w3")
         with jax.named_scope("swiglu"):
             hidden_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
-        return name(project(hidden_BTF, self.w2, 1, qt, self.w2_lora), "ffn_out")
+        return name(project(hidden_BTF, self.w2, 1, qt, self.w2_lora, key), "ffn_out")
 
 
 class Block(nnx.Module):
@@ -274,18 +278,19 @@ class Block(nnx.Module):
 
     def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
                  expert_bias_E: Array | None = None, segment_ids_BT: Array | None = None,
-                 kv_cache: KVPair | None = None, start: Array | int = 0
+                 kv_cache: KVPair | None = None, start: Array | int = 0,
+                 dropout_key: Array | None = None
                  ) -> tuple[Array, dict[str, Array], KVPair | None]:
         """(output, the MoE router's statistics for MoE blocks (see `MoE`), else {}, the
-        updated KV cache (see `Attention`))."""
+        updated KV cache (see `Attention`)); `dropout_key`: the layer's LoRA dropout key."""
         with jax.named_scope("attention"):
             y_BTD, kv_cache = self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH,
-                                             segment_ids_BT, kv_cache, start)
+                                             segment_ids_BT, kv_cache, start, dropout_key)
             x_BTD = x_BTD + y_BTD
         router = {}
         with jax.named_scope("feed_forward"):
             if expert_bias_E is None:
-                x_BTD = x_BTD + self.feed_forward(self.ffn_norm(x_BTD))
+                x_BTD = x_BTD + self.feed_forward(self.ffn_norm(x_BTD), dropout_key)
             else:
                 y_BTD, router = self.moe(self.ffn_norm(x_BTD), expert_bias_E)
                 x_BTD = x_BTD + y_BTD
@@ -319,7 +324,7 @@ class Qwen3(nnx.Module):
     def hidden_states(self, tokens_BT: Array, dtype: jnp.dtype, remat: Callable | None = None,
                       activation_stats: bool = False, expert_bias_LE: Array | None = None,
                       kv_cache: KVPair | None = None, start: Array | int = 0,
-                      lookahead: bool = False
+                      lookahead: bool = False, dropout_key: Array | None = None
                       ) -> tuple[Array, dict[str, Array], Array, KVPair | None]:
         """(final-normed hidden states (B, T, D) in `dtype`, aux stats, aux loss, the updated
         `kv_cache`).
@@ -336,6 +341,8 @@ class Qwen3(nnx.Module):
         kv_cache: every layer's keys and values, (L, B, S, K, H) each, for decoding tokens at
         positions start.. (`decode.py`): written there, attended up to each token's own.
         lookahead: each layer's weights gathered a layer ahead, full remat (`lookahead.py`).
+        dropout_key: LoRA dropout on the adapters' inputs (training), each layer's key split
+        from it; None: no dropout.
         """
         if self.args.is_moe and expert_bias_LE is None:
             expert_bias_LE = jnp.zeros((self.args.n_layers, self.args.num_experts), jnp.float32)
@@ -351,13 +358,16 @@ class Qwen3(nnx.Module):
         tables = (*rope_tables(positions, self.args.head_dim, self.args.rope_theta,
                                self.args.yarn), segment_ids_BT)
         layers_def, layers_state = nnx.split(self.layers)
+        layer_keys = (None if dropout_key is None else
+                      jax.random.split(dropout_key, self.args.n_layers))
 
         def run_layer(x_BTD: Array, layer_state: nnx.State, expert_bias_E: Array | None,
-                      kv: KVPair | None, tables: tuple[Array, Array, Array | None]
+                      kv: KVPair | None, key: Array | None,
+                      tables: tuple[Array, Array, Array | None]
                       ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
             cos_TH, sin_TH, segment_ids_BT = tables
             y_BTD, stats, kv = nnx.merge(layers_def, layer_state)(
-                x_BTD, cos_TH, sin_TH, expert_bias_E, segment_ids_BT, kv, start)
+                x_BTD, cos_TH, sin_TH, expert_bias_E, segment_ids_BT, kv, start, key)
             if activation_stats:
                 y32 = y_BTD.astype(jnp.float32)
                 stats["activation_sq_sum"] = jnp.sum(y32 * y32)
@@ -367,7 +377,7 @@ class Qwen3(nnx.Module):
         scan = functools.partial(_lookahead_scan, dtype=dtype) if (
             lookahead and kv_cache is None) else functools.partial(_layer_scan, remat=remat)
         x_BTD, (stats, kv_cache) = scan(run_layer, x_BTD, (layers_state, expert_bias_LE,
-                                                           kv_cache), tables)
+                                                           kv_cache, layer_keys), tables)
         aux_loss = jnp.zeros((), jnp.float32)
         if self.args.is_moe:
             prob_sum = stats.pop("router_prob_sum")
@@ -389,12 +399,13 @@ class Qwen3(nnx.Module):
                           preferred_element_type=jnp.float32)
 
 
-def _layer_scan(run_layer: Callable, x_BTD: Array, layers: tuple[nnx.State, Any, Any],
-                tables: tuple[Array, ...], remat: Callable | None
+def _layer_scan(run_layer: Callable, x_BTD: Array,
+                layers: tuple[nnx.State, Any, Any, Any], tables: tuple[Array, ...],
+                remat: Callable | None
                 ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
-    """`lax.scan` of `run_layer` over the stacked layers (and their expert bias and KV cache),
-    each iteration's weights gathered in it, with the `remat` policy."""
-    def body(x_BTD: Array, layer: tuple[nnx.State, Array | None, KVPair | None]
+    """`lax.scan` of `run_layer` over the stacked layers (and their expert bias, KV cache and
+    dropout keys), each iteration's weights gathered in it, with the `remat` policy."""
+    def body(x_BTD: Array, layer: tuple[nnx.State, Array | None, KVPair | None, Array | None]
              ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
         # Every use of the input goes through the name, so a policy that offloads it leaves
         # the device nothing of it to save.
@@ -405,20 +416,21 @@ def _layer_scan(run_layer: Callable, x_BTD: Array, layers: tuple[nnx.State, Any,
     return jax.lax.scan(body, x_BTD, layers)
 
 
-def _lookahead_scan(run_layer: Callable, x_BTD: Array, layers: tuple[nnx.State, Any, None],
-                    tables: tuple[Array, ...], dtype: jnp.dtype
-                    ) -> tuple[Array, tuple[dict[str, Array], None]]:
+def _lookahead_scan(run_layer: Callable, x_BTD: Array,
+                    layers: tuple[nnx.State, Any, None, Any], tables: tuple[Array, ...],
+                    dtype: jnp.dtype) -> tuple[Array, tuple[dict[str, Array], None]]:
     """The layer scan with each layer's weights gathered (in `dtype`) one layer ahead, full
     remat (`models/lookahead.py`)."""
-    layers_state, expert_bias_LE, _ = layers
+    layers_state, expert_bias_LE, _, keys = layers
 
-    def block(x_BTD: Array, gathered: nnx.State, expert_bias_E: Array | None,
+    def block(x_BTD: Array, gathered: nnx.State, per_layer: tuple[Any, Any],
               tables: tuple[Array, ...]) -> tuple[Array, tuple[dict[str, Array], None]]:
         with pregathered():
-            return run_layer(x_BTD, gathered, expert_bias_E, None, tables)
+            expert_bias_E, key = per_layer
+            return run_layer(x_BTD, gathered, expert_bias_E, None, key, tables)
 
     return scan_with_lookahead(block, functools.partial(gather_layer, dtype=dtype), x_BTD,
-                               layers_state, expert_bias_LE, tables)
+                               layers_state, (expert_bias_LE, keys), tables)
 
 
 def stacked_logical_axes(path: tuple[str, ...], axes: tuple[str | None, ...]
