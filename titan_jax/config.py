@@ -431,7 +431,7 @@ def _check_quantize(q: Quantize) -> None:
 
 def _check_lora(lo: Lora) -> None:
     """A rank of 0 is off, so any other lora key changed then is a mistake (it would do
-    nothing); with a rank, the targets are known names and dropout is 0 (not supported yet)."""
+    nothing); with a rank, the targets are known names and dropout is a rate PEFT accepts."""
     if lo.rank <= 0:
         changed = [f"lora.{f.name}={getattr(lo, f.name)!r}" for f in dataclasses.fields(Lora)
                    if f.name != "rank" and getattr(lo, f.name) != f.default]
