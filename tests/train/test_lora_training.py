@@ -125,17 +125,29 @@ def test_a_lora_run_resumes_bitwise(tmp_path, dropout):
 
 def test_dropout_changes_training_the_same_way_for_a_seed(tmp_path):
     """Fresh adapters add nothing (B = 0), so the first step's loss is dropout's as well; then
-    dropout changes the losses (two microbatches a step, each its own masks); the same seed
-    gives the same run, bit for bit, another seed other masks."""
-    def losses(dropout, *overrides):
-        return lora_losses(tmp_path, 1, "--training.local_batch_size", "2", "--lora.dropout",
-                           dropout, *overrides, lora=LORA, batch=4, steps=2)
+    dropout changes the losses (two microbatches a step, each its own masks); the same state
+    and step give the same masks, bit for bit."""
+    def trainer(dropout):
+        return build_trainer(make_config(tmp_path, *LORA, "--lora.dropout", dropout,
+                                         "--training.global_batch_size", "4"),
+                             jax.devices()[:1], model_args=TINY)
 
-    off, on = losses("0"), losses("0.3")
-    assert off[0] == on[0] and off[1] != on[1], (off, on)
-    np.testing.assert_array_equal(losses("0.3"), on)
-    # The init is the same (lora_losses makes it with the default seed): only the masks change.
-    assert losses("0.3", "--training.seed", "43")[1] != on[1]
+    off, on = trainer("0"), trainer("0.3")
+    assert off.options.dropout_seed is None and on.options.dropout_seed == 42
+    init = jax.device_get(off.init_state())
+    tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 4, 17), np.int32)
+
+    def losses(trainer):
+        state, out = jax.device_put(init, trainer.state_shardings), []
+        for t in tokens:
+            state, metrics = trainer.step_fn(state, trainer.batches.put(
+                {"inputs": t[:, :-1], "labels": t[:, 1:]}))
+            out.append(float(metrics["loss"]))
+        return out
+
+    without, with_dropout = losses(off), losses(on)
+    assert without[0] == with_dropout[0] and without[1] != with_dropout[1]
+    assert losses(on) == with_dropout
 
 
 def test_fresh_adapters_start_as_the_base_model(tmp_path):
