@@ -227,22 +227,30 @@ def test_expert_adapters_train_to_one_devices_losses_sharded(tmp_path, overrides
                                rtol=1e-5)
 
 
+def two_steps_leave_the_base(trainer, args):
+    """(the state before, after two steps on one random batch, the adapters after), checking
+    that the frozen base came out bitwise as it went in and the loss is finite."""
+    state = trainer.init_state()
+    first = jax.device_get(state)
+    tokens = np.random.default_rng(0).integers(0, args.vocab_size, (2, 17), np.int32)
+    for _ in range(2):
+        state, metrics = trainer.step_fn(state, trainer.batches.put(
+            {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}))
+    last = jax.device_get(state)
+    assert np.isfinite(metrics["loss"])
+    adapters, base = split_by_name(last["params"], trainer.model.trainable)
+    jax.tree.map(np.testing.assert_array_equal, base,
+                 split_by_name(first["params"], trainer.model.trainable)[1])
+    return first, last, adapters
+
+
 def test_expert_adapters_train_and_leave_the_experts_frozen(tmp_path):
     trainer = build_trainer(make_config(tmp_path, *EXPERT_LORA), jax.devices()[:1],
                             model_args=MOE)
     assert {n for n in trainer.model.trainable if ".moe." in n} == {
         "layers.moe.w1_and_w3_lora.lora_a", "layers.moe.w1_and_w3_lora.lora_b",
         "layers.moe.w2_lora.lora_a", "layers.moe.w2_lora.lora_b"}
-    state = trainer.init_state()
-    first = jax.device_get(state)
-    tokens = np.random.default_rng(0).integers(0, MOE.vocab_size, (2, 17), np.int32)
-    for _ in range(2):
-        state, _ = trainer.step_fn(state, trainer.batches.put(
-            {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}))
-    last = jax.device_get(state)
-    adapters, base = split_by_name(last["params"], trainer.model.trainable)
-    jax.tree.map(np.testing.assert_array_equal, base,
-                 split_by_name(first["params"], trainer.model.trainable)[1])
+    _, _, adapters = two_steps_leave_the_base(trainer, MOE)
     moe = adapters["layers"]["moe"]
     assert moe["w1_and_w3_lora"]["lora_b"].shape == (2, 8, 4, 2, 16)  # (L, E, r, gate|up, F)
     assert all(np.abs(a["lora_b"]).max() > 0 for a in moe.values())
@@ -254,17 +262,7 @@ def test_lora_on_a_moe_model_trains_the_attention_adapters_only(tmp_path):
     moe = dataclasses.replace(TINY, num_experts=4, top_k=2, moe_inter_dim=16)
     trainer = build_trainer(make_config(tmp_path, *LORA), jax.devices()[:1], model_args=moe)
     assert {n.split(".")[1] for n in trainer.model.trainable} == {"attention"}
-    state = trainer.init_state()
-    first = jax.device_get(state)
-    tokens = np.random.default_rng(0).integers(0, moe.vocab_size, (2, 17), np.int32)
-    for _ in range(2):
-        state, metrics = trainer.step_fn(state, trainer.batches.put(
-            {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}))
-    last = jax.device_get(state)
-    assert np.isfinite(metrics["loss"])
-    adapters, base = split_by_name(last["params"], trainer.model.trainable)
-    jax.tree.map(np.testing.assert_array_equal, base,
-                 split_by_name(first["params"], trainer.model.trainable)[1])
+    first, last, adapters = two_steps_leave_the_base(trainer, moe)
     assert all(b.any() for n, b in named_leaves(adapters).items() if n.endswith("lora_b"))
     assert not np.array_equal(last["buffers"]["expert_bias"], first["buffers"]["expert_bias"])
 
