@@ -11,7 +11,7 @@ is read through `use_param` (cast and gathered), so the provider would find no w
 adapters created inside the scan would be one layer's, not stacked. Declared as `nnx.Param`s
 (`nnx.LoRAParam`, so the build can tell them from the base) with logical axes, they are
 stacked per layer, sharded by the rules table and read through `use_param` like every other
-weight (the module, `Adapter`, is in qwen3/model.py, beside the projections that read it).
+weight (the module, `Adapter`, is qwen3/adapter.py's).
 The delta itself is qwix's LoRA math (`_compute_lora_delta`, what its provider adds to a
 `dot_general`), imported where an adapter runs, as `quantization.py` imports qwix.
 
