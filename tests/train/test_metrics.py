@@ -1,6 +1,7 @@
 """Tests for titan_jax/train/metrics.py: counts, FLOPs, peak FLOP/s, memory and the log sinks."""
 
 import json
+import math
 import struct
 import sys
 from pathlib import Path
@@ -11,11 +12,16 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
+from titan_jax.config_schema import LORA_GROUPS
+from titan_jax.models.lora import Lora
+from titan_jax.models.qwen3 import build_model_def
 from titan_jax.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
-from titan_jax.models.qwen3.flops import count_params, flops_per_token
+from titan_jax.models.qwen3.flops import adapter_params, count_params, flops_per_token
+from titan_jax.models.spec import BuildOptions
 from titan_jax.train import metrics, peak_flops
 from titan_jax.train.metrics import MetricsFileError, MetricsLogger, memory_stats
 from titan_jax.train.peak_flops import peak_flops_per_device
+from titan_jax.trees import split_by_name
 
 # Published totals with a tied embedding counted once (model cards: 0.6B / 1.7B / 4B total with
 # 0.44B / 1.4B / 3.6B non-embedding). The hub's safetensors counts for 0.6B and 1.7B (0.75B,
@@ -124,6 +130,28 @@ def test_tied_and_untied_differ_in_params_not_flops():
     # Both run the lm_head matmul; the lookup costs no FLOPs. A tied count that dropped the
     # shared matrix would be 6 * embedding lower.
     assert flops_per_token(untied, 256) == flops_per_token(tied, 256)
+
+
+@pytest.mark.parametrize(("args", "projections"), [
+    (QWEN3_FLAVORS["debugmodel"], LORA_GROUPS["attention"] + LORA_GROUPS["mlp"]),
+    (DEBUG_MOE, ("q_proj", "v_proj", *LORA_GROUPS["experts"])),
+], ids=["dense", "moe"])
+def test_lora_flops_price_the_frozen_base_without_its_weight_gradients(args, projections):
+    """4 FLOPs a base parameter (no weight gradient), 6 an adapter parameter; the adapter
+    counts are the built model's (its trainable params), experts' scaled by top_k."""
+    lora = Lora(rank=8, alpha=16.0, projections=projections)
+    model = build_model_def(args, BuildOptions(lora=lora))
+    adapters = split_by_name(model.abstract_params, model.trainable)[0]
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(adapters))
+    counted = adapter_params(args, lora)
+    assert counted["total"] == total
+    if args.is_moe:
+        experts = sum(math.prod(x.shape) for x in jax.tree.leaves(adapters["layers"]["moe"]))
+        assert counted["active"] == total - experts + experts * args.top_k // args.num_experts
+    n = count_params(args)["active"] - (0 if args.tie_embeddings else
+                                        count_params(args)["embedding"])
+    attention = flops_per_token(args, 256) - 6 * n
+    assert flops_per_token(args, 256, lora) == 4 * n + 6 * counted["active"] + attention
 
 
 def fake_device(kind: str, platform: str = "gpu") -> SimpleNamespace:

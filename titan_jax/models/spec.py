@@ -131,7 +131,8 @@ class ModelSpec:
     args_class: type  # a dataclass: a flavour's args (saved as model_args in checkpoints)
     flavors: Mapping[str, Any]
     build: Callable[..., ModelDef]  # (args, BuildOptions | None = None) -> ModelDef
-    flops_per_token: Callable[[Any, int], float]  # training FLOPs per token at a seq_len
+    # Training FLOPs per token at a seq_len: (args, seq_len, lora=NO_LORA) -> FLOPs.
+    flops_per_token: Callable[..., float]
     hf: HFAdapter
     # KV-cached sampling: (params, args, prompt_BT, max_new_tokens, *, temperature, top_p,
     # seed, eos_id, dtype) -> tokens (B, T + n).

@@ -58,7 +58,8 @@ class Trainer:
         return self.global_batch_size * self.config.training.seq_len
 
     def flops_per_token(self) -> float:
-        return self.model_spec.flops_per_token(self.model.args, self.config.training.seq_len)
+        return self.model_spec.flops_per_token(self.model.args, self.config.training.seq_len,
+                                               self.model.options.lora)
 
     def init_state(self, seed: int | None = None) -> TrainState:
         """Sharded random init: each device computes only its own shards."""

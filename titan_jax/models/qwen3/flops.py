@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.qwen3.args import Qwen3Args
 
 
@@ -33,7 +34,25 @@ def count_params(args: Qwen3Args) -> dict[str, int]:
     return {"total": total, "embedding": embedding, "active": active}
 
 
-def flops_per_token(args: Qwen3Args, seq_len: int) -> float:
+def adapter_params(args: Qwen3Args, lora: Lora) -> dict[str, int]:
+    """The LoRA adapters' parameter counts (A: in x r, B: r x out per adapted weight):
+    `total`, and `active`, those one token uses (an expert's adapters only where the token is
+    routed: top_k of num_experts)."""
+    r, d = lora.rank, args.dim
+    dense = {"q_proj": (d, args.q_dim), "k_proj": (d, args.kv_dim), "v_proj": (d, args.kv_dim),
+             "o_proj": (args.q_dim, d), "gate_proj": (d, args.hidden_dim),
+             "up_proj": (d, args.hidden_dim), "down_proj": (args.hidden_dim, d)}
+    experts = {"experts.gate_up_proj": (d, 2 * args.moe_inter_dim),  # one adapter on both
+               "experts.down_proj": (args.moe_inter_dim, d)}
+    per_layer = sum(r * (i + o) for p, (i, o) in dense.items() if lora.targets(p))
+    per_expert = sum(r * (i + o) for p, (i, o) in experts.items()
+                     if args.is_moe and lora.targets(p))
+    total = args.n_layers * (per_layer + per_expert * args.num_experts)
+    active = args.n_layers * (per_layer + per_expert * args.top_k)
+    return {"total": total, "active": active}
+
+
+def flops_per_token(args: Qwen3Args, seq_len: int, lora: Lora = NO_LORA) -> float:
     """Training FLOPs per token (forward + backward), TorchTitan's MFU numerator.
 
     `6 * N + 6 * n_layers * n_heads * (2 * head_dim) * seq_len`, as in torchtitan 0.3.0
@@ -45,7 +64,15 @@ def flops_per_token(args: Qwen3Args, seq_len: int) -> float:
     (as TorchTitan does; they are ~0.01% of N). The second term is the attention score and value
     matmuls over the full sequence (causal sparsity ignored, flash-attention recompute not
     counted).
+
+    With LoRA (`lora`), the frozen base needs no weight gradients: 4 FLOPs a parameter per
+    token (forward, and the input gradient backward) instead of 6, and the adapters 6 each.
+    Folding an expert adapter into its weights at use (models/lora.py) is not counted, as
+    remat's recompute is not.
     """
     counts = count_params(args)
     n = counts["active"] - (0 if args.tie_embeddings else counts["embedding"])
-    return float(6 * n + 6 * args.n_layers * args.n_heads * (2 * args.head_dim) * seq_len)
+    attention = 6 * args.n_layers * args.n_heads * (2 * args.head_dim) * seq_len
+    if lora.rank == 0:
+        return float(6 * n + attention)
+    return float(4 * n + 6 * adapter_params(args, lora)["active"] + attention)
