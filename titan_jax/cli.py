@@ -1,5 +1,6 @@
 """`titan-jax` command line: `titan-jax {train,inspect,compile,parity,generate,prepare-data}
---config PATH [--section.key value ...]` and `titan-jax convert --from FMT --to FMT SRC DST`."""
+--config PATH [--section.key value ...]`, `titan-jax convert --from FMT --to FMT SRC DST` and
+`titan-jax goodput RUN_FOLDER`."""
 
 from __future__ import annotations
 
@@ -31,14 +32,14 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
     add_commands(parser.add_subparsers(dest="command", required=True))
     rest, overrides = split_overrides(argv)
     args = parser.parse_args(rest)
-    if args.command == "convert":  # no recipe: anything left over is a mistake
-        if overrides:
-            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
-        return args, None
     if getattr(args, "json", None):  # a report written at the end: checked before the work
         from titan_jax.train.preflight import check_output_file
 
         check_output_file(args.json, "--json")
+    if args.command in ("convert", "goodput"):  # no recipe: anything left over is a mistake
+        if overrides:
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        return args, None
     config = load_config(args.config, overrides)
     from titan_jax.train.run_checks import check_model_choice
 
@@ -147,6 +148,16 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _goodput(args: argparse.Namespace) -> int:
+    from titan_jax.train.goodput_summary import read_records, summarize
+
+    summary = summarize(args.run_folder, read_records(args.run_folder))
+    print(summary.table())
+    if args.json:
+        write_text_atomic(args.json, json.dumps(summary.to_json(), indent=2) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compile"]:
@@ -165,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             return _parity(args, config)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "goodput":
+            return _goodput(args)
         if args.command == "generate":
             return _generate(args, config)
         if args.command == "prepare-data":
@@ -182,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         set_cpu_device_count(config.job.cpu_devices)
         if config.distributed.num_processes <= 1:
             _enable_compilation_cache()
+        from titan_jax.train.goodput import process_start_time
         from titan_jax.train.loop import train
         from titan_jax.train.stopping import BadStepsError
 
         try:
-            train(config)
+            train(config, started_at=process_start_time())
         except BadStepsError as e:  # the run diverged: one line, but not bad input
             print(f"titan-jax: error: {e}", file=sys.stderr)
             return 1

@@ -111,6 +111,13 @@ COMMANDS: tuple[tuple[str, str, str, list[Argument | Choice]], ...] = (
            help="this machine's part: input files i with i %% N == I"),
       _arg("--verify", action="store_true",
            help="check the store at --output against its checksums, then exit")]),
+    ("goodput", "where a run's wall time went, across its restarts",
+     "Summarise RUN_FOLDER/goodput.jsonl (written by train): the seconds and share of each of "
+     "ml-goodput-measurement's categories (productive steps, startup, compilation, data "
+     "loading, checkpoint save and restore, evaluation, steps recomputed after a restart, "
+     "pauses between processes, other), goodput = productive / wall time, and the same for "
+     "each process of the run.",
+     [_arg("run_folder", metavar="RUN_FOLDER", help="a run's job.dump_folder"), JSON_OUT]),
 )
 
 

@@ -30,6 +30,7 @@ from titan_jax.config import JobConfig
 from titan_jax.data.windows import WindowStream
 from titan_jax.parallel.distributed import JobFailures, exit_job, initialize_distributed
 from titan_jax.train.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError, Restored
+from titan_jax.train.goodput import GoodputRecorder
 from titan_jax.train.metrics import MetricsLogger
 from titan_jax.train.model_io import export_hf
 from titan_jax.train.preflight import check_history
@@ -69,6 +70,7 @@ class _Run:
     stop: StopSignals
     profiler: StepProfiler
     watchdog: StepWatchdog
+    goodput: GoodputRecorder
     reporter: StepReporter | None = None
 
 
@@ -91,27 +93,30 @@ def data_summary(data: WindowStream) -> str:
 
 
 def train(config: JobConfig, devices: list[jax.Device] | None = None,
-          model_args: Any = None) -> RunResult:
+          model_args: Any = None, started_at: float | None = None) -> RunResult:
     """Trains (or resumes) up to `training.steps`; returns this run's losses and final state.
     `model_args` replaces `model.flavor`'s shape (tests and notebooks train tiny models).
+    `started_at`: when this run's startup began (Unix seconds; default now), for goodput.
 
     Joins the multi-process job of `[distributed]` first; with several processes, an error on
     one of them ends all of them with its message (`JobFailures`).
     """
+    started_at = time.time() if started_at is None else started_at
     initialize_distributed(config.distributed)
     with JobFailures() as failures:
-        return _train(config, devices, model_args, failures)
+        return _train(config, devices, model_args, failures, started_at)
 
 
 def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
-           failures: JobFailures) -> RunResult:
+           failures: JobFailures, started_at: float) -> RunResult:
     # Every check that needs no lock; nothing written.
     setup = assemble_run(config, devices, model_args)
     paths = run_paths(config)
     with contextlib.ExitStack() as stack:
         if jax.process_index() == 0:  # exits last: after the locks are gone
             stack.enter_context(tidy_if_refused(paths.local))
-        mirror, ckpt, start = _open(stack, config, setup, paths)
+        goodput = GoodputRecorder(jax.process_index() == 0, started_at, config.job.dump_folder)
+        mirror, ckpt, start = _open(stack, config, setup, paths, goodput)
         logger = stack.enter_context(MetricsLogger(
             paths.local, config.metrics.log_freq, config.training.steps,
             enable_tensorboard=config.metrics.enable_tensorboard,
@@ -119,11 +124,13 @@ def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
             progress_bar=config.metrics.progress_bar, is_main_process=jax.process_index() == 0,
             enable_wandb=config.metrics.enable_wandb, run_config=config.to_dict(),
             keep_through=start.step))
+        goodput.started(paths.local, start.step, logger.info)
+        stack.enter_context(goodput)  # its end record: after the last save's wait
         run = _Run(config, setup, ckpt, mirror, logger,
                    stack.enter_context(StopSignals(logger.info)),
                    stack.enter_context(StepProfiler(config)),
                    stack.enter_context(StepWatchdog(config.distributed.step_timeout,
-                                                    _end_hung_job(failures))))
+                                                    _end_hung_job(failures))), goodput)
         # Exits first: the other processes hear of an error before cleanups that wait on them.
         stack.enter_context(failures.guard())
         logger.info(_summary(setup.trainer))
@@ -145,8 +152,8 @@ def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
             return _finish(run, step, state, stopped)
 
 
-def _open(stack: contextlib.ExitStack, config: JobConfig, setup: RunSetup, paths: RunPaths
-          ) -> tuple[RunMirror | None, Checkpointer | None, Restored]:
+def _open(stack: contextlib.ExitStack, config: JobConfig, setup: RunSetup, paths: RunPaths,
+          goodput: GoodputRecorder) -> tuple[RunMirror | None, Checkpointer | None, Restored]:
     """Takes the run's folders (locks, or a URL's lease and its files copied here), opens its
     log and checkpoints, and finds where it starts, with its data position set: all before the
     first metrics line is written."""
@@ -169,7 +176,8 @@ def _open(stack: contextlib.ExitStack, config: JobConfig, setup: RunSetup, paths
             stack.enter_context(RunLock(paths.checkpoints, "checkpoint.folder"))
         # Closed (waiting for an in-flight save) on every exit, errors and signals included.
         ckpt = stack.enter_context(Checkpointer.for_run(setup.trainer))
-    start = load_start(setup.trainer, ckpt)
+    with goodput.phase("checkpoint_restore"):
+        start = load_start(setup.trainer, ckpt)
     open_data(setup)
     if start.data_state is not None:
         try:
@@ -210,16 +218,20 @@ def _run_steps(run: _Run, state: TrainState, first: int) -> tuple[int, TrainStat
     """Steps after `first` up to `training.steps`, or until a stop signal; returns (the last
     step, its state, whether a signal stopped the run)."""
     config, trainer, reporter = run.config, run.setup.trainer, run.reporter
-    validator, c = run.setup.validator, config.checkpoint
+    validator, c, goodput = run.setup.validator, config.checkpoint, run.goodput
     pending: tuple[int, Any] | None = None
     stopped, step = False, first
+    goodput.training()
     for step in range(first + 1, config.training.steps + 1):
-        batch = trainer.batches.put(next(run.setup.data), seq_len=run.setup.data.seq_len)
+        with goodput.phase("data_loading"):
+            batch = trainer.batches.put(next(run.setup.data), seq_len=run.setup.data.seq_len)
         run.profiler.before_step(step)
-        state, metrics = trainer.step_fn(state, batch)
+        with goodput.phase("compilation"):  # the first call traces and compiles
+            state, metrics = trainer.step_fn(state, batch)
+        goodput.dispatched(metrics)
         # Read step N-1's metrics only after step N is queued: the device stays busy.
         if pending is not None:
-            reporter.report(*pending)
+            _report(run, *pending)
             run.watchdog.beat(pending[0])
             if run.mirror is not None:
                 run.mirror.sync_now_and_then()
@@ -227,28 +239,38 @@ def _run_steps(run: _Run, state: TrainState, first: int) -> tuple[int, TrainStat
         if (trace := run.profiler.after_step(step, (state, metrics))) is not None:
             run.logger.info(f"profile of steps up to {step} written to {trace}")
         if validator is not None and validator.should_validate(step):
-            with run.watchdog.paused():
+            with run.watchdog.paused(), goodput.phase("evaluation"):
                 reporter.add_validation(step, validator.validate(state["params"],
                                                                  state["buffers"]))
         stopped = run.stop.should_stop(step)
         if run.ckpt is not None and (stopped or step == config.training.steps
                                      or step % c.interval == 0):
-            reporter.report(*pending)  # N's verdict (bad-step policy) before N is saved
+            _report(run, *pending)  # N's verdict (bad-step policy) before N is saved
             run.watchdog.beat(step)
             pending = None
-            with run.watchdog.paused():
+            goodput.interval()  # a resume point is a record boundary
+            with run.watchdog.paused(), goodput.phase("checkpoint_save"):
                 _save(run, step, state)
         if stopped:
             break
     if pending is not None:
-        reporter.report(*pending)
+        _report(run, *pending)
     return step, state, stopped
+
+
+def _report(run: _Run, step: int, metrics: Any) -> None:
+    """Reads and logs `step`'s metrics; a logged step also ends a goodput interval."""
+    run.reporter.report(step, metrics)
+    run.goodput.reported(step)
+    if run.logger.should_log(step):
+        run.goodput.interval()
 
 
 def _finish(run: _Run, step: int, state: TrainState, stopped: bool) -> RunResult:
     config, ckpt, logger = run.config, run.ckpt, run.logger
     if ckpt is not None:
-        ckpt.wait()
+        with run.goodput.phase("checkpoint_save"):
+            ckpt.wait()
     if jax.process_count() > 1:
         logger.info(data_summary(run.setup.data))
     losses = run.reporter.losses
@@ -256,6 +278,7 @@ def _finish(run: _Run, step: int, state: TrainState, stopped: bool) -> RunResult
         saved = (f"saved checkpoint step {step} in {ckpt.directory}; run the same command "
                  "to resume" if ckpt is not None else "checkpoint.enable=false: nothing saved")
         logger.info(f"{run.stop.reason}: stopped after step {step}; {saved}")
+        run.goodput.ending = run.stop.reason
         return RunResult(step, losses, state, run.stop.reason)
     if config.checkpoint.last_save_in_hf:
         path = export_hf(run.setup.trainer, state["params"], step)

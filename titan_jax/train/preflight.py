@@ -19,6 +19,7 @@ from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.paths import local_path
 from titan_jax.errors import long_name, name_too_long
 from titan_jax.train.checkpoint import CheckpointError, is_checkpoint_dir, listing
+from titan_jax.train.goodput import RECORD_FILE
 from titan_jax.train.run_folder import is_url, run_paths
 
 METRICS_FILE = "metrics.jsonl"
@@ -100,12 +101,15 @@ def own_steps(config: JobConfig) -> list[int]:
     return sorted(int(p.name) for p in folder.iterdir() if is_checkpoint_dir(p))
 
 
-def _logged_steps(metrics: Path) -> list[int]:
+def _logged_steps(path: Path, key: str) -> list[int]:
+    """The steps of metrics.jsonl's rows (`key` "step") or of goodput.jsonl's records
+    (`key` "steps": the first and last step each one covers)."""
     steps = []
-    if metrics.is_file():
-        for line in metrics.read_text(errors="replace").splitlines():
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
             try:
-                steps.append(int(json.loads(line)["step"]))
+                value = json.loads(line)[key]
+                steps.extend(int(s) for s in (value if isinstance(value, list) else [value]))
             except (ValueError, KeyError, TypeError):  # torn by a crash
                 continue
     return steps
@@ -120,17 +124,21 @@ def check_history(config: JobConfig) -> None:
     checkpoints = own_steps(config)
     if config.checkpoint.enable and checkpoints:
         return  # a resume: the rows logged after its step are this run's own, logged again
-    logged = _logged_steps(paths.local / METRICS_FILE)  # a URL's: copied in by RunMirror
+    # A URL's files were copied in by RunMirror.
+    logged = {what: (name, steps) for what, name, key in (
+        ("metrics", METRICS_FILE, "step"), ("goodput records", RECORD_FILE, "steps"))
+        if (steps := _logged_steps(paths.local / name, key))}
     if not logged and not checkpoints:
         return
-    held = []
-    if logged:
-        held.append(f"the metrics of steps {min(logged)}-{max(logged)} ({METRICS_FILE})")
+    held = [f"the {what} of steps {min(steps)}-{max(steps)} ({name})"
+            for what, (name, steps) in logged.items()]
     if checkpoints:
         held.append(f"checkpoints {listing(checkpoints)} "
                     f"({dump / config.checkpoint.folder})")
+    files = " and ".join(name for name in (METRICS_FILE, RECORD_FILE)
+                         if (paths.local / name).exists())
     hint = ("resume that run with --checkpoint.enable true, or use a new job.dump_folder"
-            if checkpoints else f"use a new job.dump_folder, or move {METRICS_FILE} out of it")
+            if checkpoints else f"use a new job.dump_folder, or move {files} out of it")
     raise ConfigError(f"job.dump_folder={dump} holds {' and '.join(held)} of another run; this "
                       f"run starts at step 1 and would mix the two histories: {hint}")
 
