@@ -29,8 +29,9 @@ COMMON = ["train", "--config", str(ROOT / "configs" / "qwen3_debug.toml"),
 pytestmark = pytest.mark.slow
 
 
-def train(dump: Path, processes: int) -> list[str]:
-    """Runs the recipe in `dump` on 1 process x 8 devices or 2 x 4; returns each one's stdout."""
+def train(dump: Path, processes: int, devices: int = 8) -> list[str]:
+    """Runs the recipe in `dump` on `processes` sharing `devices` (default 1 x 8 or 2 x 4);
+    returns each one's stdout."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     port = _free_port()
     distributed = lambda i: [] if processes == 1 else [  # noqa: E731
@@ -38,7 +39,7 @@ def train(dump: Path, processes: int) -> list[str]:
         "--distributed.coordinator_address", f"127.0.0.1:{port}"]
     procs = [subprocess.Popen(
         [sys.executable, "-m", "titan_jax.cli", *COMMON, "--job.dump_folder", str(dump),
-         "--job.cpu_devices", str(8 // processes), *distributed(i)],
+         "--job.cpu_devices", str(devices // processes), *distributed(i)],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(processes)]
     outs = [p.communicate(timeout=600) for p in procs]
@@ -100,3 +101,21 @@ def test_a_checkpoint_moves_between_one_and_two_processes(runs, tmp_path, saved_
     resumed, original = _losses(dump), _losses(source)
     assert resumed == pytest.approx(original, rel=1e-6, abs=0)
     assert _losses(dump, "val_loss") == pytest.approx(_losses(source, "val_loss"), rel=1e-6)
+
+
+@pytest.mark.parametrize("saved_by, resumed_by, devices", [(2, 1, 4), (1, 2, 4)])
+def test_a_resume_on_another_shape_keeps_the_global_batch(runs, tmp_path, saved_by, resumed_by,
+                                                         devices):
+    """2 x 4 devices -> 1 x 4, and 1 x 8 -> 2 x 2: the global batch of 8 rows no longer fits
+    one row per device, and becomes 2 microbatches of 4 rows."""
+    source, _ = runs[saved_by]
+    dump = tmp_path / "resumed"
+    shutil.copytree(source, dump)
+    shutil.rmtree(dump / "checkpoint" / str(STEPS))  # resume from step 2
+    outs = train(dump, resumed_by, devices)
+    processes = lambda n: f"{n} process{'es' if n > 1 else ''}"  # noqa: E731
+    line = (f"resuming on {processes(resumed_by)} x {devices // resumed_by} devices, the "
+            f"checkpoint was saved on {processes(saved_by)} x {8 // saved_by}: global batch 8 "
+            "kept as 2 microbatch(es) of 1 row(s) x 4 data-parallel ranks")
+    assert line in outs[0].splitlines(), outs[0]
+    assert _losses(dump) == pytest.approx(_losses(source), rel=1e-5, abs=0)

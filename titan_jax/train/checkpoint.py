@@ -10,8 +10,9 @@ checkpoint and anything else is a save that never finished (cleaned up at the ne
                     a model-only checkpoint holds just the `MODEL_KEYS`
     {step}/data/    the data iterator's JSON state (full checkpoints only)
     {step}/meta/    JSON: step, tokens seen, whether model-only, the config fields a resume must
-                    keep (`resume_signature`), the model's Qwen3Args, the resolved config, and
-                    one checksum per array
+                    keep (`resume_signature`), the model's Qwen3Args, the resolved config, the
+                    shape it was saved on (processes, devices, global batch: resume_shape.py),
+                    and one checksum per array
     hf-{step}/      the final model as HF safetensors (`checkpoint.last_save_in_hf`)
 
 Restores go straight into abstract targets that carry the current run's shardings, so a
@@ -211,7 +212,12 @@ class Checkpointer:
         c = config.checkpoint
         run_info = {"resume": resume_signature(config, trainer.global_batch_size),
                     "model_args": dataclasses.asdict(trainer.model.args),
-                    "config": config.to_dict()}
+                    "config": config.to_dict(),
+                    "shape": {"processes": jax.process_count(),
+                              "devices": trainer.mesh.devices.size,
+                              "global_batch_size": trainer.global_batch_size,
+                              "microbatches": trainer.options.n_microbatches,
+                              "local_batch_size": config.training.local_batch_size}}
         state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
             trainer.abstract_state()))
         return cls(run_paths(config).checkpoints, keep_latest_k=c.keep_latest_k,

@@ -134,6 +134,8 @@ def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
         # Exits first: the other processes hear of an error before cleanups that wait on them.
         stack.enter_context(failures.guard())
         logger.info(_summary(setup.trainer))
+        if setup.shape_note is not None:
+            logger.info(setup.shape_note)
         if start.step >= config.training.steps:
             logger.info(f"nothing to train: {start.source} is at step {start.step} and "
                         f"training.steps={config.training.steps}; raise training.steps to train "

@@ -22,6 +22,7 @@ from titan_jax.data.tokenizer import Tokenizer
 from titan_jax.data.windows import WindowStream
 from titan_jax.train.eval import Validator
 from titan_jax.train.preflight import check_initial_load_path, check_outputs
+from titan_jax.train.resume_shape import keep_saved_batch
 from titan_jax.train.run_checks import check_data
 from titan_jax.train.trainer import Trainer, build_trainer
 
@@ -33,6 +34,7 @@ class RunSetup:
     # Built under the run's lock (a small source becomes a token store in the dump folder).
     data: WindowStream | None = None
     validator: Validator | None = None
+    shape_note: str | None = None  # a resume on another shape: what changed, what was kept
 
 
 def _progress(message: str) -> None:
@@ -61,8 +63,11 @@ def assemble_run(config: JobConfig, devices: list[jax.Device] | None = None,
     `build_trainer`)."""
     check_outputs(config)
     check_initial_load_path(config)
+    config, shape_note = keep_saved_batch(config, len(jax.devices() if devices is None
+                                                      else devices))
     trainer = build_trainer(config, devices, model_args=model_args)
-    return RunSetup(trainer, check_data(config, trainer.model.args, trainer.attention))
+    return RunSetup(trainer, check_data(config, trainer.model.args, trainer.attention),
+                    shape_note=shape_note)
 
 
 def open_data(setup: RunSetup) -> None:
