@@ -97,7 +97,7 @@ def test_a_failure_that_is_not_bad_input_keeps_its_traceback(tmp_path):
     script = ("import sys\n"
               "from titan_jax import cli\n"
               "from titan_jax.train import loop\n"
-              "def broken(config, devices=None):\n"
+              "def broken(config, devices=None, **kwargs):\n"
               "    raise RuntimeError('XLA went wrong')\n"
               "loop.train = broken\n"
               "sys.exit(cli.main(sys.argv[1:]))\n")
