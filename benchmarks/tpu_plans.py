@@ -127,7 +127,19 @@ LONG_CONTEXT_PLANS = (
           "--parallelism.context_parallel_degree", "4", "--parallelism.expert_parallel_degree",
           "8")),
 )
-PLANS = PLANS + LOW_PRECISION_PLANS + LONG_CONTEXT_PLANS
+# Post-training (issue 43): full SFT and LoRA / QLoRA of the shipped recipes, each LoRA row
+# beside full fine-tuning of the same model on the same slice (its memory is the comparison).
+POSTTRAINING_PLANS = (
+    Plan("8B SFT v5p-8", "configs/qwen3_8b_sft.toml", "v5p-8"),
+    Plan("8B SFT v6e-8", "configs/qwen3_8b_sft.toml", "v6e-8"),
+    Plan("8B SFT v5e-8", "configs/qwen3_8b_sft.toml", "v5e-8"),
+    Plan("8B LoRA v5e-8", "configs/qwen3_8b_lora.toml", "v5e-8"),
+    Plan("8B LoRA v5e-4", "configs/qwen3_8b_lora.toml", "v5e-4"),
+    Plan("30B-A3B SFT v5p-8", "configs/qwen3_30b_a3b_lora.toml", "v5p-8",
+         ("--lora.rank", "0")),
+    Plan("30B-A3B LoRA v5p-8", "configs/qwen3_30b_a3b_lora.toml", "v5p-8"),
+)
+PLANS = PLANS + LOW_PRECISION_PLANS + LONG_CONTEXT_PLANS + POSTTRAINING_PLANS
 
 
 def run(plan: Plan) -> dict[str, Any]:
