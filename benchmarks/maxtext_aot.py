@@ -78,6 +78,57 @@ class Published:
 
 
 _TPU_RECIPES = "AI-Hypercomputer/tpu-recipes training/ironwood/"
+_TRILLIUM = "AI-Hypercomputer/tpu-recipes training/trillium/"
+_SPLASH_2048 = tuple(f"sa_{block}=2048" for block in (
+    "block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
+    "block_kv_dkv_compute", "block_q_dq", "block_kv_dq"))
+_OFFLOAD_QKVO = ("remat_policy=custom", "decoder_layer_input=offload", "out_proj=offload",
+                 "query_proj=offload", "key_proj=offload", "value_proj=offload")
+# maxtext `benchmarks/xla_flags_library.py` (tpu-recipes-v0.1.2/v0.1.4), the groups the v6e and
+# v5p model configs combine.
+_DENSE_VMEM = ("--xla_tpu_scoped_vmem_limit_kib=98304",)
+_MOE_VMEM = ("--xla_tpu_scoped_vmem_limit_kib=81920",)
+_LAYOUT_FOR_RS = ("--xla_tpu_use_minor_sharding_for_major_trivial_input=true",
+                  "--xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1",
+                  "--xla_tpu_assign_all_reduce_scatter_layout=true")
+_DP_OVERLAP = ("--xla_tpu_enable_data_parallel_all_reduce_opt=true",
+               "--xla_tpu_data_parallel_opt_different_sized_ops=true")
+_CF_FOR_ALL_GATHER = ("--xla_tpu_enable_async_collective_fusion=true",
+                      "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+                      "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+                      "--xla_tpu_overlap_compute_collective_tc=true",
+                      "--xla_enable_async_all_gather=true")
+_SC_ALL_REDUCE = ("--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=false",
+                  "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
+                  "--xla_tpu_enable_all_reduce_offload_tracing=true",
+                  "--xla_tpu_use_tc_device_shape_on_sc=true",
+                  "--xla_sc_enable_instruction_fusion=false", "--xla_sc_disjoint_spmem=false",
+                  "--xla_sc_disable_megacore_partitioning=true")
+_HOST_OFFLOAD = ("--xla_tpu_enable_all_experimental_scheduler_features=true",
+                 "--xla_tpu_enable_scheduler_memory_pressure_tracking=true",
+                 "--xla_tpu_host_transfer_overlap_limit=24",
+                 "--xla_tpu_aggressive_opt_barrier_removal=ENABLED",
+                 "--xla_lhs_prioritize_async_depth_over_stall=ENABLED",
+                 "--xla_tpu_enable_ag_backward_pipelining=true",
+                 "--xla_should_allow_loop_variant_parameter_in_chain=ENABLED",
+                 "--xla_should_add_loop_invariant_op_in_chain=ENABLED",
+                 "--xla_max_concurrent_host_send_recv=100",
+                 "--xla_tpu_scheduler_percent_shared_memory_limit=100",
+                 "--xla_latency_hiding_scheduler_rerun=2")
+_NO_COLLECTIVE_MATMUL = ("--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000",)
+_REFUSED_FUSED_GATHER = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
+
+
+def _modern(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """A 2024-25 recipe's flags on libtpu 0.0.50, which refuses the fused all-gather
+    continuation on every chip but v5e (docs/TPU.md): MaxText's newer recipes get the same
+    asynchronous FSDP gathers from the SparseCore offload flags titan-jax sets by default."""
+    if _REFUSED_FUSED_GATHER not in flags:
+        return flags
+    from titan_jax.jax_platform import SPARSECORE_OFFLOAD_FLAGS
+
+    kept = tuple(f for f in flags if f != _REFUSED_FUSED_GATHER)
+    return (*kept, _REFUSED_FUSED_GATHER.replace("=true", "=false"), *SPARSECORE_OFFLOAD_FLAGS)
 _SPLASH_SEQ_MINOR = ("attention=flash", "use_tokamax_splash=True", "sa_use_fused_bwd_kernel=True")
 CALIBRATION = {
     "llama3.1-70b 8K bf16, 64 chips": Published(
@@ -171,6 +222,58 @@ CALIBRATION = {
          "--xla_tpu_scheduler_percent_shared_memory_limit=100",
          "--xla_latency_hiding_scheduler_rerun=2"),
         30.87, 629.79, 8, _TPU_RECIPES + "qwen3-235b-a22b/4k-bf16-tpu7x-4x8x8"),
+    # tpu-recipes' v6e and v5p recipes name a MaxText model config (maxtext
+    # `benchmarks/maxtext_{trillium,v5p}_model_configs.py` at the tag or commit their README
+    # gives): its tuning keys (profiler, GCS and tokenizer paths left out) and libtpu flags.
+    "mistral-7b 8K bf16, v6e-8": Published(
+        "v6e-8",
+        ("model_name=mistral-7b", "per_device_batch_size=6", "max_target_length=8192",
+         "ici_fsdp_parallelism=-1", *_OFFLOAD_QKVO, "attention=flash", "use_iota_embed=True",
+         *_SPLASH_2048, "sa_use_fused_bwd_kernel=True"),
+        _modern(_DENSE_VMEM + _LAYOUT_FOR_RS + _DP_OVERLAP + _CF_FOR_ALL_GATHER
+                + _SC_ALL_REDUCE + _HOST_OFFLOAD + _NO_COLLECTIVE_MATMUL),
+        6.320, 431.981, None, _TRILLIUM + "Mistral-7B-MaxText (maxtext tpu-recipes-v0.1.2 "
+        "mistral_7b)"),
+    "llama3.1-70b 8K bf16, v6e-32": Published(
+        "v6e-32",
+        ("model_name=llama3.1-70b", "per_device_batch_size=2", "max_target_length=8192",
+         "ici_fsdp_parallelism=-1", "remat_policy=custom", "decoder_layer_input=offload",
+         "query_proj=offload", "key_proj=offload", "value_proj=offload", "attention=flash",
+         "use_iota_embed=True", *_SPLASH_2048, "sa_use_fused_bwd_kernel=True",
+         "weight_dtype=bfloat16"),
+        _modern(_DENSE_VMEM + _LAYOUT_FOR_RS + _DP_OVERLAP + _CF_FOR_ALL_GATHER + _HOST_OFFLOAD
+                + _NO_COLLECTIVE_MATMUL),
+        17.790, 443.385, None, _TRILLIUM + "Llama3.1-70B-MaxText/v6e-32 (maxtext "
+        "tpu-recipes-v0.1.4 llama3_1_70b_8192_bs2_bfloat16_no_collective_matmul)"),
+    "mixtral-8x7b 4K bf16 dropping, v6e-256": Published(
+        "v6e-256",
+        ("model_name=mixtral-8x7b", "per_device_batch_size=12", "max_target_length=4096",
+         "ici_fsdp_parallelism=-1", *_OFFLOAD_QKVO, "attention=flash", "use_iota_embed=True",
+         "reuse_example_batch=1", "sa_block_q=2048", "sa_block_q_dkv=2048", "sa_block_q_dq=2048",
+         "megablox=False", "sparse_matmul=False", "capacity_factor=1.25"),
+        _modern(_MOE_VMEM + _CF_FOR_ALL_GATHER + _DP_OVERLAP),
+        13.484, 302.311, None, _TRILLIUM + "Mixtral-8x7B-MaxText (maxtext tpu-recipes-v0.1.2 "
+        "mixtral_8x7b_dropped)"),
+    "mixtral-8x22b 4K bf16 dropping, v6e-256": Published(
+        "v6e-256",
+        ("model_name=mixtral-8x22b", "per_device_batch_size=8", "max_target_length=4096",
+         "ici_fsdp_parallelism=64", "ici_expert_parallelism=4", *_OFFLOAD_QKVO,
+         "attention=flash", "use_iota_embed=True", "reuse_example_batch=1", "sa_block_q=2048",
+         "sa_block_q_dkv=2048", "sa_block_q_dq=2048", "megablox=False", "sparse_matmul=False",
+         "capacity_factor=1.25", "dtype=bfloat16", "weight_dtype=bfloat16",
+         "allow_split_physical_axes=True", "custom_mesh=hybrid_ring_64x4"),
+        _modern(_MOE_VMEM + _CF_FOR_ALL_GATHER + _DP_OVERLAP),
+        24.706, 332.463, None, _TRILLIUM + "Mixtral-8x22B-MaxText (maxtext tpu-recipes-v0.1.2 "
+        "mixtral_8x22b_dropped)"),
+    "llama4-scout 8K bf16, v5p-256": Published(
+        "v5p-256",
+        ("model_name=llama4-17b-16e", "per_device_batch_size=8", "max_target_length=8192",
+         "ici_fsdp_parallelism=-1", "dtype=bfloat16", "weight_dtype=float32", "megablox=True",
+         "sparse_matmul=True", "opt_type=adamw", "remat_policy=custom",
+         "decoder_layer_input=offload", "reuse_example_batch=1", *_SPLASH_2048),
+        _modern(_MOE_VMEM + _CF_FOR_ALL_GATHER + _DP_OVERLAP + _LAYOUT_FOR_RS + _HOST_OFFLOAD),
+        31.652, 225.491, 1, "AI-Hypercomputer/tpu-recipes training/v5p/"
+        "Llama4-Scout-17B-16E-Maxtext (maxtext 3eb77db llama4_scout_dropless_v5p_256)"),
 }
 
 
@@ -214,24 +317,34 @@ def estimate_dump(dump: Path, topology: str, routed: float | None) -> dict[str, 
             "est_seconds_by_class": cost["seconds_by_class"]}
 
 
+def _folder_name(run_name: str) -> str:
+    return re.sub(r"[^\w.-]+", "_", run_name)
+
+
 def train_compile(python: Path, run_name: str, keys: tuple[str, ...],
                   libtpu_flags: tuple[str, ...] = (),
                   price: Callable[[Path], dict[str, Any]] | None = None,
                   keep: Path | None = None) -> dict[str, Any]:
     """MaxText's `train_compile` of `keys` (its compiled step's memory and compile time), and
-    `price(dump)` of its XLA dump when asked; `keep`: a folder that keeps the run's output and
-    dump (one subfolder per recipe), to read the priced program."""
-    with tempfile.TemporaryDirectory(dir=keep, prefix=run_name.replace(" ", "_") + ".",
-                                     delete=keep is None) as out:
+    `price(dump)` of its XLA dump when asked. `keep`: a folder that keeps each recipe's output,
+    log and XLA dump in a subfolder named for it; a recipe whose subfolder already holds a
+    finished compile is re-priced from it, not recompiled (`--reprice`, or delete it)."""
+    kept = keep / _folder_name(run_name) if keep else None
+    if kept and (kept / "compile.json").exists():
+        row = json.loads((kept / "compile.json").read_text())
+        return row | (price(kept / "xla_dump") if price else {})
+    with tempfile.TemporaryDirectory(delete=kept is None) as temporary:
+        out = kept or Path(temporary)
+        out.mkdir(parents=True, exist_ok=True)
         command = [str(python), "-m", "maxtext.trainers.pre_train.train_compile",
                    # tokamax's kernels refuse to trace for a TPU from a CPU host without it.
                    "--tokamax_cross_compile=true",
-                   str(base_config(python)), f"run_name={run_name.replace(' ', '_')}",
+                   str(base_config(python)), f"run_name={_folder_name(run_name)}",
                    f"base_output_directory={out}", "compile_topology_num_slices=1", *keys]
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
         if libtpu_flags:
             env["LIBTPU_INIT_ARGS"] = " ".join(libtpu_flags)
-        dump = Path(out) / "xla_dump"
+        dump = out / "xla_dump"
         if price:
             env["XLA_FLAGS"] = (f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
                                 "--xla_dump_hlo_module_re=jit_train_step").strip()
@@ -239,11 +352,15 @@ def train_compile(python: Path, run_name: str, keys: tuple[str, ...],
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         seconds = time.perf_counter() - start
         log = done.stdout + done.stderr
+        if kept:
+            (out / "compile.log").write_text(log)
         if done.returncode:
             raise RuntimeError(f"MaxText's compile of {run_name} failed:\n{log[-3000:]}")
-        return {"recipe": run_name, "compile_s": round(seconds, 1),
-                **{f: v / 1e9 for f, v in memory_of(log).items()},
-                **(price(dump) if price else {})}
+        row = {"recipe": run_name, "compile_s": round(seconds, 1),
+               **{f: v / 1e9 for f, v in memory_of(log).items()}}
+        if kept:
+            (out / "compile.json").write_text(json.dumps(row))
+        return row | (price(dump) if price else {})
 
 
 def compile_recipe(python: Path, name: str, priced: bool = False, keep: Path | None = None
@@ -301,7 +418,8 @@ def main() -> int:
                         help="the published Ironwood recipes, priced against their measurements")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--keep", type=Path, metavar="DIR",
-                        help="keep each compile's output and XLA dump in a folder under DIR")
+                        help="keep each compile's output and XLA dump in a folder under DIR; "
+                        "a recipe already compiled there is re-priced, not recompiled")
     opts = parser.parse_args()
     python = maxtext_python()
     if python is None:

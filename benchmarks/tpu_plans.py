@@ -20,7 +20,8 @@ from typing import Any
 from titan_jax.atomic_dir import write_text_atomic
 from titan_jax.config import load_config
 from titan_jax.jax_platform import compile_only_libtpu
-from titan_jax.planner.aot_compile import compile_report
+from titan_jax.planner.aot_compile import compile_report, reprice
+from titan_jax.planner.calibration import with_band
 
 BEGIN, END = "<!-- tpu_plans:begin -->", "<!-- tpu_plans:end -->"
 MAXTEXT = "MaxText 0.2.5"  # the side-by-side anchor (benchmarks/maxtext-constraints.txt)
@@ -142,9 +143,9 @@ POSTTRAINING_PLANS = (
 PLANS = PLANS + LOW_PRECISION_PLANS + LONG_CONTEXT_PLANS + POSTTRAINING_PLANS
 
 
-def run(plan: Plan) -> dict[str, Any]:
+def run(plan: Plan, keep_dump: Path | None = None) -> dict[str, Any]:
     config = load_config(plan.config, list(plan.overrides))
-    return compile_report(config, plan.topology, plan.num_slices)
+    return compile_report(config, plan.topology, plan.num_slices, keep_dump=keep_dump)
 
 
 def _gb(n: float | None) -> str:
@@ -159,7 +160,7 @@ def row(plan: Plan, r: dict[str, Any]) -> str:
     mesh = " ".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1)
     kernel = r.get("attention_kernel_flops_per_step") or 0  # splash, counted from its shapes
     attention = r["attention"] + (f" ({kernel / 1e15:.2f} PFLOP)" if kernel else "")
-    est = (f"{r['est_step_time_s']:.2f} s / {r['est_mfu_pct']:.0f}% (<= "
+    est = (f"{with_band(r['est_step_time_s'], r['est_mfu_pct'])} (<= "
            f"{r['roofline_mfu_pct']:.0f}%)" if r["est_step_time_s"] is not None else "-")
     if r.get("est_all_to_one_rank_step_time_s"):
         est += f"; one rank {r['est_all_to_one_rank_step_time_s']:.2f} s"
@@ -169,7 +170,18 @@ def row(plan: Plan, r: dict[str, Any]) -> str:
             f"{_gb(m.get('argument_size_in_bytes'))} + {_gb(m.get('temp_size_in_bytes'))} | "
             f"{_gb(r['per_chip_bytes'])} of {_gb(r['usable_hbm_bytes'])} | "
             f"{'yes' if r['fits'] else '**no**'} | {r['compile_s']:.0f} s | {est} | "
-            f"{overlap} | {maxtext} |")
+            f"{xla_ratios(r)} | {overlap} | {maxtext} |")
+
+
+def xla_ratios(r: dict[str, Any]) -> str:
+    """XLA's own `cost_analysis()` FLOPs and bytes over ours counted the same way (each loop
+    body once, no custom-call kernels): the consistency column."""
+    ours_flops, ours_bytes = (r.get("est_flops_loop_bodies_once"),
+                              r.get("est_hbm_bytes_loop_bodies_once"))
+    if not ours_flops or not ours_bytes or r.get("cost_analysis_bytes_per_chip") is None:
+        return "-"
+    return (f"{r['cost_analysis_flops_per_chip'] / ours_flops:.2f} / "
+            f"{r['cost_analysis_bytes_per_chip'] / ours_bytes:.2f}")
 
 
 def stack() -> str:
@@ -186,31 +198,52 @@ def markdown(rows: list[str]) -> str:
         "(`memory_analysis()`, GB = 1e9 bytes): arguments (sharded params + AdamW state + "
         "batch) and temporaries; `fits` compares the program's peak of live buffers with the "
         "HBM XLA:TPU lets a program use, as the compiler does. The estimate prices each "
-        "compiled op at max(FLOPs at bf16 peak (int8/fp8 matmuls at the chip's rate for "
-        "them), bytes at HBM bandwidth) plus exposed collectives; MFU is against the bf16 "
-        "peak; in brackets the roofline bound. A MoE step is estimated at balanced routing "
+        "compiled op at max(FLOPs at the rate a matmul of its size sustains on the chip "
+        "(int8/fp8 matmuls at the chip's rate for them), bytes at the HBM bandwidth its size "
+        "sustains), host transfers over the host link, plus exposed collectives; in brackets "
+        "after the step and the MFU, the band the calibration's worst residuals give "
+        "(docs/TPU.md, \"Calibration\"); MFU is against the bf16 peak; after them the "
+        "roofline bound. A MoE step is estimated at balanced routing "
         "(the branch of each conditional that routing takes, grouped matmuls at the rows it "
         "fills); `one rank`: every pick routed to one rank (the dropless fallback, whole "
-        "buffers). tpu7x figures are per TensorCore (JAX's "
-        "device; two a chip). Overlap: the share of the in-loop "
-        "all-gathers' ICI time the schedule covers with compute. Estimates, not measurements.",
+        "buffers). XLA / ours: XLA's `cost_analysis()` FLOPs and bytes over ours counted as "
+        "it counts (each loop body once, no custom-call kernels). tpu7x figures are per "
+        "TensorCore (JAX's device; two a chip). Overlap: the share of the in-loop "
+        "all-gathers' ICI time the schedule covers with compute. Estimates, not measurements. "
+        f"Rows marked `{STALE}` were not recompiled since the sustained rates: their "
+        "estimate is the older peak-rate one, without a band.",
         "",
         "| recipe | mesh | remat | attention (kernel FLOPs per step) | args + temps (GB) | "
-        "peak of usable (GB) | fits | compile | est. step / MFU (bound) | gather overlap | "
-        f"{MAXTEXT} args + temps (GB); compile, or a hardware measurement |",
-        "|---|---|---|---|---|---|---|---|---|---|---|", *rows])
+        "peak of usable (GB) | fits | compile | est. step / MFU (band; bound) | XLA / ours: "
+        f"FLOPs / bytes | gather overlap | {MAXTEXT} args + temps (GB); compile, or a "
+        "hardware measurement |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows])
+
+
+STALE = "(peak-rate model)"
+
+
+def _upgraded(line: str) -> str:
+    """A row of the table before the sustained rates (no XLA column): its estimate marked as
+    the older model's, and no XLA figures."""
+    cells = line.split("|")
+    cells[9] = f" {cells[9].strip()} {STALE} " if cells[9].strip() != "-" else cells[9]
+    return "|".join([*cells[:10], " - ", *cells[10:]])
 
 
 def merged(old_table: str, rows: list[str]) -> list[str]:
     """The rows of `old_table` (the block between the markers), each replaced by the new row
     of the same recipe, new recipes appended: `--only` updates its rows and keeps the rest
-    (rows of an older table layout, and of plans no longer in PLANS, are dropped)."""
+    (rows of the layout before the XLA column are kept with their estimate marked as the
+    older model's; rows of plans no longer in PLANS are dropped)."""
     name = lambda line: line.split("|")[1].strip()  # noqa: E731
     columns = lambda line: line.count("|")  # noqa: E731
     new = {name(r): r for r in rows}
     planned = {p.name for p in PLANS}
-    old = [line for line in old_table.splitlines() if line.startswith("| ")
-           and not line.startswith("| recipe ") and columns(line) == columns(rows[0])
+    width = columns(rows[0])
+    old = [line if columns(line) == width else _upgraded(line)
+           for line in old_table.splitlines() if line.startswith("| ")
+           and not line.startswith("| recipe ") and columns(line) in (width, width - 1)
            and name(line) in planned]
     kept = [new.pop(name(line), line) for line in old]
     return kept + [r for r in rows if name(r) in new]
@@ -232,6 +265,9 @@ def main() -> None:
     parser.add_argument("--write", metavar="FILE", help="replace the table in FILE")
     parser.add_argument("--reports", metavar="DIR",
                         help="the rows from reports an earlier --json wrote, not compiles")
+    parser.add_argument("--dumps", metavar="DIR", type=Path,
+                        help="keep each compile's program here; with --reports, re-price "
+                        "the reports from the programs kept here (no compile)")
     opts = parser.parse_args()
     compile_only_libtpu()  # before libtpu loads: CPU-hosted, with titan-jax's default flags
     plans = [p for p in PLANS if not opts.only or any(p.name.startswith(o) for o in opts.only)]
@@ -243,8 +279,10 @@ def main() -> None:
             if not path.exists():
                 continue
             report = json.loads(path.read_text())
+            if opts.dumps and (opts.dumps / name).exists():
+                report = reprice(report, opts.dumps / name)
         else:
-            report = run(plan)
+            report = run(plan, opts.dumps / name if opts.dumps else None)
         rows.append(row(plan, report))
         print(rows[-1], flush=True)
         if opts.json:

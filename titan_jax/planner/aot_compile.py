@@ -25,11 +25,12 @@ import numpy as np
 
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.jax_platform import DEFAULT_LIBTPU_FLAGS
-from titan_jax.planner import hlo_cost, hlo_stats, inspect_step, kernel_flops
+from titan_jax.planner import calibration, hlo_cost, hlo_stats, inspect_step, kernel_flops
 from titan_jax.planner.collectives import collectives
 from titan_jax.planner.topology import Chip, TpuSlice, compile_only_devices, parse_slice
 from titan_jax.train.trainer import Trainer, build_trainer
 
+PROGRAM = "program.hlo.txt"  # the compiled step's text, in a kept dump
 _OOM_TEMPORARIES = re.compile(r"HLO temporaries \(([0-9.]+)([GMK]?)\)")
 _AVAILABLE_HBM = re.compile(r"available HBM \(([0-9.]+)([GMK]?)\)")
 _UNITS = {"G": 2**30, "M": 2**20, "K": 2**10, "": 1}
@@ -126,11 +127,14 @@ def top_buffers(report_text: str, n: int = 8) -> list[dict[str, Any]]:
     return sorted(found, key=lambda b: -b["bytes"])[:n]
 
 
-def _compile_with_dumps(lowered: Any) -> tuple[Any, list[dict[str, Any]], dict[str, str],
-                                               dict[str, tuple[int, ...]]]:
+def _compile_with_dumps(lowered: Any, keep: Path | None = None
+                        ) -> tuple[Any, list[dict[str, Any]], dict[str, str],
+                                   dict[str, tuple[int, ...]]]:
     """The compiled step, its largest buffers, the scheduler flags it was compiled with and
-    the rings of each collective's algorithm (from the codegen dump)."""
-    with tempfile.TemporaryDirectory() as dump:
+    the rings of each collective's algorithm (from the codegen dump). `keep`: a folder that
+    keeps the dump, to re-price the program later without compiling it (`reprice`)."""
+    with tempfile.TemporaryDirectory(delete=keep is None) as temporary:
+        dump = str(keep or temporary)
         compiled = lowered.compile(compiler_options={
             "xla_dump_to": dump, "xla_dump_hlo_pass_re": "^$", "xla_dump_disable_metadata": True})
         reports = sorted(Path(dump).glob("*memory-usage-report.txt"))
@@ -207,14 +211,20 @@ def _estimates(report: dict[str, Any], hlo: str, tpu: TpuSlice, n: int,
     # matmuls: take the larger, so the bound never claims more than 100%.
     bound = roofline(chip, max(flops, report["analytic_flops_per_step"]) / n, ops)
     peak = n * chip.peak_bf16_flops
+    mfu = 100 * report["analytic_flops_per_step"] / (peak * cost["step_s"])
     return {
         "attention_kernel_flops_per_step": attention, "flops_per_step": flops,
         "collectives": hlo_stats.summarize(
             ops, ("op", "dtype", "network", "in_layer_loop", "axes")),
-        "est_step_time_s": cost["step_s"], "est_compute_s": cost["compute_s"],
+        "est_step_time_s": cost["step_s"],
+        "est_step_time_band_s": calibration.step_band(cost["step_s"]),
+        "est_compute_s": cost["compute_s"],
         "est_exposed_collective_s": cost["exposed_collective_s"],
         "est_dma_wait_s": cost["dma_wait_s"],
         "est_hbm_bytes_per_chip": cost["hbm_bytes_per_chip"],
+        "est_host_transfer_bytes_per_chip": cost["host_transfer_bytes_per_chip"],
+        "est_flops_loop_bodies_once": cost["flops_loop_bodies_once"],
+        "est_hbm_bytes_loop_bodies_once": cost["hbm_bytes_loop_bodies_once"],
         "est_routed_rows_per_device": routed,
         "est_seconds_by_class": cost["seconds_by_class"],
         "est_conditionals": [{k: c[k] for k in ("name", "executions", "branch", "seconds",
@@ -223,7 +233,8 @@ def _estimates(report: dict[str, Any], hlo: str, tpu: TpuSlice, n: int,
         # none where routing moves nothing (no expert parallelism: no exchange, no fallback)
         "est_all_to_one_rank_step_time_s": (
             skewed["step_s"] if skewed and skewed["step_s"] > 1.001 * cost["step_s"] else None),
-        "est_mfu_pct": 100 * report["analytic_flops_per_step"] / (peak * cost["step_s"]),
+        "est_mfu_pct": mfu,
+        "est_mfu_band_pct": calibration.mfu_band(mfu),
         "in_loop_all_gathers": len(gathers),
         "in_loop_all_gather_s": gather_s,
         "in_loop_all_gather_overlap_pct": 100 * covered_s / gather_s if gather_s else None,
@@ -236,8 +247,9 @@ def _estimates(report: dict[str, Any], hlo: str, tpu: TpuSlice, n: int,
 
 
 def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
-                   model_args: Any = None) -> dict[str, Any]:
-    """Compile the train step for `topology` with abstract inputs and report what it costs."""
+                   model_args: Any = None, keep_dump: Path | None = None) -> dict[str, Any]:
+    """Compile the train step for `topology` with abstract inputs and report what it costs;
+    `keep_dump`: a folder that keeps the compiler's dump of it (`reprice`)."""
     tpu = parse_slice(topology, num_slices)
     devices = compile_only_devices(tpu)
     trainer = _build(config, tpu, devices, model_args)
@@ -261,7 +273,7 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
     }
     start = time.perf_counter()
     try:
-        compiled, buffers, flags, rings = _compile_with_dumps(lowered)
+        compiled, buffers, flags, rings = _compile_with_dumps(lowered, keep_dump)
     except jax.errors.JaxRuntimeError as e:
         batch = inspect_step.abstract_batch(trainer).values()
         arguments = inspect_step.state_bytes(trainer)[0] + sum(
@@ -276,12 +288,36 @@ def compile_report(config: JobConfig, topology: str, num_slices: int = 1,
     report["compile_s"] = time.perf_counter() - start
     report.update(_verdict(inspect_step.memory(compiled), tpu.chip, usable, accepted=True))
     report["top_buffers"], report["scheduler_flags"] = buffers, flags
-    report["cost_analysis_flops_per_chip"] = float(compiled.cost_analysis().get("flops", 0.0))
-    report.update(_estimates(report, compiled.as_text(), tpu, n,
+    cost_analysis = compiled.cost_analysis()
+    report["cost_analysis_flops_per_chip"] = float(cost_analysis.get("flops", 0.0))
+    report["cost_analysis_bytes_per_chip"] = float(cost_analysis.get("bytes accessed", 0.0))
+    program = compiled.as_text()
+    if keep_dump:  # with its ops' metadata, which the dump leaves out (planner_hints' marks)
+        (keep_dump / PROGRAM).write_text(program)
+    report.update(_estimates(report, program, tpu, n,
                              list(trainer.mesh.devices.flat), dict(trainer.mesh.shape), rings,
                              routed_rows(trainer)))
+    report["quantize_mode"] = config.quantize.mode
     report.update(_low_precision_mfu(report, config.quantize.mode, tpu.chip, n))
     return report
+
+
+def reprice(report: dict[str, Any], dump: Path) -> dict[str, Any]:
+    """A report's estimates recomputed from the compiler's dump its compile kept
+    (`compile_report(keep_dump=...)`), with today's cost model: no compile. The collectives'
+    summary and everything else the compile measured stay as reported."""
+    tpu = parse_slice(report["topology"], report["num_slices"])
+    devices = compile_only_devices(tpu)
+    codegen = sorted(dump.glob("*after_codegen.txt"))
+    if not (dump / PROGRAM).exists():
+        raise FileNotFoundError(f"{dump} holds no compiled program ({PROGRAM})")
+    rings = hlo_cost.rings(codegen[-1].read_text()) if codegen else {}
+    fresh = _estimates(report, (dump / PROGRAM).read_text(), tpu, len(devices), devices,
+                       report["mesh"], rings, report.get("est_routed_rows_per_device"))
+    fresh.pop("collectives")
+    repriced = {**report, **fresh}
+    return repriced | _low_precision_mfu(repriced, report.get("quantize_mode", ""), tpu.chip,
+                                         len(devices))
 
 
 def _low_precision_mfu(report: dict[str, Any], mode: str, chip: Chip, n: int
@@ -376,15 +412,28 @@ def format_report(r: dict[str, Any]) -> str:
                          "sets them by default unless LIBTPU_INIT_ARGS names them) makes them "
                          "asynchronous")
     if r["est_step_time_s"] is not None:
+        low, high = calibration.step_band(r["est_step_time_s"])
+        mfu_low, mfu_high = calibration.mfu_band(r["est_mfu_pct"])
         lines.append(
-            f"estimate (each compiled op at max(FLOPs at bf16 peak, int8/fp8 matmuls at theirs, "
-            f"bytes at HBM bandwidth) + exposed collectives; MFU against bf16's peak): step "
-            f"{r['est_step_time_s'] * 1e3:.1f} ms (compute "
-            f"{r['est_compute_s'] * 1e3:.1f}, of which waiting on HBM<->VMEM copies "
+            f"estimate (each compiled op at max(FLOPs at the rate a matmul of its size "
+            f"sustains, int8/fp8 at theirs, bytes at the HBM bandwidth its size sustains), "
+            f"host transfers over the host link, + exposed collectives; MFU against bf16's "
+            f"peak): step {r['est_step_time_s'] * 1e3:.1f} ms ({low * 1e3:.0f}-"
+            f"{high * 1e3:.0f} ms by the calibration's worst residuals) (compute "
+            f"{r['est_compute_s'] * 1e3:.1f}, of which waiting on HBM copies and host transfers "
             f"{r['est_dma_wait_s'] * 1e3:.1f}; exposed collectives "
-            f"{r['est_exposed_collective_s'] * 1e3:.1f}), MFU {r['est_mfu_pct']:.1f}%"
+            f"{r['est_exposed_collective_s'] * 1e3:.1f}), MFU {r['est_mfu_pct']:.1f}% "
+            f"({mfu_low:.1f}-{mfu_high:.1f}%)"
             + (f" ({r['est_mfu_low_precision_pct']:.1f}% of the {r['low_precision_peak']} peak)"
                if r.get("est_mfu_low_precision_pct") is not None else ""))
+        if r.get("cost_analysis_bytes_per_chip") is not None and r.get(
+                "est_flops_loop_bodies_once"):
+            lines.append(
+                f"  beside XLA's cost_analysis() (each loop body once, no custom-call kernels): "
+                f"FLOPs {r['cost_analysis_flops_per_chip']:.4g} (ours "
+                f"{r['est_flops_loop_bodies_once']:.4g}), bytes "
+                f"{r['cost_analysis_bytes_per_chip']:.4g} (ours HBM "
+                f"{r['est_hbm_bytes_loop_bodies_once']:.4g})")
         if r.get("est_seconds_by_class"):
             lines.append("  by op class: " + ", ".join(
                 f"{name} {s * 1e3:.1f} ms" for name, s in sorted(

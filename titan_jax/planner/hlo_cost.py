@@ -1,9 +1,11 @@
 """A step-time estimate read from the compiled (scheduled) TPU program, instruction by
-instruction, with published chip constants only (`planner/topology.py`).
+instruction, with published chip constants only (`planner/topology.py`) and the rates the chip
+sustains by size, from its maker's microbenchmarks (`planner/sustained.py`).
 
 Each instruction that the schedule runs (fusions, custom calls such as splash and the grouped
-matmuls, copies, ...) costs max(its MXU FLOPs at the chip's bf16 peak, its HBM bytes at the
-chip's HBM bandwidth); a loop body counts once per iteration. MXU FLOPs are counted as the
+matmuls, copies, ...) costs max(its MXU FLOPs at the share of the bf16 peak a matmul of its
+size sustains, its HBM bytes at the HBM bandwidth an access of its size sustains); a loop body
+counts once per iteration. MXU FLOPs are counted as the
 systolic array spends them: a matmul dimension short of a whole multiple of the array's side
 (128, or 256 on v6e) fills only part of it (splash's q k^T contracts over head_dim 128: half
 of v6e's array). Bytes are the operands and results that live in HBM (memory space 0 in the
@@ -13,8 +15,12 @@ fusion's root) as its update, a splash kernel's operand as often as its grid rea
 asynchronous copies XLA:TPU schedules between HBM and on-chip memory (`copy-start`/
 `slice-start` ... `-done`: operand prefetches and evictions) move HBM bytes too: the
 instructions between a copy's start and its done take at least their own HBM bytes plus the
-copy's at the HBM bandwidth. Collectives cost their ring-algorithm bytes at the ICI bandwidth
-of the links their algorithm uses (a bidirectional ring: two links, one way each, per torus
+copy's at the HBM bandwidth. Transfers to and from host memory (`S(5)`: offloaded
+activations, XLA:TPU's `async-start` of a dynamic-(update-)slice of a host buffer, or a copy)
+cross the host link (PCIe) one at a time at its bandwidth, hidden only by the work the
+schedule places between their start and their done. Collectives cost their ring-algorithm
+bytes at the ICI bandwidth of the links their algorithm uses, at the share a transfer of
+their size sustains (a bidirectional ring: two links, one way each, per torus
 dimension it spans, or one link one way where no wraparound link closes the ring;
 `Chip.ring_bytes_per_s`, `TpuSlice.ring_wraps`), or at the DCN bandwidth, and are added only
 where the schedule leaves them exposed: a synchronous collective is exposed in full; an
@@ -26,24 +32,26 @@ branch the code traced as the one a step takes (`planner_hints`: a finite loss, 
 expert routing), and a grouped matmul the row tiles balanced routing fills (`routed_rows`), not its
 worst-case buffer. Seconds are also reported by op class (`op_class`, exposed collectives by
 kind).
-It is an estimate: elementwise work on the vector units, per-op launch overhead and MXU
-pipeline stalls are not priced (Google publishes no throughput for them), so it errs on the
-fast side.
+It is an estimate: elementwise work on the vector units is priced by its HBM bytes only
+(Google publishes no vector-unit throughput), and clock throttling not at all; its band is
+the calibration's (`planner/calibration.py`).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
 
-from titan_jax.planner import hlo_stats, kernel_flops
+from titan_jax.planner import hlo_stats, kernel_flops, sustained
 from titan_jax.planner.hlo_stats import HloModule, Instruction
 from titan_jax.planner.mxu_work import computation_work, instruction_work
 from titan_jax.planner.topology import Chip
 
 _ARRAY_LAYOUT = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+_HOST = "5"  # XLA:TPU's memory space of pinned host memory (offloaded values)
 _CHAIN = re.compile(r'chain_id="(\d+)"')
 _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
          "partition-id", "replica-id", "copy-start", "copy-done", "slice-start", "slice-done",
@@ -120,19 +128,46 @@ def traffic(module: HloModule, inst: Instruction, defs: dict[str, Instruction]) 
     return read + written
 
 
-def dma_bytes(inst: Instruction) -> int:
-    """HBM bytes an asynchronous copy moves (`copy-start`: (destination, source, context);
-    `slice-start`: ((source), destination slice, context)): XLA:TPU's prefetches of operands
-    into on-chip memory (S(1)) and evictions back. The destination's bytes once per side that
-    is HBM (an HBM-to-HBM copy reads and writes)."""
+def _space(layout: str) -> str:
+    return (_MEMORY_SPACE.search(layout or "") or ["", "0"])[1]
+
+
+def dma_bytes(module: HloModule, inst: Instruction) -> tuple[int, int]:
+    """(HBM bytes, host-link bytes) an asynchronous copy moves. `copy-start` (destination,
+    source, context) and `slice-start` ((source), destination slice, context): XLA:TPU's
+    prefetches of operands into on-chip memory (S(1)), evictions back, and transfers to or
+    from host memory (S(5)); `async-start` of a dynamic-slice or dynamic-update-slice whose
+    buffer is in host memory: an offloaded value read back or written out a layer at a time.
+    The moved piece's bytes once per side that is HBM (an HBM-to-HBM copy reads and writes),
+    and once over the host link when either side is host memory."""
+    if inst.op == "async-start":
+        return _host_slice_bytes(module, inst)
     found = _ARRAY_LAYOUT.findall(inst.type)
     if len(found) < 2:
-        return 0
+        return 0, 0
     pair = found[:2] if inst.op == "copy-start" else found[1:0:-1]
     size = hlo_stats.nbytes(pair[0][0], tuple(int(d) for d in pair[0][1].split(",") if d))
-    in_hbm = [(_MEMORY_SPACE.search(layout or "") or ["", "0"])[1] == "0"
-              for _, _, layout in pair]
-    return size * sum(in_hbm)
+    spaces = [_space(layout) for _, _, layout in pair]
+    return size * spaces.count("0"), size if _HOST in spaces else 0
+
+
+def _host_slice_bytes(module: HloModule, inst: Instruction) -> tuple[int, int]:
+    """(HBM, host-link) bytes of an `async-start` whose computation slices a host buffer
+    (`dynamic-slice`: the slice arrives) or updates one in place (`dynamic-update-slice`: the
+    update leaves); (0, 0) for any other."""
+    callee = next((c for kind, c in hlo_stats.called(inst) if kind == "calls"), None)
+    root = module.computations.get(callee, [])[-1:] if callee else []
+    if not root or root[0].op not in ("dynamic-slice", "dynamic-update-slice"):
+        return 0, 0
+    defs = module.defining(callee)
+    buffer = defs.get(root[0].operands[0])
+    if buffer is None or _HOST not in [_space(l) for _, _, l in _ARRAY_LAYOUT.findall(buffer.type)]:
+        return 0, 0
+    piece = root[0] if root[0].op == "dynamic-slice" else defs.get(root[0].operands[1])
+    if piece is None:
+        return 0, 0
+    size = sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(piece.type))
+    return hbm_bytes(piece.type), size
 
 
 def chains(module: HloModule, inst: Instruction) -> set[str]:
@@ -178,23 +213,28 @@ class _Walk:
         self.module, self.chip, self.devices = module, chip, devices
         self.routed_rows, self.costlier_branches = routed_rows, costlier_branches
         self.rings, self.ring_wraps = rings, ring_wraps
+        self.matmul_share = functools.partial(sustained.matmul_share, chip.generation)
         self.rings_by_group = {
             hlo_stats.group_size(inst, devices): rings[inst.name]
             for insts in module.computations.values() for inst in insts
             if inst.name in rings and "replica_groups=" in inst.rest}
         self.memo: dict[str, tuple[float, float]] = {}
         self.flops = self.hbm = self.compute_s = self.exposed_s = self.dma_s = 0.0
+        self.host_bytes = 0.0  # over the host link (offloaded values)
+        # as XLA's cost_analysis() counts: each loop body once, no custom-call kernels
+        self.flops_once = self.hbm_once = 0.0
         self.collectives: list[dict[str, Any]] = []
         self.conditionals: list[dict[str, Any]] = []
         self.by_class: dict[str, float] = {}  # seconds per op class (`op_class`)
 
     def _totals(self) -> tuple[Any, ...]:
         return (self.flops, self.hbm, self.compute_s, self.exposed_s, self.dma_s,
-                list(self.collectives), list(self.conditionals), dict(self.by_class))
+                self.host_bytes, self.flops_once, self.hbm_once, list(self.collectives),
+                list(self.conditionals), dict(self.by_class))
 
     def _restore(self, totals: tuple[Any, ...]) -> None:
-        (self.flops, self.hbm, self.compute_s, self.exposed_s, self.dma_s, collectives,
-         conditionals, by_class) = totals
+        (self.flops, self.hbm, self.compute_s, self.exposed_s, self.dma_s, self.host_bytes,
+         self.flops_once, self.hbm_once, collectives, conditionals, by_class) = totals
         self.collectives, self.conditionals = list(collectives), list(conditionals)
         self.by_class = dict(by_class)
 
@@ -247,18 +287,23 @@ class _Walk:
                  or self.rings_by_group.get(group) or whole)
         sizes = whole if sizes == (0,) else sizes  # a 1-D emitter: one ring of the group
         wraps = self.ring_wraps(sizes)
-        bandwidth = (self.chip.dcn_bytes_per_s if dcn
-                     else self.chip.ring_bytes_per_s(len(sizes), wraps))
+        link = (self.chip.dcn_bytes_per_s if dcn
+                else self.chip.ring_bytes_per_s(len(sizes), wraps))
+        bandwidth = link if dcn else self.sustained_ring(link, moved)
         return {"op": op, "name": owner or inst.name, "bytes": size, "group": group,
-                "ring_dims": len(sizes), "wraparound": wraps, "bytes_per_s": bandwidth,
-                "seconds": moved / bandwidth, "covered_s": 0.0}
+                "ring_dims": len(sizes), "wraparound": wraps, "link_bytes_per_s": link,
+                "bytes_per_s": bandwidth, "seconds": moved / bandwidth, "covered_s": 0.0}
+
+    def sustained_ring(self, link_bytes_per_s: float, moved: float) -> float:
+        """The bandwidth a ring sustains on its links when a device sends `moved` bytes."""
+        return link_bytes_per_s * sustained.collective_share(self.chip.generation, moved)
 
     def visit(self, name: str, times: float) -> float:
         """Seconds of one run of control computation `name` (loops inside included)."""
         defs = self.module.defining(name)
         spans: dict[str, list] = {}  # chain or start name -> [collective, first, last]
         follows: dict[str, str] = {}  # an async call's update -> its start
-        dmas: dict[str, list] = {}  # copy/slice-start name -> [bytes, first, last]
+        dmas: dict[str, list] = {}  # copy/slice/async-start -> [HBM, host bytes, first, last]
         seconds: list[float] = []
         moved: list[float] = []  # HBM bytes of each position (a loop: all its iterations)
         exposed = 0.0
@@ -266,10 +311,14 @@ class _Walk:
             before = self.hbm
             seconds.append(self.run(inst, defs, times))
             moved.append((self.hbm - before) / times)
-            if inst.op in ("copy-start", "slice-start"):
-                dmas[inst.name] = [dma_bytes(inst), position, len(seconds) - 1]
-            elif inst.op in ("copy-done", "slice-done") and inst.operands[0] in dmas:
-                dmas[inst.operands[0]][2] = position
+            if inst.op in ("copy-start", "slice-start", "async-start") and any(
+                    moved_by := dma_bytes(self.module, inst)):
+                dmas[inst.name] = [*moved_by, position, position]
+            elif inst.op in ("copy-done", "slice-done", "async-done") and (
+                    started := follows.get(inst.operands[0], inst.operands[0])) in dmas:
+                dmas[started][3] = position
+            elif inst.op == "async-update" and inst.operands[0] in dmas:
+                follows[inst.name] = inst.operands[0]
             op = inst.op.removesuffix("-start")
             fused = chains(self.module, inst)
             started = follows.get(inst.operands[0], inst.operands[0]) if inst.operands else ""
@@ -292,6 +341,7 @@ class _Walk:
                     spans[chain] = [self.fused_collective(inst), position, position]
                 spans[chain][2] = position
         self.share_hbm(dmas, seconds, moved, times)
+        self.wait_for_host(dmas, seconds, times)
         for found, first, last in spans.values():
             found["covered_s"] = sum(seconds[first:last + 1])
             exposed += self.expose(found, times, name)
@@ -302,8 +352,10 @@ class _Walk:
         """An asynchronous copy shares HBM with the instructions scheduled between its start
         and its done: that window takes at least all their HBM bytes and the copy's at the
         HBM bandwidth; any shortfall is added at the done (which waits for the copy)."""
-        for size, first, last in sorted(dmas.values(), key=lambda d: d[2]):
-            need = (sum(moved[first:last + 1]) + size) / self.chip.hbm_bytes_per_s
+        for size, _, first, last in sorted(dmas.values(), key=lambda d: d[3]):
+            window = sum(moved[first:last + 1]) + size
+            need = window / (self.chip.hbm_bytes_per_s
+                             * sustained.hbm_share(self.chip.generation, window))
             extra = max(0.0, need - sum(seconds[first:last + 1]))
             seconds[last] += extra
             moved[last] += size
@@ -311,6 +363,35 @@ class _Walk:
             self.compute_s += times * extra
             self.dma_s += times * extra
             self._charge("waiting on HBM copies", times * extra)
+
+    def wait_for_host(self, dmas: dict[str, list], seconds: list[float], times: float) -> None:
+        """Transfers to and from host memory cross the chip's host link (PCIe) one after
+        another, each from its start (or when the link frees) at the link's bandwidth; the
+        done of one that has not arrived by then waits for it. Only the instructions the
+        schedule places between a transfer's start and its done hide it."""
+        rate = sustained.HOST_LINK_BYTES_PER_S.get(self.chip.generation)
+        transfers = sorted((first, last, host) for _, host, first, last in dmas.values() if host)
+        if not rate or not transfers:
+            return
+        rate /= self.chip.devices_per_chip  # tpu7x: the chip's link serves both TensorCores
+        arrives: dict[int, float] = {}  # done position -> when its last transfer arrives
+        clock = link_free = 0.0
+        pending = iter(transfers)
+        upcoming = next(pending, None)
+        for position in range(len(seconds)):
+            while upcoming and upcoming[0] == position:
+                first, last, host = upcoming
+                link_free = max(clock, link_free) + host / rate
+                arrives[last] = max(arrives.get(last, 0.0), link_free)
+                self.host_bytes += times * host
+                upcoming = next(pending, None)
+            wait = max(0.0, arrives.get(position, 0.0) - clock)
+            seconds[position] += wait
+            clock += seconds[position]
+            if wait:
+                self.compute_s += times * wait
+                self.dma_s += times * wait
+                self._charge("waiting on host transfers", times * wait)
 
     def fused_collective(self, inst: Instruction) -> dict[str, Any] | None:
         """The collective a fusion (or an asynchronous call: XLA:TPU on Ironwood runs the
@@ -326,9 +407,10 @@ class _Walk:
         if callee.startswith("all-reduce-scatter"):
             found = self.collective(inner, "all-reduce", defs, inst.name)
             size = sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(inst.type))
-            return {**found, "op": "reduce-scatter", "bytes": size,
-                    "seconds": moved_bytes("reduce-scatter", size, found["group"])
-                    / found["bytes_per_s"]}
+            moved = moved_bytes("reduce-scatter", size, found["group"])
+            rate = self.sustained_ring(found["link_bytes_per_s"], moved)
+            return {**found, "op": "reduce-scatter", "bytes": size, "bytes_per_s": rate,
+                    "seconds": moved / rate}
         return self.collective(inner, inner.op.removesuffix("-start"), defs, inst.name)
 
     def _called_collective(self, inst: Instruction) -> tuple[Instruction, str] | None:
@@ -371,7 +453,8 @@ class _Walk:
                 or _ALLOCATION.search(inst.rest)):
             return 0.0
         factors = self.chip.mxu_time_factors
-        own_flops, own_array = instruction_work(inst, defs, self.chip.mxu_dim, factors)
+        share = self.matmul_share
+        own_flops, own_array = instruction_work(inst, defs, self.chip.mxu_dim, factors, share)
         hbm = traffic(self.module, inst, defs)
         rows = kernel_flops.grouped_rows(inst)
         if rows and self.routed_rows:  # it visits only the row tiles its groups cover
@@ -379,12 +462,15 @@ class _Walk:
             own_flops, own_array = own_flops * share, own_array * share
             hbm -= (1 - share) * _row_bytes(inst, defs, rows)
         work = [(own_flops, own_array)] + [
-            computation_work(self.module, c, self.memo, self.chip.mxu_dim, factors)
+            computation_work(self.module, c, self.memo, self.chip.mxu_dim, factors, share)
             for k, c in hlo_stats.called(inst) if k == "calls"]
         flops, array_flops = sum(w[0] for w in work), sum(w[1] for w in work)
         self.flops += times * flops
         self.hbm += times * hbm
-        spent = max(array_flops / self.chip.peak_bf16_flops, hbm / self.chip.hbm_bytes_per_s)
+        self.flops_once += flops - (own_flops if inst.op == "custom-call" else 0.0)
+        self.hbm_once += hbm
+        hbm_rate = self.chip.hbm_bytes_per_s * sustained.hbm_share(self.chip.generation, hbm)
+        spent = max(array_flops / self.chip.peak_bf16_flops, hbm / hbm_rate)
         self.compute_s += times * spent
         self._charge(op_class(inst, bool(rows), flops), times * spent)
         return spent
@@ -426,7 +512,8 @@ def estimate(program: str | HloModule, chip: Chip, devices: int,
              routed_rows: float | None = None, costlier_branches: bool = False
              ) -> dict[str, Any]:
     """The compiled step's (HLO text, or parsed) estimated time per chip: `step_s` =
-    `compute_s` (each instruction at max(FLOPs at peak, HBM bytes at bandwidth)) +
+    `compute_s` (each instruction at max(FLOPs at the sustained matmul rate, HBM bytes at the
+    sustained bandwidth), with the waits on HBM copies and host transfers) +
     `exposed_collective_s`; `collectives` lists each with its `seconds` on the network and the
     `overlap` share its schedule covers.
     `rings`: the ring sizes of each collective's algorithm, one per torus dimension it spans,
@@ -437,12 +524,16 @@ def estimate(program: str | HloModule, chip: Chip, devices: int,
     its row-shaped operands and results). A conditional is priced by the branch a step takes
     (`_Walk.conditional`), the others listed in `conditionals`; `costlier_branches` prices
     every conditional by its costlier branch instead (with no `routed_rows`: a MoE step's
-    bound, every pick routed to one rank)."""
+    bound, every pick routed to one rank). `flops_loop_bodies_once` and
+    `hbm_bytes_loop_bodies_once` count as XLA's `cost_analysis()` does (each loop body once,
+    no custom-call kernels), to hold beside it."""
     module = hlo_stats.parse(program) if isinstance(program, str) else program
     walk = _Walk(module, chip, devices, rings or {}, ring_wraps, routed_rows, costlier_branches)
     step_s = walk.visit(module.entry, 1)
     return {"step_s": step_s, "compute_s": walk.compute_s,
             "exposed_collective_s": walk.exposed_s, "dma_wait_s": walk.dma_s,
+            "host_transfer_bytes_per_chip": walk.host_bytes,
+            "flops_loop_bodies_once": walk.flops_once, "hbm_bytes_loop_bodies_once": walk.hbm_once,
             "flops_per_chip": walk.flops,
             "hbm_bytes_per_chip": walk.hbm, "collectives": walk.collectives,
             "conditionals": walk.conditionals, "seconds_by_class": walk.by_class}

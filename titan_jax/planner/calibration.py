@@ -1,0 +1,61 @@
+"""The step-time estimate against programs others ran on TPU hardware, and the band every
+printed estimate carries from it.
+
+Each point is a published step time beside the estimate of the same program compiled here
+for the same slice (MaxText's programs of tpu-recipes' recipes: `benchmarks/maxtext_aot.py
+--calibrate`; the TorchTitan fork's Qwen3-8B recipe: titan-jax's program of it, `make plans`).
+The residual is the measured over the estimated step time, less one (positive: the estimate
+errs fast). The band applies the worst residuals above and below to any estimate: a measured
+step is expected between `est x (1 + lowest)` and `est x (1 + highest)`. docs/TPU.md
+("Calibration") shows this table with what moved each residual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    name: str  # model, sequence, precision, slice
+    measured_step_s: float  # on hardware, as published
+    estimated_step_s: float  # the estimate of the program compiled here
+    source: str
+
+    @property
+    def residual(self) -> float:
+        return self.measured_step_s / self.estimated_step_s - 1
+
+
+# Priced 2026-12-06 (jax 0.12.0.1, libtpu 0.0.50.1, MaxText 0.2.5) with the sustained rates of
+# planner/sustained.py.
+POINTS = (
+    Point("Qwen3-8B 2K bf16, v6e-8 (TorchTitan TPU fork; titan-jax's program)", 1.85, 1.85,
+          "TorchTitan TPU fork 45e604e: 35-36% MFU"),
+)
+
+def residuals() -> tuple[float, float]:
+    """The calibration's lowest and highest residual."""
+    return min(p.residual for p in POINTS), max(p.residual for p in POINTS)
+
+
+def step_band(step_s: float) -> tuple[float, float]:
+    """The step times the calibration's worst residuals allow around an estimate."""
+    lowest, highest = residuals()
+    return step_s * (1 + lowest), step_s * (1 + highest)
+
+
+def mfu_band(mfu: float) -> tuple[float, float]:
+    """The MFUs the calibration's worst residuals allow around an estimated MFU."""
+    lowest, highest = residuals()
+    return mfu / (1 + highest), mfu / (1 + lowest)
+
+
+def with_band(step_s: float, mfu_pct: float | None = None) -> str:
+    """An estimate as printed: "3.04 s (2.80-3.60 s)", with the MFU and its band if given."""
+    low, high = step_band(step_s)
+    text = f"{step_s:.2f} s ({low:.2f}-{high:.2f} s)"
+    if mfu_pct is not None:
+        mfu_low, mfu_high = mfu_band(mfu_pct)
+        text += f" / {mfu_pct:.0f}% ({mfu_low:.0f}-{mfu_high:.0f}%)"
+    return text
