@@ -161,7 +161,8 @@ def _host_slice_bytes(module: HloModule, inst: Instruction) -> tuple[int, int]:
         return 0, 0
     defs = module.defining(callee)
     buffer = defs.get(root[0].operands[0])
-    if buffer is None or _HOST not in [_space(l) for _, _, l in _ARRAY_LAYOUT.findall(buffer.type)]:
+    layouts = _ARRAY_LAYOUT.findall(buffer.type) if buffer else []
+    if _HOST not in [_space(layout) for _, _, layout in layouts]:
         return 0, 0
     piece = root[0] if root[0].op == "dynamic-slice" else defs.get(root[0].operands[1])
     if piece is None:
