@@ -64,7 +64,8 @@ def test_a_matmul_runs_at_the_share_of_peak_its_size_sustains(monkeypatch):
 
 # A layer's value offloaded to host memory (S(5)) as XLA:TPU compiles it: an async
 # dynamic-update-slice of a 0.5 GB piece into a host buffer, started before a dot of
-# `flops` TFLOPs and waited for after it; optionally a second one started beside it.
+# `flops` TFLOPs and waited for after it; optionally a second transfer started beside it,
+# the same way or the other (an async dynamic-slice reading a piece back).
 OFFLOAD = """
 HloModule m, is_scheduled=true
 
@@ -74,6 +75,13 @@ HloModule m, is_scheduled=true
   %p2 = s32[] parameter(2)
   %z = s32[] constant(0)
   ROOT %dus = bf16[4,250000000]{{1,0:S(5)}} dynamic-update-slice(%p0, %p1, %p2, %z)
+}}
+
+%from_host (p0: bf16[4,250000000], p1: s32[]) -> bf16[1,250000000] {{
+  %p0 = bf16[4,250000000]{{1,0:S(5)}} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = bf16[1,250000000]{{1,0}} dynamic-slice(%p0, %p1, %z), dynamic_slice_sizes={{1,250000000}}
 }}
 
 ENTRY %main (host: bf16[4,250000000], x: bf16[1,250000000], y: bf16[1,250000000], i: s32[], a: bf16[1000,1000], b: bf16[1000,{n}]) -> bf16[1000,{n}] {{
@@ -90,20 +98,25 @@ ENTRY %main (host: bf16[4,250000000], x: bf16[1,250000000], y: bf16[1,250000000]
   {second_done}
 }}
 """
-SECOND = ("%s1 = ((bf16[4,250000000]{1,0:S(5)}, bf16[1,250000000]{1,0}, s32[]), bf16[4,250000000]{1,0:S(5)}, u32[]{:S(2)}) async-start(%host, %y, %i), calls=%to_host",
-          "%w1 = bf16[4,250000000]{1,0:S(5)} async-done(%s1)")
+SECOND = {
+    "out": ("%s1 = ((bf16[4,250000000]{1,0:S(5)}, bf16[1,250000000]{1,0}, s32[]), bf16[4,250000000]{1,0:S(5)}, u32[]{:S(2)}) async-start(%host, %y, %i), calls=%to_host",
+            "%w1 = bf16[4,250000000]{1,0:S(5)} async-done(%s1)"),
+    "back": ("%s1 = ((bf16[4,250000000]{1,0:S(5)}, s32[]), bf16[1,250000000]{1,0}, u32[]{:S(2)}) async-start(%host, %i), calls=%from_host",
+             "%w1 = bf16[1,250000000]{1,0} async-done(%s1)"),
+    None: ("", "")}
 
 
 @pytest.mark.parametrize(("tflops", "second", "waits"), [
-    (0.25, False, 0.25),  # 0.5 GB at 1 GB/s: 0.5 s, 0.25 s of it under the dot
-    (1.0, False, 0.0),  # all of it under the dot
-    (0.75, True, 0.25),  # two transfers share the link: the second arrives at 1 s
+    (0.25, None, 0.25),  # 0.5 GB at 1 GB/s: 0.5 s, 0.25 s of it under the dot
+    (1.0, None, 0.0),  # all of it under the dot
+    (0.75, "out", 0.25),  # two transfers share the way out: the second arrives at 1 s
+    (0.25, "back", 0.25),  # one each way: side by side, both arrive at 0.5 s
 ])
 def test_host_transfers_cross_the_host_link_hidden_only_by_the_work_scheduled_under_them(
         monkeypatch, tflops, second, waits):
     monkeypatch.setitem(sustained.HOST_LINK_BYTES_PER_S, "test", 1e9)
-    text = OFFLOAD.format(n=int(tflops * 1e12 / 2e6), second_start=SECOND[0] if second else "",
-                          second_done=SECOND[1] if second else "")
+    text = OFFLOAD.format(n=int(tflops * 1e12 / 2e6), second_start=SECOND[second][0],
+                          second_done=SECOND[second][1])
     r = hlo_cost.estimate(text, CHIP, 1)
     assert r["host_transfer_bytes_per_chip"] == pytest.approx((2 if second else 1) * 0.5e9)
     assert r["seconds_by_class"].get("waiting on host transfers", 0.0) == pytest.approx(waits)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from titan_jax.planner import hlo_stats, kernel_flops, sustained
 from titan_jax.planner.hlo_stats import HloModule, Instruction
@@ -132,8 +132,16 @@ def _space(layout: str) -> str:
     return (_MEMORY_SPACE.search(layout or "") or ["", "0"])[1]
 
 
-def dma_bytes(module: HloModule, inst: Instruction) -> tuple[int, int]:
-    """(HBM bytes, host-link bytes) an asynchronous copy moves. `copy-start` (destination,
+class Dma(NamedTuple):
+    """What an asynchronous copy moves: HBM bytes, host-link bytes, and which way over the
+    host link (a full-duplex link: each way has its bandwidth)."""
+    hbm_bytes: int
+    host_bytes: int = 0
+    to_host: bool = False
+
+
+def dma_bytes(module: HloModule, inst: Instruction) -> Dma:
+    """What an asynchronous copy moves (`Dma`). `copy-start` (destination,
     source, context) and `slice-start` ((source), destination slice, context): XLA:TPU's
     prefetches of operands into on-chip memory (S(1)), evictions back, and transfers to or
     from host memory (S(5)); `async-start` of a dynamic-slice or dynamic-update-slice whose
@@ -144,31 +152,32 @@ def dma_bytes(module: HloModule, inst: Instruction) -> tuple[int, int]:
         return _host_slice_bytes(module, inst)
     found = _ARRAY_LAYOUT.findall(inst.type)
     if len(found) < 2:
-        return 0, 0
-    pair = found[:2] if inst.op == "copy-start" else found[1:0:-1]
+        return Dma(0)
+    pair = found[:2] if inst.op == "copy-start" else found[1:0:-1]  # destination, source
     size = hlo_stats.nbytes(pair[0][0], tuple(int(d) for d in pair[0][1].split(",") if d))
     spaces = [_space(layout) for _, _, layout in pair]
-    return size * spaces.count("0"), size if _HOST in spaces else 0
+    return Dma(size * spaces.count("0"), size if _HOST in spaces else 0, spaces[0] == _HOST)
 
 
-def _host_slice_bytes(module: HloModule, inst: Instruction) -> tuple[int, int]:
-    """(HBM, host-link) bytes of an `async-start` whose computation slices a host buffer
-    (`dynamic-slice`: the slice arrives) or updates one in place (`dynamic-update-slice`: the
-    update leaves); (0, 0) for any other."""
+def _host_slice_bytes(module: HloModule, inst: Instruction) -> Dma:
+    """What an `async-start` whose computation slices a host buffer (`dynamic-slice`: the
+    slice arrives) or updates one in place (`dynamic-update-slice`: the update leaves) moves;
+    nothing for any other."""
     callee = next((c for kind, c in hlo_stats.called(inst) if kind == "calls"), None)
     root = module.computations.get(callee, [])[-1:] if callee else []
     if not root or root[0].op not in ("dynamic-slice", "dynamic-update-slice"):
-        return 0, 0
+        return Dma(0)
     defs = module.defining(callee)
     buffer = defs.get(root[0].operands[0])
     layouts = _ARRAY_LAYOUT.findall(buffer.type) if buffer else []
     if _HOST not in [_space(layout) for _, _, layout in layouts]:
-        return 0, 0
-    piece = root[0] if root[0].op == "dynamic-slice" else defs.get(root[0].operands[1])
+        return Dma(0)
+    to_host = root[0].op == "dynamic-update-slice"
+    piece = defs.get(root[0].operands[1]) if to_host else root[0]
     if piece is None:
-        return 0, 0
+        return Dma(0)
     size = sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(piece.type))
-    return hbm_bytes(piece.type), size
+    return Dma(hbm_bytes(piece.type), size, to_host)
 
 
 def chains(module: HloModule, inst: Instruction) -> set[str]:
@@ -304,7 +313,7 @@ class _Walk:
         defs = self.module.defining(name)
         spans: dict[str, list] = {}  # chain or start name -> [collective, first, last]
         follows: dict[str, str] = {}  # an async call's update -> its start
-        dmas: dict[str, list] = {}  # copy/slice/async-start -> [HBM, host bytes, first, last]
+        dmas: dict[str, list] = {}  # copy/slice/async-start name -> [Dma, first, last]
         seconds: list[float] = []
         moved: list[float] = []  # HBM bytes of each position (a loop: all its iterations)
         exposed = 0.0
@@ -312,12 +321,12 @@ class _Walk:
             before = self.hbm
             seconds.append(self.run(inst, defs, times))
             moved.append((self.hbm - before) / times)
-            if inst.op in ("copy-start", "slice-start", "async-start") and any(
-                    moved_by := dma_bytes(self.module, inst)):
-                dmas[inst.name] = [*moved_by, position, position]
+            if inst.op in ("copy-start", "slice-start", "async-start") and (
+                    (dma := dma_bytes(self.module, inst)).hbm_bytes or dma.host_bytes):
+                dmas[inst.name] = [dma, position, position]
             elif inst.op in ("copy-done", "slice-done", "async-done") and (
                     started := follows.get(inst.operands[0], inst.operands[0])) in dmas:
-                dmas[started][3] = position
+                dmas[started][2] = position
             elif inst.op == "async-update" and inst.operands[0] in dmas:
                 follows[inst.name] = inst.operands[0]
             op = inst.op.removesuffix("-start")
@@ -353,7 +362,8 @@ class _Walk:
         """An asynchronous copy shares HBM with the instructions scheduled between its start
         and its done: that window takes at least all their HBM bytes and the copy's at the
         HBM bandwidth; any shortfall is added at the done (which waits for the copy)."""
-        for size, _, first, last in sorted(dmas.values(), key=lambda d: d[3]):
+        for dma, first, last in sorted(dmas.values(), key=lambda d: d[2]):
+            size = dma.hbm_bytes
             window = sum(moved[first:last + 1]) + size
             need = window / (self.chip.hbm_bytes_per_s
                              * sustained.hbm_share(self.chip.generation, window))
@@ -366,24 +376,26 @@ class _Walk:
             self._charge("waiting on HBM copies", times * extra)
 
     def wait_for_host(self, dmas: dict[str, list], seconds: list[float], times: float) -> None:
-        """Transfers to and from host memory cross the chip's host link (PCIe) one after
-        another, each from its start (or when the link frees) at the link's bandwidth; the
-        done of one that has not arrived by then waits for it. Only the instructions the
-        schedule places between a transfer's start and its done hide it."""
+        """Transfers to and from host memory cross the chip's host link (PCIe), each way one
+        transfer after another, each from its start (or when its way frees) at the link's
+        bandwidth; the done of one that has not arrived by then waits for it. Only the
+        instructions the schedule places between a transfer's start and its done hide it."""
         rate = sustained.HOST_LINK_BYTES_PER_S.get(self.chip.generation)
-        transfers = sorted((first, last, host) for _, host, first, last in dmas.values() if host)
+        transfers = sorted((first, last, dma.host_bytes, dma.to_host)
+                           for dma, first, last in dmas.values() if dma.host_bytes)
         if not rate or not transfers:
             return
         rate /= self.chip.devices_per_chip  # tpu7x: the chip's link serves both TensorCores
         arrives: dict[int, float] = {}  # done position -> when its last transfer arrives
-        clock = link_free = 0.0
+        clock = 0.0
+        link_free = {True: 0.0, False: 0.0}  # each way of the link: when it frees
         pending = iter(transfers)
         upcoming = next(pending, None)
         for position in range(len(seconds)):
             while upcoming and upcoming[0] == position:
-                first, last, host = upcoming
-                link_free = max(clock, link_free) + host / rate
-                arrives[last] = max(arrives.get(last, 0.0), link_free)
+                first, last, host, to_host = upcoming
+                link_free[to_host] = max(clock, link_free[to_host]) + host / rate
+                arrives[last] = max(arrives.get(last, 0.0), link_free[to_host])
                 self.host_bytes += times * host
                 upcoming = next(pending, None)
             wait = max(0.0, arrives.get(position, 0.0) - clock)
