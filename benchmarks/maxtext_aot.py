@@ -10,10 +10,12 @@ program's `memory_analysis()` from what it prints. Nothing executes on a TPU.
 MoE step at balanced routing), with MFU from the same analytic FLOPs as ours (the recipes are
 the same Qwen3 models): two systems' programs for one slice under one cost model.
 
-`--calibrate` compiles MaxText's published Ironwood recipes (tpu-recipes `training/ironwood/`,
-each with the model keys and libtpu flags its `run_recipe.sh` sets) and prices each with the
-same estimator against the step time its authors measured on the hardware: the estimator's
-calibration on programs someone else ran (docs/TPU.md, "Calibration").
+`--calibrate` compiles MaxText's published recipes (tpu-recipes `training/ironwood/`,
+`training/trillium/` and `training/v5p/`, each with the model keys and libtpu flags its recipe
+sets) and prices each with the same estimator against the step time its authors measured on
+the hardware: the estimator's calibration on programs someone else ran (docs/TPU.md,
+"Calibration"; its table is `titan_jax/planner/calibration.py`). `--keep DIR` keeps each
+compile's program; a recipe already compiled there is re-priced without compiling.
 
     .venv/bin/python benchmarks/maxtext_aot.py [--only NAME ...] [--price] [--json FILE]
     .venv/bin/python benchmarks/maxtext_aot.py --calibrate [--only NAME ...] [--json FILE]
@@ -406,7 +408,8 @@ def calibrate(python: Path, name: str, keep: Path | None = None) -> dict[str, An
     estimated_mfu = measured_mfu * recipe.step_s / row["est_step_time_s"]
     return row | {"source": recipe.source, "measured_step_s": recipe.step_s,
                   "measured_mfu_pct": measured_mfu, "est_mfu_pct": estimated_mfu,
-                  "mfu_residual_pct": 100 * (estimated_mfu / measured_mfu - 1)}
+                  # measured over estimated step time, less one: calibration.Point.residual
+                  "residual_pct": 100 * (recipe.step_s / row["est_step_time_s"] - 1)}
 
 
 def main() -> int:
@@ -415,7 +418,8 @@ def main() -> int:
     parser.add_argument("--price", action="store_true",
                         help="also price MaxText's compiled step with titan-jax's estimator")
     parser.add_argument("--calibrate", action="store_true",
-                        help="the published Ironwood recipes, priced against their measurements")
+                        help="the published recipes (Ironwood, v6e, v5p) against their "
+                        "measurements")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="keep each compile's output and XLA dump in a folder under DIR; "

@@ -28,10 +28,13 @@ class Point:
 
 
 # Priced 2026-12-06 (jax 0.12.0.1, libtpu 0.0.50.1, MaxText 0.2.5) with the sustained rates of
-# planner/sustained.py.
+# planner/sustained.py; the programs are kept by `maxtext_aot.py --keep` / `tpu_plans.py
+# --dumps` and re-priced from there.
 POINTS = (
-    Point("Qwen3-8B 2K bf16, v6e-8 (TorchTitan TPU fork; titan-jax's program)", 1.85, 1.85,
-          "TorchTitan TPU fork 45e604e: 35-36% MFU"),
+    Point("Qwen3-8B 6 x 2048, v6e-8 (titan-jax's program of the TorchTitan fork's recipe)",
+          1.85, 1.459, "TorchTitan TPU fork 45e604e (torch_xla): 35-36% MFU, ~1.85 s at 35.5%"),
+    Point("Mistral-7B 6 x 8192, v6e-8 (MaxText's program)", 6.320, 5.332,
+          "tpu-recipes training/trillium/Mistral-7B-MaxText: 6.320 s, 432.0 TFLOP/s"),
 )
 
 def residuals() -> tuple[float, float]:
