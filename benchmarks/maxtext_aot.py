@@ -86,6 +86,11 @@ _SPLASH_2048 = tuple(f"sa_{block}=2048" for block in (
     "block_kv_dkv_compute", "block_q_dq", "block_kv_dq"))
 _OFFLOAD_QKVO = ("remat_policy=custom", "decoder_layer_input=offload", "out_proj=offload",
                  "query_proj=offload", "key_proj=offload", "value_proj=offload")
+# The Mixtral recipes: token dropping at capacity 1.25 through dense einsums (no megablox).
+_MIXTRAL_DROPPED = (*_OFFLOAD_QKVO, "attention=flash", "use_iota_embed=True",
+                    "reuse_example_batch=1", "sa_block_q=2048", "sa_block_q_dkv=2048",
+                    "sa_block_q_dq=2048", "megablox=False", "sparse_matmul=False",
+                    "capacity_factor=1.25")
 # maxtext `benchmarks/xla_flags_library.py` (tpu-recipes-v0.1.2/v0.1.4), the groups the v6e and
 # v5p model configs combine.
 _DENSE_VMEM = ("--xla_tpu_scoped_vmem_limit_kib=98304",)
@@ -239,20 +244,16 @@ CALIBRATION = {
     "mixtral-8x7b 4K bf16 dropping, v6e-256": Published(
         "v6e-256",
         ("model_name=mixtral-8x7b", "per_device_batch_size=12", "max_target_length=4096",
-         "ici_fsdp_parallelism=-1", *_OFFLOAD_QKVO, "attention=flash", "use_iota_embed=True",
-         "reuse_example_batch=1", "sa_block_q=2048", "sa_block_q_dkv=2048", "sa_block_q_dq=2048",
-         "megablox=False", "sparse_matmul=False", "capacity_factor=1.25"),
+         "ici_fsdp_parallelism=-1", *_MIXTRAL_DROPPED),
         _modern(_MOE_VMEM + _CF_FOR_ALL_GATHER + _DP_OVERLAP),
         13.484, 302.311, None, _TRILLIUM + "Mixtral-8x7B-MaxText (maxtext tpu-recipes-v0.1.2 "
         "mixtral_8x7b_dropped)"),
     "mixtral-8x22b 4K bf16 dropping, v6e-256": Published(
         "v6e-256",
         ("model_name=mixtral-8x22b", "per_device_batch_size=8", "max_target_length=4096",
-         "ici_fsdp_parallelism=64", "ici_expert_parallelism=4", *_OFFLOAD_QKVO,
-         "attention=flash", "use_iota_embed=True", "reuse_example_batch=1", "sa_block_q=2048",
-         "sa_block_q_dkv=2048", "sa_block_q_dq=2048", "megablox=False", "sparse_matmul=False",
-         "capacity_factor=1.25", "dtype=bfloat16", "weight_dtype=bfloat16",
-         "allow_split_physical_axes=True", "custom_mesh=hybrid_ring_64x4"),
+         "ici_fsdp_parallelism=64", "ici_expert_parallelism=4", *_MIXTRAL_DROPPED,
+         "dtype=bfloat16", "weight_dtype=bfloat16", "allow_split_physical_axes=True",
+         "custom_mesh=hybrid_ring_64x4"),
         _modern(_MOE_VMEM + _CF_FOR_ALL_GATHER + _DP_OVERLAP),
         24.706, 332.463, None, _TRILLIUM + "Mixtral-8x22B-MaxText (maxtext tpu-recipes-v0.1.2 "
         "mixtral_8x22b_dropped)"),
