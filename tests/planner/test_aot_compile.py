@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from titan_jax.cli import main
-from titan_jax.planner import hlo_stats, topology
+from titan_jax.planner import calibration, hlo_stats, topology
 from titan_jax.planner.hlo_cost import moved_bytes as _moved_bytes
 
 needs_libtpu = pytest.mark.skipif(
@@ -159,8 +159,14 @@ def test_debug_model_fits_and_counts_its_flops(tmp_path, extra, capsys):
     for key in ("fits", "per_chip_bytes", "hbm_bytes", "flops_per_step",
                 "analytic_flops_per_step", "collectives", "compile_s", "est_step_time_s",
                 "est_mfu_pct", "roofline_mfu_pct", "top_buffers", "scheduler_flags",
-                "in_loop_all_gather_overlap_pct"):
+                "in_loop_all_gather_overlap_pct", "est_step_time_band_s", "est_mfu_band_pct",
+                "cost_analysis_bytes_per_chip", "est_flops_loop_bodies_once"):
         assert key in report
+    # every estimate carries the calibration's band; XLA's count beside ours counted its way
+    assert report["est_step_time_band_s"] == pytest.approx(
+        calibration.step_band(report["est_step_time_s"]))
+    assert abs(report["cost_analysis_flops_per_chip"] / report["est_flops_loop_bodies_once"]
+               - 1) < 0.1
     assert report["fits"] and 0 < report["per_chip_bytes"] < report["usable_hbm_bytes"]
     # The compiler's own figure, near the published HBM (v5e 15.75 of 16 GiB; v5p 95.74 GiB
     # against the 95 GiB Cloud publishes)
@@ -185,7 +191,8 @@ def test_debug_model_fits_and_counts_its_flops(tmp_path, extra, capsys):
                for c in found)
     assert sum(c["bytes_per_step"] for c in found if c["dtype"] == "f32"
                and c["op"] in ("all-reduce", "reduce-scatter")) > 1e6  # fp32 gradients
-    assert "fits" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fits" in out and "by the calibration's worst residuals" in out
     if extra == HSDP_OVER_DCN:
         assert report["chips"] == 8 and report["mesh"]["dp_replicate"] == 2
         dcn = [c for c in report["collectives"] if c["network"] == "dcn"]
