@@ -231,7 +231,7 @@ class _Walk:
         self.memo: dict[str, tuple[float, float]] = {}
         self.flops = self.hbm = self.compute_s = self.exposed_s = self.dma_s = 0.0
         self.host_bytes = 0.0  # over the host link (offloaded values)
-        # as XLA's cost_analysis() counts: each loop body once, no custom-call kernels
+        # as XLA's cost_analysis() counts: each loop body once, kernels as they declare
         self.flops_once = self.hbm_once = 0.0
         self.collectives: list[dict[str, Any]] = []
         self.conditionals: list[dict[str, Any]] = []
@@ -480,7 +480,10 @@ class _Walk:
         flops, array_flops = sum(w[0] for w in work), sum(w[1] for w in work)
         self.flops += times * flops
         self.hbm += times * hbm
-        self.flops_once += flops - (own_flops if inst.op == "custom-call" else 0.0)
+        once = flops - (own_flops if inst.op == "custom-call" else 0.0)
+        if declared := kernel_flops.megablox_flops(inst):  # a kernel that declares its cost
+            once += declared[0]  # to XLA: its whole buffer (megablox's pl.CostEstimate)
+        self.flops_once += once
         self.hbm_once += hbm
         hbm_rate = self.chip.hbm_bytes_per_s * sustained.hbm_share(self.chip.generation, hbm)
         spent = max(array_flops / self.chip.peak_bf16_flops, hbm / hbm_rate)
@@ -538,8 +541,9 @@ def estimate(program: str | HloModule, chip: Chip, devices: int,
     (`_Walk.conditional`), the others listed in `conditionals`; `costlier_branches` prices
     every conditional by its costlier branch instead (with no `routed_rows`: a MoE step's
     bound, every pick routed to one rank). `flops_loop_bodies_once` and
-    `hbm_bytes_loop_bodies_once` count as XLA's `cost_analysis()` does (each loop body once,
-    no custom-call kernels), to hold beside it."""
+    `hbm_bytes_loop_bodies_once` count as XLA's `cost_analysis()` does (each loop body once;
+    of the custom-call kernels, only those that declare their cost to XLA, megablox's grouped
+    matmuls, at their whole buffer), to hold beside it."""
     module = hlo_stats.parse(program) if isinstance(program, str) else program
     walk = _Walk(module, chip, devices, rings or {}, ring_wraps, routed_rows, costlier_branches)
     step_s = walk.visit(module.entry, 1)
