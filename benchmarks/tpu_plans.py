@@ -136,8 +136,8 @@ POSTTRAINING_PLANS = (
     Plan("8B SFT v5e-8", "configs/qwen3_8b_sft.toml", "v5e-8"),
     Plan("8B LoRA v5e-8", "configs/qwen3_8b_lora.toml", "v5e-8"),
     Plan("8B LoRA v5e-4", "configs/qwen3_8b_lora.toml", "v5e-4"),
-    Plan("30B-A3B SFT v5p-8", "configs/qwen3_30b_a3b_lora.toml", "v5p-8",
-         ("--lora.rank", "0")),
+    Plan("30B-A3B SFT v5p-8", "configs/qwen3_30b_a3b.toml", "v5p-8",  # the LoRA row's shape
+         ("--training.local_batch_size", "1", "--activation_checkpoint.mode", "selective")),
     Plan("30B-A3B LoRA v5p-8", "configs/qwen3_30b_a3b_lora.toml", "v5p-8"),
 )
 PLANS = PLANS + LOW_PRECISION_PLANS + LONG_CONTEXT_PLANS + POSTTRAINING_PLANS
