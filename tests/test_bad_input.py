@@ -130,6 +130,8 @@ CASES = {
           "--distributed.coordinator_address", "localhost:70000"],
          "distributed.coordinator_address='localhost:70000': port 70000 is not a TCP port"),
         (["--distributed.step_timeout", "-1"], "distributed.step_timeout=-1 must be >= 0"),
+        (["--distributed.heartbeat_timeout", "0"],
+         "distributed.heartbeat_timeout=0 must be >= 1 seconds"),
     ],
 }
 

@@ -501,6 +501,8 @@ def _check_distributed(d: Distributed) -> None:
              f"distributed.initialization_timeout={d.initialization_timeout} must be >= 1 seconds")
     _require(d.step_timeout >= 0,
              f"distributed.step_timeout={d.step_timeout} must be >= 0 seconds (0 = no limit)")
+    _require(d.heartbeat_timeout >= 1,
+             f"distributed.heartbeat_timeout={d.heartbeat_timeout} must be >= 1 seconds")
     _require(d.num_processes >= 1 or d.num_processes == AUTO,
              f"distributed.num_processes={d.num_processes} must be >= 1, or -1 to auto-detect "
              "(-1 means auto in every key)")

@@ -339,6 +339,9 @@ class Distributed:
     # saves not counted) before the job is ended as hung: a stuck collective or a dead host,
     # as TorchTitan's comm.train_timeout_seconds. 0 = wait forever.
     step_timeout: int = 600
+    # Seconds a process may go without a heartbeat (stopped, killed or cut off from the others)
+    # before the rest end the job with a line naming it (exit code 3).
+    heartbeat_timeout: int = 100
 
 
 @dataclasses.dataclass

@@ -52,9 +52,11 @@ def test_tpu_hosts_auto_detect_unless_the_environment_names_one_host(calls, monk
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "host-0,host-1")
     timeout = ["--distributed.initialization_timeout", "30"]
     assert distributed.initialize_distributed(_distributed(*timeout)) is True
-    # No addresses: JAX's cluster detection fills them in; our deadline fires before JAX's.
-    assert len(calls) == 1 and set(calls[0]) == {"initialization_timeout"}
+    # No addresses: JAX's cluster detection fills them in; our deadlines fire before JAX's.
+    assert len(calls) == 1
+    assert set(calls[0]) == {"initialization_timeout", "heartbeat_timeout_seconds"}
     assert 30 < calls[0]["initialization_timeout"] <= 30 + distributed._GRACE_S
+    assert calls[0]["heartbeat_timeout_seconds"] == 100 + distributed._GRACE_S
 
 
 def test_explicit_fields_are_passed_through(calls, monkeypatch):
@@ -63,7 +65,8 @@ def test_explicit_fields_are_passed_through(calls, monkeypatch):
                      "--distributed.coordinator_address", "10.0.0.1:1234")
     assert distributed.initialize_distributed(d) is True
     assert {k: v for k, v in calls[0].items() if k != "initialization_timeout"} == {
-        "coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 0}
+        "coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 0,
+        "heartbeat_timeout_seconds": 100 + distributed._GRACE_S}
 
 
 def test_rows_come_from_the_batch_sharding_not_the_process_index():

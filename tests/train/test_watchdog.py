@@ -1,5 +1,5 @@
 """A step that hangs ends the job with a message after `distributed.step_timeout`
-(titan_jax/train/stopping.py), tested with faked hangs (the loop's own use of it:
+(titan_jax/train/stopping.py), tested with faked hangs; and what the loop says it is doing (the loop's own use of it:
 tests/train/test_checkpoint.py, which shares its compiled tiny step)."""
 
 import subprocess
@@ -31,7 +31,21 @@ def test_paused_work_and_the_first_step_are_not_timed():
     with StepWatchdog(0.5, hung.append) as w:
         time.sleep(1.0)  # before the first beat: compiling
         w.beat(1)
-        with w.paused():  # a validation or a save
+        with w.paused("validating at step 1"):
             time.sleep(1.0)
         w.beat(2)
     assert hung == []
+
+
+def test_the_activity_says_what_the_loop_does():
+    """What another process's heartbeat watcher reports when this one falls silent."""
+    w = StepWatchdog(0, lambda m: None)
+    assert w.activity() == "starting up (the first step compiles)"
+    w.beat(5)
+    assert w.activity() == "training (step 5 finished)"
+    with w.paused("saving checkpoint 6"):
+        assert w.activity() == "saving checkpoint 6"
+        with w.paused("finishing after step 6"):
+            assert w.activity() == "finishing after step 6"
+        assert w.activity() == "saving checkpoint 6"
+    assert w.activity() == "training (step 5 finished)"

@@ -1,23 +1,31 @@
 """Multi-process runs: `jax.distributed.initialize` from `[distributed]`, and a job-wide failure
-channel so that one process's error ends every process of the job with that error's message.
+channel so that one process's error, or its silence, ends every process of the job with one line
+that names it.
 
 Both sides of a failure are handled here because JAX alone handles neither well: a coordinator
 that never answers, or a process that never arrives, aborts the waiting processes from C++
 ("Terminating process because the JAX distributed service detected fatal errors") with no
 word of the setting to fix; and a process that dies mid-run leaves the others blocked in a
 collective until a transport timeout, with a message about the transport, not the cause.
+JAX's coordination service does notice a process that stops sending heartbeats, but it then
+aborts every process with a C++ stack trace (exit 134), and jaxlib 0.12 cannot hand that
+status to a Python callback (its `missed_heartbeat_callback` dies in `std::bad_cast`). So the
+job posts heartbeats of its own through the service's key-value store, naming the host and
+what the process is doing, and notices a silent process first; JAX's own timeout is set a
+grace period later, as the backstop.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
 import jax
@@ -28,7 +36,10 @@ from titan_jax.jax_platform import is_tpu_host
 
 # JAX's own connect deadline is ours plus this, so ours fires first with a message to act on.
 _GRACE_S = 10
-_FAILED_KEY = "titan_jax/failed/"  # + process index -> "exit code\nmessage"
+_FAILED_KEY = "titan_jax/failed/"  # + process index -> "exit code\nthe line to print"
+_BEAT_KEY = "titan_jax/beat/"  # + process index + "/" -> "count\nhost and pid\nactivity", or _DONE
+_DONE = "done"  # posted by a process that left the job cleanly: no longer watched
+EXIT_LOST_PROCESS = 3  # a process of the job stopped answering (docs/ERRORS.md)
 
 
 class DistributedError(TitanJaxError):
@@ -94,7 +105,8 @@ def initialize_distributed(d: Distributed) -> bool:
     watchdog.start()
     try:
         jax.distributed.initialize(**kwargs,
-                                   initialization_timeout=int(remaining) + _GRACE_S)
+                                   initialization_timeout=int(remaining) + _GRACE_S,
+                                   heartbeat_timeout_seconds=d.heartbeat_timeout + _GRACE_S)
     finally:
         watchdog.cancel()
     return True
@@ -115,26 +127,49 @@ def _exit_code_and_message(error: BaseException) -> tuple[int, str]:
     return 1, f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
+# Runtime errors a lost peer cannot cause: the program's own (its size, its operands).
+_LOCAL_RUNTIME_ERRORS = ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNIMPLEMENTED")
+
+
+def _may_come_from_a_lost_process(error: BaseException) -> bool:
+    return (isinstance(error, jax.errors.JaxRuntimeError)
+            and not str(error).startswith(_LOCAL_RUNTIME_ERRORS))
+
+
 class JobFailures:
     """With several processes: a failure of this process is posted to JAX's coordination
     service (`report`, or an exception leaving a `guard()`), and a watcher thread ends this
-    process with the first failure another process posted. One process: does nothing."""
+    process with the first failure another process posted. One process: does nothing.
 
-    def __init__(self, poll_s: float = 0.5):
-        self.poll_s = poll_s
+    The watcher also posts this process's heartbeat (a count, its host and `activity()`) and
+    watches the next process's (a ring: each heartbeat is read once, whatever the job's size):
+    one silent for `heartbeat_timeout` seconds is posted as lost, which ends every process
+    with a line naming it (exit code `EXIT_LOST_PROCESS`). A coordination service that stops
+    answering for as long (process 0 stopped or gone) ends the others the same way.
+    """
+
+    def __init__(self, heartbeat_timeout: float, poll_s: float = 0.5):
+        self.heartbeat_timeout = heartbeat_timeout
+        self.poll_s = min(poll_s, heartbeat_timeout / 10)
+        self.activity: Callable[[], str] = lambda: "starting up"  # the run loop sets its own
         self._client = None
         self._stop = threading.Event()
         self._reported: int | None = None  # the exit code of this process's own failure
-        self._thread: threading.Thread | None = None
+        self._answered = time.monotonic()  # when the coordination service last answered
+        self._threads: list[threading.Thread] = []
 
     def __enter__(self) -> JobFailures:
         if jax.process_count() > 1:
             from jax._src.distributed import global_state  # the client JAX connected with
 
             self._client = global_state.client
-            self._thread = threading.Thread(target=self._watch, daemon=True,
-                                            name="titan-jax-job-failures")
-            self._thread.start()
+            self._coordinator = global_state.coordinator_address
+            watchers = [self._watch] + ([self._watch_coordinator] if jax.process_index() else [])
+            self._threads = [threading.Thread(target=target, daemon=True,
+                                              name=f"titan-jax-{target.__name__[1:]}")
+                             for target in watchers]
+            for thread in self._threads:
+                thread.start()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
@@ -142,8 +177,12 @@ class JobFailures:
         if error is not None:
             self.report(error)
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        for thread in self._threads:
+            thread.join()
+        if self._client is not None and self._reported is None:  # left cleanly: stop watching
+            with contextlib.suppress(Exception):
+                self._client.key_value_set(self._beat_key(jax.process_index()), _DONE,
+                                           allow_overwrite=True)
         if self._reported is not None:
             if jax.process_index() == 0:  # the service lives here: let the others read it first
                 time.sleep(4 * self.poll_s)
@@ -166,24 +205,85 @@ class JobFailures:
         """Tells the other processes that this one fails with `error` (first report only)."""
         if self._client is None or self._reported is not None:
             return
+        if _may_come_from_a_lost_process(error):
+            # A collective whose peer was killed fails here ("Connection reset by peer") before
+            # that peer's heartbeat is missed; give the watcher the time to name it (it ends
+            # this process), else this error is this process's own.
+            time.sleep(self.heartbeat_timeout + 4 * self.poll_s)
         code, message = _exit_code_and_message(error)
         self._reported = code
+        self._post(jax.process_index(), code,
+                   f"process {jax.process_index()} of {jax.process_count()} failed: {message}")
+
+    def _post(self, index: int, code: int, line: str) -> None:
+        """Posts process `index`'s failure for every process to end with."""
         with contextlib.suppress(Exception):  # the service may be gone: JAX then ends the job
-            self._client.key_value_set(f"{_FAILED_KEY}{jax.process_index()}",
-                                       f"{code}\n{message}")
+            self._client.key_value_set(f"{_FAILED_KEY}{index}", f"{code}\n{line}",
+                                       allow_overwrite=True)
+
+    @staticmethod
+    def _beat_key(index: int) -> str:
+        return f"{_BEAT_KEY}{index}/"
+
+    def _end(self, line: str, code: int) -> None:
+        if jax.process_index() == 0:  # the service lives here: let the others read it first
+            time.sleep(4 * self.poll_s)
+        exit_job(line, code)
 
     def _watch(self) -> None:
-        me, count = jax.process_index(), jax.process_count()
-        while not self._stop.wait(self.poll_s):
+        me = jax.process_index()
+        watched = (me + 1) % jax.process_count()
+        who = f"host {socket.gethostname()} pid {os.getpid()}"
+        last, heard_at = "", time.monotonic()  # the watched process's last beat, when it came
+        for beat in itertools.count(1):
             try:
+                self._client.key_value_set(f"{self._beat_key(me)}beat",
+                                           f"{beat}\n{who}\n{self.activity()}",
+                                           allow_overwrite=True)
                 posted = self._client.key_value_dir_get(_FAILED_KEY)
-            except Exception:  # the service is gone: JAX's heartbeat ends the job
+                heard = self._client.key_value_dir_get(self._beat_key(watched))
+            except Exception:  # the service is gone: _watch_coordinator ends this process
                 return
-            failed = sorted((int(key.rsplit("/", 1)[-1]), value) for key, value in posted)
-            failed = [(i, value) for i, value in failed if i != me]
-            if failed and self._reported is None:
-                index, value = failed[0]
-                code, _, message = value.partition("\n")
-                if me == 0:  # the service lives here: let the others read the failure first
-                    time.sleep(4 * self.poll_s)
-                exit_job(f"process {index} of {count} failed: {message}", int(code))
+            self._answered = time.monotonic()
+            value = heard[0][1] if heard else ""
+            if value == _DONE or value != last:
+                last, heard_at = value, time.monotonic()
+            if self._reported is None:  # else this process is ending with its own failure
+                if posted:
+                    _, first = min(posted, key=lambda kv: int(kv[0].rsplit("/", 1)[-1]))
+                    code, _, line = first.partition("\n")
+                    self._end(line, int(code))
+                if time.monotonic() - heard_at > self.heartbeat_timeout:
+                    line = self._lost_line(watched, last)
+                    self._reported = EXIT_LOST_PROCESS
+                    self._post(watched, EXIT_LOST_PROCESS, line)
+                    self._end(line, EXIT_LOST_PROCESS)
+            if self._stop.wait(self.poll_s):
+                return
+
+    def _lost_line(self, index: int, beat: str) -> str:
+        """`beat`: the lost process's last heartbeat ("" if none came)."""
+        name = f"process {index} of {jax.process_count()}"
+        if not beat:
+            return (f"{name} sent no heartbeat within distributed.heartbeat_timeout="
+                    f"{self.heartbeat_timeout:g} s of joining the job: it was stopped, killed or "
+                    f"cut off from it. {_RESTART}")
+        _, who, doing = beat.split("\n", 2)
+        return (f"{name} ({who}) sent no heartbeat for distributed.heartbeat_timeout="
+                f"{self.heartbeat_timeout:g} s while {doing}: it was stopped, killed or cut off "
+                f"from the job. {_RESTART}")
+
+    def _watch_coordinator(self) -> None:
+        """Process 0 hosts the coordination service: when it stops answering, every call the
+        other watcher makes hangs or fails, so the silence is timed here."""
+        while not self._stop.wait(self.poll_s):
+            if time.monotonic() - self._answered > self.heartbeat_timeout:
+                exit_job(f"process 0 of {jax.process_count()} (the coordinator, "
+                         f"{self._coordinator}) did not answer for distributed.heartbeat_timeout="
+                         f"{self.heartbeat_timeout:g} s while this process was "
+                         f"{self.activity()}: it was stopped, killed or cut off from the job. "
+                         f"{_RESTART}", EXIT_LOST_PROCESS)
+
+
+_RESTART = ("Ending the job: end that process if it still runs, then start every process again "
+            "with the same command; it resumes from the last checkpoint")

@@ -103,7 +103,7 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None,
     """
     started_at = time.time() if started_at is None else started_at
     initialize_distributed(config.distributed)
-    with JobFailures() as failures:
+    with JobFailures(config.distributed.heartbeat_timeout) as failures:
         return _train(config, devices, model_args, failures, started_at)
 
 
@@ -131,6 +131,7 @@ def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
                    stack.enter_context(StepProfiler(config)),
                    stack.enter_context(StepWatchdog(config.distributed.step_timeout,
                                                     _end_hung_job(failures))), goodput)
+        failures.activity = run.watchdog.activity  # what the heartbeat says this process does
         # Exits first: the other processes hear of an error before cleanups that wait on them.
         stack.enter_context(failures.guard())
         logger.info(_summary(setup.trainer))
@@ -150,7 +151,7 @@ def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
                 f"tokens_seen/{name}": n
                 for name, n in setup.data.source_tokens(step - start.step).items()}
         step, state, stopped = _run_steps(run, state, start.step)
-        with run.watchdog.paused():
+        with run.watchdog.paused(f"finishing after step {step}"):
             return _finish(run, step, state, stopped)
 
 
@@ -241,7 +242,7 @@ def _run_steps(run: _Run, state: TrainState, first: int) -> tuple[int, TrainStat
         if (trace := run.profiler.after_step(step, (state, metrics))) is not None:
             run.logger.info(f"profile of steps up to {step} written to {trace}")
         if validator is not None and validator.should_validate(step):
-            with run.watchdog.paused(), goodput.phase("evaluation"):
+            with run.watchdog.paused(f"validating at step {step}"), goodput.phase("evaluation"):
                 reporter.add_validation(step, validator.validate(state["params"],
                                                                  state["buffers"]))
         stopped = run.stop.should_stop(step)
@@ -251,7 +252,8 @@ def _run_steps(run: _Run, state: TrainState, first: int) -> tuple[int, TrainStat
             run.watchdog.beat(step)
             pending = None
             goodput.interval()  # a resume point is a record boundary
-            with run.watchdog.paused(), goodput.phase("checkpoint_save"):
+            with run.watchdog.paused(f"saving checkpoint {step}"), \
+                    goodput.phase("checkpoint_save"):
                 _save(run, step, state)
         if stopped:
             break

@@ -7,7 +7,9 @@
   communication timeouts do. The main thread is then blocked inside XLA, where no Python
   exception reaches it: the job is ended from the watcher (`parallel.distributed.exit_job`),
   after telling the other processes. Work that is not a step (compiling, validating, saving)
-  runs `paused()`, and watching starts only after the first step, which compiles.
+  runs `paused()`, and watching starts only after the first step, which compiles. `activity()`
+  says what the loop is doing, for the heartbeat the other processes read
+  (`parallel.distributed.JobFailures`), which names it when this process falls silent.
 - Bad steps (`BadSteps`): a non-finite step is skipped by the step's finite guard (the state
   stays as it was) and counted; `training.max_consecutive_bad_steps` in a row stop the run.
 """
@@ -87,7 +89,8 @@ class StepWatchdog:
         self._on_hang = on_hang
         self._lock = threading.Lock()
         self._since: float | None = None  # when the wait for the next step began; None: paused
-        self._step = 0  # the last finished step
+        self._step: int | None = None  # the last finished step
+        self._paused_for: str | None = None  # what the loop does meanwhile, when paused
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -109,21 +112,33 @@ class StepWatchdog:
             self._step, self._since = step, time.monotonic()
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self, doing: str) -> Iterator[None]:
+        """Untimed work; `doing` says what it is ("saving checkpoint 6")."""
         with self._lock:
             since, self._since = self._since, None
+            paused_for, self._paused_for = self._paused_for, doing
         try:
             yield
         finally:
             with self._lock:
+                self._paused_for = paused_for
                 if since is not None:
                     self._since = time.monotonic()
+
+    def activity(self) -> str:
+        """What the loop is doing, as "while ..." completes it."""
+        with self._lock:
+            if self._paused_for is not None:
+                return self._paused_for
+            if self._step is None:
+                return "starting up (the first step compiles)"
+            return f"training (step {self._step} finished)"
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout_s / 4)):
             with self._lock:
                 late = self._since is not None and time.monotonic() - self._since > self.timeout_s
-                step = self._step
+                step = self._step or 0
             if late:
                 self._on_hang(
                     f"no step finished within distributed.step_timeout={self.timeout_s:g} s "
