@@ -42,7 +42,7 @@ import jinja2.utils
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from titan_jax.data.tokenizer import Tokenizer
+from titan_jax.data.tokenizer import Tokenizer, special_token
 from titan_jax.errors import TitanJaxError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -116,13 +116,8 @@ def load_special_tokens(path: str) -> dict[str, str]:
     if not config.is_file():
         return {}
     values = _read_config(config)
-    tokens = {}
-    for name in SPECIAL_TOKEN_NAMES:
-        value = values.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            tokens[name] = value
-    return tokens
+    tokens = {name: special_token(values, name, str(config)) for name in SPECIAL_TOKEN_NAMES}
+    return {name: token for name, token in tokens.items() if token is not None}
 
 
 def _read_text(file: Path) -> str:

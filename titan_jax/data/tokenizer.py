@@ -2,8 +2,9 @@
 
 `load_tokenizer("")` gives the shipped 2048-token BPE (built by scripts/build_tokenizer.py);
 a path to a tokenizer.json, or a directory holding one (e.g. a Qwen3 HF checkout), loads the same
-way. EOS comes from `eos_token` in a tokenizer_config.json next to the file, else from a
-well-known special-token name.
+way. EOS comes from `eos_token` (or `eos_token_id`) in a tokenizer_config.json next to the
+file, else from a well-known special-token name; BOS likewise. Every id the config gives for
+them must be the one tokenizer.json has.
 """
 
 import hashlib
@@ -72,8 +73,10 @@ def load_tokenizer(path: str = "") -> Tokenizer:
         file = file / "tokenizer.json"
     if not file.is_file():
         raise TokenizerError(f"tokenizer path {path!r}: no tokenizer.json file at {str(file)!r}")
-    config = _read_config(file.parent / "tokenizer_config.json")
-    return _from_json(_read_text(file), where=str(file), config=config)
+    config_file = file.parent / "tokenizer_config.json"
+    config = _read_config(config_file)
+    return _from_json(_read_text(file), where=str(file), config=config,
+                      config_where=str(config_file))
 
 
 def _read_text(file: Path) -> str:
@@ -99,36 +102,77 @@ def _read_config(file: Path) -> dict:
     return config
 
 
-def _token_name(value: object) -> str | None:
-    # HF configs store a special token either as a string or as {"content": "...", ...}.
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+def _shown(value: object) -> str:
+    """A config value as JSON, cut short (a number of a million digits included)."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:40]}..."
 
 
-def _from_json(text: str, *, where: str, config: dict) -> Tokenizer:
+def special_token(config: dict, field: str, where: str) -> str | None:
+    """The special token `field` (`eos_token`, ...) of tokenizer_config.json `where`: HF stores
+    one as a string or as {"content": "...", ...}; None when absent or null."""
+    value = config.get(field)
+    content = value.get("content") if isinstance(value, dict) else value
+    if isinstance(content, str) or value is None:
+        return content
+    raise TokenizerError(
+        f"tokenizer config {where!r}: {field}={_shown(value)} is not a token; give the token's "
+        f'text (e.g. "<|im_end|>", or {{"content": "<|im_end|>"}}), or null')
+
+
+def _special_id(tok: tokenizers.Tokenizer, config: dict, name: str, where: str) -> int | None:
+    """The id of special token `name` ("eos" or "bos") that tokenizer_config.json `where` sets
+    by `{name}_token` or `{name}_token_id` (None if neither), checked against the tokenizer: an
+    id it does not have, or two ids for one token, would train on a token nobody asked for."""
+    field = f"{name}_token"
+    token = special_token(config, field, where)
+    token_id = None if token is None else tok.token_to_id(token)
+    if token is not None and token_id is None:
+        raise TokenizerError(f"tokenizer config {where!r}: {field}={token!r} is not in the vocab "
+                             "of the tokenizer.json beside it")
+    given = config.get(f"{field}_id")
+    if given is not None:
+        vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+        if not (type(given) is int and 0 <= given < vocab_size
+                and tok.id_to_token(given) is not None):
+            raise TokenizerError(
+                f"tokenizer config {where!r}: {field}_id={_shown(given)} is not a token id of "
+                f"the tokenizer.json beside it (0 to {vocab_size - 1}); give the id of "
+                f"{name.upper()}, or leave {field}_id out")
+        if token_id is not None and given != token_id:
+            raise TokenizerError(
+                f"tokenizer config {where!r}: {field}_id={given}, but {field}={token!r} is id "
+                f"{token_id}; make them agree, or leave {field}_id out")
+        token_id = given
+    decoder = config.get("added_tokens_decoder")
+    if token_id is not None and isinstance(decoder, dict):
+        content = tok.id_to_token(token_id)
+        for key, entry in decoder.items():
+            if isinstance(entry, dict) and entry.get("content") == content and key != str(token_id):
+                raise TokenizerError(
+                    f"tokenizer config {where!r}: added_tokens_decoder gives {content!r} "
+                    f"({field}) the id {_shown(key)}, but tokenizer.json has it at {token_id}; "
+                    "make the two files agree")
+    return token_id
+
+
+def _from_json(text: str, *, where: str, config: dict, config_where: str = "") -> Tokenizer:
+    """`config`: the tokenizer_config.json beside the file (`config_where`), or {}."""
     try:
         tok = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # the Rust side raises bare Exception on malformed files
         raise TokenizerError(f"tokenizer file {where!r} is not a valid tokenizer.json: {e}") from e
 
-    eos_name = _token_name(config.get("eos_token"))
-    if eos_name is not None:
-        eos_id = tok.token_to_id(eos_name)
-        if eos_id is None:
-            raise TokenizerError(f"tokenizer {where!r}: eos_token={eos_name!r} is not in the vocab")
-    else:
+    eos_id = _special_id(tok, config, "eos", config_where)
+    if eos_id is None:
         eos_id = next((i for n in EOS_NAMES if (i := tok.token_to_id(n)) is not None), None)
-        if eos_id is None:
-            raise TokenizerError(
-                f"tokenizer {where!r} has no EOS token: set eos_token in tokenizer_config.json "
-                f"or include one of {list(EOS_NAMES)}"
-            )
-
-    if "bos_token" in config:  # an explicit null means "no BOS" (Qwen3)
-        bos_name = _token_name(config["bos_token"])
-        bos_id = None if bos_name is None else tok.token_to_id(bos_name)
-    else:
+    if eos_id is None:
+        raise TokenizerError(
+            f"tokenizer {where!r} has no EOS token: set eos_token in tokenizer_config.json "
+            f"or include one of {list(EOS_NAMES)}"
+        )
+    bos_id = _special_id(tok, config, "bos", config_where)
+    if bos_id is None and "bos_token" not in config:  # an explicit null means "no BOS" (Qwen3)
         bos_id = next((i for n in BOS_NAMES if (i := tok.token_to_id(n)) is not None), None)
     sha256 = hashlib.sha256(f"{text}\0{eos_id}".encode()).hexdigest()
     return Tokenizer(tok, eos_id=eos_id, bos_id=bos_id, where=where, sha256=sha256)
