@@ -26,21 +26,27 @@ RESTART = ("Ending the job: end that process if it still runs, then start every 
            "with the same command; it resumes from the last checkpoint")
 pytestmark = pytest.mark.slow
 
-# A job of two processes in a loop of collectives (gloo), as the train loop is in its steps.
+# A job of two processes in a loop of collectives (gloo), as the train loop is in its steps;
+# with "finish" first, process 1 leaves the job at once and process 0 some time later.
 JOB = """
-import sys
+import sys, time
 import numpy as np
+import jax
 from jax.experimental import multihost_utils
 from titan_jax.config import load_config
 from titan_jax.parallel.distributed import JobFailures, initialize_distributed
-d = load_config(None, sys.argv[1:]).distributed
+finish = sys.argv[1] == "finish"
+d = load_config(None, sys.argv[2:]).distributed
 initialize_distributed(d)
 with JobFailures(d.heartbeat_timeout) as failures, failures.guard():
     failures.activity = lambda: "in the collectives loop"
     multihost_utils.sync_global_devices("up")
     print("up", flush=True)
-    while True:
+    while not finish:
         multihost_utils.process_allgather(np.ones(4))
+    if jax.process_index() == 0:
+        time.sleep(d.heartbeat_timeout + 3)
+print("left", flush=True)
 """
 
 
@@ -80,7 +86,7 @@ def _end_of(survivor: subprocess.Popen, since: float) -> tuple[str, float]:
                          ids=["stopped", "coordinator-stopped", "killed"])
 def test_a_lost_process_ends_the_other_with_one_line_naming_it(lost, sig):
     port = _free_port()
-    procs = [_start(["-c", JOB, *_distributed(port, i)]) for i in range(2)]
+    procs = [_start(["-c", JOB, "loop", *_distributed(port, i)]) for i in range(2)]
     try:
         for p in procs:
             _wait_for(p, "up")
@@ -104,6 +110,14 @@ def test_a_lost_process_ends_the_other_with_one_line_naming_it(lost, sig):
             rf"heartbeat for distributed.heartbeat_timeout={TIMEOUT} s while in the "
             rf"collectives loop: it was stopped, killed or cut off from the job. {RESTART}",
             line), line
+
+
+def test_a_process_that_left_the_job_cleanly_is_not_lost():
+    port = _free_port()
+    procs = [_start(["-c", JOB, "finish", *_distributed(port, i)]) for i in range(2)]
+    outs = [p.communicate(timeout=TIMEOUT + 60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("left" in out for out, _ in outs)
 
 
 STEPS, INTERVAL = 6, 3

@@ -37,7 +37,9 @@ from titan_jax.jax_platform import is_tpu_host
 # JAX's own connect deadline is ours plus this, so ours fires first with a message to act on.
 _GRACE_S = 10
 _FAILED_KEY = "titan_jax/failed/"  # + process index -> "exit code\nthe line to print"
-_BEAT_KEY = "titan_jax/beat/"  # + process index + "/" -> "count\nhost and pid\nactivity", or _DONE
+# + process index + "/beat" -> "count\nhost and pid\nactivity", or _DONE (read as a folder, so
+# that a process not yet heard of reads as empty rather than as an error)
+_BEAT_KEY = "titan_jax/beat/"
 _DONE = "done"  # posted by a process that left the job cleanly: no longer watched
 EXIT_LOST_PROCESS = 3  # a process of the job stopped answering (docs/ERRORS.md)
 
@@ -181,8 +183,8 @@ class JobFailures:
             thread.join()
         if self._client is not None and self._reported is None:  # left cleanly: stop watching
             with contextlib.suppress(Exception):
-                self._client.key_value_set(self._beat_key(jax.process_index()), _DONE,
-                                           allow_overwrite=True)
+                self._client.key_value_set(f"{self._beat_folder(jax.process_index())}beat",
+                                           _DONE, allow_overwrite=True)
         if self._reported is not None:
             if jax.process_index() == 0:  # the service lives here: let the others read it first
                 time.sleep(4 * self.poll_s)
@@ -222,7 +224,7 @@ class JobFailures:
                                        allow_overwrite=True)
 
     @staticmethod
-    def _beat_key(index: int) -> str:
+    def _beat_folder(index: int) -> str:
         return f"{_BEAT_KEY}{index}/"
 
     def _end(self, line: str, code: int) -> None:
@@ -237,11 +239,11 @@ class JobFailures:
         last, heard_at = "", time.monotonic()  # the watched process's last beat, when it came
         for beat in itertools.count(1):
             try:
-                self._client.key_value_set(f"{self._beat_key(me)}beat",
+                self._client.key_value_set(f"{self._beat_folder(me)}beat",
                                            f"{beat}\n{who}\n{self.activity()}",
                                            allow_overwrite=True)
                 posted = self._client.key_value_dir_get(_FAILED_KEY)
-                heard = self._client.key_value_dir_get(self._beat_key(watched))
+                heard = self._client.key_value_dir_get(self._beat_folder(watched))
             except Exception:  # the service is gone: _watch_coordinator ends this process
                 return
             self._answered = time.monotonic()
