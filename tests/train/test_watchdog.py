@@ -1,6 +1,7 @@
 """A step that hangs ends the job with a message after `distributed.step_timeout`
-(titan_jax/train/stopping.py), tested with faked hangs; and what the loop says it is doing (the loop's own use of it:
-tests/train/test_checkpoint.py, which shares its compiled tiny step)."""
+(titan_jax/train/stopping.py), tested with faked hangs (the loop's own use of it:
+tests/train/test_checkpoint.py, which shares its compiled tiny step); and what the watchdog
+says the loop is doing, for the other processes' heartbeat watchers."""
 
 import subprocess
 import sys
