@@ -442,6 +442,11 @@ def _check_lora(lo: Lora) -> None:
         return
     _require(lo.alpha > 0, f"lora.alpha={lo.alpha} must be > 0")
     _require(0 <= lo.dropout < 1, f"lora.dropout={lo.dropout} must be in [0, 1)")
+    _require(lo.base_block_size >= 1,
+             f"lora.base_block_size={lo.base_block_size} must be >= 1")
+    _require(lo.base_dtype == "nf4" or lo.base_block_size == 64,
+             f"lora.base_block_size={lo.base_block_size} has no effect with lora.base_dtype="
+             f"{lo.base_dtype}; set lora.base_dtype=nf4, or leave it out")
     names = lo.target_names()
     unknown = [n for n in names if n not in LORA_TARGETS]
     _require(not unknown, f"lora.target_modules={lo.target_modules!r}: "

@@ -268,6 +268,12 @@ class Lora:
     # v_proj, o_proj, gate_proj, up_proj, down_proj, experts.gate_up_proj, experts.down_proj.
     # The default is PEFT's for Qwen3.
     target_modules: str = "q_proj,v_proj"
+    # How the frozen base weights are stored: auto (training.mixed_precision_param as
+    # resolved: bf16 on TPU/GPU, fp32 on CPU), float32, bfloat16, or quantized as QLoRA:
+    # int8, fp8 (e4m3) or nf4 (the projections and experts; embeddings, norms and the router
+    # then stay bf16). Quantized by qwix after init and after loading.
+    base_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8", "nf4"] = "auto"
+    base_block_size: int = 64  # nf4: input elements per scale (QLoRA's 64)
 
     def target_names(self) -> tuple[str, ...]:
         return tuple(name.strip() for name in self.target_modules.split(",") if name.strip())

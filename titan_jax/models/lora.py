@@ -28,6 +28,9 @@ PEFT's adapter on it is one A and one B over both outputs). `merged` folds adapt
 weights for a plain model (`titan-jax convert --to hf`, `checkpoint.last_save_in_hf`);
 `merge_into` is the same fold for one weight at use (the MoE experts', whose grouped kernels
 then run unchanged, as PEFT's fused-expert adapter folds itself into the weight).
+
+The frozen base may be stored below fp32 (`Lora.base`: bf16, or QLoRA's int8/fp8/nf4:
+`models/frozen_base.py`); `merged` reads it back in fp32 (dequantized) first.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from titan_jax.models.frozen_base import FP32_BASE, FrozenBase, dequantized
 
 Array = jax.Array
 Params = dict[str, Any]
@@ -57,12 +62,13 @@ _KAIMING_UNIFORM_SQRT5 = 1 / 3
 @dataclasses.dataclass(frozen=True)
 class Lora:
     """Which projections carry adapters (HF/PEFT names, e.g. "q_proj"), their rank and alpha,
-    and the dropout on their input in training; rank 0: none."""
+    the dropout on their input in training, and how the frozen base is stored; rank 0: none."""
 
     rank: int = 0
     alpha: float = 8.0
     projections: tuple[str, ...] = ()
     dropout: float = 0.0
+    base: FrozenBase = FP32_BASE
 
     def targets(self, projection: str) -> bool:
         return self.rank > 0 and projection in self.projections
@@ -115,10 +121,14 @@ def lora_delta(rows: Array, a: Array, b: Array, scale: float) -> Array:
 def merged(params: Params, lora: Lora) -> Params:
     """`params` with every adapter folded into the weight(s) beside it, `W + (A B) * alpha / r`
     in fp32 (PEFT's `merge_and_unload`), and the adapters dropped: a plain model's params,
-    which compute what the adapted model computes."""
+    which compute what the adapted model computes (a quantized base dequantized: fp32)."""
+    return _merged(dequantized(params, lora.base), lora)
+
+
+def _merged(params: Params, lora: Lora) -> Params:
     if not isinstance(params, dict):
         return params
-    out = {k: merged(v, lora) for k, v in params.items() if not k.endswith(ADAPTER_SUFFIX)}
+    out = {k: _merged(v, lora) for k, v in params.items() if not k.endswith(ADAPTER_SUFFIX)}
     for key, adapter in params.items():
         if key.endswith(ADAPTER_SUFFIX):
             names = key[:-len(ADAPTER_SUFFIX)].split(JOIN)

@@ -2,7 +2,8 @@
 
 A model calls four functions, naming dimensions by logical axis only (`("batch", "seq",
 "embed")`), and the active `Parallelism` answers each under the same name:
-- `use_param(param, dtype)`: the weight as the forward uses it;
+- `use_param(param, dtype)`: the weight as the forward uses it (a `FrozenParam`, a LoRA
+  model's frozen base, through `gather_frozen`: gathered as stored, then cast);
 - `constrain(x, logical_axes)`: an activation pinned to its layout;
 - `dispatch_to_experts(rows, experts, gates, n_local, ffn)`: MoE picks through their
   experts' FFN, each output scaled by its gate weight;
@@ -149,6 +150,12 @@ class Parallelism:
         del logical_axes
         return value.astype(dtype)
 
+    def gather_frozen(self, value: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+        """A weight that never trains (no gradient, nothing to reduce) from storage to its
+        compute layout, in the dtype it is stored in (quantized codes stay codes)."""
+        del logical_axes
+        return value
+
     def constrain(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         del logical_axes
         return x
@@ -209,6 +216,9 @@ class _Pregathered(Parallelism):
                              f"{jnp.dtype(dtype)}; gather it in the dtype its layer uses")
         return value
 
+    def gather_frozen(self, value: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+        return value
+
     def constrain(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         return self.outer.constrain(x, logical_axes)
 
@@ -238,14 +248,42 @@ _ACTIVE: contextvars.ContextVar[Parallelism] = contextvars.ContextVar(
     "parallelism", default=NO_PARALLELISM)
 
 
-def use_param(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
-    """The weight as the forward should see it (cast, and gathered when a mesh is active)."""
-    value = param[...]
-    axes = tuple(param.logical_axes)
-    if len(axes) != value.ndim:
-        raise ValueError(f"a weight of shape {value.shape} is used with logical axes {axes}; "
-                         "a stacked weight is used one layer at a time, inside the layer scan")
+class FrozenParam(nnx.Param):
+    """A weight that never trains, kept in the dtype it is stored in (a LoRA model's frozen
+    base in bf16, or a quantized weight's codes and scales: `models/frozen_weights.py`)."""
+
+
+class WeightInParts(Protocol):
+    """A weight stored as several arrays (a quantized weight's codes and scales), which reads
+    its parts with `gather_frozen` and makes the weight from them."""
+
+    def dequantized(self, dtype: jnp.dtype) -> jax.Array: ...
+
+
+def use_param(param: nnx.Param | WeightInParts, dtype: jnp.dtype) -> jax.Array:
+    """The weight as the forward should see it (cast, and gathered when a mesh is active).
+    A frozen weight is gathered in the dtype it is stored in and cast (or dequantized) after
+    the gather, so the gather moves its stored bytes."""
+    if not isinstance(param, nnx.Variable):
+        return checkpoint_name(param.dequantized(dtype), GATHERED_PARAM)
+    if isinstance(param, FrozenParam):
+        return checkpoint_name(gather_frozen(param).astype(dtype), GATHERED_PARAM)
+    value, axes = param[...], _axes_of(param)
     return checkpoint_name(_ACTIVE.get().use_param(value, axes, dtype), GATHERED_PARAM)
+
+
+def gather_frozen(param: FrozenParam) -> jax.Array:
+    """A frozen param as stored (its own dtype), gathered to its compute layout."""
+    return _ACTIVE.get().gather_frozen(param[...], _axes_of(param))
+
+
+def _axes_of(param: nnx.Param) -> LogicalAxes:
+    axes = tuple(param.logical_axes)
+    if len(axes) != param[...].ndim:
+        raise ValueError(f"a weight of shape {param[...].shape} is used with logical axes "
+                         f"{axes}; a stacked weight is used one layer at a time, inside the "
+                         "layer scan")
+    return axes
 
 
 def gather_layer(layer: nnx.State, dtype: jnp.dtype) -> nnx.State:
@@ -255,6 +293,8 @@ def gather_layer(layer: nnx.State, dtype: jnp.dtype) -> nnx.State:
     hooks = _ACTIVE.get()
 
     def gather(v: nnx.Variable) -> nnx.Variable:
+        if isinstance(v, FrozenParam):  # cast (or dequantized) at use
+            return v.replace(hooks.gather_frozen(v[...], tuple(v.logical_axes)))
         read_dtype = v.get_metadata().get("read_dtype", dtype)
         return v.replace(hooks.use_param(v[...], tuple(v.logical_axes), read_dtype))
 

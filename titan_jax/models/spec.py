@@ -47,6 +47,15 @@ class ModelDef(Protocol):
     buffer_logical_axes: Params
     # Dotted names of the params the optimizer trains (LoRA: the adapters); None: every param.
     trainable: frozenset[str] | None
+    # Every param in fp32 (a LoRA base stored in bf16 or quantized is not): what a base
+    # model's checkpoint holds, and their logical axes.
+    plain_params: Params
+    plain_logical_axes: Params
+
+    def stored(self, params: Params) -> Params:
+        """Plain params (`plain_params`' tree) with the frozen base stored as the build's
+        LoRA base says (identity for an fp32 base)."""
+        ...
 
     def init(self, key: jax.Array) -> Params: ...
 

@@ -43,6 +43,7 @@ from titan_jax.train.checkpoint import (
 from titan_jax.train.checksums import checksums
 from titan_jax.train.run_checks import resolve_lora
 from titan_jax.train.run_folder import run_paths
+from titan_jax.train.run_plan import resolve_param_dtype
 from titan_jax.train.trainer import Trainer
 
 ARGS_FILE = "model_args.json"
@@ -146,7 +147,11 @@ def run_lora(path: str | Path, spec: ModelSpec) -> RunLora:
     config.lora = LoraSection(**recorded.get("lora", {}))
     c = recorded.get("checkpoint", {})
     base = c.get("initial_load_path") if c.get("initial_load_in_hf") else None
-    return RunLora(resolve_lora(config, args), base or None)
+    # `lora.base_dtype=auto` as the run resolved it (a float base: restored exactly in
+    # either float dtype).
+    param_dtype = resolve_param_dtype(
+        recorded.get("training", {}).get("mixed_precision_param", "auto"), jax.devices())
+    return RunLora(resolve_lora(config, args, param_dtype), base or None)
 
 
 def _abstract_params(args: Any, shardings: Params | None, lora: Lora = NO_LORA) -> Params:
@@ -211,7 +216,7 @@ def export_hf(trainer: Trainer, params: Any, step: int) -> Path:
     final = run_paths(config).hf_exports / f"hf-{step}"
     if final.exists():
         raise CheckpointSaveError(f"{final} already exists; not overwriting it")
-    lora = resolve_lora(config, trainer.model.args)
+    lora = resolve_lora(config, trainer.model.args, trainer.plan.param_dtype)
     if lora.rank:  # the adapted model, as one plain HF model
         params = merged(params, lora)
     trainer.model_spec.hf.save(final, params, trainer.model.args,

@@ -29,6 +29,7 @@ from titan_jax.data.pipeline import check_inputs
 from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
 from titan_jax.models import ModelDef, ModelSpec, get_model_spec
 from titan_jax.models.attention import CP_ATTENTION, SPLASH_BLOCKS, resolve_attention
+from titan_jax.models.frozen_base import CODES, SCALE, FrozenBase, is_quantized
 from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.quantization import NONE, Quantization
 from titan_jax.parallel.context_parallel import check_seq_len
@@ -38,9 +39,11 @@ from titan_jax.parallel.rules import (
     ShardingRuleError,
     ShardingRules,
     axes_tuple,
+    mesh_axes_of,
     table_with_overrides,
 )
 from titan_jax.parallel.simple_fsdp import SimpleFSDP
+from titan_jax.trees import named_leaves, nested_get
 
 
 def check_model_choice(config: JobConfig) -> tuple[ModelSpec, Any]:
@@ -260,10 +263,11 @@ def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
                         q.block_size)
 
 
-def resolve_lora(config: JobConfig, args: Any) -> Lora:
+def resolve_lora(config: JobConfig, args: Any, param_dtype: Any = jnp.float32) -> Lora:
     """`[lora]` for this model: the projections its targets name that the model has (a MoE
     layer has experts, not a dense SwiGLU; a dense one no experts); refused where they name
-    none of them, as PEFT refuses."""
+    none of them, as PEFT refuses. `lora.base_dtype=auto` stores the frozen base in the
+    run's `param_dtype`."""
     lo = config.lora
     if lo.rank == 0:
         return NO_LORA
@@ -277,7 +281,9 @@ def resolve_lora(config: JobConfig, args: Any) -> Lora:
             f"lora.target_modules={lo.target_modules!r} matches no projection of model.flavor="
             f"{config.model.flavor}, which is {kind}; name some of "
             f"{','.join(groups)},{','.join(present)}")
-    return Lora(lo.rank, lo.alpha, projections, lo.dropout)
+    base_dtype = jnp.dtype(param_dtype).name if lo.base_dtype == "auto" else lo.base_dtype
+    return Lora(lo.rank, lo.alpha, projections, lo.dropout,
+                FrozenBase(base_dtype, lo.base_block_size))
 
 
 def check_reduce_dtype(config: JobConfig, devices: list[jax.Device], fsdp: type[SimpleFSDP]
@@ -324,6 +330,37 @@ def resolve_run_attention(config: JobConfig, cp: int, platform: str, dtype: jnp.
     attention = resolve_attention(config.model.attention, platform, dtype, seq_lens)
     return check_context_parallel(cp, seq_lens, config.model.attention, attention,
                                   config.parallelism.context_parallel_method)
+
+
+def check_base_blocks(config: JobConfig, rules: ShardingRules, model: ModelDef) -> None:
+    """An nf4 base's scales are split like the input dim they tile (a block count per shard):
+    every weight's block count must divide over its shards; refused with the largest block
+    size that divides them all."""
+    if config.lora.rank == 0 or config.lora.base_dtype != "nf4":
+        return
+    tiled = []  # (weight, input dim, blocks, shards)
+    for name, node in named_leaves(model.abstract_params, is_leaf=is_quantized).items():
+        if not is_quantized(node):
+            continue
+        axes = nested_get(model.logical_axes, (*name.split("."), SCALE))
+        codes, scale = node[CODES].shape, node[SCALE].shape
+        for d in range(len(codes) - 1):  # the last dim is an output (and packed)
+            if 1 < scale[d] < codes[d]:
+                shards = math.prod(rules.mesh.shape[a] for a in mesh_axes_of(
+                    rules.weight_layout((axes[d],)).storage))
+                tiled.append((name, codes[d], scale[d], shards))
+    bad = next(((n, dim, blocks, k) for n, dim, blocks, k in tiled if blocks % k), None)
+    if bad is None:
+        return
+    name, dim, blocks, shards = bad
+    fits = next((b for b in range(config.lora.base_block_size - 1, 0, -1)
+                 if all(d % b == 0 and (d == b or (d // b) % k == 0) for _, d, _, k in tiled)),
+                None)
+    smaller = f"lora.base_block_size={fits}, or " if fits else ""
+    raise ConfigError(
+        f"lora.base_block_size={config.lora.base_block_size}: the {blocks} nf4 blocks of "
+        f"{name}'s input dim ({dim}) do not split over its {shards} shards; use {smaller}"
+        "lora.base_dtype=int8")
 
 
 def storage_specs(config: JobConfig, rules: ShardingRules, model: ModelDef) -> tuple[Any, Any]:

@@ -99,7 +99,7 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
     run_checks.check_lookahead_gather(config, fsdp, attention)
     run_checks.check_layer_input_offload(config)
-    lora = run_checks.resolve_lora(config, args)
+    lora = run_checks.resolve_lora(config, args, param_dtype)
     model = spec.build(args, build_options(config, platform, attention, quantization, lora))
     # the tokens of one microbatch over the shards that split the vocabulary (cp splits the
     # same rows' positions; tp ranks share their tokens)
@@ -108,6 +108,7 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
     table = table_for_vocab(mesh, args.vocab_size, fsdp.splits_vocab_across_replicas,
                             table=recipe_table, travelling_tokens=travelling)
     rules = ShardingRules(mesh, table)
+    run_checks.check_base_blocks(config, rules, model)
     param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)
     return RunPlan(config, spec, degrees, mesh, n_microbatches, fsdp, param_dtype, attention,
                    model, rules, param_specs, buffer_specs)

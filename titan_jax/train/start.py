@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+
 from titan_jax.config import JobConfig
 from titan_jax.data.paths import local_path
 from titan_jax.models import BuildOptions
@@ -86,7 +88,7 @@ def load_start(trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
         trainable = trainer.model.trainable
         if model_only and trainable and not trainable & source.saved_params(step):
             # A base model's run (no LoRA adapters): its weights, fresh adapters.
-            abstract = {**abstract, "params": trainer.base_params(abstract["params"])}
+            abstract = {**abstract, "params": trainer.plain_base()}
         restored = source.restore(step, abstract, model_only=model_only,
                                   signature=resume_signature(config, trainer.global_batch_size))
     if model_only:
@@ -98,8 +100,8 @@ def load_start(trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
 def _load_params(path: Path, trainer: Trainer) -> Restored:
     """Weights from a HF directory, or from `titan-jax convert --to orbax` output: a base
     model's (LoRA's adapters start fresh)."""
-    abstract = trainer.base_params(trainer.model.abstract_params)
-    shardings = trainer.base_params(trainer.state_shardings["params"])
+    abstract = trainer.plain_base()
+    shardings = jax.tree.map(lambda s: s.sharding, abstract)
     if trainer.config.checkpoint.initial_load_in_hf:
         source = f"HF checkpoint {path}"
         params = trainer.model_spec.hf.load_params(path, trainer.model.args, shardings)

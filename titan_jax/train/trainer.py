@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 
 from titan_jax.config import JobConfig
 from titan_jax.parallel.batch_placement import BatchPlacement
@@ -74,15 +75,17 @@ class Trainer:
 
     def state_from_params(self, params: Any) -> TrainState:
         """A fresh train state (new optimizer and buffers, step 0) around loaded params. A
-        base model's weights (`base_params`: no LoRA adapters) get fresh adapters, whose B is
-        zero: the model starts as the base."""
+        base model's weights (`plain_base`: fp32, no LoRA adapters) get fresh adapters, whose
+        B is zero (the model starts as the base), and are stored as `lora.base_dtype` says
+        (cast, or quantized)."""
         trainable = self.model.trainable
         fresh_adapters = trainable is not None and not trainable & set(named_leaves(params))
         key = jax.random.key(self.config.training.seed)
 
         def state(params: Any, key: jax.Array) -> TrainState:
             if fresh_adapters:  # the rest of this init is dead code to XLA
-                params = merge_nested(params, split_by_name(self.model.init(key), trainable)[0])
+                adapters = split_by_name(self.model.init(key), trainable)[0]
+                params = self.model.stored(merge_nested(params, adapters))
             return init_train_state(params, self.model.init_buffers(), self.optimizer, trainable)
 
         with jax.set_mesh(self.mesh):
@@ -92,6 +95,16 @@ class Trainer:
         """A params-shaped `tree` without the LoRA adapters: the part a base model fills."""
         trainable = self.model.trainable
         return tree if trainable is None else split_by_name(tree, trainable)[1]
+
+    def plain_base(self) -> Any:
+        """The base model's params as a checkpoint of it holds them (fp32, before a LoRA
+        base is narrowed), abstract, with their shardings: what base loads fill."""
+        model = self.model
+        specs = self.rules.storage_specs(model.plain_params, model.plain_logical_axes)
+        return self.base_params(jax.tree.map(
+            lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                 sharding=NamedSharding(self.mesh, spec)),
+            model.plain_params, specs))
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the train state, without allocating it."""

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from titan_jax.models.attention import resolve_attention
+from titan_jax.models.frozen_base import FrozenBase
+from titan_jax.models.frozen_weights import check_blocks, store_frozen
 from titan_jax.models.qwen3.args import Qwen3Args
 from titan_jax.models.qwen3.model import (
     ALWAYS_SAVED,
@@ -45,6 +47,11 @@ class Qwen3Def:
     abstract_buffers: Params = dataclasses.field(default_factory=dict)
     buffer_logical_axes: Params = dataclasses.field(default_factory=dict)
     trainable: frozenset[str] | None = None  # the LoRA adapters' names when there are any
+    # The model with every weight in fp32 (a LoRA base stored below fp32 is not), its module
+    # graph, and the logical axes of those params: what a base model's checkpoint holds.
+    plain_params: Params = dataclasses.field(default_factory=dict)
+    plain_logical_axes: Params = dataclasses.field(default_factory=dict)
+    plain_graphdef: nnx.GraphDef | None = None
 
     @property
     def remat(self) -> Callable | None:
@@ -57,6 +64,16 @@ class Qwen3Def:
         key of their own). jit it with out_shardings to shard."""
         model = Qwen3(self.args, nnx.Rngs(params=key, lora=jax.random.fold_in(key, 1)),
                       lora=self.options.lora)
+        store_frozen(model, self.options.lora.base)
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    def stored(self, params: Params) -> Params:
+        """`params` of the plain model (`plain_params`: fp32, e.g. a HF base and fresh
+        adapters) with the frozen base stored as the LoRA base says (as `init` stores it)."""
+        if self.plain_graphdef is None:
+            return params
+        model = nnx.merge(self.plain_graphdef, params)
+        store_frozen(model, self.options.lora.base)
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     def init_buffers(self) -> Params:
@@ -103,7 +120,7 @@ class Qwen3Def:
                                                 self.args.load_balance_coeff)}
 
     def num_params(self) -> int:
-        return sum(x.size for x in jax.tree.leaves(self.abstract_params))
+        return sum(x.size for x in jax.tree.leaves(self.plain_params))
 
 
 def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> Qwen3Def:
@@ -112,8 +129,31 @@ def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> Qwe
     kernels = Kernels(expert_kernel_for(options.platform, options.quantization),
                       resolve_attention(options.attention, options.platform), options.platform,
                       options.quantization, options.expert_gather_before_router)
-    abstract = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernels, options.lora))
-    graphdef, state = nnx.split(abstract, nnx.Param)
+    plain = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernels, options.lora))
+    plain_graphdef, plain_shapes, plain_axes, _ = _describe(plain)
+    base = options.lora.base
+    check_blocks(plain, base)
+    stored = nnx.eval_shape(lambda: _stored(Qwen3(args, nnx.Rngs(0), kernels, options.lora),
+                                            base))
+    graphdef, shapes, axes, adapters = _describe(stored)
+    buffers, buffer_axes = {}, {}
+    if args.is_moe:  # non-trainable: never an nnx.Param, so never seen by the optimizer
+        buffers[EXPERT_BIAS] = jax.ShapeDtypeStruct((args.n_layers, args.num_experts),
+                                                    jnp.float32)
+        buffer_axes[EXPERT_BIAS] = ("layers", "expert")
+    return Qwen3Def(args, graphdef, shapes, axes, options, buffers, buffer_axes,
+                    frozenset(adapters) if adapters else None, plain_shapes, plain_axes,
+                    plain_graphdef if base.narrowed else None)
+
+
+def _stored(model: Qwen3, base: FrozenBase) -> Qwen3:
+    store_frozen(model, base)
+    return model
+
+
+def _describe(model: Qwen3) -> tuple[nnx.GraphDef, Params, Params, set[str]]:
+    """(graph, abstract params, their logical axes, the LoRA adapters' names) of a model."""
+    graphdef, state = nnx.split(model, nnx.Param)
     flat = jax.tree_util.tree_flatten_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )[0]
@@ -125,10 +165,4 @@ def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> Qwe
         nested_set(axes, names, stacked_logical_axes(names, var.logical_axes))
         if isinstance(var, nnx.LoRAParam):
             adapters.add(name)
-    buffers, buffer_axes = {}, {}
-    if args.is_moe:  # non-trainable: never an nnx.Param, so never seen by the optimizer
-        buffers[EXPERT_BIAS] = jax.ShapeDtypeStruct((args.n_layers, args.num_experts),
-                                                    jnp.float32)
-        buffer_axes[EXPERT_BIAS] = ("layers", "expert")
-    return Qwen3Def(args, graphdef, shapes, axes, options, buffers, buffer_axes,
-                    frozenset(adapters) if adapters else None)
+    return graphdef, shapes, axes, adapters

@@ -37,6 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.attention import KV_AXES, Q_AXES, attention
 from titan_jax.models.embedding import vocab_lookup
+from titan_jax.models.frozen_weights import IN_DIMS, QuantizedWeight
 from titan_jax.models.lookahead import scan_with_lookahead
 from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.quantization import NONE, Quantization, dot
@@ -82,9 +83,13 @@ class Kernels:
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
-           std: float) -> nnx.Param:
+           std: float, n_in: int | None = None) -> nnx.Param:
+    """A weight ~ N(0, std); a projection's names its `n_in` input dims (what a quantized
+    LoRA base quantizes: `models/frozen_weights.py`)."""
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value, logical_axes=axes)
+    if n_in is None:
+        return nnx.Param(value, logical_axes=axes)
+    return nnx.Param(value, logical_axes=axes, **{IN_DIMS: tuple(range(n_in))})
 
 
 def _ones(shape: tuple[int, ...], axes: tuple[str | None, ...]) -> nnx.Param:
@@ -150,7 +155,7 @@ def apply_rope(x_BTNH: Array, cos_TH: Array, sin_TH: Array) -> Array:
 
 
 @jax.named_scope("project")
-def project(x: Array, w: nnx.Param, n_in: int,
+def project(x: Array, w: nnx.Param | QuantizedWeight, n_in: int,
             quantized: DotGeneralQtConfig | None = None, adapter: Adapter | None = None,
             dropout_key: Array | None = None) -> Array:
     """`x (..., *in) @ w (*in, *out) -> (..., *out)`, the weight read through the param hook;
@@ -189,10 +194,10 @@ class Attention(nnx.Module):
     def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels, lora: Lora = NO_LORA):
         d, n, k, h = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
         wo_std = 0.02 / math.sqrt(2 * args.n_layers) if args.is_moe else 0.02
-        self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), 0.02)
-        self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), 0.02)
-        self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), 0.02)
-        self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), wo_std)
+        self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), 0.02, 1)
+        self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), 0.02, 1)
+        self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), 0.02, 1)
+        self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), wo_std, 2)
         self.wq_lora = adapter_beside(lora, "q_proj", self.wq, 1, rngs)
         self.wk_lora = adapter_beside(lora, "k_proj", self.wk, 1, rngs)
         self.wv_lora = adapter_beside(lora, "v_proj", self.wv, 1, rngs)
@@ -241,9 +246,9 @@ class FeedForward(nnx.Module):
     def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, quantization: Quantization = NONE,
                  lora: Lora = NO_LORA):
         d, f = args.dim, args.hidden_dim
-        self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
-        self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02)
-        self.w3 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
+        self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02, 1)
+        self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02, 1)
+        self.w3 = _param(rngs, (d, f), ("embed", "mlp"), 0.02, 1)
         self.w1_lora = adapter_beside(lora, "gate_proj", self.w1, 1, rngs)
         self.w2_lora = adapter_beside(lora, "down_proj", self.w2, 1, rngs)
         self.w3_lora = adapter_beside(lora, "up_proj", self.w3, 1, rngs)

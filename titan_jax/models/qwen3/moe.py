@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from titan_jax.models.frozen_weights import IN_DIMS
 from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.permutation import permute
 from titan_jax.models.quantization import NONE, Quantization, ragged_dot
@@ -185,9 +186,10 @@ class MoE(nnx.Module):
         # `read_dtype`: the look-ahead gather (models/lookahead.py) reads it as the router does.
         self.gate = param((d, e), ("embed", None), 0.02, read_dtype=ROUTER_DTYPE)
         # "moe_embed": the experts' model dim, FSDP-split apart from `ep`, which splits experts.
-        self.w1 = param((e, d, f), ("expert", "moe_embed", "mlp"), 0.02)
-        self.w3 = param((e, d, f), ("expert", "moe_embed", "mlp"), 0.02)
-        self.w2 = param((e, f, d), ("expert", "mlp", "moe_embed"), w2_std)
+        # `IN_DIMS`: each expert's input dim (what a quantized LoRA base quantizes over).
+        self.w1 = param((e, d, f), ("expert", "moe_embed", "mlp"), 0.02, **{IN_DIMS: (1,)})
+        self.w3 = param((e, d, f), ("expert", "moe_embed", "mlp"), 0.02, **{IN_DIMS: (1,)})
+        self.w2 = param((e, f, d), ("expert", "mlp", "moe_embed"), w2_std, **{IN_DIMS: (1,)})
         self.w1_and_w3_lora = adapter_beside(lora, GATE_UP, (self.w1, self.w3), 1, rngs, 1)
         self.w2_lora = adapter_beside(lora, DOWN, self.w2, 1, rngs, 1)
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob

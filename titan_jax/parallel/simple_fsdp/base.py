@@ -107,6 +107,18 @@ class SimpleFSDP(Parallelism, abc.ABC):
             dtype = reduce_dtype
         return self._gather(value, logical_axes, layout, dtype, kept)
 
+    def gather_frozen(self, value: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+        """A frozen weight (no gradient) gathered in its stored dtype: the collective moves
+        the stored bytes (bf16, or int8/fp8/nf4 codes), the cast or dequantize runs after."""
+        layout = self.rules.weight_layout(logical_axes)
+        kept = bool(mesh_axes_of(layout.compute) & set(self.data_axes))
+        return self._gather_frozen(value, logical_axes, layout, kept)
+
+    @abc.abstractmethod
+    def _gather_frozen(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
+                       kept: bool) -> jax.Array:
+        """`value` gathered to `layout.compute` as it is (no cast, no backward rule)."""
+
     @abc.abstractmethod
     def _gather(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
                 dtype: jnp.dtype, kept: bool) -> jax.Array:

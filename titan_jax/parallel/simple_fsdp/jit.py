@@ -92,6 +92,14 @@ class JitSimpleFSDP(SimpleFSDP):
                             NamedSharding(self.mesh, layout.storage),
                             NamedSharding(self.mesh, layout.compute))
 
+    def _gather_frozen(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
+                       kept: bool) -> jax.Array:
+        if kept:
+            return self.constrain(value, logical_axes)
+        # No shard dim: nothing differentiates it, so no per-shard gradient is needed.
+        x = lax.with_sharding_constraint(value, NamedSharding(self.mesh, layout.storage))
+        return lax.with_sharding_constraint(x, NamedSharding(self.mesh, layout.compute))
+
     def constrain(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         spec = self.rules.local_compute_spec("activation", logical_axes)
         return lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec)) if spec else x

@@ -70,6 +70,14 @@ class ShardMapSimpleFSDP(SimpleFSDP):
         return all_gather_param(value, dtype, value.dtype, layout.gathered_dims,
                                 layout.replicated)
 
+    def _gather_frozen(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
+                       kept: bool) -> jax.Array:
+        if layout.replicated:  # typed as the trained weights it meets (`all_gather_param`)
+            value = lax.pcast(value, layout.replicated, to="varying")
+        for dim, axis in layout.gathered_dims:
+            value = lax.all_gather(value, axis, axis=dim, tiled=True)
+        return value
+
     def constrain(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         spec = self.rules.local_compute_spec("activation", logical_axes)
         return lax.with_sharding_constraint(x, spec) if spec else x  # data axes are manual
