@@ -32,6 +32,14 @@ QTYPES: dict[str, Any] = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "nf4": "nf
 FLOAT_DTYPES = ("float32", "bfloat16")
 # The frozen weights a quantized base leaves unquantized (PEFT's QLoRA: the model's bf16).
 UNQUANTIZED_DTYPE = jnp.bfloat16
+# NF4's code book (QLoRA, arXiv 2305.14314 Appendix E) as qwix's `get_nf4_buckets` holds it
+# (tests check they are equal): written out, as qwix's is a device array, which a trace for
+# compile-only TPU devices cannot read back.
+NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+              0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+              0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
 # Keys of a quantized weight in the params tree.
 CODES, SCALE = "qvalue", "scale"
 
@@ -80,23 +88,33 @@ def quantize(w: Array, in_dims: tuple[int, ...], base: FrozenBase) -> tuple[Arra
 
 
 def dequantize(codes: Array, scale: Array, base: FrozenBase) -> Array:
-    """The weight (fp32) that `quantize` stored as `codes` and `scale`."""
+    """The weight (fp32) that `quantize` stored as `codes` and `scale`: qwix's `dequantize`
+    (int8, fp8), or the same numbers for nf4 by elementwise ops only. qwix looks nf4 codes up
+    by a gather over the flattened weight, which XLA:TPU materialises with int32 indices: 8B
+    QLoRA on v5e-4 then needs 21.6 GiB of temporaries, not 7."""
     import qwix
 
-    if base.dtype == "nf4":
-        codes = unpack_nf4(codes)
-    return qwix.dequantize(qwix.QArray(codes, scale, None, QTYPES[base.dtype]))
+    if base.dtype != "nf4":
+        return qwix.dequantize(qwix.QArray(codes, scale, None, QTYPES[base.dtype]))
+    codes = unpack_nf4(codes)
+    values = jnp.zeros(codes.shape, jnp.float32)
+    for code, value in enumerate(NF4_VALUES):
+        values = jnp.where(codes == code, jnp.float32(value), values)
+    for dim, (n, blocks) in enumerate(zip(values.shape, scale.shape, strict=True)):
+        if blocks not in (1, n):  # a scale per block of n // blocks
+            scale = jnp.repeat(scale, n // blocks, axis=dim)
+    return values * scale
 
 
 def pack_nf4(codes: Array) -> Array:
-    """uint4 codes (..., 2n) as uint8 (..., n), two to a byte."""
+    """uint4 codes (..., 2n) as uint8 (..., n), two to a byte (the first in the low bits)."""
     return jax.lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], -1, 2), jnp.uint8)
 
 
 def unpack_nf4(packed: Array) -> Array:
-    """`pack_nf4`'s inverse."""
-    codes = jax.lax.bitcast_convert_type(packed, jnp.uint4)
-    return codes.reshape(*packed.shape[:-1], -1)
+    """`pack_nf4`'s inverse, as uint8 codes (shifts and masks: elementwise on every chip)."""
+    pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return pairs.reshape(*packed.shape[:-1], -1)
 
 
 def scale_axes(axes: tuple[str | None, ...], shape: tuple[int, ...], scale_shape: tuple[int, ...]
