@@ -101,12 +101,14 @@ def test_lora_starts_from_a_full_fine_tuning_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dropout", ["0", "0.2"])
-def test_a_lora_run_resumes_bitwise(tmp_path, dropout):
+@pytest.mark.parametrize("overrides", [
+    ("--lora.dropout", "0"), ("--lora.dropout", "0.2"),
+    ("--lora.base_dtype", "nf4", "--lora.base_block_size", "8")])  # QLoRA
+def test_a_lora_run_resumes_bitwise(tmp_path, overrides):
     """Adapters, their Adam moments and the frozen base are checkpointed and restored: a run
     stopped at step 2 and resumed ends as the uninterrupted one, bit for bit (with dropout
-    too: its keys are the seed's and the step's)."""
-    common = (*LORA, "--lora.dropout", dropout, "--checkpoint.enable", "true",
+    too: its keys are the seed's and the step's; and with a quantized base)."""
+    common = (*LORA, *overrides, "--checkpoint.enable", "true",
               "--checkpoint.interval", "2",
               "--checkpoint.last_save_model_only", "false",
               "--lr_scheduler.decay_ratio", "0")  # an LR that does not depend on the steps

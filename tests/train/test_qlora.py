@@ -1,7 +1,8 @@
 """A LoRA base stored below fp32 (`lora.base_dtype`): bf16, and QLoRA's int8, fp8 and nf4
 (`models/frozen_base.py`). The base is stored as asked, leaves every step bitwise as it came,
-equals qwix's quantize/dequantize of the HF weights, trains (sharded as one device), resumes
-bitwise, and the compiled step holds less for it; bad keys are refused in one line."""
+equals qwix's quantize/dequantize of the HF weights, trains (sharded as one device; a resumed
+QLoRA run: tests/train/test_lora_training.py), and the compiled step holds less for it; bad
+keys are refused in one line."""
 
 import dataclasses
 import os
@@ -15,7 +16,14 @@ from hf_fixtures import random_hf_model
 from tiny_model import TINY
 
 from titan_jax.config import ConfigError
-from titan_jax.models.frozen_base import CODES, SCALE, FrozenBase, dequantize, is_quantized
+from titan_jax.models.frozen_base import (
+    CODES,
+    NF4_VALUES,
+    SCALE,
+    FrozenBase,
+    dequantize,
+    is_quantized,
+)
 from titan_jax.train import loop
 from titan_jax.train.start import load_start
 from titan_jax.train.trainer import build_trainer
@@ -37,6 +45,13 @@ def base_leaves(trainer, params):
                         is_leaf=is_quantized)
 
 
+def test_nf4_code_book_is_qwixs():
+    from qwix._src.core.numerics import get_nf4_buckets
+
+    np.testing.assert_array_equal(np.float32(NF4_VALUES), get_nf4_buckets())
+
+
+@pytest.mark.slow
 def test_qlora_nf4_fine_tunes_a_hf_base_quantized_as_qwix_quantizes_it(tmp_path):
     """A HF model's weights quantized at load (each projection's dequantized codes equal
     qwix's quantize/dequantize of the HF tensor, in HF's (out, in) layout), fresh adapters,
@@ -112,24 +127,6 @@ def test_nf4_losses_are_one_devices_under_fsdp8(tmp_path, overrides):
     one = lora_losses(tmp_path, 1, "--training.local_batch_size", "8", lora=lora, batch=8,
                       steps=2)
     np.testing.assert_allclose(sharded, one, rtol=1e-5)
-
-
-@pytest.mark.slow
-def test_a_qlora_run_resumes_bitwise(tmp_path):
-    """The quantized base, adapters and moments are checkpointed and restored as they were."""
-    common = (*LORA, *NF4, "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-              "--checkpoint.last_save_model_only", "false", "--lr_scheduler.decay_ratio", "0")
-
-    def run(folder, steps):
-        config = make_config(tmp_path / folder, *common, "--training.steps", str(steps))
-        return loop.train(config, jax.devices()[:1], model_args=TINY)
-
-    whole = run("whole", 4)
-    run("split", 2)
-    resumed = run("split", 4)
-    assert resumed.losses == {s: whole.losses[s] for s in (3, 4)}
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state),
-                 jax.device_get(whole.state))
 
 
 def test_the_step_holds_less_for_a_narrower_base(tmp_path):

@@ -1,0 +1,56 @@
+"""8B LoRA over a bf16 base and QLoRA (int8, nf4) compile for a v5e-4 slice ahead of time on
+this CPU with libtpu, FSDP over its 4 chips: the frozen base is all-gathered in its stored
+dtype (bf16, int8 codes, nf4 codes two to a byte) and holds less per chip as it narrows.
+
+Layers are cut to 2 (what fails to compile fails at any depth); the full-depth figures
+(`titan-jax compile`) are in docs/POSTTRAINING.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+
+import pytest
+
+from titan_jax.config import load_config
+from titan_jax.models.qwen3 import get_flavor
+from titan_jax.planner import inspect_step
+from titan_jax.planner.topology import compile_only_devices, parse_slice
+from titan_jax.train.trainer import build_trainer
+
+pytestmark = [pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)"), pytest.mark.slow]
+
+RECIPE = ("--lora.rank", "16", "--lora.alpha", "32", "--lora.target_modules", "attention,mlp",
+          "--training.local_batch_size", "1", "--training.seq_len", "2048",
+          "--activation_checkpoint.mode", "selective")
+# The HLO element type each base is gathered in.
+GATHERED = {"bfloat16": "bf16", "int8": "s8", "nf4": "u8"}
+
+
+def compile_8b(base_dtype: str):
+    config = load_config("configs/qwen3_8b.toml", [*RECIPE, "--lora.base_dtype", base_dtype])
+    args = dataclasses.replace(get_flavor(config.model.flavor), n_layers=2)
+    trainer = build_trainer(config, compile_only_devices(parse_slice("v5e-4")), model_args=args)
+    lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
+    return trainer, lowered.compile()
+
+
+def test_8b_lora_bases_compile_for_v5e4_gathered_as_stored():
+    arguments = {}
+    for base_dtype, element in GATHERED.items():
+        trainer, compiled = compile_8b(base_dtype)
+        assert trainer.mesh.shape["fsdp"] == 4
+        memory = compiled.memory_analysis()
+        assert memory.peak_memory_in_bytes < 15.75 * 2**30, (base_dtype, memory)  # v5e's usable
+        arguments[base_dtype] = memory.argument_size_in_bytes
+        # wq's codes (4096 x 32 x 128 per layer; nf4: 64 bytes of two codes along head_dim)
+        last = 64 if base_dtype == "nf4" else 128
+        wq = re.compile(rf"{element}\[(1,)?4096,32,{last}\]")  # (one layer of the scan)
+        gathers = [line for line in compiled.as_text().splitlines()
+                   if "all-gather" in line and wq.search(line)]
+        assert gathers, base_dtype
+    assert arguments["bfloat16"] > arguments["int8"] > arguments["nf4"], arguments
