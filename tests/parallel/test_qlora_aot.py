@@ -1,6 +1,6 @@
-"""8B LoRA over a bf16 base and QLoRA (int8, nf4) compile for a v5e-4 slice ahead of time on
-this CPU with libtpu, FSDP over its 4 chips: the frozen base is all-gathered in its stored
-dtype (bf16, int8 codes, nf4 codes two to a byte) and holds less per chip as it narrows.
+"""8B QLoRA (int8, nf4) compiles for a v5e-4 slice ahead of time on this CPU with libtpu, FSDP
+over its 4 chips: the frozen base is all-gathered in its stored dtype (int8 codes, nf4 codes
+two to a byte) and holds less per chip as it narrows (a bf16 base: docs/POSTTRAINING.md).
 
 Layers are cut to 2 (what fails to compile fails at any depth); the full-depth figures
 (`titan-jax compile`) are in docs/POSTTRAINING.md.
@@ -28,7 +28,7 @@ RECIPE = ("--lora.rank", "16", "--lora.alpha", "32", "--lora.target_modules", "a
           "--training.local_batch_size", "1", "--training.seq_len", "2048",
           "--activation_checkpoint.mode", "selective")
 # The HLO element type each base is gathered in.
-GATHERED = {"bfloat16": "bf16", "int8": "s8", "nf4": "u8"}
+GATHERED = {"int8": "s8", "nf4": "u8"}
 
 
 def compile_8b(base_dtype: str):
@@ -39,7 +39,7 @@ def compile_8b(base_dtype: str):
     return trainer, lowered.compile()
 
 
-def test_8b_lora_bases_compile_for_v5e4_gathered_as_stored():
+def test_8b_qlora_compiles_for_v5e4_gathered_as_stored():
     arguments = {}
     for base_dtype, element in GATHERED.items():
         trainer, compiled = compile_8b(base_dtype)
@@ -53,4 +53,4 @@ def test_8b_lora_bases_compile_for_v5e4_gathered_as_stored():
         gathers = [line for line in compiled.as_text().splitlines()
                    if "all-gather" in line and wq.search(line)]
         assert gathers, base_dtype
-    assert arguments["bfloat16"] > arguments["int8"] > arguments["nf4"], arguments
+    assert arguments["int8"] > arguments["nf4"], arguments
