@@ -136,6 +136,9 @@ POSTTRAINING_PLANS = (
     Plan("8B SFT v5e-8", "configs/qwen3_8b_sft.toml", "v5e-8"),
     Plan("8B LoRA v5e-8", "configs/qwen3_8b_lora.toml", "v5e-8"),
     Plan("8B LoRA v5e-4", "configs/qwen3_8b_lora.toml", "v5e-4"),
+    Plan("8B QLoRA nf4 v5e-4", "configs/qwen3_8b_qlora.toml", "v5e-4"),
+    Plan("8B QLoRA int8 v5e-1", "configs/qwen3_8b_qlora.toml", "v5e-1",
+         ("--lora.base_dtype", "int8")),
     Plan("30B-A3B SFT v5p-8", "configs/qwen3_30b_a3b.toml", "v5p-8",  # the LoRA row's shape
          ("--training.local_batch_size", "1", "--activation_checkpoint.mode", "selective")),
     Plan("30B-A3B LoRA v5p-8", "configs/qwen3_30b_a3b_lora.toml", "v5p-8"),

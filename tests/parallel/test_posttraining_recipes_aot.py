@@ -1,7 +1,8 @@
 """The shipped post-training recipes compile ahead of time for the TPU slices they are planned
-on (`make plans` rows "8B SFT ...", "8B LoRA ...", "30B-A3B LoRA ..."), as shipped, and fit
-their chips. Layers are cut to 2 (what fails to compile fails at any depth); the frozen base of
-a LoRA recipe has no gradient and no optimizer state in the compiled step."""
+on (`make plans` rows "8B SFT ...", "8B LoRA ...", "30B-A3B LoRA ..."; the QLoRA recipe's is
+test_qlora_aot.py), as shipped, and fit their chips. Layers are cut to 2 (what fails to
+compile fails at any depth); the frozen base of a LoRA recipe has no gradient and no optimizer
+state in the compiled step."""
 
 from __future__ import annotations
 

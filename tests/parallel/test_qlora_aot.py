@@ -1,6 +1,7 @@
-"""8B QLoRA (int8, nf4) compiles for a v5e-4 slice ahead of time on this CPU with libtpu, FSDP
-over its 4 chips: the frozen base is all-gathered in its stored dtype (int8 codes, nf4 codes
-two to a byte) and holds less per chip as it narrows (a bf16 base: docs/POSTTRAINING.md).
+"""The 8B QLoRA recipe (configs/qwen3_8b_qlora.toml: nf4, and int8) compiles for a v5e-4 slice
+ahead of time on this CPU with libtpu, FSDP over its 4 chips: the frozen base is all-gathered
+in its stored dtype (int8 codes, nf4 codes two to a byte) and holds less per chip as it
+narrows (a bf16 base: docs/POSTTRAINING.md).
 
 Layers are cut to 2 (what fails to compile fails at any depth); the full-depth figures
 (`titan-jax compile`) are in docs/POSTTRAINING.md.
@@ -24,15 +25,12 @@ pytestmark = [pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
     reason="libtpu not installed (the `tpu` extra; `make install` adds it)"), pytest.mark.slow]
 
-RECIPE = ("--lora.rank", "16", "--lora.alpha", "32", "--lora.target_modules", "attention,mlp",
-          "--training.local_batch_size", "1", "--training.seq_len", "2048",
-          "--activation_checkpoint.mode", "selective")
 # The HLO element type each base is gathered in.
 GATHERED = {"int8": "s8", "nf4": "u8"}
 
 
 def compile_8b(base_dtype: str):
-    config = load_config("configs/qwen3_8b.toml", [*RECIPE, "--lora.base_dtype", base_dtype])
+    config = load_config("configs/qwen3_8b_qlora.toml", ["--lora.base_dtype", base_dtype])
     args = dataclasses.replace(get_flavor(config.model.flavor), n_layers=2)
     trainer = build_trainer(config, compile_only_devices(parse_slice("v5e-4")), model_args=args)
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
