@@ -29,6 +29,7 @@ from titan_jax.config_schema import (
     Checkpoint,
     ConfigError,
     Distributed,
+    Dpo,
     Job,
     JobConfig,
     Lora,
@@ -46,7 +47,8 @@ from titan_jax.config_schema import (
 from titan_jax.yarn import YarnScaling
 
 # The schema's names are part of this module's interface (`from titan_jax.config import ...`).
-__all__ = ["AUTO", "ActivationCheckpoint", "Checkpoint", "ConfigError", "Distributed", "Job",
+__all__ = ["AUTO", "ActivationCheckpoint", "Checkpoint", "ConfigError", "Distributed", "Dpo",
+           "Job",
            "JobConfig", "LRScheduler", "Lora", "Metrics", "Model", "Moe", "Optimizer",
            "Parallelism", "Profiling", "Quantize", "Training", "Validation", "load_config",
            "parse_overrides", "split_overrides", "validate"]
@@ -410,6 +412,7 @@ def _check_rest(config: JobConfig) -> None:
     _check_yarn(config.model)
     _check_quantize(config.quantize)
     _check_lora(config.lora)
+    _check_dpo(config)
     c = config.checkpoint
     _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
     _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 "
@@ -459,6 +462,39 @@ def _check_lora(lo: Lora) -> None:
     _require(not (lo.dropout and experts), f"lora.dropout={lo.dropout} with adapters on the "
              f"experts ({','.join(experts)}): PEFT's fused-expert adapters take no dropout; set "
              "lora.dropout=0, or leave the experts out of lora.target_modules")
+
+
+def _check_dpo(config: JobConfig) -> None:
+    """DPO and preference data go together; a pair is two documents of one row (masked and
+    positioned apart), read whole by one data shard."""
+    d, t = config.dpo, config.training
+    preference = t.data_format == "preference"
+    if not d.enable:
+        changed = [f"dpo.{f.name}={getattr(d, f.name)!r}" for f in dataclasses.fields(Dpo)
+                   if getattr(d, f.name) != f.default]
+        if changed:
+            raise ConfigError(f"{changed[0]} has no effect with dpo.enable=false; set "
+                              "dpo.enable=true to train on preference pairs")
+        _require(not preference, "training.data_format='preference' trains with DPO: set "
+                 "dpo.enable=true ([dpo] beta, loss_type)")
+        return
+    _require(preference, f"dpo.enable=true trains on preference pairs, not "
+             f"training.data_format={t.data_format!r}: set training.data_format='preference' "
+             "(records with prompt, chosen and rejected)")
+    _require(math.isfinite(d.beta) and d.beta > 0, f"dpo.beta={d.beta} must be a number > 0")
+    _require(t.document_mask and t.document_positions,
+             "training.data_format='preference' needs training.document_mask=true and "
+             "training.document_positions=true (a pair's chosen and rejected sequences are two "
+             "documents of one row)")
+    _require(not t.mixture, "training.mixture is not supported with DPO; train on one "
+             "preference store (training.dataset_path)")
+    _require(config.parallelism.context_parallel_degree == 1,
+             f"parallelism.context_parallel_degree={config.parallelism.context_parallel_degree}"
+             " is not supported with DPO (a pair's log-probabilities are summed over its whole "
+             "row); use 1")
+    _require(config.moe.router_aux_loss_coef == 0,
+             f"moe.router_aux_loss_coef={config.moe.router_aux_loss_coef} is not supported with "
+             "DPO; use 0 (the aux-loss-free balancing still runs)")
 
 
 def _check_yarn(m: Model) -> None:

@@ -70,10 +70,11 @@ class Training:
     text_field: str = "text"  # field/column holding the text (jsonl, parquet, hf_disk)
     # What jsonl/parquet records hold: "text" (a document in text_field) | "messages" (a
     # conversation: `messages`, a list of {role, content}, and optional `tools`) |
-    # "prompt_completion" (`prompt` and `completion`: strings or lists of messages).
-    # Conversations are rendered with the chat template and only the assistant's tokens are
-    # trained on (SFT, docs/POSTTRAINING.md); validation reads its files the same way.
-    data_format: Literal["text", "messages", "prompt_completion"] = "text"
+    # "prompt_completion" (`prompt` and `completion`: strings or lists of messages) |
+    # "preference" (`prompt`, `chosen`, `rejected`: TRL's preference pairs, trained by DPO,
+    # [dpo]). Conversations are rendered with the chat template and only the assistant's
+    # tokens are trained on (SFT, docs/POSTTRAINING.md); validation reads its files the same way.
+    data_format: Literal["text", "messages", "prompt_completion", "preference"] = "text"
     # The chat template: a .jinja file, a tokenizer_config.json or a folder holding either;
     # "" = the tokenizer's own (beside model.tokenizer_path; the shipped tokenizer has one).
     chat_template: str = ""
@@ -285,6 +286,19 @@ class Lora:
 
 
 @dataclasses.dataclass
+class Dpo:
+    """Direct Preference Optimization (TRL's DPOTrainer) on preference pairs
+    (training.data_format = "preference"); the reference model is the frozen base (with LoRA:
+    the adapters off), docs/POSTTRAINING.md."""
+
+    enable: bool = False  # train with the DPO loss; needs training.data_format = "preference"
+    beta: float = 0.1  # how far the policy may move from the reference (TRL's beta)
+    # "sigmoid" (DPO: -log sigmoid(beta x the log-ratio margin)) | "ipo" (IPO: the squared
+    # distance of the length-averaged margin from 1 / (2 beta)), as TRL 1.16 computes them.
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+
+
+@dataclasses.dataclass
 class Metrics:
     log_freq: int = 10  # log every N steps (and the first and last)
     enable_tensorboard: bool = False  # TensorBoard scalars (tensorboardX)
@@ -365,6 +379,7 @@ class JobConfig:
     moe: Moe = dataclasses.field(default_factory=Moe)
     quantize: Quantize = dataclasses.field(default_factory=Quantize)
     lora: Lora = dataclasses.field(default_factory=Lora)
+    dpo: Dpo = dataclasses.field(default_factory=Dpo)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
     validation: Validation = dataclasses.field(default_factory=Validation)
     profiling: Profiling = dataclasses.field(default_factory=Profiling)

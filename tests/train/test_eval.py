@@ -53,8 +53,8 @@ def test_validation_loss_equals_the_model_on_any_mesh(tmp_path, mesh):
     trainer = build_trainer(config, devices, model_args=TINY)
     validator = Validator(trainer, load_tokenizer(""))
     state = trainer.init_state()
-    params, buffers = state["params"], state["buffers"]
-    result = validator.validate(params, buffers)
+    params = state["params"]
+    result = validator.validate(state)
     one = build_trainer(make_config(tmp_path), jax.devices()[:1], model_args=TINY)
     host_params = jax.device_get(params)
     batches = list(validator.batches(2))
@@ -62,7 +62,7 @@ def test_validation_loss_equals_the_model_on_any_mesh(tmp_path, mesh):
     assert result["val_tokens"] == 2 * validator.global_batch_size * 16
     assert result["val_loss"] == pytest.approx(reference_loss(one, host_params, batches), rel=1e-6)
     assert result["val_perplexity"] == pytest.approx(math.exp(result["val_loss"]))
-    assert result == validator.validate(params, buffers)  # the same batches every time
+    assert result == validator.validate(state)  # the same batches every time
 
 
 def test_too_small_validation_set_names_the_fields(tmp_path):
@@ -110,7 +110,7 @@ def test_validation_under_document_mask_equals_each_document_run_alone(tmp_path)
     trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
     validator = Validator(trainer, load_tokenizer(""))
     state = trainer.init_state()
-    result = validator.validate(state["params"], state["buffers"])
+    result = validator.validate(state)
 
     corpus = validator._windows.corpus
     tokens = corpus.read(0, corpus.num_tokens)

@@ -270,19 +270,22 @@ def render_pair(prompt: str | Sequence[Mapping[str, Any]],
                 completion: str | Sequence[Mapping[str, Any]], template: str,
                 tokenizer: Tokenizer, *, tools: Sequence[Mapping] | None = None,
                 special_tokens: Mapping[str, str] | None = None, where: str = "",
-                **template_kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
+                completion_name: str = "completion", **template_kwargs: Any
+                ) -> tuple[np.ndarray, np.ndarray]:
     """A prompt/completion pair as `render_with_mask` renders it, trained on the completion's
     assistant messages only. A string prompt is one user message, a string completion one
-    assistant message; lists of messages are TRL's conversational prompt-completion form."""
+    assistant message; lists of messages are TRL's conversational prompt-completion form.
+    `completion_name`: the completion's field, for messages (a preference pair's "chosen")."""
     prompt_chat = _checked_messages(_as_messages(prompt, "user"), "prompt", where)
-    completion_chat = _checked_messages(_as_messages(completion, "assistant"), "completion",
+    completion_chat = _checked_messages(_as_messages(completion, "assistant"), completion_name,
                                         where)
     trained = [len(prompt_chat) + i for i, m in enumerate(completion_chat)
                if m["role"] == "assistant"]
     if not trained:
-        raise ChatError(f"{_prefix(where)}completion has no assistant message to train on")
+        raise ChatError(f"{_prefix(where)}{completion_name} has no assistant message to train "
+                        "on")
     labels = ([f"prompt[{i}]" for i in range(len(prompt_chat))]
-              + [f"completion[{i}]" for i in range(len(completion_chat))])
+              + [f"{completion_name}[{i}]" for i in range(len(completion_chat))])
     return _ids_and_mask(prompt_chat + completion_chat, trained, labels, template, tokenizer,
                          tools, special_tokens, template_kwargs, where)
 

@@ -7,6 +7,10 @@ rendered with the checkpoint's own chat template (data/chat.py, as transformers'
 `apply_chat_template` renders it) and tokenized whole; the assistant's tokens are the labels
 trained on, everything else is context.
 
+A preference pair (`prompt`, `chosen`, `rejected`, TRL's preference form; strings or lists of
+messages) is two documents, in this order: prompt + chosen and prompt + rejected, each
+rendered as a prompt/completion pair (data/pairs.py lays them out for DPO).
+
 The template is `training.chat_template` (a .jinja file or a tokenizer_config.json) or, by
 default, the tokenizer's own: the tokenizer_config.json beside `model.tokenizer_path`. The
 shipped tokenizer has one (`assets/chat_template.jinja`, ChatML in plain text).
@@ -28,7 +32,8 @@ from titan_jax.data.dataset import DataError
 from titan_jax.data.tokenizer import Tokenizer
 
 # The record fields each format reads.
-FORMATS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion")}
+FORMATS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"),
+           "preference": ("prompt", "chosen", "rejected")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +96,38 @@ def encode_record(where: str, record: dict[str, Any], fmt: ChatFormat, tok: Toke
         raise DataError(str(e)) from None
 
 
+def encode_pair(where: str, record: dict[str, Any], fmt: ChatFormat, tok: Tokenizer
+                ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(token ids, loss mask) of prompt + chosen and of prompt + rejected; a pair whose two
+    render to the same tokens (it would teach nothing) raises one line naming `where`."""
+    special = dict(fmt.special_tokens) or None
+    try:
+        pair = [chat.render_pair(record["prompt"], record[k], fmt.template, tok,
+                                 special_tokens=special, where=where, completion_name=k)
+                for k in ("chosen", "rejected")]
+    except chat.ChatError as e:  # a damaged input, as prepare-data treats one
+        raise DataError(str(e)) from None
+    if np.array_equal(pair[0][0], pair[1][0]):
+        raise DataError(f"{where}: chosen equals rejected; a preference pair needs two "
+                        "different completions")
+    return pair
+
+
+def encode_documents(where: str, record: dict[str, Any], fmt: ChatFormat, tok: Tokenizer
+                     ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The documents (token ids, loss mask) one record becomes: a conversation is one, a
+    preference pair two (`encode_pair`)."""
+    if fmt.kind == "preference":
+        return encode_pair(where, record, fmt, tok)
+    return [encode_record(where, record, fmt, tok)]
+
+
 def encode_conversations(records: list[Any], fmt: ChatFormat, tok: Tokenizer
                          ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Token ids and loss masks of (where, record) pairs, in order."""
+    """Token ids and loss masks of the documents of (where, record) pairs, in order."""
     ids, masks = [], []
     for where, record in records:
-        x, m = encode_record(where, record, fmt, tok)
-        ids.append(x)
-        masks.append(m)
+        for x, m in encode_documents(where, record, fmt, tok):
+            ids.append(x)
+            masks.append(m)
     return ids, masks

@@ -9,7 +9,8 @@ copy. For large corpora and pods, run `titan-jax prepare-data` ahead instead.
 
 `training.data_format` "messages" or "prompt_completion": the files hold conversations, rendered
 with the chat template into stores that carry a loss mask (data/conversations.py); the
-validation files are read the same way.
+validation files are read the same way. "preference": preference pairs, into stores of pairs
+(data/pairs.py reads them).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 from collections.abc import Callable
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.data.conversations import ChatFormat, encode_record, load_chat_format
+from titan_jax.data.conversations import ChatFormat, encode_documents, load_chat_format
 from titan_jax.data.dataset import Split, read_documents, read_records, source_files
 from titan_jax.data.paths import filesystem, join
 from titan_jax.data.prepare import prepare_store
@@ -46,6 +47,11 @@ def chat_format(config: JobConfig) -> ChatFormat | None:
     if t.data_format == "text":
         return None
     return load_chat_format(t.data_format, t.chat_template, config.model.tokenizer_path)
+
+
+def holds_pairs(config: JobConfig) -> bool:
+    """The run's data are preference pairs (DPO), read one pair a row (data/pairs.py)."""
+    return config.training.data_format == "preference"
 
 
 def cached_store(dataset: str, dataset_path: str, text_field: str, split: Split,
@@ -80,8 +86,9 @@ def check_inputs(config: JobConfig, tokenizer: Tokenizer) -> None:
     t, v = config.training, config.validation
     for m in t.mixture:
         open_corpus(m.path, tokenizer, what="training.mixture.path")
+    pairs = holds_pairs(config)
     if not t.mixture and t.dataset == "tokens":
-        open_corpus(t.dataset_path, tokenizer)
+        open_corpus(t.dataset_path, tokenizer, pairs=pairs)
     chat = chat_format(config)
     if not t.mixture and t.dataset != "tokens":
         for file in source_files(t.dataset, t.dataset_path, "train"):
@@ -90,11 +97,11 @@ def check_inputs(config: JobConfig, tokenizer: Tokenizer) -> None:
             if chat is None:
                 next(iter(read_documents(t.dataset, file, t.text_field)), None)
             elif (first := next(iter(read_records(t.dataset, file, chat.fields)), None)):
-                encode_record(*first, chat, tokenizer)
+                encode_documents(*first, chat, tokenizer)
     if v.enable:
         try:
             if v.dataset == "tokens":
-                open_corpus(v.dataset_path, tokenizer, what="dataset_path")
+                open_corpus(v.dataset_path, tokenizer, what="dataset_path", pairs=pairs)
             else:
                 source_files(v.dataset, v.dataset_path, "validation")
         except ValueError as e:
@@ -108,20 +115,23 @@ def training_sources(config: JobConfig, tokenizer: Tokenizer, *, is_first: bool,
     if t.mixture:
         return [Source(m.path, open_corpus(m.path, tokenizer, what="training.mixture.path"),
                        m.weight) for m in t.mixture]
+    pairs = holds_pairs(config)
     if t.dataset == "tokens":
-        return [Source(t.dataset_path, open_corpus(t.dataset_path, tokenizer))]
+        return [Source(t.dataset_path, open_corpus(t.dataset_path, tokenizer, pairs=pairs))]
     store = cached_store(t.dataset, t.dataset_path, t.text_field, "train", tokenizer,
                          join(config.job.dump_folder, "data"), is_first=is_first,
                          barrier=barrier, progress=progress, chat=chat_format(config))
-    return [Source(t.dataset, open_corpus(store, tokenizer))]
+    return [Source(t.dataset, open_corpus(store, tokenizer, pairs=pairs))]
 
 
 def validation_corpus(config: JobConfig, tokenizer: Tokenizer, *, is_first: bool,
                       barrier: Barrier) -> Corpus:
     v = config.validation
+    pairs = holds_pairs(config)
     if v.dataset == "tokens":
-        return open_corpus(v.dataset_path, tokenizer, what="validation.dataset_path")
+        return open_corpus(v.dataset_path, tokenizer, what="validation.dataset_path",
+                           pairs=pairs)
     store = cached_store(v.dataset, v.dataset_path, config.training.text_field, "validation",
                          tokenizer, join(config.job.dump_folder, "data"), is_first=is_first,
                          barrier=barrier, chat=chat_format(config))
-    return open_corpus(store, tokenizer, what="validation.dataset_path")
+    return open_corpus(store, tokenizer, what="validation.dataset_path", pairs=pairs)

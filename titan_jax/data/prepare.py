@@ -13,7 +13,8 @@ Several machines: `num_shards` N and `shard_index` I give machine I the input fi
 i % N == I; each writes a store of its own, and training reads them together (store.py).
 
 Conversations (`chat`, data/conversations.py): each record is rendered with the chat template
-and tokenized whole; the shard gets a loss mask beside its tokens (a version 2 store).
+and tokenized whole; the shard gets a loss mask beside its tokens (a version 2 store; preference
+pairs, two documents each: version 3).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from titan_jax.data.store import (
     FORMAT,
     MANIFEST,
     MASKED_VERSION,
+    PAIRS_VERSION,
     VERSION,
     StoreError,
     mask_name,
@@ -214,7 +216,9 @@ def _request(dataset: str, dataset_path: str, text_field: str, split: Split, tok
                    "split": split, "files": len(files), "inputs_sha256": inputs},
         "part": {"num_shards": num_shards, "shard_index": shard_index},
     }
-    if chat is not None:
+    if chat is not None and chat.kind == "preference":  # two documents a pair
+        request.update(version=PAIRS_VERSION, loss_mask=True, pairs=True)
+    elif chat is not None:
         request.update(version=MASKED_VERSION, loss_mask=True)
         request["source"]["chat"] = {"format": chat.kind, "template": chat.source,
                                      "template_sha256": chat.sha256}

@@ -7,6 +7,8 @@ A store is a folder (local or an fsspec URL) holding, per input file i of its so
   mask-{i:05d}.bin     (stores of conversations, `loss_mask` in the manifest) one byte per
                        token: 1 where the token is trained on as a label (an assistant's), 0
                        where it is only read (prompts, role headers, the EOS between documents);
+A store of preference pairs (`pairs` in the manifest, version 3) holds each pair as two
+documents, prompt + chosen then prompt + rejected, never split across shards;
 and `manifest.json`: the tokenizer's sha256, vocab size and EOS id, the source, token and
 document counts, and every shard's sha256. The manifest is written last: a folder without one is
 not a store. Shards are named by their input file's index in the source's sorted file list, so
@@ -35,8 +37,11 @@ from titan_jax.errors import TitanJaxError
 
 FORMAT = "titan-jax-token-store"
 # Version 2 stores carry a loss mask: a reader of version 1 only would train on their prompts,
-# so it refuses them. Plain token stores stay version 1, readable by every titan-jax.
-VERSION, MASKED_VERSION = 1, 2
+# so it refuses them. Plain token stores stay version 1, readable by every titan-jax. Version 3
+# stores hold preference pairs (and a loss mask): read as windows, they would train on the
+# rejected completions, so readers of versions 1 and 2 refuse them.
+VERSION, MASKED_VERSION, PAIRS_VERSION = 1, 2, 3
+VERSIONS = (VERSION, MASKED_VERSION, PAIRS_VERSION)
 MANIFEST = "manifest.json"
 
 
@@ -71,8 +76,8 @@ def read_manifest(store: str) -> dict[str, Any] | None:
     except OSError as e:
         raise StoreError(f"{url} cannot be read: {e.strerror or e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
-            or manifest.get("version") not in (VERSION, MASKED_VERSION):
-        raise StoreError(f"{url} is not a version {VERSION} or {MASKED_VERSION} titan-jax "
+            or manifest.get("version") not in VERSIONS:
+        raise StoreError(f"{url} is not a version {', '.join(map(str, VERSIONS))} titan-jax "
                          "token store")
     problem = _manifest_problem(manifest)
     if problem:
@@ -100,9 +105,11 @@ def _manifest_problem(m: dict[str, Any]) -> str | None:
         return f"source={source!r}"
     if not isinstance(shards, list) or not shards:
         return "no shards"
-    masked = m["version"] == MASKED_VERSION
+    masked, pairs = m["version"] in (MASKED_VERSION, PAIRS_VERSION), m["version"] == PAIRS_VERSION
     if m.get("loss_mask", False) is not masked:
         return f"loss_mask={m.get('loss_mask')!r} in a version {m['version']} store"
+    if m.get("pairs", False) is not pairs:
+        return f"pairs={m.get('pairs')!r} in a version {m['version']} store"
     digests = ("tokens_sha256", "docs_sha256", *(("mask_sha256",) if masked else ()))
     for entry in shards:
         if not (isinstance(entry, dict) and _is_count(entry.get("file_index"))
@@ -110,6 +117,8 @@ def _manifest_problem(m: dict[str, Any]) -> str | None:
                 and _is_count(entry.get("documents"))
                 and all(isinstance(entry.get(k), str) for k in digests)):
             return f"shard entry {entry!r}"[:200]
+        if pairs and entry["documents"] % 2:
+            return f"shard {entry['file_index']} holds {entry['documents']} documents: not pairs"
     for key in ("tokens", "documents"):
         if m.get(key) != sum(e[key] for e in shards):
             return f"{key}={m.get(key)!r} is not the sum of its shards'"
@@ -223,16 +232,20 @@ class Shard:
 
 
 class Corpus:
-    """Several stores' shards as one token sequence."""
+    """Several stores' shards as one token sequence (`pairs`: their documents are preference
+    pairs, two by two)."""
 
-    def __init__(self, shards: Sequence[Shard]):
-        self.shards = list(shards)
+    def __init__(self, shards: Sequence[Shard], pairs: bool = False):
+        self.shards, self.pairs = list(shards), pairs
         # What the corpus holds, not where: a store copied or moved elsewhere is the same.
         self.content_sha256 = hashlib.sha256("".join(
             s.entry["tokens_sha256"] for s in self.shards).encode()).hexdigest()
         sizes = np.array([s.num_tokens for s in self.shards], np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])
         self.num_tokens = int(self.starts[-1])
+        counts = np.array([s.entry["documents"] for s in self.shards], np.int64)
+        self.doc_starts = np.concatenate([[0], np.cumsum(counts)])  # first document per shard
+        self.num_documents = int(self.doc_starts[-1])
         # Some tokens are prompts, not labels (conversations): windows ignore their labels.
         self.has_loss_mask = any(s.mask_url is not None for s in self.shards)
 
@@ -268,15 +281,23 @@ class Corpus:
             i += 1
         return np.concatenate(found) if found else np.zeros(0, np.int64)
 
+    def document(self, j: int) -> tuple[int, int]:
+        """Token range [start, stop) of document `j` (its EOS included)."""
+        i = int(np.searchsorted(self.doc_starts, j, side="right")) - 1
+        ends, local = self.shards[i].document_ends(), j - int(self.doc_starts[i])
+        begin = int(self.starts[i])
+        return begin + (int(ends[local - 1]) if local else 0), begin + int(ends[local])
+
     def verify(self) -> None:
         for shard in self.shards:
             shard.verify()
 
 
-def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.dataset_path"
-                ) -> Corpus:
+def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.dataset_path",
+                pairs: bool = False) -> Corpus:
     """The stores named by `spec` (folders, comma-separated, globs allowed) as one corpus, after
-    checking their tokenizer and their shard files' sizes."""
+    checking their tokenizer and their shard files' sizes, and that they hold preference
+    pairs when (and only when) `pairs` is asked for."""
     stores = glob_dirs(spec)
     if not stores:
         raise StoreError(f"{what}={spec!r} names no token store folder")
@@ -291,6 +312,12 @@ def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.datase
                 hint = "a memory:// store lives in the process that wrote it; use a folder"
             raise StoreError(f"{what}: {store} is not a token store (no {MANIFEST}); {hint}")
         _check_tokenizer(store, manifest["tokenizer"], tokenizer)
+        if manifest.get("pairs", False) != pairs:
+            raise StoreError(
+                f"{what}: {store} holds preference pairs; train on it with "
+                "training.data_format='preference' and [dpo]" if not pairs else
+                f"{what}: {store} holds no preference pairs; prepare the pairs with "
+                "training.data_format='preference'")
         source = manifest["source"]
         files[source["inputs_sha256"]] = source["files"]
         dtype = np.dtype(manifest["dtype"])
@@ -313,7 +340,7 @@ def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.datase
     for shard in shards:  # remote shards: at their first read (thousands of requests otherwise)
         if shard.local:
             shard.check_sizes()
-    corpus = Corpus(shards)
+    corpus = Corpus(shards, pairs)
     if corpus.num_tokens < 2:
         raise StoreError(f"{what}={spec!r} holds {corpus.num_tokens} tokens")
     return corpus

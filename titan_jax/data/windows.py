@@ -150,7 +150,7 @@ class WindowStream:
         if any(not 0 <= a < b <= seq_len for a, b in self.spans):
             raise DataError(f"spans {self.spans[:8]} are not token ranges of a window of "
                             f"{seq_len}")
-        self.windows = [(s.corpus.num_tokens - 1) // seq_len for s in self.sources]
+        self.windows = [self.samples_in(s.corpus) for s in self.sources]
         for s, n in zip(self.sources, self.windows, strict=True):
             if n == 0:
                 raise DataError(f"{s.name} holds {s.corpus.num_tokens} tokens: not one window "
@@ -160,6 +160,18 @@ class WindowStream:
         self.samples_at_start = 0
         self.resume_note: str | None = None
         self._permutations: dict[tuple[int, int], Permutation] = {}
+
+    # A sample is seq_len tokens: a resume at another seq_len continues at the same token.
+    samples_are_windows = True
+
+    def samples_in(self, corpus: Corpus) -> int:
+        """How many samples (windows) a source's corpus holds."""
+        return (corpus.num_tokens - 1) // self.seq_len
+
+    def read(self, corpus: Corpus, sample: int) -> dict[str, np.ndarray]:
+        """The row of a source's sample (window) `sample`."""
+        return read_row(corpus, sample * self.seq_len, self.seq_len, self.document_mask,
+                        self.document_positions, self.spans)
 
     def _permutation(self, source: int, epoch: int) -> Permutation:
         key = (source, epoch)
@@ -189,8 +201,7 @@ class WindowStream:
     def __next__(self) -> dict[str, np.ndarray]:
         source, window = self.window_index(self.samples + np.array(self.rows))
         self.samples += self.global_batch_size
-        rows = [read_row(self.sources[s].corpus, int(w) * self.seq_len, self.seq_len,
-                         self.document_mask, self.document_positions, self.spans)
+        rows = [self.read(self.sources[s].corpus, int(w))
                 for s, w in zip(source, window, strict=True)]
         return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
@@ -237,7 +248,7 @@ class WindowStream:
                 "will do), or train in a new job.dump_folder")
         samples, saved_len = int(state["samples"]), int(state["seq_len"])
         self.resume_note = None
-        if saved_len != self.seq_len:
+        if saved_len != self.seq_len and self.samples_are_windows:
             tokens = samples * saved_len
             self.resume_note = (
                 f"data: the checkpoint read {samples:,} windows of seq_len {saved_len} "

@@ -159,3 +159,13 @@ def merge_into(w: Array, a: Array, b: Array, scale: float) -> Array:
     b2 = b.astype(jnp.float32).reshape(*stack, b.shape[lead], math.prod(outs))
     delta = jnp.matmul(a2, b2, precision=jax.lax.Precision.HIGHEST).reshape(w.shape)
     return (w.astype(jnp.float32) + delta * jnp.float32(scale)).astype(w.dtype)
+
+
+def adapters_off(params: Params) -> Params:
+    """`params` with every adapter's B zero: the base model's output, bitwise (`(x A) 0` adds
+    an exact 0), from the same weights (no second copy of the model; B is r x out). The
+    reference model of DPO with LoRA (train/dpo.py), as PEFT's disabled adapters are TRL's."""
+    if not isinstance(params, dict):
+        return params
+    return {k: ({**v, "lora_b": jnp.zeros_like(v["lora_b"])} if k.endswith(ADAPTER_SUFFIX)
+                else adapters_off(v)) for k, v in params.items()}

@@ -34,7 +34,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +51,14 @@ GATHERED_PARAM = "fsdp_gathered_param"
 ExpertFFN = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 Kernel = Callable[..., jax.Array]
 # A batch's summed loss and its aux, (params, buffers, inputs_BT, labels_BT) -> (scalar, aux).
+# `params` is the model's params tree, or a tuple of such trees (a policy and its frozen
+# reference, train/dpo.py): `loss_map` hands each to the shards as it hands one.
 SummedLoss = Callable[[Params, Params, jax.Array, jax.Array], tuple[jax.Array, Aux]]
+
+
+def each_params_tree(params: Params | tuple[Params, ...], f: Callable) -> Any:
+    """`f` of the params tree, or the tuple of `f` of each of several (see SummedLoss)."""
+    return tuple(f(p) for p in params) if isinstance(params, tuple) else f(params)
 
 
 class SequenceSplit(Protocol):

@@ -243,8 +243,7 @@ def _run_steps(run: _Run, state: TrainState, first: int) -> tuple[int, TrainStat
             run.logger.info(f"profile of steps up to {step} written to {trace}")
         if validator is not None and validator.should_validate(step):
             with run.watchdog.paused(f"validating at step {step}"), goodput.phase("evaluation"):
-                reporter.add_validation(step, validator.validate(state["params"],
-                                                                 state["buffers"]))
+                reporter.add_validation(step, validator.validate(state))
         stopped = run.stop.should_stop(step)
         if run.ckpt is not None and (stopped or step == config.training.steps
                                      or step % c.interval == 0):

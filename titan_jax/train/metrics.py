@@ -322,9 +322,12 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
 
 def format_validation_line(step: int, values: dict[str, Any]) -> str:
     """The text line of one validation (its numbers go into the step's metrics line)."""
+    if "val_rewards/accuracies" in values:  # DPO: how often the chosen's reward is higher
+        second = f"val_rewards/accuracies {_number(values['val_rewards/accuracies'], '.3f')}"
+    else:
+        second = f"val_perplexity {_number(values.get('val_perplexity'), ',.1f')}"
     return (f"validation at step {step}: val_loss {_number(values.get('val_loss'), '.4f')}  "
-            f"val_perplexity {_number(values.get('val_perplexity'), ',.1f')}  "
-            f"({values['val_batches']} batches, {values['val_tokens']:,} tokens)")
+            f"{second}  ({values['val_batches']} batches, {values['val_tokens']:,} tokens)")
 
 
 def _curve(jsonl: Path, key: str) -> tuple[list[int], list[float]]:

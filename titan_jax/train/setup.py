@@ -17,7 +17,8 @@ from typing import Any
 import jax
 
 from titan_jax.config import JobConfig
-from titan_jax.data.pipeline import process_barrier, training_sources
+from titan_jax.data.pairs import PairStream
+from titan_jax.data.pipeline import holds_pairs, process_barrier, training_sources
 from titan_jax.data.tokenizer import Tokenizer
 from titan_jax.data.windows import WindowStream
 from titan_jax.train.eval import Validator
@@ -43,14 +44,18 @@ def _progress(message: str) -> None:
 
 
 def build_data(trainer: Trainer, tokenizer: Tokenizer | None = None) -> WindowStream:
-    """The training windows of this process's rows (small sources become a token store under
-    the dump folder first: data/pipeline.py). `tokenizer`: from `check_data`, else checked here."""
+    """The training windows (or preference pairs) of this process's rows (small sources become a
+    token store under the dump folder first: data/pipeline.py). `tokenizer`: from `check_data`,
+    else checked here."""
     config = trainer.config
     if tokenizer is None:
         tokenizer = check_data(config, trainer.model.args, trainer.attention)
     t = config.training
     sources = training_sources(config, tokenizer, is_first=jax.process_index() == 0,
                                barrier=process_barrier, progress=_progress)
+    if holds_pairs(config):  # one preference pair a row (DPO)
+        return PairStream(sources, seq_len=t.seq_len, global_batch_size=trainer.global_batch_size,
+                          seed=t.seed, rows=trainer.batches.rows())
     return WindowStream(sources, seq_len=t.seq_len, global_batch_size=trainer.global_batch_size,
                         seed=t.seed, rows=trainer.batches.rows(), document_mask=t.document_mask,
                         document_positions=t.document_positions,

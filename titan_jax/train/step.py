@@ -4,9 +4,12 @@ forward + loss + backward over a scan of microbatches, global-norm clipping, the
 the model's buffer update and a finite guard, with metrics left on device. This is titan-jax's
 Graph Trainer: the compiler sees collectives, remat and the optimizer in one graph.
 
-The step talks to the model only through its interface (`titan_jax/models/spec.py`): the
-forward's aux loss joins the summed cross-entropy, its aux stats are summed over microbatches
-and shards, turned into metrics, and given to `update_buffers` after the optimizer.
+The step talks to the model only through its interface (`titan_jax/models/spec.py`) and to its
+loss only through an `Objective` (train/objective.py, chosen by the config: cross-entropy, or
+DPO): the objective's summed loss is divided by its count over the whole batch; the forward's
+aux stats are summed over microbatches and shards, turned into metrics, and given to
+`update_buffers` after the optimizer. A DPO run's state also holds its frozen reference
+params ("reference", no optimizer state), which the step passes through unchanged.
 
 Only the model's trainable params (`ModelDef.trainable`: the LoRA adapters when it has any,
 else all) are differentiated and updated, and only they have optimizer state: the others are
@@ -28,10 +31,14 @@ from titan_jax.models.lora import dropout_key
 from titan_jax.models.sharding_hooks import NO_PARALLELISM, Parallelism
 from titan_jax.models.spec import Aux, ModelDef, Params
 from titan_jax.planner_hints import expected_branch
-from titan_jax.train.loss import count_valid_tokens, cross_entropy_sum
+from titan_jax.train.loss import count_valid_tokens
+from titan_jax.train.objective import CROSS_ENTROPY, Objective
 from titan_jax.trees import merge_nested, split_by_name
 
-TrainState = dict[str, Any]  # {"params", "buffers", "opt_state", "step", "applied_updates"}
+# {"params", "buffers", "opt_state", "step", "applied_updates"} (+ "reference": DPO's frozen
+# params, when the objective keeps one)
+TrainState = dict[str, Any]
+REFERENCE = "reference"
 # The train state's count of optimizer updates applied (skipped, non-finite steps excluded): the
 # LR schedule's step. `step` counts every step.
 APPLIED_UPDATES = "applied_updates"
@@ -43,15 +50,23 @@ class StepOptions:
     n_microbatches: int = 1
     param_dtype: Any = jnp.float32  # weights are cast to this at use
     max_norm: float = 1.0  # 0 disables clipping
+    objective: Objective = CROSS_ENTROPY  # what the step minimises (train/objective.py)
     dropout_seed: int | None = None  # LoRA dropout's keys (`lora.dropout_key`); None: off
 
 
 def init_train_state(params: Params, buffers: Params, optimizer: optax.GradientTransformation,
-                     trainable: frozenset[str] | None = None) -> TrainState:
-    """A fresh state; optimizer state for the `trainable` params only (None: all)."""
-    return {"params": params, "buffers": buffers,
-            "opt_state": optimizer.init(split_by_name(params, trainable)[0]),
-            "step": jnp.zeros((), jnp.int32), APPLIED_UPDATES: jnp.zeros((), jnp.int32)}
+                     trainable: frozenset[str] | None = None, keep_reference: bool = False
+                     ) -> TrainState:
+    """A fresh state; optimizer state for the `trainable` params only (None: all);
+    `keep_reference`: a frozen copy of `params` beside them (DPO's reference model)."""
+    state = {"params": params, "buffers": buffers,
+             "opt_state": optimizer.init(split_by_name(params, trainable)[0]),
+             "step": jnp.zeros((), jnp.int32), APPLIED_UPDATES: jnp.zeros((), jnp.int32)}
+    if keep_reference:
+        # Its own buffers (donating the state donates both); shapes pass as they are.
+        state[REFERENCE] = jax.tree.map(
+            lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, params)
+    return state
 
 
 def split_microbatches(x_BT: jax.Array, n: int) -> jax.Array:
@@ -66,11 +81,12 @@ def split_microbatches(x_BT: jax.Array, n: int) -> jax.Array:
 
 def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batch,
                    options: StepOptions, parallelism: Parallelism = NO_PARALLELISM,
-                   key: jax.Array | None = None
-                   ) -> tuple[jax.Array, Params, jax.Array, dict[str, jax.Array]]:
-    """(mean loss over all valid tokens of the batch, its gradient with respect to the
-    model's trainable params (`ModelDef.trainable`), the token count, the forward's aux stats
-    summed over the batch).
+                   reference: Params | None = None, key: jax.Array | None = None
+                   ) -> tuple[jax.Array, Params, jax.Array, tuple[dict[str, jax.Array], ...]]:
+    """(the objective's mean loss over the batch (per valid token for cross-entropy), its
+    gradient with respect to the model's trainable params (`ModelDef.trainable`), the
+    objective's count, (the forward's aux stats, the objective's metric sums) summed over the
+    batch). `reference`: the frozen params the objective compares with (DPO without LoRA).
 
     `parallelism.loss_map` transforms the summed-loss function before it is differentiated;
     SimpleFSDP maps it over data-parallel shards so that each shard's gradient exists, and is
@@ -79,22 +95,25 @@ def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batc
     the forward has returned, and call them too.
     `key`: the step's dropout key, each microbatch's its index folded in (None: no dropout).
     """
-    n_tokens = count_valid_tokens(batch["labels"])
+    objective = options.objective
+    count = objective.count(batch["inputs"], batch["labels"])
     params, frozen = split_by_name(params, model.trainable)
 
     def microbatch_loss(p: Params, inputs: jax.Array, labels: jax.Array, i: jax.Array
-                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                        ) -> tuple[jax.Array, tuple[dict[str, jax.Array], ...]]:
         mb_key = None if key is None else jax.random.fold_in(key, i)
 
         def summed_loss(p: Params, b: Params, inputs: jax.Array, labels: jax.Array
                         ) -> tuple[jax.Array, Aux]:
-            h, w_out, aux = model.forward(p, b, inputs, options.param_dtype, mb_key)
-            with jax.named_scope("loss"):
-                return cross_entropy_sum(h, w_out, labels) + aux["loss"], aux
+            total, stats, sums = objective.summed_loss(model, p, b, inputs, labels,
+                                                       options.param_dtype,
+                                                       dropout_key=mb_key)
+            return total, (stats, sums)
 
-        total, aux = parallelism.loss_map(summed_loss)(merge_nested(p, frozen), buffers, inputs,
-                                                        labels)
-        return total / n_tokens, aux["stats"]
+        full = merge_nested(p, frozen)
+        total, aux = parallelism.loss_map(summed_loss)(
+            full if reference is None else (full, reference), buffers, inputs, labels)
+        return total / count, aux
 
     value_and_grad = jax.value_and_grad(microbatch_loss, has_aux=True)
 
@@ -104,7 +123,7 @@ def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batc
 
     if options.n_microbatches == 1:
         (loss, stats), grads = grad_fn(params, batch["inputs"], batch["labels"], jnp.int32(0))
-        return loss, grads, n_tokens, stats
+        return loss, grads, count, stats
 
     def accumulate(carry: tuple[jax.Array, Params, Any],
                    mb: tuple[jax.Array, jax.Array, jax.Array]
@@ -122,7 +141,7 @@ def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batc
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
              jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
     (loss, grads, stats), _ = jax.lax.scan(accumulate, zeros, microbatches)
-    return loss, grads, n_tokens, stats
+    return loss, grads, count, stats
 
 
 def clip_by_global_norm(grads: Params, max_norm: float) -> tuple[Params, jax.Array]:
@@ -145,10 +164,12 @@ def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
     forward and backward, and its `loss_map` splits the batch's loss (see `loss_and_grads`).
     """
     params, buffers, opt_state = state["params"], state["buffers"], state["opt_state"]
+    reference = state.get(REFERENCE)
     key = (None if options.dropout_seed is None
            else dropout_key(options.dropout_seed, state["step"]))
-    loss, grads, n_tokens, stats = loss_and_grads(model, params, buffers, batch, options,
-                                                  parallelism, key)
+    loss, grads, count, (stats, sums) = loss_and_grads(model, params, buffers, batch, options,
+                                                       parallelism, reference, key)
+    n_tokens = count_valid_tokens(batch["labels"])
     params, frozen = split_by_name(params, model.trainable)
     grads, grad_norm = clip_by_global_norm(grads, options.max_norm)
     lr = schedule(state[APPLIED_UPDATES])  # this update's LR, the one logged
@@ -170,6 +191,9 @@ def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
                  "opt_state": new_opt_state,
                  "step": state["step"] + 1,
                  APPLIED_UPDATES: state[APPLIED_UPDATES] + finite.astype(jnp.int32)}
+    if reference is not None:
+        new_state[REFERENCE] = reference
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "n_tokens": n_tokens,
-               "finite": finite, **model.aux_metrics(stats, n_tokens)}
+               "finite": finite, **model.aux_metrics(stats, n_tokens),
+               **options.objective.metrics(sums, count)}
     return new_state, metrics

@@ -71,7 +71,8 @@ class StepReporter:
     def add_validation(self, step: int, result: dict[str, float]) -> None:
         """Print a validation of `step` now; its loss goes into `step`'s metrics line."""
         self.logger.info(format_validation_line(step, result))
-        self.validations[step] = {k: result[k] for k in ("val_loss", "val_perplexity")}
+        self.validations[step] = {k: v for k, v in result.items()  # val_loss, ...
+                                  if k not in ("val_tokens", "val_batches")}
         self.throughput.restart()  # the step's wall time includes the validation
 
     def _log(self, step: int, values: dict[str, float], force: bool) -> None:

@@ -18,10 +18,12 @@ from titan_jax.config import JobConfig
 from titan_jax.parallel.batch_placement import BatchPlacement
 from titan_jax.parallel.simple_fsdp import SimpleFSDP
 from titan_jax.parallel.state_shardings import batch_sharding, train_state_shardings
+from titan_jax.train.objective import objective_for
 from titan_jax.train.optim import WSDSchedule, build_optimizer
 from titan_jax.train.run_plan import RunPlan, plan_run
 from titan_jax.train.step import (
     APPLIED_UPDATES,
+    REFERENCE,
     Batch,
     StepOptions,
     TrainState,
@@ -58,6 +60,11 @@ class Trainer:
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.config.training.seq_len
 
+    @property
+    def keeps_reference(self) -> bool:
+        """The state holds a frozen copy of the initial params (DPO's reference model)."""
+        return self.options.objective.keeps_reference
+
     def flops_per_token(self) -> float:
         return self.model_spec.flops_per_token(self.model.args, self.config.training.seq_len,
                                                self.model.options.lora)
@@ -68,7 +75,7 @@ class Trainer:
 
         def init(key: jax.Array) -> TrainState:
             return init_train_state(self.model.init(key), self.model.init_buffers(),
-                                    self.optimizer, self.model.trainable)
+                                    self.optimizer, self.model.trainable, self.keeps_reference)
 
         with jax.set_mesh(self.mesh):
             return jax.jit(init, out_shardings=self.state_shardings)(key)
@@ -77,7 +84,7 @@ class Trainer:
         """A fresh train state (new optimizer and buffers, step 0) around loaded params. A
         base model's weights (`plain_base`: fp32, no LoRA adapters) get fresh adapters, whose
         B is zero (the model starts as the base), and are stored as `lora.base_dtype` says
-        (cast, or quantized)."""
+        (cast, or quantized). DPO's reference (without LoRA) is these params."""
         trainable = self.model.trainable
         fresh_adapters = trainable is not None and not trainable & set(named_leaves(params))
         key = jax.random.key(self.config.training.seed)
@@ -86,7 +93,8 @@ class Trainer:
             if fresh_adapters:  # the rest of this init is dead code to XLA
                 adapters = split_by_name(self.model.init(key), trainable)[0]
                 params = self.model.stored(merge_nested(params, adapters))
-            return init_train_state(params, self.model.init_buffers(), self.optimizer, trainable)
+            return init_train_state(params, self.model.init_buffers(), self.optimizer, trainable,
+                                    self.keeps_reference)
 
         with jax.set_mesh(self.mesh):
             return jax.jit(state, out_shardings=self.state_shardings)(params, key)
@@ -110,7 +118,7 @@ class Trainer:
         """Shapes, dtypes and shardings of the train state, without allocating it."""
         shapes = jax.eval_shape(lambda: init_train_state(
             self.model.abstract_params, self.model.abstract_buffers, self.optimizer,
-            self.model.trainable))
+            self.model.trainable, self.keeps_reference))
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_shardings)
 
@@ -138,9 +146,12 @@ def assemble_trainer(plan: RunPlan) -> Trainer:
     """The optimizer, shardings, SimpleFSDP and step of a planned run (nothing allocated)."""
     config, t = plan.config, plan.config.training
     optimizer = build_optimizer(config.optimizer)
+    objective = objective_for(config.dpo, lora=plan.model.trainable is not None)
     state_shardings = train_state_shardings(plan.rules, plan.param_specs, plan.buffer_specs,
                                             optimizer, plan.model.abstract_params,
                                             ("step", APPLIED_UPDATES), plan.model.trainable)
+    if objective.keeps_reference:  # sharded like the params it copies
+        state_shardings[REFERENCE] = state_shardings["params"]
     parallelism = plan.fsdp(plan.rules, plan.param_specs, plan.buffer_specs,
                             reduce_dtype=jnp.dtype(t.mixed_precision_reduce),
                             cp_method=config.parallelism.context_parallel_method,
@@ -149,7 +160,7 @@ def assemble_trainer(plan: RunPlan) -> Trainer:
     return Trainer(
         plan, WSDSchedule.from_config(config.optimizer.lr, config.lr_scheduler, t.steps),
         optimizer, StepOptions(n_microbatches=plan.n_microbatches, param_dtype=plan.param_dtype,
-                               max_norm=t.max_norm,
+                               max_norm=t.max_norm, objective=objective,
                                dropout_seed=t.seed if plan.model.options.lora.dropout else None),
         state_shardings,
         BatchPlacement(batch_sharding(plan.rules), plan.global_batch_size, plan.degrees.cp),

@@ -27,7 +27,13 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from titan_jax.models.sharding_hooks import GATHERED_PARAM, Kernel, LogicalAxes, SummedLoss
+from titan_jax.models.sharding_hooks import (
+    GATHERED_PARAM,
+    Kernel,
+    LogicalAxes,
+    SummedLoss,
+    each_params_tree,
+)
 from titan_jax.models.spec import Aux, Params
 from titan_jax.parallel.compiler_workarounds import cast_in_loop, give_shard_dim
 from titan_jax.parallel.per_shard import jit_per_shard
@@ -116,22 +122,23 @@ class JitSimpleFSDP(SimpleFSDP):
         inner, outer = self._shard_axes()
         n_in = math.prod(self.mesh.shape[a] for a in inner)
         n_out = self.n_shards // n_in
-        per = jax.vmap(summed_loss, in_axes=(self._per_shard_dims(), None, 0, 0),
-                       axis_name=SHARDS, spmd_axis_name=inner)
-        if outer:
-            if self.data_axes.index(outer[-1]) > self.data_axes.index(inner[0]):
-                raise ValueError(f"the jit path needs the replicated data axes {outer} before "
-                                 f"the vocabulary's {inner} in the batch's order")
-            per = jax.vmap(per, in_axes=(None, None, 0, 0), axis_name=REPLICAS,
-                           spmd_axis_name=outer)
+        if outer and self.data_axes.index(outer[-1]) > self.data_axes.index(inner[0]):
+            raise ValueError(f"the jit path needs the replicated data axes {outer} before "
+                             f"the vocabulary's {inner} in the batch's order")
 
         def per_shard(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
                       ) -> tuple[jax.Array, Aux]:
+            dims = each_params_tree(params, lambda _: self._per_shard_dims())
+            per = jax.vmap(summed_loss, in_axes=(dims, None, 0, 0), axis_name=SHARDS,
+                           spmd_axis_name=inner)
+            if outer:
+                per = jax.vmap(per, in_axes=(None, None, 0, 0), axis_name=REPLICAS,
+                               spmd_axis_name=outer)
             # Rows are laid out shard-major, so the split moves no data.
             split = lambda x: x.reshape(  # noqa: E731
                 *((n_out,) if outer else ()), n_in, x.shape[0] // self.n_shards, *x.shape[1:])
-            losses, aux = per(self._split_kept(params, n_in), buffers, split(inputs),
-                              split(labels))
+            kept = each_params_tree(params, lambda p: self._split_kept(p, n_in))
+            losses, aux = per(kept, buffers, split(inputs), split(labels))
             total = lambda a: jnp.sum(a, axis=(0, 1) if outer else 0)  # noqa: E731
             return total(losses), jax.tree.map(total, aux)
 

@@ -14,7 +14,13 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from titan_jax.models.sharding_hooks import GATHERED_PARAM, Kernel, LogicalAxes, SummedLoss
+from titan_jax.models.sharding_hooks import (
+    GATHERED_PARAM,
+    Kernel,
+    LogicalAxes,
+    SummedLoss,
+    each_params_tree,
+)
 from titan_jax.models.spec import Aux, Params
 from titan_jax.parallel.compiler_workarounds import cast_in_loop
 from titan_jax.parallel.per_shard import manual_per_shard
@@ -106,8 +112,9 @@ class ShardMapSimpleFSDP(SimpleFSDP):
 
         def mapped(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
                    ) -> tuple[jax.Array, Aux]:
+            specs = each_params_tree(params, lambda _: param_specs)
             return jax.shard_map(local, mesh=self.mesh,
-                                 in_specs=(param_specs, buffer_specs, rows, rows),
+                                 in_specs=(specs, buffer_specs, rows, rows),
                                  out_specs=PartitionSpec(), axis_names=frozenset(data)
                                  )(params, buffers, inputs, labels)
 
