@@ -186,7 +186,7 @@ def test_a_corrupted_or_truncated_shard_is_named(tmp_path, capsys):
 
 @pytest.mark.parametrize("damage, problem", [
     (lambda text: text[:len(text) // 2], "not JSON"),
-    (lambda text: "[1, 2]", "is not a version 1 or 2 titan-jax token store"),
+    (lambda text: "[1, 2]", "is not a version 1, 2, 3 titan-jax token store"),
     (lambda text: text.replace('"tokens": ', '"tokens": -', 1), "tokens=-\\d+ is not the sum"),
     (lambda text: text.replace('"vocab_size": ', '"vocab_size": 100', 1), "dtype="),
     (lambda text: text.replace('"shards": [', '"shards": [{"file_index": 99}, ', 1),
