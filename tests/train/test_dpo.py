@@ -2,28 +2,25 @@
 pair's row, the shipped recipe raising the held-out reward accuracy above chance, a kill -9
 and resume ending bitwise as the uninterrupted run, and bad input refused in one line."""
 
-import dataclasses
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pair_fixtures import pair_batch, random_pairs
+from test_resume import Run, env, finalized  # noqa: F401  (env: a fixture)
 from tiny_model import TINY
 
 from titan_jax.cli import main
 from titan_jax.config import load_config
 from titan_jax.data.pairs import CHOSEN, PADDING, REJECTED, fitted_lengths, pair_row
 from titan_jax.data.windows import IGNORE_INDEX
-from titan_jax.train import loop
 from titan_jax.train import loss as loss_module
 from titan_jax.train.dpo import DPO
+from titan_jax.train.trainer import build_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "configs" / "qwen3_debug_dpo.toml")
@@ -86,32 +83,44 @@ def test_a_pair_cut_to_no_completion_token_is_not_counted():
 
 
 LORA = ["--lora.rank", "4", "--lora.target_modules", "attention,mlp"]
+FSDP4 = ("--parallelism.data_parallel_shard_degree", "4", "--training.local_batch_size", "2")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("dp", "sharding", "both"), [
-    (4, [], []),  # FSDP 4 on the jit path: the vocabulary split, each shard's own pairs
-    (2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree",
-         "2", "--parallelism.fsdp_implementation", "shard_map"], []),
-    (4, [], LORA),
+@pytest.mark.parametrize(("extra", "meshes"), [
+    ((), (FSDP4,  # the jit path, the vocabulary split over fsdp, each shard its own pairs
+          ("--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree",
+           "2", "--parallelism.fsdp_implementation", "shard_map",
+           "--training.local_batch_size", "4"))),
+    (LORA, (FSDP4,)),  # the reference: the adapters off
 ])
-def test_dpo_losses_are_one_devices_sharded(tmp_path, dp, sharding, both):
-    """(policy, reference) params go through SimpleFSDP's loss map as the params do: the same
-    losses as on one device (and with LoRA, whose reference is the adapters off)."""
-    tiny = dataclasses.replace(TINY, max_seq_len=128)
+def test_dpo_losses_are_one_devices_sharded(tmp_path, extra, meshes):
+    """(policy, reference) params go through SimpleFSDP's loss map as the params do, on either
+    path: the same losses as on one device (and with LoRA, whose reference is the adapters
+    off), from one init, on the same 8 pairs."""
+    def trainer(n_devices, *mesh):
+        config = load_config(RECIPE, [*QUIET, "--training.seq_len", "64",
+                                      "--training.global_batch_size", "8",
+                                      "--validation.enable", "false", "--optimizer.lr",
+                                      "1e-2", "--lr_scheduler.warmup_steps", "1",
+                                      "--job.dump_folder", str(tmp_path), *extra, *mesh])
+        return build_trainer(config, jax.devices()[:n_devices], model_args=TINY)
 
-    def run(folder, devices, dp, *extra):  # 8 pairs a step on any mesh
-        config = load_config(RECIPE, [*QUIET, "--training.steps", "3", "--training.seq_len",
-                                      "128", "--training.local_batch_size", str(8 // dp),
-                                      "--validation.enable", "false",
-                                      "--job.dump_folder", str(tmp_path / folder),
-                                      "--job.cpu_devices", str(devices), *both, *extra])
-        return loop.train(config, jax.devices()[:devices], model_args=tiny).losses
+    one = trainer(1, "--training.local_batch_size", "8")
+    init = jax.device_get(one.init_state())
+    batch = pair_batch(random_pairs(8, TINY.vocab_size), 64)
 
-    one, sharded = run("one", 1, 1), run("sharded", 4, dp, *sharding)
-    np.testing.assert_allclose([sharded[s] for s in (1, 2, 3)], [one[s] for s in (1, 2, 3)],
-                               rtol=1e-5)
-    assert one[1] == pytest.approx(np.log(2), abs=1e-6) and one[3] < one[1]
+    def losses(trainer):  # three steps on the same pairs
+        state, out = jax.device_put(init, trainer.state_shardings), []
+        for _ in range(3):
+            state, metrics = trainer.step_fn(state, trainer.batches.put(batch))
+            out.append(float(metrics["loss"]))
+        return out
+
+    expected = losses(one)
+    assert expected[0] == pytest.approx(np.log(2), abs=1e-6) and expected[2] < expected[0]
+    for mesh in meshes:
+        np.testing.assert_allclose(losses(trainer(4, *mesh)), expected, rtol=1e-5)
 
 
 def preference_file(path, records):
@@ -164,9 +173,9 @@ def test_dpo_config_mistakes_are_one_line(tmp_path, capsys, overrides, message):
 @pytest.mark.slow
 def test_the_dpo_recipe_raises_the_held_out_reward_accuracy_above_chance(tmp_path, capsys,
                                                                         one_device):
-    code = main(["train", "--config", RECIPE, *QUIET, "--training.steps", "10",
+    code = main(["train", "--config", RECIPE, *QUIET, "--training.steps", "8",
                  "--training.local_batch_size", "4", "--validation.local_batch_size", "6",
-                 "--lr_scheduler.warmup_steps", "2", "--validation.freq", "10",
+                 "--lr_scheduler.warmup_steps", "2", "--validation.freq", "8",
                  "--job.dump_folder", str(tmp_path)])
     assert code == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -182,58 +191,34 @@ def test_the_dpo_recipe_raises_the_held_out_reward_accuracy_above_chance(tmp_pat
     assert json.loads(manifest.read_text())["pairs"] is True
 
 
-RESUME_ARGS = ["--config", RECIPE, "--training.steps", "4", "--training.seq_len", "128",
-               "--training.local_batch_size", "2", "--validation.enable", "false",
-               "--metrics.log_freq", "1", "--metrics.progress_bar", "false",
-               "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-               "--checkpoint.last_save_model_only", "false", "--job.cpu_devices", "1"]
-
-
-def _losses(folder):
-    out = {}
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        try:  # a line torn by kill -9 is skipped, as the logger does
-            record = json.loads(line)
-        except ValueError:
-            continue
-        out[record["step"]] = (record["loss"], record["rewards/margins"])
-    return out
+RESUME = ["--config", RECIPE, "--training.steps", "4", "--training.seq_len", "128",
+          "--training.local_batch_size", "2", "--validation.enable", "false",
+          "--metrics.log_freq", "1", "--metrics.progress_bar", "false",
+          "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+          "--checkpoint.last_save_model_only", "false"]
 
 
 @pytest.mark.slow
-def test_a_dpo_run_killed_and_resumed_ends_bitwise_as_the_uninterrupted_one(tmp_path):
+def test_a_dpo_run_killed_and_resumed_ends_bitwise_as_the_uninterrupted_one(
+        env, tmp_path):  # noqa: F811
     """kill -9 after checkpoint 2; the resumed run restores the policy, its optimizer state,
-    the reference copy and the pair stream's position: its losses, rewards and final state
-    equal the uninterrupted run's, bit for bit."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-
-    def start(folder):
-        return subprocess.Popen([sys.executable, "-m", "titan_jax.cli", "train", *RESUME_ARGS,
-                                 "--job.dump_folder", str(folder)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-                                cwd=ROOT)
-
-    whole = start(tmp_path / "whole")
-    assert whole.wait(600) == 0, whole.stderr.read().decode()
-    folder = tmp_path / "split"
-    run = start(folder)
-    ckpt = folder / "checkpoint" / "2"
-    deadline = time.monotonic() + 600
-    while not (ckpt.is_dir() and 3 in _losses(folder)):
-        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read().decode()
-        time.sleep(0.01)
-    run.send_signal(signal.SIGKILL)
-    run.wait()
-    resumed = start(folder)
-    assert resumed.wait(600) == 0, resumed.stderr.read().decode()
-    assert _losses(folder) == _losses(tmp_path / "whole")
-    for name in ("whole", "split"):  # the last saves are the whole state, reference included
-        assert (tmp_path / name / "checkpoint" / "4" / "state").is_dir()
+    the reference copy and the pair stream's position: its losses and final state equal the
+    uninterrupted run's, bit for bit. The first process compiles the step; the others load it
+    from the shared compilation cache (`env`)."""
+    # The uninterrupted run saves only its last step (what is compared).
+    whole = Run(env, tmp_path / "whole", "--checkpoint.interval", "4", args=RESUME)
+    whole.finish()
+    folder, ckpt = tmp_path / "split", tmp_path / "split" / "checkpoint"
+    first = Run(env, folder, args=RESUME)
+    first.wait_for(lambda: ckpt.is_dir() and 2 in finalized(ckpt) and 3 in first.losses(),
+                   "checkpoint 2 and step 3")
+    first.signal(signal.SIGKILL)
+    second = Run(env, folder, args=RESUME)
+    second.finish()
+    assert {**first.losses(), **second.losses()} == whole.losses()
     import orbax.checkpoint as ocp
-    with ocp.PyTreeCheckpointer() as reader:
-        a, b = (reader.restore(tmp_path / n / "checkpoint" / "4" / "state")
-                for n in ("whole", "split"))
+    with ocp.PyTreeCheckpointer() as reader:  # the last saves: the whole state
+        a, b = (reader.restore(run.folder / "checkpoint" / "4" / "state")
+                for run in (whole, second))
     assert "reference" in a
     jax.tree.map(np.testing.assert_array_equal, a, b)

@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 from hf_fixtures import random_hf_model
+from pair_fixtures import pair_batch, random_pairs
 from tiny_model import UNTIED
 
-from titan_jax.data.pairs import pair_row
 from titan_jax.models.qwen3 import build_model_def, hf
 from titan_jax.train.dpo import DPO
 from titan_jax.train.step import StepOptions, loss_and_grads
@@ -35,22 +35,6 @@ TARGETS = ("q_proj", "v_proj", "down_proj")
 SEQ_LEN = 48  # one row holds a pair: no pair below is cut
 
 
-def random_pairs(n, seed=0):
-    """(prompt + chosen, prompt + rejected) ids and completion masks of `n` pairs of different
-    lengths (random ids of UNTIED's vocabulary)."""
-    rng = np.random.default_rng(seed)
-    pairs = []
-    for _ in range(n):
-        prompt = rng.integers(0, UNTIED.vocab_size, rng.integers(3, 8))
-        pair = []
-        for _ in range(2):
-            completion = rng.integers(0, UNTIED.vocab_size, rng.integers(4, 14))
-            pair.append((np.concatenate([prompt, completion]),
-                         np.r_[np.zeros(len(prompt), bool), np.ones(len(completion), bool)]))
-        pairs.append(pair)
-    return pairs
-
-
 def trl_inputs(pairs):
     """DataCollatorForPreference's batch of these pairs: every chosen sequence, then every
     rejected one, right-padded."""
@@ -63,11 +47,6 @@ def trl_inputs(pairs):
     return {"input_ids": padded([ids for ids, _ in sequences]),
             "attention_mask": padded([np.ones(len(ids), np.int64) for ids, _ in sequences]),
             "completion_mask": padded([mask.astype(np.int64) for _, mask in sequences])}
-
-
-def our_batch(pairs):
-    rows = [pair_row(pair, SEQ_LEN) for pair in pairs]
-    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
 def trl_trainer(model, ref_model, loss_type, tmp_path, peft_config=None):
@@ -121,9 +100,9 @@ def test_lora_dpo_loss_and_adapter_gradients_equal_trl(tmp_path, loss_type):
             if ".lora_" in name:
                 p.copy_(0.1 * torch.randn_like(p))
     our_model, params = ours_from_peft(model, TARGETS, 4, 8.0, tmp_path)
-    pairs = random_pairs(4)
+    pairs = random_pairs(4, UNTIED.vocab_size)
     theirs, metrics = trl_loss(trainer, pairs)
-    loss, grads, mine = ours(our_model, params, our_batch(pairs), loss_type)
+    loss, grads, mine = ours(our_model, params, pair_batch(pairs, SEQ_LEN), loss_type)
 
     assert abs(theirs - (np.log(2) if loss_type == "sigmoid" else 0)) > 1e-3  # not trivial
     np.testing.assert_allclose(loss, theirs, rtol=1e-5)
@@ -152,12 +131,12 @@ def test_full_dpo_loss_and_gradients_equal_trl(tmp_path, loss_type):
     our_model = build_model_def(UNTIED)
     params = hf.load_hf_params(tmp_path / "policy", UNTIED)
     reference = hf.load_hf_params(tmp_path / "reference", UNTIED)
-    pairs = random_pairs(4, seed=1)
+    pairs = random_pairs(4, UNTIED.vocab_size, seed=1)
     # TRL loads its reference from the policy's checkpoint path, as from a hub name.
     base.config._name_or_path = str(tmp_path / "reference")
     trainer = trl_trainer(base, None, loss_type, tmp_path)
     theirs, metrics = trl_loss(trainer, pairs)
-    loss, grads, mine = ours(our_model, params, our_batch(pairs), loss_type, reference)
+    loss, grads, mine = ours(our_model, params, pair_batch(pairs, SEQ_LEN), loss_type, reference)
     np.testing.assert_allclose(loss, theirs, rtol=1e-5)
     check_metrics(mine, metrics)
     live = dict(base.named_parameters())
