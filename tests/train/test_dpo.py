@@ -2,6 +2,7 @@
 pair's row, the shipped recipe raising the held-out reward accuracy above chance, a kill -9
 and resume ending bitwise as the uninterrupted run, and bad input refused in one line."""
 
+import dataclasses
 import json
 import signal
 from pathlib import Path
@@ -18,9 +19,12 @@ from titan_jax.cli import main
 from titan_jax.config import load_config
 from titan_jax.data.pairs import CHOSEN, PADDING, REJECTED, fitted_lengths, pair_row
 from titan_jax.data.windows import IGNORE_INDEX
+from titan_jax.models.lora import NO_LORA, adapters_off
+from titan_jax.models.qwen3 import build_model_def
 from titan_jax.train import loss as loss_module
 from titan_jax.train.dpo import DPO
 from titan_jax.train.trainer import build_trainer
+from titan_jax.trees import split_by_name
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "configs" / "qwen3_debug_dpo.toml")
@@ -83,6 +87,62 @@ def test_a_pair_cut_to_no_completion_token_is_not_counted():
 
 
 LORA = ["--lora.rank", "4", "--lora.target_modules", "attention,mlp"]
+MOE = dataclasses.replace(TINY, num_experts=8, top_k=2, moe_inter_dim=16)
+
+
+def lora_dpo_trainer(tmp_path, args, *lora):
+    config = load_config(RECIPE, [*QUIET, "--training.seq_len", "64",
+                                  "--training.local_batch_size", "4", "--validation.enable",
+                                  "false", "--optimizer.lr", "1e-2", "--job.dump_folder",
+                                  str(tmp_path), "--lora.rank", "4", *lora])
+    return build_trainer(config, jax.devices()[:1], model_args=args)
+
+
+def test_lora_dpo_on_expert_adapters_takes_the_base_model_as_reference(tmp_path):
+    """The joined expert adapter (`w1_and_w3_lora`, B (L, E, r, gate|up, F)) is off like the
+    others when its B is zero: once a step has moved every adapter, the reference's log-probs
+    are the base model's, bitwise; that step's policy was the reference (loss log 2)."""
+    trainer = lora_dpo_trainer(tmp_path, MOE, "--lora.target_modules", "attention,experts")
+    batch = pair_batch(random_pairs(4, MOE.vocab_size), 64)
+    state, metrics = trainer.step_fn(trainer.init_state(), trainer.batches.put(batch))
+    assert float(metrics["loss"]) == pytest.approx(np.log(2), abs=1e-6)
+    state = jax.device_get(state)
+    adapters, base = split_by_name(state["params"], trainer.model.trainable)
+    assert all(np.abs(a["lora_b"]).max() > 0 for a in adapters["layers"]["moe"].values())
+    plain = build_model_def(MOE, dataclasses.replace(trainer.model.options, lora=NO_LORA))
+
+    def log_probs(model, params):
+        h, w_out, _ = jax.jit(model.forward, static_argnums=3)(
+            params, state["buffers"], batch["inputs"], jnp.float32)
+        return loss_module.token_log_probs(h, w_out, batch["labels"])
+
+    np.testing.assert_array_equal(log_probs(trainer.model, adapters_off(state["params"])),
+                                  log_probs(plain, base))
+
+
+def test_lora_dropout_is_the_policys_alone(tmp_path):
+    """With lora.dropout the DPO step's policy forward draws the step's masks (another step,
+    other log-probs from the same params), the reference's log-probs take none: they stay the
+    same (reference = policy - reward / beta, as the step logs them)."""
+    trainer = lora_dpo_trainer(tmp_path, TINY, "--lora.target_modules", "attention,mlp",
+                               "--lora.dropout", "0.3")
+    assert trainer.options.dropout_seed == 42
+    batch = trainer.batches.put(pair_batch(random_pairs(4, TINY.vocab_size), 64))
+    moved, _ = trainer.step_fn(trainer.init_state(), batch)  # B is nonzero from here
+    moved = jax.device_get(moved)
+
+    def logps_at(step):  # (policy, reference) summed log-probs of the chosen and rejected
+        state = jax.device_put({**moved, "step": np.int32(step)}, trainer.state_shardings)
+        metrics = jax.device_get(trainer.step_fn(state, batch)[1])
+        policy = np.array([metrics["logps/chosen"], metrics["logps/rejected"]])
+        rewards = np.array([metrics["rewards/chosen"], metrics["rewards/rejected"]])
+        return policy, policy - rewards / trainer.options.objective.beta
+
+    (policy_1, reference_1), (policy_2, reference_2) = logps_at(1), logps_at(2)
+    assert np.abs(policy_1 - policy_2).max() > 1e-3
+    np.testing.assert_allclose(reference_1, reference_2, rtol=1e-5)
+
+
 FSDP4 = ("--parallelism.data_parallel_shard_degree", "4", "--training.local_batch_size", "2")
 
 
