@@ -54,8 +54,8 @@ def test_commands_are_found_and_use_the_venv():
 def test_titan_jax_command_parses(command):
     args, config = _parse(argv(command)[1:])
     assert args.command in ("train", "inspect", "compile", "parity", "convert", "generate",
-                            "prepare-data")
-    if args.command != "convert":
+                            "prepare-data", "goodput")
+    if args.command not in ("convert", "goodput"):  # these take no recipe
         assert config is not None  # every override named a real key with a valid value
     for word in argv(command):
         if word.startswith("configs/"):
