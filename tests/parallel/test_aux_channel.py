@@ -35,8 +35,8 @@ class CountingDef(Qwen3Def):
     def init_buffers(self):
         return {"token_counts": jnp.zeros((self.args.vocab_size,), jnp.float32)}
 
-    def forward(self, params, buffers, tokens_BT, dtype=jnp.float32):
-        h, w, aux = super().forward(params, buffers, tokens_BT, dtype)
+    def forward(self, params, buffers, tokens_BT, dtype=jnp.float32, dropout_key=None):
+        h, w, aux = super().forward(params, buffers, tokens_BT, dtype, dropout_key)
         counts = jnp.zeros((self.args.vocab_size,), jnp.float32).at[tokens_BT.reshape(-1)].add(1)
         return h, w, {**aux, "stats": {**aux["stats"], "token_counts": counts}}
 

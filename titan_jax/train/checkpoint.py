@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import logging
 import math
 import os
 import shlex
@@ -199,9 +200,17 @@ class Checkpointer:
         # the state (at least orbax's 1 GB unit): unbounded, they grew to ~0.85x the state on
         # top of the snapshot (BENCHMARKS.md, "Checkpoint saves: host memory").
         in_flight_gb = max(1, math.ceil(state_bytes / jax.process_count() / 10 / 1e9))
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
-            "state": ocp.PyTreeCheckpointHandler(save_concurrent_gb=in_flight_gb),
-            "meta": ocp.JsonCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
+        # orbax warns that a read-only folder is read only: asked for, so not printed.
+        absl_logger = logging.getLogger("absl")
+        level = absl_logger.level
+        if read_only:
+            absl_logger.setLevel(max(level, logging.ERROR))
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+                "state": ocp.PyTreeCheckpointHandler(save_concurrent_gb=in_flight_gb),
+                "meta": ocp.JsonCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
+        finally:
+            absl_logger.setLevel(level)
         self._saving: int | None = None  # step of a save that may still be in flight
         quiet_closed_loop_callbacks()  # a failed read's one-line error stays one line
 
