@@ -138,6 +138,10 @@ def _may_come_from_a_lost_process(error: BaseException) -> bool:
             and not str(error).startswith(_LOCAL_RUNTIME_ERRORS))
 
 
+# Seconds past the heartbeat timeout a collective's error waits for the watcher to name a lost
+# peer (JobFailures.report): under JAX's own abort, which comes _GRACE_S past it.
+LOST_PROCESS_SLACK_S = _GRACE_S - 2.0
+
 class JobFailures:
     """With several processes: a failure of this process is posted to JAX's coordination
     service (`report`, or an exception leaving a `guard()`), and a watcher thread ends this
@@ -210,8 +214,9 @@ class JobFailures:
         if _may_come_from_a_lost_process(error):
             # A collective whose peer was killed fails here ("Connection reset by peer") before
             # that peer's heartbeat is missed; give the watcher the time to name it (it ends
-            # this process), else this error is this process's own.
-            time.sleep(self.heartbeat_timeout + 4 * self.poll_s)
+            # this process), else this error is this process's own. The slack covers a loaded
+            # host's late polls (a few seconds were not enough with 2 cores fully busy).
+            time.sleep(self.heartbeat_timeout + LOST_PROCESS_SLACK_S)
         code, message = _exit_code_and_message(error)
         self._reported = code
         self._post(jax.process_index(), code,
