@@ -113,9 +113,10 @@ def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batc
         full = merge_nested(p, frozen)
         total, aux = parallelism.loss_map(summed_loss)(
             full if reference is None else (full, reference), buffers, inputs, labels)
-        # A batch with nothing to learn from (DPO: every pair cut to no completion token) is
-        # a zero loss and gradient, not 0 / 0.
-        return total / jnp.maximum(count, 1.0), aux
+        # A batch with nothing to learn from (every label ignored; DPO: every pair cut to no
+        # completion token) is 0 / 0: non-finite, so the step is skipped, not an update of
+        # zero gradients that would still move the moments and decay the weights.
+        return total / count, aux
 
     value_and_grad = jax.value_and_grad(microbatch_loss, has_aux=True)
 
