@@ -62,6 +62,7 @@ test-fast:
 
 lint:
 	$(BIN)/ruff check titan_jax tests scripts benchmarks
+	$(BIN)/ruff format --check titan_jax tests scripts benchmarks
 
 format:
 	$(BIN)/ruff format titan_jax tests scripts benchmarks

@@ -40,9 +40,11 @@ from titan_jax.models import get_model_spec
 ROOT = Path(__file__).resolve().parents[1]
 V5P_HOST_FLOPS = 4 * 459e12  # 4 chips a host, bf16 peak
 MFU = 0.5
-WORDS = ("the of and to in is that for it as with was on be by this are from or have an "
-         "which not but all were can when there been has their more one if will would what "
-         "function return value object class module string list file error type data").split()
+WORDS = (
+    "the of and to in is that for it as with was on be by this are from or have an "
+    "which not but all were can when there been has their more one if will would what "
+    "function return value object class module string list file error type data"
+).split()
 
 
 def make_jsonl(folder: Path, megabytes: int, files: int = 8) -> None:
@@ -62,8 +64,14 @@ def make_jsonl(folder: Path, megabytes: int, files: int = 8) -> None:
 
 def bench_prepare(src: Path, out: Path, workers: int) -> tuple[float, int]:
     start = time.perf_counter()
-    manifest = prepare_store(dataset="jsonl", dataset_path=str(src), text_field="text",
-                             tokenizer=load_tokenizer(), output=str(out), workers=workers)
+    manifest = prepare_store(
+        dataset="jsonl",
+        dataset_path=str(src),
+        text_field="text",
+        tokenizer=load_tokenizer(),
+        output=str(out),
+        workers=workers,
+    )
     seconds = time.perf_counter() - start
     return manifest["tokens"] / seconds, manifest["tokens"]
 
@@ -79,6 +87,7 @@ def make_store(out: Path, gigabytes: float, shard_bytes: int = 2**28) -> None:
     n_shards = max(1, round(gigabytes * 2**30 / shard_bytes))
     entries = []
     for i in range(n_shards):
+
         def blocks():
             for _ in range(shard_bytes // 2 // 2**22):  # 4M tokens a block
                 lengths = rng.integers(200, 1800, 2**22 // 1000 - 200)
@@ -86,26 +95,64 @@ def make_store(out: Path, gigabytes: float, shard_bytes: int = 2**28) -> None:
                 tokens = rng.integers(1, 2048, 2**22).astype("<u2")
                 tokens[np.cumsum(lengths) - 1] = tok.eos_id
                 yield tokens.tobytes(), lengths
+
         entries.append({**_write_shard(fs, str(out), i, blocks()), "source": f"synthetic-{i}"})
-    request = _request("jsonl", "synthetic", "text", "train", tok,
-                       [f"synthetic-{i}" for i in range(n_shards)], 1, 0)
-    manifest = {**request, "tokens": sum(e["tokens"] for e in entries),
-                "documents": sum(e["documents"] for e in entries), "shards": entries}
+    request = _request(
+        "jsonl",
+        "synthetic",
+        "text",
+        "train",
+        tok,
+        [f"synthetic-{i}" for i in range(n_shards)],
+        1,
+        0,
+    )
+    manifest = {
+        **request,
+        "tokens": sum(e["tokens"] for e in entries),
+        "documents": sum(e["documents"] for e in entries),
+        "shards": entries,
+    }
     (out / MANIFEST).write_text(json.dumps(manifest))
 
 
 def time_to_first_step(dump: Path, *data_args: str) -> tuple[float, float]:
     """(seconds from launch to the first step's line, peak RSS in GB) of a 2-step train run."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TITAN_JAX_COMPILATION_CACHE": "",
-           "PYTHONPATH": str(ROOT)}
-    command = ["/usr/bin/time", "-v", sys.executable, "-m", "titan_jax.cli", "train",
-               "--config", str(ROOT / "configs" / "qwen3_debug.toml"), "--training.steps", "2",
-               "--checkpoint.enable", "false", "--validation.enable", "false",
-               "--metrics.log_freq", "1", "--metrics.progress_bar", "false",
-               "--job.cpu_devices", "1", "--job.dump_folder", str(dump), *data_args]
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "TITAN_JAX_COMPILATION_CACHE": "",
+        "PYTHONPATH": str(ROOT),
+    }
+    command = [
+        "/usr/bin/time",
+        "-v",
+        sys.executable,
+        "-m",
+        "titan_jax.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "qwen3_debug.toml"),
+        "--training.steps",
+        "2",
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.progress_bar",
+        "false",
+        "--job.cpu_devices",
+        "1",
+        "--job.dump_folder",
+        str(dump),
+        *data_args,
+    ]
     start = time.perf_counter()
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     first = None
     for line in proc.stdout:
         if first is None and line.startswith("step 1/"):
@@ -120,8 +167,9 @@ def loader_rate(store: Path, seq_len: int, batches: int = 200) -> tuple[float, f
     """Tokens/s of one host's 8 rows: first read of the windows (pages not yet mapped), then
     the same batches again (in the page cache and mapped)."""
     corpus = open_corpus(str(store), load_tokenizer())
-    stream = WindowStream([Source("store", corpus)], seq_len=seq_len, global_batch_size=64,
-                          seed=0, rows=range(8))
+    stream = WindowStream(
+        [Source("store", corpus)], seq_len=seq_len, global_batch_size=64, seed=0, rows=range(8)
+    )
     rates = []
     for _ in range(2):
         stream.set_state({**stream.get_state(), "samples": 0})
@@ -137,7 +185,8 @@ def report_start_up(root: Path, stores: list[tuple[str, Path]], repeats: int) ->
     that a change in the machine's load touches them alike; medians of `repeats` runs."""
     inputs = [("embedded corpus", ())] + [
         (name, ("--training.dataset", "tokens", "--training.dataset_path", str(path)))
-        for name, path in stores]
+        for name, path in stores
+    ]
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in inputs}
     for repeat in range(repeats):
         for k, (name, args) in enumerate(inputs):
@@ -145,9 +194,11 @@ def report_start_up(root: Path, stores: list[tuple[str, Path]], repeats: int) ->
     for name, results in runs.items():
         firsts = sorted(first for first, _ in results)
         rss = max(peak for _, peak in results)
-        print(f"| train, {name} | first step {float(np.median(firsts)):.1f} s (median of "
-              f"{len(firsts)}: {', '.join(f'{t:.1f}' for t in firsts)}), peak RSS {rss:.2f} GB |",
-              flush=True)
+        print(
+            f"| train, {name} | first step {float(np.median(firsts)):.1f} s (median of "
+            f"{len(firsts)}: {', '.join(f'{t:.1f}' for t in firsts)}), peak RSS {rss:.2f} GB |",
+            flush=True,
+        )
 
 
 def host_consumption(flavor: str, seq_len: int) -> float:
@@ -160,18 +211,28 @@ def main() -> None:
     parser.add_argument("--prepare-mb", type=int, default=32)
     parser.add_argument("--store-gb", type=float, nargs="+", default=[1, 4])
     parser.add_argument("--tmp", default="/tmp")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="train runs per input, interleaved; the median is reported")
-    parser.add_argument("--loader-only", action="store_true",
-                        help="only the loader figures (no prepare, no train runs)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="train runs per input, interleaved; the median is reported",
+    )
+    parser.add_argument(
+        "--loader-only",
+        action="store_true",
+        help="only the loader figures (no prepare, no train runs)",
+    )
     a = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="titan_jax_bench_data_", dir=a.tmp))
     try:
         make_jsonl(root / "jsonl", 0 if a.loader_only else a.prepare_mb)
         for workers in () if a.loader_only else (1, 2):
             rate, tokens = bench_prepare(root / "jsonl", root / f"prepared{workers}", workers)
-            print(f"| prepare-data, {a.prepare_mb} MB jsonl, {workers} worker(s) | "
-                  f"{rate:,.0f} tokens/s ({tokens:,} tokens) |", flush=True)
+            print(
+                f"| prepare-data, {a.prepare_mb} MB jsonl, {workers} worker(s) | "
+                f"{rate:,.0f} tokens/s ({tokens:,} tokens) |",
+                flush=True,
+            )
         stores = []
         for gb in a.store_gb:
             stores.append((f"{gb:g} GB store", root / f"store_{gb:g}gb"))
@@ -181,11 +242,17 @@ def main() -> None:
         store = stores[-1][1]
         for seq_len in (2048, 8192):
             cold, warm = loader_rate(store, seq_len)
-            print(f"| loader, 8 of 64 rows, seq_len {seq_len}, {a.store_gb[-1]:g} GB store | "
-                  f"{cold:,.0f} tokens/s first read, {warm:,.0f} again |", flush=True)
+            print(
+                f"| loader, 8 of 64 rows, seq_len {seq_len}, {a.store_gb[-1]:g} GB store | "
+                f"{cold:,.0f} tokens/s first read, {warm:,.0f} again |",
+                flush=True,
+            )
             for flavor in ("8B", "235B-A22B"):
-                print(f"| one v5p host consumes, {flavor}, seq_len {seq_len}, 50% MFU | "
-                      f"{host_consumption(flavor, seq_len):,.0f} tokens/s |", flush=True)
+                print(
+                    f"| one v5p host consumes, {flavor}, seq_len {seq_len}, 50% MFU | "
+                    f"{host_consumption(flavor, seq_len):,.0f} tokens/s |",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -39,11 +39,33 @@ from titan_jax.train.peak_flops import peak_flops_per_device
 from titan_jax.train.trainer import build_trainer
 
 # What the lent GPU machine's stack is made of (it differs from this project's pins).
-PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
-            "flax", "optax", "orbax-checkpoint", "tokenizers", "safetensors", "numpy",
-            "pyarrow", "tqdm", "tensorboardX", "datasets")
-SMOKE = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
-                  vocab_size=256, max_seq_len=64)
+PACKAGES = (
+    "jax",
+    "jaxlib",
+    "jax-cuda13-plugin",
+    "jax-cuda13-pjrt",
+    "jax-cuda12-plugin",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "pyarrow",
+    "tqdm",
+    "tensorboardX",
+    "datasets",
+)
+SMOKE = Qwen3Args(
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    hidden_dim=64,
+    vocab_size=256,
+    max_seq_len=64,
+)
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory")
 
 
@@ -73,17 +95,30 @@ def attention_overrides(requested: str) -> tuple[list[str], str]:
     return [], "default"
 
 
-def measure(flavor: str, batch: int, seq: int, warmup: int, steps: int, ac: str,
-            overrides: list[str]) -> dict[str, Any]:
+def measure(
+    flavor: str, batch: int, seq: int, warmup: int, steps: int, ac: str, overrides: list[str]
+) -> dict[str, Any]:
     """Times one flavour's whole step at `batch` x `seq` tokens on the first device."""
     # "smoke" is SMOKE's shape passed as model_args; the flavour named in the config then only
     # labels the run.
-    config = load_config(None, ["--model.flavor", "debugmodel" if flavor == "smoke" else flavor,
-                                "--training.local_batch_size", str(batch),
-                                "--training.seq_len", str(seq),
-                                "--training.mixed_precision_param", "auto",
-                                "--activation_checkpoint.mode", ac,
-                                "--lr_scheduler.warmup_steps", "1", *overrides])
+    config = load_config(
+        None,
+        [
+            "--model.flavor",
+            "debugmodel" if flavor == "smoke" else flavor,
+            "--training.local_batch_size",
+            str(batch),
+            "--training.seq_len",
+            str(seq),
+            "--training.mixed_precision_param",
+            "auto",
+            "--activation_checkpoint.mode",
+            ac,
+            "--lr_scheduler.warmup_steps",
+            "1",
+            *overrides,
+        ],
+    )
     device = jax.devices()[0]
     trainer = build_trainer(config, [device], model_args=SMOKE if flavor == "smoke" else None)
     rng = np.random.default_rng(0)
@@ -108,16 +143,27 @@ def measure(flavor: str, batch: int, seq: int, warmup: int, steps: int, ac: str,
     flops = trainer.flops_per_token() * trainer.tokens_per_step
     mem = memory_stats()
     return {
-        "model": flavor, "dtype": dtype, "activation_checkpoint": ac, "batch": batch,
-        "seq_len": seq, "tokens_per_step": trainer.tokens_per_step,
-        "device_kind": device.device_kind, "jax": jax.__version__, "compile_s": compile_s,
-        "step_s": step_s, "tokens_per_s": trainer.tokens_per_step / step_s,
+        "model": flavor,
+        "dtype": dtype,
+        "activation_checkpoint": ac,
+        "batch": batch,
+        "seq_len": seq,
+        "tokens_per_step": trainer.tokens_per_step,
+        "device_kind": device.device_kind,
+        "jax": jax.__version__,
+        "compile_s": compile_s,
+        "step_s": step_s,
+        "tokens_per_s": trainer.tokens_per_step / step_s,
         "model_tflops_per_s": flops / step_s / 1e12,
         "mfu_pct": 100 * flops / step_s / peak.flops_per_device,
-        "peak_flops": peak.flops_per_device, "peak_flops_source": peak.source,
-        "peak_memory_gib": mem["peak_bytes"] / 2**30, "memory_source": mem["source"],
-        "compiled_args_plus_temps_gib": (estimate.argument_size_in_bytes
-                                         + estimate.temp_size_in_bytes) / 2**30,
+        "peak_flops": peak.flops_per_device,
+        "peak_flops_source": peak.source,
+        "peak_memory_gib": mem["peak_bytes"] / 2**30,
+        "memory_source": mem["source"],
+        "compiled_args_plus_temps_gib": (
+            estimate.argument_size_in_bytes + estimate.temp_size_in_bytes
+        )
+        / 2**30,
         "loss": float(metrics["loss"]),
     }
 
@@ -134,12 +180,28 @@ class Plan:
     budget_s: float
 
 
-def run_isolated(plan: Plan, model: str, batch: int, overrides: list[str],
-                 timeout_s: float) -> dict[str, Any]:
+def run_isolated(
+    plan: Plan, model: str, batch: int, overrides: list[str], timeout_s: float
+) -> dict[str, Any]:
     """measure() in a fresh process: its memory peak is its own, its crash is its row's."""
-    cmd = [sys.executable, __file__, "--one", model, "--batch", str(batch),
-           "--seq-len", str(plan.seq_len), "--warmup", str(plan.warmup),
-           "--steps", str(plan.steps), "--ac", plan.ac, "--overrides", json.dumps(overrides)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        model,
+        "--batch",
+        str(batch),
+        "--seq-len",
+        str(plan.seq_len),
+        "--warmup",
+        str(plan.warmup),
+        "--steps",
+        str(plan.steps),
+        "--ac",
+        plan.ac,
+        "--overrides",
+        json.dumps(overrides),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -161,18 +223,29 @@ def run_plan(plan: Plan, write: Any) -> list[dict[str, Any]]:
         while True:
             left = deadline - time.monotonic()
             if left < 30:
-                rows.append({"model": model, "batch": batch,
-                             "error": f"skipped: the {plan.budget_s:.0f} s budget is spent"})
+                rows.append(
+                    {
+                        "model": model,
+                        "batch": batch,
+                        "error": f"skipped: the {plan.budget_s:.0f} s budget is spent",
+                    }
+                )
                 break
-            print(f"{model}: batch {batch} x {plan.seq_len}, attention {attention} ...",
-                  flush=True)
+            print(f"{model}: batch {batch} x {plan.seq_len}, attention {attention} ...", flush=True)
             row = run_isolated(plan, model, batch, overrides, left)
             row["attention"] = attention
             rows.append(row)
             write(rows)
-            print(f"{model}: " + (f"{row['tokens_per_s']:,.0f} tokens/s, MFU "
-                                  f"{row['mfu_pct']:.1f}%, peak {row['peak_memory_gib']:.1f} GiB"
-                                  if "error" not in row else row["error"]), flush=True)
+            print(
+                f"{model}: "
+                + (
+                    f"{row['tokens_per_s']:,.0f} tokens/s, MFU "
+                    f"{row['mfu_pct']:.1f}%, peak {row['peak_memory_gib']:.1f} GiB"
+                    if "error" not in row
+                    else row["error"]
+                ),
+                flush=True,
+            )
             if "error" in row and any(m in row["error"] for m in OOM_MARKERS) and batch > 1:
                 batch //= 2
                 continue
@@ -185,47 +258,70 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     head = ""
     if ok:
         r = ok[0]
-        head = (f"{r['device_kind']}, jax {r['jax']}, compute {r['dtype']} (fp32 master weights "
-                f"and AdamW state), activation_checkpoint={r['activation_checkpoint']}, median "
-                f"step after warm-up. MFU peak: {r['peak_flops'] / 1e12:.4g} TFLOP/s "
-                f"({r['peak_flops_source']}).\n\n")
-    lines = ["| model | batch x seq | attention | compile (s) | step (s) | tokens/s | "
-             "model TFLOP/s | MFU | peak memory (GiB) | XLA estimate (GiB) |", "|---" * 10 + "|"]
+        head = (
+            f"{r['device_kind']}, jax {r['jax']}, compute {r['dtype']} (fp32 master weights "
+            f"and AdamW state), activation_checkpoint={r['activation_checkpoint']}, median "
+            f"step after warm-up. MFU peak: {r['peak_flops'] / 1e12:.4g} TFLOP/s "
+            f"({r['peak_flops_source']}).\n\n"
+        )
+    lines = [
+        "| model | batch x seq | attention | compile (s) | step (s) | tokens/s | "
+        "model TFLOP/s | MFU | peak memory (GiB) | XLA estimate (GiB) |",
+        "|---" * 10 + "|",
+    ]
     for r in rows:
         if "error" in r:
             error = r["error"].splitlines()[-1] if r["error"] else ""
-            lines.append(f"| {r['model']} | {r['batch']} | {r.get('attention', '')} | "
-                         f"failed: {error[:160]} |||||||")
+            lines.append(
+                f"| {r['model']} | {r['batch']} | {r.get('attention', '')} | "
+                f"failed: {error[:160]} |||||||"
+            )
             continue
         lines.append(
             f"| {r['model']} | {r['batch']} x {r['seq_len']} | {r['attention']} | "
             f"{r['compile_s']:.1f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
             f"{r['model_tflops_per_s']:.4g} | {r['mfu_pct']:.1f}% | {r['peak_memory_gib']:.2f} | "
-            f"{r['compiled_args_plus_temps_gib']:.2f} |")
+            f"{r['compiled_args_plus_temps_gib']:.2f} |"
+        )
     return head + "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="0.6B,1.7B,debugmodel_moe",
-                        help="comma-separated Qwen3 flavours")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models", default="0.6B,1.7B,debugmodel_moe", help="comma-separated Qwen3 flavours"
+    )
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (halved on OOM)")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--ac", default="selective", choices=["none", "full", "selective"])
-    parser.add_argument("--attention", default="cudnn",
-                        help="model.attention to ask for when the config has it ('default': never)")
-    parser.add_argument("--budget-s", type=float, default=480,
-                        help="stop starting rows after this many seconds")
-    parser.add_argument("--out", default=os.environ.get("OUT") or "outputs/gpu",
-                        help="results folder (default: $OUT, else outputs/gpu)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="a tiny model, 2 x 32 tokens, 1 + 2 steps, default attention: "
-                             "checks the path on any device")
-    parser.add_argument("--versions", action="store_true",
-                        help="print the versions and devices; exit 1 without a GPU")
+    parser.add_argument(
+        "--attention",
+        default="cudnn",
+        help="model.attention to ask for when the config has it ('default': never)",
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=480, help="stop starting rows after this many seconds"
+    )
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or "outputs/gpu",
+        help="results folder (default: $OUT, else outputs/gpu)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny model, 2 x 32 tokens, 1 + 2 steps, default attention: "
+        "checks the path on any device",
+    )
+    parser.add_argument(
+        "--versions",
+        action="store_true",
+        help="print the versions and devices; exit 1 without a GPU",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process of run_isolated
     parser.add_argument("--overrides", default="[]", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
@@ -236,16 +332,39 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             raise SystemExit(1)
         return []
     if opts.one:
-        row = measure(opts.one, opts.batch, opts.seq_len, opts.warmup, opts.steps, opts.ac,
-                      json.loads(opts.overrides))
+        row = measure(
+            opts.one,
+            opts.batch,
+            opts.seq_len,
+            opts.warmup,
+            opts.steps,
+            opts.ac,
+            json.loads(opts.overrides),
+        )
         print(json.dumps(row))
         return [row]
     if opts.smoke:
-        plan = Plan(["smoke"], 2, 32, min(opts.warmup, 1), min(opts.steps, 2), opts.ac,
-                    "default", opts.budget_s)
+        plan = Plan(
+            ["smoke"],
+            2,
+            32,
+            min(opts.warmup, 1),
+            min(opts.steps, 2),
+            opts.ac,
+            "default",
+            opts.budget_s,
+        )
     else:
-        plan = Plan(opts.models.split(","), opts.batch, opts.seq_len, opts.warmup, opts.steps,
-                    opts.ac, opts.attention, opts.budget_s)
+        plan = Plan(
+            opts.models.split(","),
+            opts.batch,
+            opts.seq_len,
+            opts.warmup,
+            opts.steps,
+            opts.ac,
+            opts.attention,
+            opts.budget_s,
+        )
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"gpu_bench-{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%SZ}"

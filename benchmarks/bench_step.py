@@ -38,10 +38,21 @@ from titan_jax.train.trainer import build_trainer
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # ~100M parameters: GPT-2-small width with Qwen3's structure (GQA, QK-norm, SwiGLU), untied.
-QWEN3_100M = Qwen3Args(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64,
-                       hidden_dim=3072, vocab_size=2048, tie_embeddings=False)
-SHAPES = {"debugmodel": get_flavor("debugmodel"), "qwen3-100M": QWEN3_100M,
-          "debugmodel_moe": get_flavor("debugmodel_moe")}
+QWEN3_100M = Qwen3Args(
+    dim=768,
+    n_layers=12,
+    n_heads=12,
+    n_kv_heads=4,
+    head_dim=64,
+    hidden_dim=3072,
+    vocab_size=2048,
+    tie_embeddings=False,
+)
+SHAPES = {
+    "debugmodel": get_flavor("debugmodel"),
+    "qwen3-100M": QWEN3_100M,
+    "debugmodel_moe": get_flavor("debugmodel_moe"),
+}
 DEFAULT_MODELS = "debugmodel,qwen3-100M"  # the MoE row has no MaxText column: --models to add it
 BEGIN, END = "<!-- bench_step:begin -->", "<!-- bench_step:end -->"
 
@@ -59,9 +70,19 @@ class Result:
 
 
 def time_jax(args: Qwen3Args, batch: int, seq: int, warmup: int, steps: int, ac: str) -> float:
-    config = load_config(None, ["--training.local_batch_size", str(batch), "--training.seq_len",
-                                str(seq), "--activation_checkpoint.mode", ac,
-                                "--lr_scheduler.warmup_steps", "1"])
+    config = load_config(
+        None,
+        [
+            "--training.local_batch_size",
+            str(batch),
+            "--training.seq_len",
+            str(seq),
+            "--activation_checkpoint.mode",
+            ac,
+            "--lr_scheduler.warmup_steps",
+            "1",
+        ],
+    )
     trainer = build_trainer(config, jax.devices()[:1], model_args=args)
     state = trainer.init_state()
     rng = np.random.default_rng(0)
@@ -111,8 +132,9 @@ def _cells(step_s: float | None, r: Result, peak: float) -> str:
     return f"{step_s:.3f} | {r.tokens / step_s:,.0f} | {mfu:.1f}%"
 
 
-def markdown(results: list[Result], peak: float, peak_desc: str, seq: int, ac: str,
-             notes: list[str]) -> str:
+def markdown(
+    results: list[Result], peak: float, peak_desc: str, seq: int, ac: str, notes: list[str]
+) -> str:
     lines = [
         f"Measured {datetime.date.today()} on {platform.processor() or platform.machine()}, "
         f"jax {jax.__version__}, 1 CPU device, fp32, sequences of {seq} tokens, titan-jax "
@@ -128,11 +150,15 @@ def markdown(results: list[Result], peak: float, peak_desc: str, seq: int, ac: s
     ]
 
     for r in results:
-        ratios = " | ".join("n/a" if other is None else f"{other / r.jax_s:.2f}x"
-                            for other in (r.torch_s, r.maxtext_s))
+        ratios = " | ".join(
+            "n/a" if other is None else f"{other / r.jax_s:.2f}x"
+            for other in (r.torch_s, r.maxtext_s)
+        )
         columns = " | ".join(_cells(s, r, peak) for s in (r.jax_s, r.torch_s, r.maxtext_s))
-        lines.append(f"| {r.name} | {r.batch} x {r.tokens // r.batch} | {r.params_m:.1f}M | "
-                     f"{columns} | {ratios} |")
+        lines.append(
+            f"| {r.name} | {r.batch} x {r.tokens // r.batch} | {r.params_m:.1f}M | "
+            f"{columns} | {ratios} |"
+        )
     return "\n".join(lines)
 
 
@@ -140,15 +166,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", default="4,8", help="comma-separated batch sizes (default 4,8)")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=2,
-                        help="untimed steps first (MaxText needs >= 2: maxtext_bench.py)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps first (MaxText needs >= 2: maxtext_bench.py)",
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--ac", default="none", choices=["none", "full", "selective"])
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--no-maxtext", action="store_true")
-    parser.add_argument("--models", default=DEFAULT_MODELS,
-                        help=f"comma-separated shapes to time, of {', '.join(SHAPES)} "
-                             f"(default: {DEFAULT_MODELS})")
+    parser.add_argument(
+        "--models",
+        default=DEFAULT_MODELS,
+        help=f"comma-separated shapes to time, of {', '.join(SHAPES)} (default: {DEFAULT_MODELS})",
+    )
     parser.add_argument("--write", help="markdown file whose bench_step table is replaced")
     opts = parser.parse_args()
     unknown = sorted(set(opts.models.split(",")) - set(SHAPES))
@@ -174,19 +206,34 @@ def main() -> None:
         args = SHAPES[name]
         for batch in batches:
             tokens = batch * opts.seq_len
-            times = {"titan-jax": time_jax(args, batch, opts.seq_len, opts.warmup, opts.steps,
-                                           opts.ac)}
+            times = {
+                "titan-jax": time_jax(args, batch, opts.seq_len, opts.warmup, opts.steps, opts.ac)
+            }
             if not opts.no_torch:
                 times["PyTorch"] = time_torch(args, batch, opts.seq_len, opts.warmup, opts.steps)
             if maxtext is not None and not args.is_moe:
-                times["MaxText"] = time_maxtext(args, batch, opts.seq_len, opts.warmup,
-                                                opts.steps, maxtext)
-            results.append(Result(name, count_params(args)["total"] / 1e6, batch, tokens,
-                                  times["titan-jax"], times.get("PyTorch"), times.get("MaxText"),
-                                  flops_per_token(args, opts.seq_len) * tokens))
-            print(f"{name} batch {batch}: " + ", ".join(
-                f"{k} step {'n/a' if v is None else f'{v:.3f} s'}" for k, v in times.items()),
-                flush=True)
+                times["MaxText"] = time_maxtext(
+                    args, batch, opts.seq_len, opts.warmup, opts.steps, maxtext
+                )
+            results.append(
+                Result(
+                    name,
+                    count_params(args)["total"] / 1e6,
+                    batch,
+                    tokens,
+                    times["titan-jax"],
+                    times.get("PyTorch"),
+                    times.get("MaxText"),
+                    flops_per_token(args, opts.seq_len) * tokens,
+                )
+            )
+            print(
+                f"{name} batch {batch}: "
+                + ", ".join(
+                    f"{k} step {'n/a' if v is None else f'{v:.3f} s'}" for k, v in times.items()
+                ),
+                flush=True,
+            )
     table = markdown(results, peak.flops_per_device, peak.source, opts.seq_len, opts.ac, notes)
     print(table)
     if opts.write:
@@ -198,8 +245,9 @@ def write_table(path: Path, table: str) -> None:
     """Replaces the text between the bench_step markers of `path` (created if absent)."""
     text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
     block = f"{BEGIN}\n{table}\n{END}"
-    write_text_atomic(path, re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block,
-                                   text, flags=re.S))
+    write_text_atomic(
+        path, re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+    )
 
 
 if __name__ == "__main__":

@@ -35,14 +35,28 @@ def target_setup(target: str, seq_len: int) -> tuple[list[jax.Device], list[str]
     """(devices, config overrides) of a target."""
     if target == "cpu":
         return jax.devices("cpu")[:1], [
-            "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "1",
-            "--training.seq_len", str(seq_len), "--training.mixed_precision_param", "float32"]
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--training.local_batch_size",
+            "1",
+            "--training.seq_len",
+            str(seq_len),
+            "--training.mixed_precision_param",
+            "float32",
+        ]
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
     return list(topology.devices), [
-        "--parallelism.data_parallel_shard_degree", "8", "--training.local_batch_size", "1",
-        "--training.seq_len", str(seq_len), "--training.mixed_precision_param", "bfloat16"]
+        "--parallelism.data_parallel_shard_degree",
+        "8",
+        "--training.local_batch_size",
+        "1",
+        "--training.seq_len",
+        str(seq_len),
+        "--training.mixed_precision_param",
+        "bfloat16",
+    ]
 
 
 def measure(target: str, n_layers: int, seq_len: int, ac: str) -> tuple[float, float, int]:
@@ -61,10 +75,12 @@ def measure(target: str, n_layers: int, seq_len: int, ac: str) -> tuple[float, f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--targets", default=",".join(TARGETS),
-                        help=f"comma-separated, of {', '.join(TARGETS)}")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}"
+    )
     parser.add_argument("--layers", default="28,8", help="comma-separated layer counts")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--ac", default="selective", help="activation_checkpoint.mode")
@@ -81,15 +97,22 @@ def main() -> None:
         for _ in range(opts.repeats):  # alternate depths so load on the host hits both alike
             for n in layers:
                 runs[n].append(measure(target, n, opts.seq_len, opts.ac))
-                print(f"{target} {n} layers: lower {runs[n][-1][0]:.2f} s, compile "
-                      f"{runs[n][-1][1]:.2f} s", flush=True)
+                print(
+                    f"{target} {n} layers: lower {runs[n][-1][0]:.2f} s, compile "
+                    f"{runs[n][-1][1]:.2f} s",
+                    flush=True,
+                )
         for n in layers:
             lower, compile_, chars = (statistics.median(x) for x in zip(*runs[n], strict=True))
-            rows.append(f"| {target} | {n} | {lower:.2f} | {compile_:.2f} | "
-                        f"{lower + compile_:.2f} | {chars / 1e3:,.0f}k |")
-    print(f"\nMeasured {datetime.date.today()} on {platform.machine()}, jax {jax.__version__}, "
-          f"Qwen3-0.6B step (seq {opts.seq_len}, activation_checkpoint={opts.ac}), medians of "
-          f"{opts.repeats}:\n")
+            rows.append(
+                f"| {target} | {n} | {lower:.2f} | {compile_:.2f} | "
+                f"{lower + compile_:.2f} | {chars / 1e3:,.0f}k |"
+            )
+    print(
+        f"\nMeasured {datetime.date.today()} on {platform.machine()}, jax {jax.__version__}, "
+        f"Qwen3-0.6B step (seq {opts.seq_len}, activation_checkpoint={opts.ac}), medians of "
+        f"{opts.repeats}:\n"
+    )
     print("| target | layers | lower (s) | compile (s) | total (s) | StableHLO chars |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))

@@ -37,11 +37,13 @@ from titan_jax.train.trainer import Trainer, build_trainer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import QWEN3_100M  # noqa: E402
 
-SHAPES = {"debugmodel": get_flavor("debugmodel"), "qwen3-100M": QWEN3_100M,
-          "debugmodel_moe": get_flavor("debugmodel_moe")}
+SHAPES = {
+    "debugmodel": get_flavor("debugmodel"),
+    "qwen3-100M": QWEN3_100M,
+    "debugmodel_moe": get_flavor("debugmodel_moe"),
+}
 DEFAULT_MODELS = "debugmodel,qwen3-100M"
-PARTS = ("sdpa", "rope", "rms_norm", "swiglu", "embed", "loss", "router", "experts",
-         "moe_permute")
+PARTS = ("sdpa", "rope", "rms_norm", "swiglu", "embed", "loss", "router", "experts", "moe_permute")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -50,9 +52,15 @@ _CALLS = re.compile(r"(?:calls|body|condition|to_apply)=%([\w.\-]+)")
 
 def classify(op_name: str) -> tuple[str, str]:
     """(phase, part) of an HLO instruction from its op_name (see the module docstring)."""
-    phase = ("backward" if "transpose(" in op_name else
-             "forward" if "jvp(" in op_name else
-             "unknown" if op_name == "unknown" else "optimizer")
+    phase = (
+        "backward"
+        if "transpose(" in op_name
+        else "forward"
+        if "jvp(" in op_name
+        else "unknown"
+        if op_name == "unknown"
+        else "optimizer"
+    )
     scopes = op_name.split("/")
     for scope in reversed(scopes):
         if scope in PARTS:
@@ -70,8 +78,13 @@ def _dot_part(fused: list[str], in_layer_loop: bool, args: Qwen3Args) -> str:
         return "loss"  # the output head (the embedding's gather is no dot)
     if any(" dot(" in line and "lhs_batch_dims" in line for line in fused):
         return "sdpa"  # the batched score and value einsums
-    dims = {int(d) for line in fused for shape in re.findall(r"\[([0-9,]*)\]", line)
-            for d in shape.split(",") if d}
+    dims = {
+        int(d)
+        for line in fused
+        for shape in re.findall(r"\[([0-9,]*)\]", line)
+        for d in shape.split(",")
+        if d
+    }
     if args.is_moe and args.moe_inter_dim in dims:
         return "experts"
     if args.is_moe and args.num_experts in dims:
@@ -104,18 +117,28 @@ def instruction_classes(hlo_text: str, args: Qwen3Args) -> dict[str, tuple[str, 
                 for callee in _CALLS.findall(rest):
                     if callee not in caller_op and name in caller_op:
                         caller_op[callee] = caller_op[name]
-    in_loop = {callee for body in computations.values() for _, rest in body if " while(" in rest
-               for callee in _CALLS.findall(rest)}
+    in_loop = {
+        callee
+        for body in computations.values()
+        for _, rest in body
+        if " while(" in rest
+        for callee in _CALLS.findall(rest)
+    }
     for _ in range(3):  # computations called from a loop body run in the loop too
-        in_loop |= {callee for name in list(in_loop) for _, rest in computations.get(name, [])
-                    for callee in _CALLS.findall(rest)}
+        in_loop |= {
+            callee
+            for name in list(in_loop)
+            for _, rest in computations.get(name, [])
+            for callee in _CALLS.findall(rest)
+        }
     classes = {}
     for name, body in computations.items():
         for inst, rest in body:
             op = _OP_NAME.search(rest)
             phase, part = classify(op[1] if op else caller_op.get(name, "unknown"))
-            fused = [line for callee in _CALLS.findall(rest)
-                     for _, line in computations.get(callee, [])]
+            fused = [
+                line for callee in _CALLS.findall(rest) for _, line in computations.get(callee, [])
+            ]
             if " dot(" in rest or any(" dot(" in line for line in fused):
                 part = _dot_part([rest, *fused], name in in_loop, args)
             classes[inst] = (phase, part)
@@ -129,8 +152,10 @@ def self_times(trace_folder: str) -> dict[str, float]:
     totals: dict[str, float] = collections.defaultdict(float)
     for plane in data.planes:
         for line in plane.lines:
-            events = sorted(((e.start_ns, e.duration_ns, e.name) for e in line.events),
-                            key=lambda e: (e[0], -e[1]))
+            events = sorted(
+                ((e.start_ns, e.duration_ns, e.name) for e in line.events),
+                key=lambda e: (e[0], -e[1]),
+            )
             stack: list[list] = []  # [end_ns, name, self_ns]
             for start, duration, name in events:
                 while stack and stack[-1][0] <= start:
@@ -145,20 +170,30 @@ def self_times(trace_folder: str) -> dict[str, float]:
 
 
 def setup(args: Qwen3Args, batch: int, seq: int, ac: str) -> tuple[Trainer, object, object]:
-    config = load_config(None, ["--training.local_batch_size", str(batch), "--training.seq_len",
-                                str(seq), "--activation_checkpoint.mode", ac,
-                                "--lr_scheduler.warmup_steps", "1"])
+    config = load_config(
+        None,
+        [
+            "--training.local_batch_size",
+            str(batch),
+            "--training.seq_len",
+            str(seq),
+            "--activation_checkpoint.mode",
+            ac,
+            "--lr_scheduler.warmup_steps",
+            "1",
+        ],
+    )
     trainer = build_trainer(config, jax.devices()[:1], model_args=args)
     tokens = np.random.default_rng(0).integers(0, args.vocab_size, (batch, seq + 1))
-    data = trainer.batches.put({"inputs": tokens[:, :-1].astype(np.int32),
-                              "labels": tokens[:, 1:].astype(np.int32)})
+    data = trainer.batches.put(
+        {"inputs": tokens[:, :-1].astype(np.int32), "labels": tokens[:, 1:].astype(np.int32)}
+    )
     return trainer, trainer.init_state(), data
 
 
 def profile(name: str, batch: int, seq: int, ac: str, steps: int) -> str:
     trainer, state, data = setup(SHAPES[name], batch, seq, ac)
-    names = instruction_classes(trainer.lower_step(state, data).compile().as_text(),
-                                SHAPES[name])
+    names = instruction_classes(trainer.lower_step(state, data).compile().as_text(), SHAPES[name])
     state, metrics = trainer.step_fn(state, data)  # compile and warm up
     jax.block_until_ready(metrics)
     walls = []
@@ -180,14 +215,19 @@ def profile(name: str, batch: int, seq: int, ac: str, steps: int) -> str:
     total = sum(table.values())
     phases = ("forward", "backward", "optimizer", "unknown")
     parts = sorted({p for _, p in table}, key=lambda p: -sum(table[(f, p)] for f in phases))
-    lines = [f"{name}: batch {batch} x {seq}, activation_checkpoint={ac}, {steps} traced "
-             f"steps, median step {statistics.median(walls):.2f} s wall, thunk time "
-             f"{total / steps:.2f} s/step (both cores)", "",
-             "| part | " + " | ".join(phases) + " | total |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"{name}: batch {batch} x {seq}, activation_checkpoint={ac}, {steps} traced "
+        f"steps, median step {statistics.median(walls):.2f} s wall, thunk time "
+        f"{total / steps:.2f} s/step (both cores)",
+        "",
+        "| part | " + " | ".join(phases) + " | total |",
+        "|---|---|---|---|---|---|",
+    ]
     for part in parts:
         cells = [100 * table[(f, part)] / total for f in phases]
-        lines.append(f"| {part} | " + " | ".join(f"{c:.1f}%" for c in cells)
-                     + f" | {sum(cells):.1f}% |")
+        lines.append(
+            f"| {part} | " + " | ".join(f"{c:.1f}%" for c in cells) + f" | {sum(cells):.1f}% |"
+        )
     cells = [100 * sum(v for (f, _), v in table.items() if f == phase) / total for phase in phases]
     lines.append("| **all** | " + " | ".join(f"{c:.1f}%" for c in cells) + " | 100% |")
     lines += ["", "Top instructions:", ""]
@@ -198,10 +238,14 @@ def profile(name: str, batch: int, seq: int, ac: str, steps: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=DEFAULT_MODELS,
-                        help=f"comma-separated, of {', '.join(SHAPES)} (default {DEFAULT_MODELS})")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models",
+        default=DEFAULT_MODELS,
+        help=f"comma-separated, of {', '.join(SHAPES)} (default {DEFAULT_MODELS})",
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--ac", default="none", help="activation_checkpoint.mode")

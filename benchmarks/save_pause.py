@@ -34,11 +34,23 @@ from titan_jax.train.checkpoint import Checkpointer  # noqa: E402
 from titan_jax.train.trainer import build_trainer  # noqa: E402
 
 # ~300M: the largest whose state (3.8 GB) and orbax's write buffers fit in 10 GB here.
-QWEN3_300M = Qwen3Args(dim=1024, n_layers=20, n_heads=16, n_kv_heads=8, head_dim=64,
-                       hidden_dim=3072, vocab_size=32000, max_seq_len=2048,
-                       tie_embeddings=False)
-MODELS = {"debugmodel": get_flavor("debugmodel"), "qwen3-100M": QWEN3_100M,
-          "qwen3-300M": QWEN3_300M, "0.6B": get_flavor("0.6B")}
+QWEN3_300M = Qwen3Args(
+    dim=1024,
+    n_layers=20,
+    n_heads=16,
+    n_kv_heads=8,
+    head_dim=64,
+    hidden_dim=3072,
+    vocab_size=32000,
+    max_seq_len=2048,
+    tie_embeddings=False,
+)
+MODELS = {
+    "debugmodel": get_flavor("debugmodel"),
+    "qwen3-100M": QWEN3_100M,
+    "qwen3-300M": QWEN3_300M,
+    "0.6B": get_flavor("0.6B"),
+}
 
 
 def _peak_rss_gib() -> float:
@@ -56,9 +68,21 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=3)
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="save_pause_"))
-    config = load_config(None, ["--job.dump_folder", str(folder), "--training.seq_len", "32",
-                                "--training.local_batch_size", "1", "--checkpoint.enable",
-                                "true", "--checkpoint.keep_latest_k", "1"])
+    config = load_config(
+        None,
+        [
+            "--job.dump_folder",
+            str(folder),
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "1",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.keep_latest_k",
+            "1",
+        ],
+    )
     trainer = build_trainer(config, jax.devices()[:1], model_args=MODELS[args.model])
     step = jax.jit(_next_step, donate_argnums=0)
     state = step(trainer.init_state())
@@ -69,8 +93,10 @@ def main() -> None:
         saver = Checkpointer.for_run(trainer)
         save = lambda n, s: saver.save(n, s, data_state={}, tokens_seen=0)  # noqa: E731
     else:
-        saver = ocp.CheckpointManager(folder / "checkpoint", options=ocp.CheckpointManagerOptions(
-            max_to_keep=1, enable_async_checkpointing=True))
+        saver = ocp.CheckpointManager(
+            folder / "checkpoint",
+            options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=True),
+        )
         save = lambda n, s: saver.save(n, args=ocp.args.StandardSave(s))  # noqa: E731
     pauses = []
     for n in range(1, args.saves + 1):
@@ -81,11 +107,19 @@ def main() -> None:
         jax.block_until_ready(state)
         saver.wait_until_finished() if args.mode == "orbax" else saver.wait()
     saver.close()
-    print(json.dumps({"model": args.model, "mode": args.mode,
-                      "params": trainer.model.num_params(), "state_bytes": state_bytes,
-                      "pauses_s": [round(p, 3) for p in pauses],
-                      "peak_rss_gib_before_saves": round(before, 2),
-                      "peak_rss_gib": round(_peak_rss_gib(), 2)}))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "mode": args.mode,
+                "params": trainer.model.num_params(),
+                "state_bytes": state_bytes,
+                "pauses_s": [round(p, 3) for p in pauses],
+                "peak_rss_gib_before_saves": round(before, 2),
+                "peak_rss_gib": round(_peak_rss_gib(), 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -33,14 +33,17 @@ DIM, ROWS = 2048, 4096
 
 def preallocated_temp_bytes(dump: str) -> int:
     report = open(glob.glob(f"{dump}/*after_optimizations-buffer-assignment.txt")[0]).read()
-    return sum(int(m[1]) for m in re.finditer(
-        r"^allocation \d+: size (\d+), preallocated-temp:?$", report, re.M))
+    return sum(
+        int(m[1])
+        for m in re.finditer(r"^allocation \d+: size (\d+), preallocated-temp:?$", report, re.M)
+    )
 
 
 def step_fn(unroll: bool):
     def loss(w, x):
         def layer(h, w_layer):
             return jnp.tanh(h @ w_layer.astype(jnp.bfloat16)), None
+
         h, _ = jax.lax.scan(jax.checkpoint(layer), x, w, unroll=unroll)
         return jnp.sum(h.astype(jnp.float32) ** 2)
 
@@ -48,6 +51,7 @@ def step_fn(unroll: bool):
         g = jax.grad(loss)(w, x)
         m = 0.9 * m + g
         return w - 0.01 * m, m
+
     return step
 
 
@@ -56,13 +60,18 @@ def measure(unroll: bool, layers: int) -> str:
     w = jax.ShapeDtypeStruct((layers, DIM, DIM), jnp.float32, sharding=sharding)
     x = jax.ShapeDtypeStruct((ROWS, DIM), jnp.bfloat16, sharding=sharding)
     with tempfile.TemporaryDirectory() as dump:
-        compiled = jax.jit(step_fn(unroll), donate_argnums=(0, 1)).lower(w, w, x).compile(
-            compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "^$"})
+        compiled = (
+            jax.jit(step_fn(unroll), donate_argnums=(0, 1))
+            .lower(w, w, x)
+            .compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "^$"})
+        )
         heap = preallocated_temp_bytes(dump)
     m = compiled.memory_analysis()
-    return (f"{'unrolled' if unroll else 'scanned':8s} {layers} layers: temp_size "
-            f"{m.temp_size_in_bytes / 1e6:6.1f} MB, heap {heap / 1e6:6.1f} MB, peak less "
-            f"arguments {(m.peak_memory_in_bytes - m.argument_size_in_bytes) / 1e6:6.1f} MB")
+    return (
+        f"{'unrolled' if unroll else 'scanned':8s} {layers} layers: temp_size "
+        f"{m.temp_size_in_bytes / 1e6:6.1f} MB, heap {heap / 1e6:6.1f} MB, peak less "
+        f"arguments {(m.peak_memory_in_bytes - m.argument_size_in_bytes) / 1e6:6.1f} MB"
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ def conversation(text: str) -> dict:
             replies.append(paragraph)
         else:
             break
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"What does the reference say about {title}?"}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"What does the reference say about {title}?"},
+    ]
     for i, reply in enumerate(replies):
         if i:
             messages.append({"role": "user", "content": "Go on."})
@@ -52,8 +54,10 @@ def main() -> None:
     splits = {"train": [t for t in texts if t not in set(held_out)], "validation": held_out}
     for split, chosen in splits.items():
         path = out / f"pydoc_chat_{split}.jsonl"
-        path.write_text("".join(json.dumps(conversation(t), ensure_ascii=False) + "\n"
-                                for t in chosen), encoding="utf-8")
+        path.write_text(
+            "".join(json.dumps(conversation(t), ensure_ascii=False) + "\n" for t in chosen),
+            encoding="utf-8",
+        )
         print(f"{path}: {len(chosen)} conversations")
 
 

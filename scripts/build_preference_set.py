@@ -43,9 +43,13 @@ def pairs(conversation: dict, first_index: int) -> list[dict]:
         random.Random(first_index + len(out)).shuffle(words)
         if words == chosen.split(" "):  # one word, or a shuffle that changed nothing
             continue
-        out.append({"prompt": [{"role": "user", "content": ask}],
-                    "chosen": [{"role": "assistant", "content": chosen}],
-                    "rejected": [{"role": "assistant", "content": " ".join(words)}]})
+        out.append(
+            {
+                "prompt": [{"role": "user", "content": ask}],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": " ".join(words)}],
+            }
+        )
     return out
 
 
@@ -59,8 +63,9 @@ def main() -> None:
         for line in lines:
             records += pairs(json.loads(line), len(records))
         path = assets / f"pydoc_preference_{split}.jsonl"
-        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
-                        encoding="utf-8")
+        path.write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8"
+        )
         print(f"{path}: {len(records)} pairs")
 
 

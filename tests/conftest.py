@@ -41,8 +41,9 @@ jax.config.update("jax_compilation_cache_dir", os.environ["TITAN_JAX_COMPILATION
 
 
 @pytest.fixture(scope="module")
-def module_tmp_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-                    ) -> Iterator[Path]:
+def module_tmp_path(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
     """A folder shared by a module's tests, removed after them (tmp_path_factory's folders
     live to the end of the session, and a module's runs and checkpoints can be gigabytes)."""
     path = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
@@ -54,10 +55,14 @@ def module_tmp_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
 # training; `make test`'s --durations). Started first, the two workers (--dist loadfile hands
 # out files in collection order) run them side by side and finish on the short files, rather
 # than one worker ending on a long one while the other idles.
-LONGEST_FILES = ("tests/parallel/test_moe_recipe_235b_aot.py",
-                 "tests/parallel/test_moe_recipes_aot.py", "tests/parallel/test_tpu_aot.py",
-                 "tests/train/test_resume.py", "tests/parallel/test_multihost.py",
-                 "tests/train/test_quantized_training.py")
+LONGEST_FILES = (
+    "tests/parallel/test_moe_recipe_235b_aot.py",
+    "tests/parallel/test_moe_recipes_aot.py",
+    "tests/parallel/test_tpu_aot.py",
+    "tests/train/test_resume.py",
+    "tests/parallel/test_multihost.py",
+    "tests/train/test_quantized_training.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,12 +10,18 @@ def random_hf_model(args: Qwen3Args, seed: int = 0):
     import transformers
 
     config = transformers.Qwen3Config(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
-        tie_word_embeddings=args.tie_embeddings, rms_norm_eps=args.norm_eps,
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        tie_word_embeddings=args.tie_embeddings,
+        rms_norm_eps=args.norm_eps,
         max_position_embeddings=args.max_seq_len,
-        rope_parameters=hf_config.hf_config_from_args(args)["rope_parameters"])
+        rope_parameters=hf_config.hf_config_from_args(args)["rope_parameters"],
+    )
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(config).float()
     with torch.no_grad():
@@ -32,11 +38,22 @@ def random_hf_moe_model(seq_len: int, norm_topk_prob: bool = True, seed: int = 0
     import transformers
 
     config = transformers.Qwen3MoeConfig(
-        vocab_size=2048, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
-        output_router_logits=False, max_position_embeddings=seq_len, tie_word_embeddings=False,
-        rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+        vocab_size=2048,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        output_router_logits=False,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+    )
     torch.manual_seed(seed)
     model = transformers.Qwen3MoeForCausalLM(config).float().eval()
     with torch.no_grad():

@@ -31,8 +31,10 @@ def peft_model(tmp_path, targets, rank, alpha):
     PEFT's LoRA with random nonzero adapters."""
     base = random_hf_model(UNTIED)
     base.save_pretrained(str(tmp_path))
-    model = peft.get_peft_model(base, peft.LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0))
+    model = peft.get_peft_model(
+        base,
+        peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0),
+    )
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -51,8 +53,9 @@ def ours_from_peft(model, targets, rank, alpha, tmp_path):
     """(titan-jax's model def with the same adapters, its params: the saved base weights and
     PEFT's adapters in titan-jax's layout)."""
     ours = build_model_def(UNTIED, BuildOptions(lora=Lora(rank, alpha, tuple(targets))))
-    adapters = split_by_name(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
-                                          ours.abstract_params), ours.trainable)[0]
+    adapters = split_by_name(
+        jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), ours.abstract_params), ours.trainable
+    )[0]
     for projection in targets:
         _, path, n_in = PROJECTIONS[projection]
         node = nested_get(adapters, ("layers", *path[:-1], f"{path[-1]}_lora"))

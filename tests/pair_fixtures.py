@@ -15,8 +15,12 @@ def random_pairs(n, vocab_size, seed=0):
         pair = []
         for _ in range(2):
             completion = rng.integers(0, vocab_size, rng.integers(4, 14))
-            pair.append((np.concatenate([prompt, completion]),
-                         np.r_[np.zeros(len(prompt), bool), np.ones(len(completion), bool)]))
+            pair.append(
+                (
+                    np.concatenate([prompt, completion]),
+                    np.r_[np.zeros(len(prompt), bool), np.ones(len(completion), bool)],
+                )
+            )
         pairs.append(pair)
     return pairs
 

@@ -31,8 +31,11 @@ def test_a_full_disk_or_a_denied_write_is_one_line_and_the_folder_stays_as_it_wa
     (dst / "weights").write_text("old")
     for code in (errno.ENOSPC, errno.EACCES):
         words = os.strerror(code)
-        with pytest.raises(DestinationError, match=rf"^{words}: writing {dst} failed; {dst} is "
-                           "as it was before$"):
+        with pytest.raises(
+            DestinationError,
+            match=rf"^{words}: writing {dst} failed; {dst} is "
+            "as it was before$",
+        ):
             with atomic_dir(dst, overwrite=True) as tmp:
                 (tmp / "weights").write_text("half")
                 raise OSError(code, words, str(tmp / "weights"))
@@ -40,7 +43,10 @@ def test_a_full_disk_or_a_denied_write_is_one_line_and_the_folder_stays_as_it_wa
         assert (dst / "weights").read_text() == "old"
     with pytest.raises(KeyError), atomic_dir(dst, overwrite=True):  # a bug keeps its traceback
         raise KeyError("weights")
-    with pytest.raises(DestinationError, match=f"destination {tmp_path / ('a' * 300)}: the name "
-                       "aaaaaaaaaaaa...aaaa is 300 bytes, longer than the 255 bytes"):
+    with pytest.raises(
+        DestinationError,
+        match=f"destination {tmp_path / ('a' * 300)}: the name "
+        "aaaaaaaaaaaa...aaaa is 300 bytes, longer than the 255 bytes",
+    ):
         with atomic_dir(tmp_path / ("a" * 300)):
             pass

@@ -25,7 +25,8 @@ def without_packages(tmp_path: Path, names: tuple[str, ...]) -> str:
     (site / "sitecustomize.py").write_text(
         "import sys\n"
         f"for name in {names!r}:\n"
-        "    sys.modules[name] = None  # `import name` raises ModuleNotFoundError\n")
+        "    sys.modules[name] = None  # `import name` raises ModuleNotFoundError\n"
+    )
     return f"{site}:{ROOT}"
 
 
@@ -46,7 +47,11 @@ def test_smoke_run_measures_a_step_and_writes_json_and_markdown(bench, tmp_path,
     assert len(rows) == 1 and "error" not in rows[0], rows
     row = rows[0]
     assert (row["model"], row["batch"], row["seq_len"], row["tokens_per_step"]) == (
-        "smoke", 2, 32, 64)
+        "smoke",
+        2,
+        32,
+        64,
+    )
     assert row["dtype"] == "float32"  # mixed_precision_param=auto on CPU; bf16 on a GPU
     assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(64 / row["step_s"])
     assert 0 < row["mfu_pct"] < 100 and row["peak_memory_gib"] > 0
@@ -72,7 +77,9 @@ def test_cudnn_attention_is_asked_for_only_when_the_config_accepts_it(bench, mon
 
     monkeypatch.setattr(bench, "load_config", rejects)
     assert bench.attention_overrides("cudnn") == (
-        [], "default (config rejects model.attention=cudnn)")
+        [],
+        "default (config rejects model.attention=cudnn)",
+    )
     assert bench.attention_overrides("default") == ([], "default")
 
 

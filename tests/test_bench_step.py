@@ -26,8 +26,10 @@ def test_table_is_formatted_and_written_only_between_markers(tmp_path):
     bench = load_bench()
     result = bench.Result("tiny", 1.234, 4, 1024, 0.5, 1.0, None, 2e9)
     table = bench.markdown([result], 1e11, "measured", 256, "none", ["no MaxText."])
-    assert ("| tiny | 4 x 256 | 1.2M | 0.500 | 2,048 | 4.0% | 1.000 | 1,024 | 2.0% | "
-            "n/a | n/a | n/a | 2.00x | n/a |") in table
+    assert (
+        "| tiny | 4 x 256 | 1.2M | 0.500 | 2,048 | 4.0% | 1.000 | 1,024 | 2.0% | "
+        "n/a | n/a | n/a | 2.00x | n/a |"
+    ) in table
     assert "\nno MaxText.\n" in table
     doc = tmp_path / "B.md"
     doc.write_text(f"intro\n{bench.BEGIN}\nold\n{bench.END}\nnotes\n")
@@ -46,38 +48,104 @@ def test_the_pytorch_side_builds_moe_models_too():
     """The MoE row times HF's Qwen3MoeForCausalLM (picked from the config's model_type)."""
     pytest.importorskip("transformers")
     bench = load_bench()
-    args = Qwen3Args(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, vocab_size=64,
-                     tie_embeddings=False, num_experts=4, top_k=2, moe_inter_dim=16)
+    args = Qwen3Args(
+        dim=32,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=16,
+        vocab_size=64,
+        tie_embeddings=False,
+        num_experts=4,
+        top_k=2,
+        moe_inter_dim=16,
+    )
     assert bench.time_torch(args, 1, 8, 0, 1) > 0
 
 
 def test_maxtext_command_carries_the_shape_and_recipe():
     import maxtext_bench
 
-    args = Qwen3Args(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64,
-                     hidden_dim=3072, vocab_size=2048, tie_embeddings=False, rope_theta=5e5)
-    cmd = maxtext_bench.maxtext_command(Path("/v/bin/python"), Path("/m/configs/base.yml"), args,
-                                        8, 256, 7, Path("/tmp/out"))
-    assert cmd[:4] == ["/v/bin/python", "-m", "maxtext.trainers.pre_train.train",
-                       "/m/configs/base.yml"]
+    args = Qwen3Args(
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=4,
+        head_dim=64,
+        hidden_dim=3072,
+        vocab_size=2048,
+        tie_embeddings=False,
+        rope_theta=5e5,
+    )
+    cmd = maxtext_bench.maxtext_command(
+        Path("/v/bin/python"), Path("/m/configs/base.yml"), args, 8, 256, 7, Path("/tmp/out")
+    )
+    assert cmd[:4] == [
+        "/v/bin/python",
+        "-m",
+        "maxtext.trainers.pre_train.train",
+        "/m/configs/base.yml",
+    ]
     keys = dict(arg.split("=", 1) for arg in cmd[4:])
     assert len(keys) == len(cmd) - 4  # each key once
-    assert {k: keys[k] for k in ("base_emb_dim", "base_num_decoder_layers", "base_num_query_heads",
-                                 "base_num_kv_heads", "head_dim", "base_mlp_dim", "vocab_size",
-                                 "logits_via_embedding", "rope_max_timescale")} == {
-        "base_emb_dim": "768", "base_num_decoder_layers": "12", "base_num_query_heads": "12",
-        "base_num_kv_heads": "4", "head_dim": "64", "base_mlp_dim": "3072", "vocab_size": "2048",
-        "logits_via_embedding": "false", "rope_max_timescale": "500000"}
-    assert {k: keys[k] for k in ("per_device_batch_size", "max_target_length", "steps",
-                                 "weight_dtype", "dtype", "hardware", "base_output_directory",
-                                 "override_model_config", "enable_checkpointing")} == {
-        "per_device_batch_size": "8", "max_target_length": "256", "steps": "7",
-        "weight_dtype": "float32", "dtype": "float32", "hardware": "cpu",
-        "base_output_directory": "/tmp/out", "override_model_config": "true",
-        "enable_checkpointing": "false"}
+    assert {
+        k: keys[k]
+        for k in (
+            "base_emb_dim",
+            "base_num_decoder_layers",
+            "base_num_query_heads",
+            "base_num_kv_heads",
+            "head_dim",
+            "base_mlp_dim",
+            "vocab_size",
+            "logits_via_embedding",
+            "rope_max_timescale",
+        )
+    } == {
+        "base_emb_dim": "768",
+        "base_num_decoder_layers": "12",
+        "base_num_query_heads": "12",
+        "base_num_kv_heads": "4",
+        "head_dim": "64",
+        "base_mlp_dim": "3072",
+        "vocab_size": "2048",
+        "logits_via_embedding": "false",
+        "rope_max_timescale": "500000",
+    }
+    assert {
+        k: keys[k]
+        for k in (
+            "per_device_batch_size",
+            "max_target_length",
+            "steps",
+            "weight_dtype",
+            "dtype",
+            "hardware",
+            "base_output_directory",
+            "override_model_config",
+            "enable_checkpointing",
+        )
+    } == {
+        "per_device_batch_size": "8",
+        "max_target_length": "256",
+        "steps": "7",
+        "weight_dtype": "float32",
+        "dtype": "float32",
+        "hardware": "cpu",
+        "base_output_directory": "/tmp/out",
+        "override_model_config": "true",
+        "enable_checkpointing": "false",
+    }
     with pytest.raises(ValueError, match="dense"):
-        maxtext_bench.maxtext_command(Path("p"), Path("b"), Qwen3Args(
-            num_experts=4, top_k=2, moe_inter_dim=16), 1, 8, 1, Path("o"))
+        maxtext_bench.maxtext_command(
+            Path("p"),
+            Path("b"),
+            Qwen3Args(num_experts=4, top_k=2, moe_inter_dim=16),
+            1,
+            8,
+            1,
+            Path("o"),
+        )
 
 
 # Lines as MaxText 0.2.4 prints them (absl prefix, then metric_logger's fields).
@@ -111,12 +179,16 @@ def test_bench_runs_without_the_maxtext_venv(tmp_path):
 def test_maxtext_aot_reads_the_compiled_programs_memory():
     import maxtext_aot
 
-    log = ("Jitting and compilation complete!\nMemory analysis: CompiledMemoryStats("
-           "generated_code_size_in_bytes=1, argument_size_in_bytes=24575561728, "
-           "output_size_in_bytes=24575561728, alias_size_in_bytes=24575561728, "
-           "temp_size_in_bytes=20108549312, host_generated_code_size_in_bytes=0)\n")
-    assert maxtext_aot.memory_of(log) == {"argument_size_in_bytes": 24575561728,
-                                          "temp_size_in_bytes": 20108549312}
+    log = (
+        "Jitting and compilation complete!\nMemory analysis: CompiledMemoryStats("
+        "generated_code_size_in_bytes=1, argument_size_in_bytes=24575561728, "
+        "output_size_in_bytes=24575561728, alias_size_in_bytes=24575561728, "
+        "temp_size_in_bytes=20108549312, host_generated_code_size_in_bytes=0)\n"
+    )
+    assert maxtext_aot.memory_of(log) == {
+        "argument_size_in_bytes": 24575561728,
+        "temp_size_in_bytes": 20108549312,
+    }
     with pytest.raises(RuntimeError, match="no memory analysis"):
         maxtext_aot.memory_of("Traceback ...")
     assert set(maxtext_aot.RECIPES) >= {"8B v5p-8", "8B v6e-8", "235B-A22B v5p-256"}

@@ -13,10 +13,19 @@ def write(tmp_path, text):
 
 
 def test_toml_and_overrides(tmp_path):
-    path = write(tmp_path, '[training]\nsteps = 7\nseq_len = 64\n[checkpoint]\nenable = true\n')
-    config = load_config(path, ["--training.steps", "9", "--optimizer.lr=3e-4",
-                                "--checkpoint.enable", "false", "--lr_scheduler.decay_ratio",
-                                "none"])
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[checkpoint]\nenable = true\n")
+    config = load_config(
+        path,
+        [
+            "--training.steps",
+            "9",
+            "--optimizer.lr=3e-4",
+            "--checkpoint.enable",
+            "false",
+            "--lr_scheduler.decay_ratio",
+            "none",
+        ],
+    )
     assert config.training.steps == 9
     assert config.training.seq_len == 64
     assert config.optimizer.lr == 3e-4
@@ -27,7 +36,10 @@ def test_toml_and_overrides(tmp_path):
 def test_defaults_follow_torchtitan():
     config = load_config()
     assert (config.optimizer.beta1, config.optimizer.beta2, config.optimizer.eps) == (
-        0.9, 0.95, 1e-8)
+        0.9,
+        0.95,
+        1e-8,
+    )
     assert config.optimizer.weight_decay == 0.1
     assert config.training.max_norm == 1.0
     assert config.training.global_batch_size == -1
@@ -40,15 +52,21 @@ def test_unknown_key_suggests_nearest(tmp_path):
         load_config(None, ["--trainig.steps", "3"])
 
 
-@pytest.mark.parametrize("override,message", [
-    (["--training.steps", "ten"], "training.steps='ten' is not an integer"),
-    (["--checkpoint.enable", "yes"], "checkpoint.enable='yes' is not a boolean"),
-    (["--lr_scheduler.decay_type", "exp"], "expected one of linear, sqrt, cosine"),
-    (["--training.local_batch_size", "0"], "training.local_batch_size=0 must be >= 1"),
-    (["--optimizer.lr", "-1"], "optimizer.lr=-1.0 must be > 0"),
-    (["--training.steps"], "has no value"),
-    (["--model.yarn_factor", "8"], "model.yarn_factor=8.0 applies with model.rope_type=yarn only"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (["--training.steps", "ten"], "training.steps='ten' is not an integer"),
+        (["--checkpoint.enable", "yes"], "checkpoint.enable='yes' is not a boolean"),
+        (["--lr_scheduler.decay_type", "exp"], "expected one of linear, sqrt, cosine"),
+        (["--training.local_batch_size", "0"], "training.local_batch_size=0 must be >= 1"),
+        (["--optimizer.lr", "-1"], "optimizer.lr=-1.0 must be > 0"),
+        (["--training.steps"], "has no value"),
+        (
+            ["--model.yarn_factor", "8"],
+            "model.yarn_factor=8.0 applies with model.rope_type=yarn only",
+        ),
+    ],
+)
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
         load_config(None, override)
@@ -74,24 +92,35 @@ def test_shipped_recipes_load_and_name_real_flavours(path):
     assert config.training.seq_len <= args.max_seq_len
 
 
-@pytest.mark.parametrize("override,message", [
-    # Each passed validation before and failed later, far from the field that caused it.
-    (["--training.steps", "3000000000"], "training.steps=3000000000 is out of range; "
-     "at most 2147483647 (int32)"),
-    (["--optimizer.lr", "inf"], "optimizer.lr=inf must be a finite number"),
-    (["--optimizer.eps", "nan"], "optimizer.eps=nan must be a finite number"),
-    (["--training.max_norm", "inf"], "training.max_norm=inf must be a finite number"),
-    (["--checkpoint.interval", "9999999999"], "checkpoint.interval=9999999999 is out of range"),
-    (["--training.seed", "-1"], "training.seed=-1 must be in [0, 2**31)"),
-    (["--checkpoint.folder", "../elsewhere"], "checkpoint.folder='../elsewhere' must name a "
-     "folder inside job.dump_folder"),
-    (["--checkpoint.folder", "a/../../b"], "checkpoint.folder='a/../../b' must name"),
-    (["--checkpoint.folder", "."], "checkpoint.folder='.' must name"),
-    (["--metrics.save_tb_folder", "../../tb"], "metrics.save_tb_folder='../../tb' must name a "
-     "folder inside job.dump_folder"),
-    (["--profiling.save_traces_folder", "x/../../.."], "profiling.save_traces_folder="
-     "'x/../../..' must name a folder inside job.dump_folder"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        # Each passed validation before and failed later, far from the field that caused it.
+        (
+            ["--training.steps", "3000000000"],
+            "training.steps=3000000000 is out of range; at most 2147483647 (int32)",
+        ),
+        (["--optimizer.lr", "inf"], "optimizer.lr=inf must be a finite number"),
+        (["--optimizer.eps", "nan"], "optimizer.eps=nan must be a finite number"),
+        (["--training.max_norm", "inf"], "training.max_norm=inf must be a finite number"),
+        (["--checkpoint.interval", "9999999999"], "checkpoint.interval=9999999999 is out of range"),
+        (["--training.seed", "-1"], "training.seed=-1 must be in [0, 2**31)"),
+        (
+            ["--checkpoint.folder", "../elsewhere"],
+            "checkpoint.folder='../elsewhere' must name a folder inside job.dump_folder",
+        ),
+        (["--checkpoint.folder", "a/../../b"], "checkpoint.folder='a/../../b' must name"),
+        (["--checkpoint.folder", "."], "checkpoint.folder='.' must name"),
+        (
+            ["--metrics.save_tb_folder", "../../tb"],
+            "metrics.save_tb_folder='../../tb' must name a folder inside job.dump_folder",
+        ),
+        (
+            ["--profiling.save_traces_folder", "x/../../.."],
+            "profiling.save_traces_folder='x/../../..' must name a folder inside job.dump_folder",
+        ),
+    ],
+)
 def test_numbers_the_step_cannot_represent_and_escaping_folders(override, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, override)
@@ -100,7 +129,8 @@ def test_numbers_the_step_cannot_represent_and_escaping_folders(override, messag
 
 def test_an_absolute_checkpoint_folder_is_allowed(tmp_path):
     assert load_config(None, ["--checkpoint.folder", str(tmp_path)]).checkpoint.folder == str(
-        tmp_path)
+        tmp_path
+    )
 
 
 def test_config_file_errors_name_the_file(tmp_path):
@@ -118,20 +148,34 @@ def test_config_file_errors_name_the_file(tmp_path):
         load_config(fifo)
 
 
-@pytest.mark.parametrize("override,message", [
-    (["--distributed.num_processes", "2"],
-     "distributed.coordinator_address='' must be host:port (process 0's) with "
-     "distributed.num_processes=2"),
-    (["--distributed.num_processes", "2", "--distributed.coordinator_address", "h:1"],
-     "distributed.process_id=-1 must be in [0, 2) with distributed.num_processes=2"),
-    (["--distributed.process_id", "1"],
-     "distributed.process_id=1 needs distributed.num_processes > 1"),
-    (["--distributed.initialization_timeout", "0"],
-     "distributed.initialization_timeout=0 must be >= 1 seconds"),
-    (["--distributed.num_processes", "-2"], "distributed.num_processes=-2 must be >= 1, or -1"),
-    (["--distributed.num_processes", "0"], "distributed.num_processes=0 must be >= 1, or -1 to "
-     "auto-detect (-1 means auto in every key)"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            ["--distributed.num_processes", "2"],
+            "distributed.coordinator_address='' must be host:port (process 0's) with "
+            "distributed.num_processes=2",
+        ),
+        (
+            ["--distributed.num_processes", "2", "--distributed.coordinator_address", "h:1"],
+            "distributed.process_id=-1 must be in [0, 2) with distributed.num_processes=2",
+        ),
+        (
+            ["--distributed.process_id", "1"],
+            "distributed.process_id=1 needs distributed.num_processes > 1",
+        ),
+        (
+            ["--distributed.initialization_timeout", "0"],
+            "distributed.initialization_timeout=0 must be >= 1 seconds",
+        ),
+        (["--distributed.num_processes", "-2"], "distributed.num_processes=-2 must be >= 1, or -1"),
+        (
+            ["--distributed.num_processes", "0"],
+            "distributed.num_processes=0 must be >= 1, or -1 to "
+            "auto-detect (-1 means auto in every key)",
+        ),
+    ],
+)
 def test_bad_distributed_settings_name_the_field(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, override)
@@ -141,13 +185,19 @@ def test_training_mixture_tables_parse_validate_and_print(tmp_path):
     import tomllib
 
     recipe = tmp_path / "mix.toml"
-    recipe.write_text('[[training.mixture]]\npath = "gs://b/web-*"\nweight = 3\n'
-                      '[[training.mixture]]\npath = "/data/code"\n')
+    recipe.write_text(
+        '[[training.mixture]]\npath = "gs://b/web-*"\nweight = 3\n'
+        '[[training.mixture]]\npath = "/data/code"\n'
+    )
     config = load_config(recipe)
-    assert [(m.path, m.weight) for m in config.training.mixture] == [("gs://b/web-*", 3.0),
-                                                                    ("/data/code", 1.0)]
+    assert [(m.path, m.weight) for m in config.training.mixture] == [
+        ("gs://b/web-*", 3.0),
+        ("/data/code", 1.0),
+    ]
     assert tomllib.loads(config.to_toml())["training"]["mixture"] == [
-        {"path": "gs://b/web-*", "weight": 3.0}, {"path": "/data/code", "weight": 1.0}]
+        {"path": "gs://b/web-*", "weight": 3.0},
+        {"path": "/data/code", "weight": 1.0},
+    ]
     recipe.write_text('[[training.mixture]]\npath = "x"\nshare = 3\n')
     with pytest.raises(ConfigError, match=r"unknown key training.mixture\[0\].share"):
         load_config(recipe)
@@ -161,8 +211,14 @@ def test_training_mixture_tables_parse_validate_and_print(tmp_path):
 
 
 def test_a_store_listed_twice_in_a_mixture_is_refused(tmp_path):
-    recipe = write(tmp_path, '[[training.mixture]]\npath = "/data/web"\nweight = 2\n'
-                   '[[training.mixture]]\npath = "/data/web"\n')
-    with pytest.raises(ConfigError, match=r"training.mixture\[1\].path='/data/web' is also "
-                       r"training.mixture\[0\]'s; list it once, with the weights summed"):
+    recipe = write(
+        tmp_path,
+        '[[training.mixture]]\npath = "/data/web"\nweight = 2\n'
+        '[[training.mixture]]\npath = "/data/web"\n',
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"training.mixture\[1\].path='/data/web' is also "
+        r"training.mixture\[0\]'s; list it once, with the weights summed",
+    ):
         load_config(recipe)

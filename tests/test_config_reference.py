@@ -24,9 +24,11 @@ def test_page_is_current():
 
 
 def test_reading_a_comment():
-    source = ('from typing import Literal\nclass A:\n    """Doc."""\n\n    # Above,\n'
-              '    # two lines.\n    x: int = 1  # after\n    y: Literal["a", "b"] = "a"\n')
-    (doc, (x, y)), = schema_sections(source).values()
+    source = (
+        'from typing import Literal\nclass A:\n    """Doc."""\n\n    # Above,\n'
+        '    # two lines.\n    x: int = 1  # after\n    y: Literal["a", "b"] = "a"\n'
+    )
+    ((doc, (x, y)),) = schema_sections(source).values()
     assert doc == "Doc."
     assert (x.name, x.default, x.comment) == ("x", "1", "Above, two lines. after")
     assert (y.choices, y.comment) == (("a", "b"), "")

@@ -37,7 +37,8 @@ def test_an_abandoned_orbax_task_collected_later_prints_nothing(tmp_path):
         "async def read():\n    raise ValueError(2)\n"
         "async def failed_store_read():\n"
         "    raise ValueError(\"NOT_FOUND: Error reading [tensorstore_spec='{}']\")\n"
-        "class Awaitable:\n    def __await__(self):\n        raise ValueError(3)\n        yield\n")
+        "class Awaitable:\n    def __await__(self):\n        raise ValueError(3)\n        yield\n"
+    )
     script = (
         "import asyncio, gc, sys\n"
         f"sys.path[:0] = [{str(tmp_path)!r}, {str(tmp_path / 'orbax')!r}]\n"
@@ -52,9 +53,11 @@ def test_an_abandoned_orbax_task_collected_later_prints_nothing(tmp_path):
         "    asyncio.ensure_future(read, loop=loop)\n"
         "    loop.run_until_complete(asyncio.sleep(0.01))\n"
         "    loop.close()\n"
-        "    gc.collect()\n")
-    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60).stderr
+        "    gc.collect()\n"
+    )
+    err = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    ).stderr
     assert "ValueError: 2" in err and "ValueError: 3" in err
     assert "ValueError: 1" not in err and "NOT_FOUND" not in err
 
@@ -85,8 +88,9 @@ def test_reads_a_failed_read_left_unstarted_warn_only_until_it_is_quieted():
         quiet_unstarted_reads()
         abandon()
         """)
-    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60).stderr
+    err = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    ).stderr
     before, after = err.split("quieted\n")
     assert "coroutine 'read_metadata' was never awaited" in before
     assert after == ""

@@ -23,10 +23,14 @@ def test_cpu_host_gets_cpu(no_platform_env, monkeypatch):
 
 @pytest.mark.parametrize("node", ["/dev/accel0", "/dev/vfio/0", "/dev/nvidia0"])
 def test_accelerator_host_is_left_to_jax(no_platform_env, monkeypatch, node):
-    present = {"/dev/accel*": "/dev/accel0", "/dev/vfio/*": "/dev/vfio/0",
-               "/dev/nvidia0": "/dev/nvidia0"}
-    monkeypatch.setattr(jax_platform.glob, "glob",
-                        lambda pattern: [node] if present[pattern] == node else [])
+    present = {
+        "/dev/accel*": "/dev/accel0",
+        "/dev/vfio/*": "/dev/vfio/0",
+        "/dev/nvidia0": "/dev/nvidia0",
+    }
+    monkeypatch.setattr(
+        jax_platform.glob, "glob", lambda pattern: [node] if present[pattern] == node else []
+    )
     assert jax_platform.default_to_cpu_without_accelerator() is None
     assert "JAX_PLATFORMS" not in os.environ
 
@@ -42,10 +46,13 @@ def test_cli_on_this_cpu_host_prints_no_tpu_noise():
     if jax_platform.has_accelerator_device():
         pytest.skip("this host has an accelerator")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    code = ("import sys; from titan_jax.cli import main; main(['train', '--print-config']);"
-            "import jax; print(jax.default_backend())")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True)
+    code = (
+        "import sys; from titan_jax.cli import main; main(['train', '--print-config']);"
+        "import jax; print(jax.default_backend())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip().endswith("cpu")
     assert "TPU" not in out.stderr and "INVALID_ARGUMENT" not in out.stderr, out.stderr
 
@@ -90,8 +97,15 @@ def test_the_default_libtpu_flags_compile_on_every_tpu_generation():
     refuses the fused all-gather continuation MaxText's older recipes set on all but v5e), and
     they run the FSDP gather on the SparseCores where a chip has them (not v5e)."""
     env = {k: v for k, v in os.environ.items() if k not in ("LIBTPU_INIT_ARGS", "JAX_PLATFORMS")}
-    proc = subprocess.run([sys.executable, "-c", GATHER_PROGRAM], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", GATHER_PROGRAM], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["v5p:2x2x1", "sparsecore", "v6e:2x2", "sparsecore",
-                                   "v5e:2x2", "tensorcore"]
+    assert proc.stdout.split() == [
+        "v5p:2x2x1",
+        "sparsecore",
+        "v6e:2x2",
+        "sparsecore",
+        "v5e:2x2",
+        "tensorcore",
+    ]

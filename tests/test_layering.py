@@ -14,9 +14,25 @@ import titan_jax
 
 ROOT = Path(titan_jax.__file__).parent
 # Package (first component under titan_jax) -> layer rank.
-LAYERS = {"errors": 0, "config_schema": 0, "config": 0, "atomic_dir": 0, "jax_platform": 0,
-          "planner_hints": 0, "trees": 0, "yarn": 0, "cli_commands": 6, "planner": 5,
-          "data": 1, "models": 2, "parallel": 3, "train": 4, "tools": 5, "parity": 5, "cli": 6}
+LAYERS = {
+    "errors": 0,
+    "config_schema": 0,
+    "config": 0,
+    "atomic_dir": 0,
+    "jax_platform": 0,
+    "planner_hints": 0,
+    "trees": 0,
+    "yarn": 0,
+    "cli_commands": 6,
+    "planner": 5,
+    "data": 1,
+    "models": 2,
+    "parallel": 3,
+    "train": 4,
+    "tools": 5,
+    "parity": 5,
+    "cli": 6,
+}
 
 
 def _module_name(path: Path) -> str:
@@ -53,22 +69,33 @@ def _layer(module: str) -> int:
 
 
 def test_every_package_has_a_layer():
-    packages = {p.name if p.is_dir() else p.stem for p in ROOT.iterdir()
-                if (p.is_dir() and (p / "__init__.py").is_file())
-                or (p.suffix == ".py" and p.stem != "__init__")}
+    packages = {
+        p.name if p.is_dir() else p.stem
+        for p in ROOT.iterdir()
+        if (p.is_dir() and (p / "__init__.py").is_file())
+        or (p.suffix == ".py" and p.stem != "__init__")
+    }
     assert packages <= set(LAYERS), packages - set(LAYERS)
 
 
 def test_no_module_imports_a_higher_layer():
-    bad = [f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
-           for m, deps in _imports().items() for d in deps if _layer(d) > _layer(m)]
+    bad = [
+        f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
+        for m, deps in _imports().items()
+        for d in deps
+        if _layer(d) > _layer(m)
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_models_and_parallel_are_independent_of_each_other_downwards():
     """parallel may use the model interface; models never know about parallel."""
-    bad = [f"{m} imports {d}" for m, deps in _imports().items() for d in deps
-           if m.startswith("titan_jax.models") and d.startswith("titan_jax.parallel")]
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in _imports().items()
+        for d in deps
+        if m.startswith("titan_jax.models") and d.startswith("titan_jax.parallel")
+    ]
     assert not bad, bad
 
 
@@ -78,9 +105,14 @@ FAMILY_SPECIFIC = {"titan_jax.parity.torchtitan_ref"}
 
 def test_a_model_family_is_reached_only_through_the_registry():
     """Outside models/, code gets a family from `get_model_spec` / `spec_of_args`."""
-    bad = [f"{m} imports {d}" for m, deps in _imports().items() for d in deps
-           if d.startswith("titan_jax.models.qwen3") and not m.startswith("titan_jax.models")
-           and m not in FAMILY_SPECIFIC]
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in _imports().items()
+        for d in deps
+        if d.startswith("titan_jax.models.qwen3")
+        and not m.startswith("titan_jax.models")
+        and m not in FAMILY_SPECIFIC
+    ]
     assert not bad, bad
 
 
@@ -97,7 +129,7 @@ def test_no_import_cycles():
             if dep == node or dep.startswith(node + "."):
                 continue
             if state.get(dep) == 1:
-                cycles.append(" -> ".join([*stack[stack.index(dep):], dep]))
+                cycles.append(" -> ".join([*stack[stack.index(dep) :], dep]))
             elif dep not in state:
                 visit(dep, [*stack, dep])
         state[node] = 2

@@ -31,8 +31,11 @@ def bash_commands() -> list[str]:
     blocks = [b for text in TEXTS.values() for b in re.findall(r"```bash\n(.*?)```", text, re.S)]
     for block in blocks:
         text = block.replace("\\\n", " ")
-        commands += [line.strip() for line in text.splitlines()
-                     if line.strip() and not line.lstrip().startswith("#")]
+        commands += [
+            line.strip()
+            for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
     return commands
 
 
@@ -53,8 +56,16 @@ def test_commands_are_found_and_use_the_venv():
 @pytest.mark.parametrize("command", TITAN)
 def test_titan_jax_command_parses(command):
     args, config = _parse(argv(command)[1:])
-    assert args.command in ("train", "inspect", "compile", "parity", "convert", "generate",
-                            "prepare-data", "goodput")
+    assert args.command in (
+        "train",
+        "inspect",
+        "compile",
+        "parity",
+        "convert",
+        "generate",
+        "prepare-data",
+        "goodput",
+    )
     if args.command not in ("convert", "goodput"):  # these take no recipe
         assert config is not None  # every override named a real key with a valid value
     for word in argv(command):
@@ -72,8 +83,13 @@ def test_make_targets_exist(command):
 @pytest.mark.slow
 @pytest.mark.parametrize("command", CHEAP)
 def test_cheap_commands_run(command):
-    out = subprocess.run([sys.executable, "-m", "titan_jax.cli", *argv(command)[1:]],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "titan_jax.cli", *argv(command)[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "[training]" in out.stdout
 
@@ -82,8 +98,11 @@ def test_cheap_commands_run(command):
 def test_no_dangling_references(page):
     text = TEXTS[page]
     assert "DESIGN.md" not in text
-    for path in re.findall(r"`((?:configs|notebooks|benchmarks|scripts|titan_jax|tests|docs)/"
-                           r"[^`* ]+)`", text):
+    for path in re.findall(
+        r"`((?:configs|notebooks|benchmarks|scripts|titan_jax|tests|docs)/"
+        r"[^`* ]+)`",
+        text,
+    ):
         assert (ROOT / path).exists() or (ROOT / path.split(":")[0]).exists(), path
     for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):  # relative markdown links
         assert (page.parent / link).exists(), link
@@ -99,11 +118,24 @@ def test_readme_is_short_and_links_every_doc():
 def test_profiling_example_runs_and_writes_a_trace(tmp_path):
     (command,) = [c for c in TITAN if "--profiling.enable_profiling true" in c]
     # On the host's one CPU device, as a user runs it (not the tests' 8 simulated ones).
-    out = subprocess.run([sys.executable, "-m", "titan_jax.cli", *argv(command)[1:],
-                          "--job.dump_folder", str(tmp_path)],  # the last value wins
-                         cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "XLA_FLAGS": xla_flags_with_cpu_devices(
-                             os.environ.get("XLA_FLAGS", ""), None)})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titan_jax.cli",
+            *argv(command)[1:],
+            "--job.dump_folder",
+            str(tmp_path),
+        ],  # the last value wins
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "XLA_FLAGS": xla_flags_with_cpu_devices(os.environ.get("XLA_FLAGS", ""), None),
+        },
+    )
     assert out.returncode == 0, out.stderr
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
     assert "validation at step 4" in out.stdout  # the recipe validates at its last step

@@ -18,8 +18,10 @@ def _plans():
 def test_only_replaces_its_rows_and_drops_an_older_layout_and_removed_plans():
     plans = _plans()
     plans.PLANS = tuple(plans.Plan(name, "configs/qwen3_8b.toml", "v5p-8") for name in "abc")
-    old = (plans.markdown(["| a | 1 | x |", "| b | 2 | y |", "| gone | 0 | u |"])
-           + "\n| stale | old | layout | z |")
+    old = (
+        plans.markdown(["| a | 1 | x |", "| b | 2 | y |", "| gone | 0 | u |"])
+        + "\n| stale | old | layout | z |"
+    )
     rows = plans.merged(old, ["| b | 3 | w |", "| c | 4 | v |"])
     assert rows == ["| a | 1 | x |", "| b | 3 | w |", "| c | 4 | v |"]
 
@@ -28,8 +30,10 @@ def test_a_row_from_before_the_xla_column_is_kept_with_its_estimate_marked_as_th
     plans = _plans()
     plans.PLANS = tuple(plans.Plan(name, "configs/qwen3_8b.toml", "v5p-8") for name in "ab")
     new = "| a | " + " | ".join("n" * (i + 1) for i in range(11)) + " |"  # 12 columns
-    old = ("| b | fsdp4 | full | splash | 1 + 2 | 3 of 4 | yes | 5 s | 1.34 s / 70% (<= 82%) "
-           "| 95% | - |")
+    old = (
+        "| b | fsdp4 | full | splash | 1 + 2 | 3 of 4 | yes | 5 s | 1.34 s / 70% (<= 82%) "
+        "| 95% | - |"
+    )
     rows = plans.merged(plans.markdown([new]) + "\n" + old, [new])
     assert rows[1].split("|")[9:11] == [f" 1.34 s / 70% (<= 82%) {plans.STALE} ", " - "]
     assert rows[1].count("|") == new.count("|")

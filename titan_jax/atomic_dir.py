@@ -44,8 +44,9 @@ def check_names_fit(dst: str | Path) -> None:
         raise DestinationError(f"destination {dst}: {too_long}")
 
 
-def check_destination(dst: str | Path, *, overwrite: bool = False,
-                      source: str | Path | None = None) -> Path:
+def check_destination(
+    dst: str | Path, *, overwrite: bool = False, source: str | Path | None = None
+) -> Path:
     """`dst` resolved, or a DestinationError saying why it must not be written."""
     check_names_fit(dst)
     dst = Path(dst).resolve()
@@ -54,13 +55,15 @@ def check_destination(dst: str | Path, *, overwrite: bool = False,
         if dst == src or src in dst.parents or dst in src.parents:
             raise DestinationError(
                 f"destination {dst} is, holds or lies inside the source {src}; write to a new "
-                "folder (a source is never overwritten)")
+                "folder (a source is never overwritten)"
+            )
     if dst.exists() and not dst.is_dir():
         raise DestinationError(f"destination {dst} is a file, not a folder")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise DestinationError(
             f"destination {dst} exists and is not empty; choose a new folder, or pass "
-            "--overwrite to replace it")
+            "--overwrite to replace it"
+        )
     return dst
 
 
@@ -75,8 +78,13 @@ def _normal_modes(root: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(dst: str | Path, *, overwrite: bool = False, source: str | Path | None = None,
-               writer: bool = True) -> Iterator[Path]:
+def atomic_dir(
+    dst: str | Path,
+    *,
+    overwrite: bool = False,
+    source: str | Path | None = None,
+    writer: bool = True,
+) -> Iterator[Path]:
     """Yields a temporary sibling of `dst` to write into; on success it becomes `dst` (an old
     `dst` is replaced only with `overwrite`), on any error it is removed and `dst` is untouched.
 
@@ -93,13 +101,13 @@ def atomic_dir(dst: str | Path, *, overwrite: bool = False, source: str | Path |
     except BaseException as e:
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
-        cause = None if isinstance(e, TitanJaxError) or not isinstance(e, Exception) \
-            else root_cause(e)
+        cause = (
+            None if isinstance(e, TitanJaxError) or not isinstance(e, Exception) else root_cause(e)
+        )
         if cause is None:
             raise
         # the machine's refusal (a full disk, a folder of another user's), not a bug: one line
-        raise DestinationError(f"{cause}: writing {dst} failed; {dst} is as it was before"
-                               ) from e
+        raise DestinationError(f"{cause}: writing {dst} failed; {dst} is as it was before") from e
     if not writer:
         return
     _normal_modes(tmp)
@@ -123,4 +131,3 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-

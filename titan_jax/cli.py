@@ -53,8 +53,9 @@ def _generate(args: argparse.Namespace, config: JobConfig) -> int:
     set_cpu_device_count(config.job.cpu_devices)  # before JAX starts, as for train
     from titan_jax.tools.generate import GenerateOptions, generate_text
 
-    options = GenerateOptions(args.prompt, args.max_new_tokens, args.temperature, args.top_p,
-                              args.seed)
+    options = GenerateOptions(
+        args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed
+    )
     text, source = generate_text(config, args.checkpoint, args.hf_checkpoint, options)
     print(f"titan-jax generate: {source}", file=sys.stderr)
     print(args.prompt + text)
@@ -101,16 +102,24 @@ def _parity(args: argparse.Namespace, config: JobConfig) -> int:
                 raise ValueError
             bars[name] = float(value)
         except ValueError:
-            raise ConfigError(f"--bar {item!r}: expected NAME=NUMBER with NAME one of "
-                             f"{', '.join(BARS)}") from None
+            raise ConfigError(
+                f"--bar {item!r}: expected NAME=NUMBER with NAME one of {', '.join(BARS)}"
+            ) from None
         if not math.isfinite(bars[name]):  # nan would fail every check, inf pass every one
-            raise ConfigError(f"--bar {item!r}: {value} must be a finite number (the largest "
-                              f"{name} that passes)")
+            raise ConfigError(
+                f"--bar {item!r}: {value} must be a finite number (the largest {name} that passes)"
+            )
     _check_parity_lengths(args, config)
     references = REFERENCES if args.reference == "all" else (args.reference,)
-    report = run_from_config(config, args.hf_checkpoint, references=references,
-                             seq_len=args.seq_len, trajectory_steps=args.trajectory_steps,
-                             bars=bars, progress=_progress)
+    report = run_from_config(
+        config,
+        args.hf_checkpoint,
+        references=references,
+        seq_len=args.seq_len,
+        trajectory_steps=args.trajectory_steps,
+        bars=bars,
+        progress=_progress,
+    )
     print(report.table())
     if args.json:
         write_text_atomic(args.json, json.dumps(report.to_json(), indent=2) + "\n")
@@ -132,8 +141,10 @@ def _check_parity_lengths(args: argparse.Namespace, config: JobConfig) -> None:
     decode = inspect.signature(run_parity).parameters["decode_tokens"].default
     most = model.max_seq_len - decode  # the greedy continuation must fit too
     if not 1 <= args.seq_len <= most:
-        raise ConfigError(f"--seq-len {args.seq_len} must be in [1, {most}]: {where} "
-                          f"{model.max_seq_len} positions less the {decode} greedy tokens")
+        raise ConfigError(
+            f"--seq-len {args.seq_len} must be in [1, {most}]: {where} "
+            f"{model.max_seq_len} positions less the {decode} greedy tokens"
+        )
     if args.trajectory_steps < 0:
         raise ConfigError(f"--trajectory-steps {args.trajectory_steps} must be >= 0")
 
@@ -141,10 +152,19 @@ def _check_parity_lengths(args: argparse.Namespace, config: JobConfig) -> None:
 def _convert(args: argparse.Namespace) -> int:
     from titan_jax.tools.convert import convert
 
-    model = convert(args.src, args.dst, args.src_format, args.dst_format, dtype=args.dtype,
-                    max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-    print(f"converted {args.src} ({args.src_format}) -> {args.dst} ({args.dst_format}): "
-          f"{model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}")
+    model = convert(
+        args.src,
+        args.dst,
+        args.src_format,
+        args.dst_format,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+    )
+    print(
+        f"converted {args.src} ({args.src_format}) -> {args.dst} ({args.dst_format}): "
+        f"{model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}"
+    )
     return 0
 
 
@@ -183,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare-data":
             from titan_jax.tools.prepare_data import prepare_data
 
-            prepare_data(config, args.output, workers=args.workers, num_shards=args.num_shards,
-                         shard_index=args.shard_index, verify=args.verify)
+            prepare_data(
+                config,
+                args.output,
+                workers=args.workers,
+                num_shards=args.num_shards,
+                shard_index=args.shard_index,
+                verify=args.verify,
+            )
             return 0
         if args.print_config:
             print(config.to_toml())
@@ -221,12 +247,15 @@ def _enable_compilation_cache() -> None:
     import jax
 
     cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    cache = os.environ.get("TITAN_JAX_COMPILATION_CACHE",
-                           str(Path(cache_home) / "titan_jax" / "xla"))
+    cache = os.environ.get(
+        "TITAN_JAX_COMPILATION_CACHE", str(Path(cache_home) / "titan_jax" / "xla")
+    )
     if cache and Path(cache).exists() and not Path(cache).is_dir():
-        print(f"titan-jax: the compilation cache {cache} is not a folder; compiling without "
-              "one (set TITAN_JAX_COMPILATION_CACHE to a folder, or to '' for none)",
-              file=sys.stderr)
+        print(
+            f"titan-jax: the compilation cache {cache} is not a folder; compiling without "
+            "one (set TITAN_JAX_COMPILATION_CACHE to a folder, or to '' for none)",
+            file=sys.stderr,
+        )
         return
     if cache:
         jax.config.update("jax_compilation_cache_dir", cache)

@@ -47,11 +47,31 @@ from titan_jax.config_schema import (
 from titan_jax.yarn import YarnScaling
 
 # The schema's names are part of this module's interface (`from titan_jax.config import ...`).
-__all__ = ["AUTO", "ActivationCheckpoint", "Checkpoint", "ConfigError", "Distributed", "Dpo",
-           "Job",
-           "JobConfig", "LRScheduler", "Lora", "Metrics", "Model", "Moe", "Optimizer",
-           "Parallelism", "Profiling", "Quantize", "Training", "Validation", "load_config",
-           "parse_overrides", "split_overrides", "validate"]
+__all__ = [
+    "AUTO",
+    "ActivationCheckpoint",
+    "Checkpoint",
+    "ConfigError",
+    "Distributed",
+    "Dpo",
+    "Job",
+    "JobConfig",
+    "LRScheduler",
+    "Lora",
+    "Metrics",
+    "Model",
+    "Moe",
+    "Optimizer",
+    "Parallelism",
+    "Profiling",
+    "Quantize",
+    "Training",
+    "Validation",
+    "load_config",
+    "parse_overrides",
+    "split_overrides",
+    "validate",
+]
 
 
 def _suggest(name: str, valid: typing.Iterable[str]) -> str:
@@ -124,8 +144,10 @@ def _coerce_name_lists(where: str, value: Any) -> dict[str, list[str]]:
     if isinstance(value, str):
         value = dict(_name_list_item(where, item) for item in value.split(",") if item.strip())
     if not isinstance(value, dict):
-        raise ConfigError(f"{where} must be a TOML table of names (or key=a+b,other= on the "
-                          f"command line), not {value!r}")
+        raise ConfigError(
+            f"{where} must be a TOML table of names (or key=a+b,other= on the "
+            f"command line), not {value!r}"
+        )
     out = {}
     for key, names in value.items():
         names = [names] if isinstance(names, str) else names
@@ -145,8 +167,10 @@ def _name_list_item(where: str, item: str) -> tuple[str, list[str]]:
 def _coerce_tables(where: str, value: Any, cls: type) -> list[Any]:
     """A TOML array of tables (`[[section.key]]`) -> a list of `cls`, each key checked."""
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise ConfigError(f"{where} must be TOML tables ([[{where}]] with "
-                          f"{', '.join(f.name for f in dataclasses.fields(cls))})")
+        raise ConfigError(
+            f"{where} must be TOML tables ([[{where}]] with "
+            f"{', '.join(f.name for f in dataclasses.fields(cls))})"
+        )
     hints, out = _field_types(cls), []
     for i, table in enumerate(value):
         item = cls()
@@ -187,7 +211,7 @@ def _scan(argv: list[str]) -> Iterator[tuple[list[str], tuple[str, str, str] | N
             value = argv[i + 1]
         taken = 1 if eq else 2
         section, _, key = name.partition(".")
-        yield argv[i:i + taken], (section, key, value)
+        yield argv[i : i + taken], (section, key, value)
         i += taken
 
 
@@ -225,15 +249,18 @@ def load_config(
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); "
-                              "TOML files are UTF-8") from None
+            raise ConfigError(
+                f"config file {path} is not UTF-8 text (byte {e.start}); TOML files are UTF-8"
+            ) from None
         except OSError as e:
             raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         if not data:  # most likely a truncated or wrong file, not a wish for every default
-            raise ConfigError(f"config file {path} is empty; give a recipe such as "
-                              "configs/qwen3_debug.toml, or no --config for the defaults")
+            raise ConfigError(
+                f"config file {path} is empty; give a recipe such as "
+                "configs/qwen3_debug.toml, or no --config for the defaults"
+            )
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(
@@ -273,20 +300,26 @@ def _localize_run_folders(config: JobConfig) -> None:
             raise ConfigError(
                 f"{field} is a URL; checkpoint.folder is a path, inside job.dump_folder or "
                 "absolute: for checkpoints in a bucket, make the run folder the URL "
-                "(--job.dump_folder gs://BUCKET/runs/NAME)")
+                "(--job.dump_folder gs://BUCKET/runs/NAME)"
+            )
         if parsed.scheme not in RUN_FOLDER_SCHEMES:
             raise ConfigError(
                 f"{field} is a {parsed.scheme}:// URL; a run folder is a local path or a "
-                "gs:// or file:// URL (orbax writes checkpoints to no other kind)")
+                "gs:// or file:// URL (orbax writes checkpoints to no other kind)"
+            )
         try:
             fsspec.get_filesystem_class(parsed.scheme)
         except ImportError:
-            raise ConfigError(f"{field}: {parsed.scheme}:// needs gcsfs, which is not "
-                              "installed: pip install 'titan-jax[tpu]' (or gcsfs)") from None
+            raise ConfigError(
+                f"{field}: {parsed.scheme}:// needs gcsfs, which is not "
+                "installed: pip install 'titan-jax[tpu]' (or gcsfs)"
+            ) from None
         if parsed.scheme == "file":
             if parsed.netloc not in ("", "localhost"):
-                raise ConfigError(f"{field} names host {parsed.netloc!r}; a file:// URL names "
-                                  "a path on this machine (file:///abs/path)")
+                raise ConfigError(
+                    f"{field} names host {parsed.netloc!r}; a file:// URL names "
+                    "a path on this machine (file:///abs/path)"
+                )
             path = urllib.parse.unquote(parsed.path)
             setattr(getattr(config, section), key, path if key == "folder" else f"file://{path}")
 
@@ -305,8 +338,10 @@ def _check_numbers(config: JobConfig) -> None:
         for key, value in values.items():
             where = f"{section}.{key}={value}"
             if isinstance(value, int) and not isinstance(value, bool):
-                _require(-INT32_MAX <= value <= INT32_MAX,
-                         f"{where} is out of range; at most {INT32_MAX} (int32)")
+                _require(
+                    -INT32_MAX <= value <= INT32_MAX,
+                    f"{where} is out of range; at most {INT32_MAX} (int32)",
+                )
             elif isinstance(value, float):
                 _require(math.isfinite(value), f"{where} must be a finite number")
 
@@ -315,23 +350,29 @@ def _check_run_subfolders(config: JobConfig) -> None:
     """The folders named relative to `job.dump_folder` (checkpoints, TensorBoard events,
     profiler traces) are absolute or stay inside it: a relative path that climbs out writes
     among folders of the user's (and checkpoints would take theirs for its own)."""
-    for field, folder in (("checkpoint.folder", config.checkpoint.folder),
-                          ("metrics.save_tb_folder", config.metrics.save_tb_folder),
-                          ("profiling.save_traces_folder", config.profiling.save_traces_folder)):
+    for field, folder in (
+        ("checkpoint.folder", config.checkpoint.folder),
+        ("metrics.save_tb_folder", config.metrics.save_tb_folder),
+        ("profiling.save_traces_folder", config.profiling.save_traces_folder),
+    ):
         if Path(folder).is_absolute():
             continue
-        _require(folder.strip() not in ("", ".") and ".." not in Path(folder).parts,
-                 f"{field}={folder!r} must name a folder inside job.dump_folder (no '..', not "
-                 "the dump folder itself) or be an absolute path")
+        _require(
+            folder.strip() not in ("", ".") and ".." not in Path(folder).parts,
+            f"{field}={folder!r} must name a folder inside job.dump_folder (no '..', not "
+            "the dump folder itself) or be an absolute path",
+        )
 
 
 def _check_dump_folder(config: JobConfig) -> None:
     """The dump folder is the run's own: never the current directory, whose files (a
     metrics.jsonl of the user's) the run would rewrite."""
     folder = config.job.dump_folder
-    _require(folder.strip() != "" and Path(folder).absolute() != Path.cwd().absolute(),
-             f"job.dump_folder={folder!r} is the current directory; name a folder of its own "
-             "for the run's outputs, e.g. outputs/my_run")
+    _require(
+        folder.strip() != "" and Path(folder).absolute() != Path.cwd().absolute(),
+        f"job.dump_folder={folder!r} is the current directory; name a folder of its own "
+        "for the run's outputs, e.g. outputs/my_run",
+    )
 
 
 def validate(config: JobConfig) -> None:
@@ -344,8 +385,9 @@ def validate(config: JobConfig) -> None:
 
 
 def _check_training(t: Training) -> None:
-    _require(t.local_batch_size >= 1,
-             f"training.local_batch_size={t.local_batch_size} must be >= 1")
+    _require(
+        t.local_batch_size >= 1, f"training.local_batch_size={t.local_batch_size} must be >= 1"
+    )
     _require(
         t.global_batch_size == -1 or t.global_batch_size >= 1,
         f"training.global_batch_size={t.global_batch_size} must be >= 1 or -1 (local x dp)",
@@ -363,8 +405,13 @@ def _check_training(t: Training) -> None:
 
 def _check_rest(config: JobConfig) -> None:
     p = config.parallelism
-    for name in ("data_parallel_replicate_degree", "tensor_parallel_degree",
-                 "expert_parallel_degree", "expert_parallel_chunks", "context_parallel_degree"):
+    for name in (
+        "data_parallel_replicate_degree",
+        "tensor_parallel_degree",
+        "expert_parallel_degree",
+        "expert_parallel_chunks",
+        "context_parallel_degree",
+    ):
         degree = getattr(p, name)
         _require(degree >= 1, f"parallelism.{name}={degree} must be >= 1")
     _require(
@@ -372,13 +419,17 @@ def _check_rest(config: JobConfig) -> None:
         f"parallelism.data_parallel_shard_degree={p.data_parallel_shard_degree} "
         "must be >= 1 or -1 (fill the remaining devices)",
     )
-    _require(p.num_slices == -1 or p.num_slices >= 1,
-             f"parallelism.num_slices={p.num_slices} must be >= 1 or -1 (from the devices)")
+    _require(
+        p.num_slices == -1 or p.num_slices >= 1,
+        f"parallelism.num_slices={p.num_slices} must be >= 1 or -1 (from the devices)",
+    )
     _require(config.job.cpu_devices >= 0, f"job.cpu_devices={config.job.cpu_devices} must be >= 0")
     o = config.optimizer
     _require(o.lr > 0, f"optimizer.lr={o.lr} must be > 0")
-    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1,
-             f"optimizer betas ({o.beta1}, {o.beta2}) must be in [0, 1)")
+    _require(
+        0 <= o.beta1 < 1 and 0 <= o.beta2 < 1,
+        f"optimizer betas ({o.beta1}, {o.beta2}) must be in [0, 1)",
+    )
     _require(o.eps > 0, f"optimizer.eps={o.eps} must be > 0")
     _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0")
     for key in ("load_balance_coeff", "router_aux_loss_coef"):
@@ -390,24 +441,32 @@ def _check_rest(config: JobConfig) -> None:
         s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
         f"lr_scheduler.decay_ratio={s.decay_ratio} must be in [0, 1] or none",
     )
-    _require(0 <= s.min_lr_factor <= 1,
-             f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be in [0, 1]")
+    _require(
+        0 <= s.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be in [0, 1]"
+    )
     m = config.metrics
     _require(m.log_freq >= 1, f"metrics.log_freq={m.log_freq} must be >= 1")
-    _require(m.peak_flops is None or m.peak_flops > 0,
-             f"metrics.peak_flops={m.peak_flops} must be > 0 FLOP/s, or none to look it up")
+    _require(
+        m.peak_flops is None or m.peak_flops > 0,
+        f"metrics.peak_flops={m.peak_flops} must be > 0 FLOP/s, or none to look it up",
+    )
     v = config.validation
     _require(v.freq >= 1, f"validation.freq={v.freq} must be >= 1")
-    _require(v.steps == -1 or v.steps >= 1,
-             f"validation.steps={v.steps} must be >= 1 or -1 (the whole validation set)")
-    _require(v.local_batch_size >= 1,
-             f"validation.local_batch_size={v.local_batch_size} must be >= 1")
+    _require(
+        v.steps == -1 or v.steps >= 1,
+        f"validation.steps={v.steps} must be >= 1 or -1 (the whole validation set)",
+    )
+    _require(
+        v.local_batch_size >= 1, f"validation.local_batch_size={v.local_batch_size} must be >= 1"
+    )
     _require(v.seq_len >= 1, f"validation.seq_len={v.seq_len} must be >= 1")
     pr = config.profiling
     _require(pr.profile_freq >= 1, f"profiling.profile_freq={pr.profile_freq} must be >= 1")
-    _require(1 <= pr.profile_steps <= pr.profile_freq,
-             f"profiling.profile_steps={pr.profile_steps} must be in [1, profile_freq="
-             f"{pr.profile_freq}]")
+    _require(
+        1 <= pr.profile_steps <= pr.profile_freq,
+        f"profiling.profile_steps={pr.profile_steps} must be in [1, profile_freq="
+        f"{pr.profile_freq}]",
+    )
     _check_distributed(config.distributed)
     _check_yarn(config.model)
     _check_quantize(config.quantize)
@@ -415,53 +474,76 @@ def _check_rest(config: JobConfig) -> None:
     _check_dpo(config)
     c = config.checkpoint
     _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
-    _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 "
-             "(0 keeps all)")
+    _require(
+        c.keep_latest_k >= 0,
+        f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 (0 keeps all)",
+    )
 
 
 def _check_quantize(q: Quantize) -> None:
     names = q.module_names()
     unknown = [n for n in names if n not in QUANTIZE_MODULES]
-    _require(not unknown, f"quantize.modules={q.modules!r}: {', '.join(map(repr, unknown))} "
-             f"is not a group of matmuls; use a comma-separated subset of "
-             f"{','.join(QUANTIZE_MODULES)}")
+    _require(
+        not unknown,
+        f"quantize.modules={q.modules!r}: {', '.join(map(repr, unknown))} "
+        f"is not a group of matmuls; use a comma-separated subset of "
+        f"{','.join(QUANTIZE_MODULES)}",
+    )
     _require(len(set(names)) == len(names), f"quantize.modules={q.modules!r} names a group twice")
-    _require(q.mode == "none" or names, f"quantize.modules is empty: nothing would run in "
-             f"{q.mode}; name some of {','.join(QUANTIZE_MODULES)}, or set quantize.mode=none")
-    _require(1 <= q.block_size <= 2**16,
-             f"quantize.block_size={q.block_size} must be in [1, 65536]")
+    _require(
+        q.mode == "none" or names,
+        f"quantize.modules is empty: nothing would run in "
+        f"{q.mode}; name some of {','.join(QUANTIZE_MODULES)}, or set quantize.mode=none",
+    )
+    _require(
+        1 <= q.block_size <= 2**16, f"quantize.block_size={q.block_size} must be in [1, 65536]"
+    )
 
 
 def _check_lora(lo: Lora) -> None:
     """A rank of 0 is off, so any other lora key changed then is a mistake (it would do
     nothing); with a rank, the targets are known names and dropout is a rate PEFT accepts."""
     if lo.rank <= 0:
-        changed = [f"lora.{f.name}={getattr(lo, f.name)!r}" for f in dataclasses.fields(Lora)
-                   if f.name != "rank" and getattr(lo, f.name) != f.default]
+        changed = [
+            f"lora.{f.name}={getattr(lo, f.name)!r}"
+            for f in dataclasses.fields(Lora)
+            if f.name != "rank" and getattr(lo, f.name) != f.default
+        ]
         if changed:
-            raise ConfigError(f"{changed[0]} has no effect with lora.rank={lo.rank}; set "
-                              "lora.rank >= 1 to train adapters, or leave [lora] out")
+            raise ConfigError(
+                f"{changed[0]} has no effect with lora.rank={lo.rank}; set "
+                "lora.rank >= 1 to train adapters, or leave [lora] out"
+            )
         _require(lo.rank == 0, f"lora.rank={lo.rank} must be >= 1, or 0 (off)")
         return
     _require(lo.alpha > 0, f"lora.alpha={lo.alpha} must be > 0")
     _require(0 <= lo.dropout < 1, f"lora.dropout={lo.dropout} must be in [0, 1)")
-    _require(lo.base_block_size >= 1,
-             f"lora.base_block_size={lo.base_block_size} must be >= 1")
-    _require(lo.base_dtype == "nf4" or lo.base_block_size == 64,
-             f"lora.base_block_size={lo.base_block_size} has no effect with lora.base_dtype="
-             f"{lo.base_dtype}; set lora.base_dtype=nf4, or leave it out")
+    _require(lo.base_block_size >= 1, f"lora.base_block_size={lo.base_block_size} must be >= 1")
+    _require(
+        lo.base_dtype == "nf4" or lo.base_block_size == 64,
+        f"lora.base_block_size={lo.base_block_size} has no effect with lora.base_dtype="
+        f"{lo.base_dtype}; set lora.base_dtype=nf4, or leave it out",
+    )
     names = lo.target_names()
     unknown = [n for n in names if n not in LORA_TARGETS]
-    _require(not unknown, f"lora.target_modules={lo.target_modules!r}: "
-             f"{', '.join(map(repr, unknown))} is no target; use a comma-separated subset of "
-             f"{','.join(LORA_TARGETS)}")
+    _require(
+        not unknown,
+        f"lora.target_modules={lo.target_modules!r}: "
+        f"{', '.join(map(repr, unknown))} is no target; use a comma-separated subset of "
+        f"{','.join(LORA_TARGETS)}",
+    )
     _require(names, "lora.target_modules is empty; name some of " + ",".join(LORA_TARGETS))
-    _require(len(set(names)) == len(names),
-             f"lora.target_modules={lo.target_modules!r} names a target twice")
+    _require(
+        len(set(names)) == len(names),
+        f"lora.target_modules={lo.target_modules!r} names a target twice",
+    )
     experts = [p for p in lo.projections() if p.startswith("experts.")]
-    _require(not (lo.dropout and experts), f"lora.dropout={lo.dropout} with adapters on the "
-             f"experts ({','.join(experts)}): PEFT's fused-expert adapters take no dropout; set "
-             "lora.dropout=0, or leave the experts out of lora.target_modules")
+    _require(
+        not (lo.dropout and experts),
+        f"lora.dropout={lo.dropout} with adapters on the "
+        f"experts ({','.join(experts)}): PEFT's fused-expert adapters take no dropout; set "
+        "lora.dropout=0, or leave the experts out of lora.target_modules",
+    )
 
 
 def _check_dpo(config: JobConfig) -> None:
@@ -470,40 +552,62 @@ def _check_dpo(config: JobConfig) -> None:
     d, t = config.dpo, config.training
     preference = t.data_format == "preference"
     if not d.enable:
-        changed = [f"dpo.{f.name}={getattr(d, f.name)!r}" for f in dataclasses.fields(Dpo)
-                   if getattr(d, f.name) != f.default]
+        changed = [
+            f"dpo.{f.name}={getattr(d, f.name)!r}"
+            for f in dataclasses.fields(Dpo)
+            if getattr(d, f.name) != f.default
+        ]
         if changed:
-            raise ConfigError(f"{changed[0]} has no effect with dpo.enable=false; set "
-                              "dpo.enable=true to train on preference pairs")
-        _require(not preference, "training.data_format='preference' trains with DPO: set "
-                 "dpo.enable=true ([dpo] beta, loss_type)")
+            raise ConfigError(
+                f"{changed[0]} has no effect with dpo.enable=false; set "
+                "dpo.enable=true to train on preference pairs"
+            )
+        _require(
+            not preference,
+            "training.data_format='preference' trains with DPO: set "
+            "dpo.enable=true ([dpo] beta, loss_type)",
+        )
         return
-    _require(preference, f"dpo.enable=true trains on preference pairs, not "
-             f"training.data_format={t.data_format!r}: set training.data_format='preference' "
-             "(records with prompt, chosen and rejected)")
+    _require(
+        preference,
+        f"dpo.enable=true trains on preference pairs, not "
+        f"training.data_format={t.data_format!r}: set training.data_format='preference' "
+        "(records with prompt, chosen and rejected)",
+    )
     _require(math.isfinite(d.beta) and d.beta > 0, f"dpo.beta={d.beta} must be a number > 0")
-    _require(t.document_mask and t.document_positions,
-             "training.data_format='preference' needs training.document_mask=true and "
-             "training.document_positions=true (a pair's chosen and rejected sequences are two "
-             "documents of one row)")
-    _require(not t.mixture, "training.mixture is not supported with DPO; train on one "
-             "preference store (training.dataset_path)")
-    _require(config.parallelism.context_parallel_degree == 1,
-             f"parallelism.context_parallel_degree={config.parallelism.context_parallel_degree}"
-             " is not supported with DPO (a pair's log-probabilities are summed over its whole "
-             "row); use 1")
-    _require(config.moe.router_aux_loss_coef == 0,
-             f"moe.router_aux_loss_coef={config.moe.router_aux_loss_coef} is not supported with "
-             "DPO; use 0 (the aux-loss-free balancing still runs)")
+    _require(
+        t.document_mask and t.document_positions,
+        "training.data_format='preference' needs training.document_mask=true and "
+        "training.document_positions=true (a pair's chosen and rejected sequences are two "
+        "documents of one row)",
+    )
+    _require(
+        not t.mixture,
+        "training.mixture is not supported with DPO; train on one "
+        "preference store (training.dataset_path)",
+    )
+    _require(
+        config.parallelism.context_parallel_degree == 1,
+        f"parallelism.context_parallel_degree={config.parallelism.context_parallel_degree}"
+        " is not supported with DPO (a pair's log-probabilities are summed over its whole "
+        "row); use 1",
+    )
+    _require(
+        config.moe.router_aux_loss_coef == 0,
+        f"moe.router_aux_loss_coef={config.moe.router_aux_loss_coef} is not supported with "
+        "DPO; use 0 (the aux-loss-free balancing still runs)",
+    )
 
 
 def _check_yarn(m: Model) -> None:
     if m.rope_type != "yarn":  # nothing reads the yarn_* keys then: a changed one is a slip
         for f in dataclasses.fields(YarnScaling):
             value = getattr(m, f"yarn_{f.name}")
-            _require(value == getattr(YarnScaling, f.name),
-                     f"model.yarn_{f.name}={value} applies with model.rope_type=yarn only (it "
-                     f"is {m.rope_type!r}); add --model.rope_type yarn, or leave it out")
+            _require(
+                value == getattr(YarnScaling, f.name),
+                f"model.yarn_{f.name}={value} applies with model.rope_type=yarn only (it "
+                f"is {m.rope_type!r}); add --model.rope_type yarn, or leave it out",
+            )
         return
     try:
         yarn_of(m).validate(prefix="model.yarn_")
@@ -513,54 +617,89 @@ def _check_yarn(m: Model) -> None:
 
 def yarn_of(m: Model) -> YarnScaling:
     """The YaRN scaling the `[model]` yarn_* keys describe."""
-    return YarnScaling(**{f.name: getattr(m, f"yarn_{f.name}")
-                          for f in dataclasses.fields(YarnScaling)})
+    return YarnScaling(
+        **{f.name: getattr(m, f"yarn_{f.name}") for f in dataclasses.fields(YarnScaling)}
+    )
 
 
 def _check_data(t: Training) -> None:
     for i, m in enumerate(t.mixture):
-        _require(bool(m.path.strip()),
-                 f"training.mixture[{i}].path is empty; name a token store folder")
-        _require(math.isfinite(m.weight) and m.weight > 0,
-                 f"training.mixture[{i}].weight={m.weight} must be a number > 0")
+        _require(
+            bool(m.path.strip()), f"training.mixture[{i}].path is empty; name a token store folder"
+        )
+        _require(
+            math.isfinite(m.weight) and m.weight > 0,
+            f"training.mixture[{i}].weight={m.weight} must be a number > 0",
+        )
         # Sources are named by path (metrics, the data state): a path twice is one source.
         first = next(j for j, other in enumerate(t.mixture) if other.path == m.path)
-        _require(first == i, f"training.mixture[{i}].path={m.path!r} is also "
-                 f"training.mixture[{first}]'s; list it once, with the weights summed")
+        _require(
+            first == i,
+            f"training.mixture[{i}].path={m.path!r} is also "
+            f"training.mixture[{first}]'s; list it once, with the weights summed",
+        )
     total = sum(m.weight for m in t.mixture)
-    _require(math.isfinite(total), f"training.mixture weights sum to {total}; scale them down "
-             "(only their ratios matter)")
-    _require(t.dataset != "tokens" or bool(t.dataset_path) or bool(t.mixture),
-             "training.dataset='tokens' needs training.dataset_path (token store folders, "
-             "written by `titan-jax prepare-data`)")
-    _require(t.document_mask or not t.document_positions,
-             "training.document_positions=true needs training.document_mask=true")
+    _require(
+        math.isfinite(total),
+        f"training.mixture weights sum to {total}; scale them down (only their ratios matter)",
+    )
+    _require(
+        t.dataset != "tokens" or bool(t.dataset_path) or bool(t.mixture),
+        "training.dataset='tokens' needs training.dataset_path (token store folders, "
+        "written by `titan-jax prepare-data`)",
+    )
+    _require(
+        t.document_mask or not t.document_positions,
+        "training.document_positions=true needs training.document_mask=true",
+    )
 
 
 def _check_distributed(d: Distributed) -> None:
-    _require(d.initialization_timeout >= 1,
-             f"distributed.initialization_timeout={d.initialization_timeout} must be >= 1 seconds")
-    _require(d.step_timeout >= 0,
-             f"distributed.step_timeout={d.step_timeout} must be >= 0 seconds (0 = no limit)")
-    _require(d.heartbeat_timeout >= 1,
-             f"distributed.heartbeat_timeout={d.heartbeat_timeout} must be >= 1 seconds")
-    _require(d.num_processes >= 1 or d.num_processes == AUTO,
-             f"distributed.num_processes={d.num_processes} must be >= 1, or -1 to auto-detect "
-             "(-1 means auto in every key)")
+    _require(
+        d.initialization_timeout >= 1,
+        f"distributed.initialization_timeout={d.initialization_timeout} must be >= 1 seconds",
+    )
+    _require(
+        d.step_timeout >= 0,
+        f"distributed.step_timeout={d.step_timeout} must be >= 0 seconds (0 = no limit)",
+    )
+    _require(
+        d.heartbeat_timeout >= 1,
+        f"distributed.heartbeat_timeout={d.heartbeat_timeout} must be >= 1 seconds",
+    )
+    _require(
+        d.num_processes >= 1 or d.num_processes == AUTO,
+        f"distributed.num_processes={d.num_processes} must be >= 1, or -1 to auto-detect "
+        "(-1 means auto in every key)",
+    )
     if d.num_processes > 1:
         host, _, port = d.coordinator_address.rpartition(":")
-        _require(bool(host) and port.isdigit(),
-                 f"distributed.coordinator_address={d.coordinator_address!r} must be host:port "
-                 f"(process 0's) with distributed.num_processes={d.num_processes}")
-        _require(1 <= int(port) <= 65535,
-                 f"distributed.coordinator_address={d.coordinator_address!r}: port {port} is "
-                 "not a TCP port (1-65535)")
-        _require(0 <= d.process_id < d.num_processes,
-                 f"distributed.process_id={d.process_id} must be in [0, "
-                 f"{d.num_processes}) with distributed.num_processes={d.num_processes}")
+        _require(
+            bool(host) and port.isdigit(),
+            f"distributed.coordinator_address={d.coordinator_address!r} must be host:port "
+            f"(process 0's) with distributed.num_processes={d.num_processes}",
+        )
+        _require(
+            1 <= int(port) <= 65535,
+            f"distributed.coordinator_address={d.coordinator_address!r}: port {port} is "
+            "not a TCP port (1-65535)",
+        )
+        _require(
+            0 <= d.process_id < d.num_processes,
+            f"distributed.process_id={d.process_id} must be in [0, "
+            f"{d.num_processes}) with distributed.num_processes={d.num_processes}",
+        )
     else:
-        explicit = [f"{k}={v!r}" for k, v in (("coordinator_address", d.coordinator_address),
-                                              ("process_id", d.process_id))
-                    if v not in ("", -1)]
-        _require(not explicit, f"distributed.{explicit[0] if explicit else ''} needs "
-                 "distributed.num_processes > 1 (the number of processes in the job)")
+        explicit = [
+            f"{k}={v!r}"
+            for k, v in (
+                ("coordinator_address", d.coordinator_address),
+                ("process_id", d.process_id),
+            )
+            if v not in ("", -1)
+        ]
+        _require(
+            not explicit,
+            f"distributed.{explicit[0] if explicit else ''} needs "
+            "distributed.num_processes > 1 (the number of processes in the job)",
+        )

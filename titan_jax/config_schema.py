@@ -17,6 +17,7 @@ class ConfigError(TitanJaxError, ValueError):
 # The one spelling of "auto" (or "all", "newest") in integer keys.
 AUTO = -1
 
+
 @dataclasses.dataclass
 class Job:
     dump_folder: str = "./outputs"  # metrics.jsonl, loss.png, tb/ and checkpoint/ go here
@@ -44,7 +45,8 @@ class Model:
     rope_type: Literal["default", "yarn"] = "default"
     yarn_factor: float = YarnScaling.factor  # >= 1: how much longer than the original window
     yarn_original_max_position_embeddings: int = (  # the window pre-training used
-        YarnScaling.original_max_position_embeddings)
+        YarnScaling.original_max_position_embeddings
+    )
     yarn_beta_fast: float = YarnScaling.beta_fast  # dims turning more often than this are kept
     yarn_beta_slow: float = YarnScaling.beta_slow  # dims turning less often are interpolated
     yarn_attention_factor: float = YarnScaling.attention_factor  # 0 = 0.1 * ln(factor) + 1
@@ -249,9 +251,11 @@ class Quantize:
 # What `lora.target_modules` can name: groups of projections, expanded to HF/PEFT's names of
 # the Qwen3 projections, which may also be named one by one (the MoE experts' as the ends of
 # PEFT's `target_parameters`: transformers fuses each layer's experts into two parameters).
-LORA_GROUPS = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
-               "mlp": ("gate_proj", "up_proj", "down_proj"),
-               "experts": ("experts.gate_up_proj", "experts.down_proj")}
+LORA_GROUPS = {
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+    "experts": ("experts.gate_up_proj", "experts.down_proj"),
+}
 LORA_TARGETS = (*LORA_GROUPS, *(n for names in LORA_GROUPS.values() for n in names))
 
 
@@ -402,8 +406,14 @@ class JobConfig:
 
 def _toml_value(value: Any) -> str:
     if isinstance(value, list):  # of tables: an inline array of inline tables
-        return "[" + ", ".join("{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in t.items())
-                               + "}" for t in value) + "]"
+        return (
+            "["
+            + ", ".join(
+                "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in t.items()) + "}"
+                for t in value
+            )
+            + "]"
+        )
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):

@@ -16,8 +16,14 @@ from collections.abc import Iterator
 from typing import Any
 
 # Failures of the machine rather than of titan-jax: named first when a save or write fails.
-_ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS,
-                       errno.EIO)
+_ENVIRONMENT_ERRNOS = (
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.EIO,
+)
 
 
 class TitanJaxError(Exception):
@@ -52,16 +58,20 @@ def long_name(path: str | os.PathLike[str]) -> str | None:
     size, limit = len(os.fsencode(name)), _name_max(path)
     if size <= limit:
         return None
-    return (f"the name {name[:12]}...{name[-4:]} is {size} bytes, longer than the {limit} bytes "
-            "a file name may have here; use a shorter name")
+    return (
+        f"the name {name[:12]}...{name[-4:]} is {size} bytes, longer than the {limit} bytes "
+        "a file name may have here; use a shorter name"
+    )
 
 
 def name_too_long(path: str | os.PathLike[str]) -> str:
     """Why the file system refused `path` with ENAMETOOLONG: a name too long, or else the whole
     path."""
-    return long_name(path) or (f"the path is {len(os.fsencode(os.path.abspath(path)))} bytes, "
-                               "longer than the file system takes (File name too long); use a "
-                               "shorter path")
+    return long_name(path) or (
+        f"the path is {len(os.fsencode(os.path.abspath(path)))} bytes, "
+        "longer than the file system takes (File name too long); use a "
+        "shorter path"
+    )
 
 
 def _name_max(path: str) -> int:
@@ -112,8 +122,9 @@ def quiet_unstarted_reads() -> None:
     point or at exit (seen in CI: 'Store._get_array_metadatas', 2026-12-05). The warning
     carries no module to match, and titan-jax runs no coroutines of its own, so after such a
     failure every such warning is the library's."""
-    warnings.filterwarnings("ignore", message=r"coroutine '.+' was never awaited",
-                            category=RuntimeWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"coroutine '.+' was never awaited", category=RuntimeWarning
+    )
 
 
 def _drop_abandoned_orbax_task(record: logging.LogRecord) -> bool:
@@ -141,10 +152,14 @@ def _is_closed_loop_callback(unraisable: Any) -> bool:
     tb = unraisable.exc_traceback
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError)
-            and str(unraisable.exc_value) == "Event loop is closed" and tb is not None
-            and tb.tb_frame.f_code.co_name == "_check_closed"
-            and "asyncio" in tb.tb_frame.f_code.co_filename)
+    return (
+        unraisable.object is None
+        and isinstance(unraisable.exc_value, RuntimeError)
+        and str(unraisable.exc_value) == "Event loop is closed"
+        and tb is not None
+        and tb.tb_frame.f_code.co_name == "_check_closed"
+        and "asyncio" in tb.tb_frame.f_code.co_filename
+    )
 
 
 def _is_abandoned_orbax_read(unraisable: Any) -> bool:

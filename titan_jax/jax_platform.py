@@ -61,9 +61,11 @@ def compile_only_libtpu() -> None:
 # compile with it. The third keeps an all-gather an (async) all-gather: without it XLA:TPU
 # compiles some FSDP gathers as synchronous all-reduces of a zero-filled buffer, twice the bytes
 # (235B-A22B over fsdp512 on tpu7x-512: 12 s of a step); MaxText's Ironwood recipes set it.
-ASYNC_GATHER_FLAGS = ("--xla_enable_async_all_gather=true",
-                      "--xla_tpu_overlap_compute_collective_tc=true",
-                      "--xla_tpu_prefer_async_allgather_to_allreduce=true")
+ASYNC_GATHER_FLAGS = (
+    "--xla_enable_async_all_gather=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_tpu_prefer_async_allgather_to_allreduce=true",
+)
 # ... and that run them on the SparseCores (v5p, v6e, tpu7x), so each FSDP all-gather and
 # gradient reduce-scatter is asynchronous beside the TensorCore's compute: with the three above
 # alone libtpu 0.0.50 compiles the in-loop gathers of v5p and v6e steps synchronously. Estimated
@@ -72,11 +74,13 @@ ASYNC_GATHER_FLAGS = ("--xla_enable_async_all_gather=true",
 # default) compile the same schedule with them. MaxText's recipes set them too, with
 # `xla_tpu_enable_async_collective_fusion_fuse_all_gather=false`, which is left out: on v5e it
 # turns off the fused continuation that overlaps its gathers there (653 -> 675 ms).
-SPARSECORE_OFFLOAD_FLAGS = ("--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
-                            "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true",
-                            "--xla_tpu_enable_sparse_core_collective_offload_3d_all_gather=true",
-                            "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
-                            "--xla_tpu_enable_sparse_core_collective_aggregator=true")
+SPARSECORE_OFFLOAD_FLAGS = (
+    "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_3d_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
+    "--xla_tpu_enable_sparse_core_collective_aggregator=true",
+)
 DEFAULT_LIBTPU_FLAGS = ASYNC_GATHER_FLAGS + SPARSECORE_OFFLOAD_FLAGS
 
 

@@ -47,8 +47,9 @@ def nested_set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def split_by_name(tree: dict[str, Any], names: frozenset[str] | None
-                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_by_name(
+    tree: dict[str, Any], names: frozenset[str] | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the nested dict of the leaves whose dotted name is in `names`, that of the others);
     `names` None selects every leaf. `merge_nested` puts them back together."""
     if names is None:

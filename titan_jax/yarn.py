@@ -37,25 +37,35 @@ class YarnScaling:
         log(0) or an inverted ramp give NaN or silently wrong frequencies), and positions that
         the step's int32 counters hold. `prefix` names the fields as their source spells them
         (`model.yarn_`, `rope_parameters.`)."""
-        numbers = {name: getattr(self, name) for name in
-                   ("factor", "beta_fast", "beta_slow", "attention_factor")}
+        numbers = {
+            name: getattr(self, name)
+            for name in ("factor", "beta_fast", "beta_slow", "attention_factor")
+        }
         for name, value in numbers.items():
             if not math.isfinite(value):
                 raise ValueError(f"{prefix}{name}={value} must be a finite number")
         if not self.factor >= 1:
             raise ValueError(f"{prefix}factor={self.factor} must be >= 1")
         if not 1 <= self.original_max_position_embeddings <= MAX_SIZE:
-            raise ValueError(f"{prefix}original_max_position_embeddings="
-                             f"{self.original_max_position_embeddings} must be in [1, {MAX_SIZE}]")
+            raise ValueError(
+                f"{prefix}original_max_position_embeddings="
+                f"{self.original_max_position_embeddings} must be in [1, {MAX_SIZE}]"
+            )
         if self.factor * self.original_max_position_embeddings > MAX_SIZE:
-            raise ValueError(f"{prefix}factor={self.factor} times original_max_position_"
-                             f"embeddings={self.original_max_position_embeddings} exceeds "
-                             f"{MAX_SIZE} positions (int32)")
+            raise ValueError(
+                f"{prefix}factor={self.factor} times original_max_position_"
+                f"embeddings={self.original_max_position_embeddings} exceeds "
+                f"{MAX_SIZE} positions (int32)"
+            )
         if not self.beta_slow > 0:
             raise ValueError(f"{prefix}beta_slow={self.beta_slow} must be > 0")
         if not self.beta_fast > self.beta_slow:
-            raise ValueError(f"{prefix}beta_fast={self.beta_fast} must be > beta_slow="
-                             f"{self.beta_slow} (the ramp runs from beta_fast down to beta_slow)")
+            raise ValueError(
+                f"{prefix}beta_fast={self.beta_fast} must be > beta_slow="
+                f"{self.beta_slow} (the ramp runs from beta_fast down to beta_slow)"
+            )
         if self.attention_factor < 0:
-            raise ValueError(f"{prefix}attention_factor={self.attention_factor} must be >= 0 "
-                             "(0: from the factor)")
+            raise ValueError(
+                f"{prefix}attention_factor={self.attention_factor} must be >= 0 "
+                "(0: from the factor)"
+            )

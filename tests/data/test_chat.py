@@ -150,14 +150,29 @@ CHATML_GENERATION = """\
 """
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Weather now in a city — °C",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                       "required": ["city"]}}},
-    {"type": "function", "function": {
-        "name": "add", "description": "a + b",
-        "parameters": {"type": "object", "properties": {"a": {"type": "number"},
-                                                        "b": {"type": "number"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather now in a city — °C",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "a + b",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            },
+        },
+    },
 ]
 
 
@@ -194,19 +209,32 @@ INLINE_THINKING = [
 TOOL_CHAT = [
     {"role": "system", "content": "Use tools when useful."},
     {"role": "user", "content": "Weather in Paris, and 2+3?"},
-    {"role": "assistant", "content": "", "reasoning_content": "I need two tools.",
-     "tool_calls": [call("get_weather", {"city": "Paris"}), call("add", '{"a": 2, "b": 3}')]},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "I need two tools.",
+        "tool_calls": [call("get_weather", {"city": "Paris"}), call("add", '{"a": 2, "b": 3}')],
+    },
     {"role": "tool", "content": "18 °C, sunny"},
     {"role": "tool", "content": "5"},
     {"role": "assistant", "content": "Paris: 18 °C and sunny; 2+3 = 5."},
     {"role": "user", "content": "And in Rome?"},
-    {"role": "assistant", "content": None, "thinking": "Call it again.",
-     "tool_calls": [call("get_weather", {"city": "Rome"})]},
+    {
+        "role": "assistant",
+        "content": None,
+        "thinking": "Call it again.",
+        "tool_calls": [call("get_weather", {"city": "Rome"})],
+    },
     {"role": "tool", "content": "21 °C"},
     {"role": "assistant", "content": "Rome: 21 °C."},
 ]
-CHATS = {"system": SYSTEM_CHAT, "multi_turn": MULTI_TURN, "thinking": THINKING,
-         "inline_thinking": INLINE_THINKING, "tools": TOOL_CHAT}
+CHATS = {
+    "system": SYSTEM_CHAT,
+    "multi_turn": MULTI_TURN,
+    "thinking": THINKING,
+    "inline_thinking": INLINE_THINKING,
+    "tools": TOOL_CHAT,
+}
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +246,11 @@ def raw_tokenizer():
 
 @pytest.fixture(scope="module")
 def tok(raw_tokenizer):
-    return Tokenizer(raw_tokenizer, eos_id=raw_tokenizer.token_to_id("<|im_end|>"),
-                     bos_id=raw_tokenizer.token_to_id("<|endoftext|>"))
+    return Tokenizer(
+        raw_tokenizer,
+        eos_id=raw_tokenizer.token_to_id("<|im_end|>"),
+        bos_id=raw_tokenizer.token_to_id("<|endoftext|>"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -232,8 +263,9 @@ def hf(raw_tokenizer):
 
 def hf_render(hf, messages, template, **kwargs):
     text = hf.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
-    ids = hf.apply_chat_template(messages, chat_template=template, tokenize=True,
-                                 return_dict=False, **kwargs)
+    ids = hf.apply_chat_template(
+        messages, chat_template=template, tokenize=True, return_dict=False, **kwargs
+    )
     return text, list(ids)
 
 
@@ -255,8 +287,11 @@ def trained_runs(tok, ids, mask):
 # Rendering equal to transformers
 
 
-@pytest.mark.parametrize("template", [CHATML, QWEN3_STYLE, PLAIN, CHATML_GENERATION],
-                         ids=["chatml", "qwen3_style", "plain", "chatml_generation"])
+@pytest.mark.parametrize(
+    "template",
+    [CHATML, QWEN3_STYLE, PLAIN, CHATML_GENERATION],
+    ids=["chatml", "qwen3_style", "plain", "chatml_generation"],
+)
 @pytest.mark.parametrize("name", list(CHATS))
 @pytest.mark.parametrize("generation_prompt", [False, True])
 def test_render_equals_transformers(hf, tok, template, name, generation_prompt):
@@ -267,15 +302,22 @@ def test_render_equals_transformers(hf, tok, template, name, generation_prompt):
         messages = [m for m in messages if m.get("content")]
     if generation_prompt:
         messages = messages[:-1]  # ends with a user or tool turn, as at inference
-    want_text, want_ids = hf_render(hf, messages, template, tools=tools,
-                                    add_generation_prompt=generation_prompt)
-    text = render_chat(messages, template, tools=tools, add_generation_prompt=generation_prompt,
-                       special_tokens=SPECIAL_TOKENS)
+    want_text, want_ids = hf_render(
+        hf, messages, template, tools=tools, add_generation_prompt=generation_prompt
+    )
+    text = render_chat(
+        messages,
+        template,
+        tools=tools,
+        add_generation_prompt=generation_prompt,
+        special_tokens=SPECIAL_TOKENS,
+    )
     assert text == want_text
     assert tok.encode(text) == want_ids
     if not generation_prompt:
-        ids, mask = render_with_mask(messages, template, tok, tools=tools,
-                                     special_tokens=SPECIAL_TOKENS)
+        ids, mask = render_with_mask(
+            messages, template, tok, tools=tools, special_tokens=SPECIAL_TOKENS
+        )
         assert ids.dtype == np.int64 and mask.dtype == np.bool_ and ids.shape == mask.shape
         assert ids.tolist() == want_ids
 
@@ -283,10 +325,16 @@ def test_render_equals_transformers(hf, tok, template, name, generation_prompt):
 def test_template_kwargs_and_default_special_tokens(hf, tok):
     # enable_thinking=False adds an empty think block to the generation prompt.
     for enable_thinking in (True, False):
-        want, _ = hf_render(hf, THINKING[:3], QWEN3_STYLE, add_generation_prompt=True,
-                            enable_thinking=enable_thinking)
-        got = render_chat(THINKING[:3], QWEN3_STYLE, add_generation_prompt=True,
-                          enable_thinking=enable_thinking)
+        want, _ = hf_render(
+            hf,
+            THINKING[:3],
+            QWEN3_STYLE,
+            add_generation_prompt=True,
+            enable_thinking=enable_thinking,
+        )
+        got = render_chat(
+            THINKING[:3], QWEN3_STYLE, add_generation_prompt=True, enable_thinking=enable_thinking
+        )
         assert got == want
     assert want.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     # Without special_tokens the mask functions pass the tokenizer's EOS and BOS, as named.
@@ -306,13 +354,17 @@ def test_template_kwargs_and_default_special_tokens(hf, tok):
 
 def test_mask_chatml_trains_content_and_end_marker_only(tok):
     ids, mask = render_with_mask(MULTI_TURN, CHATML, tok)
-    assert trained_runs(tok, ids, mask) == ["Hello. How can I help?<|im_end|>",
-                                            "héllo wörld, 世界 🙂<|im_end|>"]
+    assert trained_runs(tok, ids, mask) == [
+        "Hello. How can I help?<|im_end|>",
+        "héllo wörld, 世界 🙂<|im_end|>",
+    ]
     # The headers, the user turns and the newline after each end marker are context.
     untrained = tok.decode(ids[~mask].tolist())
-    assert untrained == ("<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n\n"
-                         "<|im_start|>user\nSay 'héllo wörld, 世界 🙂'.<|im_end|>\n"
-                         "<|im_start|>assistant\n\n")
+    assert untrained == (
+        "<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n\n"
+        "<|im_start|>user\nSay 'héllo wörld, 世界 🙂'.<|im_end|>\n"
+        "<|im_start|>assistant\n\n"
+    )
 
 
 def test_mask_keeps_up_when_the_template_drops_earlier_thinking(tok):
@@ -321,10 +373,14 @@ def test_mask_keeps_up_when_the_template_drops_earlier_thinking(tok):
     ids, mask = render_with_mask(THINKING, QWEN3_STYLE, tok)
     assert "Two and two" not in tok.decode(ids.tolist())
     assert trained_runs(tok, ids, mask) == [
-        "4.<|im_end|>", "<think>\nThree and three: six.\n</think>\n\n6.<|im_end|>"]
+        "4.<|im_end|>",
+        "<think>\nThree and three: six.\n</think>\n\n6.<|im_end|>",
+    ]
     ids, mask = render_with_mask(INLINE_THINKING, QWEN3_STYLE, tok)
     assert trained_runs(tok, ids, mask) == [
-        "Paris.<|im_end|>", "<think>\nRome, surely.\n</think>\n\nRome.<|im_end|>"]
+        "Paris.<|im_end|>",
+        "<think>\nRome, surely.\n</think>\n\nRome.<|im_end|>",
+    ]
 
 
 def test_mask_tool_calls_and_results(tok):
@@ -347,8 +403,13 @@ def test_mask_tool_calls_and_results(tok):
 def test_mask_equals_transformers_generation_mask(hf, tok):
     # Where the template marks the assistant's text itself, transformers' mask is ours.
     for messages in (SYSTEM_CHAT, MULTI_TURN, INLINE_THINKING):
-        out = hf.apply_chat_template(messages, chat_template=CHATML_GENERATION, tokenize=True,
-                                     return_dict=True, return_assistant_tokens_mask=True)
+        out = hf.apply_chat_template(
+            messages,
+            chat_template=CHATML_GENERATION,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
         ids, mask = render_with_mask(messages, CHATML_GENERATION, tok)
         assert ids.tolist() == list(out["input_ids"])
         assert mask.astype(int).tolist() == list(out["assistant_masks"])
@@ -368,28 +429,37 @@ def test_mask_token_straddling_header_and_content_is_trained(tok):
 def test_mask_non_thinking_generation_prompt(tok):
     # enable_thinking=False: the prompt forces an empty think block that history turns lack;
     # the header found for those is the prompt's `<|im_start|>assistant\n` part.
-    ids, mask = render_with_mask(THINKING[:2] + [{"role": "user", "content": "ok?"},
-                                                 {"role": "assistant", "content": "Yes."}],
-                                 QWEN3_STYLE, tok, enable_thinking=False)
+    ids, mask = render_with_mask(
+        THINKING[:2]
+        + [{"role": "user", "content": "ok?"}, {"role": "assistant", "content": "Yes."}],
+        QWEN3_STYLE,
+        tok,
+        enable_thinking=False,
+    )
     assert trained_runs(tok, ids, mask) == ["4.<|im_end|>", "Yes.<|im_end|>"]
 
 
 def test_render_pair(tok):
-    want = render_with_mask([{"role": "user", "content": "Name a prime."},
-                             {"role": "assistant", "content": "Seven."}], CHATML, tok)
+    want = render_with_mask(
+        [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven."}],
+        CHATML,
+        tok,
+    )
     got = render_pair("Name a prime.", "Seven.", CHATML, tok)
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
     # Conversational form: only the completion's assistant messages are trained on, not a
     # few-shot assistant turn in the prompt nor a tool result in the completion.
     prompt = MULTI_TURN[:3]
-    completion = [{"role": "assistant", "content": "",
-                   "tool_calls": [call("add", {"a": 1, "b": 2})]},
-                  {"role": "tool", "content": "3"},
-                  {"role": "assistant", "content": "It is 3."}]
+    completion = [
+        {"role": "assistant", "content": "", "tool_calls": [call("add", {"a": 1, "b": 2})]},
+        {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "It is 3."},
+    ]
     ids, mask = render_pair(prompt, completion, QWEN3_STYLE, tok, tools=TOOLS[1:])
     assert trained_runs(tok, ids, mask) == [
         '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>',
-        "<think>\n\n</think>\n\nIt is 3.<|im_end|>"]
+        "<think>\n\n</think>\n\nIt is 3.<|im_end|>",
+    ]
     assert "Hello. How can I help?" in tok.decode(ids[~mask].tolist())
 
 
@@ -398,13 +468,22 @@ def test_render_pair(tok):
 
 
 def test_load_chat_template(tmp_path):
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHATML, "eos_token": {"content": "<|im_end|>"}, "bos_token": None,
-         "pad_token": "<|endoftext|>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": CHATML,
+                "eos_token": {"content": "<|im_end|>"},
+                "bos_token": None,
+                "pad_token": "<|endoftext|>",
+            }
+        )
+    )
     assert load_chat_template(str(tmp_path)) == CHATML
     assert load_chat_template(str(tmp_path / "tokenizer_config.json")) == CHATML
-    assert load_special_tokens(str(tmp_path)) == {"eos_token": "<|im_end|>",
-                                                  "pad_token": "<|endoftext|>"}
+    assert load_special_tokens(str(tmp_path)) == {
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+    }
     # A chat_template.jinja beside the config wins over its entry, as in transformers.
     (tmp_path / "chat_template.jinja").write_text(QWEN3_STYLE)
     assert load_chat_template(str(tmp_path)) == QWEN3_STYLE
@@ -413,8 +492,16 @@ def test_load_chat_template(tmp_path):
     # Named templates: "default" is the one.
     named = tmp_path / "named"
     named.mkdir()
-    (named / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
-        {"name": "tool_use", "template": QWEN3_STYLE}, {"name": "default", "template": CHATML}]}))
+    (named / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": [
+                    {"name": "tool_use", "template": QWEN3_STYLE},
+                    {"name": "default", "template": CHATML},
+                ]
+            }
+        )
+    )
     assert load_chat_template(str(named)) == CHATML
 
 
@@ -423,8 +510,9 @@ def test_load_chat_template_errors(tmp_path):
     hint = HINT_NO_TEMPLATE.format(directory=tmp_path)
     with pytest.raises(ChatError) as e:
         load_chat_template(str(tmp_path))
-    assert str(e.value) == f"{str(tmp_path / 'tokenizer_config.json')!r} has no chat_template; "\
-        f"{hint}"
+    assert (
+        str(e.value) == f"{str(tmp_path / 'tokenizer_config.json')!r} has no chat_template; {hint}"
+    )
     assert "--training.chat_template FILE" in hint
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -432,8 +520,9 @@ def test_load_chat_template_errors(tmp_path):
         load_chat_template(str(empty))
     with pytest.raises(ChatError, match="does not exist"):
         load_chat_template(str(tmp_path / "missing"))
-    (empty / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
-        {"name": "tool_use", "template": CHATML}]}))
+    (empty / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "tool_use", "template": CHATML}]})
+    )
     with pytest.raises(ChatError, match=r"names no 'default' template \(it has \['tool_use'\]\)"):
         load_chat_template(str(empty))
     (empty / "tokenizer_config.json").write_text("{not json")
@@ -445,30 +534,61 @@ def test_load_chat_template_errors(tmp_path):
 # Bad input: one line each
 
 
-RAISING = ("{%- if messages[0].role != 'user' %}{{ raise_exception('Conversations must start\\n"
-           "with a user message') }}{% endif %}" + CHATML)
+RAISING = (
+    "{%- if messages[0].role != 'user' %}{{ raise_exception('Conversations must start\\n"
+    "with a user message') }}{% endif %}" + CHATML
+)
 
 
-@pytest.mark.parametrize("messages, template, message", [
-    ([], CHATML, r"^data.jsonl:7: messages is empty: a conversation needs at least one message$"),
-    ("hello", CHATML, r"^data.jsonl:7: messages is not a list of messages \(a str\)$"),
-    ([{"role": "user", "content": "Hi"}], CHATML,
-     r"^data.jsonl:7: messages has no assistant message to train on$"),
-    ([{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hey"}], CHATML,
-     r"^data.jsonl:7: messages\[1\] has role 'bot'; valid roles: system, user, assistant, tool$"),
-    ([{"role": "user", "content": ["Hi"]}, {"role": "assistant", "content": "Hey"}], CHATML,
-     r"^data.jsonl:7: messages\[0\] \(user\) needs a string 'content'; it has a list$"),
-    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}], CHATML,
-     r"^data.jsonl:7: messages\[1\] \(assistant\) needs a string 'content' or 'tool_calls'; "
-     r"it has none$"),
-    ([{"role": "user", "content": "Hi"}, "Hey"], CHATML,
-     r"^data.jsonl:7: messages\[1\] is not a message object \(a str\)$"),
-    ([{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Hey"}],
-     RAISING, r"^data.jsonl:7: chat template error: Conversations must start with a user "
-              r"message$"),
-    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}],
-     "{% for m in messages %}{{ m.content }", r"^chat template line 1: unexpected '}'"),
-])
+@pytest.mark.parametrize(
+    "messages, template, message",
+    [
+        (
+            [],
+            CHATML,
+            r"^data.jsonl:7: messages is empty: a conversation needs at least one message$",
+        ),
+        ("hello", CHATML, r"^data.jsonl:7: messages is not a list of messages \(a str\)$"),
+        (
+            [{"role": "user", "content": "Hi"}],
+            CHATML,
+            r"^data.jsonl:7: messages has no assistant message to train on$",
+        ),
+        (
+            [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hey"}],
+            CHATML,
+            r"^data.jsonl:7: messages\[1\] has role 'bot'; valid roles: system, "
+            r"user, assistant, tool$",
+        ),
+        (
+            [{"role": "user", "content": ["Hi"]}, {"role": "assistant", "content": "Hey"}],
+            CHATML,
+            r"^data.jsonl:7: messages\[0\] \(user\) needs a string 'content'; it has a list$",
+        ),
+        (
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}],
+            CHATML,
+            r"^data.jsonl:7: messages\[1\] \(assistant\) needs a string 'content' or 'tool_calls'; "
+            r"it has none$",
+        ),
+        (
+            [{"role": "user", "content": "Hi"}, "Hey"],
+            CHATML,
+            r"^data.jsonl:7: messages\[1\] is not a message object \(a str\)$",
+        ),
+        (
+            [{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Hey"}],
+            RAISING,
+            r"^data.jsonl:7: chat template error: Conversations must start with a user "
+            r"message$",
+        ),
+        (
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}],
+            "{% for m in messages %}{{ m.content }",
+            r"^chat template line 1: unexpected '}'",
+        ),
+    ],
+)
 def test_bad_conversations(tok, messages, template, message):
     with pytest.raises(ChatError, match=message) as e:
         render_with_mask(messages, template, tok, where="data.jsonl:7")
@@ -489,8 +609,11 @@ def test_bad_pairs_and_tools(tok):
     with pytest.raises(ChatError, match=r"writes no generation prompt \(add_generation_prompt\)"):
         render_with_mask(SYSTEM_CHAT, no_prompt, tok)
     # The sandbox holds: no underscore attributes, no namespace internals.
-    with pytest.raises(ChatError, match=r"^chat template error: access to attribute '__class__' "
-                                        r"of 'list' object is unsafe\.$"):
+    with pytest.raises(
+        ChatError,
+        match=r"^chat template error: access to attribute '__class__' "
+        r"of 'list' object is unsafe\.$",
+    ):
         render_chat(SYSTEM_CHAT, "{{ messages.__class__.__mro__ }}")
     with pytest.raises(ChatError, match="attribute 'append' of 'list' object is unsafe"):
         render_chat(SYSTEM_CHAT, "{{ messages.append(1) }}")

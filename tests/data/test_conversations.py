@@ -18,13 +18,21 @@ TOK = load_tokenizer()
 CHAT = load_chat_format("messages", "", "")
 REPLIES = ["Four.", "It is the square of two.", "Nine, three times three."]
 CONVERSATIONS = [
-    {"messages": [{"role": "system", "content": "Be brief."},
-                  {"role": "user", "content": "Two times two?"},
-                  {"role": "assistant", "content": REPLIES[0]},
-                  {"role": "user", "content": "Why?"},
-                  {"role": "assistant", "content": REPLIES[1]}]},
-    {"messages": [{"role": "user", "content": "Three times three?"},
-                  {"role": "assistant", "content": REPLIES[2]}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Two times two?"},
+            {"role": "assistant", "content": REPLIES[0]},
+            {"role": "user", "content": "Why?"},
+            {"role": "assistant", "content": REPLIES[1]},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Three times three?"},
+            {"role": "assistant", "content": REPLIES[2]},
+        ]
+    },
 ]
 
 
@@ -35,8 +43,15 @@ def _write(folder, records, name="chat.jsonl"):
 
 
 def _prepare(src, out, fmt=CHAT, **kwargs):
-    return prepare_store(dataset="jsonl", dataset_path=str(src), text_field="text",
-                         tokenizer=TOK, output=str(out), chat=fmt, **kwargs)
+    return prepare_store(
+        dataset="jsonl",
+        dataset_path=str(src),
+        text_field="text",
+        tokenizer=TOK,
+        output=str(out),
+        chat=fmt,
+        **kwargs,
+    )
 
 
 def test_a_store_of_conversations_carries_the_assistants_tokens_as_its_labels(tmp_path):
@@ -57,15 +72,22 @@ def test_a_store_of_conversations_carries_the_assistants_tokens_as_its_labels(tm
 
 def test_prompt_completion_pairs_train_on_the_completion(tmp_path):
     fmt = load_chat_format("prompt_completion", "", "")
-    pairs = [{"prompt": "Capital of France?", "completion": "Paris."},
-             {"prompt": [{"role": "system", "content": "One word."},
-                         {"role": "user", "content": "Colour of snow?"}],
-              "completion": [{"role": "assistant", "content": "White."}]}]
+    pairs = [
+        {"prompt": "Capital of France?", "completion": "Paris."},
+        {
+            "prompt": [
+                {"role": "system", "content": "One word."},
+                {"role": "user", "content": "Colour of snow?"},
+            ],
+            "completion": [{"role": "assistant", "content": "White."}],
+        },
+    ]
     _prepare(_write(tmp_path / "src", pairs), tmp_path / "store", fmt)
     corpus = open_corpus(str(tmp_path / "store"), TOK)
     row = read_row(corpus, 0, corpus.num_tokens - 1)
     assert TOK.decode(row["labels"][row["labels"] != IGNORE_INDEX].tolist()) == (
-        "Paris.<|im_end|>\nWhite.<|im_end|>\n")
+        "Paris.<|im_end|>\nWhite.<|im_end|>\n"
+    )
 
 
 def test_windows_with_document_masks_keep_the_loss_mask(tmp_path):
@@ -73,8 +95,14 @@ def test_windows_with_document_masks_keep_the_loss_mask(tmp_path):
     corpus = open_corpus(str(tmp_path / "store"), TOK)
     ids, mask = encode_record("test", CONVERSATIONS[0], CHAT, TOK)
     per_conversation = int(mask.sum())
-    stream = WindowStream([Source("chat", corpus)], seq_len=32, global_batch_size=4, seed=0,
-                          document_mask=True, document_positions=True)
+    stream = WindowStream(
+        [Source("chat", corpus)],
+        seq_len=32,
+        global_batch_size=4,
+        seed=0,
+        document_mask=True,
+        document_positions=True,
+    )
     batch = next(stream)
     assert batch["inputs"].shape == (4, 32, 3)
     labels, tokens = batch["labels"], batch["inputs"][..., 0]
@@ -87,18 +115,28 @@ def test_windows_with_document_masks_keep_the_loss_mask(tmp_path):
     assert TOK.decode(ids[mask].tolist()) == f"{REPLIES[0]}<|im_end|>\n{REPLIES[1]}<|im_end|>\n"
     assert per_conversation < len(ids)
     held_out = next(ValidationWindows(corpus, seq_len=32, global_batch_size=2).batches(1))
-    assert np.array_equal(held_out["labels"][0] != IGNORE_INDEX,
-                          corpus.read_mask(1, 33))
+    assert np.array_equal(held_out["labels"][0] != IGNORE_INDEX, corpus.read_mask(1, 33))
 
 
-@pytest.mark.parametrize("record,message", [
-    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant"),
-    ({"messages": [{"role": "robot", "content": "hi"},
-                   {"role": "assistant", "content": "hi"}]}, "robot"),
-    ({"messages": []}, "empty"),
-])
+@pytest.mark.parametrize(
+    "record,message",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant"),
+        (
+            {
+                "messages": [
+                    {"role": "robot", "content": "hi"},
+                    {"role": "assistant", "content": "hi"},
+                ]
+            },
+            "robot",
+        ),
+        ({"messages": []}, "empty"),
+    ],
+)
 def test_a_bad_conversation_is_one_line_naming_its_line_and_nothing_is_written(
-        tmp_path, record, message):
+    tmp_path, record, message
+):
     src = _write(tmp_path / "src", [CONVERSATIONS[0], record])
     with pytest.raises(DataError, match=message) as e:
         _prepare(src, tmp_path / "store", keep_partial=False)
@@ -118,18 +156,21 @@ def test_another_template_is_another_store(tmp_path):
     src = _write(tmp_path / "src", CONVERSATIONS)
     _prepare(src, tmp_path / "store")
     other = tmp_path / "other.jinja"
-    other.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                     "{% endfor %}")
+    other.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     fmt = load_chat_format("messages", str(other), "")
     with pytest.raises(StoreError, match="other inputs"):
         _prepare(src, tmp_path / "store", fmt)
 
 
 def test_the_shipped_chat_set_prepares_with_the_shipped_template(tmp_path):
-    manifest = prepare_store(dataset="jsonl",
-                             dataset_path="titan_jax/data/assets/pydoc_chat_validation.jsonl",
-                             text_field="text", tokenizer=TOK, output=str(tmp_path / "store"),
-                             chat=CHAT)
+    manifest = prepare_store(
+        dataset="jsonl",
+        dataset_path="titan_jax/data/assets/pydoc_chat_validation.jsonl",
+        text_field="text",
+        tokenizer=TOK,
+        output=str(tmp_path / "store"),
+        chat=CHAT,
+    )
     assert manifest["documents"] == 8 and read_manifest(str(tmp_path / "store"))["loss_mask"]
     corpus = open_corpus(str(tmp_path / "store"), TOK)
     share = corpus.read_mask(0, corpus.num_tokens).mean()

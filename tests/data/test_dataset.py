@@ -31,8 +31,9 @@ def test_pydoc_documents_are_topics_in_sorted_order():
     train = load_documents("pydoc", "", "text")
     held_out = load_documents("pydoc", "", "text", split="validation")
     assert list(held_out) == [topics[k] for k in names[::10]]
-    assert list(train) == [topics[k] for i, k in enumerate(names)
-                           if i % 10 and k != "if"]  # "if" has the same text as "else"
+    assert list(train) == [
+        topics[k] for i, k in enumerate(names) if i % 10 and k != "if"
+    ]  # "if" has the same text as "else"
     assert not set(train) & set(held_out)  # training never sees the held-out slice
 
 

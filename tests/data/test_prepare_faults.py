@@ -24,15 +24,26 @@ ROOT = Path(__file__).parents[2]
 def _source(folder: Path, files: int = 2, docs: int = 20) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(files):
-        (folder / f"{i:02d}.jsonl").write_text("".join(
-            json.dumps({"text": f"file {i} document {j} " + "word " * (j % 7)}) + "\n"
-            for j in range(docs)))
+        (folder / f"{i:02d}.jsonl").write_text(
+            "".join(
+                json.dumps({"text": f"file {i} document {j} " + "word " * (j % 7)}) + "\n"
+                for j in range(docs)
+            )
+        )
     return folder
 
 
 def _argv(src: Path, output: str, *extra: str) -> list[str]:
-    return ["prepare-data", "--training.dataset", "jsonl", "--training.dataset_path", str(src),
-            "--output", output, *extra]
+    return [
+        "prepare-data",
+        "--training.dataset",
+        "jsonl",
+        "--training.dataset_path",
+        str(src),
+        "--output",
+        output,
+        *extra,
+    ]
 
 
 def test_a_second_run_on_the_same_output_is_refused_by_its_lock(tmp_path, capsys):
@@ -52,7 +63,8 @@ def test_a_second_run_on_the_same_output_is_refused_by_its_lock(tmp_path, capsys
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
 def test_a_full_disk_or_read_only_folder_is_one_line_and_the_rerun_goes_on(
-        tmp_path, capsys, monkeypatch, code):
+    tmp_path, capsys, monkeypatch, code
+):
     src = _source(tmp_path / "src", files=3)
     out = tmp_path / "store"
     real = prepare._write_shard
@@ -68,9 +80,11 @@ def test_a_full_disk_or_read_only_folder_is_one_line_and_the_rerun_goes_on(
     assert main(_argv(src, str(out))) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     partial = tmp_path / ".store.titan-jax-partial"
-    assert err == (f"titan-jax: error: prepare-data --output {out}: {os.strerror(code)} "
-                   f"({partial}/tokens-00001.bin.tmp); fix that, then run the same command "
-                   "again: it goes on from the input files finished so far")
+    assert err == (
+        f"titan-jax: error: prepare-data --output {out}: {os.strerror(code)} "
+        f"({partial}/tokens-00001.bin.tmp); fix that, then run the same command "
+        "again: it goes on from the input files finished so far"
+    )
     monkeypatch.setattr(prepare, "_write_shard", real)
     assert main(_argv(src, str(out))) == 0
     assert "00.jsonl: kept from an earlier run" in capsys.readouterr().err
@@ -93,7 +107,8 @@ def test_workers_beyond_the_machine_are_refused(tmp_path, capsys):
     assert main(_argv(src, str(tmp_path / "store"), "--workers", "3000000000")) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"titan-jax: error: --workers=3000000000 must be in [1, {4 * cpus}] (4 per CPU; this "
-        f"machine has {cpus})")
+        f"machine has {cpus})"
+    )
     assert not (tmp_path / "store").exists()
 
 
@@ -110,9 +125,17 @@ def test_an_output_name_at_the_filesystems_limit_works(tmp_path):
 def test_tokenizer_workers_end_with_a_killed_parent(tmp_path):
     src = _source(tmp_path / "src", files=6, docs=3000)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "titan_jax.cli",
-                             *_argv(src, str(tmp_path / "store"), "--workers", "2")],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "titan_jax.cli",
+            *_argv(src, str(tmp_path / "store"), "--workers", "2"),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
     def workers() -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
@@ -129,8 +152,12 @@ def test_tokenizer_workers_end_with_a_killed_parent(tmp_path):
     alive = children
     while alive and time.monotonic() < deadline:
         time.sleep(0.2)
-        alive = [p for p in alive if Path(f"/proc/{p}").exists()
-                 and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+        alive = [
+            p
+            for p in alive
+            if Path(f"/proc/{p}").exists()
+            and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
+        ]
     assert alive == []
 
 
@@ -143,8 +170,10 @@ def test_a_remote_output_goes_on_after_a_failed_input_as_its_hint_says(tmp_path,
     try:
         assert main(_argv(src, out)) == 2
         err = capsys.readouterr().err.splitlines()[-1]
-        assert err.endswith(f"the input files finished so far are kept in {out}: the same "
-                            "command goes on from them once the file is fixed")
+        assert err.endswith(
+            f"the input files finished so far are kept in {out}: the same "
+            "command goes on from them once the file is fixed"
+        )
         (src / "01.jsonl").write_text(good)
         assert main(_argv(src, out)) == 0
         assert "00.jsonl: kept from an earlier run" in capsys.readouterr().err

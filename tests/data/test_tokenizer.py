@@ -117,30 +117,41 @@ def test_missing_file_path_is_named(tmp_path):
 
 HUGE = 10**20
 BAD_IDS = [  # tokenizer_config.json beside the shipped tokenizer (2048 ids, EOS <|endoftext|> = 0)
-    ({"eos_token_id": HUGE},
-     f"eos_token_id={HUGE} is not a token id of the tokenizer.json beside it (0 to 2047); give "
-     "the id of EOS, or leave eos_token_id out"),
-    ({"bos_token_id": -1},
-     "bos_token_id=-1 is not a token id of the tokenizer.json beside it (0 to 2047); give the "
-     "id of BOS, or leave bos_token_id out"),
+    (
+        {"eos_token_id": HUGE},
+        f"eos_token_id={HUGE} is not a token id of the tokenizer.json beside it (0 to 2047); give "
+        "the id of EOS, or leave eos_token_id out",
+    ),
+    (
+        {"bos_token_id": -1},
+        "bos_token_id=-1 is not a token id of the tokenizer.json beside it (0 to 2047); give the "
+        "id of BOS, or leave bos_token_id out",
+    ),
     ({"eos_token_id": "0"}, 'eos_token_id="0" is not a token id'),
-    ({"eos_token": HUGE},
-     f'eos_token={HUGE} is not a token; give the token\'s text (e.g. "<|im_end|>", or '
-     '{"content": "<|im_end|>"}), or null'),
+    (
+        {"eos_token": HUGE},
+        f'eos_token={HUGE} is not a token; give the token\'s text (e.g. "<|im_end|>", or '
+        '{"content": "<|im_end|>"}), or null',
+    ),
     ({"bos_token": {"content": 7}}, 'bos_token={"content": 7} is not a token'),
-    ({"eos_token": "<|endoftext|>", "eos_token_id": 5},
-     "eos_token_id=5, but eos_token='<|endoftext|>' is id 0; make them agree, or leave "
-     "eos_token_id out"),
-    ({"eos_token": "<|endoftext|>",
-      "added_tokens_decoder": {str(HUGE): {"content": "<|endoftext|>", "special": True}}},
-     f"added_tokens_decoder gives '<|endoftext|>' (eos_token) the id \"{HUGE}\", but "
-     "tokenizer.json has it at 0; make the two files agree"),
+    (
+        {"eos_token": "<|endoftext|>", "eos_token_id": 5},
+        "eos_token_id=5, but eos_token='<|endoftext|>' is id 0; make them agree, or leave "
+        "eos_token_id out",
+    ),
+    (
+        {
+            "eos_token": "<|endoftext|>",
+            "added_tokens_decoder": {str(HUGE): {"content": "<|endoftext|>", "special": True}},
+        },
+        f"added_tokens_decoder gives '<|endoftext|>' (eos_token) the id \"{HUGE}\", but "
+        "tokenizer.json has it at 0; make the two files agree",
+    ),
 ]
 
 
 @pytest.mark.parametrize("config, message", BAD_IDS)
-def test_special_token_ids_outside_the_tokenizer_name_the_file_and_field(tmp_path, config,
-                                                                         message):
+def test_special_token_ids_outside_the_tokenizer_name_the_file_and_field(tmp_path, config, message):
     shutil.copy(ASSET, tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(TokenizerError) as err:
@@ -151,8 +162,12 @@ def test_special_token_ids_outside_the_tokenizer_name_the_file_and_field(tmp_pat
 
 def test_special_token_ids_that_agree_are_taken(tmp_path):
     shutil.copy(ASSET, tmp_path / "tokenizer.json")
-    config = {"eos_token": {"content": "<|endoftext|>"}, "eos_token_id": 0, "bos_token_id": 7,
-              "added_tokens_decoder": {"0": {"content": "<|endoftext|>", "special": True}}}
+    config = {
+        "eos_token": {"content": "<|endoftext|>"},
+        "eos_token_id": 0,
+        "bos_token_id": 7,
+        "added_tokens_decoder": {"0": {"content": "<|endoftext|>", "special": True}},
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tok = load_tokenizer(str(tmp_path))
     assert (tok.eos_id, tok.bos_id) == (0, 7)
@@ -160,8 +175,11 @@ def test_special_token_ids_that_agree_are_taken(tmp_path):
 
 def test_a_chat_templates_special_token_of_the_wrong_kind_names_the_file(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": HUGE}))
-    with pytest.raises(TokenizerError, match=f"tokenizer config '{tmp_path}/tokenizer_config"
-                                             f".json': pad_token={HUGE} is not a token"):
+    with pytest.raises(
+        TokenizerError,
+        match=f"tokenizer config '{tmp_path}/tokenizer_config"
+        f".json': pad_token={HUGE} is not a token",
+    ):
         load_special_tokens(str(tmp_path))
 
 
@@ -171,10 +189,20 @@ def test_a_huge_eos_id_stops_train_in_one_line_writing_nothing(tmp_path, capsys)
     shutil.copy(ASSET, tok / "tokenizer.json")
     (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token_id": HUGE}))
     before = sorted(tmp_path.rglob("*"))
-    code = main(["train", "--config", str(ROOT / "configs" / "qwen3_debug.toml"),
-                 "--model.tokenizer_path", str(tok), "--job.dump_folder", str(tmp_path / "run")])
+    code = main(
+        [
+            "train",
+            "--config",
+            str(ROOT / "configs" / "qwen3_debug.toml"),
+            "--model.tokenizer_path",
+            str(tok),
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
-    assert err == (f"titan-jax: error: tokenizer config '{tok}/tokenizer_config.json': "
-                   f"{BAD_IDS[0][1]}\n")
+    assert err == (
+        f"titan-jax: error: tokenizer config '{tok}/tokenizer_config.json': {BAD_IDS[0][1]}\n"
+    )
     assert sorted(tmp_path.rglob("*")) == before

@@ -36,23 +36,35 @@ def stores(tmp_path_factory):
         src.mkdir()
         texts = []
         for f in range(n_files):
-            texts.append([f"{name}{f} {d} " + " ".join(WORDS[(d + k) % 11] for k in range(2 * d))
-                          for d in range(n_docs)])
-            (src / f"{f}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
-                                                    for t in texts[-1]))
-        prepare_store(dataset="jsonl", dataset_path=str(src), text_field="text", tokenizer=TOK,
-                      output=str(root / name))
-        tokens = np.array([t for file in texts for text in file
-                           for t in [*TOK.encode(text), TOK.eos_id]], np.int32)
+            texts.append(
+                [
+                    f"{name}{f} {d} " + " ".join(WORDS[(d + k) % 11] for k in range(2 * d))
+                    for d in range(n_docs)
+                ]
+            )
+            (src / f"{f}.jsonl").write_text(
+                "".join(json.dumps({"text": t}) + "\n" for t in texts[-1])
+            )
+        prepare_store(
+            dataset="jsonl",
+            dataset_path=str(src),
+            text_field="text",
+            tokenizer=TOK,
+            output=str(root / name),
+        )
+        tokens = np.array(
+            [t for file in texts for text in file for t in [*TOK.encode(text), TOK.eos_id]],
+            np.int32,
+        )
         out[name] = (open_corpus(str(root / name), TOK), tokens)
     return out
 
 
 def _stream(stores, names=("a",), weights=None, **kwargs):
-    sources = [Source(n, stores[n][0], w) for n, w in zip(names, weights or [1] * len(names),
-                                                          strict=True)]
-    return WindowStream(sources, **({"seq_len": 16, "global_batch_size": 8, "seed": 3}
-                                     | kwargs))
+    sources = [
+        Source(n, stores[n][0], w) for n, w in zip(names, weights or [1] * len(names), strict=True)
+    ]
+    return WindowStream(sources, **({"seq_len": 16, "global_batch_size": 8, "seed": 3} | kwargs))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 31, 32, 33, 127, 255, 256, 257, 1021, 4097])
@@ -84,10 +96,10 @@ def test_a_window_is_a_direct_slice_of_the_concatenated_tokens(stores):
         batch = next(stream)
         _, windows = stream.window_index(step * 8 + np.arange(8))
         for row, w in enumerate(windows):
-            np.testing.assert_array_equal(batch["inputs"][row], tokens[w * 16:w * 16 + 16])
-            np.testing.assert_array_equal(batch["labels"][row], tokens[w * 16 + 1:w * 16 + 17])
+            np.testing.assert_array_equal(batch["inputs"][row], tokens[w * 16 : w * 16 + 16])
+            np.testing.assert_array_equal(batch["labels"][row], tokens[w * 16 + 1 : w * 16 + 17])
         seen.extend(windows)
-    epochs = [seen[e * n_windows:(e + 1) * n_windows] for e in range(3)]
+    epochs = [seen[e * n_windows : (e + 1) * n_windows] for e in range(3)]
     for epoch in epochs[:2]:  # each epoch is every window once, in a new order
         assert sorted(epoch) == list(range(n_windows))
     assert epochs[0] != epochs[1]
@@ -123,9 +135,11 @@ def test_resume_with_another_seq_len_continues_at_the_same_token_position(stores
     longer = _stream(stores, seq_len=32)
     longer.set_state(stream.get_state())
     assert longer.samples == 3 * 8 * 16 // 32
-    assert longer.resume_note == ("data: the checkpoint read 24 windows of seq_len 16 (384 "
-                                  "tokens); with seq_len 32 this run continues at the same token "
-                                  "position, window 12")
+    assert longer.resume_note == (
+        "data: the checkpoint read 24 windows of seq_len 16 (384 "
+        "tokens); with seq_len 32 this run continues at the same token "
+        "position, window 12"
+    )
     with pytest.raises(DataError, match="belongs to another stream"):
         _stream(stores, seed=4).set_state(stream.get_state())
 
@@ -135,17 +149,23 @@ def test_a_store_moved_or_copied_elsewhere_resumes_and_another_is_refused_with_a
     stream = _stream(stores)
     next(stream)
     state = json.loads(json.dumps(stream.get_state()))
-    moved = WindowStream([Source("/elsewhere/a-copy", stores["a"][0])], seq_len=16,
-                         global_batch_size=8, seed=3)
+    moved = WindowStream(
+        [Source("/elsewhere/a-copy", stores["a"][0])], seq_len=16, global_batch_size=8, seed=3
+    )
     moved.set_state(state)
     assert moved.samples == stream.samples
     other = WindowStream([Source("a", stores["b"][0])], seq_len=16, global_batch_size=8, seed=3)
-    with pytest.raises(DataError, match=r"the checkpoint read \['a'\] \(seed 3\), this run "
-                       r"reads \['a'\] \(seed 3\) with other tokens or weights; point the run "
-                       "at the checkpoint's stores"):
+    with pytest.raises(
+        DataError,
+        match=r"the checkpoint read \['a'\] \(seed 3\), this run "
+        r"reads \['a'\] \(seed 3\) with other tokens or weights; point the run "
+        "at the checkpoint's stores",
+    ):
         other.set_state(state)
-    old = {**state, "stream": {**state["stream"], "sources": [
-        src[:3] for src in state["stream"]["sources"]]}}  # saved before contents were recorded
+    old = {
+        **state,
+        "stream": {**state["stream"], "sources": [src[:3] for src in state["stream"]["sources"]]},
+    }  # saved before contents were recorded
     _stream(stores).set_state(old)
     with pytest.raises(DataError, match="belongs to another stream"):
         moved.set_state(old)
@@ -161,12 +181,17 @@ def test_mixture_proportions_hold_and_are_counted_per_source(stores):
     b_tokens = stores["b"][1]
     batch = next(stream)
     for row in np.flatnonzero(source[:64] == 1):  # rows from "b" are b's windows
-        starts = [w for w in range(len(b_tokens) // 16)
-                  if np.array_equal(b_tokens[w * 16:w * 16 + 16], batch["inputs"][row])]
+        starts = [
+            w
+            for w in range(len(b_tokens) // 16)
+            if np.array_equal(b_tokens[w * 16 : w * 16 + 16], batch["inputs"][row])
+        ]
         assert starts
     counts = stream.source_tokens(batches=10)
-    assert counts == {"a": int(np.sum(source[:640] == 0)) * 16,
-                      "b": int(np.sum(source[:640] == 1)) * 16}
+    assert counts == {
+        "a": int(np.sum(source[:640] == 0)) * 16,
+        "b": int(np.sum(source[:640] == 1)) * 16,
+    }
 
 
 def test_document_fields_mask_boundaries_and_restart_positions(stores):
@@ -180,18 +205,19 @@ def test_document_fields_mask_boundaries_and_restart_positions(stores):
     boundaries = 0
     for row, w in enumerate(windows):
         start = w * 64
-        np.testing.assert_array_equal(ids[row], tokens[start:start + 64])
+        np.testing.assert_array_equal(ids[row], tokens[start : start + 64])
         doc = np.searchsorted(ends, start + np.arange(64), side="right")  # global document
         np.testing.assert_array_equal(segments[row], doc - doc[0])
         doc_start = np.concatenate([[0], ends])[doc]
-        np.testing.assert_array_equal(positions[row],
-                                      np.arange(64) + start - np.maximum(doc_start, start))
+        np.testing.assert_array_equal(
+            positions[row], np.arange(64) + start - np.maximum(doc_start, start)
+        )
         last = np.isin(start + np.arange(64) + 1, ends)  # input is a document's EOS
-        assert (tokens[start:start + 64][last] == TOK.eos_id).all()
+        assert (tokens[start : start + 64][last] == TOK.eos_id).all()
         boundaries += last.sum()
         labels = batch["labels"][row]
         assert (labels[last] == IGNORE_INDEX).all()
-        np.testing.assert_array_equal(labels[~last], tokens[start + 1:start + 65][~last])
+        np.testing.assert_array_equal(labels[~last], tokens[start + 1 : start + 65][~last])
     assert boundaries >= 4  # the check saw masked labels
     plain = next(_stream(stores, document_mask=True, seq_len=64))  # positions not restarted
     np.testing.assert_array_equal(plain["inputs"][..., 2], np.tile(np.arange(64), (8, 1)))
@@ -224,14 +250,23 @@ def test_a_process_holding_some_cp_chunks_reads_only_their_tokens(stores, docume
         spans = held_spans(held, 16, 2)
         assert spans == want_spans
         spy = ReadSpy(stores["a"][0])
-        batch = next(WindowStream([Source("a", spy)], seq_len=16, global_batch_size=8, seed=3,
-                                  spans=spans, document_mask=document_mask))
+        batch = next(
+            WindowStream(
+                [Source("a", spy)],
+                seq_len=16,
+                global_batch_size=8,
+                seed=3,
+                spans=spans,
+                document_mask=document_mask,
+            )
+        )
         assert sorted({(b - a) for a, b in spy.reads}) == sorted({b - a + 1 for a, b in spans})
         assert len(spy.reads) == 8 * len(spans)  # one read per row and span, nothing else
         got.append(batch)
     for key in whole:
-        np.testing.assert_array_equal(np.concatenate([b[key] for b in got], axis=1),
-                                      to_load_balanced(whole[key], 2))
+        np.testing.assert_array_equal(
+            np.concatenate([b[key] for b in got], axis=1), to_load_balanced(whole[key], 2)
+        )
 
 
 def test_validation_windows_are_in_order_and_the_same_every_time(stores):
@@ -239,11 +274,14 @@ def test_validation_windows_are_in_order_and_the_same_every_time(stores):
     v = ValidationWindows(corpus, seq_len=8, global_batch_size=4)
     first = list(v.batches(2))
     assert len(first) == 2 and len(list(v.batches())) == v.num_batches == (len(tokens) - 1) // 32
-    np.testing.assert_array_equal(first[1]["inputs"][2], tokens[6 * 8:7 * 8])
-    halves = [ValidationWindows(corpus, seq_len=8, global_batch_size=4, rows=r).batches(2)
-              for r in ([0, 1], [2, 3])]
-    np.testing.assert_array_equal(np.concatenate([next(h)["labels"] for h in halves]),
-                                  first[0]["labels"])
+    np.testing.assert_array_equal(first[1]["inputs"][2], tokens[6 * 8 : 7 * 8])
+    halves = [
+        ValidationWindows(corpus, seq_len=8, global_batch_size=4, rows=r).batches(2)
+        for r in ([0, 1], [2, 3])
+    ]
+    np.testing.assert_array_equal(
+        np.concatenate([next(h)["labels"] for h in halves]), first[0]["labels"]
+    )
     again = list(v.batches(2))
     np.testing.assert_array_equal(again[1]["inputs"], first[1]["inputs"])
 
@@ -252,13 +290,20 @@ def test_validation_windows_are_in_order_and_the_same_every_time(stores):
 def test_both_streams_yield_the_batch_layout_training_is_compiled_for(stores, document_mask):
     corpus, _ = stores["a"]
     train = next(_stream(stores, document_mask=document_mask, document_positions=document_mask))
-    held_out = ValidationWindows(corpus, seq_len=16, global_batch_size=8, rows=[1, 5],
-                                 document_mask=document_mask, document_positions=document_mask)
+    held_out = ValidationWindows(
+        corpus,
+        seq_len=16,
+        global_batch_size=8,
+        rows=[1, 5],
+        document_mask=document_mask,
+        document_positions=document_mask,
+    )
     validation = next(held_out.batches(1))
     for batch, rows in ((train, 8), (validation, 2)):
         assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
             k: ((rows, *shape), np.dtype(dtype))
-            for k, (shape, dtype) in batch_layout(16, document_mask).items()}
+            for k, (shape, dtype) in batch_layout(16, document_mask).items()
+        }
     for i, window in enumerate([1, 5]):  # validation rows are training's fields of windows
         row = read_row(corpus, window * 16, 16, document_mask, document_mask)
         for k, v in row.items():

@@ -28,15 +28,26 @@ from titan_jax.train.trainer import build_trainer
 
 # GQA 2 (8 query heads on 4 kv heads) so that tensor parallelism 2 splits both; splash tiles
 # sequences in multiples of 128 rows.
-ARGS = Qwen3Args(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, hidden_dim=128,
-                 vocab_size=256, max_seq_len=256)
+ARGS = Qwen3Args(
+    dim=64,
+    n_layers=2,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=8,
+    hidden_dim=128,
+    vocab_size=256,
+    max_seq_len=256,
+)
 SEQ, BATCH = 256, 8
 
 
 def qkv(b: int, t: int, n: int, kv: int, h: int) -> tuple[jax.Array, ...]:
     keys = jax.random.split(jax.random.key(0), 3)
-    return (jax.random.normal(keys[0], (b, t, n, h)), jax.random.normal(keys[1], (b, t, kv, h)),
-            jax.random.normal(keys[2], (b, t, kv, h)))
+    return (
+        jax.random.normal(keys[0], (b, t, n, h)),
+        jax.random.normal(keys[1], (b, t, kv, h)),
+        jax.random.normal(keys[2], (b, t, kv, h)),
+    )
 
 
 def max_rel(a: jax.Array, b: jax.Array) -> float:
@@ -82,8 +93,10 @@ def test_a_gpu_target_builds_the_cudnn_kernel_into_the_model():
     model = nnx.merge(model_def.graphdef, model_def.init(jax.random.key(0)))
     assert model.layers.attention.backend == "cudnn"
     model_def = build_model_def(ARGS, BuildOptions(platform="gpu", attention="xla"))
-    assert nnx.merge(model_def.graphdef, model_def.init(jax.random.key(0))
-                     ).layers.attention.backend == "xla"
+    assert (
+        nnx.merge(model_def.graphdef, model_def.init(jax.random.key(0))).layers.attention.backend
+        == "xla"
+    )
 
 
 def test_unknown_backend_lists_the_valid_ones():
@@ -91,11 +104,14 @@ def test_unknown_backend_lists_the_valid_ones():
         load_config(None, ["--model.attention", "flash"])
 
 
-@pytest.mark.parametrize("choice, platform, dtype, hint", [
-    ("cudnn", "cpu", None, "model.attention=cudnn needs GPU devices"),
-    ("cudnn", "gpu", jnp.float32, "training.mixed_precision_param=bfloat16"),
-    ("splash", "gpu", None, "model.attention=splash is a TPU kernel"),
-])
+@pytest.mark.parametrize(
+    "choice, platform, dtype, hint",
+    [
+        ("cudnn", "cpu", None, "model.attention=cudnn needs GPU devices"),
+        ("cudnn", "gpu", jnp.float32, "training.mixed_precision_param=bfloat16"),
+        ("splash", "gpu", None, "model.attention=splash is a TPU kernel"),
+    ],
+)
 def test_backends_that_cannot_run_say_what_would(choice, platform, dtype, hint):
     with pytest.raises(ConfigError, match=hint):
         resolve_attention(choice, platform, dtype)
@@ -104,12 +120,16 @@ def test_backends_that_cannot_run_say_what_would(choice, platform, dtype, hint):
 
 
 def test_splash_needs_tiled_sequence_lengths():
-    with pytest.raises(ConfigError, match=r"training.seq_len=1000 must be a multiple of 128 .*"
-                                          r"use e.g. 896, or model.attention=xla"):
+    with pytest.raises(
+        ConfigError,
+        match=r"training.seq_len=1000 must be a multiple of 128 .*"
+        r"use e.g. 896, or model.attention=xla",
+    ):
         resolve_attention("splash", "tpu", None, {"training.seq_len": 1000})
     with pytest.raises(ConfigError, match=r"validation.seq_len=100 .*use e.g. 128"):
-        resolve_attention("splash", "tpu", None, {"training.seq_len": 128,
-                                                  "validation.seq_len": 100})
+        resolve_attention(
+            "splash", "tpu", None, {"training.seq_len": 128, "validation.seq_len": 100}
+        )
     assert resolve_attention("splash", "tpu", None, {"training.seq_len": 896}) == "splash"
     assert [splash_block(n) for n in (128, 384, 512, 1536, 32768)] == [128, 128, 512, 512, 512]
 
@@ -121,11 +141,26 @@ def test_trainer_rejects_an_untiled_seq_len_for_splash():
 
 
 def _losses(attention: str, n_devices: int, *overrides: str) -> np.ndarray:
-    config = load_config(None, [
-        "--model.attention", attention, "--training.seq_len", str(SEQ),
-        "--training.mixed_precision_param", "float32", "--optimizer.lr", "3e-3",
-        "--lr_scheduler.warmup_steps", "1", "--training.global_batch_size", str(BATCH),
-        "--training.local_batch_size", str(BATCH), *overrides])
+    config = load_config(
+        None,
+        [
+            "--model.attention",
+            attention,
+            "--training.seq_len",
+            str(SEQ),
+            "--training.mixed_precision_param",
+            "float32",
+            "--optimizer.lr",
+            "3e-3",
+            "--lr_scheduler.warmup_steps",
+            "1",
+            "--training.global_batch_size",
+            str(BATCH),
+            "--training.local_batch_size",
+            str(BATCH),
+            *overrides,
+        ],
+    )
     trainer = build_trainer(config, jax.devices()[:n_devices], model_args=ARGS)
     assert trainer.model.options.attention == attention
     state = trainer.init_state()
@@ -144,15 +179,39 @@ def xla_losses() -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n_devices, overrides", [
-    (1, ()),
-    (8, ("--parallelism.data_parallel_shard_degree", "4",
-         "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2",
-         "--parallelism.fsdp_implementation", "jit")),
-    (8, ("--parallelism.data_parallel_shard_degree", "4",
-         "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2",
-         "--parallelism.fsdp_implementation", "shard_map")),
-], ids=["1_device", "fsdp4_tp2_jit", "fsdp4_tp2_shard_map"])
+@pytest.mark.parametrize(
+    "n_devices, overrides",
+    [
+        (1, ()),
+        (
+            8,
+            (
+                "--parallelism.data_parallel_shard_degree",
+                "4",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--training.local_batch_size",
+                "2",
+                "--parallelism.fsdp_implementation",
+                "jit",
+            ),
+        ),
+        (
+            8,
+            (
+                "--parallelism.data_parallel_shard_degree",
+                "4",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--training.local_batch_size",
+                "2",
+                "--parallelism.fsdp_implementation",
+                "shard_map",
+            ),
+        ),
+    ],
+    ids=["1_device", "fsdp4_tp2_jit", "fsdp4_tp2_shard_map"],
+)
 def test_train_steps_with_splash_match_the_xla_path(xla_losses, n_devices, overrides):
     """3 optimizer steps from one init: splash (one kernel per device under shard_map, heads
     split over tp) gives the single-device xla path's losses."""
@@ -166,18 +225,31 @@ def _temp_bytes(attention: str) -> int:
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
     args = dataclasses.replace(ARGS, head_dim=128, max_seq_len=2048)
-    config = load_config(None, [
-        "--model.attention", attention, "--training.seq_len", "2048",
-        "--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16",
-        "--activation_checkpoint.mode", "selective"])
+    config = load_config(
+        None,
+        [
+            "--model.attention",
+            attention,
+            "--training.seq_len",
+            "2048",
+            "--training.local_batch_size",
+            "1",
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--activation_checkpoint.mode",
+            "selective",
+        ],
+    )
     trainer = build_trainer(config, list(topology.devices), model_args=args)
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                    reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
+)
 def test_splash_step_on_v5p_needs_far_less_memory_than_materialised_scores(monkeypatch):
     """A v5p:2x2x2 step (FSDP 8, bf16, seq 2048, 8 heads of 128) compiled ahead of time: the
     kernel's per-device temporaries are a fraction of the xla path's (T^2 scores per head)."""

@@ -11,8 +11,19 @@ from tiny_model import TIED, UNTIED
 
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def, decode, hf
 
-MOE = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=64,
-                max_seq_len=64, tie_embeddings=False, num_experts=4, top_k=2, moe_inter_dim=24)
+MOE = Qwen3Args(
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    vocab_size=64,
+    max_seq_len=64,
+    tie_embeddings=False,
+    num_experts=4,
+    top_k=2,
+    moe_inter_dim=24,
+)
 
 
 def random_params(args, seed=0):
@@ -21,8 +32,10 @@ def random_params(args, seed=0):
     params = jax.jit(model.init)(jax.random.key(seed))
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    leaves = [x + 0.2 * jax.random.normal(k, x.shape) if x.ndim <= 2 and x.shape[-1] <= 32
-              else x for x, k in zip(leaves, keys, strict=True)]
+    leaves = [
+        x + 0.2 * jax.random.normal(k, x.shape) if x.ndim <= 2 and x.shape[-1] <= 32 else x
+        for x, k in zip(leaves, keys, strict=True)
+    ]
     return model, jax.tree.unflatten(tree, leaves)
 
 
@@ -35,7 +48,7 @@ def test_cached_decoding_equals_the_training_model(args):
     prefill, cache = decode.forward(params, args, tokens[:, :8], jnp.int32(0), cache)
     np.testing.assert_allclose(prefill, full[:, :8], atol=2e-5)
     for pos in range(8, 12):  # then one token at a time, from the cache
-        step, cache = decode.forward(params, args, tokens[:, pos:pos + 1], jnp.int32(pos), cache)
+        step, cache = decode.forward(params, args, tokens[:, pos : pos + 1], jnp.int32(pos), cache)
         np.testing.assert_allclose(step[:, 0], full[:, pos], atol=2e-5)
 
 
@@ -77,7 +90,12 @@ def test_greedy_equals_hf_generate(tmp_path, args):
     prompt = np.random.default_rng(0).integers(0, args.vocab_size, (2, 7))
     n = 24
     with torch.no_grad():
-        expected = model.generate(torch.tensor(prompt), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, pad_token_id=0)
+        expected = model.generate(
+            torch.tensor(prompt),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
     ours = decode.generate(params, args, jnp.asarray(prompt, jnp.int32), n)
     assert np.asarray(ours).tolist() == expected.numpy().tolist()

@@ -22,8 +22,9 @@ def _logits(model, params, tokens):
 def test_each_packed_document_equals_running_it_alone():
     model = build_model_def(TINY)
     rng = np.random.default_rng(0)  # random weights from numpy: nothing to compile
-    params = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.normal(size=x.shape), x.dtype),
-                          model.abstract_params)
+    params = jax.tree.map(
+        lambda x: jnp.asarray(0.1 * rng.normal(size=x.shape), x.dtype), model.abstract_params
+    )
     docs = [rng.integers(1, TINY.vocab_size, n) for n in LENGTHS]
     window = np.concatenate(docs)
     segments = np.repeat(np.arange(len(docs)), LENGTHS)
@@ -32,21 +33,23 @@ def test_each_packed_document_equals_running_it_alone():
     logits, h, w = _logits(model, params, packed)
     next_tokens = np.append(window[1:], 0)
     # The label of each document's last token would be the next document's first: ignored.
-    labels = np.where(np.isin(np.arange(len(window)), np.cumsum(LENGTHS) - 1), IGNORE_INDEX,
-                      next_tokens)
+    labels = np.where(
+        np.isin(np.arange(len(window)), np.cumsum(LENGTHS) - 1), IGNORE_INDEX, next_tokens
+    )
     packed_loss = jax.jit(cross_entropy_sum)(h, w, jnp.asarray(labels[None], jnp.int32))
     # Each document alone, one per row, padded at its end (causal: the padding cannot reach it).
     width = max(LENGTHS)
     alone_tokens = np.zeros((len(docs), width), np.int64)
     alone_labels = np.full((len(docs), width), IGNORE_INDEX)
     for i, doc in enumerate(docs):
-        alone_tokens[i, :len(doc)] = doc
-        alone_labels[i, :len(doc) - 1] = doc[1:]
+        alone_tokens[i, : len(doc)] = doc
+        alone_labels[i, : len(doc) - 1] = doc[1:]
     alone, h1, w1 = _logits(model, params, jnp.asarray(alone_tokens, jnp.int32))
     start = 0
     for i, doc in enumerate(docs):
-        np.testing.assert_allclose(logits[0, start:start + len(doc)], alone[i, :len(doc)],
-                                   atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(
+            logits[0, start : start + len(doc)], alone[i, : len(doc)], atol=1e-5, rtol=1e-5
+        )
         start += len(doc)
     alone_loss = jax.jit(cross_entropy_sum)(h1, w1, jnp.asarray(alone_labels, jnp.int32))
     np.testing.assert_allclose(float(packed_loss), float(alone_loss), rtol=1e-5)

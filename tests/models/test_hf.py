@@ -61,9 +61,15 @@ def test_config_roundtrip_and_hf_reads_ours():
 
 
 def test_config_defaults_and_old_rope_theta():
-    config = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 100,
-              "rope_theta": 1000000}  # transformers 4 layout: rope_theta at the top level
+    config = {
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 96,
+        "vocab_size": 100,
+        "rope_theta": 1000000,
+    }  # transformers 4 layout: rope_theta at the top level
     args = hf_config.args_from_hf_config(config)
     assert (args.head_dim, args.n_kv_heads, args.rope_theta) == (16, 4, 1e6)
     assert not args.tie_embeddings  # HF's default for Qwen3Config
@@ -71,12 +77,18 @@ def test_config_defaults_and_old_rope_theta():
     assert hf_config.args_from_hf_config(config).rope_theta == 5e6  # transformers 5 wins
 
 
-YARN = dataclasses.replace(UNTIED, max_seq_len=1024, yarn=YarnScaling(
-    factor=8.0, original_max_position_embeddings=128, beta_fast=16.0, beta_slow=2.0))
+YARN = dataclasses.replace(
+    UNTIED,
+    max_seq_len=1024,
+    yarn=YarnScaling(
+        factor=8.0, original_max_position_embeddings=128, beta_fast=16.0, beta_slow=2.0
+    ),
+)
 
 
-@pytest.mark.parametrize("yarn", [YARN.yarn, dataclasses.replace(YARN.yarn, truncate=False,
-                                                                  attention_factor=1.25)])
+@pytest.mark.parametrize(
+    "yarn", [YARN.yarn, dataclasses.replace(YARN.yarn, truncate=False, attention_factor=1.25)]
+)
 def test_yarn_config_roundtrip_and_hf_computes_our_frequencies(yarn):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -94,52 +106,82 @@ def test_yarn_config_roundtrip_and_hf_computes_our_frequencies(yarn):
 
 
 def test_yarn_from_an_older_rope_scaling_file():
-    config = {k: v for k, v in hf_config.hf_config_from_args(UNTIED).items()
-              if k != "rope_parameters"}
-    config["rope_scaling"] = {"type": "yarn", "factor": 4.0, "mscale": 0.707,
-                              "mscale_all_dim": 1.0}
+    config = {
+        k: v for k, v in hf_config.hf_config_from_args(UNTIED).items() if k != "rope_parameters"
+    }
+    config["rope_scaling"] = {"type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0}
     args = hf_config.args_from_hf_config(config)
     assert args.yarn.original_max_position_embeddings == UNTIED.max_seq_len  # HF's default
     assert (args.yarn.beta_fast, args.yarn.beta_slow, args.yarn.truncate) == (32, 1, True)
     m = lambda s: 0.1 * s * np.log(4.0) + 1  # noqa: E731
     assert args.yarn.attention_factor == pytest.approx(m(0.707) / m(1.0))
-    assert hf_config.hf_config_from_args(args)["rope_parameters"]["attention_factor"] == \
-        args.yarn.attention_factor
+    assert (
+        hf_config.hf_config_from_args(args)["rope_parameters"]["attention_factor"]
+        == args.yarn.attention_factor
+    )
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"model_type": "qwen3_moe"}, "expected ['Qwen3MoeForCausalLM']"),
-    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
-     "missing field 'num_local_experts'"),
-    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
-      "num_experts_per_tok": 2, "moe_intermediate_size": 8, "mlp_only_layers": [0]},
-     "only all-MoE layers"),
-    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "model_type='llama'"),
-    ({"architectures": ["Qwen3ForSequenceClassification"]}, "architectures="),
-    ({"hidden_size": None}, "missing field 'hidden_size'"),
-    ({"num_hidden_layers": "2"}, "num_hidden_layers='2' is not of type int"),
-    ({"tie_word_embeddings": 1}, "tie_word_embeddings=1 is not of type bool"),
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 0.5}}, "factor=0.5 must be >= 1"),
-    ({"rope_scaling": {"type": "yarn", "factor": "4"}}, "rope_scaling.factor='4' is not a"),
-    ({"use_sliding_window": True}, "use_sliding_window=True"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"num_key_value_heads": 3}, "n_kv_heads=3"),
-    # Sizes and numbers are range-checked where they are read, before anything is built.
-    ({"num_hidden_layers": 2**64}, "num_hidden_layers=18446744073709551616 must be in [1, "),
-    ({"num_key_value_heads": 0}, "num_key_value_heads=0 must be in [1, 2147483647]"),
-    ({"max_position_embeddings": 10**15}, "max_position_embeddings=1000000000000000 must be"),
-    ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan must be a finite number >= 0"),
-    ({"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be > 0"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
-     "rope_theta=inf must be a finite number > 1"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 1,
-                          "beta_slow": 32}}, "rope_parameters.beta_fast=1.0 must be > beta_slow"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_slow": -1}},
-     "rope_parameters.beta_slow=-1.0 must be > 0"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 1e300}},
-     "rope_parameters.factor=1e.300 times original_max_position_embeddings=128 exceeds"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "qwen3_moe"}, "expected ['Qwen3MoeForCausalLM']"),
+        (
+            {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
+            "missing field 'num_local_experts'",
+        ),
+        (
+            {
+                "model_type": "qwen3_moe",
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 8,
+                "mlp_only_layers": [0],
+            },
+            "only all-MoE layers",
+        ),
+        ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "model_type='llama'"),
+        ({"architectures": ["Qwen3ForSequenceClassification"]}, "architectures="),
+        ({"hidden_size": None}, "missing field 'hidden_size'"),
+        ({"num_hidden_layers": "2"}, "num_hidden_layers='2' is not of type int"),
+        ({"tie_word_embeddings": 1}, "tie_word_embeddings=1 is not of type bool"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 0.5}}, "factor=0.5 must be >= 1"),
+        ({"rope_scaling": {"type": "yarn", "factor": "4"}}, "rope_scaling.factor='4' is not a"),
+        ({"use_sliding_window": True}, "use_sliding_window=True"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"num_key_value_heads": 3}, "n_kv_heads=3"),
+        # Sizes and numbers are range-checked where they are read, before anything is built.
+        ({"num_hidden_layers": 2**64}, "num_hidden_layers=18446744073709551616 must be in [1, "),
+        ({"num_key_value_heads": 0}, "num_key_value_heads=0 must be in [1, 2147483647]"),
+        ({"max_position_embeddings": 10**15}, "max_position_embeddings=1000000000000000 must be"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan must be a finite number >= 0"),
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be > 0"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
+            "rope_theta=inf must be a finite number > 1",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "beta_fast": 1,
+                    "beta_slow": 32,
+                }
+            },
+            "rope_parameters.beta_fast=1.0 must be > beta_slow",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_slow": -1}},
+            "rope_parameters.beta_slow=-1.0 must be > 0",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 1e300}},
+            "rope_parameters.factor=1e.300 times original_max_position_embeddings=128 exceeds",
+        ),
+    ],
+)
 def test_bad_config_fields_are_named(change, message):
     config = {**hf_config.hf_config_from_args(UNTIED), **change}
     with pytest.raises(HFCheckpointError, match=message.replace("[", r"\[")):
@@ -186,8 +228,10 @@ def test_layouts_match_the_hf_modules(tmp_path):
     wo = np.asarray(p["layers"]["attention"]["wo"][1])
     ours = np.einsum("tnh,nhd->td", h.numpy().reshape(3, UNTIED.n_heads, -1), wo)
     np.testing.assert_allclose(ours, o, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(p["layers"]["ffn_norm"]["weight"][1]),
-                                  layer.post_attention_layernorm.weight.detach().numpy())
+    np.testing.assert_array_equal(
+        np.asarray(p["layers"]["ffn_norm"]["weight"][1]),
+        layer.post_attention_layernorm.weight.detach().numpy(),
+    )
     np.testing.assert_array_equal(np.asarray(p["lm_head"]), model.lm_head.weight.detach().T)
 
 
@@ -195,8 +239,7 @@ def test_sharded_files_bf16_and_hf_loads_our_export(tmp_path):
     src = save_hf_model(UNTIED, tmp_path / "src", max_shard_size="20KB")
     assert (src / safetensors_io.INDEX_FILE).is_file()
     params = hf.load_hf_params(src)
-    files = hf.save_hf(tmp_path / "bf16", params, UNTIED, dtype="bfloat16",
-                       max_shard_size="8KB")
+    files = hf.save_hf(tmp_path / "bf16", params, UNTIED, dtype="bfloat16", max_shard_size="8KB")
     index = json.loads((tmp_path / "bf16" / safetensors_io.INDEX_FILE).read_text())
     shards = sorted(f.name for f in files if f.suffix == ".safetensors")
     assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
@@ -224,14 +267,27 @@ def test_loads_straight_into_shardings_reading_only_slices(tmp_path, monkeypatch
     reference = hf.load_hf_params(src)
     mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     specs = {  # shard every matrix over both axes, head_dim included (the hardest read)
-        "tok_embeddings": P("fsdp", "tp"), "lm_head": P("fsdp", "tp"), "norm": {"weight": P()},
+        "tok_embeddings": P("fsdp", "tp"),
+        "lm_head": P("fsdp", "tp"),
+        "norm": {"weight": P()},
         "layers": {
-            "attention": {"wq": P(None, "fsdp", None, "tp"), "wk": P(None, "fsdp", "tp"),
-                          "wv": P(None, "tp", None, "fsdp"), "wo": P(None, "tp", "fsdp"),
-                          "q_norm": {"weight": P()}, "k_norm": {"weight": P(None, "tp")}},
-            "feed_forward": {"w1": P(None, "fsdp", "tp"), "w2": P(None, "tp", "fsdp"),
-                             "w3": P("tp", None, "fsdp")},
-            "attention_norm": {"weight": P()}, "ffn_norm": {"weight": P(None, "fsdp")}}}
+            "attention": {
+                "wq": P(None, "fsdp", None, "tp"),
+                "wk": P(None, "fsdp", "tp"),
+                "wv": P(None, "tp", None, "fsdp"),
+                "wo": P(None, "tp", "fsdp"),
+                "q_norm": {"weight": P()},
+                "k_norm": {"weight": P(None, "tp")},
+            },
+            "feed_forward": {
+                "w1": P(None, "fsdp", "tp"),
+                "w2": P(None, "tp", "fsdp"),
+                "w3": P("tp", None, "fsdp"),
+            },
+            "attention_norm": {"weight": P()},
+            "ffn_norm": {"weight": P(None, "fsdp")},
+        },
+    }
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     largest_read = {}
     read = hf._Reader.read
@@ -243,9 +299,12 @@ def test_loads_straight_into_shardings_reading_only_slices(tmp_path, monkeypatch
 
     monkeypatch.setattr(hf._Reader, "read", spy)
     params = hf.load_hf_params(src, UNTIED, shardings)
-    for (path, x), ref, sharding in zip(jax.tree_util.tree_leaves_with_path(params),
-                                        jax.tree.leaves(reference), jax.tree.leaves(shardings),
-                                        strict=True):
+    for (path, x), ref, sharding in zip(
+        jax.tree_util.tree_leaves_with_path(params),
+        jax.tree.leaves(reference),
+        jax.tree.leaves(shardings),
+        strict=True,
+    ):
         assert x.sharding == sharding, path
         np.testing.assert_array_equal(np.asarray(x), np.asarray(ref))
     # Saving gathers one layer at a time from the sharded arrays: bitwise the source again.
@@ -257,8 +316,15 @@ def test_loads_straight_into_shardings_reading_only_slices(tmp_path, monkeypatch
     total = {name: x.size for name, x in tensors(src).items()}
     assert set(largest_read) == set(total)
     for name, size in largest_read.items():
-        if name.endswith(("k_proj.weight", "gate_proj.weight", "down_proj.weight",
-                          "embed_tokens.weight", "lm_head.weight")):
+        if name.endswith(
+            (
+                "k_proj.weight",
+                "gate_proj.weight",
+                "down_proj.weight",
+                "embed_tokens.weight",
+                "lm_head.weight",
+            )
+        ):
             assert size * 8 == total[name], name
         elif name.endswith("q_proj.weight"):
             assert size * 4 == total[name], name
@@ -272,8 +338,9 @@ def test_compiled_layer_take_matches_the_host_path(tmp_path):
     src = save_hf_model(UNTIED, tmp_path)
     mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     abstract = build_model_def(UNTIED).abstract_params
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, P(None, "fsdp") if len(s.shape) > 2
-                                                     else P()), abstract)
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, P(None, "fsdp") if len(s.shape) > 2 else P()), abstract
+    )
     params = hf.load_hf_params(src, UNTIED, shardings)
     for i in range(UNTIED.n_layers):
         compiled = safetensors_io._take_layer(params["layers"], i)
@@ -299,11 +366,17 @@ def test_missing_tensor_wrong_shape_and_unexpected_tensor_are_named(tmp_path):
     with pytest.raises(HFCheckpointError, match=f"missing tensor '{name}'"):
         hf.load_hf_params(src)
     _rewrite(src, change={name: np.zeros((48, 31), np.float32)})
-    with pytest.raises(HFCheckpointError,
-                       match=rf"'{name}' has shape \(48, 31\), expected \(48, 32\)"):
+    with pytest.raises(
+        HFCheckpointError, match=rf"'{name}' has shape \(48, 31\), expected \(48, 32\)"
+    ):
         hf.load_hf_params(src)
-    _rewrite(src, change={name: np.zeros((48, 32), np.float32),
-                          "model.layers.2.mlp.up_proj.weight": np.zeros((48, 32), np.float32)})
+    _rewrite(
+        src,
+        change={
+            name: np.zeros((48, 32), np.float32),
+            "model.layers.2.mlp.up_proj.weight": np.zeros((48, 32), np.float32),
+        },
+    )
     with pytest.raises(HFCheckpointError, match="unexpected tensors.*layers.2.mlp.up_proj"):
         hf.load_hf_params(src)
     _rewrite(src, drop=["model.layers.2.mlp.up_proj.weight", "lm_head.weight"])
@@ -317,28 +390,38 @@ def test_a_weight_of_a_non_floating_dtype_is_refused_naming_file_tensor_and_dtyp
     src = save_hf_model(UNTIED, tmp_path)
     name = "model.layers.1.mlp.up_proj.weight"
     weight = tensors(src)[name]
-    for changed in (weight.astype(np.float16), weight.astype(np.float64),
-                    weight.astype(ml_dtypes.bfloat16)):
+    for changed in (
+        weight.astype(np.float16),
+        weight.astype(np.float64),
+        weight.astype(ml_dtypes.bfloat16),
+    ):
         _rewrite(src, change={name: changed})
         loaded = hf.load_hf_params(src)["layers"]["feed_forward"]["w3"][1]
         np.testing.assert_array_equal(loaded, changed.astype(np.float32).T)
     for changed, dtype in ((weight.view(np.int32), "I32"), (weight > 0, "BOOL")):
         _rewrite(src, change={name: changed})
-        with pytest.raises(HFCheckpointError, match=rf"^{src}/model.safetensors: tensor '{name}' "
-                           rf"has dtype {dtype}; a weight loads from a floating-point tensor of "
-                           r"dtype F32, F16, BF16, F64$"):
+        with pytest.raises(
+            HFCheckpointError,
+            match=rf"^{src}/model.safetensors: tensor '{name}' "
+            rf"has dtype {dtype}; a weight loads from a floating-point tensor of "
+            r"dtype F32, F16, BF16, F64$",
+        ):
             hf.load_hf_params(src)
     # fp8, which numpy's safetensors reader cannot decode: its header written by hand
     data = {k: v.astype(np.float32) for k, v in tensors(src).items() if k != name}
     _rewrite(src, drop=[name], change=data)
     blob = (src / "model.safetensors").read_bytes()
     size = int.from_bytes(blob[:8], "little")
-    header, body = json.loads(blob[8:8 + size]), blob[8 + size:]
-    header[name] = {"dtype": "F8_E4M3", "shape": list(weight.shape),
-                    "data_offsets": [len(body), len(body) + weight.size]}
+    header, body = json.loads(blob[8 : 8 + size]), blob[8 + size :]
+    header[name] = {
+        "dtype": "F8_E4M3",
+        "shape": list(weight.shape),
+        "data_offsets": [len(body), len(body) + weight.size],
+    }
     encoded = json.dumps(header).encode()
-    (src / "model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + body
-                                            + bytes(weight.size))
+    (src / "model.safetensors").write_bytes(
+        len(encoded).to_bytes(8, "little") + encoded + body + bytes(weight.size)
+    )
     with pytest.raises(HFCheckpointError, match=f"tensor '{name}' has dtype F8_E4M3; "):
         hf.load_hf_params(src)
 
@@ -349,8 +432,11 @@ def test_a_layer_count_the_files_do_not_hold_is_refused_before_anything_is_built
     src = save_hf_model(UNTIED, tmp_path)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
-    with pytest.raises(HFCheckpointError, match=rf"num_hidden_layers=1000000000, but the "
-                       rf"safetensors files hold {UNTIED.n_layers} layers$"):
+    with pytest.raises(
+        HFCheckpointError,
+        match=rf"num_hidden_layers=1000000000, but the "
+        rf"safetensors files hold {UNTIED.n_layers} layers$",
+    ):
         hf.load_hf_params(src)
 
 
@@ -360,8 +446,9 @@ def test_stored_model_args_are_range_checked(tmp_path):
     stored = json.loads((path / ARGS_FILE).read_text())
     for value, shown in ((0, "0"), (2.5, "2.5"), ("2", "'2'")):
         (path / ARGS_FILE).write_text(json.dumps({**stored, "n_layers": value}))
-        with pytest.raises(CheckpointError,
-                           match=rf"model_args.json: n_layers={shown} must be an integer in"):
+        with pytest.raises(
+            CheckpointError, match=rf"model_args.json: n_layers={shown} must be an integer in"
+        ):
             load_orbax(path, QWEN3)
 
 
@@ -379,8 +466,10 @@ def test_an_orbax_model_this_user_may_not_read_is_named_so(tmp_path, monkeypatch
     monkeypatch.setattr(type(path), "read_text", read_text)
     with pytest.raises(CheckpointError) as error:
         load_orbax(path, QWEN3)
-    assert str(error.value) == (f"orbax model {path} cannot be read: Permission denied "
-                                f"({path / ARGS_FILE}); make it readable by this user")
+    assert str(error.value) == (
+        f"orbax model {path} cannot be read: Permission denied "
+        f"({path / ARGS_FILE}); make it readable by this user"
+    )
 
 
 def test_tied_checkpoint_with_lm_head_loads_and_ignores_it(tmp_path):
@@ -409,8 +498,9 @@ def test_missing_files_and_bad_index(tmp_path):
 def test_loading_into_a_different_model_names_the_fields(tmp_path):
     src = save_hf_model(UNTIED, tmp_path)
     other = dataclasses.replace(UNTIED, rope_theta=1e4, n_layers=3)
-    with pytest.raises(HFCheckpointError,
-                       match=r"n_layers: checkpoint 2 vs model 3; rope_theta: checkpoint"):
+    with pytest.raises(
+        HFCheckpointError, match=r"n_layers: checkpoint 2 vs model 3; rope_theta: checkpoint"
+    ):
         hf.load_hf_params(src, other)
 
 
@@ -424,19 +514,46 @@ def test_parse_size():
 
 def test_convert_cli_hf_orbax_hf_is_bitwise(tmp_path, capsys):
     src = save_hf_model(TIED, tmp_path / "hf")
-    assert main(["convert", "--from", "hf", "--to", "orbax", str(src),
-                 str(tmp_path / "orbax")]) == 0
+    assert (
+        main(["convert", "--from", "hf", "--to", "orbax", str(src), str(tmp_path / "orbax")]) == 0
+    )
     args, params = load_orbax(tmp_path / "orbax", QWEN3)
     assert args == TIED
-    assert jax.tree.structure(params) == jax.tree.structure(
-        build_model_def(TIED).abstract_params)
-    assert main(["convert", "--from", "orbax", "--to", "hf", str(tmp_path / "orbax"),
-                 str(tmp_path / "back"), "--max-shard-size", "10KB"]) == 0
+    assert jax.tree.structure(params) == jax.tree.structure(build_model_def(TIED).abstract_params)
+    assert (
+        main(
+            [
+                "convert",
+                "--from",
+                "orbax",
+                "--to",
+                "hf",
+                str(tmp_path / "orbax"),
+                str(tmp_path / "back"),
+                "--max-shard-size",
+                "10KB",
+            ]
+        )
+        == 0
+    )
     a, b = tensors(src), tensors(tmp_path / "back")
     assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
-    assert main(["convert", "--from", "hf", "--to", "orbax", str(src),
-                 str(tmp_path / "orbax")]) == 2  # refuses to overwrite
+    assert (
+        main(["convert", "--from", "hf", "--to", "orbax", str(src), str(tmp_path / "orbax")]) == 2
+    )  # refuses to overwrite
     assert "exists and is not empty" in capsys.readouterr().err
-    assert main(["convert", "--from", "hf", "--to", "hf", str(tmp_path / "nothing"),
-                 str(tmp_path / "x")]) == 2
+    assert (
+        main(
+            [
+                "convert",
+                "--from",
+                "hf",
+                "--to",
+                "hf",
+                str(tmp_path / "nothing"),
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
     assert "HF model directory" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -80,8 +80,7 @@ def test_gradients_equal_hf(hf_moe):
     # (causal: the last position's logits take no part).
     model(torch.from_numpy(x), labels=torch.from_numpy(x)).loss.backward()
     for name, p in model.named_parameters():
-        np.testing.assert_allclose(grads[name], p.grad.numpy(), atol=1e-4, rtol=1e-3,
-                                   err_msg=name)
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), atol=1e-4, rtol=1e-3, err_msg=name)
 
 
 def test_export_loads_in_hf_with_the_same_logits(hf_moe, tmp_path):
@@ -104,8 +103,9 @@ def test_a_missing_expert_tensor_names_it(hf_moe, tmp_path):
     del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(HFCheckpointError,
-                       match="missing tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"):
+    with pytest.raises(
+        HFCheckpointError, match="missing tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"
+    ):
         load_hf_params(tmp_path)
 
 
@@ -120,10 +120,27 @@ def test_parity_cli_on_a_moe_checkpoint(hf_moe, tmp_path, capsys):
         pytest.skip(torchtitan_ref.unavailable_reason())
     _, path = hf_moe
     out = tmp_path / "parity.json"
-    code = main(["parity", "--config", "configs/qwen3_debug.toml", "--hf-checkpoint", str(path),
-                 "--reference", "all", "--trajectory-steps", "3", "--training.seq_len", "32",
-                 "--seq-len", "480",  # the tiny model's 512 positions less 32 greedy tokens
-                 "--training.local_batch_size", "2", "--json", str(out)])
+    code = main(
+        [
+            "parity",
+            "--config",
+            "configs/qwen3_debug.toml",
+            "--hf-checkpoint",
+            str(path),
+            "--reference",
+            "all",
+            "--trajectory-steps",
+            "3",
+            "--training.seq_len",
+            "32",
+            "--seq-len",
+            "480",  # the tiny model's 512 positions less 32 greedy tokens
+            "--training.local_batch_size",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr()
     assert out.exists(), printed.out + printed.err
     report = json.loads(out.read_text())
@@ -176,7 +193,6 @@ def test_files_in_transformers_5s_fused_layout_load_too(hf_moe, tmp_path):
         load_hf_params(tmp_path, args)
 
 
-
 def test_convert_round_trips_a_moe_checkpoint(hf_moe, tmp_path):
     """`titan-jax convert` HF -> orbax -> HF on Qwen3-MoE: the tensors come back bitwise."""
     from safetensors.numpy import load_file
@@ -185,8 +201,10 @@ def test_convert_round_trips_a_moe_checkpoint(hf_moe, tmp_path):
 
     _, path = hf_moe
     assert main(["convert", "--from", "hf", "--to", "orbax", str(path), str(tmp_path / "o")]) == 0
-    assert main(["convert", "--from", "orbax", "--to", "hf", str(tmp_path / "o"),
-                 str(tmp_path / "h")]) == 0
+    assert (
+        main(["convert", "--from", "orbax", "--to", "hf", str(tmp_path / "o"), str(tmp_path / "h")])
+        == 0
+    )
     a = load_file(str(path / "model.safetensors"))
     b = load_file(str(tmp_path / "h" / "model.safetensors"))
     assert a.keys() == b.keys()

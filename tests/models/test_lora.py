@@ -32,10 +32,13 @@ def mean_cross_entropy(logits_BTV, labels_BT):
     return -jnp.mean(jnp.take_along_axis(logp, labels_BT[..., None], axis=-1))
 
 
-@pytest.mark.parametrize(("targets", "rank", "alpha"), [
-    (tuple(PROJECTIONS), 4, 8.0),  # every projection a dense layer has
-    (("q_proj", "v_proj"), 8, 32.0),  # PEFT's default targets for Qwen3
-])
+@pytest.mark.parametrize(
+    ("targets", "rank", "alpha"),
+    [
+        (tuple(PROJECTIONS), 4, 8.0),  # every projection a dense layer has
+        (("q_proj", "v_proj"), 8, 32.0),  # PEFT's default targets for Qwen3
+    ],
+)
 def test_logits_and_adapter_gradients_match_peft(tmp_path, targets, rank, alpha):
     model = peft_model(tmp_path, targets, rank, alpha)
     ours, params = ours_from_peft(model, targets, rank, alpha, tmp_path)
@@ -45,7 +48,8 @@ def test_logits_and_adapter_gradients_match_peft(tmp_path, targets, rank, alpha)
 
     theirs_logits = model(torch.tensor(inputs)).logits
     theirs_loss = torch.nn.functional.cross_entropy(
-        theirs_logits.reshape(-1, UNTIED.vocab_size), torch.tensor(labels).reshape(-1))
+        theirs_logits.reshape(-1, UNTIED.vocab_size), torch.tensor(labels).reshape(-1)
+    )
     theirs_loss.backward()
 
     adapters, base = split_by_name(params, ours.trainable)
@@ -67,18 +71,29 @@ def test_logits_and_adapter_gradients_match_peft(tmp_path, targets, rank, alpha)
             a, b = lora_modules(model, layer, projection)
             grad_a = np.asarray(node["lora_a"][layer])
             grad_b = np.asarray(node["lora_b"][layer])
-            np.testing.assert_allclose(grad_a.reshape(-1, rank).T, a.weight.grad.numpy(),
-                                       rtol=0, atol=1e-4, err_msg=f"{projection} A {layer}")
-            np.testing.assert_allclose(grad_b.reshape(rank, -1).T, b.weight.grad.numpy(),
-                                       rtol=0, atol=1e-4, err_msg=f"{projection} B {layer}")
+            np.testing.assert_allclose(
+                grad_a.reshape(-1, rank).T,
+                a.weight.grad.numpy(),
+                rtol=0,
+                atol=1e-4,
+                err_msg=f"{projection} A {layer}",
+            )
+            np.testing.assert_allclose(
+                grad_b.reshape(rank, -1).T,
+                b.weight.grad.numpy(),
+                rtol=0,
+                atol=1e-4,
+                err_msg=f"{projection} B {layer}",
+            )
 
 
 def test_fresh_adapters_are_initialised_as_peft_initialises_them(tmp_path):
     """A: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (torch.nn.Linear's kaiming-uniform, a=sqrt(5)),
     fan_in the weight's whole input (o_proj's heads x head_dim); B: zeros."""
     targets, rank = ("q_proj", "o_proj", "down_proj"), 16
-    model = peft.get_peft_model(random_hf_model(UNTIED), peft.LoraConfig(
-        r=rank, lora_alpha=8, target_modules=list(targets)))
+    model = peft.get_peft_model(
+        random_hf_model(UNTIED), peft.LoraConfig(r=rank, lora_alpha=8, target_modules=list(targets))
+    )
     ours = build_model_def(UNTIED, BuildOptions(lora=Lora(rank, 8.0, targets)))
     params = ours.init(jax.random.key(0))
     for projection in targets:
@@ -106,15 +121,20 @@ def from_peft_layout(t, x):
 
 def by_peft_name(model, value):
     """{PEFT's file name: value(param)} of a live PEFT model's adapter params."""
-    return {n.replace(".default", ""): value(p) for n, p in model.named_parameters()
-            if ".lora_" in n}
+    return {
+        n.replace(".default", ""): value(p) for n, p in model.named_parameters() if ".lora_" in n
+    }
 
 
 # Attention and both expert parameters; one expert parameter alone (no nesting of PEFT's
 # wrappers: its tensors lose `.base_layer`).
-@pytest.mark.parametrize("targets", [
-    ("q_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"),
-    ("v_proj", "experts.gate_up_proj")])
+@pytest.mark.parametrize(
+    "targets",
+    [
+        ("q_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"),
+        ("v_proj", "experts.gate_up_proj"),
+    ],
+)
 def test_moe_expert_adapters_match_peft(tmp_path, targets):
     """PEFT on transformers 5's fused experts (`target_parameters`): per expert, one A and B
     over gate_up_proj's gate and up outputs, and one over down_proj; logits and every
@@ -129,10 +149,17 @@ def test_moe_expert_adapters_match_peft(tmp_path, targets):
     base.save_pretrained(str(tmp_path / "base"))
     args = read_hf_config(tmp_path / "base")
     experts = [f"mlp.{t}" for t in targets if t.startswith("experts.")]
-    model = peft.get_peft_model(base, peft.LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=[t for t in targets if t not in
-                                                  set(t.removeprefix("mlp.") for t in experts)],
-        target_parameters=experts))
+    model = peft.get_peft_model(
+        base,
+        peft.LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            target_modules=[
+                t for t in targets if t not in set(t.removeprefix("mlp.") for t in experts)
+            ],
+            target_parameters=experts,
+        ),
+    )
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -145,8 +172,9 @@ def test_moe_expert_adapters_match_peft(tmp_path, targets):
     theirs_values = by_peft_name(model, lambda p: p.detach().numpy())
     tensors = peft_tensors(args, lora)
     assert sorted(t.name for t in tensors) == sorted(theirs_values)
-    adapters = split_by_name(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
-                                          ours.abstract_params), ours.trainable)[0]
+    adapters = split_by_name(
+        jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), ours.abstract_params), ours.trainable
+    )[0]
     for t in tensors:
         nested_get(adapters, t.path)[t.layer] = from_peft_layout(t, theirs_values[t.name])
     params = merge_nested(hf.load_hf_params(tmp_path / "base", args), adapters)
@@ -154,32 +182,40 @@ def test_moe_expert_adapters_match_peft(tmp_path, targets):
     tokens = np.random.default_rng(0).integers(0, args.vocab_size, (2, 33))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     theirs_logits = model(torch.tensor(inputs)).logits
-    torch.nn.functional.cross_entropy(theirs_logits.reshape(-1, args.vocab_size),
-                                      torch.tensor(labels).reshape(-1)).backward()
+    torch.nn.functional.cross_entropy(
+        theirs_logits.reshape(-1, args.vocab_size), torch.tensor(labels).reshape(-1)
+    ).backward()
     logits = np.asarray(ours.apply(params, inputs))
     np.testing.assert_allclose(logits, theirs_logits.detach().numpy(), rtol=0, atol=1e-5)
     with model.disable_adapter():  # TRL's DPO reference: ours is every B zeroed
         theirs_off = model(torch.tensor(inputs)).logits.detach().numpy()
     assert np.abs(logits - theirs_off).max() > 1e-2
-    np.testing.assert_allclose(ours.apply(adapters_off(params), inputs), theirs_off, rtol=0,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        ours.apply(adapters_off(params), inputs), theirs_off, rtol=0, atol=1e-5
+    )
 
     adapter_params, frozen = split_by_name(params, ours.trainable)
-    grads = jax.grad(lambda a: mean_cross_entropy(
-        ours.apply(merge_nested(a, frozen), inputs), labels))(adapter_params)
+    grads = jax.grad(
+        lambda a: mean_cross_entropy(ours.apply(merge_nested(a, frozen), inputs), labels)
+    )(adapter_params)
     theirs_grads = by_peft_name(model, lambda p: p.grad.numpy())
     for t in tensors:
         np.testing.assert_allclose(
             np.asarray(nested_get(grads, t.path)[t.layer]),
-            from_peft_layout(t, theirs_grads[t.name]), rtol=0, atol=1e-4, err_msg=t.name)
+            from_peft_layout(t, theirs_grads[t.name]),
+            rtol=0,
+            atol=1e-4,
+            err_msg=t.name,
+        )
 
     # Our export of these adapters, loaded by PEFT onto the base: the same logits.
     hf.save_peft(tmp_path / "ours", jax.device_put(params), args, lora)
     base_again = random_hf_moe_model(32)
     loaded = peft.PeftModel.from_pretrained(base_again, str(tmp_path / "ours")).eval()
     with torch.no_grad():
-        np.testing.assert_allclose(loaded(torch.tensor(inputs)).logits.numpy(), logits,
-                                   rtol=0, atol=1e-5)
+        np.testing.assert_allclose(
+            loaded(torch.tensor(inputs)).logits.numpy(), logits, rtol=0, atol=1e-5
+        )
 
 
 def test_dropout_masks_the_adapter_input_only():
@@ -196,21 +232,27 @@ def test_dropout_masks_the_adapter_input_only():
     rng = np.random.default_rng(0)
     w = nnx.Param(jnp.asarray(rng.normal(size=(8, 6)), jnp.float32), logical_axes=("embed", "mlp"))
     rate = 0.3
-    adapter = adapter_beside(Lora(2, 4.0, ("gate_proj",), rate), "gate_proj", w, 1,
-                             nnx.Rngs(params=0, lora=1))
+    adapter = adapter_beside(
+        Lora(2, 4.0, ("gate_proj",), rate), "gate_proj", w, 1, nnx.Rngs(params=0, lora=1)
+    )
     adapter.lora_b[...] = jnp.asarray(rng.normal(size=(2, 6)), jnp.float32)
     x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
     key = jax.random.key(7)
 
     got = np.asarray(project(x, w, 1, None, adapter, key))
-    keep = jax.random.bernoulli(jax.random.fold_in(key, zlib.crc32(b"gate_proj")), 1 - rate,
-                                (10, 8))
+    keep = jax.random.bernoulli(
+        jax.random.fold_in(key, zlib.crc32(b"gate_proj")), 1 - rate, (10, 8)
+    )
     rows = x.reshape(10, 8)
     a, b = adapter.lora_a[...], adapter.lora_b[...]
     want = rows @ w[...] + (jnp.where(keep, rows / (1 - rate), 0) @ a @ b) * 2.0
     np.testing.assert_allclose(got, np.asarray(want).reshape(2, 5, 6), rtol=1e-6, atol=1e-6)
     without = np.asarray(project(x, w, 1, None, adapter))
-    np.testing.assert_allclose(without, np.asarray(rows @ w[...] + rows @ a @ b * 2.0).reshape(
-        2, 5, 6), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        without,
+        np.asarray(rows @ w[...] + rows @ a @ b * 2.0).reshape(2, 5, 6),
+        rtol=1e-6,
+        atol=1e-6,
+    )
     assert np.abs(got - without).max() > 1e-2
     assert 0.1 < 1 - float(keep.mean()) < 0.5  # about the rate dropped

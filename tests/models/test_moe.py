@@ -30,8 +30,9 @@ def numpy_route(x, gate, bias, k, norm):
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     # Highest biased score first; ties go to the lower expert index (as lax.top_k).
-    chosen = np.stack([sorted(range(len(p)), key=lambda e, p=p: (-(p[e] + bias[e]), e))[:k]
-                       for p in probs])
+    chosen = np.stack(
+        [sorted(range(len(p)), key=lambda e, p=p: (-(p[e] + bias[e]), e))[:k] for p in probs]
+    )
     weights = np.take_along_axis(probs, chosen, -1)
     if norm:
         weights /= weights.sum(-1, keepdims=True)
@@ -43,8 +44,13 @@ def test_router_equals_numpy(norm):
     rng = np.random.default_rng(0)
     x, gate = rng.normal(size=(32, 16)), rng.normal(size=(16, 8)) * 0.3
     bias = rng.normal(size=8) * 0.05
-    experts, weights, _ = route(jnp.asarray(x, jnp.float32), jnp.asarray(gate, jnp.float32),
-                                jnp.asarray(bias, jnp.float32), 3, norm)
+    experts, weights, _ = route(
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(gate, jnp.float32),
+        jnp.asarray(bias, jnp.float32),
+        3,
+        norm,
+    )
     want_e, want_w = numpy_route(x, gate, bias, 3, norm)
     np.testing.assert_array_equal(experts, want_e)
     np.testing.assert_allclose(weights, want_w, rtol=1e-5)
@@ -70,8 +76,12 @@ def expert_case(seed=0, n=48, k=3, e=6, d=8, f=12):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
     # Unequal groups, expert 5 never chosen.
-    experts = jnp.asarray(np.stack([rng.choice(5, k, replace=False, p=[.5, .2, .15, .1, .05])
-                                    for _ in range(n)]), jnp.int32)
+    experts = jnp.asarray(
+        np.stack(
+            [rng.choice(5, k, replace=False, p=[0.5, 0.2, 0.15, 0.1, 0.05]) for _ in range(n)]
+        ),
+        jnp.int32,
+    )
     weights = jnp.asarray(rng.uniform(size=(n, k)), jnp.float32)
     w1, w3 = (jnp.asarray(rng.normal(size=(e, d, f)) / 3, jnp.float32) for _ in range(2))
     w2 = jnp.asarray(rng.normal(size=(e, f, d)) / 3, jnp.float32)
@@ -103,8 +113,9 @@ def test_looped_kernel_leaves_padding_rows_out_and_copies_no_weights_per_block()
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.permutation(np.repeat([0, 1, e], [700, 300, m - 1000])), jnp.int32)
     x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
-    ws = [jnp.asarray(rng.normal(size=s) / 8, jnp.float32) for s in ((e, d, f), (e, d, f),
-                                                                   (e, f, d))]
+    ws = [
+        jnp.asarray(rng.normal(size=s) / 8, jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))
+    ]
 
     def loss(x, *ws):
         return jnp.sum(jnp.sin(expert_ffn(x, ids, *ws, "looped")))
@@ -123,12 +134,14 @@ def test_expert_bias_update_is_torchtitans_formula():
     coeff = 1e-3
     delta = coeff * np.sign(counts.mean(-1, keepdims=True) - counts)
     want = bias + delta - delta.mean(-1, keepdims=True)
-    np.testing.assert_allclose(update_expert_bias(jnp.asarray(bias), jnp.asarray(counts), coeff),
-                               want, rtol=1e-6)
+    np.testing.assert_allclose(
+        update_expert_bias(jnp.asarray(bias), jnp.asarray(counts), coeff), want, rtol=1e-6
+    )
 
 
-@pytest.mark.parametrize("flavor, total, active", [
-    ("30B-A3B", 30.53e9, 3.35e9), ("235B-A22B", 235.1e9, 22.2e9)])
+@pytest.mark.parametrize(
+    "flavor, total, active", [("30B-A3B", 30.53e9, 3.35e9), ("235B-A22B", 235.1e9, 22.2e9)]
+)
 def test_moe_flavours_match_the_published_counts(flavor, total, active):
     counts = count_params(QWEN3_FLAVORS[flavor])
     assert counts["total"] == pytest.approx(total, rel=2e-3)
@@ -169,14 +182,20 @@ def test_the_experts_w1_and_w3_are_gathered_before_the_router_unless_turned_off(
     """`parallelism.fsdp_expert_gather_before_router` reaches each MoE layer: on (the default),
     an optimization barrier ties w1 and w3, as the forward reads them, to the router's input
     (where the compiled schedule gathers them is `test_moe_recipes_aot.py`'s)."""
-    config = load_config("configs/qwen3_debug_moe.toml", [
-        "--parallelism.fsdp_expert_gather_before_router", str(before_router).lower()])
-    model = build_model_def(QWEN3_FLAVORS["debugmodel_moe"],
-                            run_plan.build_options(config, "cpu", "xla", NONE))
+    config = load_config(
+        "configs/qwen3_debug_moe.toml",
+        ["--parallelism.fsdp_expert_gather_before_router", str(before_router).lower()],
+    )
+    model = build_model_def(
+        QWEN3_FLAVORS["debugmodel_moe"], run_plan.build_options(config, "cpu", "xla", NONE)
+    )
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     jaxpr = str(jax.make_jaxpr(model.forward)(model.abstract_params, model.init_buffers(), tokens))
     args = model.args
     w_EDF = f"f32[{args.num_experts},{args.dim},{args.moe_inter_dim}]"
-    tied = [line for line in jaxpr.splitlines()
-            if "optimization_barrier" in line and line.count(w_EDF) == 2]
+    tied = [
+        line
+        for line in jaxpr.splitlines()
+        if "optimization_barrier" in line and line.count(w_EDF) == 2
+    ]
     assert len(tied) == (1 if before_router else 0), tied

@@ -21,8 +21,11 @@ def test_permute_equals_indexing_and_its_gradient_is_a_gather():
     want = jax.grad(lambda x: loss(lambda v: v[order], x))(x)
     got = jax.grad(lambda x: loss(lambda v: permute(v, order, inverse), x))(x)
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    hlo = jax.jit(jax.grad(lambda x: loss(lambda v: permute(v, order, inverse), x))).lower(
-        x).as_text()
+    hlo = (
+        jax.jit(jax.grad(lambda x: loss(lambda v: permute(v, order, inverse), x)))
+        .lower(x)
+        .as_text()
+    )
     assert "scatter" not in hlo and "gather" in hlo
     plain = jax.jit(jax.grad(lambda x: loss(lambda v: v[order], x))).lower(x).as_text()
     assert "scatter" in plain  # what it replaces

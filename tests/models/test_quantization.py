@@ -31,8 +31,10 @@ def _fake_quantized(a: jax.Array, qtype, **how) -> jax.Array:
 RECIPES = {
     "rowwise": ({"channelwise_axes": [0]}, {"channelwise_axes": [1]}),
     "tensorwise": ({}, {}),
-    "blockwise": ({"channelwise_axes": [0], "tiled_axes": {1: 64}},
-                  {"channelwise_axes": [1], "tiled_axes": {0: 64}}),
+    "blockwise": (
+        {"channelwise_axes": [0], "tiled_axes": {1: 64}},
+        {"channelwise_axes": [1], "tiled_axes": {0: 64}},
+    ),
 }
 
 
@@ -46,8 +48,9 @@ def test_a_quantized_matmul_is_the_matmul_of_qwix_quantized_operands(mode, scali
     x_how, w_how = RECIPES[scaling]
     # Both jitted: XLA may turn a division by the scale into a product with its inverse, which
     # moves a value lying on a rounding boundary by one step.
-    want = jax.jit(lambda x, w: _fake_quantized(x, qtype, **x_how)
-                   @ _fake_quantized(w, qtype, **w_how))(x, w)
+    want = jax.jit(
+        lambda x, w: _fake_quantized(x, qtype, **x_how) @ _fake_quantized(w, qtype, **w_how)
+    )(x, w)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
     exact = x @ w
     error = float(jnp.linalg.norm(got - exact) / jnp.linalg.norm(exact))
@@ -77,8 +80,11 @@ def test_the_backward_quantizes_the_gradient_in_the_modes_gradient_type(mode):
     for got, exact in ((dx, exact_dx), (dw, exact_dw)):
         error = float(jnp.linalg.norm(got - exact) / jnp.linalg.norm(exact))
         assert 1e-4 < error < (0.1 if mode == "fp8" else 0.03)
-    hlo = jax.jit(jax.grad(lambda x, w: jnp.sum(dot(x, w, DIMS, config) * g), (0, 1))
-                  ).lower(x, w).as_text()
+    hlo = (
+        jax.jit(jax.grad(lambda x, w: jnp.sum(dot(x, w, DIMS, config) * g), (0, 1)))
+        .lower(x, w)
+        .as_text()
+    )
     forward, gradient = (jnp.dtype(t).name for t in QTYPES[mode])
     names = {"float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2", "int8": "i8"}
     assert names[forward] in hlo and names[gradient] in hlo
@@ -99,9 +105,13 @@ def test_grouped_matmuls_scale_per_row_and_per_output_column(mode):
     config = Quantization(mode, ("experts",)).ragged_config()
     got = jax.jit(lambda x, w: ragged_dot(x, w, sizes, config))(x, w_EKN)
     qtype = QTYPES[mode][0]
-    want = jax.jit(lambda x, w: jax.lax.ragged_dot(
-        _fake_quantized(x, qtype, channelwise_axes=[0]),
-        _fake_quantized(w, qtype, channelwise_axes=[2]), sizes))(x, w_EKN)
+    want = jax.jit(
+        lambda x, w: jax.lax.ragged_dot(
+            _fake_quantized(x, qtype, channelwise_axes=[0]),
+            _fake_quantized(w, qtype, channelwise_axes=[2]),
+            sizes,
+        )
+    )(x, w_EKN)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
 
 
@@ -113,8 +123,7 @@ def _on_a_tpu_target(fn, *args):
     from tokamax._src import config as tokamax_config
 
     tpu = AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
-    mesh = AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
-                        abstract_device=tpu)
+    mesh = AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=tpu)
     with jax.sharding.use_abstract_mesh(mesh), tokamax_config.cross_compile(True):
         compiled = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).compile()
     return compiled(*args)
@@ -140,13 +149,20 @@ def test_quantized_tpu_experts_stay_within_quantization_error_and_zero_the_paddi
         y, vjp = jax.vjp(lambda *a: kernel(*a, sizes), *a)
         return y, vjp(jnp.cos(y))
 
-    quantized = _on_a_tpu_target(functools.partial(
-        out_and_grads, functools.partial(megablox_swiglu, interpret=True, qdtype=qdtype)),
-        x, w1, w3, w2)
+    quantized = _on_a_tpu_target(
+        functools.partial(
+            out_and_grads, functools.partial(megablox_swiglu, interpret=True, qdtype=qdtype)
+        ),
+        x,
+        w1,
+        w3,
+        w2,
+    )
     exact = jax.jit(functools.partial(out_and_grads, EXPERT_KERNELS["ragged"]))(x, w1, w3, w2)
     (y, grads), (y0, grads0) = quantized, exact
     assert not np.any(np.asarray(y[450:], np.float32)) and not np.any(
-        np.asarray(grads[0][450:], np.float32))
+        np.asarray(grads[0][450:], np.float32)
+    )
 
     def rel(a, b):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -168,8 +184,12 @@ def test_one_quantized_tpu_expert_matmul_is_that_of_qwix_quantized_operands(mode
     qdtype = Quantization(mode, ("experts",)).kernel_qtype()
     got = _on_a_tpu_target(lambda x, w: _quantized_gmm(x, w, sizes, qdtype, True), x, w)
     qtype = QTYPES[mode][0]
-    want = jax.lax.ragged_dot(_fake_quantized(x, qtype, channelwise_axes=[0]),
-                              _fake_quantized(w, qtype, channelwise_axes=[0, 2]), sizes[:-1])
-    np.testing.assert_allclose(got[:450], want[:450], rtol=1e-5,
-                               atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    want = jax.lax.ragged_dot(
+        _fake_quantized(x, qtype, channelwise_axes=[0]),
+        _fake_quantized(w, qtype, channelwise_axes=[0, 2]),
+        sizes[:-1],
+    )
+    np.testing.assert_allclose(
+        got[:450], want[:450], rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want)))
+    )
     assert not np.any(np.asarray(got[450:]))

@@ -23,8 +23,14 @@ from titan_jax.models.sharding_hooks import GATHERED_PARAM
 from titan_jax.trees import is_axes, named_leaves
 
 # Published totals (HF safetensors metadata counts the tied lm_head twice; these count it once).
-PUBLISHED = {"0.6B": 596_049_920, "1.7B": 1_720_574_976, "4B": 4_022_468_096,
-             "8B": 8_190_735_360, "14B": 14_768_307_200, "32B": 32_762_123_264}
+PUBLISHED = {
+    "0.6B": 596_049_920,
+    "1.7B": 1_720_574_976,
+    "4B": 4_022_468_096,
+    "8B": 8_190_735_360,
+    "14B": 14_768_307_200,
+    "32B": 32_762_123_264,
+}
 
 
 @pytest.mark.parametrize("flavor", sorted(PUBLISHED))
@@ -73,7 +79,7 @@ def test_causality_future_tokens_get_zero_gradient():
 
     grad = jax.grad(loss_at)(embeds)
     per_position = np.abs(np.asarray(grad[0])).sum(-1)
-    assert np.all(per_position[probe + 1:] == 0.0)
+    assert np.all(per_position[probe + 1 :] == 0.0)
     assert np.all(per_position[: probe + 1] > 0.0)
 
 
@@ -82,8 +88,7 @@ def test_rope_is_rotate_half_and_preserves_norm():
     cos, sin = rope_tables(pos, 8, 1e6)
     x = jax.random.normal(jax.random.key(0), (1, 6, 2, 8))
     y = apply_rope(x, cos, sin)
-    np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1),
-                               rtol=1e-5)
+    np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
     np.testing.assert_array_equal(y[:, 0], x[:, 0])  # position 0 is unrotated
     # rotate-half: pairs (i, i + d/2) rotate by angle pos * theta^(-2i/d).
     angle = 3 * 1e6 ** (-2 * 1 / 8)
@@ -93,8 +98,17 @@ def test_rope_is_rotate_half_and_preserves_norm():
 
 
 def test_yarn_keys_of_the_model_section_reach_the_args_and_survive_json():
-    config = load_config(None, ["--model.rope_type", "yarn", "--model.yarn_factor", "2",
-                                "--model.yarn_original_max_position_embeddings", "64"])
+    config = load_config(
+        None,
+        [
+            "--model.rope_type",
+            "yarn",
+            "--model.yarn_factor",
+            "2",
+            "--model.yarn_original_max_position_embeddings",
+            "64",
+        ],
+    )
     args = QWEN3.configure(TINY, config)
     assert args.yarn == YarnScaling(factor=2.0, original_max_position_embeddings=64)
     assert args.yarn.cos_sin_scale == pytest.approx(0.1 * np.log(2) + 1)
@@ -106,14 +120,25 @@ def test_yarn_keys_of_the_model_section_reach_the_args_and_survive_json():
         load_config(None, ["--model.rope_type", "yarn", "--model.yarn_factor", "0.5"])
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("beta_fast", "0", r"model.yarn_beta_fast=0.0 must be > beta_slow=1.0 \(the ramp"),
-    ("beta_slow", "-1", r"model.yarn_beta_slow=-1.0 must be > 0"),
-    ("factor", "1e300", r"model.yarn_factor=1e\+300 times original_max_position_embeddings="
-                        r"32768 exceeds 2147483647 positions"),
-    ("original_max_position_embeddings", "0", r"model.yarn_original_max_position_embeddings=0 "
-                                              r"must be in \[1, 2147483647\]"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("beta_fast", "0", r"model.yarn_beta_fast=0.0 must be > beta_slow=1.0 \(the ramp"),
+        ("beta_slow", "-1", r"model.yarn_beta_slow=-1.0 must be > 0"),
+        (
+            "factor",
+            "1e300",
+            r"model.yarn_factor=1e\+300 times original_max_position_embeddings="
+            r"32768 exceeds 2147483647 positions",
+        ),
+        (
+            "original_max_position_embeddings",
+            "0",
+            r"model.yarn_original_max_position_embeddings=0 "
+            r"must be in \[1, 2147483647\]",
+        ),
+    ],
+)
 def test_yarn_keys_are_range_checked_as_hf_defines_them(key, value, message):
     """beta_fast > beta_slow > 0 (log(0) and an inverted ramp give NaN or wrong frequencies),
     positions that int32 holds: the same rule as a HF config.json's rope_parameters."""
@@ -130,8 +155,9 @@ def _remat_loss_and_grads(args, mode: str | None):
     params and tokens (op by op, each took several seconds)."""
     tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, args.vocab_size)
     base, _, offloaded = (mode or "none").partition("+")  # "full+input": its layer inputs too
-    model = build_model_def(args, BuildOptions(remat_mode=base,
-                                               offload_layer_input=bool(offloaded)))
+    model = build_model_def(
+        args, BuildOptions(remat_mode=base, offload_layer_input=bool(offloaded))
+    )
     assert (model.remat is not None) == (mode is not None)
     params = build_model_def(args).init(jax.random.key(0))
     return jax.jit(jax.value_and_grad(lambda p: model.apply(p, tokens).std()))(params)
@@ -151,8 +177,9 @@ def test_activation_checkpointing_does_not_change_loss_or_gradients(mode, flavor
     loss, grads = _remat_loss_and_grads({"dense": TINY, "moe": TINY_MOE}[flavor], mode)
     ref_loss, ref_grads = _no_remat_loss_and_grads(flavor)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 grads, ref_grads)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads
+    )
 
 
 def test_selective_remat_saves_matmul_outputs_and_recomputes_elementwise_ops(capsys):
@@ -169,15 +196,27 @@ def test_selective_remat_saves_matmul_outputs_and_recomputes_elementwise_ops(cap
     def block_sum(state, x):
         return nnx.merge(graphdef, state)(x, cos, sin)[0].sum()
 
-    print_saved_residuals(jax.checkpoint(block_sum, policy=policy), state,
-                          jnp.ones((1, 4, TINY.dim)))
+    print_saved_residuals(
+        jax.checkpoint(block_sum, policy=policy), state, jnp.ones((1, 4, TINY.dim))
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     named = {line.split("named '")[1].split("'")[0] for line in lines if "named '" in line}
-    assert named == {"q_proj", "k_proj", "v_proj", "attn_out", "wo_out", "ffn_w1", "ffn_w3",
-                     GATHERED_PARAM}, lines
+    assert named == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "attn_out",
+        "wo_out",
+        "ffn_w1",
+        "ffn_w3",
+        GATHERED_PARAM,
+    }, lines
     assert set(SAVED_ACTIVATIONS) >= named - {GATHERED_PARAM}
-    unnamed = [line for line in lines if "named '" not in line
-               and not line.endswith(("from the argument x", "from a constant"))]
+    unnamed = [
+        line
+        for line in lines
+        if "named '" not in line and not line.endswith(("from the argument x", "from a constant"))
+    ]
     assert not unnamed, lines
 
 
@@ -196,14 +235,18 @@ def test_full_remat_of_a_moe_block_saves_its_routing_and_no_other_value(capsys):
     def block_sum(state, x):
         return nnx.merge(graphdef, state)(x, cos, sin, bias)[0].sum()
 
-    print_saved_residuals(jax.checkpoint(block_sum, policy=policy), state,
-                          jnp.ones((1, 4, TINY_MOE.dim)))
+    print_saved_residuals(
+        jax.checkpoint(block_sum, policy=policy), state, jnp.ones((1, 4, TINY_MOE.dim))
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     named = [line for line in lines if "named '" in line and GATHERED_PARAM not in line]
     assert len(named) == 2 and all("named 'moe_routing'" in line for line in named), lines
     assert {line.split("[")[0] for line in named} == {"i32", "f32"}  # picks, gate weights
-    unnamed = [line for line in lines if "named '" not in line
-               and not line.endswith(("from the argument x", "from a constant"))]
+    unnamed = [
+        line
+        for line in lines
+        if "named '" not in line and not line.endswith(("from the argument x", "from a constant"))
+    ]
     assert not unnamed, lines
 
 

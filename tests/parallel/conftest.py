@@ -22,10 +22,14 @@ def tiny_init_state() -> object:
 
 
 @pytest.fixture(scope="session")
-def run_tiny(tiny_init_state: object, tiny_batches: list[dict[str, np.ndarray]]
-             ) -> Callable[..., np.ndarray]:
+def run_tiny(
+    tiny_init_state: object, tiny_batches: list[dict[str, np.ndarray]]
+) -> Callable[..., np.ndarray]:
     """run_tiny(*overrides, n_devices=8) -> the 20 step losses from the shared init."""
+
     def run(*overrides: str, n_devices: int = 8) -> np.ndarray:
-        return run_losses(tiny_trainer(*overrides, n_devices=n_devices), tiny_init_state,
-                          tiny_batches)
+        return run_losses(
+            tiny_trainer(*overrides, n_devices=n_devices), tiny_init_state, tiny_batches
+        )
+
     return run

@@ -11,8 +11,16 @@ from titan_jax.train.loss import IGNORE_INDEX
 from titan_jax.train.trainer import Trainer, build_trainer
 
 # 8 heads / 4 kv heads so that tensor parallelism up to 4 divides both.
-TINY = Qwen3Args(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, hidden_dim=128,
-                 vocab_size=256, max_seq_len=64)
+TINY = Qwen3Args(
+    dim=64,
+    n_layers=2,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=8,
+    hidden_dim=128,
+    vocab_size=256,
+    max_seq_len=64,
+)
 SEQ_LEN = 16
 GLOBAL_BATCH = 8
 
@@ -29,20 +37,38 @@ PRESETS = {
 def preset_overrides(name: str) -> list[str]:
     """Parallelism flags of preset `name`, with the local batch that keeps GLOBAL_BATCH."""
     replicate, shard, tp = PRESETS[name]
-    return ["--parallelism.data_parallel_replicate_degree", str(replicate),
-            "--parallelism.data_parallel_shard_degree", str(shard),
-            "--parallelism.tensor_parallel_degree", str(tp),
-            "--training.local_batch_size", str(GLOBAL_BATCH // (replicate * shard))]
+    return [
+        "--parallelism.data_parallel_replicate_degree",
+        str(replicate),
+        "--parallelism.data_parallel_shard_degree",
+        str(shard),
+        "--parallelism.tensor_parallel_degree",
+        str(tp),
+        "--training.local_batch_size",
+        str(GLOBAL_BATCH // (replicate * shard)),
+    ]
 
 
 def tiny_config(*overrides: str) -> JobConfig:
     """fp32 unless overridden; a short warmup and a high LR so 20 steps move the weights."""
-    return load_config(None, [
-        "--training.seq_len", str(SEQ_LEN), "--training.steps", "20",
-        "--training.mixed_precision_param", "float32", "--optimizer.lr", "3e-3",
-        "--lr_scheduler.warmup_steps", "2", "--training.global_batch_size", str(GLOBAL_BATCH),
-        *overrides,
-    ])
+    return load_config(
+        None,
+        [
+            "--training.seq_len",
+            str(SEQ_LEN),
+            "--training.steps",
+            "20",
+            "--training.mixed_precision_param",
+            "float32",
+            "--optimizer.lr",
+            "3e-3",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--training.global_batch_size",
+            str(GLOBAL_BATCH),
+            *overrides,
+        ],
+    )
 
 
 def tiny_trainer(*overrides: str, n_devices: int = 8) -> Trainer:
@@ -68,8 +94,9 @@ def make_batches(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def run_losses(trainer: Trainer, host_state: object, batches: list[dict[str, np.ndarray]]
-               ) -> np.ndarray:
+def run_losses(
+    trainer: Trainer, host_state: object, batches: list[dict[str, np.ndarray]]
+) -> np.ndarray:
     state = jax.device_put(host_state, trainer.state_shardings)
     losses = []
     for batch in batches:

@@ -46,12 +46,15 @@ class CountingDef(Qwen3Def):
 
 def build_counting(args, options: BuildOptions) -> CountingDef:
     base = build_model_def(args, options)
-    return CountingDef(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)
-                          if f.init and not f.name.endswith("buffers")
-                          and f.name != "buffer_logical_axes"},
-                       abstract_buffers={"token_counts": jax.ShapeDtypeStruct(
-                           (args.vocab_size,), jnp.float32)},
-                       buffer_logical_axes={"token_counts": ("vocab",)})
+    return CountingDef(
+        **{
+            f.name: getattr(base, f.name)
+            for f in dataclasses.fields(base)
+            if f.init and not f.name.endswith("buffers") and f.name != "buffer_logical_axes"
+        },
+        abstract_buffers={"token_counts": jax.ShapeDtypeStruct((args.vocab_size,), jnp.float32)},
+        buffer_logical_axes={"token_counts": ("vocab",)},
+    )
 
 
 register_model(dataclasses.replace(QWEN3, name="qwen3_counting", build=build_counting))
@@ -71,21 +74,21 @@ def train(trainer, batches, state=None):
 @pytest.fixture(scope="module")
 def one_device_counts() -> np.ndarray:
     """The token counts one device's step leaves in the buffer after 3 batches."""
-    one = build_trainer(tiny_config(*single_device_overrides()), jax.devices()[:1],
-                        model_args=TINY)
+    one = build_trainer(tiny_config(*single_device_overrides()), jax.devices()[:1], model_args=TINY)
     state_one, _ = train(one, make_batches(3))
     return np.asarray(state_one["buffers"]["token_counts"])
 
 
-@pytest.mark.parametrize("preset, implementation", [
-    ("fsdp4_tp2", "jit"), ("hsdp2x4", "shard_map")])
+@pytest.mark.parametrize("preset, implementation", [("fsdp4_tp2", "jit"), ("hsdp2x4", "shard_map")])
 def test_buffer_is_updated_in_the_step_on_any_mesh(one_device_counts, preset, implementation):
     batches = make_batches(3)
-    expected = np.bincount(np.concatenate([b["inputs"].reshape(-1) for b in batches]),
-                           minlength=TINY.vocab_size)
-    many = build_trainer(tiny_config(*preset_overrides(preset),
-                                     "--parallelism.fsdp_implementation", implementation),
-                         model_args=TINY)
+    expected = np.bincount(
+        np.concatenate([b["inputs"].reshape(-1) for b in batches]), minlength=TINY.vocab_size
+    )
+    many = build_trainer(
+        tiny_config(*preset_overrides(preset), "--parallelism.fsdp_implementation", implementation),
+        model_args=TINY,
+    )
     if preset == "fsdp4_tp2":  # the buffer is sharded by the same table as the params
         assert many.state_shardings["buffers"]["token_counts"].spec == jax.P(("fsdp", "tp"))
     state_many, _ = train(many, batches)
@@ -93,7 +96,8 @@ def test_buffer_is_updated_in_the_step_on_any_mesh(one_device_counts, preset, im
     np.testing.assert_array_equal(one_device_counts, expected)
     # Not trainable: the optimizer state mirrors the params only.
     assert jax.tree.structure(state_many["opt_state"][0].mu) == jax.tree.structure(
-        state_many["params"])
+        state_many["params"]
+    )
 
 
 def test_buffer_is_checkpointed_and_restored_onto_another_mesh(tmp_path):
@@ -104,10 +108,12 @@ def test_buffer_is_checkpointed_and_restored_onto_another_mesh(tmp_path):
     loader = build_trainer(tiny_config(*preset_overrides("ddp8")), model_args=TINY)
     with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
         restored = ckpt.restore(2, loader.abstract_state()).state
-    np.testing.assert_array_equal(restored["buffers"]["token_counts"],
-                                  state["buffers"]["token_counts"])
+    np.testing.assert_array_equal(
+        restored["buffers"]["token_counts"], state["buffers"]["token_counts"]
+    )
     assert restored["buffers"]["token_counts"].sharding.is_equivalent_to(
-        loader.state_shardings["buffers"]["token_counts"], 1)
+        loader.state_shardings["buffers"]["token_counts"], 1
+    )
 
 
 def direct_activation_rms(model: Qwen3Def, params, tokens_BT) -> np.ndarray:
@@ -128,15 +134,20 @@ def direct_activation_rms(model: Qwen3Def, params, tokens_BT) -> np.ndarray:
 def test_activation_rms_per_layer_through_the_aux_channel(preset):
     batch = make_batches(1)[0]
     # Two microbatches: stats are summed over microbatches and shards before the RMS.
-    trainer = build_trainer(base_config(*preset_overrides(preset),
-                                        "--training.global_batch_size", "16",
-                                        "--metrics.log_activation_stats", "true"),
-                            model_args=TINY)
+    trainer = build_trainer(
+        base_config(
+            *preset_overrides(preset),
+            "--training.global_batch_size",
+            "16",
+            "--metrics.log_activation_stats",
+            "true",
+        ),
+        model_args=TINY,
+    )
     state = trainer.init_state()
     params = jax.device_get(state["params"])
     both = {k: np.concatenate([v, v[::-1]]) for k, v in batch.items()}
     _, metrics = trainer.step_fn(state, trainer.batches.put(both))
     want = direct_activation_rms(trainer.model, params, jnp.asarray(both["inputs"]))
     np.testing.assert_allclose(metrics["activation_rms"], want, rtol=1e-5)
-    assert _scalars(jax.device_get(metrics))["activation_rms/1"] == pytest.approx(want[1],
-                                                                                 rel=1e-5)
+    assert _scalars(jax.device_get(metrics))["activation_rms/1"] == pytest.approx(want[1], rel=1e-5)

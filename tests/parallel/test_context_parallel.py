@@ -48,15 +48,22 @@ def test_load_balanced_order_gives_rank_i_chunks_i_and_2cp_minus_1_minus_i():
     np.testing.assert_array_equal(load_balanced_order(8, 2), [0, 1, 6, 7, 2, 3, 4, 5])
     order = load_balanced_order(48, 4)
     assert sorted(order) == list(range(48))
-    work = [np.sum(order[r * 12:(r + 1) * 12] + 1) for r in range(4)]  # keys each query sees
+    work = [np.sum(order[r * 12 : (r + 1) * 12] + 1) for r in range(4)]  # keys each query sees
     assert len(set(work)) == 1  # equal causal work on every rank
 
 
-@pytest.mark.parametrize("method, cp, heads, kv_heads, documents", [
-    ("allgather", 2, 4, 2, False), ("ring", 2, 4, 2, False), ("ring", 4, 4, 1, True),
-    pytest.param("allgather", 4, 4, 1, False, marks=pytest.mark.slow)])  # cp8: the losses
-def test_attention_under_cp_equals_unsplit_attention(method, cp, heads, kv_heads, documents,
-                                                     monkeypatch):
+@pytest.mark.parametrize(
+    "method, cp, heads, kv_heads, documents",
+    [
+        ("allgather", 2, 4, 2, False),
+        ("ring", 2, 4, 2, False),
+        ("ring", 4, 4, 1, True),
+        pytest.param("allgather", 4, 4, 1, False, marks=pytest.mark.slow),
+    ],
+)  # cp8: the losses
+def test_attention_under_cp_equals_unsplit_attention(
+    method, cp, heads, kv_heads, documents, monkeypatch
+):
     """Forward and gradients (fp32) of each rank's chunks against K/V all-gathered or passed
     around the ring (its query blocks of 4 rows, rematerialised), with and without segment
     ids, equal the unsplit causal attention's."""
@@ -76,8 +83,10 @@ def test_attention_under_cp_equals_unsplit_attention(method, cp, heads, kv_heads
         with SplitSequence(cp, method=method).installed():
             return attention(q, k, v, h**-0.5, "xla", "cpu", ids)
 
-    split = jax.shard_map(split_attention, mesh=mesh, in_specs=P(None, "cp"),
-                          out_specs=P(None, "cp"))
+    split = jax.shard_map(
+        split_attention, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp")
+    )
+
     def loss(f, w):
         return lambda q, k, v: jnp.sum(f(q, k, v) * w)
 
@@ -96,14 +105,25 @@ def test_attention_under_cp_equals_unsplit_attention(method, cp, heads, kv_heads
         np.testing.assert_allclose(g, want_g[:, order], atol=2e-5)
 
 
-def cp_overrides(cp: int, fsdp: int = 1, tp: int = 1, ep: int = 1,
-                 method: str = "allgather") -> list[str]:
-    return ["--parallelism.context_parallel_method", method,
-            "--parallelism.context_parallel_degree", str(cp),
-            "--parallelism.data_parallel_shard_degree", str(fsdp * ep),
-            "--parallelism.tensor_parallel_degree", str(tp),
-            "--parallelism.expert_parallel_degree", str(ep),
-            "--training.local_batch_size", str(8 // (fsdp * ep)), "--training.steps", str(STEPS)]
+def cp_overrides(
+    cp: int, fsdp: int = 1, tp: int = 1, ep: int = 1, method: str = "allgather"
+) -> list[str]:
+    return [
+        "--parallelism.context_parallel_method",
+        method,
+        "--parallelism.context_parallel_degree",
+        str(cp),
+        "--parallelism.data_parallel_shard_degree",
+        str(fsdp * ep),
+        "--parallelism.tensor_parallel_degree",
+        str(tp),
+        "--parallelism.expert_parallel_degree",
+        str(ep),
+        "--training.local_batch_size",
+        str(8 // (fsdp * ep)),
+        "--training.steps",
+        str(STEPS),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +132,11 @@ def batches():
 
 
 def one_device_run(args, batches, init=None):
-    trainer = build_trainer(tiny_config(*single_device_overrides(), "--training.steps",
-                                        str(STEPS)), jax.devices()[:1], model_args=args)
+    trainer = build_trainer(
+        tiny_config(*single_device_overrides(), "--training.steps", str(STEPS)),
+        jax.devices()[:1],
+        model_args=args,
+    )
     init = jax.device_get(trainer.init_state()) if init is None else init
     return init, run_losses(trainer, init, batches)
 
@@ -123,11 +146,16 @@ def dense_reference(batches):
     return one_device_run(TINY, batches)
 
 
-@pytest.mark.parametrize("mesh", [dict(cp=2, fsdp=4),
-                                  pytest.param(dict(cp=4, tp=2), marks=pytest.mark.slow),
-                                  pytest.param(dict(cp=8), marks=pytest.mark.slow),
-                                  dict(cp=4, fsdp=2, method="ring")],
-                         ids=["cp2_fsdp4", "cp4_tp2", "cp8", "ring_cp4_fsdp2"])
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        dict(cp=2, fsdp=4),
+        pytest.param(dict(cp=4, tp=2), marks=pytest.mark.slow),
+        pytest.param(dict(cp=8), marks=pytest.mark.slow),
+        dict(cp=4, fsdp=2, method="ring"),
+    ],
+    ids=["cp2_fsdp4", "cp4_tp2", "cp8", "ring_cp4_fsdp2"],
+)
 def test_cp_losses_equal_one_device(dense_reference, batches, mesh):
     init, want = dense_reference
     trainer = build_trainer(tiny_config(*cp_overrides(**mesh)), model_args=TINY)
@@ -200,8 +228,11 @@ def test_a_checkpoint_resumes_across_cp_degrees(dense_reference, batches, tmp_pa
 @pytest.mark.slow
 def test_moe_cp_losses_and_expert_bias_equal_one_device(batches):
     moe = dataclasses.replace(TINY, num_experts=4, top_k=2, moe_inter_dim=32)
-    trainer1 = build_trainer(tiny_config(*single_device_overrides(), "--training.steps",
-                                         str(STEPS)), jax.devices()[:1], model_args=moe)
+    trainer1 = build_trainer(
+        tiny_config(*single_device_overrides(), "--training.steps", str(STEPS)),
+        jax.devices()[:1],
+        model_args=moe,
+    )
     init = jax.device_get(trainer1.init_state())
     # A sharp router: near-uniform init probabilities would flip top-k near-ties on rounding.
     init["params"]["layers"]["moe"]["gate"] = init["params"]["layers"]["moe"]["gate"] * 50
@@ -220,12 +251,21 @@ def test_moe_cp_losses_and_expert_bias_equal_one_device(batches):
     np.testing.assert_allclose(bias, want_bias, atol=1e-7)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--training.seq_len", "12"], r"^training.seq_len=12 must be a multiple of 2 x "
-     r"parallelism.context_parallel_degree = 8 "),
-    (["--parallelism.fsdp_implementation", "jit"], r"^parallelism.fsdp_implementation=jit "
-     r"cannot host context parallelism"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["--training.seq_len", "12"],
+            r"^training.seq_len=12 must be a multiple of 2 x "
+            r"parallelism.context_parallel_degree = 8 ",
+        ),
+        (
+            ["--parallelism.fsdp_implementation", "jit"],
+            r"^parallelism.fsdp_implementation=jit "
+            r"cannot host context parallelism",
+        ),
+    ],
+)
 def test_what_cp_cannot_split_is_refused_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
         build_trainer(tiny_config(*cp_overrides(cp=4, fsdp=2), *overrides), model_args=TINY)
@@ -233,25 +273,40 @@ def test_what_cp_cannot_split_is_refused_naming_the_field(overrides, message):
 
 
 def test_a_kernel_that_cannot_take_cp_is_refused_naming_the_field():
-    with pytest.raises(ConfigError, match=r"^model.attention=auto \(resolved: cudnn\) cannot "
-                       r"run with parallelism.context_parallel_degree=2; use xla or splash$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.attention=auto \(resolved: cudnn\) cannot "
+        r"run with parallelism.context_parallel_degree=2; use xla or splash$",
+    ):
         check_context_parallel(2, {"training.seq_len": 64}, "auto", "cudnn")
-    with pytest.raises(ConfigError, match=r"^validation.seq_len=768 must be a multiple of 2 x "
-                       r"parallelism.context_parallel_degree x 128 = 1024 for model.attention"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^validation.seq_len=768 must be a multiple of 2 x "
+        r"parallelism.context_parallel_degree x 128 = 1024 for model.attention",
+    ):
         check_context_parallel(4, {"validation.seq_len": 768}, "splash", "splash")
     check_context_parallel(4, {"training.seq_len": 1024}, "splash", "splash")
-    with pytest.raises(ConfigError, match=r"^model.attention=splash cannot run with "
-                       r"parallelism.context_parallel_method=ring \(its blocks"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.attention=splash cannot run with "
+        r"parallelism.context_parallel_method=ring \(its blocks",
+    ):
         check_context_parallel(2, {"training.seq_len": 64}, "splash", "splash", "ring")
     assert check_context_parallel(2, {"training.seq_len": 64}, "auto", "splash", "ring") == "xla"
     check_context_parallel(1, {"training.seq_len": 63}, "auto", "cudnn")  # no cp: no limits
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                    reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
-@pytest.mark.parametrize("recipe, topology, mesh", [
-    ("configs/qwen3_8b_32k.toml", "v6e-8", {"fsdp": 4, "cp": 2}),
-    ("configs/qwen3_30b_a3b_32k.toml", "v5p-16", {"fsdp": 1, "ep": 2, "cp": 4})])
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
+)
+@pytest.mark.parametrize(
+    "recipe, topology, mesh",
+    [
+        ("configs/qwen3_8b_32k.toml", "v6e-8", {"fsdp": 4, "cp": 2}),
+        ("configs/qwen3_30b_a3b_32k.toml", "v5p-16", {"fsdp": 1, "ep": 2, "cp": 4}),
+    ],
+)
 def test_32k_recipes_build_for_their_slices(recipe, topology, mesh):
     """Built (not compiled) on the slice's devices: the cp mesh, splash, 32K sequences and the
     global batch the plans fix (`benchmarks/tpu_plans.py` compiles them)."""
@@ -259,7 +314,8 @@ def test_32k_recipes_build_for_their_slices(recipe, topology, mesh):
 
     trainer = build_trainer(load_config(recipe), compile_only_devices(parse_slice(topology)))
     assert {k: v for k, v in trainer.mesh.shape.items() if v > 1} == {
-        k: v for k, v in mesh.items() if v > 1}
+        k: v for k, v in mesh.items() if v > 1
+    }
     assert trainer.attention == "splash" and trainer.parallelism.implementation == "shard_map"
     assert trainer.tokens_per_step == trainer.global_batch_size * 32768
     assert trainer.global_batch_size == load_config(recipe).training.global_batch_size
@@ -288,15 +344,19 @@ def test_attention_under_cp_as_the_trainer_runs_it(backend, documents):
         with SplitSequence(cp, per_shard_kernels=True).installed():
             return attention(q, k, v, h**-0.5, backend, "cpu", ids)
 
-    split = jax.shard_map(split_attention, mesh=mesh, in_specs=P(None, "cp"),
-                          out_specs=P(None, "cp"))
+    split = jax.shard_map(
+        split_attention, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp")
+    )
+
     def value_and_grads(f, w):  # one compile for both
         return lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(*a))
 
-    got, got_grads = jax.jit(value_and_grads(lambda *a: split(*a, laid_out(ids)),
-                                             w[:, order]))(laid_out(q), laid_out(k), laid_out(v))
-    want, want_grads = jax.jit(value_and_grads(
-        lambda *a: causal_gqa_attention(*a, h**-0.5, ids), w))(q, k, v)
+    got, got_grads = jax.jit(value_and_grads(lambda *a: split(*a, laid_out(ids)), w[:, order]))(
+        laid_out(q), laid_out(k), laid_out(v)
+    )
+    want, want_grads = jax.jit(
+        value_and_grads(lambda *a: causal_gqa_attention(*a, h**-0.5, ids), w)
+    )(q, k, v)
     np.testing.assert_allclose(got, want[:, order], atol=1e-5)
     for g, want_g in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, want_g[:, order], atol=2e-5)

@@ -40,8 +40,10 @@ def test_cpu_runs_never_initialize_unless_told(calls, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert distributed.initialize_distributed(_distributed()) is False
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")
-    assert distributed.initialize_distributed(_distributed("--distributed.num_processes",
-                                                           "1")) is False
+    assert (
+        distributed.initialize_distributed(_distributed("--distributed.num_processes", "1"))
+        is False
+    )
     assert calls == []
 
 
@@ -61,18 +63,32 @@ def test_tpu_hosts_auto_detect_unless_the_environment_names_one_host(calls, monk
 
 def test_explicit_fields_are_passed_through(calls, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    d = _distributed("--distributed.num_processes", "4", "--distributed.process_id", "0",
-                     "--distributed.coordinator_address", "10.0.0.1:1234")
+    d = _distributed(
+        "--distributed.num_processes",
+        "4",
+        "--distributed.process_id",
+        "0",
+        "--distributed.coordinator_address",
+        "10.0.0.1:1234",
+    )
     assert distributed.initialize_distributed(d) is True
     assert {k: v for k, v in calls[0].items() if k != "initialization_timeout"} == {
-        "coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 0,
-        "heartbeat_timeout_seconds": 100 + distributed._GRACE_S}
+        "coordinator_address": "10.0.0.1:1234",
+        "num_processes": 4,
+        "process_id": 0,
+        "heartbeat_timeout_seconds": 100 + distributed._GRACE_S,
+    }
 
 
 def test_rows_come_from_the_batch_sharding_not_the_process_index():
-    trainer = tiny_trainer("--parallelism.data_parallel_shard_degree", "2",
-                           "--parallelism.tensor_parallel_degree", "4",
-                           "--training.local_batch_size", "4")
+    trainer = tiny_trainer(
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "4",
+        "--training.local_batch_size",
+        "4",
+    )
     devices = trainer.mesh.devices.reshape(2, 4)  # (fsdp, tp)
     sharding = trainer.batches.sharding
     assert trainer.batches.rows() == list(range(8))  # one process holds every device
@@ -92,27 +108,62 @@ def _free_port() -> int:
 def _cli(process_id: int, port: int, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     return subprocess.Popen(
-        [sys.executable, "-m", "titan_jax.cli", "train", "--config",
-         str(ROOT / "configs" / "qwen3_debug.toml"), "--job.cpu_devices", "4",
-         "--distributed.num_processes", "2", "--distributed.process_id", str(process_id),
-         "--distributed.coordinator_address", f"127.0.0.1:{port}", *overrides],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "titan_jax.cli",
+            "train",
+            "--config",
+            str(ROOT / "configs" / "qwen3_debug.toml"),
+            "--job.cpu_devices",
+            "4",
+            "--distributed.num_processes",
+            "2",
+            "--distributed.process_id",
+            str(process_id),
+            "--distributed.coordinator_address",
+            f"127.0.0.1:{port}",
+            *overrides,
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("process_id, message", [
-    (1, "process 1 could not reach distributed.coordinator_address=127.0.0.1:{port} within "
-        "distributed.initialization_timeout=2 s (is process 0 running there?)"),
-    (0, "process 0 of 2: not every process reached distributed.coordinator_address="
-        "127.0.0.1:{port} within distributed.initialization_timeout=2 s; start the same command "
-        "on every host, each with its own distributed.process_id"),
-])
-def test_a_missing_coordinator_or_process_is_one_line_naming_the_fields(tmp_path, process_id,
-                                                                          message):
+@pytest.mark.parametrize(
+    "process_id, message",
+    [
+        (
+            1,
+            "process 1 could not reach distributed.coordinator_address=127.0.0.1:{port} within "
+            "distributed.initialization_timeout=2 s (is process 0 running there?)",
+        ),
+        (
+            0,
+            "process 0 of 2: not every process reached distributed.coordinator_address="
+            "127.0.0.1:{port} within distributed.initialization_timeout=2 s; "
+            "start the same command "
+            "on every host, each with its own distributed.process_id",
+        ),
+    ],
+)
+def test_a_missing_coordinator_or_process_is_one_line_naming_the_fields(
+    tmp_path, process_id, message
+):
     port = _free_port()
     start = time.monotonic()
-    proc = _cli(process_id, port, "--distributed.initialization_timeout", "2",
-                "--job.dump_folder", str(tmp_path))
+    proc = _cli(
+        process_id,
+        port,
+        "--distributed.initialization_timeout",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path),
+    )
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert err.strip().splitlines()[-1] == f"titan-jax: error: {message.format(port=port)}"
@@ -123,13 +174,29 @@ def test_a_missing_coordinator_or_process_is_one_line_naming_the_fields(tmp_path
 def test_one_process_failing_ends_the_job_with_its_message_on_process_0(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("\n\n".join(f"paragraph {i} " + "word " * (i % 7 + 3) for i in range(50)))
-    common = ["--job.dump_folder", str(tmp_path / "run"), "--training.steps", "3",
-              "--training.seq_len", "32", "--training.local_batch_size", "1",
-              "--validation.enable", "false", "--checkpoint.enable", "false",
-              "--training.dataset", "text", "--distributed.initialization_timeout", "120"]
+    common = [
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--training.steps",
+        "3",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "1",
+        "--validation.enable",
+        "false",
+        "--checkpoint.enable",
+        "false",
+        "--training.dataset",
+        "text",
+        "--distributed.initialization_timeout",
+        "120",
+    ]
     port = _free_port()
-    procs = [_cli(0, port, *common, "--training.dataset_path", str(text)),
-             _cli(1, port, *common, "--training.dataset_path", str(tmp_path / "missing.txt"))]
+    procs = [
+        _cli(0, port, *common, "--training.dataset_path", str(text)),
+        _cli(1, port, *common, "--training.dataset_path", str(tmp_path / "missing.txt")),
+    ]
     (_, err0), (_, err1) = (p.communicate(timeout=300) for p in procs)
     missing = f"dataset_path='{tmp_path / 'missing.txt'}' does not exist"
     assert [p.returncode for p in procs] == [2, 2], (err0, err1)

@@ -40,6 +40,7 @@ def expert_layer(fsdp: SimpleFSDP, axis: str):
         out = jnp.tanh(received @ w_EDF[shard])
         back = lax.all_to_all(out, axis, 0, 0).reshape(-1, D)
         return jnp.sum(back * back), {"loss": jnp.zeros(()), "stats": {}}
+
     return summed_loss
 
 
@@ -53,8 +54,9 @@ def reference(w_EDF, x_ND):
 def test_all_to_all_dispatch_composes_with_simple_fsdp(implementation):
     mesh = build_mesh(MeshDegrees(1, N_SHARDS, 1))
     rules = ShardingRules(mesh)
-    specs = rules.storage_specs({"experts": jax.ShapeDtypeStruct((N_SHARDS, D, D), jnp.float32)},
-                                {"experts": AXES})
+    specs = rules.storage_specs(
+        {"experts": jax.ShapeDtypeStruct((N_SHARDS, D, D), jnp.float32)}, {"experts": AXES}
+    )
     spec = specs["experts"]
     fsdp = IMPLEMENTATIONS[implementation](rules, specs)
     axis = SHARDS if implementation == "jit" else "fsdp"

@@ -24,8 +24,9 @@ EP, E, K, N, D, F = 8, 16, 2, 32, 16, 24  # per rank: N tokens; E // EP experts
 
 
 def ep_mesh(ep: int) -> jax.sharding.Mesh:
-    return jax.make_mesh((ep,), ("ep",), devices=jax.devices()[:ep],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh(
+        (ep,), ("ep",), devices=jax.devices()[:ep], axis_types=(jax.sharding.AxisType.Auto,)
+    )
 
 
 def reference_ragged_all_to_all(operands, outputs, slices):
@@ -33,8 +34,8 @@ def reference_ragged_all_to_all(operands, outputs, slices):
     results = [o.copy() for o in outputs]
     for src, (input_offsets, send_sizes, output_offsets, _) in enumerate(slices):
         for dst in range(len(operands)):
-            rows = operands[src][input_offsets[dst]:input_offsets[dst] + send_sizes[dst]]
-            results[dst][output_offsets[dst]:output_offsets[dst] + len(rows)] = rows
+            rows = operands[src][input_offsets[dst] : input_offsets[dst] + send_sizes[dst]]
+            results[dst][output_offsets[dst] : output_offsets[dst] + len(rows)] = rows
     return results
 
 
@@ -44,16 +45,27 @@ def test_dense_emulation_follows_the_ragged_all_to_all_semantics_with_the_plans_
     picks = np.random.default_rng(1).normal(size=(ep, m, 3)).astype(np.float32)
     plans = [exchange_plan(jnp.asarray(counts), jnp.int32(r)) for r in range(ep)]
     emulate = functools.partial(exchange_for("cpu", m), axis_name="ep")
-    exchange = jax.jit(jax.shard_map(
-        lambda o, out, *a: emulate(o[0], out[0], *(x[0] for x in a))[None],
-        mesh=ep_mesh(ep), in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
+    exchange = jax.jit(
+        jax.shard_map(
+            lambda o, out, *a: emulate(o[0], out[0], *(x[0] for x in a))[None],
+            mesh=ep_mesh(ep),
+            in_specs=P("ep"),
+            out_specs=P("ep"),
+            check_vma=False,
+        )
+    )
     operands, rows = picks, ep * m
     for stage in (0, 1):  # dispatch, then combine (back from the received layout)
         slices = [tuple(np.asarray(a) for a in plan[stage]) for plan in plans]
         outputs = np.full((ep, rows, 3), -1.0, np.float32)  # rows nobody writes keep it
         want = reference_ragged_all_to_all(list(operands), list(outputs), slices)
-        got = np.asarray(exchange(operands, outputs, *(
-            jnp.asarray(np.stack([s[i] for s in slices])) for i in range(4))))
+        got = np.asarray(
+            exchange(
+                operands,
+                outputs,
+                *(jnp.asarray(np.stack([s[i] for s in slices])) for i in range(4)),
+            )
+        )
         np.testing.assert_array_equal(got, np.stack(want))
         if stage == 0:  # received: packed source after source, real rows first
             for r, n_real in enumerate(counts.sum(0)):
@@ -72,12 +84,22 @@ def local_moe_out(x, experts, weights, w1, w3, w2):
 def exchanged_moe_out(x, experts, weights, w1, w3, w2, exchange, chunks=1):
     """The same, each (token, slot) pick one row through the exchange with its gate weight,
     which scales the FFN's output on the expert's rank; in `chunks` pipelined exchanges."""
+
     def ffn(rows, ids, gates):
         return expert_ffn(rows, ids, w1, w3, w2, "looped") * gates[:, None]
 
     n, k = experts.shape
-    y = ragged_dispatch(x[jnp.arange(n * k) // k], experts.reshape(-1), weights.reshape(-1),
-                        E // EP, ffn, axis="ep", ep=EP, exchange=exchange, chunks=chunks)
+    y = ragged_dispatch(
+        x[jnp.arange(n * k) // k],
+        experts.reshape(-1),
+        weights.reshape(-1),
+        E // EP,
+        ffn,
+        axis="ep",
+        ep=EP,
+        exchange=exchange,
+        chunks=chunks,
+    )
     return jnp.sum(y.reshape(n, k, -1), axis=1)
 
 
@@ -86,14 +108,19 @@ def loss_fns(mesh, chunks):
         return jnp.sum(jnp.sin(local_moe_out(x, experts, weights, w1, w3, w2)))
 
     def per_rank(x, experts, weights, w1, w3, w2):
-        out = exchanged_moe_out(x, experts, weights, w1, w3, w2,
-                                exchange_for("cpu", N * K // chunks), chunks)
+        out = exchanged_moe_out(
+            x, experts, weights, w1, w3, w2, exchange_for("cpu", N * K // chunks), chunks
+        )
         return jax.lax.psum(jnp.sum(jnp.sin(out)), "ep")
 
     rows, experts_split = P("ep"), P("ep")
-    sharded = jax.shard_map(per_rank, mesh=mesh, out_specs=P(), check_vma=False,
-                            in_specs=(rows, rows, rows, experts_split, experts_split,
-                                      experts_split))
+    sharded = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        out_specs=P(),
+        check_vma=False,
+        in_specs=(rows, rows, rows, experts_split, experts_split, experts_split),
+    )
     return local, sharded
 
 
@@ -114,14 +141,16 @@ def test_exchange_equals_local_experts_outputs_and_gradients(routing, chunks):
         experts = np.stack([rng.permutation(E)[:K] for _ in range(EP * N)])
         if routing == "skewed_to_rank_0":  # expert 0 (rank 0) first choice of 60% of tokens
             experts[rng.random(EP * N) < 0.6, 0] = 0
-            experts[:, 1] = np.where(experts[:, 1] == experts[:, 0], 1 + experts[:, 0],
-                                     experts[:, 1])
+            experts[:, 1] = np.where(
+                experts[:, 1] == experts[:, 0], 1 + experts[:, 0], experts[:, 1]
+            )
     else:  # experts 0 and 1 live on rank 0: it receives every pick, ep times its share
         experts = np.tile([0, 1], (EP * N, 1))
     experts = jnp.asarray(experts, jnp.int32)
     weights = jax.nn.softmax(jnp.asarray(rng.normal(size=(EP * N, K)), jnp.float32), -1)
-    ws = [jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in
-          ((E, D, F), (E, D, F), (E, F, D))]
+    ws = [
+        jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in ((E, D, F), (E, D, F), (E, F, D))
+    ]
     local, sharded = jitted_loss_grads(chunks)
     want, want_grads = local(x, experts, weights, *ws)
     with jax.set_mesh(mesh):
@@ -142,14 +171,20 @@ def test_the_first_exchange_fills_each_receiver_source_after_source_up_to_its_ca
     """`capped_counts`: each source's picks for a receiver, in expert order, sent while the
     receiver has room; the rest overflow."""
     ep, capacity = 3, 5  # 2 experts a rank
-    counts_SDL = np.array([[[1, 1], [3, 0], [0, 0]],
-                           [[2, 1], [2, 2], [1, 0]],
-                           [[0, 2], [1, 0], [2, 2]]], np.int32)
-    got = np.asarray(expert_parallel.capped_counts(jnp.asarray(counts_SDL.reshape(ep, -1)),
-                                                   ep, capacity)).reshape(counts_SDL.shape)
-    want = np.array([[[1, 1], [3, 0], [0, 0]],
-                     [[2, 1], [2, 0], [1, 0]],  # receiver 1 has 2 rows left for source 1
-                     [[0, 0], [0, 0], [2, 2]]], np.int32)  # receiver 0 is full at 5
+    counts_SDL = np.array(
+        [[[1, 1], [3, 0], [0, 0]], [[2, 1], [2, 2], [1, 0]], [[0, 2], [1, 0], [2, 2]]], np.int32
+    )
+    got = np.asarray(
+        expert_parallel.capped_counts(jnp.asarray(counts_SDL.reshape(ep, -1)), ep, capacity)
+    ).reshape(counts_SDL.shape)
+    want = np.array(
+        [
+            [[1, 1], [3, 0], [0, 0]],
+            [[2, 1], [2, 0], [1, 0]],  # receiver 1 has 2 rows left for source 1
+            [[0, 0], [0, 0], [2, 2]],
+        ],
+        np.int32,
+    )  # receiver 0 is full at 5
     np.testing.assert_array_equal(got, want)
 
 
@@ -158,16 +193,26 @@ def test_ragged_exchange_rows_vary_over_ep_so_no_cotangent_is_summed_over_ranks(
     only) under a type-checked shard_map: its result takes its output buffer's type, so the
     buffers must vary over `ep`; typed replicated, the backward would psum the rows'
     cotangents over the ranks (other ranks' tokens)."""
+
     def per_rank(x, experts, weights, w1, w3, w2):
         out = exchanged_moe_out(x, experts, weights, w1, w3, w2, jax.lax.ragged_all_to_all, 2)
         return jax.lax.psum(jnp.sum(out), "ep")
 
-    shapes = [((EP * N, D), jnp.float32), ((EP * N, K), jnp.int32), ((EP * N, K), jnp.float32),
-              ((E, D, F), jnp.float32), ((E, D, F), jnp.float32), ((E, F, D), jnp.float32)]
+    shapes = [
+        ((EP * N, D), jnp.float32),
+        ((EP * N, K), jnp.int32),
+        ((EP * N, K), jnp.float32),
+        ((E, D, F), jnp.float32),
+        ((E, D, F), jnp.float32),
+        ((E, F, D), jnp.float32),
+    ]
     sharded = jax.shard_map(per_rank, mesh=ep_mesh(EP), in_specs=P("ep"), out_specs=P())
     grads = jax.grad(sharded, argnums=(0, 2, 3, 4, 5))
     jaxpr = str(jax.make_jaxpr(grads)(*(jax.ShapeDtypeStruct(s, t) for s, t in shapes)))
     assert jaxpr.count("ragged_all_to_all") >= 2 * 6  # rows, gates, results, both ways
-    summed = [line for line in jaxpr.splitlines()  # of arrays: the loss's scalar is summed
-              if "psum_invariant" in line and re.search(r":\w+\[\d", line)]
+    summed = [
+        line
+        for line in jaxpr.splitlines()  # of arrays: the loss's scalar is summed
+        if "psum_invariant" in line and re.search(r":\w+\[\d", line)
+    ]
     assert summed == [], summed

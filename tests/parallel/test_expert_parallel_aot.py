@@ -21,7 +21,8 @@ from titan_jax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
-    reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
+)
 
 # dim 256: rows a whole number of TPU tiles (T(2,128)), so no layout padding rides along
 TINY_MOE = dataclasses.replace(TINY, dim=256, num_experts=8, top_k=2, moe_inter_dim=32)
@@ -34,17 +35,27 @@ def compiled():
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x4")
     config = tiny_config(
-        "--parallelism.data_parallel_shard_degree", str(DATA_SHARDS),
-        "--parallelism.expert_parallel_degree", str(EP),
-        "--parallelism.tensor_parallel_degree", str(TP),
-        "--training.local_batch_size", str(GLOBAL_BATCH // DATA_SHARDS),
-        "--training.mixed_precision_param", "bfloat16")
+        "--parallelism.data_parallel_shard_degree",
+        str(DATA_SHARDS),
+        "--parallelism.expert_parallel_degree",
+        str(EP),
+        "--parallelism.tensor_parallel_degree",
+        str(TP),
+        "--training.local_batch_size",
+        str(GLOBAL_BATCH // DATA_SHARDS),
+        "--training.mixed_precision_param",
+        "bfloat16",
+    )
     trainer = build_trainer(config, list(topology.devices), model_args=TINY_MOE)
     assert trainer.model.options.platform == "tpu"
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     compiled = hlo_stats.parse(lowered.compile().as_text())
-    return trainer, hlo_stats.collective_ops(compiled), compiled, hlo_stats.parse(
-        lowered.as_text(dialect="hlo", debug_info=True))
+    return (
+        trainer,
+        hlo_stats.collective_ops(compiled),
+        compiled,
+        hlo_stats.parse(lowered.as_text(dialect="hlo", debug_info=True)),
+    )
 
 
 def test_picks_travel_by_ragged_all_to_all_only(compiled):
@@ -91,8 +102,9 @@ def test_experts_run_the_megablox_kernels_counted_at_the_analytic_flops(compiled
     convolution over experts x buffer) nor an experts x buffer array; the compile report counts the
     kernels at balanced routing as the analytic expert work."""
     trainer, _, program, lowered = compiled
-    kernels = [i for body in program.computations.values() for i in body
-               if kernel_flops.megablox_flops(i)]
+    kernels = [
+        i for body in program.computations.values() for i in body if kernel_flops.megablox_flops(i)
+    ]
     weight_grads = [i for i in kernels if "tgmm" in i.name]
     # in the layer loop, over the capacity buffer: gmm for the forward (3), full remat's
     # recompute of w1 and w3 (2: the FFN's backward takes its residuals from that recompute,
@@ -104,11 +116,16 @@ def test_experts_run_the_megablox_kernels_counted_at_the_analytic_flops(compiled
     n_local = TINY_MOE.num_experts // EP
     rows = EP * GLOBAL_BATCH // DATA_SHARDS * SEQ_LEN * TINY_MOE.top_k  # the receive buffer
     masked = f"[{n_local},{rows},{TINY_MOE.dim}]"  # ragged_dot's gradient: experts x buffer
-    assert not [i for body in program.computations.values() for i in body
-                if i.name.startswith("ragged-dot") or masked in i.type]
+    assert not [
+        i
+        for body in program.computations.values()
+        for i in body
+        if i.name.startswith("ragged-dot") or masked in i.type
+    ]
     picks = trainer.tokens_per_step * TINY_MOE.top_k
-    expected, bound = hlo_stats.ragged_dot_flops(lowered, picks, functools.partial(
-        kernel_flops.megablox_flops, hidden_split=TP))
+    expected, bound = hlo_stats.ragged_dot_flops(
+        lowered, picks, functools.partial(kernel_flops.megablox_flops, hidden_split=TP)
+    )
     # Per layer, in matmuls of picks x dim x inter: the forward's 3, full remat's recompute of
     # w1 and w3 (2) and the backward's 6 gradient matmuls.
     analytic = TINY_MOE.n_layers * picks * 11 * 2 * TINY_MOE.dim * TINY_MOE.moe_inter_dim
@@ -128,11 +145,18 @@ def test_no_compute_dtype_copy_of_the_stacked_expert_weights(compiled):
     step; `compiler_workarounds.cast_in_loop` keeps each layer casting its own slice."""
     trainer, _, program, _ = compiled
     experts = jax.tree.leaves(trainer.abstract_state()["params"]["layers"]["moe"])
-    copies = [f"bf16[{','.join(map(str, w.sharding.shard_shape(w.shape)))}]" for w in experts
-              if w.ndim == 4]  # (layers, experts, in, out) per chip
+    copies = [
+        f"bf16[{','.join(map(str, w.sharding.shard_shape(w.shape)))}]"
+        for w in experts
+        if w.ndim == 4
+    ]  # (layers, experts, in, out) per chip
     assert len(copies) == 3
-    assert not [i.name for body in program.computations.values() for i in body
-                if any(c in i.type for c in copies)], copies
+    assert not [
+        i.name
+        for body in program.computations.values()
+        for i in body
+        if any(c in i.type for c in copies)
+    ], copies
 
 
 def test_no_expert_kernel_runs_on_the_whole_receive_buffer(compiled):
@@ -143,8 +167,14 @@ def test_no_expert_kernel_runs_on_the_whole_receive_buffer(compiled):
     _, _, program, _ = compiled
     picks = GLOBAL_BATCH // DATA_SHARDS * SEQ_LEN * TINY_MOE.top_k  # a rank's, per chip
     capacity = expert_parallel.expert_capacity(picks, EP * picks)
-    rows = sorted({kernel_flops.megablox_flops(i)[1] for body in program.computations.values()
-                   for i in body if kernel_flops.megablox_flops(i)})
+    rows = sorted(
+        {
+            kernel_flops.megablox_flops(i)[1]
+            for body in program.computations.values()
+            for i in body
+            if kernel_flops.megablox_flops(i)
+        }
+    )
     assert rows == sorted({picks, capacity}), rows
 
 
@@ -160,8 +190,9 @@ def test_the_estimate_prices_the_branch_and_rows_balanced_routing_takes(compiled
     balanced = hlo_cost.estimate(program, chip, n, routed_rows=rows)
     skewed = hlo_cost.estimate(program, chip, n, costlier_branches=True)
     assert all(c["expected"] for c in balanced["conditionals"])  # each says which it takes
-    fallbacks = [c for c in balanced["conditionals"]
-                 if any(o["seconds"] > c["seconds"] for o in c["others"])]
+    fallbacks = [
+        c for c in balanced["conditionals"] if any(o["seconds"] > c["seconds"] for o in c["others"])
+    ]
     assert len(fallbacks) == 2 and all(c["seconds"] < 1e-6 for c in fallbacks)
     assert balanced["flops_per_chip"] < skewed["flops_per_chip"]
     assert balanced["hbm_bytes_per_chip"] < skewed["hbm_bytes_per_chip"]

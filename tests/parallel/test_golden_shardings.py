@@ -19,8 +19,15 @@ from titan_jax.train.trainer import build_trainer
 
 GOLDEN = Path(__file__).parent / "golden"
 FLAVORS = ("debugmodel", "8B")
-KEYS = ("mesh", "mode", "params", "per_device_param_bytes", "total_param_bytes",
-        "per_device_state_bytes", "total_state_bytes")
+KEYS = (
+    "mesh",
+    "mode",
+    "params",
+    "per_device_param_bytes",
+    "total_param_bytes",
+    "per_device_state_bytes",
+    "total_state_bytes",
+)
 
 
 def sharding_summary(flavor: str, preset: str) -> dict:
@@ -39,11 +46,14 @@ def _dumps(summary: dict) -> str:
 def _changes(old: dict, new: dict) -> list[str]:
     old_params = {p["name"]: p for p in old["params"]}
     new_params = {p["name"]: p for p in new["params"]}
-    lines = [f"{name}: {old_params.get(name)} -> {new_params.get(name)}"
-             for name in sorted(old_params.keys() | new_params.keys())
-             if old_params.get(name) != new_params.get(name)]
-    lines += [f"{k}: {old.get(k)} -> {new.get(k)}" for k in new
-              if k != "params" and old.get(k) != new[k]]
+    lines = [
+        f"{name}: {old_params.get(name)} -> {new_params.get(name)}"
+        for name in sorted(old_params.keys() | new_params.keys())
+        if old_params.get(name) != new_params.get(name)
+    ]
+    lines += [
+        f"{k}: {old.get(k)} -> {new.get(k)}" for k in new if k != "params" and old.get(k) != new[k]
+    ]
     return lines
 
 
@@ -60,8 +70,11 @@ def test_shardings_match_golden(flavor, preset):
         if changes:
             path.parent.mkdir(exist_ok=True)
             path.write_text(_dumps(summary))
-        pytest.skip(f"{path.name} rewritten: review the diff" if changes else
-                    f"{path.name} unchanged; run without TITAN_JAX_UPDATE_GOLDEN to check it")
+        pytest.skip(
+            f"{path.name} rewritten: review the diff"
+            if changes
+            else f"{path.name} unchanged; run without TITAN_JAX_UPDATE_GOLDEN to check it"
+        )
     assert golden is not None, f"{path} missing; run with TITAN_JAX_UPDATE_GOLDEN=1 to create it"
     assert not changes, f"shardings differ from {path.name}:\n" + "\n".join(changes)
 

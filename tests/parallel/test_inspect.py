@@ -43,18 +43,35 @@ def test_collectives_parser_groups_by_op_and_dtype():
 
 def test_cli_inspect_prints_and_writes_the_report(tmp_path, capsys):
     out = tmp_path / "report.json"
-    rc = main(["inspect", "--config", "configs/qwen3_debug.toml",
-               "--parallelism.data_parallel_shard_degree", "8",
-               "--training.local_batch_size", "1", "--training.seq_len", "16",
-               "--training.mixed_precision_param", "bfloat16", "--json", str(out)])
+    rc = main(
+        [
+            "inspect",
+            "--config",
+            "configs/qwen3_debug.toml",
+            "--parallelism.data_parallel_shard_degree",
+            "8",
+            "--training.local_batch_size",
+            "1",
+            "--training.seq_len",
+            "16",
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
-    for key in ("params", "per_device_param_bytes", "total_param_bytes", "collectives",
-                "memory"):
+    for key in ("params", "per_device_param_bytes", "total_param_bytes", "collectives", "memory"):
         assert key in report
     wq = next(p for p in report["params"] if p["name"] == "layers.attention.wq")
-    assert wq == {"name": "layers.attention.wq", "shape": [8, 256, 16, 128], "dtype": "float32",
-                  "spec": "(None, 'fsdp')", "bytes_per_device": 8 * 256 * 16 * 128 * 4 // 8}
+    assert wq == {
+        "name": "layers.attention.wq",
+        "shape": [8, 256, 16, 128],
+        "dtype": "float32",
+        "spec": "(None, 'fsdp')",
+        "bytes_per_device": 8 * 256 * 16 * 128 * 4 // 8,
+    }
     # 1/8 of everything but the replicated per-head q/k norm weights.
     assert abs(report["per_device_param_bytes"] * 8 / report["total_param_bytes"] - 1) < 0.01
     assert {c["op"] for c in report["collectives"]} >= {"all-gather", "all-reduce"}
@@ -66,8 +83,15 @@ def test_cli_inspect_prints_and_writes_the_report(tmp_path, capsys):
 
 
 def test_cli_inspect_bad_mesh_is_one_line_error(capsys):
-    rc = main(["inspect", "--config", "configs/qwen3_debug.toml",
-               "--parallelism.data_parallel_shard_degree", "3"])
+    rc = main(
+        [
+            "inspect",
+            "--config",
+            "configs/qwen3_debug.toml",
+            "--parallelism.data_parallel_shard_degree",
+            "3",
+        ]
+    )
     assert rc == 2
     assert "but there are 8 devices" in capsys.readouterr().err
 
@@ -77,18 +101,34 @@ def test_inspect_and_compile_lower_the_program_training_runs(tmp_path):
     the abstract batch that inspect and compile lower is that batch, so they lower the step
     training compiles."""
     corpus = tmp_path / "docs.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"doc {i} " + "word " * (i % 5)}) + "\n"
-                              for i in range(40)))
-    config = load_config(None, [
-        "--job.dump_folder", str(tmp_path / "run"), "--training.dataset", "jsonl",
-        "--training.dataset_path", str(corpus), "--training.seq_len", "16",
-        "--training.local_batch_size", "2", "--training.document_mask", "true",
-        "--parallelism.data_parallel_shard_degree", "2"])
+    corpus.write_text(
+        "".join(json.dumps({"text": f"doc {i} " + "word " * (i % 5)}) + "\n" for i in range(40))
+    )
+    config = load_config(
+        None,
+        [
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+            "--training.dataset",
+            "jsonl",
+            "--training.dataset_path",
+            str(corpus),
+            "--training.seq_len",
+            "16",
+            "--training.local_batch_size",
+            "2",
+            "--training.document_mask",
+            "true",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+        ],
+    )
     trainer = build_trainer(config, jax.devices()[:2], model_args=TINY)
     fed = trainer.batches.put(next(build_data(trainer)))
     lowered = abstract_batch(trainer)
     assert lowered["inputs"].shape == (4, 16, 3)
     assert {k: (v.shape, v.dtype, v.sharding) for k, v in lowered.items()} == {
-        k: (v.shape, v.dtype, v.sharding) for k, v in fed.items()}
+        k: (v.shape, v.dtype, v.sharding) for k, v in fed.items()
+    }
     state = trainer.abstract_state()
     assert trainer.lower_step(state, lowered).as_text() == trainer.lower_step(state, fed).as_text()

@@ -22,8 +22,10 @@ from titan_jax.parallel.distributed import EXIT_LOST_PROCESS
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 5  # distributed.heartbeat_timeout of these tests
 MARGIN = 15  # for a loaded 2-core machine; JAX's own abort would come at TIMEOUT + 10
-RESTART = ("Ending the job: end that process if it still runs, then start every process again "
-           "with the same command; it resumes from the last checkpoint")
+RESTART = (
+    "Ending the job: end that process if it still runs, then start every process again "
+    "with the same command; it resumes from the last checkpoint"
+)
 pytestmark = pytest.mark.slow
 
 # A job of two processes in a loop of collectives (gloo), as the train loop is in its steps;
@@ -51,16 +53,32 @@ print("left", flush=True)
 
 
 def _start(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-                                 "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        text=True,
+        env={
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": str(ROOT),
+            "PYTHONUNBUFFERED": "1",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _distributed(port: int, i: int) -> list[str]:
-    return ["--distributed.num_processes", "2", "--distributed.process_id", str(i),
-            "--distributed.coordinator_address", f"127.0.0.1:{port}",
-            "--distributed.heartbeat_timeout", str(TIMEOUT)]
+    return [
+        "--distributed.num_processes",
+        "2",
+        "--distributed.process_id",
+        str(i),
+        "--distributed.coordinator_address",
+        f"127.0.0.1:{port}",
+        "--distributed.heartbeat_timeout",
+        str(TIMEOUT),
+    ]
 
 
 def _wait_for(proc: subprocess.Popen, text: str) -> list[str]:
@@ -81,9 +99,11 @@ def _end_of(survivor: subprocess.Popen, since: float) -> tuple[str, float]:
     return err.strip().splitlines()[-1], took
 
 
-@pytest.mark.parametrize("lost, sig", [(1, signal.SIGSTOP), (0, signal.SIGSTOP),
-                                       (1, signal.SIGKILL)],
-                         ids=["stopped", "coordinator-stopped", "killed"])
+@pytest.mark.parametrize(
+    "lost, sig",
+    [(1, signal.SIGSTOP), (0, signal.SIGSTOP), (1, signal.SIGKILL)],
+    ids=["stopped", "coordinator-stopped", "killed"],
+)
 def test_a_lost_process_ends_the_other_with_one_line_naming_it(lost, sig):
     port = _free_port()
     procs = [_start(["-c", JOB, "loop", *_distributed(port, i)]) for i in range(2)]
@@ -100,16 +120,19 @@ def test_a_lost_process_ends_the_other_with_one_line_naming_it(lost, sig):
             p.communicate()
     assert took < TIMEOUT + MARGIN
     if lost == 0:  # the coordinator: every call to its service goes unanswered
-        assert line == (f"titan-jax: error: process 0 of 2 (the coordinator, 127.0.0.1:{port}) "
-                        f"did not answer for distributed.heartbeat_timeout={TIMEOUT} s while "
-                        "this process was in the collectives loop: it was stopped, killed or "
-                        f"cut off from the job. {RESTART}")
+        assert line == (
+            f"titan-jax: error: process 0 of 2 (the coordinator, 127.0.0.1:{port}) "
+            f"did not answer for distributed.heartbeat_timeout={TIMEOUT} s while "
+            "this process was in the collectives loop: it was stopped, killed or "
+            f"cut off from the job. {RESTART}"
+        )
     else:  # named by its heartbeat (a killed one's peer first sees a gloo error, held back)
         assert re.fullmatch(
             rf"titan-jax: error: process 1 of 2 \(host \S+ pid {procs[1].pid}\) sent no "
             rf"heartbeat for distributed.heartbeat_timeout={TIMEOUT} s while in the "
             rf"collectives loop: it was stopped, killed or cut off from the job. {RESTART}",
-            line), line
+            line,
+        ), line
 
 
 def test_a_process_that_left_the_job_cleanly_is_not_lost():
@@ -121,13 +144,37 @@ def test_a_process_that_left_the_job_cleanly_is_not_lost():
 
 
 STEPS, INTERVAL = 6, 3
-TRAIN = ["-m", "titan_jax.cli", "train", "--config", str(ROOT / "configs" / "qwen3_debug.toml"),
-         "--training.steps", str(STEPS), "--training.seq_len", "32",
-         "--training.local_batch_size", "1", "--lr_scheduler.warmup_steps", "2",
-         "--metrics.log_freq", "1", "--metrics.progress_bar", "false",
-         "--metrics.peak_flops", "1e12", "--validation.enable", "false",
-         "--checkpoint.enable", "true", "--checkpoint.interval", str(INTERVAL),
-         "--checkpoint.last_save_model_only", "false", "--job.cpu_devices", "2"]
+TRAIN = [
+    "-m",
+    "titan_jax.cli",
+    "train",
+    "--config",
+    str(ROOT / "configs" / "qwen3_debug.toml"),
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.progress_bar",
+    "false",
+    "--metrics.peak_flops",
+    "1e12",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    str(INTERVAL),
+    "--checkpoint.last_save_model_only",
+    "false",
+    "--job.cpu_devices",
+    "2",
+]
 
 
 def _losses(dump: Path) -> dict[int, float]:
@@ -140,8 +187,10 @@ def test_a_stopped_training_process_ends_the_job_and_a_restart_resumes(tmp_path)
     bitwise (fp32)."""
     dump = tmp_path / "run"
     port = _free_port()
-    train = lambda i: _start([*TRAIN, "--job.dump_folder", str(dump),  # noqa: E731
-                              *_distributed(port, i)])
+
+    def train(i: int) -> subprocess.Popen:
+        return _start([*TRAIN, "--job.dump_folder", str(dump), *_distributed(port, i)])
+
     procs = [train(0), train(1)]
     try:
         _wait_for(procs[0], f"step {STEPS - 1}/{STEPS}")  # step 6 is dispatched
@@ -156,7 +205,9 @@ def test_a_stopped_training_process_ends_the_job_and_a_restart_resumes(tmp_path)
     assert re.fullmatch(
         rf"titan-jax: error: process 1 of 2 \(host \S+ pid {procs[1].pid}\) sent no heartbeat "
         rf"for distributed.heartbeat_timeout={TIMEOUT} s while training \(step [45] finished\): "
-        rf"it was stopped, killed or cut off from the job. {RESTART}", line), line
+        rf"it was stopped, killed or cut off from the job. {RESTART}",
+        line,
+    ), line
     before = _losses(dump)
     assert sorted(before) == list(range(1, STEPS))
 

@@ -23,9 +23,13 @@ from titan_jax.planner import inspect_step
 from titan_jax.planner.topology import compile_only_devices, parse_slice
 from titan_jax.train.trainer import build_trainer
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="libtpu not installed (the `tpu` extra; `make install` adds it)"), pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None,
+        reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
+    ),
+    pytest.mark.slow,
+]
 
 RECIPES = {  # name -> (config, slice)
     "30B-A3B v5p-16": ("configs/qwen3_30b_a3b.toml", "v5p-16"),
@@ -53,8 +57,9 @@ def check_shipped_recipe(name: str) -> None:
     assert "tgmm" in hlo and "ragged-dot" not in hlo  # the experts' megablox kernels (TPU)
     if trainer.mesh.shape["ep"] > 1:
         args = trainer.model.args
-        gathered_w13 = f"bf16[{args.num_experts // trainer.mesh.shape['ep']},{args.dim}," \
-                       f"{args.moe_inter_dim}]"
+        gathered_w13 = (
+            f"bf16[{args.num_experts // trainer.mesh.shape['ep']},{args.dim},{args.moe_inter_dim}]"
+        )
         late = list(gathers_after_dispatch(hlo, gathered_w13))
         assert late == [], late
     if trainer.mesh.shape["tp"] == 1:  # (TP's activation partial sums are bf16 by design)
@@ -77,7 +82,7 @@ def gathers_after_dispatch(hlo: str, shape: str) -> Iterator[str]:
         lines = computation.splitlines()
         name = lines[0].partition(" ")[0]
         starts = [i for i, line in enumerate(lines) if " ragged-all-to-all-start(" in line]
-        if name in loops and starts and sum(map(bool, map(done.search, lines[:starts[0]]))) < 2:
+        if name in loops and starts and sum(map(bool, map(done.search, lines[: starts[0]]))) < 2:
             yield name
 
 
@@ -88,4 +93,3 @@ def test_shipped_30b_recipe_compiles_and_fits():
 def test_jit_implementation_with_moe_on_tpu_is_a_config_error():
     with pytest.raises(ConfigError, match="fsdp_implementation=jit cannot compile MoE experts"):
         build("30B-A3B v5p-16", "--parallelism.fsdp_implementation", "jit")
-

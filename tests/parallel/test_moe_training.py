@@ -19,8 +19,9 @@ STEPS = 20
 
 
 def tiny_config(*overrides: str):
-    return base_config("--training.steps", str(STEPS), "--moe.load_balance_coeff", "1e-2",
-                       *overrides)
+    return base_config(
+        "--training.steps", str(STEPS), "--moe.load_balance_coeff", "1e-2", *overrides
+    )
 
 
 def run(trainer, batches, state=None):
@@ -34,8 +35,9 @@ def run(trainer, batches, state=None):
 
 @pytest.fixture(scope="module")
 def reference():
-    trainer = build_trainer(tiny_config(*single_device_overrides()), jax.devices()[:1],
-                            model_args=TINY_MOE)
+    trainer = build_trainer(
+        tiny_config(*single_device_overrides()), jax.devices()[:1], model_args=TINY_MOE
+    )
     init = jax.device_get(trainer.init_state())
     # A sharper router than init's near-uniform one: with every probability ~1/8, rounding
     # differences between meshes (a reduction order) flip top-k near-ties and the runs part.
@@ -48,38 +50,69 @@ def reference():
     return init, losses, bias
 
 
-@pytest.mark.parametrize("preset, implementation", [
-    ("fsdp8", "jit"), ("fsdp8", "shard_map"), ("fsdp4_tp2", "jit"),
-    pytest.param("hsdp2x4", "shard_map", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "preset, implementation",
+    [
+        ("fsdp8", "jit"),
+        ("fsdp8", "shard_map"),
+        ("fsdp4_tp2", "jit"),
+        pytest.param("hsdp2x4", "shard_map", marks=pytest.mark.slow),
+    ],
+)
 def test_moe_losses_and_expert_bias_equal_one_device(reference, preset, implementation):
     init, want_losses, want_bias = reference
-    trainer = build_trainer(tiny_config(*preset_overrides(preset),
-                                        "--parallelism.fsdp_implementation", implementation),
-                            model_args=TINY_MOE)
-    state, losses, _ = run(trainer, make_batches(STEPS),
-                           jax.device_put(init, trainer.state_shardings))
+    trainer = build_trainer(
+        tiny_config(*preset_overrides(preset), "--parallelism.fsdp_implementation", implementation),
+        model_args=TINY_MOE,
+    )
+    state, losses, _ = run(
+        trainer, make_batches(STEPS), jax.device_put(init, trainer.state_shardings)
+    )
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     np.testing.assert_allclose(state["buffers"]["expert_bias"], want_bias, atol=1e-7)
 
 
-@pytest.mark.parametrize("preset, ep, chunks", [  # ep2: experts' model dim over the fsdp
-    ("fsdp8", 2, 1), ("fsdp8", 8, 1), ("fsdp8", 8, 2),  # rest; ep8: none
-    pytest.param("hsdp2x4", 2, 1, marks=[pytest.mark.slow, pytest.mark.xfail(
-        strict=False, reason="on some CPUs (2026-12-02) a near-tie flips routing picks from "
-        "step 13: expert bias off by sign steps, losses by 3e-5; under investigation")]),
-    pytest.param("fsdp4_tp2", 2, 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "preset, ep, chunks",
+    [  # ep2: experts' model dim over the fsdp
+        ("fsdp8", 2, 1),
+        ("fsdp8", 8, 1),
+        ("fsdp8", 8, 2),  # rest; ep8: none
+        pytest.param(
+            "hsdp2x4",
+            2,
+            1,
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.xfail(
+                    strict=False,
+                    reason="on some CPUs (2026-12-02) a near-tie flips routing picks from "
+                    "step 13: expert bias off by sign steps, losses by 3e-5; under investigation",
+                ),
+            ],
+        ),
+        pytest.param("fsdp4_tp2", 2, 1, marks=pytest.mark.slow),
+    ],
+)
 def test_expert_parallel_losses_and_expert_bias_equal_one_device(reference, preset, ep, chunks):
     init, want_losses, want_bias = reference
-    trainer = build_trainer(tiny_config(*preset_overrides(preset),
-                                        "--parallelism.expert_parallel_degree", str(ep),
-                                        "--parallelism.expert_parallel_chunks", str(chunks)),
-                            model_args=TINY_MOE)
+    trainer = build_trainer(
+        tiny_config(
+            *preset_overrides(preset),
+            "--parallelism.expert_parallel_degree",
+            str(ep),
+            "--parallelism.expert_parallel_chunks",
+            str(chunks),
+        ),
+        model_args=TINY_MOE,
+    )
     assert trainer.degrees.ep == ep and trainer.parallelism.implementation == "shard_map"
     # Experts are split over ep; their model dim over what is left of the FSDP ranks.
     spec = (*trainer.state_shardings["params"]["layers"]["moe"]["w1"].spec, None, None)
     assert spec[1] == "ep" and (spec[2] == "fsdp") == (trainer.degrees.fsdp > 1), spec
-    state, losses, _ = run(trainer, make_batches(STEPS),
-                           jax.device_put(init, trainer.state_shardings))
+    state, losses, _ = run(
+        trainer, make_batches(STEPS), jax.device_put(init, trainer.state_shardings)
+    )
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     np.testing.assert_allclose(state["buffers"]["expert_bias"], want_bias, atol=1e-7)
 
@@ -88,26 +121,53 @@ def test_lookahead_gather_with_expert_parallelism_trains_like_one_device(referen
     """Each MoE layer's weights gathered a layer ahead (models/lookahead.py): the router's in
     fp32, as the router reads it, the experts' over the FSDP ranks ep2 leaves."""
     init, want_losses, want_bias = reference
-    trainer = build_trainer(tiny_config(*preset_overrides("fsdp8"),
-                                        "--parallelism.expert_parallel_degree", "2",
-                                        "--activation_checkpoint.mode", "full",
-                                        "--parallelism.fsdp_lookahead_gather", "true"),
-                            model_args=TINY_MOE)
+    trainer = build_trainer(
+        tiny_config(
+            *preset_overrides("fsdp8"),
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "full",
+            "--parallelism.fsdp_lookahead_gather",
+            "true",
+        ),
+        model_args=TINY_MOE,
+    )
     assert trainer.model.options.lookahead_gather
-    state, losses, _ = run(trainer, make_batches(STEPS),
-                           jax.device_put(init, trainer.state_shardings))
+    state, losses, _ = run(
+        trainer, make_batches(STEPS), jax.device_put(init, trainer.state_shardings)
+    )
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     np.testing.assert_allclose(state["buffers"]["expert_bias"], want_bias, atol=1e-7)
 
 
-@pytest.mark.parametrize("overrides, args, message", [
-    (("--parallelism.expert_parallel_degree", "2"), TINY, "applies to MoE flavours only"),
-    (("--parallelism.expert_parallel_degree", "8", "--parallelism.data_parallel_shard_degree",
-      "8"), dataclasses.replace(TINY_MOE, num_experts=4, top_k=2), "must divide the 4 experts"),
-    (("--parallelism.expert_parallel_degree", "3"), TINY_MOE, "must divide the data-parallel"),
-    (("--parallelism.expert_parallel_degree", "2", "--parallelism.fsdp_implementation", "jit"),
-     TINY_MOE, "fsdp_implementation=jit cannot host expert parallelism"),
-])
+@pytest.mark.parametrize(
+    "overrides, args, message",
+    [
+        (("--parallelism.expert_parallel_degree", "2"), TINY, "applies to MoE flavours only"),
+        (
+            (
+                "--parallelism.expert_parallel_degree",
+                "8",
+                "--parallelism.data_parallel_shard_degree",
+                "8",
+            ),
+            dataclasses.replace(TINY_MOE, num_experts=4, top_k=2),
+            "must divide the 4 experts",
+        ),
+        (("--parallelism.expert_parallel_degree", "3"), TINY_MOE, "must divide the data-parallel"),
+        (
+            (
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--parallelism.fsdp_implementation",
+                "jit",
+            ),
+            TINY_MOE,
+            "fsdp_implementation=jit cannot host expert parallelism",
+        ),
+    ],
+)
 def test_expert_parallel_config_errors(overrides, args, message):
     from titan_jax.config import ConfigError
 
@@ -120,29 +180,55 @@ def test_expert_parallel_chunks_that_do_not_divide_the_picks_are_refused_with_a_
 
     ep = ("--parallelism.expert_parallel_degree", "2")
     with pytest.raises(ConfigError, match="expert_parallel_degree is 1"):
-        build_trainer(tiny_config(*preset_overrides("fsdp8"), "--parallelism."
-                                  "expert_parallel_chunks", "2"), model_args=TINY_MOE)
+        build_trainer(
+            tiny_config(*preset_overrides("fsdp8"), "--parallelism.expert_parallel_chunks", "2"),
+            model_args=TINY_MOE,
+        )
     with pytest.raises(ConfigError, match=r"must divide each device's 32 picks") as refused:
-        build_trainer(tiny_config(*preset_overrides("fsdp8"), *ep,
-                                  "--parallelism.expert_parallel_chunks", "3"),
-                      model_args=TINY_MOE)
+        build_trainer(
+            tiny_config(
+                *preset_overrides("fsdp8"), *ep, "--parallelism.expert_parallel_chunks", "3"
+            ),
+            model_args=TINY_MOE,
+        )
     hint = str(refused.value).rsplit("use ", 1)[1]
-    trainer = build_trainer(tiny_config(*preset_overrides("fsdp8"), *ep,
-                                        "--parallelism.expert_parallel_chunks", hint),
-                            model_args=TINY_MOE)
+    trainer = build_trainer(
+        tiny_config(*preset_overrides("fsdp8"), *ep, "--parallelism.expert_parallel_chunks", hint),
+        model_args=TINY_MOE,
+    )
     assert trainer.parallelism.ep_chunks == int(hint) == 2
     # a validation batch's picks split the same way: 1 x 3 tokens x top_k 2; the hint divides
     # the training batch's 32 picks too (3 would divide the validation's 6 only)
-    validation = ("--validation.enable", "true", "--validation.local_batch_size", "1",
-                  "--validation.seq_len", "3")
+    validation = (
+        "--validation.enable",
+        "true",
+        "--validation.local_batch_size",
+        "1",
+        "--validation.seq_len",
+        "3",
+    )
     with pytest.raises(ConfigError, match="6 picks a validation batch") as refused:
-        build_trainer(tiny_config(*preset_overrides("fsdp8"), *ep, *validation,
-                                  "--parallelism.expert_parallel_chunks", "4"),
-                      model_args=TINY_MOE)
+        build_trainer(
+            tiny_config(
+                *preset_overrides("fsdp8"),
+                *ep,
+                *validation,
+                "--parallelism.expert_parallel_chunks",
+                "4",
+            ),
+            model_args=TINY_MOE,
+        )
     hint = str(refused.value).rsplit("use ", 1)[1]
-    build_trainer(tiny_config(*preset_overrides("fsdp8"), *ep, *validation,
-                              "--parallelism.expert_parallel_chunks", hint),
-                  model_args=TINY_MOE)
+    build_trainer(
+        tiny_config(
+            *preset_overrides("fsdp8"),
+            *ep,
+            *validation,
+            "--parallelism.expert_parallel_chunks",
+            hint,
+        ),
+        model_args=TINY_MOE,
+    )
 
 
 def test_resume_restores_the_expert_bias_bitwise(reference, tmp_path):
@@ -154,9 +240,11 @@ def test_resume_restores_the_expert_bias_bitwise(reference, tmp_path):
     with Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(6, half, data_state={}, tokens_seen=0)
         restored = ckpt.restore(6, trainer.abstract_state()).state
-    np.testing.assert_array_equal(restored["buffers"]["expert_bias"],
-                                  half["buffers"]["expert_bias"])
+    np.testing.assert_array_equal(
+        restored["buffers"]["expert_bias"], half["buffers"]["expert_bias"]
+    )
     resumed, resumed_losses, _ = run(trainer, batches[6:], restored)
     np.testing.assert_array_equal(resumed_losses, whole_losses[6:])
-    np.testing.assert_array_equal(resumed["buffers"]["expert_bias"],
-                                  whole["buffers"]["expert_bias"])
+    np.testing.assert_array_equal(
+        resumed["buffers"]["expert_bias"], whole["buffers"]["expert_bias"]
+    )

@@ -18,14 +18,39 @@ from tests.parallel.test_distributed import _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
-COMMON = ["train", "--config", str(ROOT / "configs" / "qwen3_debug.toml"),
-          "--training.steps", str(STEPS), "--training.seq_len", "32",
-          "--training.local_batch_size", "1", "--lr_scheduler.warmup_steps", "2",
-          "--metrics.log_freq", "1", "--metrics.progress_bar", "false",
-          "--metrics.peak_flops", "1e12", "--validation.freq", str(STEPS),
-          "--validation.steps", "1", "--validation.local_batch_size", "1",
-          "--validation.seq_len", "32", "--checkpoint.enable", "true",
-          "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+COMMON = [
+    "train",
+    "--config",
+    str(ROOT / "configs" / "qwen3_debug.toml"),
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.progress_bar",
+    "false",
+    "--metrics.peak_flops",
+    "1e12",
+    "--validation.freq",
+    str(STEPS),
+    "--validation.steps",
+    "1",
+    "--validation.local_batch_size",
+    "1",
+    "--validation.seq_len",
+    "32",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.last_save_model_only",
+    "false",
+]
 pytestmark = pytest.mark.slow
 
 
@@ -34,14 +59,40 @@ def train(dump: Path, processes: int, devices: int = 8) -> list[str]:
     returns each one's stdout."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     port = _free_port()
-    distributed = lambda i: [] if processes == 1 else [  # noqa: E731
-        "--distributed.num_processes", str(processes), "--distributed.process_id", str(i),
-        "--distributed.coordinator_address", f"127.0.0.1:{port}"]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "titan_jax.cli", *COMMON, "--job.dump_folder", str(dump),
-         "--job.cpu_devices", str(devices // processes), *distributed(i)],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(processes)]
+
+    def distributed(i: int) -> list[str]:
+        if processes == 1:
+            return []
+        return [
+            "--distributed.num_processes",
+            str(processes),
+            "--distributed.process_id",
+            str(i),
+            "--distributed.coordinator_address",
+            f"127.0.0.1:{port}",
+        ]
+
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "titan_jax.cli",
+                *COMMON,
+                "--job.dump_folder",
+                str(dump),
+                "--job.cpu_devices",
+                str(devices // processes),
+                *distributed(i),
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(processes)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, out + err
@@ -70,8 +121,10 @@ GLOO = "[Gloo] Rank # is connected to # peer ranks. Expected number of connected
 
 def _gloo_only(line: str) -> bool:
     """Whether `line` holds nothing but gloo's lines and pieces of its message (or blanks)."""
-    return all(piece.startswith("[Gloo]") or re.sub(r"\d+", "#", piece).strip() in GLOO
-               for piece in re.split(r"(?=\[Gloo\])", line))
+    return all(
+        piece.startswith("[Gloo]") or re.sub(r"\d+", "#", piece).strip() in GLOO
+        for piece in re.split(r"(?=\[Gloo\])", line)
+    )
 
 
 def test_two_processes_train_like_one_and_read_only_their_rows(runs):
@@ -84,8 +137,10 @@ def test_two_processes_train_like_one_and_read_only_their_rows(runs):
     assert "step 1/4" in outs[0]
     assert [line for line in outs[1].splitlines() if not _gloo_only(line)] == []
     # Each process read the windows of its own rows only: 4 rows in each of STEPS batches.
-    line = f"data: process 0 read rows 0-3 ({4 * STEPS} windows), process 1 read rows 4-7 " \
-           f"({4 * STEPS} windows)"
+    line = (
+        f"data: process 0 read rows 0-3 ({4 * STEPS} windows), process 1 read rows 4-7 "
+        f"({4 * STEPS} windows)"
+    )
     assert line in outs[0].splitlines()
 
 
@@ -104,8 +159,9 @@ def test_a_checkpoint_moves_between_one_and_two_processes(runs, tmp_path, saved_
 
 
 @pytest.mark.parametrize("saved_by, resumed_by, devices", [(2, 1, 4), (1, 2, 4)])
-def test_a_resume_on_another_shape_keeps_the_global_batch(runs, tmp_path, saved_by, resumed_by,
-                                                         devices):
+def test_a_resume_on_another_shape_keeps_the_global_batch(
+    runs, tmp_path, saved_by, resumed_by, devices
+):
     """2 x 4 devices -> 1 x 4, and 1 x 8 -> 2 x 2: the global batch of 8 rows no longer fits
     one row per device, and becomes 2 microbatches of 4 rows."""
     source, _ = runs[saved_by]
@@ -114,8 +170,10 @@ def test_a_resume_on_another_shape_keeps_the_global_batch(runs, tmp_path, saved_
     shutil.rmtree(dump / "checkpoint" / str(STEPS))  # resume from step 2
     outs = train(dump, resumed_by, devices)
     processes = lambda n: f"{n} process{'es' if n > 1 else ''}"  # noqa: E731
-    line = (f"resuming on {processes(resumed_by)} x {devices // resumed_by} devices, the "
-            f"checkpoint was saved on {processes(saved_by)} x {8 // saved_by}: global batch 8 "
-            "kept as 2 microbatch(es) of 1 row(s) x 4 data-parallel ranks")
+    line = (
+        f"resuming on {processes(resumed_by)} x {devices // resumed_by} devices, the "
+        f"checkpoint was saved on {processes(saved_by)} x {8 // saved_by}: global batch 8 "
+        "kept as 2 microbatch(es) of 1 row(s) x 4 data-parallel ranks"
+    )
     assert line in outs[0].splitlines(), outs[0]
     assert _losses(dump) == pytest.approx(_losses(source), rel=1e-5, abs=0)

@@ -34,10 +34,17 @@ def test_fsdp_spans_the_slices_without_a_replicate_degree():
     assert (ids[:2] == 0).all() and (ids[2:] == 1).all()  # tp pairs never cross a slice
 
 
-@pytest.mark.parametrize("degrees, num_slices, message", [
-    (MeshDegrees(1, 8, 1), 3, "num_slices=3 does not divide 8 devices"),
-    (MeshDegrees(1, 2, 4), 4, "4 slices must divide parallelism.data_parallel_replicate_degree"),
-])
+@pytest.mark.parametrize(
+    "degrees, num_slices, message",
+    [
+        (MeshDegrees(1, 8, 1), 3, "num_slices=3 does not divide 8 devices"),
+        (
+            MeshDegrees(1, 2, 4),
+            4,
+            "4 slices must divide parallelism.data_parallel_replicate_degree",
+        ),
+    ],
+)
 def test_bad_slice_counts_are_config_errors(degrees, num_slices, message):
     with pytest.raises(ConfigError, match=message):
         build_mesh(degrees, jax.devices(), num_slices=num_slices)
@@ -54,8 +61,10 @@ def test_num_slices_must_be_positive_or_auto():
         tiny_config("--parallelism.num_slices", "0")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                    reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
+)
 def test_tpu_multislice_devices_put_replicas_on_separate_slices():
     from titan_jax.planner.topology import compile_only_devices, parse_slice
 

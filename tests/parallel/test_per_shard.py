@@ -27,19 +27,21 @@ def test_a_per_shard_kernel_over_a_model_axis_equals_the_plain_kernel_forward_on
     def sharded(x, w):
         def local(x, w):
             w = lax.pcast(w, ("data",), to="varying")  # as a gathered weight is typed
-            y = manual_per_shard(tp_partial_sum, (x, w), (P(), P(None, "tp")), P("tp"),
-                                 ("data",))
+            y = manual_per_shard(tp_partial_sum, (x, w), (P(), P(None, "tp")), P("tp"), ("data",))
             return lax.psum(jnp.sum(jnp.sum(y, axis=0) ** 2), "data")
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=P(),
-                             axis_names={"data"})(x, w)
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(P("data"), P()), out_specs=P(), axis_names={"data"}
+        )(x, w)
 
     def plain(x, w):
         return jnp.sum((jnp.tanh(x @ w) @ w.T) ** 2)
 
     grad = jax.value_and_grad(sharded, argnums=(0, 1))
-    (got, got_grads), (want, want_grads) = jax.jit(grad)(x, w), jax.value_and_grad(
-        plain, argnums=(0, 1))(x, w)
+    (got, got_grads), (want, want_grads) = (
+        jax.jit(grad)(x, w),
+        jax.value_and_grad(plain, argnums=(0, 1))(x, w),
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, r in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)

@@ -21,9 +21,13 @@ from titan_jax.planner import inspect_step
 from titan_jax.planner.topology import compile_only_devices, parse_slice
 from titan_jax.train.trainer import build_trainer
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="libtpu not installed (the `tpu` extra; `make install` adds it)"), pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None,
+        reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
+    ),
+    pytest.mark.slow,
+]
 
 # The HLO element type each base is gathered in.
 GATHERED = {"int8": "s8", "nf4": "u8"}
@@ -48,7 +52,10 @@ def test_8b_qlora_compiles_for_v5e4_gathered_as_stored():
         # wq's codes (4096 x 32 x 128 per layer; nf4: 64 bytes of two codes along head_dim)
         last = 64 if base_dtype == "nf4" else 128
         wq = re.compile(rf"{element}\[(1,)?4096,32,{last}\]")  # (one layer of the scan)
-        gathers = [line for line in compiled.as_text().splitlines()
-                   if "all-gather" in line and wq.search(line)]
+        gathers = [
+            line
+            for line in compiled.as_text().splitlines()
+            if "all-gather" in line and wq.search(line)
+        ]
         assert gathers, base_dtype
     assert arguments["int8"] > arguments["nf4"], arguments

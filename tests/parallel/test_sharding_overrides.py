@@ -19,13 +19,20 @@ from titan_jax.train.trainer import build_trainer
 
 # Two K/V heads: a tensor-parallel degree of 4 splits the 8 query heads but not them.
 FEW_KV_HEADS = dataclasses.replace(TINY, n_kv_heads=2)
-TP4 = ("--parallelism.data_parallel_shard_degree", "2",
-       "--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "4")
+TP4 = (
+    "--parallelism.data_parallel_shard_degree",
+    "2",
+    "--parallelism.tensor_parallel_degree",
+    "4",
+    "--training.local_batch_size",
+    "4",
+)
 
 
 def losses(*overrides: str, n_devices: int = 8, host_state=None):
-    trainer = build_trainer(tiny_config(*overrides), jax.devices()[:n_devices],
-                            model_args=FEW_KV_HEADS)
+    trainer = build_trainer(
+        tiny_config(*overrides), jax.devices()[:n_devices], model_args=FEW_KV_HEADS
+    )
     state = jax.device_get(trainer.init_state(0)) if host_state is None else host_state
     return run_losses(trainer, state, make_batches(3)), state
 
@@ -38,9 +45,14 @@ def test_kv_heads_kept_whole_over_tp_give_one_devices_losses():
     assert hint == "kv_heads="
     one, host_state = losses("--training.local_batch_size", str(GLOBAL_BATCH), n_devices=1)
     for implementation in ("jit", "shard_map"):
-        got, _ = losses(*TP4, "--parallelism.sharding_rules", hint,
-                        "--parallelism.fsdp_implementation", implementation,
-                        host_state=host_state)
+        got, _ = losses(
+            *TP4,
+            "--parallelism.sharding_rules",
+            hint,
+            "--parallelism.fsdp_implementation",
+            implementation,
+            host_state=host_state,
+        )
         np.testing.assert_allclose(got, one, rtol=1e-6, err_msg=implementation)
 
 
@@ -52,45 +64,74 @@ def test_a_per_shard_kernel_gets_the_kv_heads_of_its_query_heads():
     seq = 128  # splash's smallest block
     args = dataclasses.replace(FEW_KV_HEADS, max_seq_len=seq)
     tokens = np.random.default_rng(0).integers(0, args.vocab_size, (2, GLOBAL_BATCH, seq + 1))
-    batches = [{"inputs": t[:, :-1].astype(np.int32), "labels": t[:, 1:].astype(np.int32)}
-               for t in tokens]
+    batches = [
+        {"inputs": t[:, :-1].astype(np.int32), "labels": t[:, 1:].astype(np.int32)} for t in tokens
+    ]
     common = ("--training.seq_len", str(seq), "--model.attention", "splash")
-    one = build_trainer(tiny_config(*common, "--training.local_batch_size", str(GLOBAL_BATCH)),
-                        jax.devices()[:1], model_args=args)
+    one = build_trainer(
+        tiny_config(*common, "--training.local_batch_size", str(GLOBAL_BATCH)),
+        jax.devices()[:1],
+        model_args=args,
+    )
     host_state = jax.device_get(one.init_state(0))
-    tp = build_trainer(tiny_config(*common, *TP4, "--parallelism.sharding_rules", "kv_heads=",
-                                   "--parallelism.fsdp_implementation", "shard_map"),
-                       jax.devices(), model_args=args)
-    np.testing.assert_allclose(run_losses(tp, host_state, batches),
-                               run_losses(one, host_state, batches), rtol=1e-5)
+    tp = build_trainer(
+        tiny_config(
+            *common,
+            *TP4,
+            "--parallelism.sharding_rules",
+            "kv_heads=",
+            "--parallelism.fsdp_implementation",
+            "shard_map",
+        ),
+        jax.devices(),
+        model_args=args,
+    )
+    np.testing.assert_allclose(
+        run_losses(tp, host_state, batches), run_losses(one, host_state, batches), rtol=1e-5
+    )
 
 
 def test_rules_read_from_toml_and_the_command_line(tmp_path):
     recipe = tmp_path / "recipe.toml"
-    recipe.write_text('[parallelism.sharding_rules]\nkv_heads = []\nmlp = "tp"\n'
-                      'embed = ["fsdp", "cp"]\n')
+    recipe.write_text(
+        '[parallelism.sharding_rules]\nkv_heads = []\nmlp = "tp"\nembed = ["fsdp", "cp"]\n'
+    )
     assert load_config(recipe).parallelism.sharding_rules == {
-        "kv_heads": [], "mlp": ["tp"], "embed": ["fsdp", "cp"]}
+        "kv_heads": [],
+        "mlp": ["tp"],
+        "embed": ["fsdp", "cp"],
+    }
     config = load_config(recipe, ["--parallelism.sharding_rules", "kv_heads=,embed=fsdp+cp"])
     assert config.parallelism.sharding_rules == {"kv_heads": [], "embed": ["fsdp", "cp"]}
 
 
-@pytest.mark.parametrize(("rules", "message"), [
-    ("kv_head=", "'kv_head' is not a logical axis of the sharding table; valid: "
-     + ", ".join(DEFAULT_TABLE)),
-    ("mlp=tensor", "rule 'mlp' -> 'tensor': mesh has no axis 'tensor'"),
-    ("mlp", "'mlp' is not key=name+name"),
-])
+@pytest.mark.parametrize(
+    ("rules", "message"),
+    [
+        (
+            "kv_head=",
+            "'kv_head' is not a logical axis of the sharding table; valid: "
+            + ", ".join(DEFAULT_TABLE),
+        ),
+        ("mlp=tensor", "rule 'mlp' -> 'tensor': mesh has no axis 'tensor'"),
+        ("mlp", "'mlp' is not key=name+name"),
+    ],
+)
 def test_bad_rules_are_one_line(rules, message):
     with pytest.raises(ConfigError) as e:
-        build_trainer(tiny_config("--parallelism.sharding_rules", rules), jax.devices()[:1],
-                      model_args=FEW_KV_HEADS)
+        build_trainer(
+            tiny_config("--parallelism.sharding_rules", rules),
+            jax.devices()[:1],
+            model_args=FEW_KV_HEADS,
+        )
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                    reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
+)
 def test_a_recipe_with_a_rule_override_compiles_for_its_slice(tmp_path):
     """Qwen3-32B (64 query, 8 K/V heads) at TP 16 on a v5p-32: the K/V heads whole on every
     tp rank, the query heads split 16 ways (layers cut to 2)."""
@@ -99,9 +140,12 @@ def test_a_recipe_with_a_rule_override_compiles_for_its_slice(tmp_path):
     from titan_jax.planner.topology import compile_only_devices, parse_slice
 
     recipe = tmp_path / "qwen3_32b_tp16.toml"
-    recipe.write_text(open("configs/qwen3_32b.toml").read().replace(
-        "tensor_parallel_degree = 4", "tensor_parallel_degree = 16")
-        + "\n[parallelism.sharding_rules]\nkv_heads = []\n")
+    recipe.write_text(
+        open("configs/qwen3_32b.toml")
+        .read()
+        .replace("tensor_parallel_degree = 4", "tensor_parallel_degree = 16")
+        + "\n[parallelism.sharding_rules]\nkv_heads = []\n"
+    )
     config = load_config(recipe)
     args = dataclasses.replace(get_flavor("32B"), n_layers=2)
     trainer = build_trainer(config, compile_only_devices(parse_slice("v5p-32")), model_args=args)

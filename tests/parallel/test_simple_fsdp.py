@@ -41,48 +41,65 @@ def reference_losses(run_tiny) -> np.ndarray:
 LOOKAHEAD = ("--activation_checkpoint.mode", "full", "--parallelism.fsdp_lookahead_gather", "true")
 
 
-@pytest.mark.parametrize("implementation, preset, extra", [
-    # fsdp2_tp4 is left out: the same fsdp x tp path as fsdp4_tp2 (one compile less).
-    *(("jit", name, ()) for name in PRESETS if name != "fsdp2_tp4"),
-    ("shard_map", "fsdp8", ()),
-    ("shard_map", "hsdp2x4", LOOKAHEAD),
-    # The twin is manual over the data axes only, so tp composes with it too.
-    pytest.param("shard_map", "fsdp4_tp2", (), marks=pytest.mark.slow),
-], ids=lambda x: "lookahead" if x == LOOKAHEAD else (x or None))
-def test_sharded_losses_equal_single_device(run_tiny, reference_losses, implementation, preset,
-                                            extra):
-    losses = run_tiny(*preset_overrides(preset),
-                      "--parallelism.fsdp_implementation", implementation, *extra)
+@pytest.mark.parametrize(
+    "implementation, preset, extra",
+    [
+        # fsdp2_tp4 is left out: the same fsdp x tp path as fsdp4_tp2 (one compile less).
+        *(("jit", name, ()) for name in PRESETS if name != "fsdp2_tp4"),
+        ("shard_map", "fsdp8", ()),
+        ("shard_map", "hsdp2x4", LOOKAHEAD),
+        # The twin is manual over the data axes only, so tp composes with it too.
+        pytest.param("shard_map", "fsdp4_tp2", (), marks=pytest.mark.slow),
+    ],
+    ids=lambda x: "lookahead" if x == LOOKAHEAD else (x or None),
+)
+def test_sharded_losses_equal_single_device(
+    run_tiny, reference_losses, implementation, preset, extra
+):
+    losses = run_tiny(
+        *preset_overrides(preset), "--parallelism.fsdp_implementation", implementation, *extra
+    )
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("implementation, preset", [
-    # the vocabulary split over fsdp, replicated over dp_replicate (jit HSDP gathers the
-    # tables instead: rules.table_for_vocab)
-    ("shard_map", "hsdp2x4"),
-    pytest.param("shard_map", "fsdp4_tp2", marks=pytest.mark.slow),
-])
-def test_vocabulary_split_in_chunks_equals_single_device(run_tiny, reference_losses, monkeypatch,
-                                                         implementation, preset):
+@pytest.mark.parametrize(
+    "implementation, preset",
+    [
+        # the vocabulary split over fsdp, replicated over dp_replicate (jit HSDP gathers the
+        # tables instead: rules.table_for_vocab)
+        ("shard_map", "hsdp2x4"),
+        pytest.param("shard_map", "fsdp4_tp2", marks=pytest.mark.slow),
+    ],
+)
+def test_vocabulary_split_in_chunks_equals_single_device(
+    run_tiny, reference_losses, monkeypatch, implementation, preset
+):
     """The vocabulary-parallel lookup and loss with several chunks of tokens each (4 tokens of
     the lookup, 2 of the loss per chunk and shard)."""
     from titan_jax.models import embedding
     from titan_jax.train import loss
 
-    trainer = tiny_trainer(*preset_overrides(preset), "--parallelism.fsdp_implementation",
-                           implementation)
+    trainer = tiny_trainer(
+        *preset_overrides(preset), "--parallelism.fsdp_implementation", implementation
+    )
     assert trainer.parallelism.vocab_split().degree == 4
     monkeypatch.setattr(embedding, "MAX_ROWS_PER_CHUNK", 4 * 4 * TINY.dim)
     monkeypatch.setattr(loss, "MAX_LOGITS_PER_CHUNK", 2 * TINY.vocab_size)
-    losses = run_tiny(*preset_overrides(preset),
-                      "--parallelism.fsdp_implementation", implementation)
+    losses = run_tiny(
+        *preset_overrides(preset), "--parallelism.fsdp_implementation", implementation
+    )
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5, atol=0)
 
 
 def test_modes_follow_the_degrees():
     modes = {name: tiny_trainer(*preset_overrides(name)).degrees.mode for name in PRESETS}
-    assert modes == {"ddp8": "replicate", "fsdp8": "fully_shard", "hsdp2x4": "hybrid_shard",
-                     "fsdp4_tp2": "fully_shard", "fsdp2_tp4": "fully_shard"}
+    assert modes == {
+        "ddp8": "replicate",
+        "fsdp8": "fully_shard",
+        "hsdp2x4": "hybrid_shard",
+        "fsdp4_tp2": "fully_shard",
+        "fsdp2_tp4": "fully_shard",
+    }
 
 
 def test_compute_spec_gathers_data_axes_and_keeps_tp():
@@ -92,10 +109,10 @@ def test_compute_spec_gathers_data_axes_and_keeps_tp():
     assert rules.compute_spec("wq", axes, shape) == P(None, None, "tp")
     # Activations: the data axes split only the batch (dp_replicate has size 1 here).
     assert rules.compute_spec("x", ("batch", "seq", "embed")) == P("fsdp")
-    assert rules.compute_spec("x", ("batch", "seq", "heads", "head_dim")) == P(
-        "fsdp", None, "tp")
+    assert rules.compute_spec("x", ("batch", "seq", "heads", "head_dim")) == P("fsdp", None, "tp")
     assert rules.local_compute_spec("x", ("batch", "seq", "heads", "head_dim")) == P(
-        None, None, "tp")
+        None, None, "tp"
+    )
 
 
 def _float(collectives: list[dict], *ops: str) -> list[dict]:
@@ -123,25 +140,35 @@ def assert_bf16_gathers_fp32_reductions(report: dict) -> None:
 
 def bf16_report(*overrides: str) -> dict:
     return inspect_step.inspect_trainer(
-        tiny_trainer(*overrides, "--training.mixed_precision_param", "bfloat16"))
+        tiny_trainer(*overrides, "--training.mixed_precision_param", "bfloat16")
+    )
 
 
-@pytest.mark.parametrize("preset, implementation", [
-    ("hsdp2x4", "jit"),  # reduce-scatter over fsdp + all-reduce over dp_replicate, both fp32
-    pytest.param("ddp8", "jit", marks=pytest.mark.slow),
-    pytest.param("hsdp2x4", "shard_map", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "preset, implementation",
+    [
+        ("hsdp2x4", "jit"),  # reduce-scatter over fsdp + all-reduce over dp_replicate, both fp32
+        pytest.param("ddp8", "jit", marks=pytest.mark.slow),
+        pytest.param("hsdp2x4", "shard_map", marks=pytest.mark.slow),
+    ],
+)
 def test_bf16_gathers_and_fp32_gradient_reductions(preset, implementation):
-    assert_bf16_gathers_fp32_reductions(bf16_report(
-        *preset_overrides(preset), "--parallelism.fsdp_implementation", implementation))
+    assert_bf16_gathers_fp32_reductions(
+        bf16_report(*preset_overrides(preset), "--parallelism.fsdp_implementation", implementation)
+    )
 
 
 def test_bf16_reduce_with_the_shard_map_twin_is_refused_on_cpu():
     """XLA:CPU aborts compiling a bf16 reduce-scatter ("Invalid binary instruction opcode
     copy"); the TPU compile is tested in test_tpu_aot.py."""
     with pytest.raises(ConfigError, match="mixed_precision_reduce=bfloat16.*shard_map.*CPU"):
-        tiny_trainer(*preset_overrides("fsdp8"), "--training.mixed_precision_reduce", "bfloat16",
-                     "--parallelism.fsdp_implementation", "shard_map")
+        tiny_trainer(
+            *preset_overrides("fsdp8"),
+            "--training.mixed_precision_reduce",
+            "bfloat16",
+            "--parallelism.fsdp_implementation",
+            "shard_map",
+        )
 
 
 def test_the_checks_can_fail_unpinned_cast_gathers_fp32():
@@ -175,25 +202,37 @@ def test_the_checks_can_fail_bf16_dot_reduces_in_bf16():
     assert {c["dtype"] for c in found} == {"bf16"}
 
 
-@pytest.mark.parametrize("implementation, ac_mode", [
-    ("jit", "none"),
-    pytest.param("shard_map", "full", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "implementation, ac_mode",
+    [
+        ("jit", "none"),
+        pytest.param("shard_map", "full", marks=pytest.mark.slow),
+    ],
+)
 def test_reshard_after_forward_regathers_and_saves_memory(implementation, ac_mode):
     """FSDP 8 in bf16: always re-gathers the layer weights in backward and saves less."""
-    reports = {reshard: bf16_report(*preset_overrides("fsdp8"),
-                                    "--activation_checkpoint.mode", ac_mode,
-                                    "--parallelism.fsdp_reshard_after_forward", reshard,
-                                    "--parallelism.fsdp_implementation", implementation)
-               for reshard in ("always", "never")}
+    reports = {
+        reshard: bf16_report(
+            *preset_overrides("fsdp8"),
+            "--activation_checkpoint.mode",
+            ac_mode,
+            "--parallelism.fsdp_reshard_after_forward",
+            reshard,
+            "--parallelism.fsdp_implementation",
+            implementation,
+        )
+        for reshard in ("always", "never")
+    }
 
     def gathers(report: dict) -> int:
         return sum(c["count"] for c in _float(report["partitioned_collectives"], "all-gather"))
 
     # At least the 7 matrices of a layer are gathered again inside the backward scan.
     assert gathers(reports["always"]) >= gathers(reports["never"]) + 7
-    assert (reports["always"]["memory"]["temp_size_in_bytes"]
-            < reports["never"]["memory"]["temp_size_in_bytes"])
+    assert (
+        reports["always"]["memory"]["temp_size_in_bytes"]
+        < reports["never"]["memory"]["temp_size_in_bytes"]
+    )
     for report in reports.values():
         assert_bf16_gathers_fp32_reductions(report)
 
@@ -236,8 +275,14 @@ def test_a_weight_split_over_two_mesh_axes_gathers_in_order():
         return fsdp.use_param(shard, ("embed", None), jnp.float32)[None]
 
     with jax.set_mesh(mesh):
-        gathered = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(("fsdp", "ep")),
-                                         out_specs=P(data), axis_names=frozenset(data)))(
-            jax.device_put(w, NamedSharding(mesh, specs["w"])))
+        gathered = jax.jit(
+            jax.shard_map(
+                gather,
+                mesh=mesh,
+                in_specs=P(("fsdp", "ep")),
+                out_specs=P(data),
+                axis_names=frozenset(data),
+            )
+        )(jax.device_put(w, NamedSharding(mesh, specs["w"])))
     for copy in gathered:
         np.testing.assert_array_equal(copy, w)

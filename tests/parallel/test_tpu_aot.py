@@ -24,7 +24,8 @@ from titan_jax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
-    reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
+)
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(.*)$")
 _REDUCTION = re.compile(r"\s(all-reduce|all-reduce-start|reduce-scatter)\((.*?)\)")
@@ -34,9 +35,14 @@ def compiled_hlo(preset: str, implementation: str, *overrides: str) -> str:
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
-    config = tiny_config(*preset_overrides(preset), "--training.mixed_precision_param",
-                         "bfloat16", "--parallelism.fsdp_implementation", implementation,
-                         *overrides)
+    config = tiny_config(
+        *preset_overrides(preset),
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--parallelism.fsdp_implementation",
+        implementation,
+        *overrides,
+    )
     trainer = build_trainer(config, list(topology.devices), model_args=TINY)
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     return lowered.compile().as_text()
@@ -50,7 +56,7 @@ def bf16_reductions(hlo: str) -> list[str]:
     for line in hlo.splitlines():
         if not (m := _DEF.match(line)) or not (r := _REDUCTION.search(m[2])):
             continue
-        result_type = m[2][:r.start()]
+        result_type = m[2][: r.start()]
         dtypes = re.findall(r"\b([a-z]+[0-9]*)\[", result_type)
         operands = [o.strip() for o in r[2].split(",")]
         for dtype, operand in zip(dtypes, operands, strict=False):
@@ -71,10 +77,15 @@ def _source(defs: dict[str, str], name: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset, implementation", [
-    ("fsdp8", "jit"), ("ddp8", "jit"), ("fsdp8", "shard_map"),
-    ("hsdp2x4", "jit"),  # the vocabulary tables gathered there (rules.table_for_vocab)
-])
+@pytest.mark.parametrize(
+    "preset, implementation",
+    [
+        ("fsdp8", "jit"),
+        ("ddp8", "jit"),
+        ("fsdp8", "shard_map"),
+        ("hsdp2x4", "jit"),  # the vocabulary tables gathered there (rules.table_for_vocab)
+    ],
+)
 def test_v5p_fsdp_gathers_bf16_and_reduces_fp32(preset, implementation):
     # one compile shared with the tests below (the shard_map twin's: at 1024 tokens)
     args = SHARD_MAP_1K if implementation == "shard_map" else (preset, implementation, VOCAB)
@@ -89,9 +100,13 @@ def test_v5p_fsdp_gathers_bf16_and_reduces_fp32(preset, implementation):
         assert any(t.startswith("bf16") for t in gathers), gathers
         rows = re.compile(rf"f32\[(1,)*\d+,{TINY.dim}\]")  # (tokens, dim) hidden states
         assert {t for t in gathers if t.startswith("f32") and not rows.fullmatch(t)} == set(), (
-            gathers)
-    fp32_bytes = sum(c["bytes"] for c in found
-                     if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] == "f32")
+            gathers
+        )
+    fp32_bytes = sum(
+        c["bytes"]
+        for c in found
+        if c["op"] in ("all-reduce", "reduce-scatter") and c["dtype"] == "f32"
+    )
     assert fp32_bytes > 100_000, found  # the gradients (the tiny model is ~0.4 MB in fp32)
     # Except the vocabulary-parallel embedding's rows (all tokens x dim): one shard contributes
     # each row, so XLA:TPU's narrowing of that sum to bf16 is exact.
@@ -114,8 +129,9 @@ def test_auto_precision_follows_the_target_devices_not_the_host():
     assert cpu.options.param_dtype == jnp.float32
 
 
-@pytest.mark.parametrize("implementation", [
-    "jit", pytest.param("shard_map", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "implementation", ["jit", pytest.param("shard_map", marks=pytest.mark.slow)]
+)
 def test_mixed_precision_reduce_bf16_reduces_gradients_in_bf16(implementation):
     """TorchTitan's `mixed_precision_reduce = "bfloat16"`: every gradient reduction is bf16
     (what is left in fp32 is the scalar loss, grad norm and the loss's softmax sums)."""
@@ -127,8 +143,13 @@ def test_mixed_precision_reduce_bf16_reduces_gradients_in_bf16(implementation):
     # their gradient, not weight gradients: all tokens' rows, then half of them).
     rows = GLOBAL_BATCH * SEQ_LEN
     vocabulary = {f"f32[{n},{TINY.dim}]" for n in (rows // 2, rows // 8)}
-    big = [t for _, t in _reductions(hlo) if t not in vocabulary and t[:3] in ("bf1", "f32")
-           and sum(hlo_stats.nbytes(*a) for a in hlo_stats.arrays(t)) > 4096]
+    big = [
+        t
+        for _, t in _reductions(hlo)
+        if t not in vocabulary
+        and t[:3] in ("bf1", "f32")
+        and sum(hlo_stats.nbytes(*a) for a in hlo_stats.arrays(t)) > 4096
+    ]
     assert big and {t.split("[")[0] for t in big} == {"bf16"}, big
 
 
@@ -163,17 +184,25 @@ def test_v5p_remat_modes_order_device_memory_and_offload_moves_activations_to_ho
     args = dataclasses.replace(TINY, n_layers=16, hidden_dim=512, max_seq_len=256)
     memory, hlo = {}, {}
     for mode in ("none", "full", "selective", "offload", "full+input"):
-        config = tiny_config(*preset_overrides("fsdp8"), "--training.seq_len", "256",
-                             "--activation_checkpoint.offload_layer_input",
-                             str(mode == "full+input").lower(),
-                             "--training.mixed_precision_param", "bfloat16",
-                             "--activation_checkpoint.mode", mode.removesuffix("+input"),
-                             # the XLA attention, whose saved values are exactly the named ones
-                             # below (splash's kernel keeps residuals of its own)
-                             "--model.attention", "xla")
+        config = tiny_config(
+            *preset_overrides("fsdp8"),
+            "--training.seq_len",
+            "256",
+            "--activation_checkpoint.offload_layer_input",
+            str(mode == "full+input").lower(),
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--activation_checkpoint.mode",
+            mode.removesuffix("+input"),
+            # the XLA attention, whose saved values are exactly the named ones
+            # below (splash's kernel keeps residuals of its own)
+            "--model.attention",
+            "xla",
+        )
         trainer = build_trainer(config, list(topology.devices), model_args=args)
-        compiled = trainer.lower_step(trainer.abstract_state(),
-                                      inspect_step.abstract_batch(trainer)).compile()
+        compiled = trainer.lower_step(
+            trainer.abstract_state(), inspect_step.abstract_batch(trainer)
+        ).compile()
         memory[mode], hlo[mode] = compiled.memory_analysis(), compiled.as_text()
     temp = {mode: m.temp_size_in_bytes for mode, m in memory.items()}
     assert temp["full"] < temp["selective"] < temp["none"], temp
@@ -194,8 +223,9 @@ VOCAB = 8 * 131  # a vocabulary size no other dimension of the tiny model has, s
 
 
 @functools.cache
-def compiled_tiny(preset: str, implementation: str, vocab: int, *overrides: str
-                  ) -> tuple[str, dict[str, Any]]:
+def compiled_tiny(
+    preset: str, implementation: str, vocab: int, *overrides: str
+) -> tuple[str, dict[str, Any]]:
     """The per-chip v5p-16 (8 chips) program of the tiny model with `vocab` rows (a size no
     other dimension has), and the abstract state with its shardings; one compile per test
     module run, shared by the tests below."""
@@ -204,14 +234,22 @@ def compiled_tiny(preset: str, implementation: str, vocab: int, *overrides: str
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
-    config = tiny_config(*preset_overrides(preset), "--training.mixed_precision_param",
-                         "bfloat16", "--parallelism.fsdp_implementation", implementation,
-                         *overrides)
-    trainer = build_trainer(config, list(topology.devices),
-                            model_args=dataclasses.replace(TINY, vocab_size=vocab))
+    config = tiny_config(
+        *preset_overrides(preset),
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--parallelism.fsdp_implementation",
+        implementation,
+        *overrides,
+    )
+    trainer = build_trainer(
+        config, list(topology.devices), model_args=dataclasses.replace(TINY, vocab_size=vocab)
+    )
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
-    return lowered.compile().as_text(), {"state": trainer.abstract_state(),
-                                         "shardings": trainer.state_shardings}
+    return lowered.compile().as_text(), {
+        "state": trainer.abstract_state(),
+        "shardings": trainer.state_shardings,
+    }
 
 
 def full_vocab_arrays(preset: str, implementation: str, vocab: int) -> list[str]:
@@ -220,10 +258,13 @@ def full_vocab_arrays(preset: str, implementation: str, vocab: int) -> list[str]
     return sorted(set(re.findall(rf"\b(?:f32|bf16)\[[0-9,]*\b{vocab}\b[0-9,]*\]", hlo)))
 
 
-@pytest.mark.parametrize("preset, implementation", [
-    ("fsdp8", "jit"),
-    pytest.param("fsdp4_tp2", "shard_map", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "preset, implementation",
+    [
+        ("fsdp8", "jit"),
+        pytest.param("fsdp4_tp2", "shard_map", marks=pytest.mark.slow),
+    ],
+)
 def test_no_chip_holds_a_full_vocabulary_buffer(preset, implementation):
     """The vocabulary tables stay split over the data axes (and tp): their lookup, logits and
     gradients exist only as each chip's slice (8 x 131 = 1048 rows: 131 per chip)."""
@@ -232,28 +273,54 @@ def test_no_chip_holds_a_full_vocabulary_buffer(preset, implementation):
 
 # The shard_map twin at 16 x 64 tokens: its vocabulary reduce-scatters are big enough (256 KiB)
 # for XLA:TPU to choose between an all-reduce and a reduce-scatter.
-SHARD_MAP_1K = ("fsdp8", "shard_map", VOCAB, "--training.seq_len", "64",
-                "--training.global_batch_size", "16", "--training.local_batch_size", "2")
+SHARD_MAP_1K = (
+    "fsdp8",
+    "shard_map",
+    VOCAB,
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    "16",
+    "--training.local_batch_size",
+    "2",
+)
 
 
-@pytest.mark.parametrize("compile_args", [
-    ("fsdp8", "jit", VOCAB),
-    # the look-ahead gather reads the next layer's slice by index: cast there, per layer too
-    ("fsdp8", "jit", VOCAB, "--activation_checkpoint.mode", "full",
-     "--parallelism.fsdp_lookahead_gather", "true"),
-    # (not fsdp4_tp2: its stacked shards' shapes are also activation shapes of this model)
-    pytest.param(SHARD_MAP_1K, marks=pytest.mark.slow),
-], ids=["jit", "jit-lookahead", "shard_map"])
+@pytest.mark.parametrize(
+    "compile_args",
+    [
+        ("fsdp8", "jit", VOCAB),
+        # the look-ahead gather reads the next layer's slice by index: cast there, per layer too
+        (
+            "fsdp8",
+            "jit",
+            VOCAB,
+            "--activation_checkpoint.mode",
+            "full",
+            "--parallelism.fsdp_lookahead_gather",
+            "true",
+        ),
+        # (not fsdp4_tp2: its stacked shards' shapes are also activation shapes of this model)
+        pytest.param(SHARD_MAP_1K, marks=pytest.mark.slow),
+    ],
+    ids=["jit", "jit-lookahead", "shard_map"],
+)
 def test_layer_weights_are_cast_to_bf16_one_layer_at_a_time(compile_args):
     """No bf16 copy of a stacked (all layers) weight shard: XLA:TPU hoists a plain cast of the
     layer loop's weight slice out of the loop (compiler_workarounds.cast_in_loop; measured
     before the fix: every stacked shard had its bf16 twin here, 3.5 GB per chip for 8B on
     v5p-8)."""
     hlo, found = compiled_tiny(*compile_args)
-    params = zip(jax.tree.leaves(found["state"]["params"]),
-                 jax.tree.leaves(found["shardings"]["params"]), strict=True)
-    stacked = {"bf16[" + ",".join(map(str, sharding.shard_shape(leaf.shape))) + "]"
-               for leaf, sharding in params if leaf.ndim >= 2 and leaf.shape[0] == TINY.n_layers}
+    params = zip(
+        jax.tree.leaves(found["state"]["params"]),
+        jax.tree.leaves(found["shardings"]["params"]),
+        strict=True,
+    )
+    stacked = {
+        "bf16[" + ",".join(map(str, sharding.shard_shape(leaf.shape))) + "]"
+        for leaf, sharding in params
+        if leaf.ndim >= 2 and leaf.shape[0] == TINY.n_layers
+    }
     assert len(stacked) >= 4, stacked  # the layer loop's weights
     assert sorted(s for s in stacked if s in hlo) == []
 
@@ -266,11 +333,16 @@ def _collectives(hlo: str) -> list[tuple[str, str]]:
     for computation in re.split(r"\n(?=\S)", hlo):
         if computation.startswith("%all-reduce-scatter"):
             continue
-        for m in re.finditer(r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter)"
-                             r"(?:-start)?\(", computation):
+        for m in re.finditer(
+            r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter)"
+            r"(?:-start)?\(",
+            computation,
+        ):
             found += [(m[2], t) for t in re.findall(r"\b[a-z]+[0-9]*\[[0-9,]*\]", m[1])]
-        found += [("reduce-scatter", m[1].split("{")[0]) for m in re.finditer(
-            r"= (\S+) fusion\([^\n]*calls=%all-reduce-scatter", computation)]
+        found += [
+            ("reduce-scatter", m[1].split("{")[0])
+            for m in re.finditer(r"= (\S+) fusion\([^\n]*calls=%all-reduce-scatter", computation)
+        ]
     return found
 
 
@@ -307,12 +379,27 @@ def test_a_single_psum_scatter_over_eight_v5p_chips_is_an_all_reduce():
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2").devices
     mesh = Mesh(np.array(devices), ("fsdp",))
     x = jax.ShapeDtypeStruct((1024, 64), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-    forms = {"single": lambda x: lax.psum_scatter(x, "fsdp", scatter_dimension=0, tiled=True),
-             "staged": lambda x: staged_psum_scatter(x, ("fsdp",))}
-    found = {name: _reductions(jax.jit(jax.shard_map(
-        lambda x, f=f: f(x * 2), mesh=mesh, in_specs=PartitionSpec(),
-        out_specs=PartitionSpec("fsdp"), check_vma=False)).lower(x).compile().as_text())
-        for name, f in forms.items()}
+    forms = {
+        "single": lambda x: lax.psum_scatter(x, "fsdp", scatter_dimension=0, tiled=True),
+        "staged": lambda x: staged_psum_scatter(x, ("fsdp",)),
+    }
+    found = {
+        name: _reductions(
+            jax.jit(
+                jax.shard_map(
+                    lambda x, f=f: f(x * 2),
+                    mesh=mesh,
+                    in_specs=PartitionSpec(),
+                    out_specs=PartitionSpec("fsdp"),
+                    check_vma=False,
+                )
+            )
+            .lower(x)
+            .compile()
+            .as_text()
+        )
+        for name, f in forms.items()
+    }
     assert found["single"] == [("all-reduce", "f32[1024,64]")], found
     assert {op for op, _ in found["staged"]} == {"reduce-scatter"}, found
 
@@ -339,11 +426,22 @@ MIN_GAIN = 1.2
 def overlap_report(lookahead: str) -> dict[str, Any]:
     from titan_jax.planner.aot_compile import compile_report
 
-    config = tiny_config("--training.mixed_precision_param", "bfloat16",
-                         "--activation_checkpoint.mode", "full", "--model.attention", "xla",
-                         "--parallelism.fsdp_lookahead_gather", lookahead,
-                         "--training.seq_len", "256", "--training.local_batch_size", "2",
-                         "--training.global_batch_size", "-1")
+    config = tiny_config(
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--activation_checkpoint.mode",
+        "full",
+        "--model.attention",
+        "xla",
+        "--parallelism.fsdp_lookahead_gather",
+        lookahead,
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "-1",
+    )
     return compile_report(config, "v5e-4", model_args=DEBUG_LAYERS)
 
 
@@ -357,8 +455,10 @@ def test_lookahead_gather_raises_the_compiled_gather_overlap():
     assert ahead["in_loop_all_gathers"] == plain["in_loop_all_gathers"] == 14  # 7 x (fwd, bwd)
     assert ahead["in_loop_all_gather_s"] == pytest.approx(plain["in_loop_all_gather_s"])
     assert 0 < plain["in_loop_all_gather_overlap_pct"] < 100 / MIN_GAIN, plain
-    assert (ahead["in_loop_all_gather_overlap_pct"]
-            >= plain["in_loop_all_gather_overlap_pct"] * MIN_GAIN), (plain, ahead)
+    assert (
+        ahead["in_loop_all_gather_overlap_pct"]
+        >= plain["in_loop_all_gather_overlap_pct"] * MIN_GAIN
+    ), (plain, ahead)
     a = DEBUG_LAYERS
     layer_bf16 = 2 * a.dim * (2 * (a.n_heads + a.n_kv_heads) * a.head_dim + 3 * a.hidden_dim)
     temps = [r["memory"]["temp_size_in_bytes"] for r in (plain, ahead)]
@@ -370,7 +470,8 @@ def _matmul_operand_types(hlo: str) -> collections.Counter:
     types = {m[1]: m[2] for m in re.finditer(r"(?m)^\s*(?:ROOT\s+)?(%[\w.\-]+) = (\w+)\[", hlo)}
     return collections.Counter(
         (types.get(m[1]), types.get(m[2]))
-        for m in re.finditer(r" (?:dot|convolution)\((%[\w.\-]+), (%[\w.\-]+)\)", hlo))
+        for m in re.finditer(r" (?:dot|convolution)\((%[\w.\-]+), (%[\w.\-]+)\)", hlo)
+    )
 
 
 def test_int8_training_on_v6e_runs_its_matmuls_in_int8_and_is_priced_at_the_int8_peak():
@@ -382,11 +483,19 @@ def test_int8_training_on_v6e_runs_its_matmuls_in_int8_and_is_priced_at_the_int8
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x4")
     programs = {}
     for mode in ("none", "int8"):
-        config = tiny_config(*preset_overrides("fsdp8"), "--training.mixed_precision_param",
-                             "bfloat16", "--quantize.mode", mode)
+        config = tiny_config(
+            *preset_overrides("fsdp8"),
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--quantize.mode",
+            mode,
+        )
         trainer = build_trainer(config, list(topology.devices), model_args=TINY)
-        programs[mode] = trainer.lower_step(
-            trainer.abstract_state(), inspect_step.abstract_batch(trainer)).compile().as_text()
+        programs[mode] = (
+            trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
+            .compile()
+            .as_text()
+        )
     plain, int8 = (_matmul_operand_types(programs[m]) for m in ("none", "int8"))
     assert ("s8", "s8") not in plain
     # Per layer: 4 projections + 3 SwiGLU matmuls, each forward, grad-input and grad-weight.
@@ -394,11 +503,14 @@ def test_int8_training_on_v6e_runs_its_matmuls_in_int8_and_is_priced_at_the_int8
     assert ("bf16", "bf16") in int8  # attention's own products, the loss's projection
     chip = CHIPS["v6e"]
     costs = {m: hlo_cost.estimate(programs[m], chip, 8) for m in programs}
-    assert costs["int8"]["flops_per_chip"] == pytest.approx(costs["none"]["flops_per_chip"],
-                                                            rel=0.05)
+    assert costs["int8"]["flops_per_chip"] == pytest.approx(
+        costs["none"]["flops_per_chip"], rel=0.05
+    )
     no_discount = dataclasses.replace(chip, peak_int8_ops=0.0)
-    assert (hlo_cost.estimate(programs["int8"], chip, 8)["compute_s"]
-            < hlo_cost.estimate(programs["int8"], no_discount, 8)["compute_s"])
+    assert (
+        hlo_cost.estimate(programs["int8"], chip, 8)["compute_s"]
+        < hlo_cost.estimate(programs["int8"], no_discount, 8)["compute_s"]
+    )
 
 
 def test_fp8_training_on_ironwood_runs_its_matmuls_in_e4m3_forward_and_e5m2_backward():
@@ -408,11 +520,19 @@ def test_fp8_training_on_ironwood_runs_its_matmuls_in_e4m3_forward_and_e5m2_back
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="tpu7x:2x2x1")
-    config = tiny_config(*preset_overrides("fsdp8"), "--training.mixed_precision_param",
-                         "bfloat16", "--quantize.mode", "fp8")
+    config = tiny_config(
+        *preset_overrides("fsdp8"),
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--quantize.mode",
+        "fp8",
+    )
     trainer = build_trainer(config, list(topology.devices), model_args=TINY)
-    hlo = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer)
-                             ).compile().as_text()
+    hlo = (
+        trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
+        .compile()
+        .as_text()
+    )
     types = _matmul_operand_types(hlo)
     forward = types[("f8e4m3fn", "f8e4m3fn")]
     backward = types[("f8e5m2", "f8e4m3fn")] + types[("f8e4m3fn", "f8e5m2")]
@@ -420,12 +540,15 @@ def test_fp8_training_on_ironwood_runs_its_matmuls_in_e4m3_forward_and_e5m2_back
     chip = CHIPS["tpu7x"]  # fp8 at twice bf16's rate, e5m2 x e4m3 included
     assert chip.mxu_time_factors == {"f8e4m3fn": 0.5, "f8e5m2": 0.5}
     no_discount = dataclasses.replace(chip, peak_fp8_flops=0.0)
-    assert (hlo_cost.estimate(hlo, chip, 8)["compute_s"]
-            < hlo_cost.estimate(hlo, no_discount, 8)["compute_s"])
+    assert (
+        hlo_cost.estimate(hlo, chip, 8)["compute_s"]
+        < hlo_cost.estimate(hlo, no_discount, 8)["compute_s"]
+    )
 
 
-@pytest.mark.parametrize("topology,mode,qtype", [("v5p-16", "int8", "s8"),
-                                                  ("tpu7x-8", "fp8", "f8e4m3fn")])
+@pytest.mark.parametrize(
+    "topology,mode,qtype", [("v5p-16", "int8", "s8"), ("tpu7x-8", "fp8", "f8e4m3fn")]
+)
 def test_quantized_experts_compile_to_low_precision_kernels_on_tpu(topology, mode, qtype):
     """MoE with `quantize.modules` including experts: the experts' grouped matmuls (tokamax's
     Mosaic kernels, forward and both backward ones) take `qtype` operands."""
@@ -433,16 +556,36 @@ def test_quantized_experts_compile_to_low_precision_kernels_on_tpu(topology, mod
 
     moe = dataclasses.replace(TINY, dim=128, num_experts=4, top_k=2, moe_inter_dim=128)
     # 4 x 64 tokens x 2 picks a device: the kernel takes at least 128 rows.
-    config = tiny_config(*preset_overrides("fsdp8"), "--training.mixed_precision_param",
-                         "bfloat16", "--quantize.mode", mode, "--training.seq_len", "64",
-                         "--training.local_batch_size", "4", "--training.global_batch_size",
-                         "32")
+    config = tiny_config(
+        *preset_overrides("fsdp8"),
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--quantize.mode",
+        mode,
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "4",
+        "--training.global_batch_size",
+        "32",
+    )
     trainer = build_trainer(config, compile_only_devices(parse_slice(topology)), model_args=moe)
-    hlo = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer)
-                             ).compile().as_text()
+    hlo = (
+        trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
+        .compile()
+        .as_text()
+    )
     types = {m[1]: m[2] for m in re.finditer(r"(?m)^\s*(?:ROOT\s+)?(%[\w.\-]+) = (\w+)\[", hlo)}
-    kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line
-               and "ragged" in line.lower()]
-    quantized = [k for k in kernels if any(types.get(o) == qtype for o in
-                                           re.findall(r"(%[\w.\-]+)", k.split("custom-call(")[1]))]
+    kernels = [
+        line
+        for line in hlo.splitlines()
+        if 'custom_call_target="tpu_custom_call"' in line and "ragged" in line.lower()
+    ]
+    quantized = [
+        k
+        for k in kernels
+        if any(
+            types.get(o) == qtype for o in re.findall(r"(%[\w.\-]+)", k.split("custom-call(")[1])
+        )
+    ]
     assert len(quantized) >= 3 * 3, len(quantized)  # w1, w3, w2: forward, dlhs, drhs

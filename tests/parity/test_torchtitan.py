@@ -24,10 +24,12 @@ SCHEDULES = [  # (warmup, decay_ratio, decay_type, min_lr_factor)
 
 
 @pytest.mark.parametrize("warmup, decay_ratio, decay_type, min_lr", SCHEDULES)
-def test_lr_schedule_equals_torchtitan_at_every_step(warmup, decay_ratio, decay_type, min_lr,
-                                                     torchtitan_available):
-    sched = LRScheduler(warmup_steps=warmup, decay_ratio=decay_ratio, decay_type=decay_type,
-                        min_lr_factor=min_lr)
+def test_lr_schedule_equals_torchtitan_at_every_step(
+    warmup, decay_ratio, decay_type, min_lr, torchtitan_available
+):
+    sched = LRScheduler(
+        warmup_steps=warmup, decay_ratio=decay_ratio, decay_type=decay_type, min_lr_factor=min_lr
+    )
     ours = np.asarray(WSDSchedule.from_config(1.0, sched, STEPS).factor(np.arange(STEPS)))
     theirs = np.asarray(torchtitan_ref.lr_factors(sched, STEPS))
     # Ours runs in fp32 inside the jitted step, theirs in Python floats: equal to within one
@@ -39,8 +41,9 @@ def test_lr_schedule_equals_torchtitan_at_every_step(warmup, decay_ratio, decay_
 @pytest.mark.parametrize("flavor", sorted(QWEN3_FLAVORS))
 def test_flops_per_token_equals_torchtitan(flavor, torchtitan_available):
     for seq_len in (128, 4096):
-        assert flops_per_token(QWEN3_FLAVORS[flavor], seq_len) == \
-            torchtitan_ref.flops_per_token(flavor, seq_len), seq_len
+        assert flops_per_token(QWEN3_FLAVORS[flavor], seq_len) == torchtitan_ref.flops_per_token(
+            flavor, seq_len
+        ), seq_len
 
 
 def test_missing_or_wrong_torchtitan_is_reported_with_how_to_install(monkeypatch):

@@ -28,8 +28,11 @@ def unnormalised_moe(tmp_path_factory, torchtitan_available):
 def titan_logits(path, tokens_T, expert_bias_LE=None):
     args = read_hf_config(path)
     model = build_model_def(args)
-    buffers = model.init_buffers() if expert_bias_LE is None else {
-        "expert_bias": jnp.asarray(expert_bias_LE)}
+    buffers = (
+        model.init_buffers()
+        if expert_bias_LE is None
+        else {"expert_bias": jnp.asarray(expert_bias_LE)}
+    )
     h, w, _ = model.forward(load_hf_params(path, args), buffers, jnp.asarray(tokens_T)[None])
     return np.asarray(jnp.einsum("btd,dv->btv", h, w))[0]
 
@@ -42,11 +45,15 @@ def test_forward_with_an_expert_bias_and_no_renormalisation_equals_torchtitan(un
     assert not args.norm_topk_prob
     tokens = np.random.default_rng(0).integers(0, args.vocab_size, SEQ).astype(np.int32)
     # Probabilities of this model are peaky: a bias of this size moves many tokens' picks.
-    bias = np.random.default_rng(1).normal(0, 0.3, (args.n_layers, args.num_experts)
-                                           ).astype(np.float32)
+    bias = (
+        np.random.default_rng(1)
+        .normal(0, 0.3, (args.n_layers, args.num_experts))
+        .astype(np.float32)
+    )
     for expert_bias in (None, bias):
         reference = torchtitan_ref.logits(
-            torchtitan_ref.load_model(args, path, SEQ, expert_bias), tokens)
+            torchtitan_ref.load_model(args, path, SEQ, expert_bias), tokens
+        )
         ours = titan_logits(path, tokens, expert_bias)
         assert np.abs(ours - reference).max() <= 1e-4
         assert metrics.kl_per_token(reference, ours).max() <= 1e-9

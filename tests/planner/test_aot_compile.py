@@ -17,7 +17,8 @@ from titan_jax.planner.hlo_cost import moved_bytes as _moved_bytes
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
-    reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
+)
 
 # A scan of 3 iterations whose body holds a loop of 4: dots run 1, 3 and 12 times.
 LOOPS = """
@@ -77,8 +78,9 @@ def test_collectives_carry_groups_and_executions():
     assert ops["all-gather"]["groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert ops["all-gather"]["executions"] == 12 and ops["all-gather"]["bytes"] == 64 * 16 * 2
     assert ops["all-reduce"]["groups"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    iota = hlo_stats.Instruction("x", "f32[4]", "all-gather",
-                                 "%a), replica_groups=[4,2]<=[2,4]T(1,0)")
+    iota = hlo_stats.Instruction(
+        "x", "f32[4]", "all-gather", "%a), replica_groups=[4,2]<=[2,4]T(1,0)"
+    )
     assert hlo_stats.replica_groups(iota) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
@@ -110,21 +112,30 @@ def test_unknown_topology_lists_the_valid_names(capsys):
 
 def test_missing_libtpu_says_how_to_install_it(monkeypatch, capsys):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "libtpu" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a)
+    )
     rc = main(["compile", "--config", "configs/qwen3_debug.toml", "--topology", "v5e-4"])
     err = capsys.readouterr().err
     assert rc == 2 and "pip install -e '.[tpu]'" in err
     # The hint works: the `tpu` extra exists and brings libtpu with the pinned jax.
-    extras = tomllib.loads(Path("pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
+    extras = tomllib.loads(Path("pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(req.startswith("jax[tpu]==") for req in extras["tpu"])
 
 
 @needs_libtpu
 def test_degrees_must_match_the_chips(capsys):
-    rc = main(["compile", "--config", "configs/qwen3_debug.toml", "--topology", "v5p-8",
-               "--parallelism.data_parallel_shard_degree", "8"])
+    rc = main(
+        [
+            "compile",
+            "--config",
+            "configs/qwen3_debug.toml",
+            "--topology",
+            "v5p-8",
+            "--parallelism.data_parallel_shard_degree",
+            "8",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "--topology v5p-8 x 1 slice(s) = 4 devices" in err
     assert "but there are 4 devices" in err
@@ -132,17 +143,41 @@ def test_degrees_must_match_the_chips(capsys):
 
 def _compile(tmp_path: Path, topology_name: str, *extra: str) -> dict:
     out = tmp_path / "report.json"
-    assert main(["compile", "--config", "configs/qwen3_debug.toml", "--topology", topology_name,
-                 "--training.seq_len", "256", "--training.local_batch_size", "2",
-                 "--json", str(out), *extra]) == 0
+    assert (
+        main(
+            [
+                "compile",
+                "--config",
+                "configs/qwen3_debug.toml",
+                "--topology",
+                topology_name,
+                "--training.seq_len",
+                "256",
+                "--training.local_batch_size",
+                "2",
+                "--json",
+                str(out),
+                *extra,
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())
 
 
 # On the v5p-8, cp2 with 1024-token sequences, one per rank pair: each rank's splash calls
 # run one query chunk against the whole keys, and are counted at their share of the causal
 # blocks (kernel_flops.py).
-CP2 = ("--parallelism.context_parallel_degree", "2", "--training.seq_len", "1024",
-       "--training.local_batch_size", "1", "--validation.enable", "false")
+CP2 = (
+    "--parallelism.context_parallel_degree",
+    "2",
+    "--training.seq_len",
+    "1024",
+    "--training.local_batch_size",
+    "1",
+    "--validation.enable",
+    "false",
+)
 
 
 # Two v5p-8 slices with HSDP: the replicate axis spans them, so only the gradient all-reduce
@@ -156,17 +191,33 @@ HSDP_OVER_DCN = ("--num-slices", "2", "--parallelism.data_parallel_replicate_deg
 def test_debug_model_fits_and_counts_its_flops(tmp_path, extra, capsys):
     report = _compile(tmp_path, "v5p-8", *extra)
     cp = extra == CP2
-    for key in ("fits", "per_chip_bytes", "hbm_bytes", "flops_per_step",
-                "analytic_flops_per_step", "collectives", "compile_s", "est_step_time_s",
-                "est_mfu_pct", "roofline_mfu_pct", "top_buffers", "scheduler_flags",
-                "in_loop_all_gather_overlap_pct", "est_step_time_band_s", "est_mfu_band_pct",
-                "cost_analysis_bytes_per_chip", "est_flops_loop_bodies_once"):
+    for key in (
+        "fits",
+        "per_chip_bytes",
+        "hbm_bytes",
+        "flops_per_step",
+        "analytic_flops_per_step",
+        "collectives",
+        "compile_s",
+        "est_step_time_s",
+        "est_mfu_pct",
+        "roofline_mfu_pct",
+        "top_buffers",
+        "scheduler_flags",
+        "in_loop_all_gather_overlap_pct",
+        "est_step_time_band_s",
+        "est_mfu_band_pct",
+        "cost_analysis_bytes_per_chip",
+        "est_flops_loop_bodies_once",
+    ):
         assert key in report
     # every estimate carries the calibration's band; XLA's count beside ours counted its way
     assert report["est_step_time_band_s"] == pytest.approx(
-        calibration.step_band(report["est_step_time_s"]))
-    assert abs(report["cost_analysis_flops_per_chip"] / report["est_flops_loop_bodies_once"]
-               - 1) < 0.1
+        calibration.step_band(report["est_step_time_s"])
+    )
+    assert (
+        abs(report["cost_analysis_flops_per_chip"] / report["est_flops_loop_bodies_once"] - 1) < 0.1
+    )
     assert report["fits"] and 0 < report["per_chip_bytes"] < report["usable_hbm_bytes"]
     # The compiler's own figure, near the published HBM (v5e 15.75 of 16 GiB; v5p 95.74 GiB
     # against the 95 GiB Cloud publishes)
@@ -180,17 +231,26 @@ def test_debug_model_fits_and_counts_its_flops(tmp_path, extra, capsys):
     # cancel; its kernels are a third of the count at 1024 tokens. Without cp the 64-token
     # validation makes `auto` pick xla).
     assert report["attention"] == ("splash" if cp else "xla")
-    assert (report["attention_kernel_flops_per_step"] > 0.3 * report["analytic_flops_per_step"]
-            ) == cp
+    assert (
+        report["attention_kernel_flops_per_step"] > 0.3 * report["analytic_flops_per_step"]
+    ) == cp
     assert abs(report["flops_per_step"] / report["analytic_flops_per_step"] - 1) < 0.1
     # XLA's own count sees the scanned layers once: several times fewer FLOPs.
     assert report["cost_analysis_flops_per_chip"] * report["chips"] < (
-        0.5 * report["analytic_flops_per_step"])
+        0.5 * report["analytic_flops_per_step"]
+    )
     found = report["collectives"]
-    assert any(c["op"] == "all-gather" and c["dtype"] == "bf16" and c["in_layer_loop"]
-               for c in found)
-    assert sum(c["bytes_per_step"] for c in found if c["dtype"] == "f32"
-               and c["op"] in ("all-reduce", "reduce-scatter")) > 1e6  # fp32 gradients
+    assert any(
+        c["op"] == "all-gather" and c["dtype"] == "bf16" and c["in_layer_loop"] for c in found
+    )
+    assert (
+        sum(
+            c["bytes_per_step"]
+            for c in found
+            if c["dtype"] == "f32" and c["op"] in ("all-reduce", "reduce-scatter")
+        )
+        > 1e6
+    )  # fp32 gradients
     out = capsys.readouterr().out
     assert "fits" in out and "by the calibration's worst residuals" in out
     if extra == HSDP_OVER_DCN:
@@ -205,8 +265,20 @@ def test_debug_model_fits_and_counts_its_flops(tmp_path, extra, capsys):
 @pytest.mark.slow
 def test_a_recipe_that_cannot_fit_says_so_with_numbers(tmp_path, capsys):
     out = tmp_path / "report.json"
-    assert main(["compile", "--config", "configs/qwen3_32b.toml", "--topology", "v5e-4",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "compile",
+                "--config",
+                "configs/qwen3_32b.toml",
+                "--topology",
+                "v5e-4",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["fits"] is False
     assert report["per_chip_bytes"] > report["hbm_bytes"] == 16 * 2**30
@@ -226,11 +298,25 @@ def test_lowered_step_flops_equal_the_analytic_count_on_both_fsdp_paths(implemen
     from titan_jax.planner import inspect_step
     from titan_jax.train.trainer import build_trainer
 
-    config = load_config(None, [
-        "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree",
-        "2", "--parallelism.fsdp_implementation", implementation, "--training.seq_len", "16",
-        "--training.local_batch_size", "2", "--activation_checkpoint.mode", "none",
-        "--training.mixed_precision_param", "float32"])
+    config = load_config(
+        None,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "4",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.fsdp_implementation",
+            implementation,
+            "--training.seq_len",
+            "16",
+            "--training.local_batch_size",
+            "2",
+            "--activation_checkpoint.mode",
+            "none",
+            "--training.mixed_precision_param",
+            "float32",
+        ],
+    )
     trainer = build_trainer(config, jax.devices()[:8], model_args=TINY)
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     flops, unknown = hlo_stats.dot_flops(hlo_stats.parse(lowered.as_text(dialect="hlo")))
@@ -244,7 +330,9 @@ def test_a_quantized_run_quotes_its_mfu_against_the_low_precision_peak_beside_bf
     report = {"analytic_flops_per_step": 8 * 918e12 * 0.5, "est_step_time_s": 1.0}
     chip = topology.CHIPS["v6e"]  # int8 at twice bf16's 918 TFLOP/s
     assert _low_precision_mfu(report, "int8", chip, 8) == {
-        "low_precision_peak": "int8", "est_mfu_low_precision_pct": pytest.approx(25.0)}
+        "low_precision_peak": "int8",
+        "est_mfu_low_precision_pct": pytest.approx(25.0),
+    }
     assert _low_precision_mfu(report, "none", chip, 8) == {}
     assert _low_precision_mfu(report, "fp8", chip, 8) == {}  # no fp8 peak published for v6e
 
@@ -252,11 +340,18 @@ def test_a_quantized_run_quotes_its_mfu_against_the_low_precision_peak_beside_bf
 def test_a_moe_report_says_what_routing_it_assumed_and_its_one_rank_bound():
     from titan_jax.planner.aot_compile import _moe_estimate_lines
 
-    fast = {"expected": True, "seconds": 0.01, "executions": 94,
-            "others": [{"seconds": 0.03}]}  # the dropless fallback costs 20 ms more a layer
+    fast = {
+        "expected": True,
+        "seconds": 0.01,
+        "executions": 94,
+        "others": [{"seconds": 0.03}],
+    }  # the dropless fallback costs 20 ms more a layer
     guard = {"expected": True, "seconds": 0.02, "executions": 1, "others": [{"seconds": 0.0}]}
-    report = {"est_routed_rows_per_device": 32768, "est_conditionals": [fast, guard],
-              "est_all_to_one_rank_step_time_s": 17.3}
+    report = {
+        "est_routed_rows_per_device": 32768,
+        "est_conditionals": [fast, guard],
+        "est_all_to_one_rank_step_time_s": 17.3,
+    }
     (line,) = _moe_estimate_lines(report)
     assert "32768 rows per device" in line and "1 conditionals" in line
     assert "+1880.0 ms" in line and "one rank: step 17300.0 ms" in line

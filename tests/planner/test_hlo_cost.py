@@ -14,7 +14,8 @@ from titan_jax.planner.topology import CHIPS, Chip, parse_slice
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
-    reason="libtpu not installed (the `tpu` extra; `make install` adds it)")
+    reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
+)
 
 # 1 TFLOP/s, 1 GB/s HBM, 1 GB/s ICI per ring: seconds read as TFLOPs / GB.
 UNIT_CHIP = Chip("test", 1e12, 2**40, 1e9, 2e9, 1e9, 1, "test")  # 2 ports: a ring gets 1 GB/s
@@ -90,13 +91,17 @@ NESTING = """
 
 @pytest.mark.parametrize("nested", [False, True])
 def test_a_fused_dynamic_slice_reads_only_the_slice(nested):
-    text = SLICE + (NESTING if nested else "") + f"""
+    text = (
+        SLICE
+        + (NESTING if nested else "")
+        + f"""
 ENTRY %main (w: f32[36,1000], i: s32[]) -> f32[1,1000] {{
   %w = f32[36,1000]{{1,0}} parameter(0)
   %i = s32[]{{:S(2)}} parameter(1)
-  ROOT %f = f32[1,1000]{{1,0}} fusion(%w, %i), kind=kLoop, calls=%{'outer' if nested else 'fused'}
+  ROOT %f = f32[1,1000]{{1,0}} fusion(%w, %i), kind=kLoop, calls=%{"outer" if nested else "fused"}
 }}
 """
+    )
     module = hlo_stats.parse(text)
     fusion = module.defining("main")["f"]
     assert hlo_cost.traffic(module, fusion, module.defining("main")) == 2 * 4000
@@ -207,24 +212,34 @@ def test_grouped_matmul_flops_count_the_expected_branch_else_the_cheaper_one():
     per_op = 2 * 96 * 64 * 32
     unmarked = hlo_stats.parse(ONE_BRANCH_GROUPED)
     assert hlo_stats.ragged_dot_flops(unmarked, expected_rows=24) == (0.0, per_op)
-    marked = hlo_stats.parse(ONE_BRANCH_GROUPED.replace(
-        "rhs_group_dims={0}\n}", 'rhs_group_dims={0}, metadata={op_name="jit(step)/cond/'
-        'branch_1_fun/expected_branch/ragged_dot"}\n}'))
+    marked = hlo_stats.parse(
+        ONE_BRANCH_GROUPED.replace(
+            "rhs_group_dims={0}\n}",
+            'rhs_group_dims={0}, metadata={op_name="jit(step)/cond/'
+            'branch_1_fun/expected_branch/ragged_dot"}\n}',
+        )
+    )
     assert hlo_stats.ragged_dot_flops(marked, expected_rows=24) == (per_op / 4, per_op)
-    rare = hlo_stats.parse(ONE_BRANCH_GROUPED.replace(
-        "rhs_group_dims={0}\n}", 'rhs_group_dims={0}, metadata={op_name="jit(step)/cond/'
-        'branch_1_fun/rare_branch/ragged_dot"}\n}'))
+    rare = hlo_stats.parse(
+        ONE_BRANCH_GROUPED.replace(
+            "rhs_group_dims={0}\n}",
+            'rhs_group_dims={0}, metadata={op_name="jit(step)/cond/'
+            'branch_1_fun/rare_branch/ragged_dot"}\n}',
+        )
+    )
     assert hlo_stats.ragged_dot_flops(rare, expected_rows=24) == (0.0, per_op)
 
 
-SPLASH = ('  %splash_mha_fwd_residuals.3 = (f32[2,512,128]{2,1,0}, bf16[2,16,512,128]{3,2,1,0}) '
-          'custom-call(%a, %b, %q, %k, %v, %i), custom_call_target="tpu_custom_call", '
-          'operand_layout_constraints={s8[1,1,1]{2,1,0}, s8[1,1,1]{2,1,0}, '
-          'bf16[2,16,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}, '
-          's32[512,128]{1,0}}, frontend_attributes={kernel_metadata={\n'
-          '"xprof_metadata":"{\\"block_q\\": 256, \\"block_kv\\": 256, \\"block_q_dkv\\": 256, '
-          '\\"block_kv_dkv\\": 256, \\"block_q_dq\\": 128, \\"block_kv_dq\\": 128, '
-          '\\"use_fused_bwd_kernel\\": false}"\n}}, backend_config={}\n')
+SPLASH = (
+    "  %splash_mha_fwd_residuals.3 = (f32[2,512,128]{2,1,0}, bf16[2,16,512,128]{3,2,1,0}) "
+    'custom-call(%a, %b, %q, %k, %v, %i), custom_call_target="tpu_custom_call", '
+    "operand_layout_constraints={s8[1,1,1]{2,1,0}, s8[1,1,1]{2,1,0}, "
+    "bf16[2,16,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}, "
+    "s32[512,128]{1,0}}, frontend_attributes={kernel_metadata={\n"
+    '"xprof_metadata":"{\\"block_q\\": 256, \\"block_kv\\": 256, \\"block_q_dkv\\": 256, '
+    '\\"block_kv_dkv\\": 256, \\"block_q_dq\\": 128, \\"block_kv_dq\\": 128, '
+    '\\"use_fused_bwd_kernel\\": false}"\n}}, backend_config={}\n'
+)
 
 
 def test_splash_kernels_count_the_causal_blocks_they_compute():
@@ -243,9 +258,10 @@ def test_splash_kernels_count_the_causal_blocks_they_compute():
 def test_splash_under_cp_counts_its_query_shards_share_of_the_causal_mask():
     """One rank's chunk (256 of 1024 queries, one example: no batch dim) against the whole
     sequence's keys: a quarter of the whole causal mask's blocks."""
-    line = SPLASH.replace("bf16[2,16,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}, "
-                          "bf16[2,8,512,128]{3,2,1,0}", "bf16[16,256,128]{2,1,0}, "
-                          "bf16[8,1024,128]{2,1,0}, bf16[8,1024,128]{2,1,0}")
+    line = SPLASH.replace(
+        "bf16[2,16,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}",
+        "bf16[16,256,128]{2,1,0}, bf16[8,1024,128]{2,1,0}, bf16[8,1024,128]{2,1,0}",
+    )
     module = hlo_stats.parse("ENTRY %main () -> f32[] {\n" + line + "}\n")
     (inst,) = module.computations["main"]
     per_pair = 2 * 16 * 128 * 256 * 256
@@ -257,25 +273,28 @@ def test_tokamax_splash_in_seq_minor_layouts_with_listed_blocks():
     """tokamax's splash (MaxText's) takes q and k as (batch, heads, head_dim, seq), lists its
     mask's blocks (1-D tables: fewer than causal under a local mask) and fuses dQ into the
     dK/dV kernel, which then returns three arrays."""
-    line = (SPLASH.replace("bf16[2,16,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}, "
-                           "bf16[2,8,512,128]{3,2,1,0}", "bf16[2,16,128,512]{3,2,1,0}, "
-                           "bf16[2,8,128,512]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}")
-            .replace('\\"use_fused_bwd_kernel\\": false', '\\"q_layout\\": 2, \\"k_layout\\": 2'))
+    line = SPLASH.replace(
+        "bf16[2,16,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}",
+        "bf16[2,16,128,512]{3,2,1,0}, bf16[2,8,128,512]{3,2,1,0}, bf16[2,8,512,128]{3,2,1,0}",
+    ).replace('\\"use_fused_bwd_kernel\\": false', '\\"q_layout\\": 2, \\"k_layout\\": 2')
     per_pair = 2 * 2 * 16 * 128 * 256 * 256
 
     def flops(tables: str, name: str = "splash_mha_fwd_residuals.3", out: str = "") -> float:
         text = line.replace("s8[1,1,1]{2,1,0}, s8[1,1,1]{2,1,0}", tables)
         text = text.replace("splash_mha_fwd_residuals.3 = (", f"{name} = ({out}")
-        (inst,) = hlo_stats.parse("ENTRY %main () -> f32[] {\n" + text + "}\n").computations[
-            "main"]
+        (inst,) = hlo_stats.parse("ENTRY %main () -> f32[] {\n" + text + "}\n").computations["main"]
         return kernel_flops.kernel_flops(inst)
 
     assert flops("s8[3]{0}, s8[3]{0}") == 2 * 3 * per_pair  # causal: 3 of 4 blocks
     assert flops("s8[2]{0}, s8[2]{0}") == 2 * 2 * per_pair  # a local mask: the diagonal
     assert flops("s8[1,1,1]{2,1,0}, s8[1,1,1]{2,1,0}") == 2 * 3 * per_pair  # a grid: causal
     # dK/dV with dQ fused (dq, dk, dv returned): 5 matmuls a pair.
-    assert flops("s32[4]{0}, s32[4]{0}", "splash_mha_dkv_no_residuals.1",
-                 "bf16[2,16,512,128]{3,2,1,0}, ") == 5 * 3 * per_pair
+    assert (
+        flops(
+            "s32[4]{0}, s32[4]{0}", "splash_mha_dkv_no_residuals.1", "bf16[2,16,512,128]{3,2,1,0}, "
+        )
+        == 5 * 3 * per_pair
+    )
 
 
 def _compile_pair(gib: float):
@@ -286,8 +305,9 @@ def _compile_pair(gib: float):
     from jax.experimental import topologies
 
     device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
-    x = jax.ShapeDtypeStruct((int(gib * 2**30) // 4,), jnp.float32,
-                             sharding=jax.sharding.SingleDeviceSharding(device))
+    x = jax.ShapeDtypeStruct(
+        (int(gib * 2**30) // 4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device)
+    )
     return device, jax.jit(lambda a, b: (a + 1, b * 2)).lower(x, x)
 
 
@@ -301,10 +321,16 @@ def test_fits_follows_the_compilers_edge_on_both_sides():
     usable = aot_compile.usable_hbm_bytes(device)
     assert usable == int(15.75 * 2**30)
     memory = below.compile().memory_analysis()
-    verdict = aot_compile._verdict({"argument_size_in_bytes": memory.argument_size_in_bytes,
-                                    "temp_size_in_bytes": memory.temp_size_in_bytes,
-                                    "peak_memory_in_bytes": memory.peak_memory_in_bytes},
-                                   CHIPS["v5e"], usable, accepted=True)
+    verdict = aot_compile._verdict(
+        {
+            "argument_size_in_bytes": memory.argument_size_in_bytes,
+            "temp_size_in_bytes": memory.temp_size_in_bytes,
+            "peak_memory_in_bytes": memory.peak_memory_in_bytes,
+        },
+        CHIPS["v5e"],
+        usable,
+        accepted=True,
+    )
     assert verdict["fits"] and abs(verdict["per_chip_bytes"] - 15 * 2**30) < 2**20
     assert abs(verdict["headroom_bytes"] - 0.75 * 2**30) < 2**20
     _, above = _compile_pair(4.0)  # peak 16 GiB; arguments + temporaries only 8
@@ -335,8 +361,13 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
     args = dataclasses.replace(TINY, num_experts=8, top_k=2, moe_inter_dim=32)
-    config = tiny_config(*preset_overrides("fsdp8"), "--parallelism.expert_parallel_degree", "4",
-                         "--training.mixed_precision_param", "auto")
+    config = tiny_config(
+        *preset_overrides("fsdp8"),
+        "--parallelism.expert_parallel_degree",
+        "4",
+        "--training.mixed_precision_param",
+        "auto",
+    )
     trainer = build_trainer(config, list(topology.devices), model_args=args)
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     picks = trainer.tokens_per_step * args.top_k
@@ -360,17 +391,24 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
 # XLA:TPU's async wrapper, and Ironwood's asynchronous call on the SparseCore thread (started,
 # updated, done).
 ASYNC_GATHERS = {
-    "async wrapper": ("%ags = ((bf16[500000000]{0}), bf16[1000000000]{0}) async-start(%w), "
-                      "calls=%gather", "async-done(%ags)"),
-    "sparsecore call": ("%ags = ((), (), (s32[1]{0})) call-start(%w), "
-                        'async_execution_thread="sparsecore", to_apply=%gather\n'
-                        "  %agu = ((), (), (s32[1]{0})) call-update(%ags)", "call-done(%agu)"),
+    "async wrapper": (
+        "%ags = ((bf16[500000000]{0}), bf16[1000000000]{0}) async-start(%w), calls=%gather",
+        "async-done(%ags)",
+    ),
+    "sparsecore call": (
+        "%ags = ((), (), (s32[1]{0})) call-start(%w), "
+        'async_execution_thread="sparsecore", to_apply=%gather\n'
+        "  %agu = ((), (), (s32[1]{0})) call-update(%ags)",
+        "call-done(%agu)",
+    ),
     # MaxText's Ironwood recipes (SparseCore collective offload): an async computation that
     # calls the one holding the gather.
-    "sparsecore async call": ("%ags = ((), (), (s32[1]{0})) async-start(%w), "
-                              'async_execution_thread="sparsecore", calls=%offloaded\n'
-                              "  %agu = ((), (), (s32[1]{0})) async-update(%ags)",
-                              "async-done(%agu)"),
+    "sparsecore async call": (
+        "%ags = ((), (), (s32[1]{0})) async-start(%w), "
+        'async_execution_thread="sparsecore", calls=%offloaded\n'
+        "  %agu = ((), (), (s32[1]{0})) async-update(%ags)",
+        "async-done(%agu)",
+    ),
 }
 
 
@@ -379,9 +417,13 @@ def test_an_all_gather_run_asynchronously_is_covered_by_the_work_between_start_a
     start, done = ASYNC_GATHERS[form]
     text = SCHEDULE.replace(
         "%ags = (bf16[500000000]{0}, bf16[1000000000]{0}) all-gather-start(%w), "
-        "replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}", start)
+        "replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}",
+        start,
+    )
     text = text.replace("all-gather-done(%ags)", done)
-    text = text.replace("ENTRY", """%gather (g: bf16[500000000]) -> bf16[1000000000] {
+    text = text.replace(
+        "ENTRY",
+        """%gather (g: bf16[500000000]) -> bf16[1000000000] {
   %g = bf16[500000000]{0} parameter(0)
   ROOT %ag = bf16[1000000000]{0} all-gather(%g), replica_groups=mesh['x'=2,'y'=4] {'x'}, dimensions={0}
 }
@@ -391,7 +433,8 @@ def test_an_all_gather_run_asynchronously_is_covered_by_the_work_between_start_a
   ROOT %c = bf16[1000000000]{0} call(%o), to_apply=%gather
 }
 
-ENTRY""")
+ENTRY""",
+    )
     r = hlo_cost.estimate(text, UNIT_CHIP, 8)
     gather = next(c for c in r["collectives"] if c["op"] == "all-gather")
     assert gather["seconds"] == pytest.approx(1.0) and gather["overlap"] == 1.0
@@ -401,18 +444,40 @@ ENTRY""")
 
 def test_the_report_hints_the_overlap_flags_it_lacks_only_when_gathers_lie_exposed():
     report = {
-        "model": "qwen3 8B", "topology": "v6e-8", "num_slices": 1, "chips": 8, "tpu": "v6e:2x4",
-        "mesh": {"fsdp": 8}, "mode": "fully_shard", "fsdp_implementation": "jit",
-        "param_dtype": "bfloat16", "activation_checkpoint": "full", "attention": "splash",
-        "memory": {"argument_size_in_bytes": 1}, "per_chip_bytes": 2, "usable_hbm_bytes": 4,
-        "hbm_bytes": 5, "fits": True, "headroom_bytes": 2, "args_plus_temps_bytes": 3,
-        "analytic_flops_per_step": 1.0, "flops_per_step": 1.0,
-        "grouped_matmul_flops_bound_per_step": 0, "lower_s": 1.0, "compile_s": 1.0,
-        "collectives": [], "in_loop_all_gathers": 18, "in_loop_all_gather_s": 0.05,
-        "in_loop_all_gather_overlap_pct": 0.0, "in_loop_all_gather_min_overlap_pct": 0.0,
-        "scheduler_flags": {"xla_enable_async_all_gather": "auto"}, "est_step_time_s": None}
+        "model": "qwen3 8B",
+        "topology": "v6e-8",
+        "num_slices": 1,
+        "chips": 8,
+        "tpu": "v6e:2x4",
+        "mesh": {"fsdp": 8},
+        "mode": "fully_shard",
+        "fsdp_implementation": "jit",
+        "param_dtype": "bfloat16",
+        "activation_checkpoint": "full",
+        "attention": "splash",
+        "memory": {"argument_size_in_bytes": 1},
+        "per_chip_bytes": 2,
+        "usable_hbm_bytes": 4,
+        "hbm_bytes": 5,
+        "fits": True,
+        "headroom_bytes": 2,
+        "args_plus_temps_bytes": 3,
+        "analytic_flops_per_step": 1.0,
+        "flops_per_step": 1.0,
+        "grouped_matmul_flops_bound_per_step": 0,
+        "lower_s": 1.0,
+        "compile_s": 1.0,
+        "collectives": [],
+        "in_loop_all_gathers": 18,
+        "in_loop_all_gather_s": 0.05,
+        "in_loop_all_gather_overlap_pct": 0.0,
+        "in_loop_all_gather_min_overlap_pct": 0.0,
+        "scheduler_flags": {"xla_enable_async_all_gather": "auto"},
+        "est_step_time_s": None,
+    }
     assert "hint: LIBTPU_INIT_ARGS='--xla_enable_async_all_gather=true' (" in (
-        aot_compile.format_report(report))
+        aot_compile.format_report(report)
+    )
     offload = "xla_tpu_enable_sparse_core_collective_offload_all_gather"
     report["scheduler_flags"] = {"xla_enable_async_all_gather": "true", offload: "false"}
     assert f"hint: LIBTPU_INIT_ARGS='--{offload}=true' (" in aot_compile.format_report(report)
@@ -431,11 +496,14 @@ ENTRY %main (picks: bf16[24,64], z96: bf16[96,64], z24: bf16[24,64], o: s32[4]) 
   %z24 = bf16[24,64]{1,0} parameter(2)
   %o = s32[4]{0} parameter(3)
 """
-EXCHANGES = EXCHANGE_PARAMETERS + """\
+EXCHANGES = (
+    EXCHANGE_PARAMETERS
+    + """\
   %rows = bf16[96,64]{1,0} ragged-all-to-all(%picks, %z96, %o, %o, %o, %o), channel_id=1, replica_groups={{0,1,2,3}}
   ROOT %back = bf16[24,64]{1,0} ragged-all-to-all(%rows, %z24, %o, %o, %o, %o), channel_id=2, replica_groups={{0,1,2,3}}
 }
 """
+)
 
 
 def test_ragged_all_to_alls_count_what_they_send_not_their_worst_case_buffers():
@@ -445,44 +513,55 @@ def test_ragged_all_to_alls_count_what_they_send_not_their_worst_case_buffers():
     ops = hlo_stats.collective_ops(module)
     assert [c["bytes"] for c in ops] == [24 * 64 * 2] * 2
     defs = module.defining("main")
-    assert [hlo_cost.collective_bytes(defs[n], "ragged-all-to-all", defs)
-            for n in ("rows", "back")] == [24 * 64 * 2] * 2
+    assert [
+        hlo_cost.collective_bytes(defs[n], "ragged-all-to-all", defs) for n in ("rows", "back")
+    ] == [24 * 64 * 2] * 2
 
 
 # The same two exchanges as libtpu 0.0.50 emits them: async, the start typed ((operands), result,
 # context scalars).
-ASYNC_EXCHANGES = EXCHANGE_PARAMETERS + """\
+ASYNC_EXCHANGES = (
+    EXCHANGE_PARAMETERS
+    + """\
   %go = ((bf16[24,64]{1,0}, bf16[96,64]{1,0}, s32[4]{0}, s32[4]{0}, s32[4]{0}, /*index=5*/s32[4]{0}), bf16[96,64]{1,0}, u32[], u32[]) ragged-all-to-all-start(%picks, %z96, %o, %o, %o, /*index=5*/%o), channel_id=1, replica_groups={{0,1,2,3}}
   %rows = bf16[96,64]{1,0} ragged-all-to-all-done(%go)
   %back-go = ((bf16[96,64]{1,0}, bf16[24,64]{1,0}, s32[4]{0}, s32[4]{0}, s32[4]{0}, /*index=5*/s32[4]{0}), bf16[24,64]{1,0}, u32[], u32[]) ragged-all-to-all-start(%rows, %z24, %o, %o, %o, /*index=5*/%o), channel_id=2, replica_groups={{0,1,2,3}}
   ROOT %back = bf16[24,64]{1,0} ragged-all-to-all-done(%back-go)
 }
 """
+)
 
 
 def test_async_ragged_all_to_alls_count_what_they_send():
     module = hlo_stats.parse(ASYNC_EXCHANGES)
     assert [c["bytes"] for c in hlo_stats.collective_ops(module)] == [24 * 64 * 2] * 2
     defs = module.defining("main")
-    assert [hlo_cost.collective_bytes(defs[n], "ragged-all-to-all", defs)
-            for n in ("go", "back-go")] == [24 * 64 * 2] * 2
+    assert [
+        hlo_cost.collective_bytes(defs[n], "ragged-all-to-all", defs) for n in ("go", "back-go")
+    ] == [24 * 64 * 2] * 2
 
 
 def test_operands_past_the_fifth_are_read_through_the_printers_index_comment():
     """XLA prints `/*index=5*/` before every fifth operand; a fusion's sixth operand is read."""
     params = "".join(f"  %p{i} = f32[250]{{0}} parameter({i})\n" for i in range(6))
-    text = ("%fused (" + ", ".join(f"q{i}: f32[250]" for i in range(6)) + ") -> f32[250] {\n"
-            + params.replace("%p", "%q") + "  ROOT %s = f32[250]{0} add(%q0, %q5)\n}\n\n"
-            "ENTRY %main () -> f32[250] {\n" + params + "  ROOT %f = f32[250]{0} fusion(%p0, "
-            "%p1, %p2, %p3, %p4, /*index=5*/%p5), kind=kLoop, calls=%fused\n}\n")
+    text = (
+        "%fused ("
+        + ", ".join(f"q{i}: f32[250]" for i in range(6))
+        + ") -> f32[250] {\n"
+        + params.replace("%p", "%q")
+        + "  ROOT %s = f32[250]{0} add(%q0, %q5)\n}\n\n"
+        "ENTRY %main () -> f32[250] {\n" + params + "  ROOT %f = f32[250]{0} fusion(%p0, "
+        "%p1, %p2, %p3, %p4, /*index=5*/%p5), kind=kLoop, calls=%fused\n}\n"
+    )
     module = hlo_stats.parse(text)
     fusion = module.defining("main")["f"]
     assert fusion.operands == [f"p{i}" for i in range(6)]
     assert hlo_cost.traffic(module, fusion, module.defining("main")) == 7 * 1000
 
 
-def _splash_module(q_space: str, kv_space: str, kind: str = "splash_mha_fwd_residuals"
-                   ) -> hlo_stats.HloModule:
+def _splash_module(
+    q_space: str, kv_space: str, kind: str = "splash_mha_fwd_residuals"
+) -> hlo_stats.HloModule:
     """SPLASH's kernel (batch 2, 16 query heads, 8 kv heads, 512 rows, 256-blocks: 3 of 4
     block pairs causal) with its q and k/v operands in the given memory spaces."""
     q, kv = "bf16[2,16,512,128]{3,2,1,0%s}", "bf16[2,8,512,128]{3,2,1,0%s}"
@@ -491,7 +570,9 @@ def _splash_module(q_space: str, kv_space: str, kind: str = "splash_mha_fwd_resi
         "  %b = s8[1,1,1]{2,1,0} parameter(1)\n"
         f"  %q = {q % q_space} parameter(2)\n  %k = {kv % kv_space} parameter(3)\n"
         f"  %v = {kv % kv_space} parameter(4)\n  %i = s32[512,128]{{1,0:S(1)}} parameter(5)\n"
-        + SPLASH.replace("splash_mha_fwd_residuals", kind) + "}\n")
+        + SPLASH.replace("splash_mha_fwd_residuals", kind)
+        + "}\n"
+    )
 
 
 def test_splash_reads_the_streamed_side_of_attention_once_per_block_pair():
@@ -507,7 +588,8 @@ def test_splash_reads_the_streamed_side_of_attention_once_per_block_pair():
     assert hlo_cost.traffic(module, inst, defs) == tables + q_bytes + 6 * kv_bytes + out
     # dK/dV: k and v once per query head, the query side once per pair (3 over 2 q blocks)
     dkv = _splash_module("", "", "splash_mha_dkv_no_residuals").defining("main")[
-        "splash_mha_dkv_no_residuals.3"]
+        "splash_mha_dkv_no_residuals.3"
+    ]
     assert kernel_flops.splash_read_factors(dkv)[2:5] == [1.5, 2.0, 2.0]
     # k and v prefetched into VMEM (S(1)): their re-reads cost no HBM
     module = _splash_module("", ":S(1)")
@@ -532,8 +614,7 @@ ENTRY %main (a: bf16[4096,128], b: bf16[128,4096]) -> bf16[4096,4096] {
     assert hlo_cost.estimate(dot, wide, 1)["flops_per_chip"] == flops
     # splash's forward: q k^T contracts over head_dim 128 (half the array at 256), p v over a
     # 256-block (full): 1.5x its FLOPs
-    (inst,) = hlo_stats.parse("ENTRY %main () -> f32[] {\n" + SPLASH + "}\n").computations[
-        "main"]
+    (inst,) = hlo_stats.parse("ENTRY %main () -> f32[] {\n" + SPLASH + "}\n").computations["main"]
     assert kernel_flops.splash_array_flops(inst, 256) == 1.5 * kernel_flops.kernel_flops(inst)
     assert kernel_flops.splash_array_flops(inst, 128) == kernel_flops.kernel_flops(inst)
 
@@ -571,8 +652,11 @@ CODEGEN = """
 
 
 def test_a_collective_runs_at_the_ring_bandwidth_of_the_torus_dimensions_its_algorithm_spans():
-    assert hlo_cost.rings(CODEGEN) == {"fusion.7": (8,), "all-reduce.3": (2, 2),
-                                       "all-gather.9": (0, 0)}
+    assert hlo_cost.rings(CODEGEN) == {
+        "fusion.7": (8,),
+        "all-reduce.3": (2, 2),
+        "all-gather.9": (0, 0),
+    }
     # the published v6e figure: 800 GB/s both ways over 4 ports; a closed ring on one
     # dimension sends one way on two of them, an open one (no wraparound) on one
     v6e = CHIPS["v6e"]
@@ -596,16 +680,19 @@ def test_a_collective_runs_at_the_ring_bandwidth_of_the_torus_dimensions_its_alg
     assert not found["all-reduce"]["wraparound"]
 
 
-@pytest.mark.parametrize(("name", "shape", "closed", "open_"), [
-    # v6e/v5e: only a dimension spanning the pod's 16 wraps
-    ("v6e-8", (2, 4), (), [(8,), (2,), (4,), (2, 4), (0,)]),
-    ("v6e-128", (8, 16), (16,), [(8,), (128,), (8, 16)]),
-    ("v5e-256", (16, 16), (16, 16), []),
-    # v5p: whole 4x4x4 cubes wrap every dimension, smaller slices none
-    ("v5p-8", (2, 2, 1), (), [(2, 2), (4,)]),
-    ("v5p-64", (2, 4, 4), (), [(4,), (4, 4)]),
-    ("v5p-128", (4, 4, 4), (4, 4, 4), [(2,), (3,)]),
-])
+@pytest.mark.parametrize(
+    ("name", "shape", "closed", "open_"),
+    [
+        # v6e/v5e: only a dimension spanning the pod's 16 wraps
+        ("v6e-8", (2, 4), (), [(8,), (2,), (4,), (2, 4), (0,)]),
+        ("v6e-128", (8, 16), (16,), [(8,), (128,), (8, 16)]),
+        ("v5e-256", (16, 16), (16, 16), []),
+        # v5p: whole 4x4x4 cubes wrap every dimension, smaller slices none
+        ("v5p-8", (2, 2, 1), (), [(2, 2), (4,)]),
+        ("v5p-64", (2, 4, 4), (), [(4,), (4, 4)]),
+        ("v5p-128", (4, 4, 4), (4, 4, 4), [(2,), (3,)]),
+    ],
+)
 def test_which_rings_a_slice_closes_with_wraparound_links(name, shape, closed, open_):
     tpu = parse_slice(name)
     assert tpu.shape == shape and tpu.wrapped_lengths == closed
@@ -621,22 +708,25 @@ def test_which_rings_a_slice_closes_with_wraparound_links(name, shape, closed, o
 # tokamax's quantized grouped matmuls as XLA:TPU prints them (`[quantize]` experts on TPU):
 # int8 values, and their bf16 scales broadcast to tiles, among the operands.
 _QUANTIZED_GMM = (
-    '  %pallas_tpu_ragged_dot_gmm.5 = bf16[512,256]{1,0} custom-call(%a, %b, %c, %d, %e, '
+    "  %pallas_tpu_ragged_dot_gmm.5 = bf16[512,256]{1,0} custom-call(%a, %b, %c, %d, %e, "
     '/*index=5*/%x_q, %x_s, %w_q, %w_s), custom_call_target="tpu_custom_call", '
-    'operand_layout_constraints={s32[1]{0}, s32[5]{0}, s32[7]{0}, s32[7]{0}, s32[1]{0}, '
-    's8[512,128]{1,0}, bf16[512,128]{1,0}, s8[4,128,256]{2,1,0}, bf16[4,8,256]{2,1,0}}\n')
+    "operand_layout_constraints={s32[1]{0}, s32[5]{0}, s32[7]{0}, s32[7]{0}, s32[1]{0}, "
+    "s8[512,128]{1,0}, bf16[512,128]{1,0}, s8[4,128,256]{2,1,0}, bf16[4,8,256]{2,1,0}}\n"
+)
 _QUANTIZED_TGMM = (
-    '  %pallas_tpu_ragged_dot_tgmm.2 = bf16[4,128,256]{2,1,0} custom-call(%a, %b, %c, %d, %e, '
+    "  %pallas_tpu_ragged_dot_tgmm.2 = bf16[4,128,256]{2,1,0} custom-call(%a, %b, %c, %d, %e, "
     '/*index=5*/%x_q, %x_s, %g_q, %g_s), custom_call_target="tpu_custom_call", '
-    'operand_layout_constraints={s32[1]{0}, s32[5]{0}, s32[7]{0}, s32[7]{0}, s32[1]{0}, '
-    's8[512,128]{1,0}, bf16[8,128]{1,0}, s8[512,256]{1,0}, bf16[8,256]{1,0}}\n')
+    "operand_layout_constraints={s32[1]{0}, s32[5]{0}, s32[7]{0}, s32[7]{0}, s32[1]{0}, "
+    "s8[512,128]{1,0}, bf16[8,128]{1,0}, s8[512,256]{1,0}, bf16[8,256]{1,0}}\n"
+)
 
 
 def test_quantized_grouped_matmuls_count_their_values_and_run_at_the_low_precision_rate():
     """The values, not the scales broadcast to the values' shape, are the matrices: 2 x 512
     rows x 128 x 256 for both kernels; on v5p int8 runs at twice bf16's rate."""
-    module = hlo_stats.parse("ENTRY %main () -> f32[] {\n" + _QUANTIZED_GMM + _QUANTIZED_TGMM
-                             + "}\n")
+    module = hlo_stats.parse(
+        "ENTRY %main () -> f32[] {\n" + _QUANTIZED_GMM + _QUANTIZED_TGMM + "}\n"
+    )
     gmm, tgmm = module.computations[module.entry]
     for kernel in (gmm, tgmm):
         assert kernel_flops.kernel_flops(kernel) == 2 * 512 * 128 * 256
@@ -672,8 +762,10 @@ def test_a_grouped_matmul_is_priced_at_the_rows_balanced_routing_fills():
     assert hlo_cost.estimate(GMM_PROGRAM, UNIT_CHIP, 1, routed_rows=4096) == whole
 
 
-@pytest.mark.parametrize("marked, priced", [("costly", "costly"), ("cheap", "cheap"),
-                                            ("rare costly", "cheap"), (None, "costly")])
+@pytest.mark.parametrize(
+    "marked, priced",
+    [("costly", "costly"), ("cheap", "cheap"), ("rare costly", "cheap"), (None, "costly")],
+)
 def test_a_conditional_is_priced_by_the_branch_a_step_takes(marked, priced):
     """A program compiled here (CPU HLO: the same conditional and metadata): the branch traced
     under `expected_branch` (a finite loss, balanced routing), or the sibling of one traced
@@ -686,9 +778,10 @@ def test_a_conditional_is_priced_by_the_branch_a_step_takes(marked, priced):
 
     n = 256
     branches = {"costly": lambda x: x @ x @ x, "cheap": lambda x: x * 2}
-    costly, cheap = (expected_branch(f) if name == marked else
-                     rare_branch(f) if f"rare {name}" == marked else f
-                     for name, f in branches.items())
+    costly, cheap = (
+        expected_branch(f) if name == marked else rare_branch(f) if f"rare {name}" == marked else f
+        for name, f in branches.items()
+    )
     step = jax.jit(lambda p, x: jax.lax.cond(p, costly, cheap, x))
     r = hlo_cost.estimate(step.lower(True, jnp.ones((n, n))).compile().as_text(), UNIT_CHIP, 1)
     assert r["flops_per_chip"] == (2 * 2 * n**3 if priced == "costly" else 0)

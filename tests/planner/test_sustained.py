@@ -19,7 +19,7 @@ def test_a_curve_interpolates_in_log_size_and_holds_its_end_points_outside():
     curve = Curve(((1024, 0.3), (4096, 0.7)), "test")
     assert curve(1024) == 0.3 and curve(4096) == 0.7
     assert curve(2048) == pytest.approx(0.5)  # halfway in log2: 10 -> 12
-    assert curve(1024 * 2 ** 0.5) == pytest.approx(0.4)
+    assert curve(1024 * 2**0.5) == pytest.approx(0.4)
     assert curve(1) == 0.3 and curve(10**9) == 0.7  # no extrapolation
     with pytest.raises(ValueError, match="ascending"):
         Curve(((4096, 0.7), (1024, 0.3)), "test")
@@ -31,8 +31,13 @@ def test_each_chip_reads_its_published_curve_and_v5p_borrows_v5es():
     assert sustained.matmul_share("tpu7x", cube(512)) == pytest.approx(0.091)
     # between 2048 (58.9%) and 4096 (77.4%): log2(3000 / 2048) = 0.5507 of the way
     assert sustained.matmul_share("tpu7x", cube(3000)) == pytest.approx(
-        0.589 + (0.774 - 0.589) * 0.5507, rel=1e-4)
-    assert sustained.matmul_share("v6e", cube(256)) == sustained.matmul_share("v6e", cube(65536)) == 0.901
+        0.589 + (0.774 - 0.589) * 0.5507, rel=1e-4
+    )
+    assert (
+        sustained.matmul_share("v6e", cube(256))
+        == sustained.matmul_share("v6e", cube(65536))
+        == 0.901
+    )
     assert sustained.matmul_share("v5p", cube(8192)) == sustained.matmul_share("v5e", cube(8192))
     assert sustained.matmul_share("v5p", cube(8192)) == pytest.approx(0.923)
     assert sustained.hbm_share("tpu7x", 2 * 8 * 2**30) == pytest.approx(0.870)
@@ -99,24 +104,34 @@ ENTRY %main (host: bf16[4,250000000], x: bf16[1,250000000], y: bf16[1,250000000]
 }}
 """
 SECOND = {
-    "out": ("%s1 = ((bf16[4,250000000]{1,0:S(5)}, bf16[1,250000000]{1,0}, s32[]), bf16[4,250000000]{1,0:S(5)}, u32[]{:S(2)}) async-start(%host, %y, %i), calls=%to_host",
-            "%w1 = bf16[4,250000000]{1,0:S(5)} async-done(%s1)"),
-    "back": ("%s1 = ((bf16[4,250000000]{1,0:S(5)}, s32[]), bf16[1,250000000]{1,0}, u32[]{:S(2)}) async-start(%host, %i), calls=%from_host",
-             "%w1 = bf16[1,250000000]{1,0} async-done(%s1)"),
-    None: ("", "")}
+    "out": (
+        "%s1 = ((bf16[4,250000000]{1,0:S(5)}, bf16[1,250000000]{1,0}, s32[]), bf16[4,250000000]{1,0:S(5)}, u32[]{:S(2)}) async-start(%host, %y, %i), calls=%to_host",
+        "%w1 = bf16[4,250000000]{1,0:S(5)} async-done(%s1)",
+    ),
+    "back": (
+        "%s1 = ((bf16[4,250000000]{1,0:S(5)}, s32[]), bf16[1,250000000]{1,0}, u32[]{:S(2)}) async-start(%host, %i), calls=%from_host",
+        "%w1 = bf16[1,250000000]{1,0} async-done(%s1)",
+    ),
+    None: ("", ""),
+}
 
 
-@pytest.mark.parametrize(("tflops", "second", "waits"), [
-    (0.25, None, 0.25),  # 0.5 GB at 1 GB/s: 0.5 s, 0.25 s of it under the dot
-    (1.0, None, 0.0),  # all of it under the dot
-    (0.75, "out", 0.25),  # two transfers share the way out: the second arrives at 1 s
-    (0.25, "back", 0.25),  # one each way: side by side, both arrive at 0.5 s
-])
+@pytest.mark.parametrize(
+    ("tflops", "second", "waits"),
+    [
+        (0.25, None, 0.25),  # 0.5 GB at 1 GB/s: 0.5 s, 0.25 s of it under the dot
+        (1.0, None, 0.0),  # all of it under the dot
+        (0.75, "out", 0.25),  # two transfers share the way out: the second arrives at 1 s
+        (0.25, "back", 0.25),  # one each way: side by side, both arrive at 0.5 s
+    ],
+)
 def test_host_transfers_cross_the_host_link_hidden_only_by_the_work_scheduled_under_them(
-        monkeypatch, tflops, second, waits):
+    monkeypatch, tflops, second, waits
+):
     monkeypatch.setitem(sustained.HOST_LINK_BYTES_PER_S, "test", 1e9)
-    text = OFFLOAD.format(n=int(tflops * 1e12 / 2e6), second_start=SECOND[second][0],
-                          second_done=SECOND[second][1])
+    text = OFFLOAD.format(
+        n=int(tflops * 1e12 / 2e6), second_start=SECOND[second][0], second_done=SECOND[second][1]
+    )
     r = hlo_cost.estimate(text, CHIP, 1)
     assert r["host_transfer_bytes_per_chip"] == pytest.approx((2 if second else 1) * 0.5e9)
     assert r["seconds_by_class"].get("waiting on host transfers", 0.0) == pytest.approx(waits)
@@ -125,8 +140,11 @@ def test_host_transfers_cross_the_host_link_hidden_only_by_the_work_scheduled_un
 
 
 def test_the_band_is_the_calibrations_worst_residuals_above_and_below(monkeypatch):
-    points = (calibration.Point("fast", 1.2, 1.0, "x"), calibration.Point("slow", 0.9, 1.0, "y"),
-              calibration.Point("exact", 2.0, 2.0, "z"))
+    points = (
+        calibration.Point("fast", 1.2, 1.0, "x"),
+        calibration.Point("slow", 0.9, 1.0, "y"),
+        calibration.Point("exact", 2.0, 2.0, "z"),
+    )
     monkeypatch.setattr(calibration, "POINTS", points)
     assert calibration.residuals() == pytest.approx((-0.1, 0.2))
     assert calibration.step_band(3.0) == pytest.approx((2.7, 3.6))

@@ -16,14 +16,25 @@ from titan_jax.models import safetensors_io
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def
 from titan_jax.models.qwen3.hf import save_hf
 
-ARGS = Qwen3Args(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, hidden_dim=32,
-                 vocab_size=64, max_seq_len=32)
+ARGS = Qwen3Args(
+    dim=16,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=8,
+    hidden_dim=32,
+    vocab_size=64,
+    max_seq_len=32,
+)
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def digests(folder):
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(folder).rglob("*"))
+        if p.is_file()
+    }
 
 
 def hf_dir(path, seed=0):
@@ -75,8 +86,10 @@ def test_a_failed_write_leaves_the_destination_as_it_was(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(safetensors_io, "save_file", disk_full)
     assert convert(src, dst, "--overwrite") == 2  # the machine's refusal: one line, no traceback
-    assert capsys.readouterr().err == (f"titan-jax: error: No space left on device: writing "
-                                       f"{dst} failed; {dst} is as it was before\n")
+    assert capsys.readouterr().err == (
+        f"titan-jax: error: No space left on device: writing "
+        f"{dst} failed; {dst} is as it was before\n"
+    )
     assert digests(dst) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
 
@@ -85,18 +98,35 @@ def test_a_failed_write_leaves_the_destination_as_it_was(tmp_path, monkeypatch, 
 def test_kill_9_mid_write_leaves_the_destination_as_it_was(tmp_path):
     src, dst = hf_dir(tmp_path / "src", seed=0), hf_dir(tmp_path / "dst", seed=1)
     before = digests(dst)
-    script = ("import os, signal, sys\n"
-              "from titan_jax import cli\n"
-              "from titan_jax.models import safetensors_io as hf\n"
-              "real = hf.save_file\n"
-              "def half(data, path, **kw):\n"
-              "    real(data, path, **kw)\n"
-              "    os.kill(os.getpid(), signal.SIGKILL)\n"
-              "hf.save_file = half\n"
-              "sys.exit(cli.main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, "-c", script, "convert", "--from", "hf", "--to", "hf",
-                           str(src), str(dst), "--overwrite"], cwd=ROOT, timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    script = (
+        "import os, signal, sys\n"
+        "from titan_jax import cli\n"
+        "from titan_jax.models import safetensors_io as hf\n"
+        "real = hf.save_file\n"
+        "def half(data, path, **kw):\n"
+        "    real(data, path, **kw)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "hf.save_file = half\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            "convert",
+            "--from",
+            "hf",
+            "--to",
+            "hf",
+            str(src),
+            str(dst),
+            "--overwrite",
+        ],
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == -signal.SIGKILL
     assert digests(dst) == before  # the half-written copy is a hidden sibling
     assert convert(src, dst, "--overwrite") == 0  # which the next write clears

@@ -21,8 +21,13 @@ def test_the_child_process_has_the_allocator_mapped():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop(cpu_allocator.ENV, None)
     # The child (cat) reads its own memory map: the library is mapped into it.
-    run = subprocess.run([sys.executable, "-m", "titan_jax.tools.cpu_allocator", "cat",
-                          "/proc/self/maps"], env=env, capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "titan_jax.tools.cpu_allocator", "cat", "/proc/self/maps"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert str(library.resolve()) in run.stdout
     assert f"preloading {library}" in run.stderr
 
@@ -31,8 +36,11 @@ def test_no_preload_without_a_library_off_cpu_or_when_turned_off(monkeypatch):
     monkeypatch.setattr(cpu_allocator, "find_allocator", lambda: None)
     env, message = cpu_allocator.preload_env(CPU)
     assert env == CPU and cpu_allocator.HOW_TO_ADD in message
-    for setting in ({"JAX_PLATFORMS": "tpu"}, {"JAX_PLATFORMS": "cuda,cpu"},
-                    {cpu_allocator.ENV: "none"}):
+    for setting in (
+        {"JAX_PLATFORMS": "tpu"},
+        {"JAX_PLATFORMS": "cuda,cpu"},
+        {cpu_allocator.ENV: "none"},
+    ):
         monkeypatch.setattr(cpu_allocator, "find_allocator", lambda: Path("/lib/x.so"))
         env = {**CPU, **setting}
         assert cpu_allocator.preload_env(env)[0] == env

@@ -27,15 +27,25 @@ def expected_text(params, n):
     tok = load_tokenizer("")
     ids = tok.encode(PROMPT)
     out = decode.generate(params, TINY, np.asarray([ids], np.int32), n)
-    new = [int(t) for t in np.asarray(out)[0, len(ids):]]
+    new = [int(t) for t in np.asarray(out)[0, len(ids) :]]
     if tok.eos_id in new:
-        new = new[:new.index(tok.eos_id)]
+        new = new[: new.index(tok.eos_id)]
     return PROMPT + tok.decode(new)
 
 
 def generate(capsys, *args):
-    code = main(["generate", "--config", "configs/qwen3_debug.toml", "--prompt", PROMPT,
-                 "--max-new-tokens", "6", *args])
+    code = main(
+        [
+            "generate",
+            "--config",
+            "configs/qwen3_debug.toml",
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            "6",
+            *args,
+        ]
+    )
     return code, capsys.readouterr()
 
 
@@ -44,37 +54,68 @@ def test_from_orbax_and_hf_directories(tmp_path, capsys):
     save_orbax(tmp_path / "orbax", params, TINY)
     save_hf(tmp_path / "hf", params, TINY)
     want = expected_text(params, 6)
-    for source in (["--checkpoint", str(tmp_path / "orbax")],
-                   ["--hf-checkpoint", str(tmp_path / "hf")]):
+    for source in (
+        ["--checkpoint", str(tmp_path / "orbax")],
+        ["--hf-checkpoint", str(tmp_path / "hf")],
+    ):
         code, out = generate(capsys, *source)
         assert code == 0, out.err
         assert out.out == want + "\n"
 
 
 def test_from_a_training_run_newest_step(tmp_path, capsys):
-    config = load_config("configs/qwen3_debug.toml", [
-        "--job.dump_folder", str(tmp_path), "--training.seq_len", "16", "--training.steps", "2",
-        "--training.local_batch_size", "1", "--checkpoint.interval", "1",
-        "--metrics.progress_bar", "false"])
+    config = load_config(
+        "configs/qwen3_debug.toml",
+        [
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.seq_len",
+            "16",
+            "--training.steps",
+            "2",
+            "--training.local_batch_size",
+            "1",
+            "--checkpoint.interval",
+            "1",
+            "--metrics.progress_bar",
+            "false",
+        ],
+    )
     result = loop.train(config, jax.devices()[:1], model_args=TINY)
     capsys.readouterr()  # the training log
-    code, out = generate(capsys, "--checkpoint", str(tmp_path / "checkpoint"),
-                         "--temperature", "0.8", "--top-p", "0.9", "--seed", "1")
+    code, out = generate(
+        capsys,
+        "--checkpoint",
+        str(tmp_path / "checkpoint"),
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "1",
+    )
     assert code == 0, out.err
     assert out.out.startswith(PROMPT) and str(tmp_path / "checkpoint" / "2") in out.err
     code, greedy = generate(capsys, "--checkpoint", str(tmp_path / "checkpoint" / "2"))
     assert greedy.out == expected_text(jax.device_get(result.state["params"]), 6) + "\n"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--checkpoint", "/nonexistent"], "--checkpoint /nonexistent does not exist"),
-    (["--checkpoint", "."], "is neither a checkpoint step folder"),
-    (["--hf-checkpoint", "x", "--checkpoint", "y"], "not allowed with argument"),
-    (["--checkpoint", "y", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
-    (["--checkpoint", "y", "--top-p", "0.9"], "--top-p 0.9 needs --temperature > 0 (it is 0: "
-     "greedy decoding, which --top-p would not change); add e.g. --temperature 0.7, or leave "
-     "--top-p out"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--checkpoint", "/nonexistent"], "--checkpoint /nonexistent does not exist"),
+        (["--checkpoint", "."], "is neither a checkpoint step folder"),
+        (["--hf-checkpoint", "x", "--checkpoint", "y"], "not allowed with argument"),
+        (["--checkpoint", "y", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+        (
+            ["--checkpoint", "y", "--top-p", "0.9"],
+            "--top-p 0.9 needs --temperature > 0 (it is 0: "
+            "greedy decoding, which --top-p would not change); add e.g. "
+            "--temperature 0.7, or leave "
+            "--top-p out",
+        ),
+    ],
+)
 def test_bad_input_is_one_line(capsys, args, message):
     try:
         code, out = generate(capsys, *args)
@@ -85,9 +126,17 @@ def test_bad_input_is_one_line(capsys, args, message):
 
 def test_decoding_on_an_fsdp_tp_mesh_equals_one_device(tmp_path, monkeypatch):
     monkeypatch.undo()  # all 8 simulated devices
-    config = load_config("configs/qwen3_debug.toml", [
-        "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree",
-        "2", "--training.seq_len", "16"])
+    config = load_config(
+        "configs/qwen3_debug.toml",
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--training.seq_len",
+            "16",
+        ],
+    )
     trainer = build_trainer(config, jax.local_devices()[:4], model_args=TINY)
     params = jax.jit(build_model_def(TINY).init)(jax.random.key(5))
     sharded = jax.device_put(params, trainer.state_shardings["params"])

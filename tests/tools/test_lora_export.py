@@ -40,13 +40,34 @@ def train(folder, hf_base, *overrides):
     """A 2-step run from the HF base `hf_base` (final checkpoint saved, model only): its
     params, and its last step folder. The large lr moves the adapters far enough in 2 steps
     to change the model's greedy continuation."""
-    config = load_config(None, [
-        "--job.dump_folder", str(folder), "--training.seq_len", "16",
-        "--training.local_batch_size", "2", "--training.steps", str(STEPS),
-        "--training.mixed_precision_param", "float32", "--optimizer.lr", "1e-1",
-        "--lr_scheduler.warmup_steps", "1", "--metrics.progress_bar", "false",
-        "--checkpoint.enable", "true", "--checkpoint.initial_load_path", str(hf_base),
-        "--checkpoint.initial_load_in_hf", "true", *overrides])
+    config = load_config(
+        None,
+        [
+            "--job.dump_folder",
+            str(folder),
+            "--training.seq_len",
+            "16",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            str(STEPS),
+            "--training.mixed_precision_param",
+            "float32",
+            "--optimizer.lr",
+            "1e-1",
+            "--lr_scheduler.warmup_steps",
+            "1",
+            "--metrics.progress_bar",
+            "false",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.initial_load_path",
+            str(hf_base),
+            "--checkpoint.initial_load_in_hf",
+            "true",
+            *overrides,
+        ],
+    )
     result = loop.train(config, jax.devices()[:1], model_args=TINY)
     return jax.device_get(result.state["params"]), folder / "checkpoint" / str(STEPS)
 
@@ -57,9 +78,18 @@ def run(tmp_path_factory):
     it started from."""
     root = tmp_path_factory.mktemp("lora_export")
     random_hf_model(TINY).save_pretrained(root / "base")
-    params, step = train(root / "run", root / "base", "--lora.rank", str(RANK),
-                         "--lora.alpha", str(ALPHA), "--lora.target_modules", ",".join(TARGETS),
-                         "--checkpoint.last_save_in_hf", "true")
+    params, step = train(
+        root / "run",
+        root / "base",
+        "--lora.rank",
+        str(RANK),
+        "--lora.alpha",
+        str(ALPHA),
+        "--lora.target_modules",
+        ",".join(TARGETS),
+        "--checkpoint.last_save_in_hf",
+        "true",
+    )
     return root, params, step
 
 
@@ -78,7 +108,8 @@ def hf_logits(model):
 
 def base_model(root):
     return transformers.AutoModelForCausalLM.from_pretrained(
-        str(root / "base"), dtype=torch.float32).eval()
+        str(root / "base"), dtype=torch.float32
+    ).eval()
 
 
 def convert(*argv):
@@ -89,7 +120,9 @@ def test_to_peft_loads_in_peft_as_the_adapted_model(run, tmp_path):
     root, params, step = run
     assert convert("--from", "orbax", "--to", "peft", step, tmp_path / "peft") == 0
     assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors"]
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     ours = adapted_logits(params)
     peft_model = peft.PeftModel.from_pretrained(base_model(root), str(tmp_path / "peft")).eval()
     np.testing.assert_allclose(hf_logits(peft_model), ours, rtol=0, atol=1e-5)
@@ -98,8 +131,12 @@ def test_to_peft_loads_in_peft_as_the_adapted_model(run, tmp_path):
 
     # What PEFT itself saves for these settings: the same tensor names and shapes, and the
     # same value for every config field we write (the base's path included).
-    theirs = peft.get_peft_model(base_model(root), peft.LoraConfig(
-        r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS), task_type="CAUSAL_LM"))
+    theirs = peft.get_peft_model(
+        base_model(root),
+        peft.LoraConfig(
+            r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS), task_type="CAUSAL_LM"
+        ),
+    )
     theirs.save_pretrained(str(tmp_path / "theirs"))
 
     def shapes(folder):
@@ -122,7 +159,8 @@ def test_to_hf_and_last_save_in_hf_write_the_merged_model(run, tmp_path):
     ours = adapted_logits(params)
     for folder in (tmp_path / "merged", step.parent / f"hf-{STEPS}"):
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=torch.float32).eval()
+            str(folder), dtype=torch.float32
+        ).eval()
         assert not any("lora" in name for name, _ in model.named_parameters())
         np.testing.assert_allclose(hf_logits(model), ours, rtol=0, atol=1e-5, err_msg=folder)
 
@@ -133,8 +171,21 @@ def test_generate_decodes_the_adapted_model(run, tmp_path, capsys, monkeypatch):
     assert convert("--from", "orbax", "--to", "hf", step, tmp_path / "merged") == 0
 
     def generate(*source):
-        assert main(["generate", "--config", "configs/qwen3_debug.toml", "--prompt", "The for",
-                     "--max-new-tokens", "8", *map(str, source)]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--config",
+                    "configs/qwen3_debug.toml",
+                    "--prompt",
+                    "The for",
+                    "--max-new-tokens",
+                    "8",
+                    *map(str, source),
+                ]
+            )
+            == 0
+        )
         return capsys.readouterr().out
 
     capsys.readouterr()

@@ -41,12 +41,30 @@ from titan_jax.train.trainer import Trainer, build_trainer
 
 
 def make_config(folder, *overrides):
-    return load_config(None, [
-        "--job.dump_folder", str(folder), "--training.seq_len", "16",
-        "--training.local_batch_size", "1", "--training.global_batch_size", "8",
-        "--training.steps", "6", "--lr_scheduler.warmup_steps", "1",
-        "--metrics.log_freq", "1", "--metrics.progress_bar", "false",
-        "--checkpoint.enable", "true", *overrides])
+    return load_config(
+        None,
+        [
+            "--job.dump_folder",
+            str(folder),
+            "--training.seq_len",
+            "16",
+            "--training.local_batch_size",
+            "1",
+            "--training.global_batch_size",
+            "8",
+            "--training.steps",
+            "6",
+            "--lr_scheduler.warmup_steps",
+            "1",
+            "--metrics.log_freq",
+            "1",
+            "--metrics.progress_bar",
+            "false",
+            "--checkpoint.enable",
+            "true",
+            *overrides,
+        ],
+    )
 
 
 def make_trainer(config, devices=None, args=TINY):
@@ -70,8 +88,11 @@ def small_state(seed=0, n=256):
 
 
 def digests(folder):
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(folder).rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -114,25 +135,32 @@ def saved(module_tmp_path):
         next(data)
     with Checkpointer.for_run(trainer) as ckpt:
         ckpt.save(2, state, data_state=data.get_state(), tokens_seen=256)
-    return SimpleNamespace(config=config, folder=folder / "checkpoint", state=host(state),
-                           next_batches=[next(data) for _ in range(2)])
+    return SimpleNamespace(
+        config=config,
+        folder=folder / "checkpoint",
+        state=host(state),
+        next_batches=[next(data) for _ in range(2)],
+    )
 
 
 @pytest.mark.parametrize("mesh", ["hsdp_2x4", "one_device"])
 def test_restore_onto_another_mesh_is_bit_exact(saved, mesh):
     if mesh == "hsdp_2x4":
-        config = make_config(saved.folder.parent, "--parallelism.data_parallel_replicate_degree",
-                             "2")
+        config = make_config(
+            saved.folder.parent, "--parallelism.data_parallel_replicate_degree", "2"
+        )
         trainer = make_trainer(config)
         assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 4, "ep": 1, "cp": 1, "tp": 1}
     else:
         trainer = make_trainer(saved.config, jax.devices()[:1])
     restored = Checkpointer.for_run(trainer).restore(
-        2, trainer.abstract_state(), signature=resume_signature(saved.config, 8))
+        2, trainer.abstract_state(), signature=resume_signature(saved.config, 8)
+    )
     assert restored.step == 2 and restored.tokens_seen == 256
     assert_trees_equal(restored.state, saved.state)
-    for x, sharding in zip(jax.tree.leaves(restored.state),
-                           jax.tree.leaves(trainer.state_shardings), strict=True):
+    for x, sharding in zip(
+        jax.tree.leaves(restored.state), jax.tree.leaves(trainer.state_shardings), strict=True
+    ):
         assert x.sharding.is_equivalent_to(sharding, x.ndim)
 
 
@@ -171,8 +199,11 @@ def test_an_unfinished_save_is_ignored_and_cleaned_up(tmp_path):
 def test_a_checkpoint_from_before_buffers_existed_still_resumes(saved, tmp_path):
     """Checkpoints written before the train state had `buffers` restore for a dense model."""
     trainer = make_trainer(saved.config, jax.devices()[:1])
-    old = {k: jax.device_put(v, trainer.state_shardings[k]) for k, v in saved.state.items()
-           if k != "buffers"}
+    old = {
+        k: jax.device_put(v, trainer.state_shardings[k])
+        for k, v in saved.state.items()
+        if k != "buffers"
+    }
     with Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(2, old, data_state={}, tokens_seen=256)
         restored = ckpt.restore(2, trainer.abstract_state())
@@ -184,11 +215,16 @@ def test_a_failed_async_save_surfaces_as_an_error(tmp_path, monkeypatch):
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("orbax.checkpoint._src.checkpointers.async_checkpointer."
-                        "_background_wait_for_commit_futures", disk_full)
+    monkeypatch.setattr(
+        "orbax.checkpoint._src.checkpointers.async_checkpointer."
+        "_background_wait_for_commit_futures",
+        disk_full,
+    )
     ckpt = Checkpointer(tmp_path)
-    with pytest.raises(CheckpointSaveError, match="^No space left on device: saving checkpoint "
-                       "step 1 to .* failed$"):
+    with pytest.raises(
+        CheckpointSaveError,
+        match="^No space left on device: saving checkpoint step 1 to .* failed$",
+    ):
         # save() usually returns before the background write fails; under load it may not.
         ckpt.save(1, small_state(), data_state={}, tokens_seen=0)
         ckpt.wait()
@@ -206,12 +242,15 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
 
 # orbax leaves the coroutines of a failed read to the garbage collector, which complains.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("damage,message", [("overwrite", "is corrupt: params.w does not match"),
-                                            ("truncate", "is unreadable")])
+@pytest.mark.parametrize(
+    "damage,message",
+    [("overwrite", "is corrupt: params.w does not match"), ("truncate", "is unreadable")],
+)
 def test_a_damaged_checkpoint_is_refused_and_left_alone(tmp_path, damage, message):
     state = small_state()
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          state)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, state, data_state={}, tokens_seen=0)
         ckpt.save(2, state, data_state={}, tokens_seen=0)
@@ -219,30 +258,31 @@ def test_a_damaged_checkpoint_is_refused_and_left_alone(tmp_path, damage, messag
     data = bytearray(biggest.read_bytes())
     if damage == "overwrite":
         middle = len(data) // 2
-        data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+        data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
     else:
-        del data[len(data) // 2:]
+        del data[len(data) // 2 :]
     biggest.write_bytes(bytes(data))
     before = digests(tmp_path)
     with pytest.raises(CheckpointError, match=message) as error:
         Checkpointer(tmp_path).restore(2, target)
-    assert f"move {tmp_path / '2'} out of {tmp_path} and run again to resume from step 1" in \
-        str(error.value)
+    assert f"move {tmp_path / '2'} out of {tmp_path} and run again to resume from step 1" in str(
+        error.value
+    )
     assert "\n" not in str(error.value)
     assert digests(tmp_path) == before
     assert_trees_equal(Checkpointer(tmp_path).restore(1, target).state, state)
     gc.collect()  # here, under this test's warning filter
 
 
-def test_a_checkpoint_this_user_may_not_read_is_named_so_not_called_corrupt(tmp_path,
-                                                                            monkeypatch):
+def test_a_checkpoint_this_user_may_not_read_is_named_so_not_called_corrupt(tmp_path, monkeypatch):
     """Not corrupt, and moving it out of the folder is no remedy (as root, which the tests run
     as, chmod denies nothing: the file's open is refused here as the OS refuses another user's)."""
     from etils import epath
 
     state = small_state()
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          state)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, state, data_state={}, tokens_seen=0)
         ckpt.save(2, state, data_state={}, tokens_seen=0)
@@ -257,21 +297,29 @@ def test_a_checkpoint_this_user_may_not_read_is_named_so_not_called_corrupt(tmp_
     monkeypatch.setattr(epath.gpath._GPath, "open", open_)
     with pytest.raises(CheckpointError) as error:
         Checkpointer(tmp_path).restore(2, target)
-    assert str(error.value) == (f"checkpoint {tmp_path / '2'} cannot be read: Permission denied "
-                                f"({denied}); make it readable by this user")
+    assert str(error.value) == (
+        f"checkpoint {tmp_path / '2'} cannot be read: Permission denied "
+        f"({denied}); make it readable by this user"
+    )
 
 
 def test_a_checkpoint_of_another_flavour_names_the_parameter_and_shapes(saved):
     trainer = make_trainer(saved.config, args=Qwen3Args(**{**vars(TINY), "dim": 64}))
-    with pytest.raises(CheckpointError, match=r"params\.layers\.attention\.wk has shape "
-                       r"\(2, 32, 2, 8\) in the checkpoint but \(2, 64, 2, 8\) in the model"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"params\.layers\.attention\.wk has shape "
+        r"\(2, 32, 2, 8\) in the checkpoint but \(2, 64, 2, 8\) in the model",
+    ):
         Checkpointer.for_run(trainer).restore(2, trainer.abstract_state())
 
 
-@pytest.mark.parametrize("override,message", [
-    (["--training.seed", "7"], "training.seed=7 (checkpoint: 42)"),
-    (["--training.text_field", "body"], "training.text_field='body' (checkpoint: 'text')"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (["--training.seed", "7"], "training.seed=7 (checkpoint: 42)"),
+        (["--training.text_field", "body"], "training.text_field='body' (checkpoint: 'text')"),
+    ],
+)
 def test_a_config_change_that_breaks_resume_names_the_field(saved, override, message):
     config = make_config(saved.folder.parent, *override)
     trainer = make_trainer(config)
@@ -302,8 +350,13 @@ def test_initial_load_path_model_only_and_full(saved, tmp_path):
     assert int(start.state["step"]) == 0
     assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(start.state["opt_state"]))
 
-    config = make_config(tmp_path / "full", "--checkpoint.initial_load_path",
-                         str(saved.folder / "2"), "--checkpoint.initial_load_model_only", "false")
+    config = make_config(
+        tmp_path / "full",
+        "--checkpoint.initial_load_path",
+        str(saved.folder / "2"),
+        "--checkpoint.initial_load_model_only",
+        "false",
+    )
     start = load_start(make_trainer(config), None)
     assert start.step == 2 and start.data_state is not None
     assert_trees_equal(start.state, saved.state)
@@ -311,29 +364,41 @@ def test_initial_load_path_model_only_and_full(saved, tmp_path):
 
 def test_model_only_export_loads_as_weights_but_cannot_resume(saved, tmp_path):
     trainer = make_trainer(saved.config)
-    state = Checkpointer.for_run(trainer).restore(
-        2, trainer.abstract_state()).state
+    state = Checkpointer.for_run(trainer).restore(2, trainer.abstract_state()).state
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(6, state, data_state=None, tokens_seen=0, model_only=True, dtype="bfloat16")
     assert sorted(p.name for p in (tmp_path / "6").iterdir()) == [
-        "_CHECKPOINT_METADATA", "commit_success.txt", "meta", "state"]  # no optimizer, no data
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "meta",
+        "state",
+    ]  # no optimizer, no data
     with pytest.raises(CheckpointError, match="holds only the model"):
         Checkpointer(tmp_path).restore(6, trainer.abstract_state())
     weights = Checkpointer(tmp_path).restore(6, trainer.abstract_state(), model_only=True).state
-    expected = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(np.float32),
-                            saved.state["params"])
+    expected = jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16).astype(np.float32), saved.state["params"]
+    )
     assert_trees_equal(weights["params"], expected)
 
 
 def test_hf_export_round_trips_through_initial_load_in_hf(saved, tmp_path):
     trainer = make_trainer(saved.config, jax.devices()[:1])
-    params = Checkpointer.for_run(trainer).restore(
-        2, trainer.abstract_state(), model_only=True).state["params"]
+    params = (
+        Checkpointer.for_run(trainer)
+        .restore(2, trainer.abstract_state(), model_only=True)
+        .state["params"]
+    )
     config = make_config(tmp_path)
     path = export_hf(make_trainer(config, jax.devices()[:1]), params, 6)
     assert path == tmp_path / "checkpoint" / "hf-6" and (path / "config.json").is_file()
-    config = make_config(tmp_path / "b", "--checkpoint.initial_load_path", str(path),
-                         "--checkpoint.initial_load_in_hf", "true")
+    config = make_config(
+        tmp_path / "b",
+        "--checkpoint.initial_load_path",
+        str(path),
+        "--checkpoint.initial_load_in_hf",
+        "true",
+    )
     start = load_start(make_trainer(config), None)
     assert_trees_equal(start.state["params"], saved.state["params"])
 
@@ -342,17 +407,35 @@ def test_convert_reads_a_training_checkpoint_step(saved, tmp_path):
     from titan_jax.cli import main
     from titan_jax.models.qwen3.hf import load_hf_params
 
-    assert main(["convert", "--from", "orbax", "--to", "hf", str(saved.folder / "2"),
-                 str(tmp_path / "hf")]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--from",
+                "orbax",
+                "--to",
+                "hf",
+                str(saved.folder / "2"),
+                str(tmp_path / "hf"),
+            ]
+        )
+        == 0
+    )
     assert_trees_equal(load_hf_params(tmp_path / "hf", TINY), saved.state["params"])
 
 
 def test_a_hf_directory_that_is_not_qwen3_is_refused(tmp_path):
     (tmp_path / "llama").mkdir()
-    (tmp_path / "llama" / "config.json").write_text(json.dumps(
-        {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
-    config = make_config(tmp_path, "--checkpoint.initial_load_path", str(tmp_path / "llama"),
-                         "--checkpoint.initial_load_in_hf", "true")
+    (tmp_path / "llama" / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
+    config = make_config(
+        tmp_path,
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "llama"),
+        "--checkpoint.initial_load_in_hf",
+        "true",
+    )
     with pytest.raises(ValueError, match="model_type=.llama. is not a Qwen3 or Qwen3-MoE"):
         load_start(make_trainer(config), None)
 
@@ -384,8 +467,9 @@ def run(config):
 
 def test_bad_steps_are_skipped_and_k_in_a_row_stop_without_saving(tmp_path, tiny_loop, capsys):
     tiny_loop.poison = {2, 4, 5}
-    config = make_config(tmp_path, "--checkpoint.interval", "1",
-                         "--training.max_consecutive_bad_steps", "2")
+    config = make_config(
+        tmp_path, "--checkpoint.interval", "1", "--training.max_consecutive_bad_steps", "2"
+    )
     with pytest.raises(loop.BadStepsError, match="2 non-finite steps in a row"):
         run(config)
     out = capsys.readouterr().out
@@ -433,10 +517,15 @@ def test_a_hung_step_ends_the_job_after_the_step_timeout(tmp_path, tiny_loop, mo
     monkeypatch.setattr(loop, "exit_job", lambda message, code: hung.append((message, code)))
     tiny_loop.on_step = lambda n: time.sleep(2.5) if n == 4 else None  # (for a while)
     run(make_config(tmp_path, "--distributed.step_timeout", "1"))
-    assert hung == [("no step finished within distributed.step_timeout=1 s after step 2 (a "
-                     "stuck collective, a dead host or a wedged device); ending the job. Resume "
-                     "from its last checkpoint with the same command; raise "
-                     "distributed.step_timeout if steps are this slow", 1)]
+    assert hung == [
+        (
+            "no step finished within distributed.step_timeout=1 s after step 2 (a "
+            "stuck collective, a dead host or a wedged device); ending the job. Resume "
+            "from its last checkpoint with the same command; raise "
+            "distributed.step_timeout if steps are this slow",
+            1,
+        )
+    ]
 
 
 def test_a_resume_after_a_crash_logs_each_step_once(tmp_path, tiny_loop):
@@ -464,13 +553,31 @@ def test_a_full_disk_is_one_line_that_names_it_first(tmp_path, tiny_loop, capsys
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("orbax.checkpoint._src.checkpointers.async_checkpointer."
-                        "_background_wait_for_commit_futures", disk_full)
+    monkeypatch.setattr(
+        "orbax.checkpoint._src.checkpointers.async_checkpointer."
+        "_background_wait_for_commit_futures",
+        disk_full,
+    )
     monkeypatch.setattr("jax.devices", lambda *a: jax.local_devices()[:1])
-    code = main(["train", "--job.dump_folder", str(tmp_path), "--training.seq_len", "16",
-                 "--training.local_batch_size", "8", "--training.steps", "2",
-                 "--metrics.progress_bar", "false", "--checkpoint.enable", "true",
-                 "--checkpoint.interval", "1"])
+    code = main(
+        [
+            "train",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.seq_len",
+            "16",
+            "--training.local_batch_size",
+            "8",
+            "--training.steps",
+            "2",
+            "--metrics.progress_bar",
+            "false",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "1",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("titan-jax: error: No space left on device: saving checkpoint step 1 ")
@@ -480,8 +587,9 @@ def test_a_full_disk_is_one_line_that_names_it_first(tmp_path, tiny_loop, capsys
 
 def test_several_processes_stop_where_jax_preemption_sync_point_says(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    monkeypatch.setattr(loop.multihost_utils, "reached_preemption_sync_point",
-                        lambda step: step == 7)
+    monkeypatch.setattr(
+        loop.multihost_utils, "reached_preemption_sync_point", lambda step: step == 7
+    )
     with StopSignals(print) as stop:
         # SIGTERM stays with JAX's preemption service; only Ctrl-C is ours (and forwarded).
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -504,15 +612,19 @@ def test_checksums_equal_the_host_sum_of_the_saved_bits():
     rng = np.random.default_rng(0)
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
     sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
-    host_tree = {"f32": rng.standard_normal((64, 3)).astype(np.float32),
-                 "bf16": rng.standard_normal((16, 5)).astype(jnp.bfloat16),
-                 "i32": rng.integers(-2**31, 2**31 - 1, (8, 7), dtype=np.int32),
-                 "flag": np.array([True, False, True])}
-    tree = {k: jax.device_put(v, sharded if v.shape[0] % 8 == 0 else None)
-            for k, v in host_tree.items()}
+    host_tree = {
+        "f32": rng.standard_normal((64, 3)).astype(np.float32),
+        "bf16": rng.standard_normal((16, 5)).astype(jnp.bfloat16),
+        "i32": rng.integers(-(2**31), 2**31 - 1, (8, 7), dtype=np.int32),
+        "flag": np.array([True, False, True]),
+    }
+    tree = {
+        k: jax.device_put(v, sharded if v.shape[0] % 8 == 0 else None) for k, v in host_tree.items()
+    }
     uint = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-    expected = {k: int(np.sum(v.view(uint[v.itemsize]), dtype=np.uint32))
-                for k, v in host_tree.items()}
+    expected = {
+        k: int(np.sum(v.view(uint[v.itemsize]), dtype=np.uint32)) for k, v in host_tree.items()
+    }
     sums, finite = checksums.checksums(tree)
     assert sums == expected and finite
     on_device, finite = jax.device_get(checksums._summaries([tree[k] for k in expected]))
@@ -527,15 +639,22 @@ def test_a_checkpoint_from_before_the_update_count_resumes_with_its_count(saved,
     trainer = make_trainer(saved.config, jax.devices()[:1])
     adam, decay, _ = saved.state["opt_state"]
     adam = adam._replace(count=np.int32(6))  # Adam's count may differ: it is not the one read
-    old = {"params": saved.state["params"], "buffers": saved.state["buffers"], "step": np.int32(7),
-           "opt_state": (adam, decay, optax.ScaleByScheduleState(count=np.int32(5)))}
+    old = {
+        "params": saved.state["params"],
+        "buffers": saved.state["buffers"],
+        "step": np.int32(7),
+        "opt_state": (adam, decay, optax.ScaleByScheduleState(count=np.int32(5))),
+    }
     with Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(7, jax.device_put(old, jax.devices()[0]), data_state={}, tokens_seen=256)
         restored = ckpt.restore(7, trainer.abstract_state())
-    assert_trees_equal(restored.state, {**old, "opt_state": (adam, decay, optax.EmptyState()),
-                                        "applied_updates": np.int32(5)})
+    assert_trees_equal(
+        restored.state,
+        {**old, "opt_state": (adam, decay, optax.EmptyState()), "applied_updates": np.int32(5)},
+    )
     assert restored.state["applied_updates"].sharding.is_equivalent_to(
-        trainer.state_shardings["applied_updates"], 0)
+        trainer.state_shardings["applied_updates"], 0
+    )
 
 
 # A run in a child process, so that its peak RSS is its own: a ~100M dense model (1.28 GB of
@@ -557,15 +676,37 @@ print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1
 
 
 def _peak_rss_of_a_run(tmp_path: Path, saves: bool) -> dict:
-    argv = ["--job.dump_folder", str(tmp_path / f"saves-{saves}"), "--training.steps", "4",
-            "--training.seq_len", "32", "--training.local_batch_size", "1",
-            "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2",
-            "--checkpoint.enable", str(saves).lower(), "--checkpoint.interval", "2",
-            "--checkpoint.keep_latest_k", "0", "--metrics.log_freq", "1"]
+    argv = [
+        "--job.dump_folder",
+        str(tmp_path / f"saves-{saves}"),
+        "--training.steps",
+        "4",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "1",
+        "--validation.enable",
+        "false",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--checkpoint.enable",
+        str(saves).lower(),
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--metrics.log_freq",
+        "1",
+    ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TITAN_JAX_ALLOCATOR": "none"}
     env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
-    out = subprocess.run([sys.executable, "-c", RSS_CHILD, *argv], env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD, *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

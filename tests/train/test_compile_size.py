@@ -14,8 +14,17 @@ from titan_jax.train.trainer import build_trainer
 
 
 def lowered_step_text(n_layers: int, ac: str) -> str:
-    config = load_config(None, ["--training.local_batch_size", "2", "--training.seq_len", "8",
-                                "--activation_checkpoint.mode", ac])
+    config = load_config(
+        None,
+        [
+            "--training.local_batch_size",
+            "2",
+            "--training.seq_len",
+            "8",
+            "--activation_checkpoint.mode",
+            ac,
+        ],
+    )
     args = dataclasses.replace(TINY, n_layers=n_layers)
     trainer = build_trainer(config, jax.devices()[:1], model_args=args)
     batch = inspect_step.abstract_batch(trainer)

@@ -44,22 +44,37 @@ def trl_inputs(pairs):
     def padded(rows):
         return torch.tensor(np.stack([np.pad(r, (0, width - len(r))) for r in rows]))
 
-    return {"input_ids": padded([ids for ids, _ in sequences]),
-            "attention_mask": padded([np.ones(len(ids), np.int64) for ids, _ in sequences]),
-            "completion_mask": padded([mask.astype(np.int64) for _, mask in sequences])}
+    return {
+        "input_ids": padded([ids for ids, _ in sequences]),
+        "attention_mask": padded([np.ones(len(ids), np.int64) for ids, _ in sequences]),
+        "completion_mask": padded([mask.astype(np.int64) for _, mask in sequences]),
+    }
 
 
 def trl_trainer(model, ref_model, loss_type, tmp_path, peft_config=None):
     tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_file="titan_jax/data/assets/tokenizer.json", eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>")
-    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=BETA, loss_type=[loss_type],
-                         report_to="none", use_cpu=True, bf16=False)  # fp32 throughout
+        tokenizer_file="titan_jax/data/assets/tokenizer.json",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        beta=BETA,
+        loss_type=[loss_type],
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+    )  # fp32 throughout
     return trl.DPOTrainer(
-        model=model, ref_model=ref_model, args=args, processing_class=tokenizer,
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        processing_class=tokenizer,
         peft_config=peft_config,
-        train_dataset=datasets.Dataset.from_dict({"prompt": ["a"], "chosen": ["b"],
-                                                  "rejected": ["c"]}))
+        train_dataset=datasets.Dataset.from_dict(
+            {"prompt": ["a"], "chosen": ["b"], "rejected": ["c"]}
+        ),
+    )
 
 
 def trl_loss(trainer, pairs):
@@ -79,10 +94,15 @@ def ours(model, params, batch, loss_type, reference=None):
 
 
 def check_metrics(mine, theirs):
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                "logps/chosen", "logps/rejected"):
-        np.testing.assert_allclose(float(mine[key]), theirs[key], rtol=1e-5, atol=1e-6,
-                                   err_msg=key)
+    for key in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    ):
+        np.testing.assert_allclose(float(mine[key]), theirs[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
@@ -91,8 +111,13 @@ def test_lora_dpo_loss_and_adapter_gradients_equal_trl(tmp_path, loss_type):
     adapters are then moved (random, nonzero), as training would move them."""
     base = random_hf_model(UNTIED)
     base.save_pretrained(str(tmp_path))
-    trainer = trl_trainer(base, None, loss_type, tmp_path, peft.LoraConfig(
-        r=4, lora_alpha=8.0, target_modules=list(TARGETS), lora_dropout=0.0))
+    trainer = trl_trainer(
+        base,
+        None,
+        loss_type,
+        tmp_path,
+        peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=list(TARGETS), lora_dropout=0.0),
+    )
     model = trainer.model
     torch.manual_seed(1)
     with torch.no_grad():
@@ -113,10 +138,18 @@ def test_lora_dpo_loss_and_adapter_gradients_equal_trl(tmp_path, loss_type):
         node = nested_get(grads, ("layers", *path[:-1], f"{path[-1]}_lora"))
         for layer in range(UNTIED.n_layers):
             a, b = lora_modules(model, layer, projection)
-            np.testing.assert_allclose(np.asarray(node["lora_a"][layer]).reshape(-1, 4).T,
-                                       a.weight.grad.numpy(), rtol=0, atol=1e-4)
-            np.testing.assert_allclose(np.asarray(node["lora_b"][layer]).reshape(4, -1).T,
-                                       b.weight.grad.numpy(), rtol=0, atol=1e-4)
+            np.testing.assert_allclose(
+                np.asarray(node["lora_a"][layer]).reshape(-1, 4).T,
+                a.weight.grad.numpy(),
+                rtol=0,
+                atol=1e-4,
+            )
+            np.testing.assert_allclose(
+                np.asarray(node["lora_b"][layer]).reshape(4, -1).T,
+                b.weight.grad.numpy(),
+                rtol=0,
+                atol=1e-4,
+            )
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
@@ -143,6 +176,7 @@ def test_full_dpo_loss_and_gradients_equal_trl(tmp_path, loss_type):
     ours_by_name = hf.live_hf_tensors(grads, UNTIED)
     assert set(ours_by_name) == set(live)
     for name, grad in ours_by_name.items():
-        np.testing.assert_allclose(np.asarray(grad), live[name].grad.numpy(), rtol=0,
-                                   atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(grad), live[name].grad.numpy(), rtol=0, atol=1e-4, err_msg=name
+        )
     assert all(p.grad is None for p in trainer.ref_model.parameters())  # TRL's is frozen too

@@ -31,20 +31,55 @@ def _write(folder, records):
 def test_a_resume_moves_the_repeated_steps_to_recomputed_and_the_gap_to_pause(tmp_path):
     # Process 1 trains steps 1-6 (checkpoint at 4: a record boundary), is killed; process 2
     # resumes from 4 after a 30 s gap and finishes steps 5-8.
-    _write(tmp_path, [
-        {"event": "start", "lifetime": 1, "process_start": T0, "time": T0 + 10, "step": 0,
-         "startup_s": 10.0},
-        {"event": "interval", "lifetime": 1, "time": T0 + 25, "steps": [1, 4], "step_s": 8.0,
-         "compilation_s": 7.0},
-        {"event": "interval", "lifetime": 1, "time": T0 + 31, "steps": [5, 6],
-         "checkpoint_save_s": 2.0, "step_s": 4.0},
-        "torn line of a kill", {"lifetime": 1},
-        {"event": "start", "lifetime": 2, "process_start": T0 + 61, "time": T0 + 70, "step": 4,
-         "startup_s": 8.0, "checkpoint_restore_s": 1.0},
-        {"event": "interval", "lifetime": 2, "time": T0 + 80, "steps": [5, 8], "step_s": 8.0,
-         "data_loading_s": 2.0},
-        {"event": "end", "lifetime": 2, "time": T0 + 81, "reason": "finished", "other_s": 1.0},
-    ])
+    _write(
+        tmp_path,
+        [
+            {
+                "event": "start",
+                "lifetime": 1,
+                "process_start": T0,
+                "time": T0 + 10,
+                "step": 0,
+                "startup_s": 10.0,
+            },
+            {
+                "event": "interval",
+                "lifetime": 1,
+                "time": T0 + 25,
+                "steps": [1, 4],
+                "step_s": 8.0,
+                "compilation_s": 7.0,
+            },
+            {
+                "event": "interval",
+                "lifetime": 1,
+                "time": T0 + 31,
+                "steps": [5, 6],
+                "checkpoint_save_s": 2.0,
+                "step_s": 4.0,
+            },
+            "torn line of a kill",
+            {"lifetime": 1},
+            {
+                "event": "start",
+                "lifetime": 2,
+                "process_start": T0 + 61,
+                "time": T0 + 70,
+                "step": 4,
+                "startup_s": 8.0,
+                "checkpoint_restore_s": 1.0,
+            },
+            {
+                "event": "interval",
+                "lifetime": 2,
+                "time": T0 + 80,
+                "steps": [5, 8],
+                "step_s": 8.0,
+                "data_loading_s": 2.0,
+            },
+            {"event": "end", "lifetime": 2, "time": T0 + 81, "reason": "finished", "other_s": 1.0},
+        ],
+    )
     summary = summarize(str(tmp_path), read_records(str(tmp_path)))
     first, second = summary.lifetimes
     assert (first.ended, first.steps, first.recomputed_steps) == ("killed", (1, 6), 2)
@@ -57,12 +92,15 @@ def test_a_resume_moves_the_repeated_steps_to_recomputed_and_the_gap_to_pause(tm
 
 def test_a_resume_inside_a_record_splits_it_by_steps(tmp_path):
     # load_step rolls back to step 2 of a record of steps 1-4: steps 3 and 4 are repeated.
-    _write(tmp_path, [
-        {"event": "start", "lifetime": 1, "process_start": T0, "time": T0 + 1, "step": 0},
-        {"event": "interval", "lifetime": 1, "time": T0 + 9, "steps": [1, 4], "step_s": 8.0},
-        {"event": "start", "lifetime": 2, "process_start": T0 + 9, "time": T0 + 10, "step": 2},
-        {"event": "start", "lifetime": 3, "process_start": T0 + 10, "time": T0 + 11, "step": 0},
-    ])
+    _write(
+        tmp_path,
+        [
+            {"event": "start", "lifetime": 1, "process_start": T0, "time": T0 + 1, "step": 0},
+            {"event": "interval", "lifetime": 1, "time": T0 + 9, "steps": [1, 4], "step_s": 8.0},
+            {"event": "start", "lifetime": 2, "process_start": T0 + 9, "time": T0 + 10, "step": 2},
+            {"event": "start", "lifetime": 3, "process_start": T0 + 10, "time": T0 + 11, "step": 0},
+        ],
+    )
     first, second, third = summarize("run", read_records(str(tmp_path))).lifetimes
     assert first.recomputed_steps == 4  # 2 when the second resumed, 2 more at the third
     assert first.seconds["recomputed"] == 8.0 and first.seconds["productive"] == 0.0
@@ -97,17 +135,24 @@ def test_host_work_while_a_step_runs_is_step_time(tmp_path):
 
 
 def _snapshot(root):
-    return {str(p.relative_to(root)): p.is_dir() or hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): p.is_dir() or hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+    }
 
 
-@pytest.mark.parametrize("case,message", [
-    ("missing", "TMP/nope is not a folder; give the job.dump_folder of a run of titan-jax "
-     "train"),
-    ("file", "TMP/file is not a folder"),
-    ("no records", "TMP/empty holds no goodput.jsonl: it is not the job.dump_folder of a run"),
-    ("torn", "TMP/torn/goodput.jsonl holds no goodput records"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        (
+            "missing",
+            "TMP/nope is not a folder; give the job.dump_folder of a run of titan-jax train",
+        ),
+        ("file", "TMP/file is not a folder"),
+        ("no records", "TMP/empty holds no goodput.jsonl: it is not the job.dump_folder of a run"),
+        ("torn", "TMP/torn/goodput.jsonl holds no goodput records"),
+    ],
+)
 def test_goodput_of_a_folder_without_records_is_one_line(tmp_path, capsys, case, message):
     (tmp_path / "file").write_text("")
     (tmp_path / "empty").mkdir()
@@ -118,18 +163,34 @@ def test_goodput_of_a_folder_without_records_is_one_line(tmp_path, capsys, case,
     code = main(["goodput", str(tmp_path / folder), "--json", str(tmp_path / "out.json")])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(
-        f"titan-jax: error: {message.replace('TMP', str(tmp_path))}"), err
+        f"titan-jax: error: {message.replace('TMP', str(tmp_path))}"
+    ), err
     assert err.count("\n") == 1 and _snapshot(tmp_path) == before
 
 
 def test_a_fresh_run_refuses_a_folder_holding_another_runs_goodput_records(tmp_path):
     _write(tmp_path, [{"event": "interval", "lifetime": 1, "time": T0, "steps": [1, 4]}])
-    config = load_config(None, ["--job.dump_folder", str(tmp_path), "--training.seq_len", "16",
-                                "--training.steps", "2", "--metrics.progress_bar", "false"])
-    with pytest.raises(ConfigError, match=re.escape(
+    config = load_config(
+        None,
+        [
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.seq_len",
+            "16",
+            "--training.steps",
+            "2",
+            "--metrics.progress_bar",
+            "false",
+        ],
+    )
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
             f"job.dump_folder={tmp_path} holds the goodput records of steps 1-4 (goodput.jsonl) "
             "of another run; this run starts at step 1 and would mix the two histories: use a "
-            "new job.dump_folder, or move goodput.jsonl out of it")):
+            "new job.dump_folder, or move goodput.jsonl out of it"
+        ),
+    ):
         loop.train(config, jax.devices()[:1], model_args=TINY)
 
 
@@ -142,8 +203,10 @@ def test_a_killed_and_restarted_run_accounts_for_its_wall_time(tmp_path, capsys)
     args = [*ARGS, "--validation.enable", "false", "--training.steps", "8"]
     began = time.time()
     run = Run(env, folder, args=args)
-    run.wait_for(lambda: ckpt.is_dir() and 4 in finalized(ckpt) and 5 in run.losses(),
-                 "checkpoint 4 and step 5")
+    run.wait_for(
+        lambda: ckpt.is_dir() and 4 in finalized(ckpt) and 5 in run.losses(),
+        "checkpoint 4 and step 5",
+    )
     run.signal(signal.SIGKILL)
     killed = time.time()
     saved = finalized(ckpt)[-1]
@@ -153,8 +216,11 @@ def test_a_killed_and_restarted_run_accounts_for_its_wall_time(tmp_path, capsys)
     time.sleep(2)  # a pause before the restart
     out = Run(env, folder, args=args).finish()
     ended = time.time()
-    assert re.search(r"time of this process: [\d.]+ s, [\d.]+% in steps \(.*\); goodput across "
-                     f"restarts: titan-jax goodput {folder}", out), out
+    assert re.search(
+        r"time of this process: [\d.]+ s, [\d.]+% in steps \(.*\); goodput across "
+        f"restarts: titan-jax goodput {folder}",
+        out,
+    ), out
 
     assert main(["goodput", str(folder), "--json", str(tmp_path / "goodput.json")]) == 0
     table = capsys.readouterr().out
@@ -171,10 +237,17 @@ def test_a_killed_and_restarted_run_accounts_for_its_wall_time(tmp_path, capsys)
     assert ended - began - 15 < report["total_s"] <= ended - began + 0.1
     assert seconds["pause"] >= 2 and second["seconds"]["pause"] == seconds["pause"]
     assert seconds["pause"] < time.time() - killed
-    for key in ("productive", "startup", "compilation", "checkpoint_save", "recomputed",
-                "checkpoint_restore"):
+    for key in (
+        "productive",
+        "startup",
+        "compilation",
+        "checkpoint_save",
+        "recomputed",
+        "checkpoint_restore",
+    ):
         assert seconds[key] > 0, key
     assert 0 < report["goodput"] < 1
-    assert re.search(rf"^1 .* 1-{recorded} .* {recorded - saved} \([\d.]+ s\) .* killed$",
-                     table, re.M), table
+    assert re.search(
+        rf"^1 .* 1-{recorded} .* {recorded - saved} \([\d.]+ s\) .* killed$", table, re.M
+    ), table
     assert re.search(rf"^2 .* {saved + 1}-8 .* finished$", table, re.M), table

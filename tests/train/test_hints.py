@@ -17,10 +17,22 @@ from titan_jax.train.trainer import build_trainer
 
 
 def make_config(folder, *overrides):
-    return load_config(None, [
-        "--job.dump_folder", str(folder), "--training.seq_len", "16",
-        "--training.local_batch_size", "1", "--training.steps", "10",
-        "--checkpoint.enable", "true", *overrides])
+    return load_config(
+        None,
+        [
+            "--job.dump_folder",
+            str(folder),
+            "--training.seq_len",
+            "16",
+            "--training.local_batch_size",
+            "1",
+            "--training.steps",
+            "10",
+            "--checkpoint.enable",
+            "true",
+            *overrides,
+        ],
+    )
 
 
 def trainer_of(config):
@@ -31,10 +43,15 @@ def save(dump, *steps, model_only=()):
     """Random states saved as `steps` of the run in `dump` (`model_only`: those steps only)."""
     trainer = trainer_of(make_config(dump))
     rng = np.random.default_rng(0)
-    state = jax.tree.map(lambda a: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype)
-                                                  if a.dtype == np.float32 else
-                                                  np.zeros(a.shape, a.dtype), a.sharding),
-                         trainer.abstract_state())
+    state = jax.tree.map(
+        lambda a: jax.device_put(
+            rng.standard_normal(a.shape).astype(a.dtype)
+            if a.dtype == np.float32
+            else np.zeros(a.shape, a.dtype),
+            a.sharding,
+        ),
+        trainer.abstract_state(),
+    )
     with Checkpointer.for_run(trainer) as ckpt:
         for step in steps:
             ckpt.save(step, state, data_state={}, tokens_seen=0, model_only=step in model_only)

@@ -36,8 +36,9 @@ def test_bf16_weight_gradient_error_does_not_grow_with_chunks(monkeypatch):
     exact = np.asarray(weight_grad(h, w, labels, n, monkeypatch), np.float64)
 
     def rel_error(chunks: int) -> float:
-        g = weight_grad(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16), labels, n // chunks,
-                        monkeypatch)
+        g = weight_grad(
+            h.astype(jnp.bfloat16), w.astype(jnp.bfloat16), labels, n // chunks, monkeypatch
+        )
         return float(np.linalg.norm(np.asarray(g, np.float64) - exact) / np.linalg.norm(exact))
 
     one, sixteen = rel_error(1), rel_error(16)
@@ -66,8 +67,9 @@ def test_chunked_gradients_inside_shard_map_with_a_replicated_output_weight(monk
     spec = jax.sharding.PartitionSpec
 
     @jax.jit
-    @jax.shard_map(mesh=mesh, in_specs=(spec("data"), spec(), spec("data")),
-                   out_specs=(spec("data"), spec()))
+    @jax.shard_map(
+        mesh=mesh, in_specs=(spec("data"), spec(), spec("data")), out_specs=(spec("data"), spec())
+    )
     def grads(h, w, labels):  # w's gradient: the sum over the shards' tokens, as autodiff's
         return jax.grad(cross_entropy_sum, argnums=(0, 1))(h, w, labels)
 
@@ -85,8 +87,11 @@ QWEN3_VOCAB_OVERRIDES = ("--training.seq_len", "512", "--training.steps", "2")
 def qwen3_vocabulary_step():
     """(init, batch, metrics) of one single-device step at Qwen3's vocabulary, shared by both
     SimpleFSDP paths."""
-    single = build_trainer(tiny_config(*QWEN3_VOCAB_OVERRIDES, "--training.local_batch_size",
-                                       "8"), jax.devices()[:1], model_args=QWEN3_VOCAB_ARGS)
+    single = build_trainer(
+        tiny_config(*QWEN3_VOCAB_OVERRIDES, "--training.local_batch_size", "8"),
+        jax.devices()[:1],
+        model_args=QWEN3_VOCAB_ARGS,
+    )
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, QWEN3_VOCAB, (8, 513)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
@@ -97,16 +102,22 @@ def qwen3_vocabulary_step():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["jit", "shard_map"])
-def test_qwen3_vocabulary_chunks_on_both_simple_fsdp_paths(qwen3_vocabulary_step,
-                                                           implementation):
+def test_qwen3_vocabulary_chunks_on_both_simple_fsdp_paths(qwen3_vocabulary_step, implementation):
     """512 tokens per shard at vocabulary 151,936: above the 441-token chunk threshold, so the
     loss is chunked inside the per-shard code (shard_map used to fail to trace here)."""
     assert 512 > loss.MAX_LOGITS_PER_CHUNK // QWEN3_VOCAB
     init, batch, want = qwen3_vocabulary_step
-    sharded = build_trainer(tiny_config(*preset_overrides("fsdp8"), *QWEN3_VOCAB_OVERRIDES,
-                                        "--parallelism.fsdp_implementation", implementation),
-                            model_args=QWEN3_VOCAB_ARGS)
-    _, got = sharded.step_fn(jax.device_put(init, sharded.state_shardings),
-                             sharded.batches.put(batch))
+    sharded = build_trainer(
+        tiny_config(
+            *preset_overrides("fsdp8"),
+            *QWEN3_VOCAB_OVERRIDES,
+            "--parallelism.fsdp_implementation",
+            implementation,
+        ),
+        model_args=QWEN3_VOCAB_ARGS,
+    )
+    _, got = sharded.step_fn(
+        jax.device_put(init, sharded.state_shardings), sharded.batches.put(batch)
+    )
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
     np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-4)

@@ -132,10 +132,14 @@ def test_tied_and_untied_differ_in_params_not_flops():
     assert flops_per_token(untied, 256) == flops_per_token(tied, 256)
 
 
-@pytest.mark.parametrize(("args", "projections"), [
-    (QWEN3_FLAVORS["debugmodel"], LORA_GROUPS["attention"] + LORA_GROUPS["mlp"]),
-    (DEBUG_MOE, ("q_proj", "v_proj", *LORA_GROUPS["experts"])),
-], ids=["dense", "moe"])
+@pytest.mark.parametrize(
+    ("args", "projections"),
+    [
+        (QWEN3_FLAVORS["debugmodel"], LORA_GROUPS["attention"] + LORA_GROUPS["mlp"]),
+        (DEBUG_MOE, ("q_proj", "v_proj", *LORA_GROUPS["experts"])),
+    ],
+    ids=["dense", "moe"],
+)
 def test_lora_flops_price_the_frozen_base_without_its_weight_gradients(args, projections):
     """4 FLOPs a base parameter (no weight gradient), 6 an adapter parameter; the adapter
     counts are the built model's (its trainable params), experts' scaled by top_k."""
@@ -148,8 +152,9 @@ def test_lora_flops_price_the_frozen_base_without_its_weight_gradients(args, pro
     if args.is_moe:
         experts = sum(math.prod(x.shape) for x in jax.tree.leaves(adapters["layers"]["moe"]))
         assert counted["active"] == total - experts + experts * args.top_k // args.num_experts
-    n = count_params(args)["active"] - (0 if args.tie_embeddings else
-                                        count_params(args)["embedding"])
+    n = count_params(args)["active"] - (
+        0 if args.tie_embeddings else count_params(args)["embedding"]
+    )
     attention = flops_per_token(args, 256) - 6 * n
     assert flops_per_token(args, 256, lora) == 4 * n + 6 * counted["active"] + attention
 
@@ -200,8 +205,11 @@ def test_cpu_peak_is_measured_at_every_start(monkeypatch):
 def test_override_wins_without_measuring(monkeypatch):
     monkeypatch.setattr(peak_flops, "measure_matmul_flops", pytest.fail)
     result = peak_flops_per_device(fake_device("NVIDIA H100 80GB HBM3"), "bfloat16", 1e12)
-    assert result.to_json() == {"peak_flops_per_device": 1e12, "peak_flops_method": "override",
-                                "peak_flops_source": "metrics.peak_flops=1e+12"}
+    assert result.to_json() == {
+        "peak_flops_per_device": 1e12,
+        "peak_flops_method": "override",
+        "peak_flops_source": "metrics.peak_flops=1e+12",
+    }
 
 
 def test_unknown_accelerator_falls_back_to_measuring(monkeypatch):
@@ -286,8 +294,9 @@ def test_a_resume_keeps_each_step_once(tmp_path):
             logger.log(step, step_metrics(step))
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "lo')  # killed mid-write
-    with MetricsLogger(str(tmp_path), log_freq=1, total_steps=4, progress_bar=False,
-                       keep_through=1) as logger:
+    with MetricsLogger(
+        str(tmp_path), log_freq=1, total_steps=4, progress_bar=False, keep_through=1
+    ) as logger:
         for step in (2, 3, 4):
             logger.log(step, step_metrics(step, loss=float(step)))
     rows = read_jsonl(tmp_path / "metrics.jsonl")
@@ -340,13 +349,18 @@ def test_progress_bar_and_info(tmp_path, capsys):
 
 def test_log_lines_without_bar_and_nulls_for_unmeasured(tmp_path, capsys):
     with MetricsLogger(str(tmp_path), log_freq=10, total_steps=20, progress_bar=False) as logger:
-        logger.log(1, step_metrics(1, tokens_per_sec=None, mfu_pct=None, step_time_s=None,
-                                   memory_in_use_gib=1.0))
+        logger.log(
+            1,
+            step_metrics(
+                1, tokens_per_sec=None, mfu_pct=None, step_time_s=None, memory_in_use_gib=1.0
+            ),
+        )
         logger.advance(2, loss=4.5)
     out, err = capsys.readouterr()
     assert out.splitlines() == [
         "step  1/20  loss 10.0000  grad_norm 1.000  lr 3.00e-04  tokens/s -  mfu -  "
-        "step_time -  memory 1.25 GiB peak / 1.00 GiB in use"]
+        "step_time -  memory 1.25 GiB peak / 1.00 GiB in use"
+    ]
     assert err == ""
     (line,) = read_jsonl(tmp_path / "metrics.jsonl")
     assert line["tokens_per_sec"] is None and line["mfu_pct"] is None
@@ -366,7 +380,8 @@ def test_header_file(tmp_path):
     with MetricsLogger(str(tmp_path), 1, 1, progress_bar=False) as logger:
         logger.write_header({"peak_flops_method": "measured"})
     assert json.loads((tmp_path / "metrics_header.json").read_text()) == {
-        "peak_flops_method": "measured"}
+        "peak_flops_method": "measured"
+    }
 
 
 def test_unwritable_metrics_file_names_it(tmp_path):
@@ -412,18 +427,33 @@ def test_wandb_sink_gets_tagged_scalars(tmp_path, monkeypatch):
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.setenv("WANDB_PROJECT", "proj")
-    with MetricsLogger(str(tmp_path), 1, 2, progress_bar=False, enable_wandb=True,
-                       run_config={"training": {"steps": 2}}) as logger:
+    with MetricsLogger(
+        str(tmp_path),
+        1,
+        2,
+        progress_bar=False,
+        enable_wandb=True,
+        run_config={"training": {"steps": 2}},
+    ) as logger:
         logger.log(1, step_metrics(1, tokens_per_sec=None))
         logger.log(2, {"loss": 3.0, "val_loss": 2.0, "val_perplexity": 7.39})
-    assert fake.init_kwargs == {"project": "proj", "dir": str(tmp_path),
-                                "config": {"training": {"steps": 2}}, "name": tmp_path.name}
+    assert fake.init_kwargs == {
+        "project": "proj",
+        "dir": str(tmp_path),
+        "config": {"training": {"steps": 2}},
+        "name": tmp_path.name,
+    }
     step, scalars = fake.logged[0]
     assert step == 1 and scalars["loss_metrics/global_avg_loss"] == 10.0
     assert "throughput/tokens_per_sec" not in scalars  # null: not sent
-    assert fake.logged[1] == (2, {"loss_metrics/global_avg_loss": 3.0,
-                                  "validation_metrics/loss": 2.0,
-                                  "validation_metrics/perplexity": 7.39})
+    assert fake.logged[1] == (
+        2,
+        {
+            "loss_metrics/global_avg_loss": 3.0,
+            "validation_metrics/loss": 2.0,
+            "validation_metrics/perplexity": 7.39,
+        },
+    )
     assert fake.finished
 
 

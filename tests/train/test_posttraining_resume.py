@@ -12,11 +12,28 @@ import pytest
 from test_resume import ROOT, Run, env, finalized  # noqa: F401  (env: a fixture)
 
 STEPS = 6
-SFT = ["--config", str(ROOT / "configs" / "qwen3_debug_sft.toml"), "--training.steps",
-       str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "4",
-       "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-       "--metrics.progress_bar", "false", "--checkpoint.interval", "2",
-       "--checkpoint.keep_latest_k", "0", "--validation.enable", "false"]
+SFT = [
+    "--config",
+    str(ROOT / "configs" / "qwen3_debug_sft.toml"),
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "4",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.progress_bar",
+    "false",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--validation.enable",
+    "false",
+]
 LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "attention,mlp"]
 
 
@@ -41,8 +58,10 @@ def test_a_lora_sft_run_killed_mid_run_resumes_bitwise(env, tmp_path):  # noqa: 
 
     folder, ckpt = tmp_path / "killed", tmp_path / "killed" / "checkpoint"
     first = Run(env, folder, *extra, args=SFT)
-    first.wait_for(lambda: ckpt.is_dir() and 2 in finalized(ckpt) and 3 in first.losses(),
-                   "checkpoint 2 and step 3")
+    first.wait_for(
+        lambda: ckpt.is_dir() and 2 in finalized(ckpt) and 3 in first.losses(),
+        "checkpoint 2 and step 3",
+    )
     first.signal(signal.SIGKILL)
     stores = sorted(p.name for p in (folder / "data").iterdir())
 
@@ -52,5 +71,6 @@ def test_a_lora_sft_run_killed_mid_run_resumes_bitwise(env, tmp_path):  # noqa: 
     assert sorted(p.name for p in (folder / "data").iterdir()) == stores  # not prepared again
     losses = {**first.losses(), **second.losses()}
     assert losses == expected
-    jax.tree.map(np.testing.assert_array_equal, final_params(folder),
-                 final_params(tmp_path / "whole"))
+    jax.tree.map(
+        np.testing.assert_array_equal, final_params(folder), final_params(tmp_path / "whole")
+    )

@@ -22,21 +22,39 @@ from titan_jax.train.trainer import build_trainer
 
 
 def make_config(folder, *overrides):
-    return load_config(None, [
-        "--job.dump_folder", str(folder), "--training.seq_len", "16",
-        "--training.local_batch_size", "1", "--training.steps", "6",
-        "--metrics.progress_bar", "false", "--checkpoint.enable", "true", *overrides])
+    return load_config(
+        None,
+        [
+            "--job.dump_folder",
+            str(folder),
+            "--training.seq_len",
+            "16",
+            "--training.local_batch_size",
+            "1",
+            "--training.steps",
+            "6",
+            "--metrics.progress_bar",
+            "false",
+            "--checkpoint.enable",
+            "true",
+            *overrides,
+        ],
+    )
 
 
 def digests(folder):
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(folder).rglob("*"))
+        if p.is_file()
+    }
 
 
 def old_metrics(folder, steps=(1, 2, 3, 4)):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "metrics.jsonl").write_text(
-        "".join(json.dumps({"step": s, "loss": 7.0 - s}) + "\n" for s in steps))
+        "".join(json.dumps({"step": s, "loss": 7.0 - s}) + "\n" for s in steps)
+    )
 
 
 @pytest.fixture
@@ -48,10 +66,15 @@ def tiny():
 def save_random(config, step, data_state):
     trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
     rng = np.random.default_rng(0)
-    state = jax.tree.map(lambda a: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype)
-                                                  if a.dtype == np.float32 else
-                                                  np.zeros(a.shape, a.dtype), a.sharding),
-                         trainer.abstract_state())
+    state = jax.tree.map(
+        lambda a: jax.device_put(
+            rng.standard_normal(a.shape).astype(a.dtype)
+            if a.dtype == np.float32
+            else np.zeros(a.shape, a.dtype),
+            a.sharding,
+        ),
+        trainer.abstract_state(),
+    )
     with Checkpointer.for_run(trainer) as ckpt:
         ckpt.save(step, state, data_state=data_state, tokens_seen=0)
 
@@ -91,8 +114,10 @@ def test_the_current_directory_is_never_a_dump_folder(tmp_path, capsys, monkeypa
     before = digests(tmp_path)
     assert main(["train", "--job.dump_folder", folder]) == 2
     err = capsys.readouterr().err
-    assert err == (f"titan-jax: error: job.dump_folder={folder!r} is the current directory; name "
-                   "a folder of its own for the run's outputs, e.g. outputs/my_run\n")
+    assert err == (
+        f"titan-jax: error: job.dump_folder={folder!r} is the current directory; name "
+        "a folder of its own for the run's outputs, e.g. outputs/my_run\n"
+    )
     assert digests(tmp_path) == before
 
 
@@ -101,8 +126,10 @@ def test_a_resume_that_fails_its_checks_has_written_nothing(tmp_path, tiny):
     save_random(make_config(dump), 3, {"version": "from another titan-jax"})
     old_metrics(dump, steps=(1, 2, 3, 4))  # this run's own, with a step past its checkpoint
     before = digests(dump)
-    with pytest.raises(CheckpointError, match="cannot resume from checkpoint .*/3: data "
-                       "iterator state has no version"):
+    with pytest.raises(
+        CheckpointError,
+        match="cannot resume from checkpoint .*/3: data iterator state has no version",
+    ):
         tiny(make_config(dump))
     after = digests(dump)
     assert after.pop("titan-jax.log")  # the error's causes, which its message points at
@@ -114,8 +141,11 @@ def test_a_resume_that_fails_its_checks_has_written_nothing(tmp_path, tiny):
 def test_two_runs_sharing_an_absolute_checkpoint_folder(tmp_path, tiny):
     shared = tmp_path / "shared_checkpoints"
     with RunLock(shared, "checkpoint.folder"):  # the first run, with its own dump folder
-        with pytest.raises(RunLockError, match=f"checkpoint.folder={shared} is in use by another "
-                           f"run .*; wait for it to finish, or use another checkpoint.folder"):
+        with pytest.raises(
+            RunLockError,
+            match=f"checkpoint.folder={shared} is in use by another "
+            f"run .*; wait for it to finish, or use another checkpoint.folder",
+        ):
             tiny(make_config(tmp_path / "second", "--checkpoint.folder", str(shared)))
     assert os.listdir(shared) == []  # the second run wrote nothing there
     assert not (tmp_path / "second" / "metrics.jsonl").exists()
@@ -126,7 +156,8 @@ def test_a_fresh_run_refused_while_preparing_its_data_leaves_no_empty_folders(tm
     corpus.write_text('{"text": "a document"}\n{"text": \n')  # its second line is broken
     dump = tmp_path / "run"
     with pytest.raises(TitanJaxError):
-        tiny(make_config(dump, "--training.dataset", "jsonl",
-                               "--training.dataset_path", str(corpus)))
+        tiny(
+            make_config(dump, "--training.dataset", "jsonl", "--training.dataset_path", str(corpus))
+        )
     left = sorted(str(p.relative_to(dump)) for p in dump.rglob("*"))
     assert left == ["titan-jax.log"]  # the error's causes; no empty checkpoint/ or data/

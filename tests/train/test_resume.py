@@ -28,19 +28,38 @@ from titan_jax.train.model_io import save_orbax
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
-ARGS = ["--config", str(ROOT / "configs" / "qwen3_debug.toml"), "--training.steps", str(STEPS),
-        "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-        "--metrics.progress_bar", "false", "--checkpoint.enable", "true",
-        "--checkpoint.interval", "2"]
+ARGS = [
+    "--config",
+    str(ROOT / "configs" / "qwen3_debug.toml"),
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.progress_bar",
+    "false",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """The children share a persistent compilation cache: only the first one compiles."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONUNBUFFERED": "1",
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
 
 
 class Run:
@@ -54,16 +73,30 @@ class Run:
         self.log = folder.parent / f"{folder.name}-{time.monotonic_ns()}.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "titan_jax.cli", "train", *args, "--job.cpu_devices",
-                 "1", "--job.dump_folder", dump_folder or str(folder), *extra],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                [
+                    sys.executable,
+                    "-m",
+                    "titan_jax.cli",
+                    "train",
+                    *args,
+                    "--job.cpu_devices",
+                    "1",
+                    "--job.dump_folder",
+                    dump_folder or str(folder),
+                    *extra,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+            )
 
     def output(self):
         return self.log.read_text()
 
     def losses(self):
         """{step: loss} of the lines this run logged."""
-        return {r["step"]: r["loss"] for r in _records(_lines(self.metrics)[self.first_line:])}
+        return {r["step"]: r["loss"] for r in _records(_lines(self.metrics)[self.first_line :])}
 
     def wait_for(self, condition, what, timeout=300):
         deadline = time.monotonic() + timeout
@@ -107,8 +140,11 @@ def partial_saves(ckpt):
 
 def snapshot(folder):
     """Every file but the run's log (where a refused run records why)."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "titan-jax.log"}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "titan-jax.log"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +173,10 @@ def test_kill_at_any_point_resumes_bitwise_and_sigterm_saves(env, reference, tmp
     # 1. kill -9 while step 4's checkpoint is being written: the partial save is left behind.
     run = Run(env, folder)
     runs.append(run)
-    run.wait_for(lambda: ckpt.is_dir() and any(ckpt.glob("4.orbax-checkpoint-tmp*")),
-                 "the save of step 4 to start")
+    run.wait_for(
+        lambda: ckpt.is_dir() and any(ckpt.glob("4.orbax-checkpoint-tmp*")),
+        "the save of step 4 to start",
+    )
     run.signal(signal.SIGKILL)
     assert finalized(ckpt) == [2] and partial_saves(ckpt), os.listdir(ckpt)
 
@@ -194,8 +232,10 @@ def test_a_url_run_folder_killed_resumes_bitwise_on_another_machine(env, referen
     url, ckpt = "file://" + str(folder), folder / "checkpoint"
     machine = {**env, "XDG_CACHE_HOME": str(tmp_path / "machine-1")}
     run = Run(machine, folder, dump_folder=url)
-    run.wait_for(lambda: ckpt.is_dir() and 4 in finalized(ckpt) and 4 in run.losses(),
-                 "checkpoint 4 and its metrics at the URL")
+    run.wait_for(
+        lambda: ckpt.is_dir() and 4 in finalized(ckpt) and 4 in run.losses(),
+        "checkpoint 4 and its metrics at the URL",
+    )
     run.signal(signal.SIGKILL)
     assert (folder / ".titan-jax.lease").is_file()  # left by the kill
 
@@ -232,37 +272,53 @@ def damage(step_dir, how):
     biggest = max(step_dir.rglob("*"), key=lambda p: p.stat().st_size)
     data = bytes(biggest.read_bytes())
     biggest.unlink()
-    biggest.write_bytes(data[:len(data) // 2])
+    biggest.write_bytes(data[: len(data) // 2])
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("case,args,message", [
-    ("altered", [], "checkpoint/10 is corrupt: "),
-    ("truncate", [], "checkpoint/10 is unreadable (corrupt or truncated)"),
-    ("flavour", ["--model.flavor", "0.6B"], "checkpoint/10 does not fit this model: "
-     "params.layers.attention.k_norm.weight has shape (8, 128) in the checkpoint but (28, 128) "
-     "in the model (it was saved with model.flavor=debugmodel)"),
-    ("config", ["--training.seed", "7"], "the config changed training.seed=7 "
-     "(checkpoint: 42)"),
-    ("load_step", ["--checkpoint.load_step", "3"], "checkpoint.load_step=3 is not a finalized "
-     "checkpoint in"),
-    ("model_only", ["--training.steps", "20"], "checkpoint/12 holds only the model"),
-])
-def test_bad_checkpoints_fail_cleanly_at_the_cli(reference, tmp_path, capsys, monkeypatch, case,
-                                                 args, message):
+@pytest.mark.parametrize(
+    "case,args,message",
+    [
+        ("altered", [], "checkpoint/10 is corrupt: "),
+        ("truncate", [], "checkpoint/10 is unreadable (corrupt or truncated)"),
+        (
+            "flavour",
+            ["--model.flavor", "0.6B"],
+            "checkpoint/10 does not fit this model: "
+            "params.layers.attention.k_norm.weight has shape (8, 128) in the "
+            "checkpoint but (28, 128) "
+            "in the model (it was saved with model.flavor=debugmodel)",
+        ),
+        ("config", ["--training.seed", "7"], "the config changed training.seed=7 (checkpoint: 42)"),
+        (
+            "load_step",
+            ["--checkpoint.load_step", "3"],
+            "checkpoint.load_step=3 is not a finalized checkpoint in",
+        ),
+        ("model_only", ["--training.steps", "20"], "checkpoint/12 holds only the model"),
+    ],
+)
+def test_bad_checkpoints_fail_cleanly_at_the_cli(
+    reference, tmp_path, capsys, monkeypatch, case, args, message
+):
     # In-process on 2 of the 8 simulated devices: FSDP 2, another mesh than the saved one, with
     # the same global batch (2).
     monkeypatch.setattr("jax.devices", lambda *a: jax.local_devices()[:2])
     dump = tmp_path / "run"
     keep_final = case in ("load_step", "model_only")
-    shutil.copytree(reference.folder / "checkpoint", dump / "checkpoint", copy_function=os.link,
-                    ignore=None if keep_final else shutil.ignore_patterns("12"))
+    shutil.copytree(
+        reference.folder / "checkpoint",
+        dump / "checkpoint",
+        copy_function=os.link,
+        ignore=None if keep_final else shutil.ignore_patterns("12"),
+    )
     if case in ("altered", "truncate"):
         damage(dump / "checkpoint" / "10", case)
     before = snapshot(dump)
-    code = main(["train", *ARGS, "--training.local_batch_size", "1", "--job.dump_folder",
-                 str(dump), *args])
+    code = main(
+        ["train", *ARGS, "--training.local_batch_size", "1", "--job.dump_folder", str(dump), *args]
+    )
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert err.startswith("titan-jax: error: ") and err.count("\n") == 1
@@ -279,23 +335,34 @@ def test_a_damaged_orbax_read_prints_its_one_line_and_nothing_else(reference, en
     run and at exit. A process that resumes from a truncated checkpoint, then converts an orbax
     model with a missing data file (the two orbax readers), prints its two errors only."""
     dump = tmp_path / "run"
-    shutil.copytree(reference.folder / "checkpoint", dump / "checkpoint",
-                    ignore=shutil.ignore_patterns("12"))
+    shutil.copytree(
+        reference.folder / "checkpoint", dump / "checkpoint", ignore=shutil.ignore_patterns("12")
+    )
     for f in (dump / "checkpoint" / "10" / "state" / "d").iterdir():
         f.write_bytes(f.read_bytes()[:10])
     model = tmp_path / "model"
     save_orbax(model, build_model_def(TINY).init(jax.random.key(0)), TINY)
     for f in (model / "params" / "d").iterdir():
         f.unlink()
-    calls = [["train", *ARGS, "--job.cpu_devices", "1", "--job.dump_folder", str(dump)],
-             ["convert", "--from", "orbax", "--to", "hf", str(model), str(tmp_path / "hf")]]
+    calls = [
+        ["train", *ARGS, "--job.cpu_devices", "1", "--job.dump_folder", str(dump)],
+        ["convert", "--from", "orbax", "--to", "hf", str(model), str(tmp_path / "hf")],
+    ]
     script = f"from titan_jax.cli import main\nfor argv in {calls!r}:\n    main(argv)\n"
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, timeout=300,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
     lines = proc.stderr.splitlines()
     assert len(lines) == 2, proc.stderr[-3000:]
-    assert lines[0].startswith(f"titan-jax: error: checkpoint {dump / 'checkpoint' / '10'} is "
-                               "unreadable (corrupt or truncated): ")
+    assert lines[0].startswith(
+        f"titan-jax: error: checkpoint {dump / 'checkpoint' / '10'} is "
+        "unreadable (corrupt or truncated): "
+    )
     assert lines[1].startswith(f"titan-jax: error: orbax model {model} is unreadable")
 
 
@@ -308,8 +375,14 @@ def test_bad_folders_fail_cleanly_at_the_cli(tmp_path, capsys, case):
         (tmp_path / "llama").mkdir()
         (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
         (tmp_path / "llama" / "model.safetensors").write_bytes(b"")
-        args = ["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.initial_load_path",
-                str(tmp_path / "llama"), "--checkpoint.initial_load_in_hf", "true"]
+        args = [
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+            "--checkpoint.initial_load_path",
+            str(tmp_path / "llama"),
+            "--checkpoint.initial_load_in_hf",
+            "true",
+        ]
         message = "model_type='llama' is not a Qwen3 or Qwen3-MoE checkpoint"
     code = main(["train", *ARGS, *args])
     err = capsys.readouterr().err

@@ -40,9 +40,12 @@ def _write_lease(url, **record):
 
 def test_a_live_lease_refuses_and_its_hint_works(url):
     _write_lease(url, host="another-host", pid=1, token="t", expires=time.time() + 300)
-    with pytest.raises(RunLockError, match=rf"job.dump_folder={url} is in use by another run "
-                       r"\(another-host pid 1, .*if no run uses the folder, delete "
-                       rf"{url}/{LEASE_FILE}$"):
+    with pytest.raises(
+        RunLockError,
+        match=rf"job.dump_folder={url} is in use by another run "
+        r"\(another-host pid 1, .*if no run uses the folder, delete "
+        rf"{url}/{LEASE_FILE}$",
+    ):
         Lease(url).__enter__()
     fsspec.filesystem("memory").rm_file(f"{url}/{LEASE_FILE}")  # the hint, followed
     with Lease(url) as lease:
@@ -54,10 +57,15 @@ def test_a_lapsed_lease_or_a_dead_holder_on_this_host_is_taken_over(url, caplog)
     _write_lease(url, host="another-host", pid=1, token="t", expires=time.time() - 1)
     with Lease(url):
         pass
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    _write_lease(url, host=socket.gethostname(), pid=int(dead), token="t",
-                 expires=time.time() + 300)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    _write_lease(
+        url, host=socket.gethostname(), pid=int(dead), token="t", expires=time.time() + 300
+    )
     with Lease(url):
         pass
     assert caplog.text.count("taking over the lease of a run that is gone") == 2
@@ -75,8 +83,9 @@ def test_a_lease_taken_from_a_running_run_stops_it(url, monkeypatch):
     assert json.loads(lease.fs.cat_file(lease.path))["token"] == "theirs"  # theirs stays
 
 
-def test_the_mirror_copies_changed_files_out_and_a_resume_copies_them_in(url, tmp_path,
-                                                                           monkeypatch):
+def test_the_mirror_copies_changed_files_out_and_a_resume_copies_them_in(
+    url, tmp_path, monkeypatch
+):
     def paths_on(machine):  # (memory:// is no run folder for a whole run: orbax cannot write it)
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / machine))
         local = mirror_folder(url)
@@ -108,25 +117,43 @@ def test_the_mirror_copies_changed_files_out_and_a_resume_copies_them_in(url, tm
 
 def test_run_folder_urls_and_paths(tmp_path):
     folder = tmp_path / "my run"
-    config = load_config(None, ["--job.dump_folder", "file://" + str(folder).replace(" ", "%20"),
-                                "--checkpoint.folder", f"file://{tmp_path}/ckpt"])
-    assert (config.job.dump_folder, config.checkpoint.folder) == (f"file://{folder}",
-                                                                  f"{tmp_path}/ckpt")
+    config = load_config(
+        None,
+        [
+            "--job.dump_folder",
+            "file://" + str(folder).replace(" ", "%20"),
+            "--checkpoint.folder",
+            f"file://{tmp_path}/ckpt",
+        ],
+    )
+    assert (config.job.dump_folder, config.checkpoint.folder) == (
+        f"file://{folder}",
+        f"{tmp_path}/ckpt",
+    )
     paths = run_paths(load_config(None, ["--job.dump_folder", "gs://bucket/runs/8b"]))
-    assert (paths.url, paths.checkpoints) == ("gs://bucket/runs/8b",
-                                              "gs://bucket/runs/8b/checkpoint")
+    assert (paths.url, paths.checkpoints) == (
+        "gs://bucket/runs/8b",
+        "gs://bucket/runs/8b/checkpoint",
+    )
     assert paths.hf_exports == paths.local / "checkpoint"  # copied to the URL by the sync
-    with pytest.raises(ConfigError, match=r"^job.dump_folder='memory://runs/x' is a memory:// "
-                       "URL; a run folder is a local path or a gs:// or file:// URL"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^job.dump_folder='memory://runs/x' is a memory:// "
+        "URL; a run folder is a local path or a gs:// or file:// URL",
+    ):
         load_config(None, ["--job.dump_folder", "memory://runs/x"])
-    with pytest.raises(ConfigError, match="checkpoint.folder is a path, inside job.dump_folder "
-                       "or absolute: .* \\(--job.dump_folder gs://BUCKET/runs/NAME\\)"):
+    with pytest.raises(
+        ConfigError,
+        match="checkpoint.folder is a path, inside job.dump_folder "
+        "or absolute: .* \\(--job.dump_folder gs://BUCKET/runs/NAME\\)",
+    ):
         load_config(None, ["--checkpoint.folder", "gs://bucket/ckpt"])
     with pytest.raises(ConfigError, match="names host 'host'"):
         load_config(None, ["--job.dump_folder", "file://host/run"])
     # `file:run` (no //) is the relative path fsspec reads it as, for pathlib's readers too:
     # one run folder, not a "file:run" folder beside a "run" one.
-    relative = load_config(None, ["--job.dump_folder", "file:runs/a", "--checkpoint.folder",
-                                  "file:ckpt"])
+    relative = load_config(
+        None, ["--job.dump_folder", "file:runs/a", "--checkpoint.folder", "file:ckpt"]
+    )
     assert (relative.job.dump_folder, relative.checkpoint.folder) == ("runs/a", "ckpt")
     assert run_paths(relative).checkpoints == "runs/a/ckpt"

@@ -44,8 +44,17 @@ def test_a_dump_folder_that_is_a_file(tmp_path):
 def test_two_trainings_on_one_folder_at_the_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("jax.devices", lambda *a: jax.local_devices()[:1])
     with RunLock(tmp_path / "run"):
-        code = main(["train", "--training.seq_len", "16", "--training.local_batch_size", "1",
-                     "--job.dump_folder", str(tmp_path / "run")])
+        code = main(
+            [
+                "train",
+                "--training.seq_len",
+                "16",
+                "--training.local_batch_size",
+                "1",
+                "--job.dump_folder",
+                str(tmp_path / "run"),
+            ]
+        )
     err = capsys.readouterr().err
     assert code == 2 and f"is in use by another run ({ME}" in err and err.count("\n") == 1
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []  # nothing written
@@ -67,8 +76,10 @@ def test_library_tracebacks_go_to_the_log_file(tmp_path, capsys):
     assert "orbax traceback line" not in capsys.readouterr().err
     log = (tmp_path / "titan-jax.log").read_text()
     assert "orbax traceback line" in log and "OSError: [Errno 28]" in log
-    assert str(error.value) == f"No space left on device: saving failed (details in " \
+    assert (
+        str(error.value) == f"No space left on device: saving failed (details in "
         f"{tmp_path / 'titan-jax.log'})"
+    )
     assert terminal.filters == []  # restored
 
 

@@ -16,13 +16,19 @@ from titan_jax.train.trainer import assemble_trainer
 
 
 def config(*overrides):
-    return load_config(None, ["--training.seq_len", "16", "--training.local_batch_size", "2",
-                              *overrides])
+    return load_config(
+        None, ["--training.seq_len", "16", "--training.local_batch_size", "2", *overrides]
+    )
 
 
 def test_a_plan_holds_every_decision_and_is_frozen():
-    plan = plan_run(config("--parallelism.data_parallel_shard_degree", "4",
-                           "--training.global_batch_size", "16"), jax.devices()[:4], TINY)
+    plan = plan_run(
+        config(
+            "--parallelism.data_parallel_shard_degree", "4", "--training.global_batch_size", "16"
+        ),
+        jax.devices()[:4],
+        TINY,
+    )
     assert plan.fsdp is JitSimpleFSDP  # auto, without cp
     assert plan.param_dtype == jnp.float32 and plan.attention == "xla"  # CPU devices
     assert plan.n_microbatches == 2 and plan.global_batch_size == 16
@@ -36,17 +42,24 @@ def test_a_plan_holds_every_decision_and_is_frozen():
 
 
 def test_context_parallelism_plans_the_shard_map_implementation():
-    plan = plan_run(config("--parallelism.context_parallel_degree", "2"), jax.devices()[:2],
-                    TINY)
+    plan = plan_run(config("--parallelism.context_parallel_degree", "2"), jax.devices()[:2], TINY)
     assert plan.fsdp is ShardMapSimpleFSDP and plan.degrees.cp == 2
 
 
 @pytest.mark.parametrize("implementation, split", [("shard_map", True), ("jit", False)])
 def test_hsdp_keeps_the_vocabulary_split_where_the_implementation_can(implementation, split):
-    plan = plan_run(config("--parallelism.data_parallel_replicate_degree", "2",
-                           "--parallelism.data_parallel_shard_degree", "2",
-                           "--parallelism.fsdp_implementation", implementation),
-                    jax.devices()[:4], TINY)
+    plan = plan_run(
+        config(
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.fsdp_implementation",
+            implementation,
+        ),
+        jax.devices()[:4],
+        TINY,
+    )
     assert (plan.rules.table["vocab"] != GATHERED_VOCAB["vocab"]) == split
 
 
@@ -57,28 +70,54 @@ def test_a_refused_decision_names_its_field_before_anything_is_built():
 
 @pytest.mark.parametrize("local_batch, split", [(2, True), (32, False)])
 def test_the_vocabulary_stays_split_while_its_tokens_move_fewer_bytes_than_its_tables(
-        local_batch, split):
+    local_batch, split
+):
     """Split, a microbatch's tokens over the vocabulary's shards travel: 2 x 64 x 4 = 512 of
     them against TINY's 2048 rows keeps the split; 32 x 64 x 4 = 8192 gathers the tables."""
-    plan = plan_run(config("--parallelism.data_parallel_shard_degree", "4",
-                           "--training.seq_len", "64", "--training.local_batch_size",
-                           str(local_batch)), jax.devices()[:4], TINY)
+    plan = plan_run(
+        config(
+            "--parallelism.data_parallel_shard_degree",
+            "4",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            str(local_batch),
+        ),
+        jax.devices()[:4],
+        TINY,
+    )
     assert (plan.rules.table["vocab"] != GATHERED_VOCAB["vocab"]) == split
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (("--activation_checkpoint.mode", "none"), "offload_layer_input=true needs a remat mode"),
-    (("--activation_checkpoint.mode", "full", "--parallelism.fsdp_lookahead_gather", "true"),
-     "does not combine with parallelism.fsdp_lookahead_gather"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (("--activation_checkpoint.mode", "none"), "offload_layer_input=true needs a remat mode"),
+        (
+            ("--activation_checkpoint.mode", "full", "--parallelism.fsdp_lookahead_gather", "true"),
+            "does not combine with parallelism.fsdp_lookahead_gather",
+        ),
+    ],
+)
 def test_layer_input_offload_is_refused_where_no_remat_policy_can_offload_it(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        plan_run(config("--activation_checkpoint.offload_layer_input", "true", *overrides),
-                 jax.devices()[:1], TINY)
+        plan_run(
+            config("--activation_checkpoint.offload_layer_input", "true", *overrides),
+            jax.devices()[:1],
+            TINY,
+        )
 
 
 def test_layer_input_offload_is_off_on_cpu_devices_with_a_warning(caplog):
-    plan = plan_run(config("--activation_checkpoint.offload_layer_input", "true",
-                           "--activation_checkpoint.mode", "full"), jax.devices()[:1], TINY)
+    plan = plan_run(
+        config(
+            "--activation_checkpoint.offload_layer_input",
+            "true",
+            "--activation_checkpoint.mode",
+            "full",
+        ),
+        jax.devices()[:1],
+        TINY,
+    )
     assert not plan.model.options.offload_layer_input
     assert "offload_layer_input on CPU devices is off" in caplog.text

@@ -19,30 +19,61 @@ def one_device(monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_sft_recipe_lowers_the_held_out_loss_on_the_assistants_tokens(tmp_path, capsys,
-                                                                          one_device):
-    code = main(["train", "--config", RECIPE, *QUIET, "--training.steps", "16",
-                 "--training.local_batch_size", "4", "--validation.local_batch_size", "4",
-                 "--lr_scheduler.warmup_steps", "4", "--validation.freq", "8",
-                 "--job.dump_folder", str(tmp_path)])
+def test_the_sft_recipe_lowers_the_held_out_loss_on_the_assistants_tokens(
+    tmp_path, capsys, one_device
+):
+    code = main(
+        [
+            "train",
+            "--config",
+            RECIPE,
+            *QUIET,
+            "--training.steps",
+            "16",
+            "--training.local_batch_size",
+            "4",
+            "--validation.local_batch_size",
+            "4",
+            "--lr_scheduler.warmup_steps",
+            "4",
+            "--validation.freq",
+            "8",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     held_out = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(held_out) == 2 and held_out[1] < held_out[0] < 7.7, held_out
     # The store the recipe prepared holds its conversations' loss mask.
-    manifest, = tmp_path.glob("data/jsonl-train-*/manifest.json")
+    (manifest,) = tmp_path.glob("data/jsonl-train-*/manifest.json")
     assert json.loads(manifest.read_text())["loss_mask"] is True
 
 
 def test_a_tokenizer_without_a_chat_template_is_one_line_and_its_hint_works(
-        tmp_path, capsys, one_device):
+    tmp_path, capsys, one_device
+):
     folder = tmp_path / "tok"
     folder.mkdir()
     shutil.copy("titan_jax/data/assets/tokenizer.json", folder / "tokenizer.json")
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    argv = ["train", "--config", RECIPE, *QUIET, "--training.steps", "1",
-            "--validation.enable", "false", "--training.seq_len", "32",
-            "--model.tokenizer_path", str(folder), "--job.dump_folder", str(tmp_path / "run")]
+    argv = [
+        "train",
+        "--config",
+        RECIPE,
+        *QUIET,
+        "--training.steps",
+        "1",
+        "--validation.enable",
+        "false",
+        "--training.seq_len",
+        "32",
+        "--model.tokenizer_path",
+        str(folder),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no chat_template" in err[0], err

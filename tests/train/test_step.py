@@ -24,9 +24,15 @@ def make_step(n_microbatches=1, steps=10, max_norm=1.0):
     model = build_model_def(TINY)
     schedule = WSDSchedule.from_config(1e-3, LRScheduler(warmup_steps=2), steps)
     optimizer = build_optimizer(Optimizer())
-    step = jax.jit(functools.partial(
-        train_step, model=model, optimizer=optimizer, schedule=schedule,
-        options=StepOptions(n_microbatches=n_microbatches, max_norm=max_norm)))
+    step = jax.jit(
+        functools.partial(
+            train_step,
+            model=model,
+            optimizer=optimizer,
+            schedule=schedule,
+            options=StepOptions(n_microbatches=n_microbatches, max_norm=max_norm),
+        )
+    )
     state = init_train_state(model.init(jax.random.key(0)), model.init_buffers(), optimizer)
     return step, state
 
@@ -56,8 +62,9 @@ def test_gradient_accumulation_4x2_equals_1x8():
     state4, losses4 = run(*make_step(4), data)
     np.testing.assert_allclose(losses4, losses1, rtol=1e-6)
     # Adam divides by sqrt(v): last-bit gradient differences move tiny weights by ~1e-6.
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5),
-                 state4["params"], state1["params"])
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), state4["params"], state1["params"]
+    )
     assert losses1[-1] < losses1[0]
 
 
@@ -86,11 +93,13 @@ def test_finite_guard_leaves_state_untouched_on_nan():
     after, metrics = step(poisoned, batches(1)[0])
     assert not bool(metrics["finite"])
     assert not np.isfinite(float(metrics["loss"]))
-    for b, a in zip(jax.tree.leaves(before["params"]), jax.tree.leaves(after["params"]),
-                    strict=True):
+    for b, a in zip(
+        jax.tree.leaves(before["params"]), jax.tree.leaves(after["params"]), strict=True
+    ):
         np.testing.assert_array_equal(a, b)
-    for b, a in zip(jax.tree.leaves(before["opt_state"]), jax.tree.leaves(after["opt_state"]),
-                    strict=True):
+    for b, a in zip(
+        jax.tree.leaves(before["opt_state"]), jax.tree.leaves(after["opt_state"]), strict=True
+    ):
         np.testing.assert_array_equal(a, b)  # moments and the LR count did not move
     assert int(after["step"]) == 1 and int(after["applied_updates"]) == 0
 
@@ -101,12 +110,19 @@ def test_the_update_writes_the_donated_state_in_place():
     all first (2 x the parameters' bytes of temporaries)."""
     model = build_model_def(TINY)
     optimizer = build_optimizer(Optimizer())
-    step = jax.jit(functools.partial(
-        train_step, model=model, optimizer=optimizer, options=StepOptions(),
-        schedule=WSDSchedule.from_config(1e-3, LRScheduler(warmup_steps=2), 10)),
-        donate_argnums=0)
-    state = jax.eval_shape(lambda: init_train_state(model.init(jax.random.key(0)),
-                                                    model.init_buffers(), optimizer))
+    step = jax.jit(
+        functools.partial(
+            train_step,
+            model=model,
+            optimizer=optimizer,
+            options=StepOptions(),
+            schedule=WSDSchedule.from_config(1e-3, LRScheduler(warmup_steps=2), 10),
+        ),
+        donate_argnums=0,
+    )
+    state = jax.eval_shape(
+        lambda: init_train_state(model.init(jax.random.key(0)), model.init_buffers(), optimizer)
+    )
     hlo = step.lower(state, batches(1)[0]).compile().as_text()
     assert "mu" in hlo and not re.search(r"copy\(%state__opt_state", hlo)
 
@@ -124,12 +140,14 @@ def test_the_lr_follows_the_count_of_applied_updates():
     after, first = step(skipped, data[0])
     after, second = step(after, data[1])
     assert (int(after["step"]), int(after["applied_updates"])) == (3, 2)
-    np.testing.assert_allclose([float(first["lr"]), float(second["lr"])],
-                               [float(schedule(0)), float(schedule(1))], rtol=1e-6)
+    np.testing.assert_allclose(
+        [float(first["lr"]), float(second["lr"])],
+        [float(schedule(0)), float(schedule(1))],
+        rtol=1e-6,
+    )
     # The update applied is the LR's: the same as a run that never skipped.
     clean, _ = step(state, data[0])
-    jax.tree.map(np.testing.assert_array_equal, step(clean, data[1])[0]["params"],
-                 after["params"])
+    jax.tree.map(np.testing.assert_array_equal, step(clean, data[1])[0]["params"], after["params"])
 
 
 def test_clipping_scales_to_max_norm():
@@ -146,9 +164,13 @@ def test_clipping_scales_to_max_norm():
     assert grad_norm > 10 * max_norm
     scale = max_norm / (grad_norm + 1e-6)
     mu = {k: optax.tree_utils.tree_get(after[k]["opt_state"], "mu") for k in after}
-    jax.tree.map(lambda clipped, raw: np.testing.assert_allclose(clipped, raw * scale,
-                                                                 rtol=1e-5, atol=1e-12),
-                 mu[max_norm], mu[0.0])
+    jax.tree.map(
+        lambda clipped, raw: np.testing.assert_allclose(
+            clipped, raw * scale, rtol=1e-5, atol=1e-12
+        ),
+        mu[max_norm],
+        mu[0.0],
+    )
 
 
 def test_clip_by_global_norm_follows_torch():

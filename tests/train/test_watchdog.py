@@ -12,18 +12,22 @@ from titan_jax.train.stopping import StepWatchdog
 
 def test_a_hung_step_ends_the_process_with_the_message():
     """The main thread blocked outside Python (as in a collective that never completes)."""
-    script = ("import threading\n"
-              "from titan_jax.parallel.distributed import exit_job\n"
-              "from titan_jax.train.stopping import StepWatchdog\n"
-              "with StepWatchdog(1, lambda m: exit_job(m, 1)) as w:\n"
-              "    w.beat(7)\n"
-              "    threading.Event().wait()  # hangs forever\n")
+    script = (
+        "import threading\n"
+        "from titan_jax.parallel.distributed import exit_job\n"
+        "from titan_jax.train.stopping import StepWatchdog\n"
+        "with StepWatchdog(1, lambda m: exit_job(m, 1)) as w:\n"
+        "    w.beat(7)\n"
+        "    threading.Event().wait()  # hangs forever\n"
+    )
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1].startswith(
-        "titan-jax: error: no step finished within distributed.step_timeout=1 s after step 7")
+        "titan-jax: error: no step finished within distributed.step_timeout=1 s after step 7"
+    )
     assert time.monotonic() - start < 30
 
 

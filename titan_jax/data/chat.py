@@ -49,11 +49,20 @@ ROLES = ("system", "user", "assistant", "tool")
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
 # What to do when a checkpoint has no template; `directory` is the checkpoint's folder.
-HINT_NO_TEMPLATE = ("add a chat_template to {directory}/tokenizer_config.json, "
-                    "or pass a template file with --training.chat_template FILE")
+HINT_NO_TEMPLATE = (
+    "add a chat_template to {directory}/tokenizer_config.json, "
+    "or pass a template file with --training.chat_template FILE"
+)
 # The special tokens transformers passes to every template (its `special_tokens_map`).
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                       "cls_token", "mask_token")
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 # Names a message's reasoning comes under; templates read the first.
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 # Stands in for one assistant message's content to find where the template writes it. Private
@@ -84,26 +93,33 @@ def load_chat_template(path: str) -> str:
     else:
         raise ChatError(f"chat template path {path!r} does not exist")
     if (directory / TEMPLATE_FILE).is_file():
-        return _checked_template(_read_text(directory / TEMPLATE_FILE),
-                                 str(directory / TEMPLATE_FILE))
+        return _checked_template(
+            _read_text(directory / TEMPLATE_FILE), str(directory / TEMPLATE_FILE)
+        )
     hint = HINT_NO_TEMPLATE.format(directory=directory)
     if not config.is_file():
-        raise ChatError(f"no chat template in {str(directory)!r}: neither {TEMPLATE_FILE} nor "
-                        f"{CONFIG_FILE} is there; {hint}")
+        raise ChatError(
+            f"no chat template in {str(directory)!r}: neither {TEMPLATE_FILE} nor "
+            f"{CONFIG_FILE} is there; {hint}"
+        )
     template = _read_config(config).get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
     if isinstance(template, dict):
         if "default" not in template:
-            raise ChatError(f"{str(config)!r}: chat_template names no 'default' template (it has "
-                            f"{sorted(map(str, template))}); pass one with "
-                            "--training.chat_template FILE")
+            raise ChatError(
+                f"{str(config)!r}: chat_template names no 'default' template (it has "
+                f"{sorted(map(str, template))}); pass one with "
+                "--training.chat_template FILE"
+            )
         template = template["default"]
     if template is None or (isinstance(template, str) and not template.strip()):
         raise ChatError(f"{str(config)!r} has no chat_template; {hint}")
     if not isinstance(template, str):
-        raise ChatError(f"{str(config)!r}: chat_template is a {type(template).__name__}, "
-                        "not the template's text")
+        raise ChatError(
+            f"{str(config)!r}: chat_template is a {type(template).__name__}, "
+            "not the template's text"
+        )
     return template
 
 
@@ -183,7 +199,8 @@ class _Namespace(jinja2.utils.Namespace):
     def _check(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot set underscore names on a namespace ({name!r})")
+                f"chat templates cannot set underscore names on a namespace ({name!r})"
+            )
 
 
 class _DictGlobal:
@@ -200,11 +217,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's own tojson escapes HTML characters (<, >, &, '), which chat templates must not.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(format: str) -> str:
@@ -214,11 +237,16 @@ def _strftime_now(format: str) -> str:
 @functools.cache
 def _environment() -> ImmutableSandboxedEnvironment:
     # Templates come from checkpoints on the Hub: untrusted code, hence the sandbox.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
-                       dict=_DictGlobal(), namespace=_Namespace)
+    env.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=_strftime_now,
+        dict=_DictGlobal(),
+        namespace=_Namespace,
+    )
     return env
 
 
@@ -238,22 +266,35 @@ def _compile(template: str) -> jinja2.Template:
 # Rendering
 
 
-def render_chat(messages: Sequence[Mapping[str, Any]], template: str, *,
-                add_generation_prompt: bool = False, tools: Sequence[Mapping] | None = None,
-                special_tokens: Mapping[str, str] | None = None, where: str = "",
-                **template_kwargs: Any) -> str:
+def render_chat(
+    messages: Sequence[Mapping[str, Any]],
+    template: str,
+    *,
+    add_generation_prompt: bool = False,
+    tools: Sequence[Mapping] | None = None,
+    special_tokens: Mapping[str, str] | None = None,
+    where: str = "",
+    **template_kwargs: Any,
+) -> str:
     """The conversation as `apply_chat_template(messages, tokenize=False, ...)` renders it;
     `special_tokens` are the template's `eos_token`, ... (see `load_special_tokens`), and
     `template_kwargs` other template variables (`enable_thinking=False`, ...)."""
     chat = _checked_messages(messages, "messages", where)
     return _Renderer(template, tools, special_tokens or {}, template_kwargs, where).render(
-        chat, add_generation_prompt)
+        chat, add_generation_prompt
+    )
 
 
-def render_with_mask(messages: Sequence[Mapping[str, Any]], template: str, tokenizer: Tokenizer,
-                     *, tools: Sequence[Mapping] | None = None,
-                     special_tokens: Mapping[str, str] | None = None, where: str = "",
-                     **template_kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
+def render_with_mask(
+    messages: Sequence[Mapping[str, Any]],
+    template: str,
+    tokenizer: Tokenizer,
+    *,
+    tools: Sequence[Mapping] | None = None,
+    special_tokens: Mapping[str, str] | None = None,
+    where: str = "",
+    **template_kwargs: Any,
+) -> tuple[np.ndarray, np.ndarray]:
     """(token ids int64, trained bool) of the whole conversation: True on every assistant turn
     after its header, through its end-of-turn marker (module docstring). `special_tokens`
     default to the tokenizer's EOS and BOS as `eos_token`, `bos_token`."""
@@ -262,48 +303,72 @@ def render_with_mask(messages: Sequence[Mapping[str, Any]], template: str, token
     if not trained:
         raise ChatError(f"{_prefix(where)}messages has no assistant message to train on")
     labels = [f"messages[{i}]" for i in range(len(chat))]
-    return _ids_and_mask(chat, trained, labels, template, tokenizer, tools, special_tokens,
-                         template_kwargs, where)
+    return _ids_and_mask(
+        chat, trained, labels, template, tokenizer, tools, special_tokens, template_kwargs, where
+    )
 
 
-def render_pair(prompt: str | Sequence[Mapping[str, Any]],
-                completion: str | Sequence[Mapping[str, Any]], template: str,
-                tokenizer: Tokenizer, *, tools: Sequence[Mapping] | None = None,
-                special_tokens: Mapping[str, str] | None = None, where: str = "",
-                completion_name: str = "completion", **template_kwargs: Any
-                ) -> tuple[np.ndarray, np.ndarray]:
+def render_pair(
+    prompt: str | Sequence[Mapping[str, Any]],
+    completion: str | Sequence[Mapping[str, Any]],
+    template: str,
+    tokenizer: Tokenizer,
+    *,
+    tools: Sequence[Mapping] | None = None,
+    special_tokens: Mapping[str, str] | None = None,
+    where: str = "",
+    completion_name: str = "completion",
+    **template_kwargs: Any,
+) -> tuple[np.ndarray, np.ndarray]:
     """A prompt/completion pair as `render_with_mask` renders it, trained on the completion's
     assistant messages only. A string prompt is one user message, a string completion one
     assistant message; lists of messages are TRL's conversational prompt-completion form.
     `completion_name`: the completion's field, for messages (a preference pair's "chosen")."""
     prompt_chat = _checked_messages(_as_messages(prompt, "user"), "prompt", where)
-    completion_chat = _checked_messages(_as_messages(completion, "assistant"), completion_name,
-                                        where)
-    trained = [len(prompt_chat) + i for i, m in enumerate(completion_chat)
-               if m["role"] == "assistant"]
+    completion_chat = _checked_messages(
+        _as_messages(completion, "assistant"), completion_name, where
+    )
+    trained = [
+        len(prompt_chat) + i for i, m in enumerate(completion_chat) if m["role"] == "assistant"
+    ]
     if not trained:
-        raise ChatError(f"{_prefix(where)}{completion_name} has no assistant message to train "
-                        "on")
-    labels = ([f"prompt[{i}]" for i in range(len(prompt_chat))]
-              + [f"{completion_name}[{i}]" for i in range(len(completion_chat))])
-    return _ids_and_mask(prompt_chat + completion_chat, trained, labels, template, tokenizer,
-                         tools, special_tokens, template_kwargs, where)
+        raise ChatError(f"{_prefix(where)}{completion_name} has no assistant message to train on")
+    labels = [f"prompt[{i}]" for i in range(len(prompt_chat))] + [
+        f"{completion_name}[{i}]" for i in range(len(completion_chat))
+    ]
+    return _ids_and_mask(
+        prompt_chat + completion_chat,
+        trained,
+        labels,
+        template,
+        tokenizer,
+        tools,
+        special_tokens,
+        template_kwargs,
+        where,
+    )
 
 
 class _Renderer:
     """One template with its variables, rendering conversations already checked."""
 
-    def __init__(self, template: str, tools: Sequence[Mapping] | None,
-                 special_tokens: Mapping[str, str], template_kwargs: Mapping[str, Any],
-                 where: str):
+    def __init__(
+        self,
+        template: str,
+        tools: Sequence[Mapping] | None,
+        special_tokens: Mapping[str, str],
+        template_kwargs: Mapping[str, Any],
+        where: str,
+    ):
         self.template = _compile(template)
         if tools is not None:
             if isinstance(tools, (str, Mapping)) or not isinstance(tools, Sequence):
                 raise ChatError(f"{_prefix(where)}tools is not a list of JSON schemas")
             for i, tool in enumerate(tools):
                 if not isinstance(tool, Mapping):
-                    raise ChatError(f"{_prefix(where)}tools[{i}] is not a JSON object (a "
-                                    f"{type(tool).__name__})")
+                    raise ChatError(
+                        f"{_prefix(where)}tools[{i}] is not a JSON object (a {type(tool).__name__})"
+                    )
         self.tools = _plain(tools)
         # As transformers: keyword arguments override special tokens of the same name.
         self.variables = _plain({**special_tokens, **template_kwargs})
@@ -311,19 +376,28 @@ class _Renderer:
 
     def render(self, chat: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         try:
-            return self.template.render(messages=chat, tools=self.tools, documents=None,
-                                        add_generation_prompt=add_generation_prompt,
-                                        **self.variables)
+            return self.template.render(
+                messages=chat,
+                tools=self.tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.variables,
+            )
         except (jinja2.TemplateError, TypeError) as e:
-            raise ChatError(f"{_prefix(self.where)}chat template error: {_one_line(e)}"
-                            ) from None
+            raise ChatError(f"{_prefix(self.where)}chat template error: {_one_line(e)}") from None
 
 
-def _ids_and_mask(chat: list[dict[str, Any]], trained: list[int], labels: list[str],
-                  template: str,
-                  tokenizer: Tokenizer, tools: Sequence[Mapping] | None,
-                  special_tokens: Mapping[str, str] | None, template_kwargs: Mapping[str, Any],
-                  where: str) -> tuple[np.ndarray, np.ndarray]:
+def _ids_and_mask(
+    chat: list[dict[str, Any]],
+    trained: list[int],
+    labels: list[str],
+    template: str,
+    tokenizer: Tokenizer,
+    tools: Sequence[Mapping] | None,
+    special_tokens: Mapping[str, str] | None,
+    template_kwargs: Mapping[str, Any],
+    where: str,
+) -> tuple[np.ndarray, np.ndarray]:
     if special_tokens is None:
         special_tokens = {"eos_token": tokenizer.decode([tokenizer.eos_id])}
         if tokenizer.bos_id is not None:
@@ -331,25 +405,31 @@ def _ids_and_mask(chat: list[dict[str, Any]], trained: list[int], labels: list[s
     renderer = _Renderer(template, tools, special_tokens, template_kwargs, where)
     text = renderer.render(chat)
     header, closing = _turn_markers(renderer, chat, trained[0])
-    regions = [_assistant_region(renderer, chat, k, text, f"{_prefix(where)}{labels[k]}")
-               for k in trained]
+    regions = [
+        _assistant_region(renderer, chat, k, text, f"{_prefix(where)}{labels[k]}") for k in trained
+    ]
     spans, floor = [], 0
     for i, (k, (start, stop)) in enumerate(zip(trained, regions, strict=True)):
         at = f"{_prefix(where)}{labels[k]}"
         if start < floor:
-            raise ChatError(f"{at}: the chat template writes it before the assistant turn it "
-                            "follows; its tokens cannot be told apart")
+            raise ChatError(
+                f"{at}: the chat template writes it before the assistant turn it "
+                "follows; its tokens cannot be told apart"
+            )
         limit = regions[i + 1][0] if i + 1 < len(regions) else len(text)
         begin = _header_end(text, header, floor, start)
         if begin is None:
-            raise ChatError(f"{at}: the rendering has no assistant header {header!r} (the "
-                            "template's generation prompt) before its content")
+            raise ChatError(
+                f"{at}: the rendering has no assistant header {header!r} (the "
+                "template's generation prompt) before its content"
+            )
         end = stop
         if closing:
             end = text.find(closing, stop, limit)
             if end < 0:
-                raise ChatError(f"{at}: the rendering has no end-of-turn marker {closing!r} "
-                                "after its content")
+                raise ChatError(
+                    f"{at}: the rendering has no end-of-turn marker {closing!r} after its content"
+                )
             end += len(closing)
         spans.append((begin, end))
         floor = end
@@ -365,8 +445,7 @@ def _ids_and_mask(chat: list[dict[str, Any]], trained: list[int], labels: list[s
     return ids, mask
 
 
-def _turn_markers(renderer: _Renderer, chat: list[dict[str, Any]], first: int
-                  ) -> tuple[str, str]:
+def _turn_markers(renderer: _Renderer, chat: list[dict[str, Any]], first: int) -> tuple[str, str]:
     """(header, closing): what the template writes before an assistant turn's content when
     asked for a generation prompt, and what it writes after that content whether the turn ends
     the conversation or a user turn follows (trailing whitespace dropped), both learned on the
@@ -375,32 +454,34 @@ def _turn_markers(renderer: _Renderer, chat: list[dict[str, Any]], first: int
     bare, prompted = renderer.render(before), renderer.render(before, add_generation_prompt=True)
     where = _prefix(renderer.where)
     if not prompted.startswith(bare) or prompted == bare:
-        raise ChatError(f"{where}the chat template writes no generation prompt "
-                        "(add_generation_prompt), so the assistant's header cannot be told from "
-                        "its content")
+        raise ChatError(
+            f"{where}the chat template writes no generation prompt "
+            "(add_generation_prompt), so the assistant's header cannot be told from "
+            "its content"
+        )
     answered = before + [{"role": "assistant", "content": _SENTINEL}]
     last = renderer.render(answered)
     followed = renderer.render(answered + [{"role": "user", "content": "Thanks"}])
     if _SENTINEL not in last or _SENTINEL not in followed:
         raise ChatError(f"{where}the chat template does not write an assistant message's content")
-    after_last = last[last.rindex(_SENTINEL) + len(_SENTINEL):]
-    after_followed = followed[followed.rindex(_SENTINEL) + len(_SENTINEL):]
+    after_last = last[last.rindex(_SENTINEL) + len(_SENTINEL) :]
+    after_followed = followed[followed.rindex(_SENTINEL) + len(_SENTINEL) :]
     # Their common start: not what the template writes once after the final message, nor the
     # next turn's header.
-    closing = after_last[:_common_prefix(after_last, after_followed)].rstrip()
-    return prompted[len(bare):], closing
+    closing = after_last[: _common_prefix(after_last, after_followed)].rstrip()
+    return prompted[len(bare) :], closing
 
 
-def _assistant_region(renderer: _Renderer, chat: list[dict[str, Any]], k: int, text: str,
-                      at: str) -> tuple[int, int]:
+def _assistant_region(
+    renderer: _Renderer, chat: list[dict[str, Any]], k: int, text: str, at: str
+) -> tuple[int, int]:
     """Where in `text` assistant message `k`'s content and reasoning are written: the part that
     changes when they are replaced by a sentinel (empty, at its place, if there are none)."""
     changed = {key: value for key, value in chat[k].items() if key not in REASONING_KEYS}
     changed["content"] = _SENTINEL
-    probe = renderer.render(chat[:k] + [changed] + chat[k + 1:])
+    probe = renderer.render(chat[:k] + [changed] + chat[k + 1 :])
     if probe == text:
-        raise ChatError(f"{at}: the chat template does not write this assistant message's "
-                        "content")
+        raise ChatError(f"{at}: the chat template does not write this assistant message's content")
     head = _common_prefix(text, probe)
     tail = _common_suffix(text, probe, min(len(text), len(probe)) - head)
     return head, len(text) - tail
@@ -434,7 +515,7 @@ def _common_suffix(a: str, b: str, limit: int) -> int:
     lo, hi = 0, limit
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[len(a) - mid:] == b[len(b) - mid:]:
+        if a[len(a) - mid :] == b[len(b) - mid :]:
             lo = mid
         else:
             hi = mid - 1
@@ -460,8 +541,7 @@ def _checked_messages(messages: Any, name: str, where: str) -> list[dict[str, An
     chat = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ChatError(f"{at}{name}[{i}] is not a message object (a "
-                            f"{type(message).__name__})")
+            raise ChatError(f"{at}{name}[{i}] is not a message object (a {type(message).__name__})")
         # transformers drops None values: templates test for a key, and would render "None".
         message = {k: v for k, v in _plain(message).items() if v is not None}
         role = message.get("role")
@@ -471,8 +551,9 @@ def _checked_messages(messages: Any, name: str, where: str) -> list[dict[str, An
         tool_calls = role == "assistant" and bool(message.get("tool_calls"))
         if not isinstance(content, str) and not (content is None and tool_calls):
             got = "none" if content is None else f"a {type(content).__name__}"
-            needs = "string 'content' or 'tool_calls'" if role == "assistant" else \
-                "string 'content'"
+            needs = (
+                "string 'content' or 'tool_calls'" if role == "assistant" else "string 'content'"
+            )
             raise ChatError(f"{at}{name}[{i}] ({role}) needs a {needs}; it has {got}")
         reasoning = next((message[k] for k in REASONING_KEYS if k in message), None)
         if reasoning is not None:  # as transformers: under the name each template family reads

@@ -32,8 +32,11 @@ from titan_jax.data.dataset import DataError
 from titan_jax.data.tokenizer import Tokenizer
 
 # The record fields each format reads.
-FORMATS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"),
-           "preference": ("prompt", "chosen", "rejected")}
+FORMATS = {
+    "messages": ("messages",),
+    "prompt_completion": ("prompt", "completion"),
+    "preference": ("prompt", "chosen", "rejected"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +65,7 @@ def load_chat_format(kind: str, template_path: str, tokenizer_path: str) -> Chat
     tokenizer_config.json or a folder), else the tokenizer's own (`tokenizer_path`'s folder;
     "" = the shipped tokenizer's)."""
     if kind not in FORMATS:
-        raise DataError(f"data format {kind!r} is not a conversation format: "
-                        f"{', '.join(FORMATS)}")
+        raise DataError(f"data format {kind!r} is not a conversation format: {', '.join(FORMATS)}")
     tokenizer_folder = Path(tokenizer_path)
     if tokenizer_folder.is_file():
         tokenizer_folder = tokenizer_folder.parent
@@ -81,40 +83,64 @@ def load_chat_format(kind: str, template_path: str, tokenizer_path: str) -> Chat
     return ChatFormat(kind, template, source, tuple(sorted(special.items())))
 
 
-def encode_record(where: str, record: dict[str, Any], fmt: ChatFormat, tok: Tokenizer
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def encode_record(
+    where: str, record: dict[str, Any], fmt: ChatFormat, tok: Tokenizer
+) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, loss mask) of one record; bad records raise one line naming `where`."""
     special = dict(fmt.special_tokens) or None
     try:
         if fmt.kind == "messages":
-            return chat.render_with_mask(record["messages"], fmt.template, tok,
-                                         tools=record.get("tools"), special_tokens=special,
-                                         where=where)
-        return chat.render_pair(record["prompt"], record["completion"], fmt.template, tok,
-                                special_tokens=special, where=where)
+            return chat.render_with_mask(
+                record["messages"],
+                fmt.template,
+                tok,
+                tools=record.get("tools"),
+                special_tokens=special,
+                where=where,
+            )
+        return chat.render_pair(
+            record["prompt"],
+            record["completion"],
+            fmt.template,
+            tok,
+            special_tokens=special,
+            where=where,
+        )
     except chat.ChatError as e:  # a damaged input, as prepare-data treats one
         raise DataError(str(e)) from None
 
 
-def encode_pair(where: str, record: dict[str, Any], fmt: ChatFormat, tok: Tokenizer
-                ) -> list[tuple[np.ndarray, np.ndarray]]:
+def encode_pair(
+    where: str, record: dict[str, Any], fmt: ChatFormat, tok: Tokenizer
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """(token ids, loss mask) of prompt + chosen and of prompt + rejected; a pair whose two
     render to the same tokens (it would teach nothing) raises one line naming `where`."""
     special = dict(fmt.special_tokens) or None
     try:
-        pair = [chat.render_pair(record["prompt"], record[k], fmt.template, tok,
-                                 special_tokens=special, where=where, completion_name=k)
-                for k in ("chosen", "rejected")]
+        pair = [
+            chat.render_pair(
+                record["prompt"],
+                record[k],
+                fmt.template,
+                tok,
+                special_tokens=special,
+                where=where,
+                completion_name=k,
+            )
+            for k in ("chosen", "rejected")
+        ]
     except chat.ChatError as e:  # a damaged input, as prepare-data treats one
         raise DataError(str(e)) from None
     if np.array_equal(pair[0][0], pair[1][0]):
-        raise DataError(f"{where}: chosen equals rejected; a preference pair needs two "
-                        "different completions")
+        raise DataError(
+            f"{where}: chosen equals rejected; a preference pair needs two different completions"
+        )
     return pair
 
 
-def encode_documents(where: str, record: dict[str, Any], fmt: ChatFormat, tok: Tokenizer
-                     ) -> list[tuple[np.ndarray, np.ndarray]]:
+def encode_documents(
+    where: str, record: dict[str, Any], fmt: ChatFormat, tok: Tokenizer
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """The documents (token ids, loss mask) one record becomes: a conversation is one, a
     preference pair two (`encode_pair`)."""
     if fmt.kind == "preference":
@@ -122,8 +148,9 @@ def encode_documents(where: str, record: dict[str, Any], fmt: ChatFormat, tok: T
     return [encode_record(where, record, fmt, tok)]
 
 
-def encode_conversations(records: list[Any], fmt: ChatFormat, tok: Tokenizer
-                         ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def encode_conversations(
+    records: list[Any], fmt: ChatFormat, tok: Tokenizer
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Token ids and loss masks of the documents of (where, record) pairs, in order."""
     ids, masks = [], []
     for where, record in records:

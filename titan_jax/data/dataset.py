@@ -34,8 +34,11 @@ from titan_jax.data.paths import filesystem, glob_files
 from titan_jax.errors import TitanJaxError
 
 DATASETS = ("pydoc", "text", "jsonl", "parquet", "hf_disk")
-SUFFIXES = {"text": (".txt",), "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.zst"),
-            "parquet": (".parquet",)}
+SUFFIXES = {
+    "text": (".txt",),
+    "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.zst"),
+    "parquet": (".parquet",),
+}
 # The embedded corpus's held-out slice: every 10th topic in sorted order (8 of 79 topics,
 # ~10k of ~128k tokens with the shipped tokenizer).
 PYDOC_HELD_OUT_EVERY = 10
@@ -54,7 +57,8 @@ def source_files(dataset: str, dataset_path: str, split: Split = "train") -> lis
     if dataset == "pydoc":
         if dataset_path:
             raise DataError(
-                f"dataset='pydoc' is embedded and takes no dataset_path={dataset_path!r}")
+                f"dataset='pydoc' is embedded and takes no dataset_path={dataset_path!r}"
+            )
         return [f"pydoc:{split}"]
     if not dataset_path:
         raise DataError(f"dataset={dataset!r} needs a dataset_path")
@@ -73,12 +77,12 @@ def read_documents(dataset: str, file: str, text_field: str) -> Iterator[str]:
         yield from _parquet_texts(file, text_field)
     else:
         with _open_text(file) as f:
-            yield from (_text_blocks(f) if dataset == "text" else _jsonl_texts(f, file,
-                                                                               text_field))
+            yield from (_text_blocks(f) if dataset == "text" else _jsonl_texts(f, file, text_field))
 
 
-def read_records(dataset: str, file: str, fields: tuple[str, ...]
-                 ) -> Iterator[tuple[str, dict[str, Any]]]:
+def read_records(
+    dataset: str, file: str, fields: tuple[str, ...]
+) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, record) of each record of one jsonl or parquet file, in file order, streamed;
     every record has `fields` (a jsonl record keeps its other keys too); `where` names its file
     and line (or row) for messages."""
@@ -86,8 +90,10 @@ def read_records(dataset: str, file: str, fields: tuple[str, ...]
         yield from _parquet_records(file, fields)
         return
     if dataset != "jsonl":
-        raise DataError(f"dataset={dataset!r} holds texts, not conversations: use jsonl or "
-                        "parquet files with a `messages` (or `prompt` and `completion`) field")
+        raise DataError(
+            f"dataset={dataset!r} holds texts, not conversations: use jsonl or "
+            "parquet files with a `messages` (or `prompt` and `completion`) field"
+        )
     with _open_text(file) as f:
         for lineno, record in _jsonl_records(f, file):
             missing = [k for k in fields if not isinstance(record, dict) or k not in record]
@@ -212,16 +218,19 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _batches(parquet: pq.ParquetFile, file: str, field: str | list[str]
-             ) -> Iterator[pa.RecordBatch]:
+def _batches(
+    parquet: pq.ParquetFile, file: str, field: str | list[str]
+) -> Iterator[pa.RecordBatch]:
     groups = parquet.num_row_groups
     columns = [field] if isinstance(field, str) else field
     for group in range(groups):  # one at a time, so that damage is named by its row group
         try:
             yield from parquet.iter_batches(columns=columns, batch_size=1024, row_groups=[group])
         except (pa.ArrowException, OSError) as e:  # damaged data pages under a good footer
-            raise DataError(f"{file}: column {field!r} is corrupt in row group {group} (of "
-                            f"{groups}): {_one_line(e)}") from None
+            raise DataError(
+                f"{file}: column {field!r} is corrupt in row group {group} (of "
+                f"{groups}): {_one_line(e)}"
+            ) from None
 
 
 def _hf_disk_texts(path: str, field: str) -> Iterator[str]:
@@ -237,8 +246,10 @@ def _hf_disk_texts(path: str, field: str) -> Iterator[str]:
     except FileNotFoundError as e:
         raise DataError(f"dataset_path={path!r} is not a save_to_disk dataset ({e})") from e
     except (ValueError, KeyError, TypeError, OSError) as e:  # a damaged state or info file
-        raise DataError(f"dataset_path={path!r} is a damaged save_to_disk dataset "
-                        f"({type(e).__name__}: {_one_line(e)})") from None
+        raise DataError(
+            f"dataset_path={path!r} is a damaged save_to_disk dataset "
+            f"({type(e).__name__}: {_one_line(e)})"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise DataError(f"dataset_path={path!r} has splits {list(ds)}, no 'train'")

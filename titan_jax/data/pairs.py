@@ -38,13 +38,13 @@ def fitted_lengths(chosen: int, rejected: int, seq_len: int) -> tuple[int, int]:
         return chosen, rejected
     half = seq_len // 2
     if min(chosen, rejected) <= half:
-        return (chosen, seq_len - chosen) if chosen <= rejected else (seq_len - rejected,
-                                                                      rejected)
+        return (chosen, seq_len - chosen) if chosen <= rejected else (seq_len - rejected, rejected)
     return seq_len - half, half
 
 
-def pair_row(sequences: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int
-             ) -> dict[str, np.ndarray]:
+def pair_row(
+    sequences: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int
+) -> dict[str, np.ndarray]:
     """{"inputs": (S, 3) ids, segments, positions; "labels": (S,)} of a pair given as the
     (token ids, loss mask) of its chosen and its rejected sequence (cut to fit:
     `fitted_lengths`)."""
@@ -54,12 +54,15 @@ def pair_row(sequences: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int
     positions = np.zeros(seq_len, np.int32)
     labels = np.full(seq_len, IGNORE_INDEX, np.int32)
     at = 0
-    for segment, (tokens, trained), n in zip((CHOSEN, REJECTED), sequences, lengths,
-                                             strict=True):
+    for segment, (tokens, trained), n in zip((CHOSEN, REJECTED), sequences, lengths, strict=True):
         tokens, trained = tokens[:n], np.asarray(trained[:n], bool)
-        ids[at:at + n], segments[at:at + n], positions[at:at + n] = tokens, segment, np.arange(n)
+        ids[at : at + n], segments[at : at + n], positions[at : at + n] = (
+            tokens,
+            segment,
+            np.arange(n),
+        )
         # The label of token t is token t + 1, trained where its mask is.
-        labels[at:at + n - 1] = np.where(trained[1:], tokens[1:], IGNORE_INDEX)
+        labels[at : at + n - 1] = np.where(trained[1:], tokens[1:], IGNORE_INDEX)
         at += n
     return {"inputs": np.stack([ids, segments, positions], axis=-1), "labels": labels}
 
@@ -79,13 +82,27 @@ class PairStream(WindowStream):
 
     samples_are_windows = False
 
-    def __init__(self, sources: Sequence[Source], *, seq_len: int, global_batch_size: int,
-                 seed: int, rows: Sequence[int] | None = None):
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        *,
+        seq_len: int,
+        global_batch_size: int,
+        seed: int,
+        rows: Sequence[int] | None = None,
+    ):
         for s in sources:
             if not s.corpus.pairs:
                 raise DataError(f"{s.name} holds no preference pairs")
-        super().__init__(sources, seq_len=seq_len, global_batch_size=global_batch_size,
-                         seed=seed, rows=rows, document_mask=True, document_positions=True)
+        super().__init__(
+            sources,
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+            seed=seed,
+            rows=rows,
+            document_mask=True,
+            document_positions=True,
+        )
 
     def samples_in(self, corpus: Corpus) -> int:
         return corpus.num_documents // 2
@@ -98,8 +115,14 @@ class ValidationPairs:
     """The same batches every call: pairs 0, 1, 2, ... of a held-out store in order (batch b,
     row r = pair b*G + r), up to `max_batches` (-1: all whole batches); this process's rows."""
 
-    def __init__(self, corpus: Corpus, *, seq_len: int, global_batch_size: int,
-                 rows: Sequence[int] | None = None):
+    def __init__(
+        self,
+        corpus: Corpus,
+        *,
+        seq_len: int,
+        global_batch_size: int,
+        rows: Sequence[int] | None = None,
+    ):
         if not corpus.pairs:
             raise DataError("the validation store holds no preference pairs")
         self.corpus, self.seq_len, self.global_batch_size = corpus, seq_len, global_batch_size
@@ -109,6 +132,8 @@ class ValidationPairs:
     def batches(self, max_batches: int = -1) -> Iterator[dict[str, np.ndarray]]:
         n = self.num_batches if max_batches < 0 else min(max_batches, self.num_batches)
         for b in range(n):
-            rows = [read_pair_row(self.corpus, int(p), self.seq_len)
-                    for p in b * self.global_batch_size + self.rows]
+            rows = [
+                read_pair_row(self.corpus, int(p), self.seq_len)
+                for p in b * self.global_batch_size + self.rows
+            ]
             yield {k: np.stack([r[k] for r in rows]) for k in rows[0]}

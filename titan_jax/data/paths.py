@@ -44,13 +44,14 @@ def filesystem(url: str) -> tuple[Any, str]:
     if scheme not in SCHEMES:
         raise PathError(f"{url}: {scheme}:// is not supported; titan-jax takes {WHAT_WORKS}")
     if scheme in ("gs", "gcs") and (why := cloud_storage_unreachable()) is not None:
-        raise PathError(f"{url}: Cloud Storage ({GCS_HOST}) cannot be reached from this machine "
-                        f"({why}); use a local path, or run where the bucket can be reached")
+        raise PathError(
+            f"{url}: Cloud Storage ({GCS_HOST}) cannot be reached from this machine "
+            f"({why}); use a local path, or run where the bucket can be reached"
+        )
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as e:  # the scheme's package is not installed: fsspec says which
-        raise PathError(f"{url}: {scheme}:// needs a package that is not installed ({e})"
-                        ) from None
+        raise PathError(f"{url}: {scheme}:// needs a package that is not installed ({e})") from None
 
 
 @functools.cache
@@ -72,8 +73,10 @@ def local_path(value: str, field: str) -> Path:
     scheme, path = fsspec.core.split_protocol(value)
     if scheme in (None, "file", "local"):
         return Path(path)
-    raise PathError(f"{field} {value}: a URL, and {field} takes a local path; copy it to a "
-                    "local folder first and give that folder")
+    raise PathError(
+        f"{field} {value}: a URL, and {field} takes a local path; copy it to a "
+        "local folder first and give that folder"
+    )
 
 
 def is_local(url: str) -> bool:
@@ -86,8 +89,9 @@ def join(url: str, name: str) -> str:
 
 def _url(fs: Any, path: str, like: str) -> str:
     """A path found by `fs` as the user would name it: a URL for a URL, a path for a path."""
-    return path if isinstance(fs, LocalFileSystem) and "://" not in like else fs.unstrip_protocol(
-        path)
+    return (
+        path if isinstance(fs, LocalFileSystem) and "://" not in like else fs.unstrip_protocol(path)
+    )
 
 
 def glob_files(pattern: str, suffixes: tuple[str, ...], error: type[Exception]) -> list[str]:

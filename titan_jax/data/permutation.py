@@ -50,7 +50,7 @@ class Permutation:
     def _feistel(self, x: np.ndarray, inverse: bool) -> np.ndarray:
         h = np.uint64(self._half)
         left, right = x >> h, x & self._mask
-        for r in (reversed(range(_ROUNDS)) if inverse else range(_ROUNDS)):
+        for r in reversed(range(_ROUNDS)) if inverse else range(_ROUNDS):
             if inverse:
                 left, right = right ^ self._round(r, left), left
             else:

@@ -54,10 +54,19 @@ def holds_pairs(config: JobConfig) -> bool:
     return config.training.data_format == "preference"
 
 
-def cached_store(dataset: str, dataset_path: str, text_field: str, split: Split,
-                 tokenizer: Tokenizer, root: str, *, is_first: bool, barrier: Barrier,
-                 progress: Callable[[str], None] = lambda _: None,
-                 chat: ChatFormat | None = None) -> str:
+def cached_store(
+    dataset: str,
+    dataset_path: str,
+    text_field: str,
+    split: Split,
+    tokenizer: Tokenizer,
+    root: str,
+    *,
+    is_first: bool,
+    barrier: Barrier,
+    progress: Callable[[str], None] = lambda _: None,
+    chat: ChatFormat | None = None,
+) -> str:
     """The store of a (small) source under `root`, prepared by the first process if needed."""
     files = source_files(dataset, dataset_path, split)
     stamps = []
@@ -65,16 +74,32 @@ def cached_store(dataset: str, dataset_path: str, text_field: str, split: Split,
         fs, path = filesystem(file)
         info = fs.info(path)
         stamps.append([file, info.get("size"), info.get("mtime")])
-    key = json.dumps([dataset, dataset_path, text_field, split, tokenizer.sha256, stamps,
-                      *([chat.kind, chat.sha256] if chat else [])], default=str)
+    key = json.dumps(
+        [
+            dataset,
+            dataset_path,
+            text_field,
+            split,
+            tokenizer.sha256,
+            stamps,
+            *([chat.kind, chat.sha256] if chat else []),
+        ],
+        default=str,
+    )
     store = join(root, f"{dataset}-{split}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
     for turn in ("first", "rest"):  # process 0 prepares; the others only if they cannot see it
         if (turn == "first") == is_first and read_manifest(store) is None:
             progress(f"preparing {dataset} ({split}) as a token store in {store}")
-            prepare_store(dataset=dataset, dataset_path=dataset_path, text_field=text_field,
-                          tokenizer=tokenizer, output=store, split=split,
-                          keep_partial=False,  # a fixed input is another store's key
-                          chat=chat)
+            prepare_store(
+                dataset=dataset,
+                dataset_path=dataset_path,
+                text_field=text_field,
+                tokenizer=tokenizer,
+                output=store,
+                split=split,
+                keep_partial=False,  # a fixed input is another store's key
+                chat=chat,
+            )
         if turn == "first":
             barrier(f"titan_jax token store {store}")
     return store
@@ -96,7 +121,7 @@ def check_inputs(config: JobConfig, tokenizer: Tokenizer) -> None:
             # unreadable, damaged or mistyped files fail here, before the store is written.
             if chat is None:
                 next(iter(read_documents(t.dataset, file, t.text_field)), None)
-            elif (first := next(iter(read_records(t.dataset, file, chat.fields)), None)):
+            elif first := next(iter(read_records(t.dataset, file, chat.fields)), None):
                 encode_documents(*first, chat, tokenizer)
     if v.enable:
         try:
@@ -108,30 +133,54 @@ def check_inputs(config: JobConfig, tokenizer: Tokenizer) -> None:
             raise ConfigError(f"validation.{e}") from None
 
 
-def training_sources(config: JobConfig, tokenizer: Tokenizer, *, is_first: bool,
-                     barrier: Barrier, progress: Callable[[str], None] = lambda _: None
-                     ) -> list[Source]:
+def training_sources(
+    config: JobConfig,
+    tokenizer: Tokenizer,
+    *,
+    is_first: bool,
+    barrier: Barrier,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[Source]:
     t = config.training
     if t.mixture:
-        return [Source(m.path, open_corpus(m.path, tokenizer, what="training.mixture.path"),
-                       m.weight) for m in t.mixture]
+        return [
+            Source(m.path, open_corpus(m.path, tokenizer, what="training.mixture.path"), m.weight)
+            for m in t.mixture
+        ]
     pairs = holds_pairs(config)
     if t.dataset == "tokens":
         return [Source(t.dataset_path, open_corpus(t.dataset_path, tokenizer, pairs=pairs))]
-    store = cached_store(t.dataset, t.dataset_path, t.text_field, "train", tokenizer,
-                         join(config.job.dump_folder, "data"), is_first=is_first,
-                         barrier=barrier, progress=progress, chat=chat_format(config))
+    store = cached_store(
+        t.dataset,
+        t.dataset_path,
+        t.text_field,
+        "train",
+        tokenizer,
+        join(config.job.dump_folder, "data"),
+        is_first=is_first,
+        barrier=barrier,
+        progress=progress,
+        chat=chat_format(config),
+    )
     return [Source(t.dataset, open_corpus(store, tokenizer, pairs=pairs))]
 
 
-def validation_corpus(config: JobConfig, tokenizer: Tokenizer, *, is_first: bool,
-                      barrier: Barrier) -> Corpus:
+def validation_corpus(
+    config: JobConfig, tokenizer: Tokenizer, *, is_first: bool, barrier: Barrier
+) -> Corpus:
     v = config.validation
     pairs = holds_pairs(config)
     if v.dataset == "tokens":
-        return open_corpus(v.dataset_path, tokenizer, what="validation.dataset_path",
-                           pairs=pairs)
-    store = cached_store(v.dataset, v.dataset_path, config.training.text_field, "validation",
-                         tokenizer, join(config.job.dump_folder, "data"), is_first=is_first,
-                         barrier=barrier, chat=chat_format(config))
+        return open_corpus(v.dataset_path, tokenizer, what="validation.dataset_path", pairs=pairs)
+    store = cached_store(
+        v.dataset,
+        v.dataset_path,
+        config.training.text_field,
+        "validation",
+        tokenizer,
+        join(config.job.dump_folder, "data"),
+        is_first=is_first,
+        barrier=barrier,
+        chat=chat_format(config),
+    )
     return open_corpus(store, tokenizer, what="validation.dataset_path", pairs=pairs)

@@ -73,8 +73,9 @@ def _chunks(documents: Iterator[Document]) -> Iterator[list[Document]]:
         yield chunk
 
 
-def encode_chunk(tok: Tokenizer, documents: list[Document], dtype: str,
-                 chat: ChatFormat | None = None) -> Block:
+def encode_chunk(
+    tok: Tokenizer, documents: list[Document], dtype: str, chat: ChatFormat | None = None
+) -> Block:
     """(tokens with EOS after each document, as `dtype` bytes; each document's length; for
     conversations, their loss mask, 0 on the EOS)."""
     if chat is not None:
@@ -86,12 +87,12 @@ def encode_chunk(tok: Tokenizer, documents: list[Document], dtype: str,
     ends = np.cumsum(lengths)
     out[ends - 1] = tok.eos_id
     for end, length, x in zip(ends, lengths, ids, strict=True):
-        out[end - length:end - 1] = x
+        out[end - length : end - 1] = x
     if masks is None:
         return out.tobytes(), lengths, None
     mask = np.zeros(len(out), np.uint8)
     for end, length, m in zip(ends, lengths, masks, strict=True):
-        mask[end - length:end - 1] = m
+        mask[end - length : end - 1] = m
     return out.tobytes(), lengths, mask.tobytes()
 
 
@@ -128,9 +129,16 @@ class _Encoder:
 
     def __init__(self, tok: Tokenizer, workers: int, dtype: str, chat: ChatFormat | None):
         self.tok, self.dtype, self.chat = tok, dtype, chat
-        self.pool = None if workers <= 1 else ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker, initargs=(tok.to_json(), tok.eos_id, chat, os.getpid()))
+        self.pool = (
+            None
+            if workers <= 1
+            else ProcessPoolExecutor(
+                workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(tok.to_json(), tok.eos_id, chat, os.getpid()),
+            )
+        )
         self.depth = 2 * max(1, workers)
 
     def _submit(self, chunk: list[Document] | None) -> Any:
@@ -140,8 +148,7 @@ class _Encoder:
             return encode_chunk(self.tok, chunk, self.dtype, self.chat)
         return self.pool.submit(_encode_in_worker, chunk, self.dtype)
 
-    def map(self, items: Iterator[tuple[int, list[Document] | None]]
-            ) -> Iterator[tuple[int, Any]]:
+    def map(self, items: Iterator[tuple[int, list[Document] | None]]) -> Iterator[tuple[int, Any]]:
         """A damaged input raises only after what was read before it: the files before the
         damaged one are finished (and kept for a rerun) whatever the read-ahead."""
         pending: collections.deque[tuple[int, Any]] = collections.deque()
@@ -173,13 +180,16 @@ def _write_atomic(fs: Any, path: str, data: bytes) -> None:
     fs.mv(path + ".tmp", path)
 
 
-def _write_shard(fs: Any, folder: str, index: int, blocks: Iterator[Block], masked: bool
-                 ) -> dict[str, Any]:
+def _write_shard(
+    fs: Any, folder: str, index: int, blocks: Iterator[Block], masked: bool
+) -> dict[str, Any]:
     """Streams one input file's encoded chunks into its shard (and its loss mask, `masked`);
     returns its manifest entry."""
     keys = ("tokens_sha256", "docs_sha256", *(("mask_sha256",) if masked else ()))
-    paths = [join(folder, name) for name in
-             (*shard_names(index), *((mask_name(index),) if masked else ()))]
+    paths = [
+        join(folder, name)
+        for name in (*shard_names(index), *((mask_name(index),) if masked else ()))
+    ]
     digests = [hashlib.sha256() for _ in paths]
     n_tokens = n_docs = 0
     try:
@@ -197,31 +207,58 @@ def _write_shard(fs: Any, folder: str, index: int, blocks: Iterator[Block], mask
         raise
     for p in paths:
         fs.mv(p + ".tmp", p)
-    return {"file_index": index, "tokens": n_tokens, "documents": n_docs,
-            **{key: digest.hexdigest() for key, digest in zip(keys, digests, strict=True)}}
+    return {
+        "file_index": index,
+        "tokens": n_tokens,
+        "documents": n_docs,
+        **{key: digest.hexdigest() for key, digest in zip(keys, digests, strict=True)},
+    }
 
 
-def _request(dataset: str, dataset_path: str, text_field: str, split: Split, tok: Tokenizer,
-             files: list[str], num_shards: int, shard_index: int, chat: ChatFormat | None
-             ) -> dict[str, Any]:
+def _request(
+    dataset: str,
+    dataset_path: str,
+    text_field: str,
+    split: Split,
+    tok: Tokenizer,
+    files: list[str],
+    num_shards: int,
+    shard_index: int,
+    chat: ChatFormat | None,
+) -> dict[str, Any]:
     what = [dataset, text_field, split, *files]
     if chat is not None:  # another template or format is another store
         what += [chat.kind, chat.sha256]
     inputs = hashlib.sha256("\n".join(what).encode()).hexdigest()
     request = {
-        "format": FORMAT, "version": VERSION, "dtype": token_dtype(tok.vocab_size).str,
-        "tokenizer": {"sha256": tok.sha256, "path": tok.where, "vocab_size": tok.vocab_size,
-                      "eos_id": tok.eos_id},
-        "source": {"dataset": dataset, "dataset_path": dataset_path, "text_field": text_field,
-                   "split": split, "files": len(files), "inputs_sha256": inputs},
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": token_dtype(tok.vocab_size).str,
+        "tokenizer": {
+            "sha256": tok.sha256,
+            "path": tok.where,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+        },
+        "source": {
+            "dataset": dataset,
+            "dataset_path": dataset_path,
+            "text_field": text_field,
+            "split": split,
+            "files": len(files),
+            "inputs_sha256": inputs,
+        },
         "part": {"num_shards": num_shards, "shard_index": shard_index},
     }
     if chat is not None and chat.kind == "preference":  # two documents a pair
         request.update(version=PAIRS_VERSION, loss_mask=True, pairs=True)
     elif chat is not None:
         request.update(version=MASKED_VERSION, loss_mask=True)
-        request["source"]["chat"] = {"format": chat.kind, "template": chat.source,
-                                     "template_sha256": chat.sha256}
+        request["source"]["chat"] = {
+            "format": chat.kind,
+            "template": chat.source,
+            "template_sha256": chat.sha256,
+        }
     return request
 
 
@@ -243,63 +280,96 @@ def partial_folder(out_path: str) -> str:
     return join(parent, hidden_name(name, "partial"))
 
 
-def prepare_store(*, dataset: str, dataset_path: str, text_field: str, tokenizer: Tokenizer,
-                  output: str, split: Split = "train", workers: int = 1, num_shards: int = 1,
-                  shard_index: int = 0, progress: Callable[[str], None] = lambda _: None,
-                  keep_partial: bool = True, chat: ChatFormat | None = None) -> dict[str, Any]:
+def prepare_store(
+    *,
+    dataset: str,
+    dataset_path: str,
+    text_field: str,
+    tokenizer: Tokenizer,
+    output: str,
+    split: Split = "train",
+    workers: int = 1,
+    num_shards: int = 1,
+    shard_index: int = 0,
+    progress: Callable[[str], None] = lambda _: None,
+    keep_partial: bool = True,
+    chat: ChatFormat | None = None,
+) -> dict[str, Any]:
     """Writes (or finishes, or finds already written) the store at `output`; its manifest.
     An input found damaged part way leaves the shards finished so far for a rerun to keep, or
     (`keep_partial=False`) nothing. `chat`: the source holds conversations, rendered so."""
     cpus = os.cpu_count() or 1
     if not 1 <= workers <= MAX_WORKERS_PER_CPU * cpus:
-        raise DataError(f"--workers={workers} must be in [1, {MAX_WORKERS_PER_CPU * cpus}] "
-                        f"({MAX_WORKERS_PER_CPU} per CPU; this machine has {cpus})")
+        raise DataError(
+            f"--workers={workers} must be in [1, {MAX_WORKERS_PER_CPU * cpus}] "
+            f"({MAX_WORKERS_PER_CPU} per CPU; this machine has {cpus})"
+        )
     if not 0 <= shard_index < num_shards:
         raise DataError(f"--shard-index={shard_index} must be in [0, --num-shards={num_shards})")
     files = source_files(dataset, dataset_path, split)
     mine = [(i, f) for i, f in enumerate(files) if i % num_shards == shard_index]
     if not mine:
-        raise DataError(f"--num-shards={num_shards} exceeds the {len(files)} input files of "
-                        f"dataset_path={dataset_path!r}: shard {shard_index} would be empty")
-    request = _request(dataset, dataset_path, text_field, split, tokenizer, files, num_shards,
-                       shard_index, chat)
+        raise DataError(
+            f"--num-shards={num_shards} exceeds the {len(files)} input files of "
+            f"dataset_path={dataset_path!r}: shard {shard_index} would be empty"
+        )
+    request = _request(
+        dataset, dataset_path, text_field, split, tokenizer, files, num_shards, shard_index, chat
+    )
     done = read_manifest(output)
     if done is not None:
         same = {**done, "tokenizer": {**done["tokenizer"], "path": tokenizer.where}}
         if {k: same.get(k) for k in request} != request:
-            raise StoreError(f"{output} holds a token store of other inputs or another tokenizer;"
-                             " choose a new --output")
+            raise StoreError(
+                f"{output} holds a token store of other inputs or another tokenizer;"
+                " choose a new --output"
+            )
         progress(f"{output}: already prepared ({done['tokens']:,} tokens)")
         return done
     fs, out_path = filesystem(output)
     # A remote store is written in place: what a failed run left there (its request.json
     # first) is ours to go on from; anything else in the folder is the user's.
-    if fs.exists(out_path) and fs.ls(out_path) and (
-            is_local(output) or not fs.isfile(join(out_path, "request.json"))):
-        raise StoreError(f"--output {output} exists and is not a token store; choose a new "
-                         "folder (nothing of yours is overwritten)")
+    if (
+        fs.exists(out_path)
+        and fs.ls(out_path)
+        and (is_local(output) or not fs.isfile(join(out_path, "request.json")))
+    ):
+        raise StoreError(
+            f"--output {output} exists and is not a token store; choose a new "
+            "folder (nothing of yours is overwritten)"
+        )
     local = is_local(output)
     folder = partial_folder(out_path) if local else out_path
     _start_folder(fs, folder, request)
     try:
-        entries = _write_shards(fs, folder, mine, dataset, text_field, tokenizer, workers,
-                                progress, chat)
+        entries = _write_shards(
+            fs, folder, mine, dataset, text_field, tokenizer, workers, progress, chat
+        )
     except DataError as e:
         if not keep_partial:
             fs.rm(folder, recursive=True)
             raise
-        raise DataError(f"{e}; the input files finished so far are kept in "
-                        f"{folder if local else output}: the same command goes on from them "
-                        "once the file is fixed") from None
+        raise DataError(
+            f"{e}; the input files finished so far are kept in "
+            f"{folder if local else output}: the same command goes on from them "
+            "once the file is fixed"
+        ) from None
     if not any(e["documents"] for e in entries):
-        raise DataError(f"dataset={dataset!r} at dataset_path={dataset_path!r} holds no "
-                        "documents" + (f" in shard {shard_index} of {num_shards}"
-                                       if num_shards > 1 else ""))
-    manifest = {**request, "tokens": sum(e["tokens"] for e in entries),
-                "documents": sum(e["documents"] for e in entries), "shards": entries}
+        raise DataError(
+            f"dataset={dataset!r} at dataset_path={dataset_path!r} holds no "
+            "documents" + (f" in shard {shard_index} of {num_shards}" if num_shards > 1 else "")
+        )
+    manifest = {
+        **request,
+        "tokens": sum(e["tokens"] for e in entries),
+        "documents": sum(e["documents"] for e in entries),
+        "shards": entries,
+    }
     _finish(fs, folder, out_path if local else None, manifest)
-    progress(f"{output}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents "
-             f"from {len(mine)} of {len(files)} input files")
+    progress(
+        f"{output}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents "
+        f"from {len(mine)} of {len(files)} input files"
+    )
     return manifest
 
 
@@ -316,12 +386,15 @@ def _finish(fs: Any, folder: str, final: str | None, manifest: dict[str, Any]) -
         fs.mv(folder, final, recursive=True)
 
 
-def _items(todo: list[tuple[int, str]], dataset: str, text_field: str,
-           chat: ChatFormat | None) -> Iterator[tuple[int, list[Document] | None]]:
+def _items(
+    todo: list[tuple[int, str]], dataset: str, text_field: str, chat: ChatFormat | None
+) -> Iterator[tuple[int, list[Document] | None]]:
     for i, file in todo:
         documents: Iterator[Document] = (
-            read_documents(dataset, file, text_field) if chat is None
-            else read_records(dataset, file, chat.fields))
+            read_documents(dataset, file, text_field)
+            if chat is None
+            else read_records(dataset, file, chat.fields)
+        )
         yield from ((i, c) for c in _chunks(documents))
         yield i, None  # the file's end: its shard exists even when it holds no document
 
@@ -336,10 +409,17 @@ def _file_blocks(encoded: Iterator[tuple[int, Any]], index: int) -> Iterator[Any
         yield block
 
 
-def _write_shards(fs: Any, folder: str, mine: list[tuple[int, str]], dataset: str,
-                  text_field: str, tok: Tokenizer, workers: int,
-                  progress: Callable[[str], None], chat: ChatFormat | None
-                  ) -> list[dict[str, Any]]:
+def _write_shards(
+    fs: Any,
+    folder: str,
+    mine: list[tuple[int, str]],
+    dataset: str,
+    text_field: str,
+    tok: Tokenizer,
+    workers: int,
+    progress: Callable[[str], None],
+    chat: ChatFormat | None,
+) -> list[dict[str, Any]]:
     entries: dict[int, dict[str, Any]] = {}
     for i, file in mine:
         record = join(folder, f"shard-{i:05d}.json")
@@ -353,8 +433,10 @@ def _write_shards(fs: Any, folder: str, mine: list[tuple[int, str]], dataset: st
     try:
         encoded = encoder.map(_items(todo, dataset, text_field, chat))
         for i, _ in todo:
-            entry = {**_write_shard(fs, folder, i, _file_blocks(encoded, i), chat is not None),
-                     "source": files[i]}
+            entry = {
+                **_write_shard(fs, folder, i, _file_blocks(encoded, i), chat is not None),
+                "source": files[i],
+            }
             _write_atomic(fs, join(folder, f"shard-{i:05d}.json"), json.dumps(entry).encode())
             entries[i] = entry
             progress(f"[{len(entries)}/{len(mine)}] {files[i]}: {entry['tokens']:,} tokens")

@@ -75,10 +75,14 @@ def read_manifest(store: str) -> dict[str, Any] | None:
         raise StoreError(f"{url} is damaged (not JSON: {e}); prepare the store again") from None
     except OSError as e:
         raise StoreError(f"{url} cannot be read: {e.strerror or e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
-            or manifest.get("version") not in VERSIONS:
-        raise StoreError(f"{url} is not a version {', '.join(map(str, VERSIONS))} titan-jax "
-                         "token store")
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or manifest.get("version") not in VERSIONS
+    ):
+        raise StoreError(
+            f"{url} is not a version {', '.join(map(str, VERSIONS))} titan-jax token store"
+        )
     problem = _manifest_problem(manifest)
     if problem:
         raise StoreError(f"{url} is damaged ({problem}); prepare the store again")
@@ -94,14 +98,23 @@ def _manifest_problem(m: dict[str, Any]) -> str | None:
     if m.get("dtype") not in ("<u2", "<u4"):
         return f"dtype={m.get('dtype')!r}"
     tok, source, shards = m.get("tokenizer"), m.get("source"), m.get("shards")
-    if not (isinstance(tok, dict) and isinstance(tok.get("sha256"), str)
-            and type(tok.get("vocab_size")) is int and tok["vocab_size"] >= 1
-            and type(tok.get("eos_id")) is int and 0 <= tok["eos_id"] < tok["vocab_size"]):
+    if not (
+        isinstance(tok, dict)
+        and isinstance(tok.get("sha256"), str)
+        and type(tok.get("vocab_size")) is int
+        and tok["vocab_size"] >= 1
+        and type(tok.get("eos_id")) is int
+        and 0 <= tok["eos_id"] < tok["vocab_size"]
+    ):
         return f"tokenizer={tok!r}"
     if np.dtype(m["dtype"]) != token_dtype(tok["vocab_size"]):
         return f"dtype={m['dtype']!r} for vocab_size={tok['vocab_size']}"
-    if not (isinstance(source, dict) and isinstance(source.get("inputs_sha256"), str)
-            and type(source.get("files")) is int and source["files"] >= 1):
+    if not (
+        isinstance(source, dict)
+        and isinstance(source.get("inputs_sha256"), str)
+        and type(source.get("files")) is int
+        and source["files"] >= 1
+    ):
         return f"source={source!r}"
     if not isinstance(shards, list) or not shards:
         return "no shards"
@@ -112,10 +125,14 @@ def _manifest_problem(m: dict[str, Any]) -> str | None:
         return f"pairs={m.get('pairs')!r} in a version {m['version']} store"
     digests = ("tokens_sha256", "docs_sha256", *(("mask_sha256",) if masked else ()))
     for entry in shards:
-        if not (isinstance(entry, dict) and _is_count(entry.get("file_index"))
-                and entry["file_index"] < source["files"] and _is_count(entry.get("tokens"))
-                and _is_count(entry.get("documents"))
-                and all(isinstance(entry.get(k), str) for k in digests)):
+        if not (
+            isinstance(entry, dict)
+            and _is_count(entry.get("file_index"))
+            and entry["file_index"] < source["files"]
+            and _is_count(entry.get("tokens"))
+            and _is_count(entry.get("documents"))
+            and all(isinstance(entry.get(k), str) for k in digests)
+        ):
             return f"shard entry {entry!r}"[:200]
         if pairs and entry["documents"] % 2:
             return f"shard {entry['file_index']} holds {entry['documents']} documents: not pairs"
@@ -137,8 +154,11 @@ class Shard:
     def __post_init__(self) -> None:
         tokens, docs = shard_names(self.entry["file_index"])
         self.tokens_url, self.docs_url = join(self.store, tokens), join(self.store, docs)
-        self.mask_url = (join(self.store, mask_name(self.entry["file_index"]))
-                         if "mask_sha256" in self.entry else None)
+        self.mask_url = (
+            join(self.store, mask_name(self.entry["file_index"]))
+            if "mask_sha256" in self.entry
+            else None
+        )
         self.num_tokens = int(self.entry["tokens"])
         self.local = is_local(self.tokens_url)
         self._tokens: Any = None
@@ -147,8 +167,10 @@ class Shard:
 
     def _files(self) -> list[tuple[str, int, str]]:
         """(url, size in bytes, manifest digest key) of each of the shard's files."""
-        files = [(self.tokens_url, self.num_tokens * self.dtype.itemsize, "tokens_sha256"),
-                 (self.docs_url, int(self.entry["documents"]) * 8, "docs_sha256")]
+        files = [
+            (self.tokens_url, self.num_tokens * self.dtype.itemsize, "tokens_sha256"),
+            (self.docs_url, int(self.entry["documents"]) * 8, "docs_sha256"),
+        ]
         if self.mask_url is not None:
             files.append((self.mask_url, self.num_tokens, "mask_sha256"))
         return files
@@ -159,8 +181,10 @@ class Shard:
             if not fs.isfile(path):
                 raise StoreError(f"shard {url} is missing; prepare the store again")
             if fs.size(path) != size:
-                raise StoreError(f"shard {url} is corrupted: {fs.size(path)} bytes, the manifest "
-                                 f"says {size}; prepare the store again")
+                raise StoreError(
+                    f"shard {url} is corrupted: {fs.size(path)} bytes, the manifest "
+                    f"says {size}; prepare the store again"
+                )
 
     def verify(self) -> None:
         """Every byte against the manifest's checksums (reads the whole shard)."""
@@ -172,25 +196,32 @@ class Shard:
                 while block := f.read(1 << 24):
                     digest.update(block)
             if digest.hexdigest() != self.entry[key]:
-                raise StoreError(f"shard {url} is corrupted (sha256 differs from the manifest); "
-                                 "prepare the store again")
+                raise StoreError(
+                    f"shard {url} is corrupted (sha256 differs from the manifest); "
+                    "prepare the store again"
+                )
         for start in range(0, self.num_tokens, 1 << 24):  # ids, a block at a time
             self.read(start, min(start + (1 << 24), self.num_tokens))
         ends = np.asarray(self.document_ends())
-        if ends.size and (np.any(np.diff(ends) <= 0) or ends[0] <= 0
-                          or ends[-1] != self.num_tokens):
-            raise StoreError(f"shard {self.docs_url} is corrupted (its document ends are not "
-                             f"increasing up to {self.num_tokens} tokens); prepare the store "
-                             "again")
+        if ends.size and (
+            np.any(np.diff(ends) <= 0) or ends[0] <= 0 or ends[-1] != self.num_tokens
+        ):
+            raise StoreError(
+                f"shard {self.docs_url} is corrupted (its document ends are not "
+                f"increasing up to {self.num_tokens} tokens); prepare the store "
+                "again"
+            )
 
     def _check_ids(self, tokens: np.ndarray, start: int) -> None:
         """A token id past the vocabulary would index past the embedding (in XLA: a silent
         clamp, or NaNs several steps later): named here, with its store."""
         if tokens.size and int(tokens.max()) >= self.vocab_size:
             at = start + int(np.argmax(tokens >= self.vocab_size))
-            raise StoreError(f"shard {self.tokens_url} is corrupted: token {at} is id "
-                             f"{int(tokens[at - start])}, past the tokenizer's vocab_size "
-                             f"{self.vocab_size}; prepare the store again")
+            raise StoreError(
+                f"shard {self.tokens_url} is corrupted: token {at} is id "
+                f"{int(tokens[at - start])}, past the tokenizer's vocab_size "
+                f"{self.vocab_size}; prepare the store again"
+            )
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of this shard (each id checked against the vocabulary)."""
@@ -204,8 +235,9 @@ class Shard:
                 self._tokens = filesystem(self.tokens_url)
             fs, path = self._tokens
             size = self.dtype.itemsize
-            tokens = np.frombuffer(fs.cat_file(path, start=start * size, end=stop * size),
-                                   self.dtype)
+            tokens = np.frombuffer(
+                fs.cat_file(path, start=start * size, end=stop * size), self.dtype
+            )
         self._check_ids(tokens, start)
         return tokens
 
@@ -238,8 +270,9 @@ class Corpus:
     def __init__(self, shards: Sequence[Shard], pairs: bool = False):
         self.shards, self.pairs = list(shards), pairs
         # What the corpus holds, not where: a store copied or moved elsewhere is the same.
-        self.content_sha256 = hashlib.sha256("".join(
-            s.entry["tokens_sha256"] for s in self.shards).encode()).hexdigest()
+        self.content_sha256 = hashlib.sha256(
+            "".join(s.entry["tokens_sha256"] for s in self.shards).encode()
+        ).hexdigest()
         sizes = np.array([s.num_tokens for s in self.shards], np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])
         self.num_tokens = int(self.starts[-1])
@@ -257,7 +290,7 @@ class Corpus:
         while pos < stop:
             begin, end = int(self.starts[i]), int(self.starts[i + 1])
             take = min(stop, end)
-            out[pos - start:take - start] = read(self.shards[i], pos - begin, take - begin)
+            out[pos - start : take - start] = read(self.shards[i], pos - begin, take - begin)
             pos, i = take, i + 1
         return out
 
@@ -293,8 +326,9 @@ class Corpus:
             shard.verify()
 
 
-def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.dataset_path",
-                pairs: bool = False) -> Corpus:
+def open_corpus(
+    spec: str, tokenizer: Tokenizer, *, what: str = "training.dataset_path", pairs: bool = False
+) -> Corpus:
     """The stores named by `spec` (folders, comma-separated, globs allowed) as one corpus, after
     checking their tokenizer and their shard files' sizes, and that they hold preference
     pairs when (and only when) `pairs` is asked for."""
@@ -306,8 +340,10 @@ def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.datase
     for store in stores:
         manifest = read_manifest(store)
         if manifest is None:
-            hint = ("write one with `titan-jax prepare-data --config ... --output "
-                    f"{shlex.quote(store)}`")
+            hint = (
+                "write one with `titan-jax prepare-data --config ... --output "
+                f"{shlex.quote(store)}`"
+            )
             if store.startswith("memory://"):  # another process's memory: prepare-data cannot
                 hint = "a memory:// store lives in the process that wrote it; use a folder"
             raise StoreError(f"{what}: {store} is not a token store (no {MANIFEST}); {hint}")
@@ -315,27 +351,33 @@ def open_corpus(spec: str, tokenizer: Tokenizer, *, what: str = "training.datase
         if manifest.get("pairs", False) != pairs:
             raise StoreError(
                 f"{what}: {store} holds preference pairs; train on it with "
-                "training.data_format='preference' and [dpo]" if not pairs else
-                f"{what}: {store} holds no preference pairs; prepare the pairs with "
-                "training.data_format='preference'")
+                "training.data_format='preference' and [dpo]"
+                if not pairs
+                else f"{what}: {store} holds no preference pairs; prepare the pairs with "
+                "training.data_format='preference'"
+            )
         source = manifest["source"]
         files[source["inputs_sha256"]] = source["files"]
         dtype = np.dtype(manifest["dtype"])
         groups.setdefault(source["inputs_sha256"], []).extend(
-            Shard(store, e, dtype, tokenizer.vocab_size)
-            for e in manifest["shards"])
+            Shard(store, e, dtype, tokenizer.vocab_size) for e in manifest["shards"]
+        )
     shards = []
     for key, group in groups.items():
         group.sort(key=lambda s: s.entry["file_index"])
         indices = [s.entry["file_index"] for s in group]
         if len(set(indices)) != len(indices):
             dup = sorted({i for i in indices if indices.count(i) > 1})
-            raise StoreError(f"{what}={spec!r}: input files {dup[:8]} appear in two stores "
-                             "(the same part prepared twice?)")
+            raise StoreError(
+                f"{what}={spec!r}: input files {dup[:8]} appear in two stores "
+                "(the same part prepared twice?)"
+            )
         missing = sorted(set(range(files[key])) - set(indices))
         if missing:
-            raise StoreError(f"{what}={spec!r}: the stores of {group[0].store} lack input files "
-                             f"{missing[:8]} of {files[key]} (a --shard-index not prepared yet?)")
+            raise StoreError(
+                f"{what}={spec!r}: the stores of {group[0].store} lack input files "
+                f"{missing[:8]} of {files[key]} (a --shard-index not prepared yet?)"
+            )
         shards.extend(group)
     for shard in shards:  # remote shards: at their first read (thousands of requests otherwise)
         if shard.local:
@@ -351,4 +393,5 @@ def _check_tokenizer(store: str, recorded: dict[str, Any], tokenizer: Tokenizer)
         raise StoreError(
             f"token store {store} was made with tokenizer {recorded['path'] or '(shipped)'} "
             f"(sha256 {recorded['sha256'][:12]}), not this run's {tokenizer.where or '(shipped)'}"
-            f" (sha256 {tokenizer.sha256[:12]}); prepare it again with this model.tokenizer_path")
+            f" (sha256 {tokenizer.sha256[:12]}); prepare it again with this model.tokenizer_path"
+        )

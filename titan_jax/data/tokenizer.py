@@ -27,16 +27,22 @@ class TokenizerError(TitanJaxError, ValueError):
 class Tokenizer:
     """Text <-> token ids; `vocab_size` bounds every id (the embedding needs that many rows)."""
 
-    def __init__(self, tok: tokenizers.Tokenizer, *, eos_id: int, bos_id: int | None = None,
-                 where: str = "", sha256: str = ""):
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        *,
+        eos_id: int,
+        bos_id: int | None = None,
+        where: str = "",
+        sha256: str = "",
+    ):
         self._tok = tok
         self.eos_id = eos_id
         self.bos_id = bos_id
         self.where = where  # the file it was loaded from, for messages
         # Of the tokenizer.json text and the EOS id: what a token store records to refuse
         # another tokenizer's tokens.
-        self.sha256 = sha256 or hashlib.sha256(
-            f"{tok.to_str()}\0{eos_id}".encode()).hexdigest()
+        self.sha256 = sha256 or hashlib.sha256(f"{tok.to_str()}\0{eos_id}".encode()).hexdigest()
         # Max id + 1 rather than a token count: ids need not be contiguous in a HF file.
         self.vocab_size: int = max(tok.get_vocab(with_added_tokens=True).values()) + 1
 
@@ -75,19 +81,23 @@ def load_tokenizer(path: str = "") -> Tokenizer:
         raise TokenizerError(f"tokenizer path {path!r}: no tokenizer.json file at {str(file)!r}")
     config_file = file.parent / "tokenizer_config.json"
     config = _read_config(config_file)
-    return _from_json(_read_text(file), where=str(file), config=config,
-                      config_where=str(config_file))
+    return _from_json(
+        _read_text(file), where=str(file), config=config, config_where=str(config_file)
+    )
 
 
 def _read_text(file: Path) -> str:
     try:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise TokenizerError(f"tokenizer file {str(file)!r} is not UTF-8 text (byte {e.start}); "
-                             "tokenizer.json files are UTF-8 JSON") from None
+        raise TokenizerError(
+            f"tokenizer file {str(file)!r} is not UTF-8 text (byte {e.start}); "
+            "tokenizer.json files are UTF-8 JSON"
+        ) from None
     except OSError as e:
-        raise TokenizerError(f"tokenizer file {str(file)!r} cannot be read: {e.strerror or e}"
-                             ) from None
+        raise TokenizerError(
+            f"tokenizer file {str(file)!r} cannot be read: {e.strerror or e}"
+        ) from None
 
 
 def _read_config(file: Path) -> dict:
@@ -117,7 +127,8 @@ def special_token(config: dict, field: str, where: str) -> str | None:
         return content
     raise TokenizerError(
         f"tokenizer config {where!r}: {field}={_shown(value)} is not a token; give the token's "
-        f'text (e.g. "<|im_end|>", or {{"content": "<|im_end|>"}}), or null')
+        f'text (e.g. "<|im_end|>", or {{"content": "<|im_end|>"}}), or null'
+    )
 
 
 def _special_id(tok: tokenizers.Tokenizer, config: dict, name: str, where: str) -> int | None:
@@ -128,21 +139,26 @@ def _special_id(tok: tokenizers.Tokenizer, config: dict, name: str, where: str) 
     token = special_token(config, field, where)
     token_id = None if token is None else tok.token_to_id(token)
     if token is not None and token_id is None:
-        raise TokenizerError(f"tokenizer config {where!r}: {field}={token!r} is not in the vocab "
-                             "of the tokenizer.json beside it")
+        raise TokenizerError(
+            f"tokenizer config {where!r}: {field}={token!r} is not in the vocab "
+            "of the tokenizer.json beside it"
+        )
     given = config.get(f"{field}_id")
     if given is not None:
         vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
-        if not (type(given) is int and 0 <= given < vocab_size
-                and tok.id_to_token(given) is not None):
+        if not (
+            type(given) is int and 0 <= given < vocab_size and tok.id_to_token(given) is not None
+        ):
             raise TokenizerError(
                 f"tokenizer config {where!r}: {field}_id={_shown(given)} is not a token id of "
                 f"the tokenizer.json beside it (0 to {vocab_size - 1}); give the id of "
-                f"{name.upper()}, or leave {field}_id out")
+                f"{name.upper()}, or leave {field}_id out"
+            )
         if token_id is not None and given != token_id:
             raise TokenizerError(
                 f"tokenizer config {where!r}: {field}_id={given}, but {field}={token!r} is id "
-                f"{token_id}; make them agree, or leave {field}_id out")
+                f"{token_id}; make them agree, or leave {field}_id out"
+            )
         token_id = given
     decoder = config.get("added_tokens_decoder")
     if token_id is not None and isinstance(decoder, dict):
@@ -152,7 +168,8 @@ def _special_id(tok: tokenizers.Tokenizer, config: dict, name: str, where: str) 
                 raise TokenizerError(
                     f"tokenizer config {where!r}: added_tokens_decoder gives {content!r} "
                     f"({field}) the id {_shown(key)}, but tokenizer.json has it at {token_id}; "
-                    "make the two files agree")
+                    "make the two files agree"
+                )
     return token_id
 
 

@@ -57,12 +57,14 @@ class Mixture:
         quota = [w / total * MIXTURE_BLOCK for w in weights]
         counts = [math.floor(q) for q in quota]
         by_remainder = sorted(range(len(quota)), key=lambda s: counts[s] - quota[s])
-        for s in by_remainder[:MIXTURE_BLOCK - sum(counts)]:  # largest remainders round up
+        for s in by_remainder[: MIXTURE_BLOCK - sum(counts)]:  # largest remainders round up
             counts[s] += 1
         if min(counts) == 0:
             s = counts.index(0)
-            raise DataError(f"training.mixture weight {weights[s]} of {names[s]} is below "
-                            f"1/{MIXTURE_BLOCK} of the total {total}")
+            raise DataError(
+                f"training.mixture weight {weights[s]} of {names[s]} is below "
+                f"1/{MIXTURE_BLOCK} of the total {total}"
+            )
         self.counts = np.array(counts, np.int64)
         # Spread each source evenly over the block: its t-th sample sits at (t + 0.5) / n_s.
         order = sorted(((t + 0.5) / n, s, t) for s, n in enumerate(counts) for t in range(n))
@@ -90,9 +92,14 @@ def batch_layout(seq_len: int, document_mask: bool) -> dict[str, tuple[tuple[int
     return {"inputs": (inputs, np.int32), "labels": ((seq_len,), np.int32)}
 
 
-def read_row(corpus: Corpus, start: int, seq_len: int, document_mask: bool = False,
-             document_positions: bool = False,
-             spans: Sequence[tuple[int, int]] | None = None) -> dict[str, np.ndarray]:
+def read_row(
+    corpus: Corpus,
+    start: int,
+    seq_len: int,
+    document_mask: bool = False,
+    document_positions: bool = False,
+    spans: Sequence[tuple[int, int]] | None = None,
+) -> dict[str, np.ndarray]:
     """The row of the window at token `start`: inputs and labels (document fields with
     `document_mask`); with `spans`, only those token ranges [a, b) of it, concatenated."""
     spans = [(0, seq_len)] if spans is None else spans
@@ -100,8 +107,7 @@ def read_row(corpus: Corpus, start: int, seq_len: int, document_mask: bool = Fal
     inputs = np.concatenate([p[:-1] for p in pieces])
     labels = np.concatenate([p[1:] for p in pieces])
     if corpus.has_loss_mask:  # the label of input t is token t + 1: its mask decides
-        trained = np.concatenate([corpus.read_mask(start + a + 1, start + b + 1)
-                                  for a, b in spans])
+        trained = np.concatenate([corpus.read_mask(start + a + 1, start + b + 1) for a, b in spans])
         labels[~trained] = IGNORE_INDEX
     if document_mask:
         t = np.concatenate([np.arange(a, b) for a, b in spans])
@@ -109,9 +115,15 @@ def read_row(corpus: Corpus, start: int, seq_len: int, document_mask: bool = Fal
     return {"inputs": inputs, "labels": labels}
 
 
-def document_fields(corpus: Corpus, start: int, inputs: np.ndarray, labels: np.ndarray,
-                    t: np.ndarray, seq_len: int, restart_positions: bool
-                    ) -> dict[str, np.ndarray]:
+def document_fields(
+    corpus: Corpus,
+    start: int,
+    inputs: np.ndarray,
+    labels: np.ndarray,
+    t: np.ndarray,
+    seq_len: int,
+    restart_positions: bool,
+) -> dict[str, np.ndarray]:
     """{"inputs": ids, segment ids, positions (len(t), 3); "labels" with boundaries ignored}
     of the window's tokens at positions `t` (all of 0..S-1, or a process's chunks)."""
     ends = corpus.document_ends(start, start + seq_len + 1) - start  # in (0, S + 1]
@@ -120,8 +132,10 @@ def document_fields(corpus: Corpus, start: int, inputs: np.ndarray, labels: np.n
     labels = labels.copy()
     labels[np.isin(t + 1, ends[ends <= seq_len])] = IGNORE_INDEX
     positions = t - first if restart_positions else t
-    return {"inputs": np.stack([inputs, segment, positions], axis=-1).astype(np.int32),
-            "labels": labels}
+    return {
+        "inputs": np.stack([inputs, segment, positions], axis=-1).astype(np.int32),
+        "labels": labels,
+    }
 
 
 class WindowStream:
@@ -132,29 +146,40 @@ class WindowStream:
     devices hold, in the order they hold them (the trainer's `batches.spans`); only those are
     read, and the rows are their concatenation (None: whole rows)."""
 
-    def __init__(self, sources: Sequence[Source], *, seq_len: int, global_batch_size: int,
-                 seed: int, rows: Sequence[int] | None = None, document_mask: bool = False,
-                 document_positions: bool = False,
-                 spans: Sequence[tuple[int, int]] | None = None):
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        *,
+        seq_len: int,
+        global_batch_size: int,
+        seed: int,
+        rows: Sequence[int] | None = None,
+        document_mask: bool = False,
+        document_positions: bool = False,
+        spans: Sequence[tuple[int, int]] | None = None,
+    ):
         if seq_len < 1 or global_batch_size < 1:
-            raise DataError(f"seq_len={seq_len} and global_batch_size={global_batch_size} "
-                            "must be >= 1")
+            raise DataError(
+                f"seq_len={seq_len} and global_batch_size={global_batch_size} must be >= 1"
+            )
         self.sources, self.seq_len, self.seed = list(sources), seq_len, seed
         self.global_batch_size = global_batch_size
         self.rows = list(range(global_batch_size) if rows is None else sorted(set(rows)))
         if not self.rows or not 0 <= self.rows[0] <= self.rows[-1] < global_batch_size:
-            raise DataError(f"rows {self.rows[:8]} are not rows of a global batch of "
-                            f"{global_batch_size}")
+            raise DataError(
+                f"rows {self.rows[:8]} are not rows of a global batch of {global_batch_size}"
+            )
         self.document_mask, self.document_positions = document_mask, document_positions
         self.spans = [(0, seq_len)] if spans is None else [(int(a), int(b)) for a, b in spans]
         if any(not 0 <= a < b <= seq_len for a, b in self.spans):
-            raise DataError(f"spans {self.spans[:8]} are not token ranges of a window of "
-                            f"{seq_len}")
+            raise DataError(f"spans {self.spans[:8]} are not token ranges of a window of {seq_len}")
         self.windows = [self.samples_in(s.corpus) for s in self.sources]
         for s, n in zip(self.sources, self.windows, strict=True):
             if n == 0:
-                raise DataError(f"{s.name} holds {s.corpus.num_tokens} tokens: not one window "
-                                f"of seq_len + 1 = {seq_len + 1}")
+                raise DataError(
+                    f"{s.name} holds {s.corpus.num_tokens} tokens: not one window "
+                    f"of seq_len + 1 = {seq_len + 1}"
+                )
         self.mixture = Mixture([s.weight for s in self.sources], [s.name for s in self.sources])
         self.samples = 0  # consumed so far: the whole iterator state
         self.samples_at_start = 0
@@ -170,16 +195,23 @@ class WindowStream:
 
     def read(self, corpus: Corpus, sample: int) -> dict[str, np.ndarray]:
         """The row of a source's sample (window) `sample`."""
-        return read_row(corpus, sample * self.seq_len, self.seq_len, self.document_mask,
-                        self.document_positions, self.spans)
+        return read_row(
+            corpus,
+            sample * self.seq_len,
+            self.seq_len,
+            self.document_mask,
+            self.document_positions,
+            self.spans,
+        )
 
     def _permutation(self, source: int, epoch: int) -> Permutation:
         key = (source, epoch)
         if key not in self._permutations:
             if len(self._permutations) > 64:
                 self._permutations.clear()
-            self._permutations[key] = Permutation(self.windows[source],
-                                                  derive_key(self.seed, source, epoch))
+            self._permutations[key] = Permutation(
+                self.windows[source], derive_key(self.seed, source, epoch)
+            )
         return self._permutations[key]
 
     def window_index(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -201,19 +233,27 @@ class WindowStream:
     def __next__(self) -> dict[str, np.ndarray]:
         source, window = self.window_index(self.samples + np.array(self.rows))
         self.samples += self.global_batch_size
-        rows = [self.read(self.sources[s].corpus, int(w))
-                for s, w in zip(source, window, strict=True)]
+        rows = [
+            self.read(self.sources[s].corpus, int(w)) for s, w in zip(source, window, strict=True)
+        ]
         return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
     def source_tokens(self, batches: int) -> dict[str, int]:
         """Tokens each source gave after `batches` batches of this run (for metrics)."""
         k = self.samples_at_start + batches * self.global_batch_size
-        return {s.name: int(n) * self.seq_len
-                for s, n in zip(self.sources, self.mixture.samples_per_source(k), strict=True)}
+        return {
+            s.name: int(n) * self.seq_len
+            for s, n in zip(self.sources, self.mixture.samples_per_source(k), strict=True)
+        }
 
     def _identity(self) -> dict[str, Any]:
-        return {"seed": self.seed, "sources": [[s.name, s.corpus.num_tokens, s.weight,
-                                                s.corpus.content_sha256] for s in self.sources]}
+        return {
+            "seed": self.seed,
+            "sources": [
+                [s.name, s.corpus.num_tokens, s.weight, s.corpus.content_sha256]
+                for s in self.sources
+            ],
+        }
 
     def _same_stream(self, saved: dict[str, Any]) -> bool:
         """The saved stream is this one: same seed, and per source the same tokens and weight,
@@ -221,7 +261,8 @@ class WindowStream:
         saved before contents were recorded, by path."""
         current = self._identity()
         if saved.get("seed") != current["seed"] or len(saved.get("sources", [])) != len(
-                current["sources"]):
+            current["sources"]
+        ):
             return False
         for old, new in zip(saved["sources"], current["sources"], strict=True):
             same = old[3] == new[3] if len(old) > 3 else old[0] == new[0]
@@ -230,14 +271,19 @@ class WindowStream:
         return True
 
     def get_state(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "samples": self.samples, "seq_len": self.seq_len,
-                "stream": self._identity()}
+        return {
+            "version": STATE_VERSION,
+            "samples": self.samples,
+            "seq_len": self.seq_len,
+            "stream": self._identity(),
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
             raise DataError(
                 f"data iterator state has no version {STATE_VERSION} position (it was saved by "
-                f"an older titan-jax): {str(state)[:200]}")
+                f"an older titan-jax): {str(state)[:200]}"
+            )
         if not self._same_stream(state["stream"]):
             saved = [src[0] for src in state["stream"].get("sources", [])]
             raise DataError(
@@ -245,7 +291,8 @@ class WindowStream:
                 f"(seed {state['stream'].get('seed')}), this run reads "
                 f"{[s.name for s in self.sources]} (seed {self.seed}) with other tokens or "
                 "weights; point the run at the checkpoint's stores (copies of them anywhere "
-                "will do), or train in a new job.dump_folder")
+                "will do), or train in a new job.dump_folder"
+            )
         samples, saved_len = int(state["samples"]), int(state["seq_len"])
         self.resume_note = None
         if saved_len != self.seq_len and self.samples_are_windows:
@@ -253,7 +300,8 @@ class WindowStream:
             self.resume_note = (
                 f"data: the checkpoint read {samples:,} windows of seq_len {saved_len} "
                 f"({tokens:,} tokens); with seq_len {self.seq_len} this run continues at the "
-                f"same token position, window {-(-tokens // self.seq_len):,}")
+                f"same token position, window {-(-tokens // self.seq_len):,}"
+            )
             samples = -(-tokens // self.seq_len)
         self.samples = self.samples_at_start = samples
 
@@ -263,9 +311,16 @@ class ValidationWindows:
     row r = window b*G + r), up to `max_batches` (-1: all whole batches); this process's rows.
     `document_mask` / `document_positions`: the same fields training reads (WindowStream)."""
 
-    def __init__(self, corpus: Corpus, *, seq_len: int, global_batch_size: int,
-                 rows: Sequence[int] | None = None, document_mask: bool = False,
-                 document_positions: bool = False):
+    def __init__(
+        self,
+        corpus: Corpus,
+        *,
+        seq_len: int,
+        global_batch_size: int,
+        rows: Sequence[int] | None = None,
+        document_mask: bool = False,
+        document_positions: bool = False,
+    ):
         self.corpus, self.seq_len, self.global_batch_size = corpus, seq_len, global_batch_size
         self.rows = np.array(range(global_batch_size) if rows is None else sorted(set(rows)))
         self.num_batches = (corpus.num_tokens - 1) // seq_len // global_batch_size
@@ -274,7 +329,10 @@ class ValidationWindows:
     def batches(self, max_batches: int = -1) -> Iterator[dict[str, np.ndarray]]:
         n = self.num_batches if max_batches < 0 else min(max_batches, self.num_batches)
         for b in range(n):
-            rows = [read_row(self.corpus, int(s), self.seq_len, self.document_mask,
-                             self.document_positions)
-                    for s in (b * self.global_batch_size + self.rows) * self.seq_len]
+            rows = [
+                read_row(
+                    self.corpus, int(s), self.seq_len, self.document_mask, self.document_positions
+                )
+                for s in (b * self.global_batch_size + self.rows) * self.seq_len
+            ]
             yield {k: np.stack([r[k] for r in rows]) for k in rows[0]}

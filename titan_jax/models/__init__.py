@@ -17,5 +17,11 @@ def get_model_spec(name: str) -> ModelSpec:
     return registered_model(name)
 
 
-__all__ = ["BuildOptions", "ModelDef", "ModelSpec", "get_model_spec", "register_model",
-           "spec_of_args"]
+__all__ = [
+    "BuildOptions",
+    "ModelDef",
+    "ModelSpec",
+    "get_model_spec",
+    "register_model",
+    "spec_of_args",
+]

@@ -45,8 +45,12 @@ KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 SPLASH_BLOCKS = (512, 256, 128)
 
 
-def resolve_attention(choice: str, platform: str, dtype: jnp.dtype | None = None,
-                      seq_lens: dict[str, int] | None = None) -> str:
+def resolve_attention(
+    choice: str,
+    platform: str,
+    dtype: jnp.dtype | None = None,
+    seq_lens: dict[str, int] | None = None,
+) -> str:
     """The backend `model.attention = choice` means on `platform` ("cpu" | "tpu" | "gpu", the
     target devices'), for compute in `dtype` (None: the platform's default, bf16 off CPU) and
     the sequence lengths the run uses ({config key: length}; splash needs them tiled).
@@ -54,8 +58,10 @@ def resolve_attention(choice: str, platform: str, dtype: jnp.dtype | None = None
     "auto" never fails: on TPU it falls back to xla for lengths splash cannot tile, on GPU for
     fp32 compute. An explicit choice that cannot run is a ConfigError saying what would."""
     if choice not in ATTENTION_BACKENDS:
-        raise ConfigError(f"model.attention={choice!r} is not valid; expected one of "
-                          f"{', '.join(ATTENTION_BACKENDS)}")
+        raise ConfigError(
+            f"model.attention={choice!r} is not valid; expected one of "
+            f"{', '.join(ATTENTION_BACKENDS)}"
+        )
     half = dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
     seq_lens = seq_lens or {}
     if choice == "auto":
@@ -64,15 +70,20 @@ def resolve_attention(choice: str, platform: str, dtype: jnp.dtype | None = None
             return "splash" if tiled else "xla"
         return "cudnn" if platform == "gpu" and half else "xla"
     if choice == "cudnn" and platform != "gpu":
-        raise ConfigError(f"model.attention=cudnn needs GPU devices (the target devices are "
-                          f"{platform}); use auto or xla")
+        raise ConfigError(
+            f"model.attention=cudnn needs GPU devices (the target devices are "
+            f"{platform}); use auto or xla"
+        )
     if choice == "cudnn" and not half:
-        raise ConfigError(f"model.attention=cudnn computes in bf16/fp16 only, not "
-                          f"{jnp.dtype(dtype).name}; set training.mixed_precision_param="
-                          "bfloat16, or use model.attention=xla")
+        raise ConfigError(
+            f"model.attention=cudnn computes in bf16/fp16 only, not "
+            f"{jnp.dtype(dtype).name}; set training.mixed_precision_param="
+            "bfloat16, or use model.attention=xla"
+        )
     if choice == "splash" and platform == "gpu":
-        raise ConfigError("model.attention=splash is a TPU kernel (the target devices are gpu); "
-                          "use auto or cudnn")
+        raise ConfigError(
+            "model.attention=splash is a TPU kernel (the target devices are gpu); use auto or cudnn"
+        )
     if choice == "splash":
         for field, n in seq_lens.items():
             splash_block(n, field)
@@ -86,15 +97,23 @@ def splash_block(seq_len: int, field: str = "training.seq_len") -> int:
         if seq_len % block == 0:
             return block
     fit = max(SPLASH_BLOCKS[-1], seq_len // SPLASH_BLOCKS[-1] * SPLASH_BLOCKS[-1])
-    raise ConfigError(f"{field}={seq_len} must be a multiple of {SPLASH_BLOCKS[-1]} for "
-                      f"model.attention=splash (its block size); use e.g. {fit}, or "
-                      "model.attention=xla")
+    raise ConfigError(
+        f"{field}={seq_len} must be a multiple of {SPLASH_BLOCKS[-1]} for "
+        f"model.attention=splash (its block size); use e.g. {fit}, or "
+        "model.attention=xla"
+    )
 
 
-def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
-                         segment_ids_BT: Array | None = None, q_pos_T: Array | None = None,
-                         k_pos_S: Array | None = None, kv_segment_ids_BS: Array | None = None
-                         ) -> Array:
+def causal_gqa_attention(
+    q_BTNH: Array,
+    k_BSKH: Array,
+    v_BSKH: Array,
+    scale: float,
+    segment_ids_BT: Array | None = None,
+    q_pos_T: Array | None = None,
+    k_pos_S: Array | None = None,
+    kv_segment_ids_BS: Array | None = None,
+) -> Array:
     """Causal softmax attention; each group of n_heads/n_kv query heads shares one kv head.
     segment_ids_BT: attend within equal ids only (kv_segment_ids_BS: the keys' ids, when they
     differ from the queries'). q_pos_T, k_pos_S: the tokens' positions when they are not
@@ -118,38 +137,63 @@ def causal_gqa_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: flo
     return out.reshape(b, t, n, h)
 
 
-def splash_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
-                     interpret: bool = False, segment_ids_BT: Array | None = None) -> Array:
+def splash_attention(
+    q_BTNH: Array,
+    k_BSKH: Array,
+    v_BSKH: Array,
+    scale: float,
+    interpret: bool = False,
+    segment_ids_BT: Array | None = None,
+) -> Array:
     """The splash kernel on these (local) arrays: one example per kernel call, vmapped over
     the batch, heads-major layout. The kernel does not scale: q is pre-scaled."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     t, n = q_BTNH.shape[1], q_BTNH.shape[2]
     if k_BSKH.shape[1] != t:
-        raise ValueError(f"splash attention here is self-attention: q has {t} positions, "
-                         f"k {k_BSKH.shape[1]}")
+        raise ValueError(
+            f"splash attention here is self-attention: q has {t} positions, k {k_BSKH.shape[1]}"
+        )
     block = splash_block(t)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                              block_q_dq=block, block_kv_dq=block)
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
     mask = splash.MultiHeadMask([splash.CausalMask((t, t))] * n)
-    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                    interpret=interpret)
+    kernel = splash.make_splash_mha(
+        mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    )
     heads_major = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # (B, T, N, H) <-> (B, N, T, H)
     q = q_BTNH * jnp.asarray(scale, q_BTNH.dtype)
     if segment_ids_BT is None:
         out_BNTH = jax.vmap(kernel)(heads_major(q), heads_major(k_BSKH), heads_major(v_BSKH))
     else:
         with_ids = lambda q, k, v, ids: kernel(  # noqa: E731
-            q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids))
-        out_BNTH = jax.vmap(with_ids)(heads_major(q), heads_major(k_BSKH), heads_major(v_BSKH),
-                                      segment_ids_BT)
+            q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids)
+        )
+        out_BNTH = jax.vmap(with_ids)(
+            heads_major(q), heads_major(k_BSKH), heads_major(v_BSKH), segment_ids_BT
+        )
     return heads_major(out_BNTH)
 
 
-def splash_cp_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, cp: int,
-                        chunks: Array, interpret: bool = False, q_ids_BT: Array | None = None,
-                        kv_ids_BS: Array | None = None) -> Array:
+def splash_cp_attention(
+    q_BTNH: Array,
+    k_BSKH: Array,
+    v_BSKH: Array,
+    scale: float,
+    cp: int,
+    chunks: Array,
+    interpret: bool = False,
+    q_ids_BT: Array | None = None,
+    kv_ids_BS: Array | None = None,
+) -> Array:
     """Splash under context parallelism: this rank's two query chunks (global chunks
     `chunks` of 2 x cp, traced) against the whole sequence's K/V in position order. The
     kernel is built for the whole causal mask split into 2 x cp query shards
@@ -160,12 +204,20 @@ def splash_cp_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: floa
 
     chunk, n, s = q_BTNH.shape[1] // 2, q_BTNH.shape[2], k_BSKH.shape[1]
     block = splash_block(chunk)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                              block_q_dq=block, block_kv_dq=block)
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
     mask = splash.MultiHeadMask([splash.CausalMask((s, s), shard_count=2 * cp)] * n)
-    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1,
-                                    q_seq_shards=2 * cp, interpret=interpret)
+    kernel = splash.make_splash_mha(
+        mask, block_sizes=sizes, head_shards=1, q_seq_shards=2 * cp, interpret=interpret
+    )
     heads_major = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
     q = heads_major(q_BTNH * jnp.asarray(scale, q_BTNH.dtype))
     k, v = heads_major(k_BSKH), heads_major(v_BSKH)
@@ -176,7 +228,8 @@ def splash_cp_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: floa
             outs.append(jax.vmap(part)(q[:, :, rows], k, v))
         else:
             with_ids = lambda q, k, v, qi, ki, part=part: part(  # noqa: E731
-                q, k, v, segment_ids=splash.SegmentIds(q=qi, kv=ki))
+                q, k, v, segment_ids=splash.SegmentIds(q=qi, kv=ki)
+            )
             outs.append(jax.vmap(with_ids)(q[:, :, rows], k, v, q_ids_BT[:, rows], kv_ids_BS))
     return heads_major(jnp.concatenate(outs, axis=2))
 
@@ -185,6 +238,7 @@ def _query_shard(kernel: Any, shard: Array, n_shards: int) -> Any:
     """The splash kernel restricted to query shard `shard` of `n_shards` (traced): the slice
     of its block tables a shard_map over the query sequence would hand that shard
     (`SplashAttentionKernel.manual_sharding_spec`)."""
+
     def cut(x: Array | None, dim: int) -> Array | None:
         if x is None:
             return None
@@ -194,40 +248,61 @@ def _query_shard(kernel: Any, shard: Array, n_shards: int) -> Any:
     def cut_info(info: Any) -> Any:
         if info is None:
             return None
-        return info._replace(data_next=cut(info.data_next, 1), mask_next=cut(info.mask_next, 1),
-                             block_mask=cut(info.block_mask, 1),
-                             q_sequence=cut(info.q_sequence, 0))
+        return info._replace(
+            data_next=cut(info.data_next, 1),
+            mask_next=cut(info.mask_next, 1),
+            block_mask=cut(info.block_mask, 1),
+            q_sequence=cut(info.q_sequence, 0),
+        )
 
     infos, kwargs = kernel.tree_flatten()
     return type(kernel).tree_unflatten(kwargs, [cut_info(i) for i in infos])
 
 
-def _split_sequence_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
-                              backend: str, platform: str, split: SequenceSplit,
-                              segment_ids_BT: Array | None) -> Array:
+def _split_sequence_attention(
+    q_BTNH: Array,
+    k_BSKH: Array,
+    v_BSKH: Array,
+    scale: float,
+    backend: str,
+    platform: str,
+    split: SequenceSplit,
+    segment_ids_BT: Array | None,
+) -> Array:
     """This shard's queries against the whole sequence's K/V (and segment ids), gathered over
     the split (or, `split.method == "ring"`, passed around it: `ring_attention.py`)."""
     if split.method == "ring":
         if backend != "xla":
-            raise ValueError(f"ring attention runs XLA blocks (model.attention=xla), not "
-                             f"{backend}")
+            raise ValueError(f"ring attention runs XLA blocks (model.attention=xla), not {backend}")
         return ring_attention(q_BTNH, k_BSKH, v_BSKH, scale, split, segment_ids_BT)
     t = q_BTNH.shape[1]
     k_BSKH, v_BSKH = split.gather(k_BSKH), split.gather(v_BSKH)
     kv_ids_BS = None if segment_ids_BT is None else split.gather(segment_ids_BT)
     if backend == "xla":
-        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT,
-                                    split.positions(t), split.gathered_positions(t), kv_ids_BS)
+        return causal_gqa_attention(
+            q_BTNH,
+            k_BSKH,
+            v_BSKH,
+            scale,
+            segment_ids_BT,
+            split.positions(t),
+            split.gathered_positions(t),
+            kv_ids_BS,
+        )
     if backend != "splash":
-        raise ValueError(f"attention backend {backend!r} cannot run under context "
-                         f"parallelism; use one of {', '.join(CP_ATTENTION)}")
+        raise ValueError(
+            f"attention backend {backend!r} cannot run under context "
+            f"parallelism; use one of {', '.join(CP_ATTENTION)}"
+        )
 
     def kernel(q: Array, k: Array, v: Array, *ids: Array) -> Array:
-        return splash_cp_attention(q, k, v, scale, split.degree, split.chunks(),
-                                   platform != "tpu", *ids)
+        return splash_cp_attention(
+            q, k, v, scale, split.degree, split.chunks(), platform != "tpu", *ids
+        )
 
     k_BSKH, v_BSKH, kv_axes = kv_split_like_queries(
-        split.in_position_order(k_BSKH), split.in_position_order(v_BSKH), q_BTNH.shape[2])
+        split.in_position_order(k_BSKH), split.in_position_order(v_BSKH), q_BTNH.shape[2]
+    )
     args = (q_BTNH, k_BSKH, v_BSKH)
     axes = (Q_AXES, kv_axes, kv_axes)
     if segment_ids_BT is not None:
@@ -236,12 +311,14 @@ def _split_sequence_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale
     return run_per_shard(kernel, args, axes, Q_AXES)
 
 
-def cudnn_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
-                    implementation: str = "cudnn") -> Array:
+def cudnn_attention(
+    q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, implementation: str = "cudnn"
+) -> Array:
     """cuDNN's fused causal attention; (B, T, N, H) layout and GQA are native to it.
     `implementation="xla"` runs the same call without cuDNN (tests check the arguments)."""
-    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale, is_causal=True,
-                                        implementation=implementation)
+    return jax.nn.dot_product_attention(
+        q_BTNH, k_BSKH, v_BSKH, scale=scale, is_causal=True, implementation=implementation
+    )
 
 
 def _kernel(backend: str, platform: str, scale: float) -> Callable[..., Array]:
@@ -252,9 +329,16 @@ def _kernel(backend: str, platform: str, scale: float) -> Callable[..., Array]:
     return functools.partial(cudnn_attention, scale=scale)
 
 
-def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, backend: str,
-              platform: str, segment_ids_BT: Array | None = None,
-              q_start: Array | None = None) -> Array:
+def attention(
+    q_BTNH: Array,
+    k_BSKH: Array,
+    v_BSKH: Array,
+    scale: float,
+    backend: str,
+    platform: str,
+    segment_ids_BT: Array | None = None,
+    q_start: Array | None = None,
+) -> Array:
     """Causal GQA attention by `backend` (resolved: "xla" | "splash" | "cudnn"). The kernels
     run per device shard (`run_per_shard`); XLA's einsums are partitioned by the compiler.
     q_start: queries after a KV cache's first position (decoding: the xla path only).
@@ -262,30 +346,46 @@ def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, backend
     gathered over the whole sequence first."""
     split = sequence_split()
     if split.degree > 1:
-        return _split_sequence_attention(q_BTNH, k_BSKH, v_BSKH, scale, backend, platform,
-                                         split, segment_ids_BT)
+        return _split_sequence_attention(
+            q_BTNH, k_BSKH, v_BSKH, scale, backend, platform, split, segment_ids_BT
+        )
     if backend == "xla":
         if q_start is None:
             return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT)
-        return causal_gqa_attention(q_BTNH, k_BSKH, v_BSKH, scale, segment_ids_BT,
-                                    q_start + jnp.arange(q_BTNH.shape[1]),
-                                    jnp.arange(k_BSKH.shape[1]))
+        return causal_gqa_attention(
+            q_BTNH,
+            k_BSKH,
+            v_BSKH,
+            scale,
+            segment_ids_BT,
+            q_start + jnp.arange(q_BTNH.shape[1]),
+            jnp.arange(k_BSKH.shape[1]),
+        )
     if q_start is not None:
         raise ValueError(f"a KV cache (decoding) needs the xla attention, not {backend}")
     k_BSKH, v_BSKH, kv_axes = kv_split_like_queries(k_BSKH, v_BSKH, q_BTNH.shape[2])
     if segment_ids_BT is None:
-        return run_per_shard(_kernel(backend, platform, scale), (q_BTNH, k_BSKH, v_BSKH),
-                             (Q_AXES, kv_axes, kv_axes), Q_AXES)
+        return run_per_shard(
+            _kernel(backend, platform, scale),
+            (q_BTNH, k_BSKH, v_BSKH),
+            (Q_AXES, kv_axes, kv_axes),
+            Q_AXES,
+        )
     if backend != "splash":
-        raise ValueError(f"segment ids (document masking) need the xla or splash attention, "
-                         f"not {backend}")
-    return run_per_shard(_kernel(backend, platform, scale),
-                         (q_BTNH, k_BSKH, v_BSKH, segment_ids_BT),
-                         (Q_AXES, kv_axes, kv_axes, ("batch", "seq")), Q_AXES)
+        raise ValueError(
+            f"segment ids (document masking) need the xla or splash attention, not {backend}"
+        )
+    return run_per_shard(
+        _kernel(backend, platform, scale),
+        (q_BTNH, k_BSKH, v_BSKH, segment_ids_BT),
+        (Q_AXES, kv_axes, kv_axes, ("batch", "seq")),
+        Q_AXES,
+    )
 
 
-def kv_split_like_queries(k_BSKH: Array, v_BSKH: Array, n_heads: int
-                          ) -> tuple[Array, Array, tuple[str, ...]]:
+def kv_split_like_queries(
+    k_BSKH: Array, v_BSKH: Array, n_heads: int
+) -> tuple[Array, Array, tuple[str, ...]]:
     """K/V for a per-shard kernel, and their logical axes. Where the query heads are split
     more ways than the K/V heads (a recipe keeps the K/V heads whole over tp:
     `parallelism.sharding_rules`), each shard's kernel would get its own query heads against
@@ -298,8 +398,10 @@ def kv_split_like_queries(k_BSKH: Array, v_BSKH: Array, n_heads: int
     n_kv = k_BSKH.shape[2]
     repeat = math.lcm(n_kv, heads) // n_kv
     if kv_heads != 1 or n_heads % (n_kv * repeat):
-        raise ValueError(f"{n_heads} query heads split {heads} ways and {n_kv} K/V heads split "
-                         f"{kv_heads} ways: a per-shard kernel needs the K/V heads split like "
-                         "the query heads, or whole")
+        raise ValueError(
+            f"{n_heads} query heads split {heads} ways and {n_kv} K/V heads split "
+            f"{kv_heads} ways: a per-shard kernel needs the K/V heads split like "
+            "the query heads, or whole"
+        )
     expand = lambda x: jnp.repeat(x, repeat, axis=2)  # noqa: E731
     return expand(k_BSKH), expand(v_BSKH), Q_AXES

@@ -29,8 +29,11 @@ def _embed_lookup_fwd(table_VD: Array, tokens: Array, vocab_size: int) -> tuple[
 
 def _embed_lookup_bwd(vocab_size: int, tokens: Array, g: Array) -> tuple[Array, None]:
     d = g.shape[-1]
-    grad_VD = jnp.zeros((vocab_size, d), jnp.float32).at[tokens.reshape(-1)].add(
-        g.reshape(-1, d).astype(jnp.float32))
+    grad_VD = (
+        jnp.zeros((vocab_size, d), jnp.float32)
+        .at[tokens.reshape(-1)]
+        .add(g.reshape(-1, d).astype(jnp.float32))
+    )
     return grad_VD.astype(g.dtype), None
 
 

@@ -35,11 +35,24 @@ UNQUANTIZED_DTYPE = jnp.bfloat16
 # NF4's code book (QLoRA, arXiv 2305.14314 Appendix E) as qwix's `get_nf4_buckets` holds it
 # (tests check they are equal): written out, as qwix's is a device array, which a trace for
 # compile-only TPU devices cannot read back.
-NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-              0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
-              0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-              0.7229568362236023, 1.0)
+NF4_VALUES = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
 # Keys of a quantized weight in the params tree.
 CODES, SCALE = "qvalue", "scale"
 
@@ -82,8 +95,9 @@ def quantize(w: Array, in_dims: tuple[int, ...], base: FrozenBase) -> tuple[Arra
         channelwise = tuple(d for d in range(w.ndim) if d not in tiled)
     else:
         tiled, channelwise = {}, tuple(d for d in range(w.ndim) if d not in in_dims)
-    q = qwix.quantize(w.astype(jnp.float32), QTYPES[base.dtype], channelwise_axes=channelwise,
-                      tiled_axes=tiled)
+    q = qwix.quantize(
+        w.astype(jnp.float32), QTYPES[base.dtype], channelwise_axes=channelwise, tiled_axes=tiled
+    )
     return (pack_nf4(q.qvalue) if base.dtype == "nf4" else q.qvalue), q.scale
 
 
@@ -117,11 +131,13 @@ def unpack_nf4(packed: Array) -> Array:
     return pairs.reshape(*packed.shape[:-1], -1)
 
 
-def scale_axes(axes: tuple[str | None, ...], shape: tuple[int, ...], scale_shape: tuple[int, ...]
-               ) -> tuple[str | None, ...]:
+def scale_axes(
+    axes: tuple[str | None, ...], shape: tuple[int, ...], scale_shape: tuple[int, ...]
+) -> tuple[str | None, ...]:
     """A scale's logical axes: the weight's, None where the scale has one entry (reduced)."""
-    return tuple(None if s == 1 and n != 1 else a
-                 for a, n, s in zip(axes, shape, scale_shape, strict=True))
+    return tuple(
+        None if s == 1 and n != 1 else a for a, n, s in zip(axes, shape, scale_shape, strict=True)
+    )
 
 
 def is_quantized(node: Any) -> bool:

@@ -26,17 +26,23 @@ class QuantizedWeight(nnx.Module):
     """A frozen weight as `qvalue` codes and `scale`s, stacked like the weight was; read by
     `use_param` (`dequantized`): both gathered as stored, then dequantized by qwix."""
 
-    def __init__(self, codes: jax.Array, scale: jax.Array, axes: tuple[str | None, ...],
-                 shape: tuple[int, ...], base: FrozenBase):
+    def __init__(
+        self,
+        codes: jax.Array,
+        scale: jax.Array,
+        axes: tuple[str | None, ...],
+        shape: tuple[int, ...],
+        base: FrozenBase,
+    ):
         lead = codes.ndim - len(axes)  # stacked dims (layers) the axes leave out
         self.qvalue = FrozenParam(codes, logical_axes=axes)
-        self.scale = FrozenParam(scale, logical_axes=scale_axes(axes, shape,
-                                                                scale.shape[lead:]))
+        self.scale = FrozenParam(scale, logical_axes=scale_axes(axes, shape, scale.shape[lead:]))
         self.base = base
 
     def dequantized(self, dtype: jnp.dtype) -> jax.Array:
-        return dequantize(gather_frozen(self.qvalue), gather_frozen(self.scale),
-                          self.base).astype(dtype)
+        return dequantize(gather_frozen(self.qvalue), gather_frozen(self.scale), self.base).astype(
+            dtype
+        )
 
 
 def store_frozen(model: nnx.Module, base: FrozenBase) -> None:
@@ -76,5 +82,7 @@ def check_blocks(model: nnx.Module, base: FrozenBase) -> None:
     bad = next(((name, n) for name, n in dims.items() if n % base.block_size), None)
     if bad is not None:
         fits = max(b for b in range(1, base.block_size) if all(n % b == 0 for n in dims.values()))
-        raise ConfigError(f"lora.base_block_size={base.block_size} does not divide the input "
-                          f"dim ({bad[1]}) of {bad[0]}; use lora.base_block_size={fits}")
+        raise ConfigError(
+            f"lora.base_block_size={base.block_size} does not divide the input "
+            f"dim ({bad[1]}) of {bad[0]}; use lora.base_block_size={fits}"
+        )

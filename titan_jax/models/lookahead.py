@@ -44,8 +44,9 @@ Block = Callable[[jax.Array, nnx.State, Any, Any], tuple[jax.Array, Any]]
 Gather = Callable[[nnx.State], nnx.State]
 
 
-def scan_with_lookahead(block: Block, gather: Gather, x: jax.Array, stacked: nnx.State,
-                        xs: Any, consts: Any) -> tuple[jax.Array, Any]:
+def scan_with_lookahead(
+    block: Block, gather: Gather, x: jax.Array, stacked: nnx.State, xs: Any, consts: Any
+) -> tuple[jax.Array, Any]:
     """`lax.scan` of `block` over the layers of `stacked` (and `xs`, per layer), each layer's
     weights gathered one iteration ahead; (final x, the stacked `out`s)."""
     n = jax.tree.leaves(stacked)[0].shape[0]
@@ -55,8 +56,9 @@ def scan_with_lookahead(block: Block, gather: Gather, x: jax.Array, stacked: nnx
         layer = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), frozen)
         return lax.stop_gradient(gather(layer))
 
-    def body(carry: tuple[jax.Array, nnx.State], inputs: tuple[jax.Array, nnx.State, Any]
-             ) -> tuple[tuple[jax.Array, nnx.State], Any]:
+    def body(
+        carry: tuple[jax.Array, nnx.State], inputs: tuple[jax.Array, nnx.State, Any]
+    ) -> tuple[tuple[jax.Array, nnx.State], Any]:
         x, gathered = carry
         i, layer, xs_i = inputs
         next_gathered = ahead((i + 1) % n)
@@ -68,15 +70,29 @@ def scan_with_lookahead(block: Block, gather: Gather, x: jax.Array, stacked: nnx
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _layer(block: Block, gather: Gather, x: jax.Array, gathered: nnx.State, layer: nnx.State,
-           xs_i: Any, consts: Any) -> tuple[jax.Array, Any]:
+def _layer(
+    block: Block,
+    gather: Gather,
+    x: jax.Array,
+    gathered: nnx.State,
+    layer: nnx.State,
+    xs_i: Any,
+    consts: Any,
+) -> tuple[jax.Array, Any]:
     """`block` on the carried `gathered` weights; differentiated as `block` on gather(`layer`)."""
     del gather, layer
     return block(x, gathered, xs_i, consts)
 
 
-def _layer_fwd(block: Block, gather: Gather, x: jax.Array, gathered: nnx.State,
-               layer: nnx.State, xs_i: Any, consts: Any) -> tuple[tuple[jax.Array, Any], Any]:
+def _layer_fwd(
+    block: Block,
+    gather: Gather,
+    x: jax.Array,
+    gathered: nnx.State,
+    layer: nnx.State,
+    xs_i: Any,
+    consts: Any,
+) -> tuple[tuple[jax.Array, Any], Any]:
     return block(x, gathered, xs_i, consts), (x, layer, xs_i, consts)
 
 

@@ -93,14 +93,20 @@ def dropout(rows: Array, key: Array, rate: float) -> Array:
     return jnp.where(keep, rows / jnp.asarray(1 - rate, rows.dtype), jnp.zeros((), rows.dtype))
 
 
-def init_a(key: jax.Array, in_shape: tuple[int, ...], rank: int,
-           stack_shape: tuple[int, ...] = ()) -> Array:
+def init_a(
+    key: jax.Array, in_shape: tuple[int, ...], rank: int, stack_shape: tuple[int, ...] = ()
+) -> Array:
     """A fresh A (stack..., in..., rank) in fp32: PEFT's, torch.nn.Linear's init over
     fan_in = prod(in), for each of the stacked adapters (experts)."""
     lead, n_in = len(stack_shape), len(in_shape)
     init = jax.nn.initializers.variance_scaling(
-        _KAIMING_UNIFORM_SQRT5, "fan_in", "uniform", in_axis=tuple(range(lead, lead + n_in)),
-        out_axis=lead + n_in, batch_axis=tuple(range(lead)))
+        _KAIMING_UNIFORM_SQRT5,
+        "fan_in",
+        "uniform",
+        in_axis=tuple(range(lead, lead + n_in)),
+        out_axis=lead + n_in,
+        batch_axis=tuple(range(lead)),
+    )
     return init(key, (*stack_shape, *in_shape, rank), jnp.float32)
 
 
@@ -112,9 +118,17 @@ def lora_delta(rows: Array, a: Array, b: Array, scale: float) -> Array:
     n_in = a.ndim - 1
     ins, rank, outs = a.shape[:n_in], b.shape[0], b.shape[1:]
     # B's out dims merged, as `project` merges a weight's: one 2-D matmul per factor.
-    delta = _compute_lora_delta(rows, a, b.reshape(rank, math.prod(outs)),
-                                tuple(range(1, n_in + 1)), (), ins, (), (math.prod(outs),),
-                                rank)
+    delta = _compute_lora_delta(
+        rows,
+        a,
+        b.reshape(rank, math.prod(outs)),
+        tuple(range(1, n_in + 1)),
+        (),
+        ins,
+        (),
+        (math.prod(outs),),
+        rank,
+    )
     return (delta * jnp.asarray(scale, delta.dtype)).reshape(-1, *outs)
 
 
@@ -131,9 +145,13 @@ def _merged(params: Params, lora: Lora) -> Params:
     out = {k: _merged(v, lora) for k, v in params.items() if not k.endswith(ADAPTER_SUFFIX)}
     for key, adapter in params.items():
         if key.endswith(ADAPTER_SUFFIX):
-            names = key[:-len(ADAPTER_SUFFIX)].split(JOIN)
-            folded = fold([out[n] for n in names], adapter["lora_a"], adapter["lora_b"],
-                          lora.alpha / lora.rank)
+            names = key[: -len(ADAPTER_SUFFIX)].split(JOIN)
+            folded = fold(
+                [out[n] for n in names],
+                adapter["lora_a"],
+                adapter["lora_b"],
+                lora.alpha / lora.rank,
+            )
             out.update(zip(names, folded, strict=True))
     return out
 
@@ -145,8 +163,7 @@ def fold(weights: list[Array], a: Array, b: Array, scale: float) -> list[Array]:
     if len(weights) == 1:
         return [merge_into(weights[0], a, b, scale)]
     lead = a.ndim + b.ndim - 3 - weights[0].ndim  # B's rank dim
-    return [merge_into(w, a, jnp.take(b, i, axis=lead + 1), scale)
-            for i, w in enumerate(weights)]
+    return [merge_into(w, a, jnp.take(b, i, axis=lead + 1), scale) for i, w in enumerate(weights)]
 
 
 def merge_into(w: Array, a: Array, b: Array, scale: float) -> Array:
@@ -154,7 +171,7 @@ def merge_into(w: Array, a: Array, b: Array, scale: float) -> Array:
     in fp32, in W's dtype."""
     lead = a.ndim + b.ndim - w.ndim - 2  # the stacked dims all three share
     n_in = a.ndim - lead - 1
-    stack, ins, outs = w.shape[:lead], w.shape[lead:lead + n_in], w.shape[lead + n_in:]
+    stack, ins, outs = w.shape[:lead], w.shape[lead : lead + n_in], w.shape[lead + n_in :]
     a2 = a.astype(jnp.float32).reshape(*stack, math.prod(ins), a.shape[-1])
     b2 = b.astype(jnp.float32).reshape(*stack, b.shape[lead], math.prod(outs))
     delta = jnp.matmul(a2, b2, precision=jax.lax.Precision.HIGHEST).reshape(w.shape)
@@ -167,5 +184,11 @@ def adapters_off(params: Params) -> Params:
     reference model of DPO with LoRA (train/dpo.py), as PEFT's disabled adapters are TRL's."""
     if not isinstance(params, dict):
         return params
-    return {k: ({**v, "lora_b": jnp.zeros_like(v["lora_b"])} if k.endswith(ADAPTER_SUFFIX)
-                else adapters_off(v)) for k, v in params.items()}
+    return {
+        k: (
+            {**v, "lora_b": jnp.zeros_like(v["lora_b"])}
+            if k.endswith(ADAPTER_SUFFIX)
+            else adapters_off(v)
+        )
+        for k, v in params.items()
+    }

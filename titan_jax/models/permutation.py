@@ -19,8 +19,7 @@ def permute(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
     return x[order]
 
 
-def _permute_fwd(x: jax.Array, order: jax.Array, inverse: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
+def _permute_fwd(x: jax.Array, order: jax.Array, inverse: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x[order], inverse
 
 

@@ -65,12 +65,18 @@ class Quantization:
         tensorwise = self.scaling == "tensorwise"
         tile = self.block_size if self.scaling == "blockwise" else None
         return DotGeneralQtConfig(
-            lhs_qtype=forward, rhs_qtype=forward, tile_size=tile,
-            lhs_disable_channelwise_axes=tensorwise, rhs_disable_channelwise_axes=tensorwise,
-            dlhs_grad_qtype=gradient, drhs_grad_qtype=gradient,
-            dlhs_tile_size=tile, drhs_tile_size=tile,
+            lhs_qtype=forward,
+            rhs_qtype=forward,
+            tile_size=tile,
+            lhs_disable_channelwise_axes=tensorwise,
+            rhs_disable_channelwise_axes=tensorwise,
+            dlhs_grad_qtype=gradient,
+            drhs_grad_qtype=gradient,
+            dlhs_tile_size=tile,
+            drhs_tile_size=tile,
             dlhs_grad_disable_channelwise_axes=tensorwise,
-            drhs_grad_disable_channelwise_axes=tensorwise)
+            drhs_grad_disable_channelwise_axes=tensorwise,
+        )
 
     def kernel_qtype(self) -> str:
         """The one operand type of a kernel that quantizes forward and backward alike
@@ -85,8 +91,9 @@ class Quantization:
         from qwix._src.core.ragged_dot_qt import RaggedDotQtConfig
 
         forward, gradient = QTYPES[self.mode]
-        return RaggedDotQtConfig(lhs_qtype=forward, rhs_qtype=forward,
-                                 dlhs_grad_qtype=gradient, drhs_grad_qtype=gradient)
+        return RaggedDotQtConfig(
+            lhs_qtype=forward, rhs_qtype=forward, dlhs_grad_qtype=gradient, drhs_grad_qtype=gradient
+        )
 
 
 NONE = Quantization()
@@ -95,8 +102,9 @@ NONE = Quantization()
 _XLA_REDUCE_PRECISION = _mlir_internals._lowerings[jax.lax.reduce_precision_p].rule
 
 
-def _lower_reduce_precision(ctx: mlir.LoweringRuleContext, operand: mlir.ir.Value, *,
-                            exponent_bits: int, mantissa_bits: int) -> list[mlir.ir.Value]:
+def _lower_reduce_precision(
+    ctx: mlir.LoweringRuleContext, operand: mlir.ir.Value, *, exponent_bits: int, mantissa_bits: int
+) -> list[mlir.ir.Value]:
     """`reduce_precision` that leaves a float8 value reduced to its own format as it is.
 
     jax's remat (`ad_checkpoint._insert_reduce_precision`, jax 0.12) rounds every saved
@@ -114,15 +122,20 @@ def _lower_reduce_precision(ctx: mlir.LoweringRuleContext, operand: mlir.ir.Valu
         info = jnp.finfo(dtype)
         if (exponent_bits, mantissa_bits) == (info.nexp, info.nmant):
             return [operand]
-    return _XLA_REDUCE_PRECISION(ctx, operand, exponent_bits=exponent_bits,
-                                 mantissa_bits=mantissa_bits)
+    return _XLA_REDUCE_PRECISION(
+        ctx, operand, exponent_bits=exponent_bits, mantissa_bits=mantissa_bits
+    )
 
 
 mlir.register_lowering(jax.lax.reduce_precision_p, _lower_reduce_precision)
 
 
-def dot(x: Array, w: Array, dimension_numbers: jax.lax.DotDimensionNumbers,
-        config: DotGeneralQtConfig | None) -> Array:
+def dot(
+    x: Array,
+    w: Array,
+    dimension_numbers: jax.lax.DotDimensionNumbers,
+    config: DotGeneralQtConfig | None,
+) -> Array:
     """`jax.lax.dot_general(x, w, dimension_numbers)`, quantized when `config` says so; the
     result is in x's dtype either way."""
     if config is None:
@@ -132,12 +145,12 @@ def dot(x: Array, w: Array, dimension_numbers: jax.lax.DotDimensionNumbers,
     return dot_general_qt(x, w, dimension_numbers, config)
 
 
-def ragged_dot(x_MD: Array, w_EDF: Array, group_sizes_E: Array,
-               config: RaggedDotQtConfig | None) -> Array:
+def ragged_dot(
+    x_MD: Array, w_EDF: Array, group_sizes_E: Array, config: RaggedDotQtConfig | None
+) -> Array:
     """`jax.lax.ragged_dot`, quantized when `config` says so, in x's dtype."""
     if config is None:
         return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
     from qwix._src.core.ragged_dot_qt import ragged_dot_qt
 
-    return ragged_dot_qt(x_MD, w_EDF, group_sizes_E, config,
-                         preferred_element_type=x_MD.dtype)
+    return ragged_dot_qt(x_MD, w_EDF, group_sizes_E, config, preferred_element_type=x_MD.dtype)

@@ -28,8 +28,10 @@ def is_gathered_param(prim: Any, params: dict[str, Any]) -> bool:
     body = params.get("call_jaxpr")
     if body is None:
         return False
-    return any(e.primitive.name == "name" and e.params.get("name") == GATHERED_PARAM
-               for e in getattr(body, "jaxpr", body).eqns)
+    return any(
+        e.primitive.name == "name" and e.params.get("name") == GATHERED_PARAM
+        for e in getattr(body, "jaxpr", body).eqns
+    )
 
 
 def save_anything_except_gathered_params(prim: Any, *_: Any, **params: Any) -> bool:
@@ -42,9 +44,13 @@ def save_anything_except_gathered_params(prim: Any, *_: Any, **params: Any) -> b
     return prim.name != "reshape" and not is_gathered_param(prim, params)
 
 
-def remat_policy(mode: str, save_gathered_params: bool, saved_activations: tuple[str, ...],
-                 offload_layer_input: bool = False, always_saved: tuple[str, ...] = ()
-                 ) -> Callable | None:
+def remat_policy(
+    mode: str,
+    save_gathered_params: bool,
+    saved_activations: tuple[str, ...],
+    offload_layer_input: bool = False,
+    always_saved: tuple[str, ...] = (),
+) -> Callable | None:
     """The `jax.checkpoint` policy of a block, or None for no remat at all.
 
     mode: "none" keeps every activation, "full" recomputes the block, "selective" keeps the
@@ -60,27 +66,33 @@ def remat_policy(mode: str, save_gathered_params: bool, saved_activations: tuple
     would hold back the backward's schedule (the MoE routing: model.py).
     """
     if mode not in REMAT_MODES:
-        raise ValueError(
-            f"activation_checkpoint.mode={mode!r}; valid: {', '.join(REMAT_MODES)}")
+        raise ValueError(f"activation_checkpoint.mode={mode!r}; valid: {', '.join(REMAT_MODES)}")
     gathered = (GATHERED_PARAM,) if save_gathered_params else ()
     if mode == "none":
         return None if save_gathered_params else save_anything_except_gathered_params
     saved = [*gathered, *always_saved, *(saved_activations if mode == "selective" else ())]
-    offloaded = [*((LAYER_INPUT,) if offload_layer_input else ()),
-                 *(saved_activations if mode == "offload" else ())]
+    offloaded = [
+        *((LAYER_INPUT,) if offload_layer_input else ()),
+        *(saved_activations if mode == "offload" else ()),
+    ]
     if not offloaded:
         return jax.checkpoint_policies.save_only_these_names(*saved)
     return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded,
-        offload_src="device", offload_dst="pinned_host")
+        names_which_can_be_saved=saved,
+        names_which_can_be_offloaded=offloaded,
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
 
 
 def offload_layer_input_for(offload: bool, platform: str) -> bool:
     """Whether a run offloads its layer inputs on devices of `platform`: not on CPU devices
     (one memory: the copies would only add work), with a warning, as `remat_mode_for`."""
     if offload and platform == "cpu":
-        log.warning("activation_checkpoint.offload_layer_input on CPU devices is off "
-                    "(no separate host memory to offload to)")
+        log.warning(
+            "activation_checkpoint.offload_layer_input on CPU devices is off "
+            "(no separate host memory to offload to)"
+        )
         return False
     return offload
 
@@ -93,7 +105,9 @@ def remat_mode_for(mode: str, platform: str) -> str:
     runs on a CPU box.
     """
     if mode == "offload" and platform == "cpu":
-        log.warning("activation_checkpoint.mode=offload on CPU devices runs as selective "
-                    "(no separate host memory to offload to)")
+        log.warning(
+            "activation_checkpoint.mode=offload on CPU devices runs as selective "
+            "(no separate host memory to offload to)"
+        )
         return "selective"
     return mode

@@ -35,8 +35,16 @@ _MIN = jnp.finfo(jnp.float32).min
 Partial = tuple[Array, Array, Array]  # o (B, K, G, T, H), m (B, K, G, T), l (B, K, G, T)
 
 
-def _block(q: Array, k: Array, v: Array, scale: float, q_pos: Array, k_pos: Array,
-           q_ids: Array | None, k_ids: Array | None) -> Partial:
+def _block(
+    q: Array,
+    k: Array,
+    v: Array,
+    scale: float,
+    q_pos: Array,
+    k_pos: Array,
+    q_ids: Array | None,
+    k_ids: Array | None,
+) -> Partial:
     """One query block (q (B, Tq, K, G, H)) against one K/V block (B, S, K, H): its
     unnormalised output, row max and row sum, masked causally by position and by segment."""
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
@@ -46,13 +54,20 @@ def _block(q: Array, k: Array, v: Array, scale: float, q_pos: Array, k_pos: Arra
     scores = jnp.where(allowed, scores * scale, _MIN)
     m = lax.stop_gradient(jnp.max(scores, axis=-1))  # a stabiliser: the result is invariant
     p = jnp.where(allowed, jnp.exp(scores - m[..., None]), 0.0)
-    o = jnp.einsum("bkgts,bskh->bkgth", p.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgts,bskh->bkgth", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o, m, jnp.sum(p, axis=-1)
 
 
-def _blocked(q: Array, k: Array, v: Array, scale: float, q_pos: Array, k_pos: Array,
-             q_ids: Array | None, k_ids: Array | None) -> Partial:
+def _blocked(
+    q: Array,
+    k: Array,
+    v: Array,
+    scale: float,
+    q_pos: Array,
+    k_pos: Array,
+    q_ids: Array | None,
+    k_ids: Array | None,
+) -> Partial:
     """`_block` over QUERY_BLOCK rows at a time, each rematerialised in the backward."""
     rows = q.shape[1]
     size = QUERY_BLOCK if rows % QUERY_BLOCK == 0 else rows
@@ -62,8 +77,9 @@ def _blocked(q: Array, k: Array, v: Array, scale: float, q_pos: Array, k_pos: Ar
         qb, pb, ib = args
         return _block(qb, k, v, scale, pb, k_pos, ib, k_ids)
 
-    split = lambda x, d: jnp.moveaxis(x.reshape(*x.shape[:d], n, size, *x.shape[d + 1:]),  # noqa: E731
-                                      d, 0)
+    def split(x: Array, d: int) -> Array:
+        return jnp.moveaxis(x.reshape(*x.shape[:d], n, size, *x.shape[d + 1 :]), d, 0)
+
     ids = None if q_ids is None else split(q_ids, 1)
     o, m, l = lax.map(jax.checkpoint(one), (split(q, 1), split(q_pos, 0), ids))
     join = lambda x: jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], rows, *x.shape[5:])  # noqa: E731
@@ -81,13 +97,22 @@ def _combine(a: Partial, b: Partial) -> Partial:
 def _late_rows_only(part: Partial, early_rows: int) -> Partial:
     """A partial over the late query chunk, padded with empty rows for the early one."""
     o, m, l = part
-    pad = lambda x, fill: jnp.concatenate(  # noqa: E731
-        [jnp.full((*x.shape[:3], early_rows, *x.shape[4:]), fill, x.dtype), x], axis=3)
+
+    def pad(x: Array, fill: float) -> Array:
+        early = jnp.full((*x.shape[:3], early_rows, *x.shape[4:]), fill, x.dtype)
+        return jnp.concatenate([early, x], axis=3)
+
     return pad(o, 0.0), pad(m, _MIN), pad(l, 0.0)
 
 
-def ring_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
-                   split: SequenceSplit, segment_ids_BT: Array | None = None) -> Array:
+def ring_attention(
+    q_BTNH: Array,
+    k_BSKH: Array,
+    v_BSKH: Array,
+    scale: float,
+    split: SequenceSplit,
+    segment_ids_BT: Array | None = None,
+) -> Array:
     """This rank's queries (its two chunks, B, 2c, N, H) against every rank's K/V, passed
     around the ring; equal to causal attention over the whole sequence."""
     b, t, n, h = q_BTNH.shape
@@ -109,8 +134,9 @@ def ring_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float,
 
         def late_queries(k=k, v=v, k_pos=k_pos, kv_ids=kv_ids) -> Partial:
             late = None if ids is None else ids[:, c:]
-            return _late_rows_only(_blocked(q[:, c:], k, v, scale, q_pos[c:], k_pos, late,
-                                            kv_ids), c)
+            return _late_rows_only(
+                _blocked(q[:, c:], k, v, scale, q_pos[c:], k_pos, late, kv_ids), c
+            )
 
         acc = _combine(acc, lax.cond(src < rank, early_keys, late_queries))
     o, _, l = acc

@@ -73,7 +73,7 @@ class HFTensor:
             return tuple(math.prod(self.shape[d] for d in dims) for dims in self.hf_dims)
         if self.n_in is None:
             return self.shape
-        return (math.prod(self.shape[self.n_in:]), math.prod(self.shape[:self.n_in]))
+        return (math.prod(self.shape[self.n_in :]), math.prod(self.shape[: self.n_in]))
 
 
 def to_hf_layout(t: HFTensor, x: np.ndarray) -> np.ndarray:
@@ -82,7 +82,7 @@ def to_hf_layout(t: HFTensor, x: np.ndarray) -> np.ndarray:
         return x.transpose([d for dims in t.hf_dims for d in dims]).reshape(t.hf_shape)
     if t.n_in is None:
         return x
-    n_in = math.prod(t.shape[:t.n_in])
+    n_in = math.prod(t.shape[: t.n_in])
     return x.reshape(n_in, -1).T
 
 
@@ -116,7 +116,8 @@ class Reader:
         if file not in self._handles:
             try:
                 self._handles[file] = self._stack.enter_context(
-                    safe_open(str(file), framework="numpy"))
+                    safe_open(str(file), framework="numpy")
+                )
             except Exception as e:  # safetensors raises its own error types for bad headers
                 raise HFCheckpointError(f"{file}: cannot read safetensors file: {e}") from None
         return self._handles[file]
@@ -139,8 +140,13 @@ class Reader:
         return self.open(self.files[name]).get_slice(name)[index]
 
 
-def check_tensors(reader: Reader, tensors: list[HFTensor], known: Iterable[str],
-                  ignored: re.Pattern[str], model: str) -> None:
+def check_tensors(
+    reader: Reader,
+    tensors: list[HFTensor],
+    known: Iterable[str],
+    ignored: re.Pattern[str],
+    model: str,
+) -> None:
     """Every expected tensor is there with its shape, and nothing unknown is (`known`: names
     that may be stored but are not loaded; `model` describes the config.json for the error)."""
     for t in tensors:
@@ -157,13 +163,15 @@ def check_tensors(reader: Reader, tensors: list[HFTensor], known: Iterable[str],
         if dtype not in WEIGHT_DTYPES:
             raise HFCheckpointError(
                 f"{reader.files[stored]}: tensor {stored!r} has dtype {dtype}; a weight loads "
-                f"from a floating-point tensor of dtype {', '.join(WEIGHT_DTYPES)}")
+                f"from a floating-point tensor of dtype {', '.join(WEIGHT_DTYPES)}"
+            )
     known = {t.name for t in tensors} | set(known)
     unknown = sorted(n for n in reader.files if n not in known and not ignored.fullmatch(n))
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise HFCheckpointError(
-            f"{reader.path}: unexpected tensors {unknown[:5]}{more} for a {model} config.json")
+            f"{reader.path}: unexpected tensors {unknown[:5]}{more} for a {model} config.json"
+        )
 
 
 def _slice_bounds(s: slice, size: int) -> tuple[int, int]:
@@ -199,15 +207,24 @@ def _read_shard(reader: Reader, t: HFTensor, index: tuple[slice, ...]) -> np.nda
     return x[(*in_rest, *out_rest)]
 
 
-def _read_stacked(reader: Reader, group: list[HFTensor], stack: tuple[int, ...],
-                  bounds: tuple[tuple[int, int], ...], index: tuple[slice, ...]) -> np.ndarray:
+def _read_stacked(
+    reader: Reader,
+    group: list[HFTensor],
+    stack: tuple[int, ...],
+    bounds: tuple[tuple[int, int], ...],
+    index: tuple[slice, ...],
+) -> np.ndarray:
     """The block of a stacked weight covering `bounds` on its stacked axes: one HF tensor per
     stacked position (`group` in row-major order over `stack`)."""
     if not stack:
         return _read_shard(reader, group[0], index)
     (first, last), inner = bounds[0], math.prod(stack[1:])
-    return np.stack([_read_stacked(reader, group[i * inner:(i + 1) * inner], stack[1:],
-                                   bounds[1:], index) for i in range(first, last)])
+    return np.stack(
+        [
+            _read_stacked(reader, group[i * inner : (i + 1) * inner], stack[1:], bounds[1:], index)
+            for i in range(first, last)
+        ]
+    )
 
 
 def _stack_of(group: list[HFTensor]) -> tuple[int, ...]:
@@ -217,8 +234,12 @@ def _stack_of(group: list[HFTensor]) -> tuple[int, ...]:
     return tuple(n for n in (layers, experts) if n is not None)
 
 
-def load_params(reader: Reader, tensors: list[HFTensor], shardings: Params | None = None,
-                dtype: Any = np.float32) -> Params:
+def load_params(
+    reader: Reader,
+    tensors: list[HFTensor],
+    shardings: Params | None = None,
+    dtype: Any = np.float32,
+) -> Params:
     """The params tree of `tensors` (checked first with `check_tensors`), each leaf created on
     its sharding in `shardings` (None: the default device), every device's shard read straight
     from the files; `dtype`: the params' dtype (bf16 files are widened exactly)."""
@@ -233,14 +254,19 @@ def load_params(reader: Reader, tensors: list[HFTensor], shardings: Params | Non
         shape = (*stack, *group[0].shape)
         cache: dict[tuple, np.ndarray] = {}  # replicated shards are read once
 
-        def callback(index: tuple[slice, ...], group: list[HFTensor] = group,
-                     stack: tuple[int, ...] = stack, shape: tuple[int, ...] = shape,
-                     cache: dict = cache) -> np.ndarray:
+        def callback(
+            index: tuple[slice, ...],
+            group: list[HFTensor] = group,
+            stack: tuple[int, ...] = stack,
+            shape: tuple[int, ...] = shape,
+            cache: dict = cache,
+        ) -> np.ndarray:
             index = tuple(index) + (slice(None),) * (len(shape) - len(index))
             key = tuple(_slice_bounds(s, n) for s, n in zip(index, shape, strict=True))
             if key not in cache:
-                cache[key] = _read_stacked(reader, group, stack, key,
-                                           index[len(stack):]).astype(dtype)
+                cache[key] = _read_stacked(reader, group, stack, key, index[len(stack) :]).astype(
+                    dtype
+                )
             return cache[key]
 
         nested_set(params, tpath, jax.make_array_from_callback(shape, sharding, callback))
@@ -260,8 +286,11 @@ def _host_array(x: Any) -> np.ndarray:
 
 # Layer i of every stacked leaf in one compiled program (i traced: one compile per model). For
 # arrays on accelerators or spread over processes, whose layer axis is never sharded (rules.py).
-_take_layer = jax.jit(lambda layers, i: jax.tree.map(
-    lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), layers))
+_take_layer = jax.jit(
+    lambda layers, i: jax.tree.map(
+        lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), layers
+    )
+)
 
 
 def _host_layer(x: jax.Array, i: int) -> np.ndarray:
@@ -279,14 +308,16 @@ def _layer(layers: Params, i: int) -> Params:
     leaves = jax.tree.leaves(layers)
     if not any(isinstance(x, jax.Array) for x in leaves):
         return jax.tree.map(lambda x: x[i], layers)  # host arrays
-    if all(x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
-           for x in leaves):
+    if all(
+        x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices()) for x in leaves
+    ):
         return jax.tree.map(lambda x: _host_layer(x, i), layers)
     return _take_layer(layers, i)
 
 
-def iter_tensors(params: Params, tensors: list[HFTensor], dtype: Any = None
-                 ) -> Iterator[tuple[str, np.ndarray]]:
+def iter_tensors(
+    params: Params, tensors: list[HFTensor], dtype: Any = None
+) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array in HF layout) for every tensor, one at a time: at most one layer's
     weights are gathered to the host at once (stacked leaves live under params["layers"])."""
     current, layer, host = None, None, {}
@@ -311,8 +342,17 @@ def parse_size(text: str | int) -> int:
     if not m:
         raise ValueError(f"size {text!r} is not a number of bytes or like 5GB / 500MiB")
     unit = (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    scale = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }[unit]
     return int(float(m.group(1)) * scale)
 
 
@@ -322,8 +362,14 @@ def save_dtype(dtype: str) -> np.dtype:
     return SAVE_DTYPES[dtype]
 
 
-def write_files(path: Path, params: Params, tensors: list[HFTensor], np_dtype: np.dtype,
-                limit: int, writer: bool) -> list[str]:
+def write_files(
+    path: Path,
+    params: Params,
+    tensors: list[HFTensor],
+    np_dtype: np.dtype,
+    limit: int,
+    writer: bool,
+) -> list[str]:
     """The safetensors files of `params` written into `path` (only where `writer`; every
     process gathers): one file, or files of at most `limit` bytes each (a tensor larger than
     `limit` has a file of its own) and the index. Returns the names written."""
@@ -338,16 +384,20 @@ def write_files(path: Path, params: Params, tensors: list[HFTensor], np_dtype: n
         shards[-1].append(t.name)
         size += sizes[t.name]
     n = len(shards)
-    names = [SINGLE_FILE] if n == 1 else [f"model-{k:05d}-of-{n:05d}.safetensors"
-                                           for k in range(1, n + 1)]
+    names = (
+        [SINGLE_FILE]
+        if n == 1
+        else [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    )
     values = iter_tensors(params, tensors, np_dtype)
     for file, shard in zip(names, shards, strict=True):
         data = dict(next(values) for _ in shard)
         if writer:
             save_file(data, str(path / file), metadata={"format": "pt"})
     if writer and n > 1:
-        weight_map = {name: file for file, shard in zip(names, shards, strict=True)
-                      for name in shard}
+        weight_map = {
+            name: file for file, shard in zip(names, shards, strict=True) for name in shard
+        }
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return names + ([INDEX_FILE] if n > 1 else [])

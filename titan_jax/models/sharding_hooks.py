@@ -150,8 +150,7 @@ class WholeSequence:
 class Parallelism:
     """No parallelism; subclasses override the hooks they change (see the module docstring)."""
 
-    def use_param(self, value: jax.Array, logical_axes: LogicalAxes, dtype: jnp.dtype
-                  ) -> jax.Array:
+    def use_param(self, value: jax.Array, logical_axes: LogicalAxes, dtype: jnp.dtype) -> jax.Array:
         """(stored value as used, its logical axes, compute dtype) -> the weight the forward
         uses. Inside the layer scan the value is one layer's slice and its axes lack `layers`."""
         del logical_axes
@@ -167,16 +166,27 @@ class Parallelism:
         del logical_axes
         return x
 
-    def dispatch_to_experts(self, rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array,
-                            n_local: int, ffn: ExpertFFN) -> jax.Array:
+    def dispatch_to_experts(
+        self,
+        rows_MD: jax.Array,
+        experts_M: jax.Array,
+        gates_M: jax.Array,
+        n_local: int,
+        ffn: ExpertFFN,
+    ) -> jax.Array:
         """Each row (one (token, slot) pick) through the FFN of its expert (`experts_M`, global
         ids) with its gate weight (`gates_M`), in the rows' order. `ffn` holds the `n_local`
         experts kept here; every expert is here without expert parallelism."""
         del n_local
         return ffn(rows_MD, experts_M, gates_M)
 
-    def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
-                      in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+    def run_per_shard(
+        self,
+        kernel: Kernel,
+        args: tuple[jax.Array, ...],
+        in_axes: tuple[LogicalAxes, ...],
+        out_axes: LogicalAxes,
+    ) -> jax.Array:
         """`kernel(*args)` run on each device's own shard of `args` (as the rules table splits
         `in_axes`), the shards' outputs (`out_axes`) forming the result."""
         del in_axes, out_axes
@@ -216,11 +226,12 @@ class _Pregathered(Parallelism):
 
     outer: Parallelism
 
-    def use_param(self, value: jax.Array, logical_axes: LogicalAxes, dtype: jnp.dtype
-                  ) -> jax.Array:
+    def use_param(self, value: jax.Array, logical_axes: LogicalAxes, dtype: jnp.dtype) -> jax.Array:
         if value.dtype != jnp.dtype(dtype):  # `gather_layer` read it at another dtype
-            raise ValueError(f"a weight gathered ahead in {value.dtype} is used in "
-                             f"{jnp.dtype(dtype)}; gather it in the dtype its layer uses")
+            raise ValueError(
+                f"a weight gathered ahead in {value.dtype} is used in "
+                f"{jnp.dtype(dtype)}; gather it in the dtype its layer uses"
+            )
         return value
 
     def gather_frozen(self, value: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
@@ -229,12 +240,23 @@ class _Pregathered(Parallelism):
     def constrain(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         return self.outer.constrain(x, logical_axes)
 
-    def dispatch_to_experts(self, rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array,
-                            n_local: int, ffn: ExpertFFN) -> jax.Array:
+    def dispatch_to_experts(
+        self,
+        rows_MD: jax.Array,
+        experts_M: jax.Array,
+        gates_M: jax.Array,
+        n_local: int,
+        ffn: ExpertFFN,
+    ) -> jax.Array:
         return self.outer.dispatch_to_experts(rows_MD, experts_M, gates_M, n_local, ffn)
 
-    def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
-                      in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+    def run_per_shard(
+        self,
+        kernel: Kernel,
+        args: tuple[jax.Array, ...],
+        in_axes: tuple[LogicalAxes, ...],
+        out_axes: LogicalAxes,
+    ) -> jax.Array:
         return self.outer.run_per_shard(kernel, args, in_axes, out_axes)
 
     def split_degree(self, logical_axis: str) -> int:
@@ -252,7 +274,8 @@ class _Pregathered(Parallelism):
 
 NO_PARALLELISM = Parallelism()  # one device, or a trace without a mesh
 _ACTIVE: contextvars.ContextVar[Parallelism] = contextvars.ContextVar(
-    "parallelism", default=NO_PARALLELISM)
+    "parallelism", default=NO_PARALLELISM
+)
 
 
 class FrozenParam(nnx.Param):
@@ -287,9 +310,11 @@ def gather_frozen(param: FrozenParam) -> jax.Array:
 def _axes_of(param: nnx.Param) -> LogicalAxes:
     axes = tuple(param.logical_axes)
     if len(axes) != param[...].ndim:
-        raise ValueError(f"a weight of shape {param[...].shape} is used with logical axes "
-                         f"{axes}; a stacked weight is used one layer at a time, inside the "
-                         "layer scan")
+        raise ValueError(
+            f"a weight of shape {param[...].shape} is used with logical axes "
+            f"{axes}; a stacked weight is used one layer at a time, inside the "
+            "layer scan"
+        )
     return axes
 
 
@@ -333,8 +358,9 @@ def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
     return _ACTIVE.get().constrain(x, logical_axes)
 
 
-def dispatch_to_experts(rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array,
-                        n_local: int, ffn: ExpertFFN) -> jax.Array:
+def dispatch_to_experts(
+    rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array, n_local: int, ffn: ExpertFFN
+) -> jax.Array:
     """The MoE layer's picks through their experts (see `Parallelism.dispatch_to_experts`)."""
     return _ACTIVE.get().dispatch_to_experts(rows_MD, experts_M, gates_M, n_local, ffn)
 
@@ -344,8 +370,12 @@ def split_degree(logical_axis: str) -> int:
     return _ACTIVE.get().split_degree(logical_axis)
 
 
-def run_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],
-                  in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+def run_per_shard(
+    kernel: Kernel,
+    args: tuple[jax.Array, ...],
+    in_axes: tuple[LogicalAxes, ...],
+    out_axes: LogicalAxes,
+) -> jax.Array:
     """`kernel(*args)` on each device's shard (see `Parallelism.run_per_shard`): for a kernel
     that works on any slice of the split axes (rows, heads) but that the compiler cannot split."""
     return _ACTIVE.get().run_per_shard(kernel, args, in_axes, out_axes)

@@ -61,9 +61,14 @@ class ModelDef(Protocol):
 
     def init_buffers(self) -> Params: ...
 
-    def forward(self, params: Params, buffers: Params, tokens_BT: jax.Array,
-                dtype: jnp.dtype, dropout_key: jax.Array | None = None
-                ) -> tuple[jax.Array, jax.Array, Aux]:
+    def forward(
+        self,
+        params: Params,
+        buffers: Params,
+        tokens_BT: jax.Array,
+        dtype: jnp.dtype,
+        dropout_key: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array, Aux]:
         """`dropout_key`: the step's LoRA dropout key (training only; None: no dropout)."""
         ...
 
@@ -71,8 +76,9 @@ class ModelDef(Protocol):
         """Logits (B, T, V) in fp32 (for parity and decoding; training never builds them)."""
         ...
 
-    def aux_metrics(self, stats: dict[str, jax.Array], n_tokens: jax.Array
-                    ) -> dict[str, jax.Array]: ...
+    def aux_metrics(
+        self, stats: dict[str, jax.Array], n_tokens: jax.Array
+    ) -> dict[str, jax.Array]: ...
 
     def update_buffers(self, buffers: Params, stats: dict[str, jax.Array]) -> Params: ...
 
@@ -117,15 +123,24 @@ class HFAdapter(Protocol):
 
     def read_config(self, path: str | Path) -> Any: ...  # a HF directory's config.json as args
 
-    def load_params(self, path: str | Path, args: Any, shardings: Params | None = None
-                    ) -> Params: ...
+    def load_params(
+        self, path: str | Path, args: Any, shardings: Params | None = None
+    ) -> Params: ...
 
-    def save(self, path: str | Path, params: Params, args: Any, dtype: str = "float32",
-             **options: Any) -> Any: ...
+    def save(
+        self, path: str | Path, params: Params, args: Any, dtype: str = "float32", **options: Any
+    ) -> Any: ...
 
-    def save_peft(self, path: str | Path, params: Params, args: Any, lora: Lora,
-                  base_model: str | None = None, dtype: str = "float32", **options: Any
-                  ) -> Any:
+    def save_peft(
+        self,
+        path: str | Path,
+        params: Params,
+        args: Any,
+        lora: Lora,
+        base_model: str | None = None,
+        dtype: str = "float32",
+        **options: Any,
+    ) -> Any:
         """The LoRA adapters in `params` as a PEFT adapter directory."""
         ...
 
@@ -162,11 +177,15 @@ def pick_flavor(family: str, flavors: Mapping[str, Any], name: str) -> Any:
     """`flavors[name]`, or a ConfigError that suggests the nearest names."""
     if name not in flavors:
         by_lower = {k.lower(): k for k in flavors}
-        close = [by_lower[name.lower()]] if name.lower() in by_lower else (
-            difflib.get_close_matches(name, flavors, n=3))
+        close = (
+            [by_lower[name.lower()]]
+            if name.lower() in by_lower
+            else (difflib.get_close_matches(name, flavors, n=3))
+        )
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ConfigError(f"model.flavor={name!r} is not a {family} flavour{hint}; "
-                          f"valid: {', '.join(flavors)}")
+        raise ConfigError(
+            f"model.flavor={name!r} is not a {family} flavour{hint}; valid: {', '.join(flavors)}"
+        )
     return flavors[name]
 
 
@@ -189,6 +208,7 @@ def registered_model(name: str) -> ModelSpec:
     """The registered family `name` (model.name), or a ConfigError listing the valid ones.
     Use `titan_jax.models.get_model_spec`, which registers the built-in families first."""
     if name not in _REGISTRY:
-        raise ConfigError(f"model.name={name!r} is not a registered model; valid: "
-                          f"{', '.join(sorted(_REGISTRY))}")
+        raise ConfigError(
+            f"model.name={name!r} is not a registered model; valid: {', '.join(sorted(_REGISTRY))}"
+        )
     return _REGISTRY[name]

@@ -34,8 +34,9 @@ class BatchPlacement:
         n = self.global_batch_size if global_batch_size is None else global_batch_size
         return held_rows(self.sharding, n, self._local_devices)
 
-    def spans(self, seq_len: int, devices: list[jax.Device] | None = None
-              ) -> list[tuple[int, int]] | None:
+    def spans(
+        self, seq_len: int, devices: list[jax.Device] | None = None
+    ) -> list[tuple[int, int]] | None:
         """The token ranges of each row (in the load-balanced layout's order) that `devices`
         (default: this process's) hold under context parallelism; None: all."""
         devices = self._local_devices if devices is None else devices
@@ -44,8 +45,12 @@ class BatchPlacement:
             return None
         return held_spans(held, seq_len, self.cp)
 
-    def put(self, local: dict[str, np.ndarray], global_batch_size: int | None = None,
-            seq_len: int | None = None) -> dict[str, jax.Array]:
+    def put(
+        self,
+        local: dict[str, np.ndarray],
+        global_batch_size: int | None = None,
+        seq_len: int | None = None,
+    ) -> dict[str, jax.Array]:
         """This process's `rows` -> global arrays sharded like the step's batch. Whole rows are
         laid out in load-balanced order and only the chunks this process's devices hold are put
         on them. `seq_len`: the rows' whole length when `local` holds only this process's chunks
@@ -57,8 +62,9 @@ class BatchPlacement:
             if v.shape[1] == whole:
                 v = to_load_balanced(v, self.cp)
                 v = v[:, held_seq(self.sharding, (n, whole), self._local_devices)]
-            out[k] = jax.make_array_from_process_local_data(self.sharding, v,
-                                                            (n, whole, *v.shape[2:]))
+            out[k] = jax.make_array_from_process_local_data(
+                self.sharding, v, (n, whole, *v.shape[2:])
+            )
         return out
 
 
@@ -69,8 +75,7 @@ def held_rows(sharding: NamedSharding, n_rows: int, devices: list[jax.Device]) -
     return sorted({r for d in devices for r in range(n_rows)[index[d][0]]})
 
 
-def held_seq(sharding: NamedSharding, shape: tuple[int, int], devices: list[jax.Device]
-             ) -> slice:
+def held_seq(sharding: NamedSharding, shape: tuple[int, int], devices: list[jax.Device]) -> slice:
     """The span of sequence positions (in load-balanced layout order) that `devices` hold."""
     index = sharding.devices_indices_map(shape)
     spans = [range(shape[1])[index[d][1]] for d in devices]

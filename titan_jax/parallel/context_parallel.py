@@ -57,9 +57,11 @@ def held_spans(held: slice, seq_len: int, cp: int) -> list[tuple[int, int]]:
 def check_seq_len(seq_len: int, cp: int, field: str) -> None:
     """A sequence cp can split: 2 x cp chunks of equal length."""
     if cp > 1 and seq_len % (2 * cp):
-        raise ConfigError(f"{field}={seq_len} must be a multiple of 2 x parallelism."
-                          f"context_parallel_degree = {2 * cp} (each rank holds two equal "
-                          "chunks of every sequence)")
+        raise ConfigError(
+            f"{field}={seq_len} must be a multiple of 2 x parallelism."
+            f"context_parallel_degree = {2 * cp} (each rank holds two equal "
+            "chunks of every sequence)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,15 +78,14 @@ class ContextParallel:
 
     def positions(self, t_local: int) -> jax.Array:
         chunk = t_local // 2
-        return (jnp.repeat(self.chunks(), chunk) * chunk + jnp.tile(jnp.arange(chunk), 2))
+        return jnp.repeat(self.chunks(), chunk) * chunk + jnp.tile(jnp.arange(chunk), 2)
 
     def gathered_positions(self, t_local: int) -> jax.Array:
         return jnp.asarray(load_balanced_order(t_local * self.degree, self.degree))
 
     def pass_along(self, x: jax.Array) -> jax.Array:
         """Rank r's block to rank r + 1 (the ring's step; the last rank's to rank 0)."""
-        return lax.ppermute(x, self.axis, [(r, (r + 1) % self.degree)
-                                           for r in range(self.degree)])
+        return lax.ppermute(x, self.axis, [(r, (r + 1) % self.degree) for r in range(self.degree)])
 
     def gather(self, x: jax.Array) -> jax.Array:
         return lax.all_gather(x, self.axis, axis=1, tiled=True)

@@ -73,7 +73,8 @@ def _wait_for_coordinator(d: Distributed, deadline: float) -> None:
                 raise DistributedError(
                     f"process {d.process_id} could not reach distributed.coordinator_address="
                     f"{d.coordinator_address} within distributed.initialization_timeout="
-                    f"{d.initialization_timeout} s (is process 0 running there?)") from None
+                    f"{d.initialization_timeout} s (is process 0 running there?)"
+                ) from None
             time.sleep(0.2)
 
 
@@ -83,32 +84,39 @@ def initialize_distributed(d: Distributed) -> bool:
     `distributed.*`, when the processes do not all meet within the timeout."""
     if jax.distributed.is_initialized():
         return True
-    if d.num_processes == 1 or (d.num_processes == AUTO and (
-            not is_tpu_host() or _tpu_env_names_one_host())):
+    if d.num_processes == 1 or (
+        d.num_processes == AUTO and (not is_tpu_host() or _tpu_env_names_one_host())
+    ):
         return False
     deadline = time.monotonic() + d.initialization_timeout
     if d.num_processes == AUTO:  # a TPU cluster: JAX reads the hosts from its environment
         kwargs: dict = {}
         who, hint = "this process", "start the same command on every host of the slice"
     else:
-        kwargs = {"coordinator_address": d.coordinator_address,
-                  "num_processes": d.num_processes, "process_id": d.process_id}
+        kwargs = {
+            "coordinator_address": d.coordinator_address,
+            "num_processes": d.num_processes,
+            "process_id": d.process_id,
+        }
         who = f"process {d.process_id} of {d.num_processes}"
-        hint = ("start the same command on every host, each with its own "
-                "distributed.process_id")
+        hint = "start the same command on every host, each with its own distributed.process_id"
         if d.process_id != 0:
             _wait_for_coordinator(d, deadline)
-    message = (f"{who}: not every process reached distributed.coordinator_address="
-               f"{d.coordinator_address or '(auto-detected)'} within "
-               f"distributed.initialization_timeout={d.initialization_timeout} s; {hint}")
+    message = (
+        f"{who}: not every process reached distributed.coordinator_address="
+        f"{d.coordinator_address or '(auto-detected)'} within "
+        f"distributed.initialization_timeout={d.initialization_timeout} s; {hint}"
+    )
     remaining = max(deadline - time.monotonic(), 1.0)
     watchdog = threading.Timer(remaining, exit_job, (str(DistributedError(message)), 2))
     watchdog.daemon = True
     watchdog.start()
     try:
-        jax.distributed.initialize(**kwargs,
-                                   initialization_timeout=int(remaining) + _GRACE_S,
-                                   heartbeat_timeout_seconds=d.heartbeat_timeout + _GRACE_S)
+        jax.distributed.initialize(
+            **kwargs,
+            initialization_timeout=int(remaining) + _GRACE_S,
+            heartbeat_timeout_seconds=d.heartbeat_timeout + _GRACE_S,
+        )
     finally:
         watchdog.cancel()
     return True
@@ -134,13 +142,15 @@ _LOCAL_RUNTIME_ERRORS = ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNIMPLEMENTE
 
 
 def _may_come_from_a_lost_process(error: BaseException) -> bool:
-    return (isinstance(error, jax.errors.JaxRuntimeError)
-            and not str(error).startswith(_LOCAL_RUNTIME_ERRORS))
+    return isinstance(error, jax.errors.JaxRuntimeError) and not str(error).startswith(
+        _LOCAL_RUNTIME_ERRORS
+    )
 
 
 # Seconds past the heartbeat timeout a collective's error waits for the watcher to name a lost
 # peer (JobFailures.report): under JAX's own abort, which comes _GRACE_S past it.
 LOST_PROCESS_SLACK_S = _GRACE_S - 2.0
+
 
 class JobFailures:
     """With several processes: a failure of this process is posted to JAX's coordination
@@ -171,15 +181,22 @@ class JobFailures:
             self._client = global_state.client
             self._coordinator = global_state.coordinator_address
             watchers = [self._watch] + ([self._watch_coordinator] if jax.process_index() else [])
-            self._threads = [threading.Thread(target=target, daemon=True,
-                                              name=f"titan-jax-{target.__name__[1:]}")
-                             for target in watchers]
+            self._threads = [
+                threading.Thread(
+                    target=target, daemon=True, name=f"titan-jax-{target.__name__[1:]}"
+                )
+                for target in watchers
+            ]
             for thread in self._threads:
                 thread.start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if error is not None:
             self.report(error)
         self._stop.set()
@@ -187,8 +204,9 @@ class JobFailures:
             thread.join()
         if self._client is not None and self._reported is None:  # left cleanly: stop watching
             with contextlib.suppress(Exception):
-                self._client.key_value_set(f"{self._beat_folder(jax.process_index())}beat",
-                                           _DONE, allow_overwrite=True)
+                self._client.key_value_set(
+                    f"{self._beat_folder(jax.process_index())}beat", _DONE, allow_overwrite=True
+                )
         if self._reported is not None:
             if jax.process_index() == 0:  # the service lives here: let the others read it first
                 time.sleep(4 * self.poll_s)
@@ -219,14 +237,18 @@ class JobFailures:
             time.sleep(self.heartbeat_timeout + LOST_PROCESS_SLACK_S)
         code, message = _exit_code_and_message(error)
         self._reported = code
-        self._post(jax.process_index(), code,
-                   f"process {jax.process_index()} of {jax.process_count()} failed: {message}")
+        self._post(
+            jax.process_index(),
+            code,
+            f"process {jax.process_index()} of {jax.process_count()} failed: {message}",
+        )
 
     def _post(self, index: int, code: int, line: str) -> None:
         """Posts process `index`'s failure for every process to end with."""
         with contextlib.suppress(Exception):  # the service may be gone: JAX then ends the job
-            self._client.key_value_set(f"{_FAILED_KEY}{index}", f"{code}\n{line}",
-                                       allow_overwrite=True)
+            self._client.key_value_set(
+                f"{_FAILED_KEY}{index}", f"{code}\n{line}", allow_overwrite=True
+            )
 
     @staticmethod
     def _beat_folder(index: int) -> str:
@@ -244,9 +266,11 @@ class JobFailures:
         last, heard_at = "", time.monotonic()  # the watched process's last beat, when it came
         for beat in itertools.count(1):
             try:
-                self._client.key_value_set(f"{self._beat_folder(me)}beat",
-                                           f"{beat}\n{who}\n{self.activity()}",
-                                           allow_overwrite=True)
+                self._client.key_value_set(
+                    f"{self._beat_folder(me)}beat",
+                    f"{beat}\n{who}\n{self.activity()}",
+                    allow_overwrite=True,
+                )
                 posted = self._client.key_value_dir_get(_FAILED_KEY)
                 heard = self._client.key_value_dir_get(self._beat_folder(watched))
             except Exception:  # the service is gone: _watch_coordinator ends this process
@@ -272,25 +296,34 @@ class JobFailures:
         """`beat`: the lost process's last heartbeat ("" if none came)."""
         name = f"process {index} of {jax.process_count()}"
         if not beat:
-            return (f"{name} sent no heartbeat within distributed.heartbeat_timeout="
-                    f"{self.heartbeat_timeout:g} s of joining the job: it was stopped, killed or "
-                    f"cut off from it. {_RESTART}")
+            return (
+                f"{name} sent no heartbeat within distributed.heartbeat_timeout="
+                f"{self.heartbeat_timeout:g} s of joining the job: it was stopped, killed or "
+                f"cut off from it. {_RESTART}"
+            )
         _, who, doing = beat.split("\n", 2)
-        return (f"{name} ({who}) sent no heartbeat for distributed.heartbeat_timeout="
-                f"{self.heartbeat_timeout:g} s while {doing}: it was stopped, killed or cut off "
-                f"from the job. {_RESTART}")
+        return (
+            f"{name} ({who}) sent no heartbeat for distributed.heartbeat_timeout="
+            f"{self.heartbeat_timeout:g} s while {doing}: it was stopped, killed or cut off "
+            f"from the job. {_RESTART}"
+        )
 
     def _watch_coordinator(self) -> None:
         """Process 0 hosts the coordination service: when it stops answering, every call the
         other watcher makes hangs or fails, so the silence is timed here."""
         while not self._stop.wait(self.poll_s):
             if time.monotonic() - self._answered > self.heartbeat_timeout:
-                exit_job(f"process 0 of {jax.process_count()} (the coordinator, "
-                         f"{self._coordinator}) did not answer for distributed.heartbeat_timeout="
-                         f"{self.heartbeat_timeout:g} s while this process was "
-                         f"{self.activity()}: it was stopped, killed or cut off from the job. "
-                         f"{_RESTART}", EXIT_LOST_PROCESS)
+                exit_job(
+                    f"process 0 of {jax.process_count()} (the coordinator, "
+                    f"{self._coordinator}) did not answer for distributed.heartbeat_timeout="
+                    f"{self.heartbeat_timeout:g} s while this process was "
+                    f"{self.activity()}: it was stopped, killed or cut off from the job. "
+                    f"{_RESTART}",
+                    EXIT_LOST_PROCESS,
+                )
 
 
-_RESTART = ("Ending the job: end that process if it still runs, then start every process again "
-            "with the same command; it resumes from the last checkpoint")
+_RESTART = (
+    "Ending the job: end that process if it still runs, then start every process again "
+    "with the same command; it resumes from the last checkpoint"
+)

@@ -75,8 +75,9 @@ def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
-def exchange_plan(counts_SD: jax.Array, rank: jax.Array, starts_SD: jax.Array | None = None
-                  ) -> tuple[ExchangeSlices, ExchangeSlices]:
+def exchange_plan(
+    counts_SD: jax.Array, rank: jax.Array, starts_SD: jax.Array | None = None
+) -> tuple[ExchangeSlices, ExchangeSlices]:
     """(dispatch, combine) slices of rank `rank`, from `counts_SD[s, d]`, the picks rank s
     sends rank d (every rank's, all-gathered), each slice starting at `starts_SD[s, d]` among
     s's rows (default: packed, sum_{d' < d} counts[s, d']). The receiver packs what it gets
@@ -92,10 +93,17 @@ def exchange_plan(counts_SD: jax.Array, rank: jax.Array, starts_SD: jax.Array | 
     return dispatch, combine
 
 
-def dense_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
-                            send_sizes: jax.Array, output_offsets: jax.Array,
-                            recv_sizes: jax.Array, *, axis_name: str, slice_rows: int
-                            ) -> jax.Array:
+def dense_ragged_all_to_all(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    *,
+    axis_name: str,
+    slice_rows: int,
+) -> jax.Array:
     """`lax.ragged_all_to_all` (one slice per peer) by a dense all-to-all, for XLA:CPU, which
     has no ragged one: every slice travels in a slot of `slice_rows` rows (its static bound)."""
     j = jnp.arange(slice_rows)
@@ -149,8 +157,14 @@ class _Route:
     m: int
     exchange: RaggedExchange
 
-    def dispatch(self, rows_MD: jax.Array, gates_M: jax.Array, sent_SE: jax.Array,
-                 starts_SD: jax.Array, buffer_rows: int) -> Delivery:
+    def dispatch(
+        self,
+        rows_MD: jax.Array,
+        gates_M: jax.Array,
+        sent_SE: jax.Array,
+        starts_SD: jax.Array,
+        buffer_rows: int,
+    ) -> Delivery:
         """Send `sent_SE[s, e]` rows and their gate weights per source and expert (each
         source's slice for rank d starting at `starts_SD[s, d]` of its sorted rows) into a
         receive buffer of `buffer_rows` rows (real rows first, padding rows the id `n_local`
@@ -171,12 +185,18 @@ class _Route:
         left from."""
         return self.exchange(y, output_MD, *back, axis_name=self.axis)
 
-    def through(self, ffn: ExpertFFN, rows_MD: jax.Array, gates_M: jax.Array,
-                sent_SE: jax.Array, starts_SD: jax.Array, buffer_rows: int,
-                output_MD: jax.Array) -> jax.Array:
+    def through(
+        self,
+        ffn: ExpertFFN,
+        rows_MD: jax.Array,
+        gates_M: jax.Array,
+        sent_SE: jax.Array,
+        starts_SD: jax.Array,
+        buffer_rows: int,
+        output_MD: jax.Array,
+    ) -> jax.Array:
         """`dispatch`, `ffn` over what arrived, `combine`."""
-        rows, ids, gates, back = self.dispatch(rows_MD, gates_M, sent_SE, starts_SD,
-                                               buffer_rows)
+        rows, ids, gates, back = self.dispatch(rows_MD, gates_M, sent_SE, starts_SD, buffer_rows)
         return self.combine(ffn(rows, ids, gates), output_MD, back)
 
     def per_rank(self, counts_SE: jax.Array) -> jax.Array:
@@ -208,8 +228,9 @@ class _Chunk(NamedTuple):
     first_SE: jax.Array
 
 
-def dropless_exchange(ffn: ExpertFFN, chunks: list[_Chunk], route: _Route, capacity: int
-                      ) -> list[jax.Array]:
+def dropless_exchange(
+    ffn: ExpertFFN, chunks: list[_Chunk], route: _Route, capacity: int
+) -> list[jax.Array]:
     """Every chunk's picks through `ffn` and back (each in its sorted order), dropless, with a
     receive buffer of `capacity` rows on the path every step runs: the picks that fit in it
     (all of them under balanced-ish routing) travel in a first exchange outside any
@@ -222,6 +243,7 @@ def dropless_exchange(ffn: ExpertFFN, chunks: list[_Chunk], route: _Route, capac
     output with the next chunk's dispatch and the previous chunk's combine, so both of those
     exchanges run while this chunk's experts compute (XLA:TPU's scheduler, left alone, runs the
     chunks one after the other: docs/MOE.md)."""
+
     def starts(chunk: _Chunk) -> jax.Array:
         return _exclusive_cumsum(route.per_rank(chunk.counts_SE), axis=1)
 
@@ -232,21 +254,25 @@ def dropless_exchange(ffn: ExpertFFN, chunks: list[_Chunk], route: _Route, capac
     for i, chunk in enumerate(chunks):
         y = ffn(delivered[i].rows, delivered[i].ids, delivered[i].gates)
         if len(chunks) > 1:
-            y, delivered[i + 1:], outs[i - 1:] = lax.optimization_barrier(
-                (y, [dispatch(c) for c in chunks[i + 1:i + 2]], outs[i - 1:]))
-        outs.append(route.combine(y, zeros_varying_like(chunk.rows, route.m),
-                                  delivered[i].back))
+            y, delivered[i + 1 :], outs[i - 1 :] = lax.optimization_barrier(
+                (y, [dispatch(c) for c in chunks[i + 1 : i + 2]], outs[i - 1 :])
+            )
+        outs.append(route.combine(y, zeros_varying_like(chunk.rows, route.m), delivered[i].back))
     if capacity >= route.ep * route.m:
         return outs
     # The FFN over one block of `m` rows, as a function of its closed-over values (the experts'
     # weights), for the overflow's VJP.
     block_ffn, weights = jax.closure_convert(
-        ffn, zeros_varying_like(chunks[0].rows, route.m),
+        ffn,
+        zeros_varying_like(chunks[0].rows, route.m),
         zeros_varying_like(chunks[0].rows, route.m, (route.m,), jnp.int32),
-        zeros_varying_like(chunks[0].gates, route.m))
+        zeros_varying_like(chunks[0].gates, route.m),
+    )
     overflow = _Overflow(block_ffn, route, capacity)
-    return [_with_overflow(overflow, y, c.rows, c.gates, c.counts_SE, c.first_SE, *weights)
-            for y, c in zip(outs, chunks, strict=True)]
+    return [
+        _with_overflow(overflow, y, c.rows, c.gates, c.counts_SE, c.first_SE, *weights)
+        for y, c in zip(outs, chunks, strict=True)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,8 +292,15 @@ class _Overflow:
         """Whether some rank receives more than `capacity` rows."""
         return jnp.max(self.route.per_rank(counts_SE).sum(0)) > self.capacity
 
-    def add(self, y_MD: jax.Array, rows_MD: jax.Array, gates_M: jax.Array,
-            counts_SE: jax.Array, first_SE: jax.Array, *weights: jax.Array) -> jax.Array:
+    def add(
+        self,
+        y_MD: jax.Array,
+        rows_MD: jax.Array,
+        gates_M: jax.Array,
+        counts_SE: jax.Array,
+        first_SE: jax.Array,
+        *weights: jax.Array,
+    ) -> jax.Array:
         """`y_MD` with the overflowing picks' results written in."""
         route, m = self.route, self.route.m
 
@@ -277,48 +310,74 @@ class _Overflow:
                 return None, self.block_ffn(*block, *weights)
 
             n = x.shape[0] // m
-            _, y = lax.scan(one, None, (x.reshape(n, m, *x.shape[1:]), ids.reshape(n, m),
-                                        gates.reshape(n, m)))
+            _, y = lax.scan(
+                one, None, (x.reshape(n, m, *x.shape[1:]), ids.reshape(n, m), gates.reshape(n, m))
+            )
             return y.reshape(x.shape)
 
-        starts_SD = (_exclusive_cumsum(route.per_rank(counts_SE), axis=1)
-                     + route.per_rank(first_SE))
-        return route.through(blocked, rows_MD, gates_M, counts_SE - first_SE, starts_SD,
-                             overflow_rows(m, route.ep, self.capacity), y_MD)
+        starts_SD = _exclusive_cumsum(route.per_rank(counts_SE), axis=1) + route.per_rank(first_SE)
+        return route.through(
+            blocked,
+            rows_MD,
+            gates_M,
+            counts_SE - first_SE,
+            starts_SD,
+            overflow_rows(m, route.ep, self.capacity),
+            y_MD,
+        )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _with_overflow(o: _Overflow, y_MD: jax.Array, rows_MD: jax.Array, gates_M: jax.Array,
-                   counts_SE: jax.Array, first_SE: jax.Array, *weights: jax.Array
-                   ) -> jax.Array:
+def _with_overflow(
+    o: _Overflow,
+    y_MD: jax.Array,
+    rows_MD: jax.Array,
+    gates_M: jax.Array,
+    counts_SE: jax.Array,
+    first_SE: jax.Array,
+    *weights: jax.Array,
+) -> jax.Array:
     """`o.add` where some rank overflows, else `y_MD` as it is. Differentiated as is, the
     conditional would save the overflow branch's residuals (the worst-case buffer) every
     layer; this VJP saves nothing of its own and recomputes the overflow in backward when it
     occurred."""
-    return lax.cond(o.occurs(counts_SE), rare_branch(o.add), lambda y, *_: y, y_MD, rows_MD,
-                    gates_M, counts_SE, first_SE, *weights)
+    return lax.cond(
+        o.occurs(counts_SE),
+        rare_branch(o.add),
+        lambda y, *_: y,
+        y_MD,
+        rows_MD,
+        gates_M,
+        counts_SE,
+        first_SE,
+        *weights,
+    )
 
 
-def _with_overflow_fwd(o: _Overflow, y_MD: jax.Array, *inputs: jax.Array
-                       ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+def _with_overflow_fwd(
+    o: _Overflow, y_MD: jax.Array, *inputs: jax.Array
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     return _with_overflow(o, y_MD, *inputs), inputs
 
 
-def _with_overflow_bwd(o: _Overflow, saved: tuple[jax.Array, ...], g: jax.Array
-                       ) -> tuple[Any, ...]:
+def _with_overflow_bwd(o: _Overflow, saved: tuple[jax.Array, ...], g: jax.Array) -> tuple[Any, ...]:
     rows_MD, gates_M, counts_SE, first_SE, *weights = saved
 
     def recomputed(g: jax.Array, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        _, pullback = jax.vjp(lambda x, gates, w: o.add(zeros_varying_like(g, g.shape[0]), x,
-                                                        gates, counts_SE, first_SE, *w),
-                              *inputs)
+        _, pullback = jax.vjp(
+            lambda x, gates, w: o.add(
+                zeros_varying_like(g, g.shape[0]), x, gates, counts_SE, first_SE, *w
+            ),
+            *inputs,
+        )
         return pullback(g)
 
     def passed(g: jax.Array, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         return jax.tree.map(lambda x: zeros_varying_like(x, x.shape[0]), inputs)
 
-    d_rows, d_gates, d_weights = lax.cond(o.occurs(counts_SE), rare_branch(recomputed), passed,
-                                          g, (rows_MD, gates_M, tuple(weights)))
+    d_rows, d_gates, d_weights = lax.cond(
+        o.occurs(counts_SE), rare_branch(recomputed), passed, g, (rows_MD, gates_M, tuple(weights))
+    )
     # y_MD's cotangent is g as it is, outside the conditional, so that the first exchange's
     # backward need not wait for it: the rows the overflow writes are rows the first exchange
     # did not (its output buffer's zeros), whose cotangent it never reads.
@@ -340,23 +399,32 @@ def received_expert_ids(counts_SL: jax.Array, rows: int) -> jax.Array:
     return jnp.where(row < ends[-1], group % n_local, n_local)
 
 
-def zeros_varying_like(x: jax.Array, rows: int, shape: tuple[int, ...] | None = None,
-                       dtype: Any = None) -> jax.Array:
+def zeros_varying_like(
+    x: jax.Array, rows: int, shape: tuple[int, ...] | None = None, dtype: Any = None
+) -> jax.Array:
     """A zero buffer of `rows` rows like `x`'s (or of `shape` and `dtype`), typed as varying
     over the mesh axes `x` varies over. `lax.ragged_all_to_all` types its result as its output
     buffer: from a plain (invariant) zeros the exchanged rows would be typed as replicated,
     and autodiff would psum their cotangents over the data axes where they meet varying
     values."""
-    buffer = jnp.zeros((rows, *x.shape[1:]) if shape is None else shape,
-                       x.dtype if dtype is None else dtype)
-    missing = tuple(a for a in jax.typeof(x).mat.varying
-                    if a not in jax.typeof(buffer).mat.varying)
+    buffer = jnp.zeros(
+        (rows, *x.shape[1:]) if shape is None else shape, x.dtype if dtype is None else dtype
+    )
+    missing = tuple(a for a in jax.typeof(x).mat.varying if a not in jax.typeof(buffer).mat.varying)
     return lax.pcast(buffer, missing, to="varying") if missing else buffer
 
 
-def ragged_dispatch(rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array,
-                    n_local: int, ffn: ExpertFFN, axis: str, ep: int, exchange: RaggedExchange,
-                    chunks: int = 1) -> jax.Array:
+def ragged_dispatch(
+    rows_MD: jax.Array,
+    experts_M: jax.Array,
+    gates_M: jax.Array,
+    n_local: int,
+    ffn: ExpertFFN,
+    axis: str,
+    ep: int,
+    exchange: RaggedExchange,
+    chunks: int = 1,
+) -> jax.Array:
     """Each row (one pick) through its expert, held by rank `experts_M // n_local` of mesh
     axis `axis` (size `ep`), scaled by its gate weight; the results in the rows' order (see
     the module docstring). `chunks`: the rows travel in that many exchanges, pipelined, so
@@ -366,14 +434,23 @@ def ragged_dispatch(rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array
     capacity = expert_capacity(m, ep * m)
     planned = []
     for c in range(chunks):
-        rows, experts, gates = (a[c * m:(c + 1) * m] for a in (rows_MD, experts_M, gates_M))
+        rows, experts, gates = (a[c * m : (c + 1) * m] for a in (rows_MD, experts_M, gates_M))
         order = jnp.argsort(experts, stable=True)  # by expert, so by destination rank
         inverse = jnp.argsort(order)
         counts_SE = lax.all_gather(
-            jnp.bincount(experts, length=ep * n_local).astype(jnp.int32), axis)
-        planned.append(_Chunk(order, inverse, permute(rows, order, inverse),
-                              permute(gates, order, inverse), counts_SE,
-                              capped_counts(counts_SE, ep, capacity)))
+            jnp.bincount(experts, length=ep * n_local).astype(jnp.int32), axis
+        )
+        planned.append(
+            _Chunk(
+                order,
+                inverse,
+                permute(rows, order, inverse),
+                permute(gates, order, inverse),
+                counts_SE,
+                capped_counts(counts_SE, ep, capacity),
+            )
+        )
     backs = dropless_exchange(ffn, planned, route, capacity)
-    return jnp.concatenate([permute(y, c.inverse, c.order)
-                            for y, c in zip(backs, planned, strict=True)])
+    return jnp.concatenate(
+        [permute(y, c.inverse, c.order) for y, c in zip(backs, planned, strict=True)]
+    )

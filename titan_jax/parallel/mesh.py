@@ -89,9 +89,11 @@ def resolve_degrees(p: Parallelism, n_devices: int) -> MeshDegrees:
     if shard % ep:
         raise ConfigError(
             f"parallelism.expert_parallel_degree={ep} must divide the data-parallel shard degree "
-            f"{shard} (experts are split over part of the FSDP ranks, as in TorchTitan)")
-    degrees = MeshDegrees(p.data_parallel_replicate_degree, shard // ep,
-                          p.tensor_parallel_degree, ep, cp)
+            f"{shard} (experts are split over part of the FSDP ranks, as in TorchTitan)"
+        )
+    degrees = MeshDegrees(
+        p.data_parallel_replicate_degree, shard // ep, p.tensor_parallel_degree, ep, cp
+    )
     product = degrees.dp_replicate * degrees.dp_shard * degrees.tp * cp
     if product != n_devices:
         raise ConfigError(
@@ -113,14 +115,16 @@ def slices_of(devices: list[jax.Device], num_slices: int = -1) -> list[list[jax.
             groups.setdefault(d.slice_index, []).append(d)
         found = [groups[k] for k in sorted(groups)]
         if num_slices not in (-1, len(found)):
-            raise ConfigError(f"parallelism.num_slices={num_slices} but the devices form "
-                              f"{len(found)} slices (use -1 to follow the devices)")
+            raise ConfigError(
+                f"parallelism.num_slices={num_slices} but the devices form "
+                f"{len(found)} slices (use -1 to follow the devices)"
+            )
         return found
     n = 1 if num_slices == -1 else num_slices
     if len(devices) % n:
         raise ConfigError(f"parallelism.num_slices={n} does not divide {len(devices)} devices")
     size = len(devices) // n
-    return [devices[i * size:(i + 1) * size] for i in range(n)]
+    return [devices[i * size : (i + 1) * size] for i in range(n)]
 
 
 def dcn_axis(degrees: MeshDegrees, num_slices: int) -> int:
@@ -134,11 +138,13 @@ def dcn_axis(degrees: MeshDegrees, num_slices: int) -> int:
     raise ConfigError(
         f"{num_slices} slices must divide parallelism.data_parallel_replicate_degree="
         f"{degrees.dp_replicate} or the FSDP degree {degrees.fsdp}: only data parallelism "
-        "crosses slices (set data_parallel_replicate_degree to a multiple of the slice count)")
+        "crosses slices (set data_parallel_replicate_degree to a multiple of the slice count)"
+    )
 
 
-def build_mesh(degrees: MeshDegrees, devices: list[jax.Device] | None = None,
-               num_slices: int = -1) -> Mesh:
+def build_mesh(
+    degrees: MeshDegrees, devices: list[jax.Device] | None = None, num_slices: int = -1
+) -> Mesh:
     """A mesh over all (global) devices that follows the hardware: inside each slice the axes
     are laid on the physical topology (`mesh_utils.create_device_mesh`; tp innermost so its
     collectives stay on the nearest links, ep next), and with several slices one data-parallel
@@ -149,8 +155,7 @@ def build_mesh(degrees: MeshDegrees, devices: list[jax.Device] | None = None,
     axis = dcn_axis(degrees, len(slices)) if len(slices) > 1 else 0
     slice_shape = list(shape)
     slice_shape[axis] //= len(slices)
-    device_array = np.concatenate(
-        [_slice_mesh(tuple(slice_shape), s) for s in slices], axis=axis)
+    device_array = np.concatenate([_slice_mesh(tuple(slice_shape), s) for s in slices], axis=axis)
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

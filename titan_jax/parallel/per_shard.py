@@ -34,23 +34,35 @@ from jax.sharding import Mesh, PartitionSpec
 Kernel = Callable[..., jax.Array]
 
 
-def jit_per_shard(mesh: Mesh, kernel: Kernel, args: tuple[jax.Array, ...],
-                  in_specs: tuple[PartitionSpec, ...], out_spec: PartitionSpec) -> jax.Array:
+def jit_per_shard(
+    mesh: Mesh,
+    kernel: Kernel,
+    args: tuple[jax.Array, ...],
+    in_specs: tuple[PartitionSpec, ...],
+    out_spec: PartitionSpec,
+) -> jax.Array:
     """The jit path: `kernel` under shard_map over the whole mesh. Called inside SimpleFSDP's
     vmap over data shards (spmd_axis_name = the data axes), whose batching rule adds the data
     axes to the shard dim: each device runs the kernel on its own rows."""
-    return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
-                         check_vma=False)(*args)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(
+        *args
+    )
 
 
-def manual_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],
-                     in_specs: tuple[PartitionSpec, ...], out_spec: PartitionSpec,
-                     data_axes: tuple[str, ...]) -> jax.Array:
+def manual_per_shard(
+    kernel: Kernel,
+    args: tuple[jax.Array, ...],
+    in_specs: tuple[PartitionSpec, ...],
+    out_spec: PartitionSpec,
+    data_axes: tuple[str, ...],
+) -> jax.Array:
     """The shard_map path: the data axes are already manual; a nested shard_map maps the
     model-parallel axes the specs name (none: the kernel sees this shard whole)."""
+
     def axes_of(spec: PartitionSpec) -> frozenset[str]:
-        return frozenset(a for entry in spec if entry
-                         for a in (entry if isinstance(entry, tuple) else (entry,)))
+        return frozenset(
+            a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))
+        )
 
     model_axes = frozenset().union(*map(axes_of, (*in_specs, out_spec)))
     # An input whole on each shard of a model axis (the experts' rows, whose hidden dim tp
@@ -58,8 +70,9 @@ def manual_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],
     summed_over = [tuple(sorted(model_axes - axes_of(spec))) for spec in in_specs]
 
     def unchecked(f: Kernel, specs: tuple[PartitionSpec, ...], out: object) -> Kernel:
-        return jax.shard_map(f, in_specs=specs, out_specs=out, axis_names=model_axes,
-                             check_vma=False)
+        return jax.shard_map(
+            f, in_specs=specs, out_specs=out, axis_names=model_axes, check_vma=False
+        )
 
     def vary(x: jax.Array) -> jax.Array:
         missing = tuple(a for a in data_axes if a not in jax.typeof(x).mat.varying)
@@ -88,8 +101,9 @@ def manual_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],
         y, *residuals = untyped(traced, *xs)
         return y, [r[None] for r in residuals]  # a leading dim over the model axes
 
-    def backward(xs: tuple[jax.Array, ...], residuals: list[jax.Array], g: jax.Array
-                 ) -> tuple[jax.Array, ...]:
+    def backward(
+        xs: tuple[jax.Array, ...], residuals: list[jax.Array], g: jax.Array
+    ) -> tuple[jax.Array, ...]:
         tree, sources = pullback
         computed = iter(r[0] for r in residuals)
         leaves = [next(computed) if i is None else xs[i] for i in sources]
@@ -98,8 +112,10 @@ def manual_per_shard(kernel: Kernel, args: tuple[jax.Array, ...],
             return jax.tree.unflatten(tree, leaves)(g)
 
         cts = untyped(traced, g, *leaves)
-        return tuple(lax.psum(ct, axes) if axes and jnp.issubdtype(ct.dtype, jnp.inexact)
-                     else ct for ct, axes in zip(cts, summed_over, strict=True))
+        return tuple(
+            lax.psum(ct, axes) if axes and jnp.issubdtype(ct.dtype, jnp.inexact) else ct
+            for ct, axes in zip(cts, summed_over, strict=True)
+        )
 
     @jax.custom_vjp
     def typed_kernel(*xs: jax.Array) -> jax.Array:

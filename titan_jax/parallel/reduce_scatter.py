@@ -34,8 +34,18 @@ def staged_psum_scatter(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         half = size // 2
         # Shard i = a * half + b: first keep half a of the rows (pairs {b, half + b}), then
         # the b-th block of that half (the shards of half a).
-        x = lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True,
-                             axis_index_groups=[[b, half + b] for b in range(half)])
-        x = lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True,
-                             axis_index_groups=[list(range(half)), list(range(half, size))])
+        x = lax.psum_scatter(
+            x,
+            axis,
+            scatter_dimension=0,
+            tiled=True,
+            axis_index_groups=[[b, half + b] for b in range(half)],
+        )
+        x = lax.psum_scatter(
+            x,
+            axis,
+            scatter_dimension=0,
+            tiled=True,
+            axis_index_groups=[list(range(half)), list(range(half, size))],
+        )
     return x

@@ -67,24 +67,32 @@ KEPT_IN_COMPUTE = ("batch", "seq", "expert", "vocab")
 GATHERED_VOCAB: Mapping[str, MeshAxes] = {"vocab": "tp", "vocab_embed": DEFAULT_TABLE["embed"]}
 
 
-def table_with_overrides(overrides: Mapping[str, list[str]],
-                         table: Mapping[str, MeshAxes] = DEFAULT_TABLE
-                         ) -> Mapping[str, MeshAxes]:
+def table_with_overrides(
+    overrides: Mapping[str, list[str]], table: Mapping[str, MeshAxes] = DEFAULT_TABLE
+) -> Mapping[str, MeshAxes]:
     """`table` with a recipe's rules (`parallelism.sharding_rules`: logical axis -> mesh axes,
     [] for none) in place of its own; a rule for an axis the table does not have is refused.
     The mesh axes are checked by `ShardingRules`, the shapes by `storage_specs`."""
     unknown = sorted(set(overrides) - set(table))
     if unknown:
-        raise ShardingRuleError(f"parallelism.sharding_rules: {unknown[0]!r} is not a logical "
-                                f"axis of the sharding table; valid: {', '.join(table)}")
-    rules = {name: (axes[0] if len(axes) == 1 else tuple(axes)) if axes else None
-             for name, axes in overrides.items()}
+        raise ShardingRuleError(
+            f"parallelism.sharding_rules: {unknown[0]!r} is not a logical "
+            f"axis of the sharding table; valid: {', '.join(table)}"
+        )
+    rules = {
+        name: (axes[0] if len(axes) == 1 else tuple(axes)) if axes else None
+        for name, axes in overrides.items()
+    }
     return {**table, **rules}
 
 
-def table_for_vocab(mesh: Mesh, vocab_size: int, split_across_replicas: bool = True,
-                    table: Mapping[str, MeshAxes] = DEFAULT_TABLE,
-                    travelling_tokens: int = 0) -> Mapping[str, MeshAxes]:
+def table_for_vocab(
+    mesh: Mesh,
+    vocab_size: int,
+    split_across_replicas: bool = True,
+    table: Mapping[str, MeshAxes] = DEFAULT_TABLE,
+    travelling_tokens: int = 0,
+) -> Mapping[str, MeshAxes]:
     """`table`, with the vocabulary tables gathered (GATHERED_VOCAB) when `vocab_size` does not
     divide over the mesh axes `table` splits the vocabulary over, when the mesh has HSDP
     replicas and SimpleFSDP's implementation cannot keep the split across them
@@ -99,8 +107,11 @@ def table_for_vocab(mesh: Mesh, vocab_size: int, split_across_replicas: bool = T
     split = math.prod(mesh.shape[a] for a in axes_tuple(table.get("vocab")))
     replicas = not split_across_replicas and mesh.shape.get("dp_replicate", 1) > 1
     heavier = travelling_tokens > vocab_size
-    return (table if vocab_size % split == 0 and not replicas and not heavier
-            else {**table, **GATHERED_VOCAB})
+    return (
+        table
+        if vocab_size % split == 0 and not replicas and not heavier
+        else {**table, **GATHERED_VOCAB}
+    )
 
 
 def axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
@@ -111,8 +122,7 @@ def axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
 
 def mesh_axes_of(spec: PartitionSpec) -> set[str]:
     """Every mesh axis `spec` splits some dim over."""
-    return {a for entry in spec if entry
-            for a in (entry if isinstance(entry, tuple) else (entry,))}
+    return {a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))}
 
 
 class ShardingRuleError(ValueError):
@@ -136,14 +146,17 @@ class ShardingRules:
     mesh: Mesh
     table: Mapping[str, MeshAxes] = dataclasses.field(default_factory=lambda: DEFAULT_TABLE)
     _layouts: dict[LogicalAxes, WeightLayout] = dataclasses.field(
-        default_factory=dict, init=False, repr=False, compare=False)
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         for name, axes in self.table.items():
             unknown = [a for a in axes_tuple(axes) if a not in self.mesh.shape]
             if unknown:
-                raise ShardingRuleError(f"sharding rule {name!r} -> {axes!r}: mesh has no axis "
-                                        f"{unknown[0]!r} (axes: {', '.join(self.mesh.shape)})")
+                raise ShardingRuleError(
+                    f"sharding rule {name!r} -> {axes!r}: mesh has no axis "
+                    f"{unknown[0]!r} (axes: {', '.join(self.mesh.shape)})"
+                )
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -174,13 +187,13 @@ class ShardingRules:
         seq = self.seq_axes  # size-1 axes kept: the shard_map's tokens vary over every data axis
         return PartitionSpec(self.batch_axes, (seq[0] if len(seq) == 1 else seq) or None)
 
-    def storage_spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...]
-                     ) -> PartitionSpec:
+    def storage_spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...]) -> PartitionSpec:
         """How parameter `name` is stored."""
         return self._spec(name, axes, shape, drop=())
 
-    def compute_spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...] | None = None
-                     ) -> PartitionSpec:
+    def compute_spec(
+        self, name: str, axes: LogicalAxes, shape: tuple[int, ...] | None = None
+    ) -> PartitionSpec:
         """How a weight is used, or an activation laid out: data-parallel axes split only the
         batch and the experts. `shape` None skips the divisibility check (activations inside
         a trace)."""
@@ -189,8 +202,7 @@ class ShardingRules:
     def local_compute_spec(self, name: str, axes: LogicalAxes) -> PartitionSpec:
         """The compute spec with every data axis dropped, for code that already runs per data
         shard (SimpleFSDP's per-shard vmap or shard_map): only model-parallel splits remain."""
-        return self._spec(name, axes, None, drop=self.data_axes,
-                          keep_data_splits=False)
+        return self._spec(name, axes, None, drop=self.data_axes, keep_data_splits=False)
 
     def gathered_dims(self, axes: LogicalAxes) -> tuple[tuple[int, str], ...]:
         """(dim, mesh axis) of each stored split that a use gathers, in the order to gather
@@ -214,15 +226,18 @@ class ShardingRules:
             name = f"a weight with logical axes {axes}"
             storage = self._spec(name, axes, None, drop=())
             layout = WeightLayout(
-                storage, self._spec(name, axes, None, drop=self.data_axes),
+                storage,
+                self._spec(name, axes, None, drop=self.data_axes),
                 self.gathered_dims(axes),
-                tuple(a for a in self.data_axes if a not in mesh_axes_of(storage)))
+                tuple(a for a in self.data_axes if a not in mesh_axes_of(storage)),
+            )
             self._layouts[axes] = layout
         return layout
 
     def storage_specs(self, abstract: Any, logical_axes: Any) -> Any:
         """The storage PartitionSpec of every array in `abstract` (same tree as
         `logical_axes`); a ShardingRuleError names the first array the table cannot split."""
+
         def spec(path: tuple, x: Any, axes: LogicalAxes) -> PartitionSpec:
             return self.storage_spec(leaf_name(path), axes, x.shape)
 
@@ -234,8 +249,14 @@ class ShardingRules:
             return ()
         return tuple(a for a in axes_tuple(self.table[axis]) if self.mesh.shape[a] > 1)
 
-    def _spec(self, name: str, axes: LogicalAxes, shape: tuple[int, ...] | None,
-              drop: tuple[str, ...], keep_data_splits: bool = True) -> PartitionSpec:
+    def _spec(
+        self,
+        name: str,
+        axes: LogicalAxes,
+        shape: tuple[int, ...] | None,
+        drop: tuple[str, ...],
+        keep_data_splits: bool = True,
+    ) -> PartitionSpec:
         if shape is not None and len(axes) != len(shape):
             raise ShardingRuleError(f"{name}: logical axes {axes} do not match shape {shape}")
         spec: list[MeshAxes] = []
@@ -250,16 +271,19 @@ class ShardingRules:
                 if a in used:
                     raise ShardingRuleError(
                         f"{name}: logical axes {used[a]!r} and {axis!r} both map to mesh axis "
-                        f"{a!r}; one array dimension per mesh axis")
+                        f"{a!r}; one array dimension per mesh axis"
+                    )
                 used[a] = axis
             size = math.prod(self.mesh.shape[a] for a in mesh_axes)
             if shape is not None and shape[dim] % size:
                 split = " x ".join(f"{a}={self.mesh.shape[a]}" for a in mesh_axes)
                 raise ShardingRuleError(
                     f"{name}: dimension {dim} ({axis}={shape[dim]}) is not divisible by mesh "
-                    f"axis {split}")
-            spec.append(None if not mesh_axes else
-                        mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+                    f"axis {split}"
+                )
+            spec.append(
+                None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
+            )
         while spec and spec[-1] is None:
             spec.pop()
         return PartitionSpec(*spec)

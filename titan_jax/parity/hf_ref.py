@@ -37,8 +37,12 @@ def cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Te
     (torchtitan 0.3.0 `components/loss.py::cross_entropy_loss` sums; its trainer divides by the
     global count of valid tokens.)
     """
-    total = F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(),
-                            reduction="sum", ignore_index=IGNORE_INDEX)
+    total = F.cross_entropy(
+        logits_BTV.flatten(0, 1).float(),
+        labels_BT.flatten(),
+        reduction="sum",
+        ignore_index=IGNORE_INDEX,
+    )
     return total / (labels_BT != IGNORE_INDEX).sum()
 
 
@@ -51,8 +55,9 @@ def _tokens(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.asarray(x, np.int64))[None]
 
 
-def forward_loss_grads(model: torch.nn.Module, inputs_T: np.ndarray, labels_T: np.ndarray
-                       ) -> tuple[np.ndarray, float, dict[str, np.ndarray]]:
+def forward_loss_grads(
+    model: torch.nn.Module, inputs_T: np.ndarray, labels_T: np.ndarray
+) -> tuple[np.ndarray, float, dict[str, np.ndarray]]:
     """(logits (T, V), loss, {HF parameter name: gradient}) for one sequence."""
     model.zero_grad(set_to_none=True)
     logits = model(_tokens(inputs_T)).logits
@@ -70,9 +75,13 @@ def load_peft_model(path: str | Path, adapter: str | Path) -> torch.nn.Module:
     return PeftModel.from_pretrained(load_model(path), str(adapter), is_trainable=True).eval()
 
 
-def train_trajectory(path: str | Path, recipe: JobConfig, batches: list[dict[str, np.ndarray]],
-                     lr_scheduler: Callable[[torch.optim.Optimizer, int], Any],
-                     adapter: str | Path | None = None) -> tuple[list[float], list[float]]:
+def train_trajectory(
+    path: str | Path,
+    recipe: JobConfig,
+    batches: list[dict[str, np.ndarray]],
+    lr_scheduler: Callable[[torch.optim.Optimizer, int], Any],
+    adapter: str | Path | None = None,
+) -> tuple[list[float], list[float]]:
     """(loss, lr) of each step of a PyTorch loop with the recipe, from the weights at `path`
     (with PEFT's adapters from `adapter`: then only they train, as PEFT trains them).
 
@@ -83,16 +92,18 @@ def train_trajectory(path: str | Path, recipe: JobConfig, batches: list[dict[str
     model = (load_model(path) if adapter is None else load_peft_model(path, adapter)).train()
     trained = [p for p in model.parameters() if p.requires_grad]
     o = recipe.optimizer
-    optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=(o.beta1, o.beta2),
-                                  eps=o.eps, weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(
+        trained, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+    )
     scheduler = lr_scheduler(optimizer, len(batches))
     max_norm = recipe.training.max_norm
     losses, lrs = [], []
     for batch in batches:
         optimizer.zero_grad(set_to_none=True)
         inputs = torch.from_numpy(np.asarray(batch["inputs"], np.int64))
-        loss = cross_entropy(model(inputs).logits, torch.from_numpy(
-            np.asarray(batch["labels"], np.int64)))
+        loss = cross_entropy(
+            model(inputs).logits, torch.from_numpy(np.asarray(batch["labels"], np.int64))
+        )
         loss.backward()
         if max_norm > 0:
             torch.nn.utils.clip_grad_norm_(trained, max_norm)

@@ -34,8 +34,7 @@ def abs_diff_stats(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     return float(diff.max()), float(diff.mean())
 
 
-def first_greedy_mismatch(logits_TV: np.ndarray, tokens: np.ndarray, prompt_len: int
-                          ) -> int | None:
+def first_greedy_mismatch(logits_TV: np.ndarray, tokens: np.ndarray, prompt_len: int) -> int | None:
     """First k where argmax(logits[prompt_len - 1 + k]) != tokens[prompt_len + k], or None.
 
     `tokens` is a prompt followed by a greedy continuation (from any model) and `logits` are
@@ -44,8 +43,8 @@ def first_greedy_mismatch(logits_TV: np.ndarray, tokens: np.ndarray, prompt_len:
     teacher-forced forward stands in for a whole token-by-token decode.
     """
     n = len(tokens) - prompt_len
-    predicted = np.argmax(logits_TV[prompt_len - 1:prompt_len - 1 + n], axis=-1)
-    wrong = np.nonzero(predicted != tokens[prompt_len:prompt_len + n])[0]
+    predicted = np.argmax(logits_TV[prompt_len - 1 : prompt_len - 1 + n], axis=-1)
+    wrong = np.nonzero(predicted != tokens[prompt_len : prompt_len + n])[0]
     return int(wrong[0]) if wrong.size else None
 
 

@@ -25,7 +25,8 @@ class TitanSide:
         self.model, self.params = model, params
         self._apply = jax.jit(functools.partial(model.apply, dtype=jnp.float32))
         self._loss_and_grads = jax.jit(
-            lambda p, batch: loss_and_grads(model, p, model.init_buffers(), batch, FP32)[:2])
+            lambda p, batch: loss_and_grads(model, p, model.init_buffers(), batch, FP32)[:2]
+        )
 
     def logits(self, tokens_T: np.ndarray) -> np.ndarray:
         """fp32 logits (T, V) of one sequence."""
@@ -59,8 +60,9 @@ class TitanSide:
         return float(loss), grads
 
 
-def train_trajectory(model: ModelDef, params: Params, recipe: JobConfig,
-                     batches: list[dict[str, np.ndarray]]) -> tuple[list[float], list[float]]:
+def train_trajectory(
+    model: ModelDef, params: Params, recipe: JobConfig, batches: list[dict[str, np.ndarray]]
+) -> tuple[list[float], list[float]]:
     """(loss, lr) of each of len(batches) steps of titan-jax's train step from `params`.
 
     The recipe's optimizer, WSD schedule (over len(batches) steps) and clipping, fp32 weights,
@@ -69,12 +71,18 @@ def train_trajectory(model: ModelDef, params: Params, recipe: JobConfig,
     """
     schedule = WSDSchedule.from_config(recipe.optimizer.lr, recipe.lr_scheduler, len(batches))
     optimizer = build_optimizer(recipe.optimizer)
-    options = StepOptions(n_microbatches=1, param_dtype=jnp.float32,
-                          max_norm=recipe.training.max_norm)
-    step = jax.jit(functools.partial(train_step, model=model, optimizer=optimizer,
-                                     schedule=schedule, options=options), donate_argnums=0)
-    state = init_train_state(jax.tree.map(jnp.copy, params), model.init_buffers(), optimizer,
-                             model.trainable)
+    options = StepOptions(
+        n_microbatches=1, param_dtype=jnp.float32, max_norm=recipe.training.max_norm
+    )
+    step = jax.jit(
+        functools.partial(
+            train_step, model=model, optimizer=optimizer, schedule=schedule, options=options
+        ),
+        donate_argnums=0,
+    )
+    state = init_train_state(
+        jax.tree.map(jnp.copy, params), model.init_buffers(), optimizer, model.trainable
+    )
     losses, lrs = [], []
     for batch in batches:
         state, metrics = step(state, {k: jnp.asarray(v) for k, v in batch.items()})

@@ -44,16 +44,22 @@ class Trajectory:
 
     @property
     def rel_diffs(self) -> list[float]:
-        return [abs(a - b) / abs(b) for a, b in zip(self.titan_jax_losses, self.torch_losses,
-                                                      strict=True)]
+        return [
+            abs(a - b) / abs(b)
+            for a, b in zip(self.titan_jax_losses, self.torch_losses, strict=True)
+        ]
 
     @property
     def max_rel_diff(self) -> float:
         return max(self.rel_diffs)
 
     def to_json(self) -> dict[str, Any]:
-        return {"steps": len(self.torch_losses), **dataclasses.asdict(self),
-                "rel_diffs": self.rel_diffs, "max_rel_diff": self.max_rel_diff}
+        return {
+            "steps": len(self.torch_losses),
+            **dataclasses.asdict(self),
+            "rel_diffs": self.rel_diffs,
+            "max_rel_diff": self.max_rel_diff,
+        }
 
 
 @dataclasses.dataclass
@@ -101,15 +107,18 @@ class ParityReport:
                 if value is not None and not value <= bar:  # `not <=` also catches NaN
                     out.append(f"{r.name}: {key}={value:.3g} is over the bar {bar:g}")
             if not r.greedy_match:
-                out.append(f"{r.name}: greedy decode differs from titan-jax's at token "
-                           f"{r.greedy_first_mismatch}")
+                out.append(
+                    f"{r.name}: greedy decode differs from titan-jax's at token "
+                    f"{r.greedy_first_mismatch}"
+                )
         if self.trajectory_unavailable is not None:
             out.append(f"trajectory: unavailable: {self.trajectory_unavailable}")
         elif self.trajectory is not None:
             bar, value = self.bars["trajectory_max_rel_diff"], self.trajectory.max_rel_diff
             if not value <= bar:
-                out.append(f"trajectory: max per-step loss rel diff {value:.3g} is over the "
-                           f"bar {bar:g}")
+                out.append(
+                    f"trajectory: max per-step loss rel diff {value:.3g} is over the bar {bar:g}"
+                )
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -157,15 +166,24 @@ class ParityReport:
                 return "identical" if value else f"differs @{r.greedy_first_mismatch}"
             return f"{value:.6f}" if key == "loss" else f"{value:.3g}"
 
-        for label, key in (("logits max |diff|", "logits_max_abs_diff"),
-                           ("logits mean |diff|", "logits_mean_abs_diff"),
-                           ("KL max", "kl_max"), ("KL mean", "kl_mean"),
-                           (f"greedy {self.decode_tokens} tokens", "greedy_match"),
-                           ("loss", "loss"), ("loss |diff|", "loss_abs_diff"),
-                           ("loss rel diff", "loss_rel_diff"),
-                           ("grads max rel diff", "grads_max_rel_diff")):
-            bar = ("identical" if key == "greedy_match" else
-                   f"<= {self.bars[key]:g}" if key in self.bars else "")
+        for label, key in (
+            ("logits max |diff|", "logits_max_abs_diff"),
+            ("logits mean |diff|", "logits_mean_abs_diff"),
+            ("KL max", "kl_max"),
+            ("KL mean", "kl_mean"),
+            (f"greedy {self.decode_tokens} tokens", "greedy_match"),
+            ("loss", "loss"),
+            ("loss |diff|", "loss_abs_diff"),
+            ("loss rel diff", "loss_rel_diff"),
+            ("grads max rel diff", "grads_max_rel_diff"),
+        ):
+            bar = (
+                "identical"
+                if key == "greedy_match"
+                else f"<= {self.bars[key]:g}"
+                if key in self.bars
+                else ""
+            )
             lines.append(row.format(label, *(cell(r, key) for r in refs), bar))
         for r in refs:
             if r.grads_worst_param is not None:
@@ -173,8 +191,10 @@ class ParityReport:
             if r.unavailable is not None:
                 lines.append(f"  {r.name} unavailable: {r.unavailable}")
             elif r.name == "torchtitan":
-                lines.append("  torchtitan: forward only on CPU (flex attention has no CPU "
-                             "backward), so no gradients")
+                lines.append(
+                    "  torchtitan: forward only on CPU (flex attention has no CPU "
+                    "backward), so no gradients"
+                )
         lines += self._trajectory_lines()
         failures = self.failures()
         lines += ["", "PASS" if not failures else "FAIL"]
@@ -187,15 +207,21 @@ class ParityReport:
                 return []
             return ["", f"trajectory unavailable: {self.trajectory_unavailable}"]
         t = self.trajectory
-        lines = ["", f"trajectory: {len(t.torch_losses)} steps of the recipe, titan-jax "
-                 "train_step vs HF model + torch AdamW + torchtitan LR schedule + "
-                 "clip_grad_norm_",
-                 f"{'step':>6}{'lr':>12}{'titan-jax':>14}{'torch':>14}{'rel diff':>12}"]
-        for i, (lr, ours, ref, rel) in enumerate(zip(
-                t.torch_lrs, t.titan_jax_losses, t.torch_losses, t.rel_diffs, strict=True)):
+        lines = [
+            "",
+            f"trajectory: {len(t.torch_losses)} steps of the recipe, titan-jax "
+            "train_step vs HF model + torch AdamW + torchtitan LR schedule + "
+            "clip_grad_norm_",
+            f"{'step':>6}{'lr':>12}{'titan-jax':>14}{'torch':>14}{'rel diff':>12}",
+        ]
+        for i, (lr, ours, ref, rel) in enumerate(
+            zip(t.torch_lrs, t.titan_jax_losses, t.torch_losses, t.rel_diffs, strict=True)
+        ):
             lines.append(f"{i + 1:>6}{lr:>12.3g}{ours:>14.6f}{ref:>14.6f}{rel:>12.2e}")
-        lines.append(f"max per-step loss rel diff {t.max_rel_diff:.3g} "
-                     f"(bar <= {self.bars['trajectory_max_rel_diff']:g})")
+        lines.append(
+            f"max per-step loss rel diff {t.max_rel_diff:.3g} "
+            f"(bar <= {self.bars['trajectory_max_rel_diff']:g})"
+        )
         return lines
 
 

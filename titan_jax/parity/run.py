@@ -54,11 +54,18 @@ def torch_unavailable_reason() -> str | None:
     return None
 
 
-def _compare_logits(result: ReferenceResult, ref_logits: np.ndarray, ours: np.ndarray,
-                    tokens: np.ndarray, prompt_len: int, ref_loss: float, our_loss: float
-                    ) -> None:
+def _compare_logits(
+    result: ReferenceResult,
+    ref_logits: np.ndarray,
+    ours: np.ndarray,
+    tokens: np.ndarray,
+    prompt_len: int,
+    ref_loss: float,
+    our_loss: float,
+) -> None:
     result.logits_max_abs_diff, result.logits_mean_abs_diff = metrics.abs_diff_stats(
-        ours, ref_logits)
+        ours, ref_logits
+    )
     kl = metrics.kl_per_token(ref_logits, ours)
     result.kl_per_token, result.kl_max, result.kl_mean = kl, float(kl.max()), float(kl.mean())
     result.greedy_first_mismatch = metrics.first_greedy_mismatch(ref_logits, tokens, prompt_len)
@@ -67,12 +74,20 @@ def _compare_logits(result: ReferenceResult, ref_logits: np.ndarray, ours: np.nd
     result.loss_rel_diff = result.loss_abs_diff / abs(ref_loss)
 
 
-def run_parity(args: Any, hf_dir: str | Path, *,
-               references: tuple[str, ...] = REFERENCES, prompt_len: int = 512,
-               decode_tokens: int = 32, seed: int = 0, recipe: JobConfig | None = None,
-               batches: list[dict[str, np.ndarray]] | None = None,
-               bars: dict[str, float] | None = None, weights: str | None = None,
-               progress: Callable[[str], None] = lambda _: None) -> ParityReport:
+def run_parity(
+    args: Any,
+    hf_dir: str | Path,
+    *,
+    references: tuple[str, ...] = REFERENCES,
+    prompt_len: int = 512,
+    decode_tokens: int = 32,
+    seed: int = 0,
+    recipe: JobConfig | None = None,
+    batches: list[dict[str, np.ndarray]] | None = None,
+    bars: dict[str, float] | None = None,
+    weights: str | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> ParityReport:
     """Compares titan-jax with `references` on the HF model directory `hf_dir` (fp32).
 
     titan-jax reads the weights through its HF loader, the references through theirs. With
@@ -97,23 +112,43 @@ def run_parity(args: Any, hf_dir: str | Path, *,
     our_logits = ours.logits(inputs)
     our_loss, our_grads = ours.loss_and_grads(inputs, labels)
 
-    results = {name: _compare_reference(name, args, hf_dir, our_logits, our_loss, our_grads,
-                                        tokens, prompt_len, progress) for name in references}
+    results = {
+        name: _compare_reference(
+            name, args, hf_dir, our_logits, our_loss, our_grads, tokens, prompt_len, progress
+        )
+        for name in references
+    }
 
-    report = ParityReport(args, weights or str(hf_dir), prompt_len, decode_tokens, our_loss,
-                          results, dict(BARS if bars is None else bars))
+    report = ParityReport(
+        args,
+        weights or str(hf_dir),
+        prompt_len,
+        decode_tokens,
+        our_loss,
+        results,
+        dict(BARS if bars is None else bars),
+    )
     if batches:
         if recipe is None:
             raise ValueError("a trajectory needs the recipe its batches belong to")
         progress(f"trajectory: {len(batches)} train steps on each side")
         report.trajectory_unavailable, report.trajectory = _trajectory(
-            model, ours.params, hf_dir, recipe, batches)
+            model, ours.params, hf_dir, recipe, batches
+        )
     return report
 
 
-def _compare_reference(name: str, args: Any, hf_dir: Path, our_logits: np.ndarray,
-                       our_loss: float, our_grads: Any, tokens: np.ndarray, prompt_len: int,
-                       progress: Callable[[str], None]) -> ReferenceResult:
+def _compare_reference(
+    name: str,
+    args: Any,
+    hf_dir: Path,
+    our_logits: np.ndarray,
+    our_loss: float,
+    our_grads: Any,
+    tokens: np.ndarray,
+    prompt_len: int,
+    progress: Callable[[str], None],
+) -> ReferenceResult:
     """Reference `name` ("hf" or "torchtitan") against titan-jax's figures on `tokens`."""
     inputs, labels = tokens[:-1], tokens[1:]
     result = ReferenceResult(name)
@@ -121,13 +156,25 @@ def _compare_reference(name: str, args: Any, hf_dir: Path, our_logits: np.ndarra
     if name == "hf":
         result.unavailable = hf_unavailable_reason()
         if result.unavailable is None:
-            _compare_hf(result, args, hf_dir, our_logits, our_loss, our_grads, tokens,
-                        prompt_len, inputs, labels)
+            _compare_hf(
+                result,
+                args,
+                hf_dir,
+                our_logits,
+                our_loss,
+                our_grads,
+                tokens,
+                prompt_len,
+                inputs,
+                labels,
+            )
         return result
     if args.yarn is not None:
-        result.unavailable = ("torchtitan's YaRN RoPE leaves out HF's attention factor on "
-                              "cos/sin, so it is no reference for it (compare with "
-                              "--reference hf)")
+        result.unavailable = (
+            "torchtitan's YaRN RoPE leaves out HF's attention factor on "
+            "cos/sin, so it is no reference for it (compare with "
+            "--reference hf)"
+        )
         return result
     from titan_jax.parity import torchtitan_ref
 
@@ -137,18 +184,35 @@ def _compare_reference(name: str, args: Any, hf_dir: Path, our_logits: np.ndarra
 
         tt = torchtitan_ref.load_model(args, hf_dir, len(inputs))
         ref_logits = torchtitan_ref.logits(tt, inputs)
-        _compare_logits(result, ref_logits, our_logits, tokens, prompt_len,
-                        hf_ref.loss_of_logits(ref_logits, labels), our_loss)
+        _compare_logits(
+            result,
+            ref_logits,
+            our_logits,
+            tokens,
+            prompt_len,
+            hf_ref.loss_of_logits(ref_logits, labels),
+            our_loss,
+        )
     return result
 
 
-def _compare_hf(result: ReferenceResult, args: Any, hf_dir: Path, our_logits: np.ndarray,
-                our_loss: float, our_grads: Any, tokens: np.ndarray, prompt_len: int,
-                inputs: np.ndarray, labels: np.ndarray) -> None:
+def _compare_hf(
+    result: ReferenceResult,
+    args: Any,
+    hf_dir: Path,
+    our_logits: np.ndarray,
+    our_loss: float,
+    our_grads: Any,
+    tokens: np.ndarray,
+    prompt_len: int,
+    inputs: np.ndarray,
+    labels: np.ndarray,
+) -> None:
     from titan_jax.parity import hf_ref
 
     ref_logits, ref_loss, ref_grads = hf_ref.forward_loss_grads(
-        hf_ref.load_model(hf_dir), inputs, labels)
+        hf_ref.load_model(hf_dir), inputs, labels
+    )
     _compare_logits(result, ref_logits, our_logits, tokens, prompt_len, ref_loss, our_loss)
     worst, worst_name = -1.0, None
     seen = set()
@@ -163,8 +227,9 @@ def _compare_hf(result: ReferenceResult, args: Any, hf_dir: Path, our_logits: np
     result.grads_max_rel_diff, result.grads_worst_param = worst, worst_name
 
 
-def _trajectory(model: Any, params: Any, hf_dir: Path, recipe: JobConfig,
-                batches: list[dict[str, np.ndarray]]) -> tuple[str | None, Trajectory | None]:
+def _trajectory(
+    model: Any, params: Any, hf_dir: Path, recipe: JobConfig, batches: list[dict[str, np.ndarray]]
+) -> tuple[str | None, Trajectory | None]:
     """(why it could not run, or None; the trajectory)."""
     from titan_jax.parity import torchtitan_ref
 
@@ -174,27 +239,32 @@ def _trajectory(model: Any, params: Any, hf_dir: Path, recipe: JobConfig,
     from titan_jax.parity import hf_ref
 
     ours, our_lrs = train_trajectory(model, params, recipe, batches)
-    ref, ref_lrs = hf_ref.train_trajectory(hf_dir, recipe, batches,
-                                           torchtitan_ref.lr_scheduler(recipe.lr_scheduler))
+    ref, ref_lrs = hf_ref.train_trajectory(
+        hf_dir, recipe, batches, torchtitan_ref.lr_scheduler(recipe.lr_scheduler)
+    )
     return None, Trajectory(ours, ref, our_lrs, ref_lrs)
 
 
 def _refuse_document_mask(config: JobConfig) -> None:
     if config.training.document_mask:
-        raise ConfigError("training.document_mask=true: the PyTorch references of a parity "
-                          "trajectory attend across documents; run it with "
-                          "--training.document_mask false")
+        raise ConfigError(
+            "training.document_mask=true: the PyTorch references of a parity "
+            "trajectory attend across documents; run it with "
+            "--training.document_mask false"
+        )
 
 
-def corpus_batches(config: JobConfig, vocab_size: int, steps: int, store_folder: str | None = None
-                   ) -> list[dict[str, np.ndarray]]:
+def corpus_batches(
+    config: JobConfig, vocab_size: int, steps: int, store_folder: str | None = None
+) -> list[dict[str, np.ndarray]]:
     """The recipe's first `steps` batches of one data-parallel rank (local_batch_size rows).
     A file source is prepared into a store in `store_folder` (a folder of the caller's; None:
     the recipe's `{dump_folder}/data`, as training does)."""
     _refuse_document_mask(config)
     if store_folder is not None:
-        config = dataclasses.replace(config, job=dataclasses.replace(
-            config.job, dump_folder=store_folder))
+        config = dataclasses.replace(
+            config, job=dataclasses.replace(config.job, dump_folder=store_folder)
+        )
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(
@@ -203,16 +273,23 @@ def corpus_batches(config: JobConfig, vocab_size: int, steps: int, store_folder:
         )
     t = config.training
     sources = training_sources(config, tokenizer, is_first=True, barrier=lambda _: None)
-    data = WindowStream(sources, seq_len=t.seq_len, global_batch_size=t.local_batch_size,
-                        seed=t.seed)
+    data = WindowStream(
+        sources, seq_len=t.seq_len, global_batch_size=t.local_batch_size, seed=t.seed
+    )
     return [next(data) for _ in range(steps)]
 
 
-def run_from_config(config: JobConfig, hf_checkpoint: str | Path | None = None, *,
-                    references: tuple[str, ...] = REFERENCES, seq_len: int = 512,
-                    decode_tokens: int = 32, trajectory_steps: int = 0,
-                    bars: dict[str, float] | None = None,
-                    progress: Callable[[str], None] = lambda _: None) -> ParityReport:
+def run_from_config(
+    config: JobConfig,
+    hf_checkpoint: str | Path | None = None,
+    *,
+    references: tuple[str, ...] = REFERENCES,
+    seq_len: int = 512,
+    decode_tokens: int = 32,
+    trajectory_steps: int = 0,
+    bars: dict[str, float] | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> ParityReport:
     """`titan-jax parity`: the recipe's model (or a HF checkpoint) against the references.
 
     Without a checkpoint the model is `model.flavor` at random init (seed `training.seed`),
@@ -231,16 +308,31 @@ def run_from_config(config: JobConfig, hf_checkpoint: str | Path | None = None, 
             spec.hf.save(tmp, params, args)
             del params  # every side loads its own copy from the files
             hf_dir = Path(tmp)
-            weights = (f"random init of model.flavor={config.model.flavor} (seed {seed}), "
-                       "exported to HF safetensors")
+            weights = (
+                f"random init of model.flavor={config.model.flavor} (seed {seed}), "
+                "exported to HF safetensors"
+            )
         else:
             hf_dir = Path(hf_checkpoint)
             args = spec.hf.read_config(hf_dir)
             weights = f"HF checkpoint {hf_dir}"
         # A store prepared for the trajectory lives in the temporary folder: the recipe's run
         # folder may be in use by a training run (and is not parity's to write).
-        batches = corpus_batches(config, args.vocab_size, trajectory_steps, store_folder=tmp) \
-            if trajectory_steps else None
-        return run_parity(args, hf_dir, references=references, prompt_len=seq_len,
-                          decode_tokens=decode_tokens, seed=seed, recipe=config,
-                          batches=batches, bars=bars, weights=weights, progress=progress)
+        batches = (
+            corpus_batches(config, args.vocab_size, trajectory_steps, store_folder=tmp)
+            if trajectory_steps
+            else None
+        )
+        return run_parity(
+            args,
+            hf_dir,
+            references=references,
+            prompt_len=seq_len,
+            decode_tokens=decode_tokens,
+            seed=seed,
+            recipe=config,
+            batches=batches,
+            bars=bars,
+            weights=weights,
+            progress=progress,
+        )

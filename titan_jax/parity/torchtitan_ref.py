@@ -35,8 +35,10 @@ from titan_jax.config import LRScheduler
 from titan_jax.models.qwen3.args import Qwen3Args
 
 VERSION = "0.3.0"
-INSTALL = (f"pip install --no-deps torchtitan=={VERSION} && pip install tyro einops "
-           "spmd_types==0.2.3 torch_checkpointing triton  (`make install` does this)")
+INSTALL = (
+    f"pip install --no-deps torchtitan=={VERSION} && pip install tyro einops "
+    "spmd_types==0.2.3 torch_checkpointing triton  (`make install` does this)"
+)
 
 
 @functools.cache
@@ -65,35 +67,50 @@ def model_config(args: Qwen3Args, max_seq_len: int) -> Any:
         _qwen3_norm,
     )
 
-    shape = dict(n_layers=args.n_layers, dim=args.dim, n_heads=args.n_heads,
-                 n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, attn_backend="flex",
-                 rope=CosSinRoPE.Config(dim=args.head_dim, max_seq_len=max_seq_len,
-                                        theta=args.rope_theta))
+    shape = dict(
+        n_layers=args.n_layers,
+        dim=args.dim,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        attn_backend="flex",
+        rope=CosSinRoPE.Config(dim=args.head_dim, max_seq_len=max_seq_len, theta=args.rope_theta),
+    )
     if args.is_moe:
         layers = _build_qwen3_moe_layers(
-            **shape, moe_hidden_dim=args.moe_inter_dim, num_experts=args.num_experts,
-            top_k=args.top_k, moe_comm_backend="standard")
+            **shape,
+            moe_hidden_dim=args.moe_inter_dim,
+            num_experts=args.num_experts,
+            top_k=args.top_k,
+            moe_comm_backend="standard",
+        )
         for layer in layers:  # torchtitan's flavours fix route_norm=True
             layer.moe.router.route_norm = args.norm_topk_prob
     else:
         layers = _build_qwen3_layers(**shape, hidden_dim=args.hidden_dim)
     config = Qwen3Model.Config(
-        vocab_size=args.vocab_size, dim=args.dim, norm=_qwen3_norm(args.dim),
+        vocab_size=args.vocab_size,
+        dim=args.dim,
+        norm=_qwen3_norm(args.dim),
         enable_weight_tying=args.tie_embeddings,
         tok_embeddings=Embedding.Config(num_embeddings=args.vocab_size, embedding_dim=args.dim),
         lm_head=Linear.Config(in_features=args.dim, out_features=args.vocab_size),
         layers=layers,
     )
     # torchtitan hard-codes eps 1e-6 in its flavours; a checkpoint may say otherwise.
-    norms = [config.norm] + [n for layer in config.layers for n in
-                             (layer.attention_norm, layer.ffn_norm, layer.attention.qk_norm)]
+    norms = [config.norm] + [
+        n
+        for layer in config.layers
+        for n in (layer.attention_norm, layer.ffn_norm, layer.attention.qk_norm)
+    ]
     for norm in norms:
         norm.eps = args.norm_eps
     return config
 
 
-def load_model(args: Qwen3Args, hf_dir: str | Path, max_seq_len: int,
-               expert_bias_LE: np.ndarray | None = None) -> torch.nn.Module:
+def load_model(
+    args: Qwen3Args, hf_dir: str | Path, max_seq_len: int, expert_bias_LE: np.ndarray | None = None
+) -> torch.nn.Module:
     """torchtitan's Qwen3 with the weights of a HF directory, via its `Qwen3StateDictAdapter`
     (MoE: with the adjustments of the module docstring; `expert_bias_LE` is each layer's
     expert bias, zeros by default)."""
@@ -109,8 +126,11 @@ def load_model(args: Qwen3Args, hf_dir: str | Path, max_seq_len: int,
         hf_state = per_expert_layout(hf_state)
     state = Qwen3StateDictAdapter(config, None).from_hf(hf_state)
     if args.is_moe:
-        bias = np.zeros((args.n_layers, args.num_experts), np.float32) \
-            if expert_bias_LE is None else np.asarray(expert_bias_LE, np.float32)
+        bias = (
+            np.zeros((args.n_layers, args.num_experts), np.float32)
+            if expert_bias_LE is None
+            else np.asarray(expert_bias_LE, np.float32)
+        )
         for i in range(args.n_layers):
             state[f"layers.{i}.moe.expert_bias_E"] = torch.from_numpy(bias[i].copy())
     model.load_state_dict(state, strict=True)
@@ -121,8 +141,9 @@ def load_model(args: Qwen3Args, hf_dir: str | Path, max_seq_len: int,
     return model
 
 
-def grouped_experts_in_model_dtype(experts: torch.nn.Module, x_RD: torch.Tensor,
-                                   tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+def grouped_experts_in_model_dtype(
+    experts: torch.nn.Module, x_RD: torch.Tensor, tokens_per_expert_E: torch.Tensor
+) -> torch.Tensor:
     """torchtitan's `GroupedExperts.forward` (SwiGLU by three `torch._grouped_mm`) without its
     cast to bf16: the matmuls run in the weights' dtype."""
     offsets = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
@@ -169,10 +190,14 @@ def lr_scheduler(sched: LRScheduler) -> Callable[[torch.optim.Optimizer, int], A
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 
     config = LRSchedulersContainer.Config(
-        warmup_steps=sched.warmup_steps, decay_ratio=sched.decay_ratio,
-        decay_type=sched.decay_type, min_lr_factor=sched.min_lr_factor)
-    return lambda optimizer, total_steps: config.build(optimizers=[optimizer],
-                                                       training_steps=total_steps)
+        warmup_steps=sched.warmup_steps,
+        decay_ratio=sched.decay_ratio,
+        decay_type=sched.decay_type,
+        min_lr_factor=sched.min_lr_factor,
+    )
+    return lambda optimizer, total_steps: config.build(
+        optimizers=[optimizer], training_steps=total_steps
+    )
 
 
 def lr_factors(sched: LRScheduler, total_steps: int) -> list[float]:

@@ -31,13 +31,26 @@ class Point:
 # planner/sustained.py; the programs are kept by `maxtext_aot.py --keep` / `tpu_plans.py
 # --dumps` and re-priced from there.
 POINTS = (
-    Point("Qwen3-8B 6 x 2048, v6e-8 (titan-jax's program of the TorchTitan fork's recipe)",
-          1.85, 1.459, "TorchTitan TPU fork 45e604e (torch_xla): 35-36% MFU, ~1.85 s at 35.5%"),
-    Point("Mistral-7B 6 x 8192, v6e-8 (MaxText's program)", 6.320, 5.332,
-          "tpu-recipes training/trillium/Mistral-7B-MaxText: 6.320 s, 432.0 TFLOP/s"),
-    Point("Llama3.1-70B 2 x 8192, v6e-32 (MaxText's program)", 17.790, 12.956,
-          "tpu-recipes training/trillium/Llama3.1-70B-MaxText/v6e-32: 17.790 s, 443.4 TFLOP/s"),
+    Point(
+        "Qwen3-8B 6 x 2048, v6e-8 (titan-jax's program of the TorchTitan fork's recipe)",
+        1.85,
+        1.459,
+        "TorchTitan TPU fork 45e604e (torch_xla): 35-36% MFU, ~1.85 s at 35.5%",
+    ),
+    Point(
+        "Mistral-7B 6 x 8192, v6e-8 (MaxText's program)",
+        6.320,
+        5.332,
+        "tpu-recipes training/trillium/Mistral-7B-MaxText: 6.320 s, 432.0 TFLOP/s",
+    ),
+    Point(
+        "Llama3.1-70B 2 x 8192, v6e-32 (MaxText's program)",
+        17.790,
+        12.956,
+        "tpu-recipes training/trillium/Llama3.1-70B-MaxText/v6e-32: 17.790 s, 443.4 TFLOP/s",
+    ),
 )
+
 
 def residuals() -> tuple[float, float]:
     """The calibration's lowest and highest residual."""

@@ -29,8 +29,9 @@ def spanned_mesh_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> st
     return "+".join(n for n in names if n in spanned) or "-"
 
 
-def collectives(hlo_text: str, mesh_devices: Sequence[Any] = (),
-                mesh_shape: dict[str, int] | None = None) -> list[dict[str, Any]]:
+def collectives(
+    hlo_text: str, mesh_devices: Sequence[Any] = (), mesh_shape: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
     """Every collective instruction of the step (`hlo_stats.collective_ops`: op, dtype, result
     bytes per device, executions per step), with its network (ici/dcn), loop placement, the
     mesh axes it spans (given the mesh's shape) and the bytes a ring moves per step (given the

@@ -53,11 +53,29 @@ _ARRAY_LAYOUT = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _HOST = "5"  # XLA:TPU's memory space of pinned host memory (offloaded values)
 _CHAIN = re.compile(r'chain_id="(\d+)"')
-_FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
-         "partition-id", "replica-id", "copy-start", "copy-done", "slice-start", "slice-done",
-         "opt-barrier", "add-dependency", "async-start", "async-update", "async-done",
-         # another thread's work (Ironwood's SparseCore gathers), waited for at the done
-         "call-start", "call-update", "call-done")
+_FREE = (
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "copy-start",
+    "copy-done",
+    "slice-start",
+    "slice-done",
+    "opt-barrier",
+    "add-dependency",
+    "async-start",
+    "async-update",
+    "async-done",
+    # another thread's work (Ironwood's SparseCore gathers), waited for at the done
+    "call-start",
+    "call-update",
+    "call-done",
+)
 _COLLECTIVE = tuple(hlo_stats.COLLECTIVE_OPS)
 # XLA:TPU's allocation of an uninitialised buffer (one that a loop or an in-place update then
 # fills): it reserves memory and moves no byte.
@@ -79,13 +97,11 @@ def _fused_operand_bytes(module: HloModule, fused: str, index: int, full: int) -
     it only through dynamic-slices (a scan reading one layer of a stacked weight or of the
     stacked saved activations), directly or inside a nested fusion."""
     insts = module.computations.get(fused, [])
-    param = next((i for i in insts if i.op == "parameter" and i.rest.startswith(f"{index})")),
-                 None)
+    param = next((i for i in insts if i.op == "parameter" and i.rest.startswith(f"{index})")), None)
     if param is None:
         return full
     users = [i for i in insts if param.name in i.operands]
-    if users and all(u.op == "dynamic-update-slice" and u.operands[0] == param.name
-                     for u in users):
+    if users and all(u.op == "dynamic-update-slice" and u.operands[0] == param.name for u in users):
         return 0  # updated in place: not read
     read = 0
     for user in users:
@@ -117,8 +133,9 @@ def traffic(module: HloModule, inst: Instruction, defs: dict[str, Instruction]) 
         if source is None:
             continue
         full = hbm_bytes(source.type)
-        read += full if fused is None or not full else _fused_operand_bytes(
-            module, fused, index, full)
+        read += (
+            full if fused is None or not full else _fused_operand_bytes(module, fused, index, full)
+        )
         read += full * (rereads[index] - 1) if index < len(rereads) else 0
     written = hbm_bytes(inst.type)
     root = module.computations.get(fused, [])[-1:] if fused else []
@@ -135,6 +152,7 @@ def _space(layout: str) -> str:
 class Dma(NamedTuple):
     """What an asynchronous copy moves: HBM bytes, host-link bytes, and which way over the
     host link (a full-duplex link: each way has its bandwidth)."""
+
     hbm_bytes: int
     host_bytes: int = 0
     to_host: bool = False
@@ -196,13 +214,15 @@ def moved_bytes(op: str, result_bytes: float, group: int) -> float:
     if group <= 1:
         return 0.0
     share = (group - 1) / group
-    return {"all-gather": result_bytes * share,
-            "reduce-scatter": result_bytes * (group - 1),  # the result is one shard
-            "all-reduce": 2 * result_bytes * share,
-            "all-to-all": result_bytes * share,
-            # counted by what it sends (see collective_bytes), not its buffer
-            "ragged-all-to-all": result_bytes * share,
-            "collective-permute": float(result_bytes)}[op]
+    return {
+        "all-gather": result_bytes * share,
+        "reduce-scatter": result_bytes * (group - 1),  # the result is one shard
+        "all-reduce": 2 * result_bytes * share,
+        "all-to-all": result_bytes * share,
+        # counted by what it sends (see collective_bytes), not its buffer
+        "ragged-all-to-all": result_bytes * share,
+        "collective-permute": float(result_bytes),
+    }[op]
 
 
 def collective_bytes(inst: Instruction, op: str, defs: dict[str, Instruction]) -> int:
@@ -217,17 +237,26 @@ class _Walk:
     """One pass over the scheduled control flow: per-instruction seconds, and each collective
     with the compute the schedule places under it."""
 
-    def __init__(self, module: HloModule, chip: Chip, devices: int,
-                 rings: dict[str, tuple[int, ...]], ring_wraps: Callable[[tuple[int, ...]], bool],
-                 routed_rows: float | None = None, costlier_branches: bool = False):
+    def __init__(
+        self,
+        module: HloModule,
+        chip: Chip,
+        devices: int,
+        rings: dict[str, tuple[int, ...]],
+        ring_wraps: Callable[[tuple[int, ...]], bool],
+        routed_rows: float | None = None,
+        costlier_branches: bool = False,
+    ):
         self.module, self.chip, self.devices = module, chip, devices
         self.routed_rows, self.costlier_branches = routed_rows, costlier_branches
         self.rings, self.ring_wraps = rings, ring_wraps
         self.matmul_share = functools.partial(sustained.matmul_share, chip.generation)
         self.rings_by_group = {
             hlo_stats.group_size(inst, devices): rings[inst.name]
-            for insts in module.computations.values() for inst in insts
-            if inst.name in rings and "replica_groups=" in inst.rest}
+            for insts in module.computations.values()
+            for inst in insts
+            if inst.name in rings and "replica_groups=" in inst.rest
+        }
         self.memo: dict[str, tuple[float, float]] = {}
         self.flops = self.hbm = self.compute_s = self.exposed_s = self.dma_s = 0.0
         self.host_bytes = 0.0  # over the host link (offloaded values)
@@ -238,13 +267,34 @@ class _Walk:
         self.by_class: dict[str, float] = {}  # seconds per op class (`op_class`)
 
     def _totals(self) -> tuple[Any, ...]:
-        return (self.flops, self.hbm, self.compute_s, self.exposed_s, self.dma_s,
-                self.host_bytes, self.flops_once, self.hbm_once, list(self.collectives),
-                list(self.conditionals), dict(self.by_class))
+        return (
+            self.flops,
+            self.hbm,
+            self.compute_s,
+            self.exposed_s,
+            self.dma_s,
+            self.host_bytes,
+            self.flops_once,
+            self.hbm_once,
+            list(self.collectives),
+            list(self.conditionals),
+            dict(self.by_class),
+        )
 
     def _restore(self, totals: tuple[Any, ...]) -> None:
-        (self.flops, self.hbm, self.compute_s, self.exposed_s, self.dma_s, self.host_bytes,
-         self.flops_once, self.hbm_once, collectives, conditionals, by_class) = totals
+        (
+            self.flops,
+            self.hbm,
+            self.compute_s,
+            self.exposed_s,
+            self.dma_s,
+            self.host_bytes,
+            self.flops_once,
+            self.hbm_once,
+            collectives,
+            conditionals,
+            by_class,
+        ) = totals
         self.collectives, self.conditionals = list(collectives), list(conditionals)
         self.by_class = dict(by_class)
 
@@ -268,18 +318,29 @@ class _Walk:
         own = hlo_stats.op_name(inst)
         marked = hlo_stats.expected_branches(self.module, [b[0] for b in branches], own)
         expected = [b for b in branches if b[0] in marked]
-        taken = (expected[0] if len(expected) == 1 and not self.costlier_branches
-                 else max(branches, key=lambda b: b[1]))
+        taken = (
+            expected[0]
+            if len(expected) == 1 and not self.costlier_branches
+            else max(branches, key=lambda b: b[1])
+        )
         self._restore(taken[2])
-        self.conditionals.append({
-            "name": inst.name, "executions": times, "branch": taken[0], "seconds": taken[1],
-            "expected": taken in expected,
-            "others": [{"branch": name, "seconds": s} for name, s, _ in branches
-                       if name != taken[0]]})
+        self.conditionals.append(
+            {
+                "name": inst.name,
+                "executions": times,
+                "branch": taken[0],
+                "seconds": taken[1],
+                "expected": taken in expected,
+                "others": [
+                    {"branch": name, "seconds": s} for name, s, _ in branches if name != taken[0]
+                ],
+            }
+        )
         return taken[1]
 
-    def collective(self, inst: Instruction, op: str, defs: dict[str, Instruction],
-                   owner: str = "") -> dict[str, Any]:
+    def collective(
+        self, inst: Instruction, op: str, defs: dict[str, Instruction], owner: str = ""
+    ) -> dict[str, Any]:
         """A collective's bytes and seconds on the network: over ICI, rings over the torus
         dimensions its algorithm spans (`rings` of it or of the fusion `owner` that runs it;
         else those the compiler chose for another collective over groups of the same size, as
@@ -288,21 +349,36 @@ class _Walk:
         (`ring_wraps`)."""
         dcn = op == "send"
         group = hlo_stats.group_size(inst, self.devices)
-        size = collective_bytes(inst, op, defs) if not dcn else hlo_stats.nbytes(
-            *hlo_stats.arrays(inst.type)[0])
+        size = (
+            collective_bytes(inst, op, defs)
+            if not dcn
+            else hlo_stats.nbytes(*hlo_stats.arrays(inst.type)[0])
+        )
         moved = moved_bytes(op, size, group) if not dcn else float(size)
         # One ring of the group: its chips (Ironwood's two TensorCores share a chip's links).
         whole = (max(1, group // self.chip.devices_per_chip),)
-        sizes = (self.rings.get(owner) or self.rings.get(inst.name)
-                 or self.rings_by_group.get(group) or whole)
+        sizes = (
+            self.rings.get(owner)
+            or self.rings.get(inst.name)
+            or self.rings_by_group.get(group)
+            or whole
+        )
         sizes = whole if sizes == (0,) else sizes  # a 1-D emitter: one ring of the group
         wraps = self.ring_wraps(sizes)
-        link = (self.chip.dcn_bytes_per_s if dcn
-                else self.chip.ring_bytes_per_s(len(sizes), wraps))
+        link = self.chip.dcn_bytes_per_s if dcn else self.chip.ring_bytes_per_s(len(sizes), wraps)
         bandwidth = link if dcn else self.sustained_ring(link, moved)
-        return {"op": op, "name": owner or inst.name, "bytes": size, "group": group,
-                "ring_dims": len(sizes), "wraparound": wraps, "link_bytes_per_s": link,
-                "bytes_per_s": bandwidth, "seconds": moved / bandwidth, "covered_s": 0.0}
+        return {
+            "op": op,
+            "name": owner or inst.name,
+            "bytes": size,
+            "group": group,
+            "ring_dims": len(sizes),
+            "wraparound": wraps,
+            "link_bytes_per_s": link,
+            "bytes_per_s": bandwidth,
+            "seconds": moved / bandwidth,
+            "covered_s": 0.0,
+        }
 
     def sustained_ring(self, link_bytes_per_s: float, moved: float) -> float:
         """The bandwidth a ring sustains on its links when a device sends `moved` bytes."""
@@ -322,10 +398,13 @@ class _Walk:
             seconds.append(self.run(inst, defs, times))
             moved.append((self.hbm - before) / times)
             if inst.op in ("copy-start", "slice-start", "async-start") and (
-                    (dma := dma_bytes(self.module, inst)).hbm_bytes or dma.host_bytes):
+                (dma := dma_bytes(self.module, inst)).hbm_bytes or dma.host_bytes
+            ):
                 dmas[inst.name] = [dma, position, position]
-            elif inst.op in ("copy-done", "slice-done", "async-done") and (
-                    started := follows.get(inst.operands[0], inst.operands[0])) in dmas:
+            elif (
+                inst.op in ("copy-done", "slice-done", "async-done")
+                and (started := follows.get(inst.operands[0], inst.operands[0])) in dmas
+            ):
                 dmas[started][2] = position
             elif inst.op == "async-update" and inst.operands[0] in dmas:
                 follows[inst.name] = inst.operands[0]
@@ -338,7 +417,8 @@ class _Walk:
             elif op in _COLLECTIVE and inst.op.endswith("-start"):
                 spans[inst.name] = [self.collective(inst, op, defs), position, position]
             elif inst.op in ("async-start", "call-start") and (
-                    inner := self.fused_collective(inst)):
+                inner := self.fused_collective(inst)
+            ):
                 spans[inst.name] = [inner, position, position]
             elif (op in _COLLECTIVE or op == "send") and not fused:
                 dcn = op == "send" and hlo_stats.MEGASCALE.search(inst.rest)
@@ -353,21 +433,23 @@ class _Walk:
         self.share_hbm(dmas, seconds, moved, times)
         self.wait_for_host(dmas, seconds, times)
         for found, first, last in spans.values():
-            found["covered_s"] = sum(seconds[first:last + 1])
+            found["covered_s"] = sum(seconds[first : last + 1])
             exposed += self.expose(found, times, name)
         return sum(seconds) + exposed
 
-    def share_hbm(self, dmas: dict[str, list], seconds: list[float], moved: list[float],
-                  times: float) -> None:
+    def share_hbm(
+        self, dmas: dict[str, list], seconds: list[float], moved: list[float], times: float
+    ) -> None:
         """An asynchronous copy shares HBM with the instructions scheduled between its start
         and its done: that window takes at least all their HBM bytes and the copy's at the
         HBM bandwidth; any shortfall is added at the done (which waits for the copy)."""
         for dma, first, last in sorted(dmas.values(), key=lambda d: d[2]):
             size = dma.hbm_bytes
-            window = sum(moved[first:last + 1]) + size
-            need = window / (self.chip.hbm_bytes_per_s
-                             * sustained.hbm_share(self.chip.generation, window))
-            extra = max(0.0, need - sum(seconds[first:last + 1]))
+            window = sum(moved[first : last + 1]) + size
+            need = window / (
+                self.chip.hbm_bytes_per_s * sustained.hbm_share(self.chip.generation, window)
+            )
+            extra = max(0.0, need - sum(seconds[first : last + 1]))
             seconds[last] += extra
             moved[last] += size
             self.hbm += times * size
@@ -381,8 +463,11 @@ class _Walk:
         bandwidth; the done of one that has not arrived by then waits for it. Only the
         instructions the schedule places between a transfer's start and its done hide it."""
         rate = sustained.HOST_LINK_BYTES_PER_S.get(self.chip.generation)
-        transfers = sorted((first, last, dma.host_bytes, dma.to_host)
-                           for dma, first, last in dmas.values() if dma.host_bytes)
+        transfers = sorted(
+            (first, last, dma.host_bytes, dma.to_host)
+            for dma, first, last in dmas.values()
+            if dma.host_bytes
+        )
         if not rate or not transfers:
             return
         rate /= self.chip.devices_per_chip  # tpu7x: the chip's link serves both TensorCores
@@ -422,8 +507,13 @@ class _Walk:
             size = sum(hlo_stats.nbytes(d, s) for d, s in hlo_stats.arrays(inst.type))
             moved = moved_bytes("reduce-scatter", size, found["group"])
             rate = self.sustained_ring(found["link_bytes_per_s"], moved)
-            return {**found, "op": "reduce-scatter", "bytes": size, "bytes_per_s": rate,
-                    "seconds": moved / rate}
+            return {
+                **found,
+                "op": "reduce-scatter",
+                "bytes": size,
+                "bytes_per_s": rate,
+                "seconds": moved / rate,
+            }
         return self.collective(inner, inner.op.removesuffix("-start"), defs, inst.name)
 
     def _called_collective(self, inst: Instruction) -> tuple[Instruction, str] | None:
@@ -444,9 +534,11 @@ class _Walk:
         exposed = max(0.0, found["seconds"] - found["covered_s"])
         self.exposed_s += times * exposed
         self._charge(f"exposed {found['op']}", times * exposed)
-        found.update(executions=times, computation=computation,
-                     overlap=min(1.0, found["covered_s"] / found["seconds"])
-                     if found["seconds"] else 1.0)
+        found.update(
+            executions=times,
+            computation=computation,
+            overlap=min(1.0, found["covered_s"] / found["seconds"]) if found["seconds"] else 1.0,
+        )
         self.collectives.append(found)
         return exposed
 
@@ -459,11 +551,18 @@ class _Walk:
         if inst.op == "conditional":
             return self.conditional(inst, times)
         if inst.op == "call":
-            return sum(self.visit(c, times) for k, c in hlo_stats.called(inst)
-                       if k in ("to_apply", "calls"))
+            return sum(
+                self.visit(c, times)
+                for k, c in hlo_stats.called(inst)
+                if k in ("to_apply", "calls")
+            )
         op = inst.op.removesuffix("-start").removesuffix("-done")
-        if (inst.op in _FREE or op in _COLLECTIVE or op in ("send", "recv")
-                or _ALLOCATION.search(inst.rest)):
+        if (
+            inst.op in _FREE
+            or op in _COLLECTIVE
+            or op in ("send", "recv")
+            or _ALLOCATION.search(inst.rest)
+        ):
             return 0.0
         factors = self.chip.mxu_time_factors
         share = self.matmul_share
@@ -476,7 +575,9 @@ class _Walk:
             hbm -= (1 - share) * _row_bytes(inst, defs, rows)
         work = [(own_flops, own_array)] + [
             computation_work(self.module, c, self.memo, self.chip.mxu_dim, factors, share)
-            for k, c in hlo_stats.called(inst) if k == "calls"]
+            for k, c in hlo_stats.called(inst)
+            if k == "calls"
+        ]
         flops, array_flops = sum(w[0] for w in work), sum(w[1] for w in work)
         self.flops += times * flops
         self.hbm += times * hbm
@@ -522,11 +623,15 @@ def _row_bytes(inst: Instruction, defs: dict[str, Instruction], rows: int) -> in
     return total
 
 
-def estimate(program: str | HloModule, chip: Chip, devices: int,
-             rings: dict[str, tuple[int, ...]] | None = None,
-             ring_wraps: Callable[[tuple[int, ...]], bool] = lambda sizes: True,
-             routed_rows: float | None = None, costlier_branches: bool = False
-             ) -> dict[str, Any]:
+def estimate(
+    program: str | HloModule,
+    chip: Chip,
+    devices: int,
+    rings: dict[str, tuple[int, ...]] | None = None,
+    ring_wraps: Callable[[tuple[int, ...]], bool] = lambda sizes: True,
+    routed_rows: float | None = None,
+    costlier_branches: bool = False,
+) -> dict[str, Any]:
     """The compiled step's (HLO text, or parsed) estimated time per chip: `step_s` =
     `compute_s` (each instruction at max(FLOPs at the sustained matmul rate, HBM bytes at the
     sustained bandwidth), with the waits on HBM copies and host transfers) +
@@ -547,17 +652,27 @@ def estimate(program: str | HloModule, chip: Chip, devices: int,
     module = hlo_stats.parse(program) if isinstance(program, str) else program
     walk = _Walk(module, chip, devices, rings or {}, ring_wraps, routed_rows, costlier_branches)
     step_s = walk.visit(module.entry, 1)
-    return {"step_s": step_s, "compute_s": walk.compute_s,
-            "exposed_collective_s": walk.exposed_s, "dma_wait_s": walk.dma_s,
-            "host_transfer_bytes_per_chip": walk.host_bytes,
-            "flops_loop_bodies_once": walk.flops_once, "hbm_bytes_loop_bodies_once": walk.hbm_once,
-            "flops_per_chip": walk.flops,
-            "hbm_bytes_per_chip": walk.hbm, "collectives": walk.collectives,
-            "conditionals": walk.conditionals, "seconds_by_class": walk.by_class}
+    return {
+        "step_s": step_s,
+        "compute_s": walk.compute_s,
+        "exposed_collective_s": walk.exposed_s,
+        "dma_wait_s": walk.dma_s,
+        "host_transfer_bytes_per_chip": walk.host_bytes,
+        "flops_loop_bodies_once": walk.flops_once,
+        "hbm_bytes_loop_bodies_once": walk.hbm_once,
+        "flops_per_chip": walk.flops,
+        "hbm_bytes_per_chip": walk.hbm,
+        "collectives": walk.collectives,
+        "conditionals": walk.conditionals,
+        "seconds_by_class": walk.by_class,
+    }
 
 
-_STRATEGY = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?"strategy":"Strategy\w*","debug":"'
-                       r'\\nStrategy\w*\{[^}]*?cores:\{([0-9 ]+)\}', re.M)
+_STRATEGY = re.compile(
+    r'^\s*(?:ROOT )?%([\w.\-]+) = .*?"strategy":"Strategy\w*","debug":"'
+    r"\\nStrategy\w*\{[^}]*?cores:\{([0-9 ]+)\}",
+    re.M,
+)
 _GATHER_EMITTER = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?"emitter":"(\d)DAllGather', re.M)
 
 
@@ -568,5 +683,7 @@ def rings(codegen_text: str) -> dict[str, tuple[int, ...]]:
     dimensions; all-gathers name only an emitter, `1DAllGatherOnMajorDim`, `2DAllGather...`:
     sizes 0, unknown)."""
     found = {name: (0,) * int(dims) for name, dims in _GATHER_EMITTER.findall(codegen_text)}
-    return found | {name: tuple(int(c) for c in cores.split() if int(c) > 1) or (1,)
-                    for name, cores in _STRATEGY.findall(codegen_text)}
+    return found | {
+        name: tuple(int(c) for c in cores.split() if int(c) > 1) or (1,)
+        for name, cores in _STRATEGY.findall(codegen_text)
+    }

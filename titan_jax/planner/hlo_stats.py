@@ -22,15 +22,23 @@ import numpy as np
 
 from titan_jax.planner_hints import EXPECTED_BRANCH, RARE_BRANCH
 
-COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                  "ragged-all-to-all", "collective-permute")
+COLLECTIVE_OPS = (
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*[({]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]+m[0-9]+[a-z]*)?)\[([0-9,]*)\]")  # f8e4m3fn too
 # A grouped-matmul kernel's (FLOPs, buffer rows) from (instruction, its computation), or None.
 GroupedKernel = Callable[["Instruction", str], "tuple[float, int] | None"]
-_CALLED = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
-                     r"=%?([\w.\-]+)")
+_CALLED = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
+    r"=%?([\w.\-]+)"
+)
 _CALLED_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _PASS_THROUGH = ("custom-call", "copy", "convert", "bitcast", "reshape")
@@ -38,9 +46,23 @@ _MANUAL_BODY = "manual_computation_body"  # a shard_map body, as JAX names it
 _INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")  # the printer marks every fifth operand
 _OP_NAME = re.compile(r'\bop_name="([^"]*)"')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_HLO_ITEMSIZE = {"pred": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s8": 1, "s16": 2,
-                 "s32": 4, "s64": 8, "u8": 1, "u16": 2, "u32": 4, "u64": 8,
-                 "f8e4m3fn": 1, "f8e5m2": 1}
+_HLO_ITEMSIZE = {
+    "pred": 1,
+    "bf16": 2,
+    "f16": 2,
+    "f32": 4,
+    "f64": 8,
+    "s8": 1,
+    "s16": 2,
+    "s32": 4,
+    "s64": 8,
+    "u8": 1,
+    "u16": 2,
+    "u32": 4,
+    "u64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +124,10 @@ def parse(text: str) -> HloModule:
 
 def arrays(hlo_type: str) -> list[tuple[str, tuple[int, ...]]]:
     """(dtype, shape) of each array in an HLO type (a tuple lists several)."""
-    return [(dtype, tuple(int(d) for d in dims.split(",") if d))
-            for dtype, dims in _ARRAY.findall(hlo_type)]
+    return [
+        (dtype, tuple(int(d) for d in dims.split(",") if d))
+        for dtype, dims in _ARRAY.findall(hlo_type)
+    ]
 
 
 def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -180,8 +204,7 @@ def manual_scale(module: HloModule) -> int:
             if inst.op == "custom-call" and "GlobalToLocalShape" in inst.rest:
                 defs = defs or module.defining(name)
                 globals_ = [arrays(defs[o].type)[0][1] for o in inst.operands if o in defs]
-                for full, local in zip(globals_, (s for _, s in arrays(inst.type)),
-                                       strict=False):
+                for full, local in zip(globals_, (s for _, s in arrays(inst.type)), strict=False):
                     best = max(best, math.prod(full) // max(math.prod(local), 1))
     return best
 
@@ -232,8 +255,9 @@ def dot_flops(module: HloModule) -> tuple[float, int]:
     return total, executions(module)[1]
 
 
-def ragged_dot_flops(module: HloModule, expected_rows: float | None = None,
-                     kernel: GroupedKernel | None = None) -> tuple[float, float]:
+def ragged_dot_flops(
+    module: HloModule, expected_rows: float | None = None, kernel: GroupedKernel | None = None
+) -> tuple[float, float]:
     """(expected, bound) FLOPs of the lowered module's grouped matmuls (`ragged-dot`, and the
     custom calls `kernel` knows). Each multiplies every row of its ragged dimension (the buffer
     the groups are cut from) by one group's weight: 2 x lhs elements x rhs free size, for
@@ -242,10 +266,12 @@ def ragged_dot_flops(module: HloModule, expected_rows: float | None = None,
     `expected_rows` globally (tokens x top_k: each pick is one row), so `expected` scales each
     op by min(1, expected_rows / its buffer's global rows)."""
     per_computation: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
-    for times, inst, defs, sharing, where in _weighted(module, ("ragged-dot", "custom-call"),
-                                                       True):
-        found = _ragged_dot(inst, defs) if inst.op == "ragged-dot" else (
-            kernel(inst, where) if kernel else None)
+    for times, inst, defs, sharing, where in _weighted(module, ("ragged-dot", "custom-call"), True):
+        found = (
+            _ragged_dot(inst, defs)
+            if inst.op == "ragged-dot"
+            else (kernel(inst, where) if kernel else None)
+        )
         if found is None:
             continue
         flops, rows = times * found[0], found[1] * sharing
@@ -270,8 +296,9 @@ def _ragged_dot(inst: Instruction, defs: dict[str, Instruction]) -> tuple[float,
     return 2.0 * math.prod(lhs_shape) * free, lhs_shape[int(ragged[1].split(",")[0])]
 
 
-def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]]
-                       ) -> tuple[float, float]:
+def _alternatives_once(
+    module: HloModule, per_computation: dict[str, list[float]]
+) -> tuple[float, float]:
     """Sums of per-computation (expected, bound), one branch of each conditional (one runs:
     the expert FFN's overflow exchange, or not): the bound the
     costlier, the expected count the branch traced as the one a step takes
@@ -296,8 +323,11 @@ def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]
                 if callee in seen:
                     continue
                 seen.add(callee)
-                if inst.op == "conditional" and kind in ("branch", "true_computation",
-                                                          "false_computation"):
+                if inst.op == "conditional" and kind in (
+                    "branch",
+                    "true_computation",
+                    "false_computation",
+                ):
                     alternatives.append(callee)
                 else:
                     visit(callee, seen)
@@ -321,21 +351,28 @@ def _alternatives_once(module: HloModule, per_computation: dict[str, list[float]
             total[0] += e
             total[1] += b
     for cond, alternatives in branches.items():
-        total[0] += (alternatives[expected[cond]][0] if cond in expected else
-                     min(e for e, _ in alternatives.values()))
+        total[0] += (
+            alternatives[expected[cond]][0]
+            if cond in expected
+            else min(e for e, _ in alternatives.values())
+        )
         total[1] += max(b for _, b in alternatives.values())
     return total[0], total[1]
 
 
-def expected_branches(module: HloModule, branches: list[str], conditional_op_name: str
-                      ) -> list[str]:
+def expected_branches(
+    module: HloModule, branches: list[str], conditional_op_name: str
+) -> list[str]:
     """The branches of a conditional traced as the one a step takes: under `EXPECTED_BRANCH`,
     else those not under `RARE_BRANCH` where a sibling is (`planner_hints`). An op's name
     below the conditional's own names the scope; one the conditional itself sits in marks
     every branch, so it is not counted."""
+
     def marked(branch: str, scope: str) -> bool:
-        return any(f"/{scope}/" in op_name(i).removeprefix(conditional_op_name)
-                   for i in module.computations.get(branch, []))
+        return any(
+            f"/{scope}/" in op_name(i).removeprefix(conditional_op_name)
+            for i in module.computations.get(branch, [])
+        )
 
     expected = [b for b in branches if marked(b, EXPECTED_BRANCH)]
     if expected:
@@ -351,7 +388,8 @@ def replica_groups(inst: Instruction) -> list[list[int]]:
     if m := re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text):
         shape = [int(x) for x in m[1].split(",")]
         ids = np.arange(math.prod(int(x) for x in m[2].split(","))).reshape(
-            [int(x) for x in m[2].split(",")])
+            [int(x) for x in m[2].split(",")]
+        )
         if m[3]:
             ids = ids.transpose([int(x) for x in m[3].split(",")])
         return ids.reshape(shape).tolist()
@@ -366,7 +404,7 @@ def result_arrays(inst: Instruction, op: str) -> list[tuple[str, tuple[int, ...]
     found = arrays(inst.type)
     if inst.op.endswith("-start"):
         if op == "all-gather":
-            return found[len(found) // 2:]
+            return found[len(found) // 2 :]
         if op == "collective-permute":
             return found[1:2]
     return found
@@ -385,24 +423,39 @@ def collective_ops(module: HloModule) -> list[dict[str, Any]]:
                 # Multislice: XLA:TPU hands cross-slice collectives to the megascale runtime as
                 # host-transfer sends; their result's first array is the data sent.
                 dtype, shape = arrays(inst.type)[0]
-                found.append({"op": dcn[1].lower().replace("_", "-"), "dtype": dtype,
-                              "executions": times, "bytes": nbytes(dtype, shape),
-                              "groups": [], "group": 0, "network": "dcn"})
+                found.append(
+                    {
+                        "op": dcn[1].lower().replace("_", "-"),
+                        "dtype": dtype,
+                        "executions": times,
+                        "bytes": nbytes(dtype, shape),
+                        "groups": [],
+                        "group": 0,
+                        "network": "dcn",
+                    }
+                )
             if op not in COLLECTIVE_OPS:
                 continue
             sized = result_arrays(inst, op)
             if op == "ragged-all-to-all":
                 sized = ragged_sent_arrays(inst, module.defining(name))
             for dtype in sorted({d for d, _ in sized}):
-                found.append({"op": op, "dtype": dtype, "executions": times,
-                              "bytes": sum(nbytes(d, s) for d, s in sized if d == dtype),
-                              "groups": replica_groups(inst),
-                              "group": group_size(inst, 0)})
+                found.append(
+                    {
+                        "op": op,
+                        "dtype": dtype,
+                        "executions": times,
+                        "bytes": sum(nbytes(d, s) for d, s in sized if d == dtype),
+                        "groups": replica_groups(inst),
+                        "group": group_size(inst, 0),
+                    }
+                )
     return found
 
 
-def ragged_sent_arrays(inst: Instruction, defs: dict[str, Instruction]
-                       ) -> list[tuple[str, tuple[int, ...]]]:
+def ragged_sent_arrays(
+    inst: Instruction, defs: dict[str, Instruction]
+) -> list[tuple[str, tuple[int, ...]]]:
     """What a ragged all-to-all sends at balanced routing: the smaller of its operand and its
     result (each rank sends what it receives; a dispatch's operand is its picks, a combine's
     result; the other buffer is the worst-case receive buffer)."""
@@ -414,15 +467,24 @@ def ragged_sent_arrays(inst: Instruction, defs: dict[str, Instruction]
     return min(operand, result, key=lambda found: sum(nbytes(d, s) for d, s in found))
 
 
-def summarize(ops: list[dict[str, Any]], keys: tuple[str, ...] = ("op", "dtype")
-              ) -> list[dict[str, Any]]:
+def summarize(
+    ops: list[dict[str, Any]], keys: tuple[str, ...] = ("op", "dtype")
+) -> list[dict[str, Any]]:
     """Collectives grouped by `keys`: static `count`, per-step `executions`, result `bytes`
     (static sum) and `bytes_per_step` (weighted by executions)."""
     groups: dict[tuple, dict[str, Any]] = {}
     for c in ops:
         key = tuple(c[k] for k in keys)
-        g = groups.setdefault(key, {**{k: c[k] for k in keys}, "count": 0, "executions": 0,
-                                    "bytes": 0, "bytes_per_step": 0})
+        g = groups.setdefault(
+            key,
+            {
+                **{k: c[k] for k in keys},
+                "count": 0,
+                "executions": 0,
+                "bytes": 0,
+                "bytes_per_step": 0,
+            },
+        )
         g["count"] += 1
         g["executions"] += c["executions"]
         g["bytes"] += c["bytes"]

@@ -63,8 +63,10 @@ def matrix_operands(inst: Instruction) -> tuple[list[tuple[int, ...]], str | Non
 def causal_blocks(seq_q: int, seq_kv: int, block_q: int, block_kv: int) -> int:
     """(query block, key block) pairs holding at least one unmasked causal entry."""
     n_kv = math.ceil(seq_kv / block_kv)
-    return sum(min(n_kv, ((i + 1) * block_q - 1) // block_kv + 1)
-               for i in range(math.ceil(seq_q / block_q)))
+    return sum(
+        min(n_kv, ((i + 1) * block_q - 1) // block_kv + 1)
+        for i in range(math.ceil(seq_q / block_q))
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,23 +92,29 @@ class _Splash:
 def _splash(inst: Instruction) -> _Splash | None:
     kind = next((k for k in _SPLASH_MATMULS if inst.name.startswith(k)), None)
     operands = operand_shapes(inst)
-    shapes = [s if len(s) == 4 else (1, *s) for dtype, s in operands
-              if dtype in _FLOAT and len(s) in (3, 4)]  # q, k first (the block tables are s8)
+    shapes = [
+        s if len(s) == 4 else (1, *s)
+        for dtype, s in operands
+        if dtype in _FLOAT and len(s) in (3, 4)
+    ]  # q, k first (the block tables are s8)
     if kind is None or inst.op != "custom-call" or len(shapes) < 2:
         return None
     meta = _METADATA.search(inst.rest)
     blocks = json.loads(meta[1].replace('\\"', '"')) if meta else {}
     # q and k as (batch, heads, seq, head_dim), whichever layout the kernel takes them in.
-    q, k = (shape[:2] + shape[:1:-1] if blocks.get(f"{side}_layout") == _SEQ_MINOR else shape
-            for side, shape in zip("qk", shapes[:2], strict=True))
+    q, k = (
+        shape[:2] + shape[:1:-1] if blocks.get(f"{side}_layout") == _SEQ_MINOR else shape
+        for side, shape in zip("qk", shapes[:2], strict=True)
+    )
     (batch, heads, seq_q, head_dim), (_, kv_heads, seq_kv, _) = q, k
     suffix = {"splash_mha_fwd": "", "splash_mha_dkv": "_dkv", "splash_mha_dq": "_dq"}[kind]
     block_q = blocks.get(f"block_q{suffix}") or seq_q
     block_kv = blocks.get(f"block_kv{suffix}") or seq_kv
     # A dK/dV kernel that also computes dQ returns it beside dK and dV (tokamax's splash records
     # no flag for it in the dK/dV kernel's metadata).
-    fused_dq = kind == "splash_mha_dkv" and (bool(blocks.get("use_fused_bwd_kernel"))
-                                             or len(hlo_stats.arrays(inst.type)) > 2)
+    fused_dq = kind == "splash_mha_dkv" and (
+        bool(blocks.get("use_fused_bwd_kernel")) or len(hlo_stats.arrays(inst.type)) > 2
+    )
     if seq_kv > seq_q and seq_kv % seq_q == 0:  # one query shard of the whole causal mask
         pairs = causal_blocks(seq_kv, seq_kv, block_q, block_kv) / (seq_kv // seq_q)
     else:
@@ -116,8 +124,20 @@ def _splash(inst: Instruction) -> _Splash | None:
     # 1-D s32 operand may be one example's segment ids, a row per token.)
     listed = [shape[0] for dtype, shape in operands if dtype == "s8" and len(shape) == 1]
     pairs = min(pairs, max(listed)) if listed else pairs
-    return _Splash(kind, batch, heads, kv_heads, seq_q, seq_kv, head_dim, block_q, block_kv,
-                   pairs, _SPLASH_MATMULS[kind] + fused_dq, 1 if kind == "splash_mha_fwd" else 2)
+    return _Splash(
+        kind,
+        batch,
+        heads,
+        kv_heads,
+        seq_q,
+        seq_kv,
+        head_dim,
+        block_q,
+        block_kv,
+        pairs,
+        _SPLASH_MATMULS[kind] + fused_dq,
+        1 if kind == "splash_mha_fwd" else 2,
+    )
 
 
 def splash_flops(inst: Instruction) -> float:
@@ -148,8 +168,7 @@ def splash_read_factors(inst: Instruction) -> list[float] | None:
             factors.append(1.0)
             continue
         kv_side = position in (1, 2)
-        factors.append((group if dkv else kv_streamed) if kv_side else
-                       (q_streamed if dkv else 1.0))
+        factors.append((group if dkv else kv_streamed) if kv_side else (q_streamed if dkv else 1.0))
         position += 1
     return factors
 
@@ -183,14 +202,16 @@ def grouped_matmul_flops(inst: Instruction) -> float:
     return 2.0 * lhs[0] * lhs[1] * rhs[2]
 
 
-def megablox_flops(inst: Instruction, computation: str = "", hidden_split: int = 1
-                   ) -> tuple[float, int] | None:
+def megablox_flops(
+    inst: Instruction, computation: str = "", hidden_split: int = 1
+) -> tuple[float, int] | None:
     """(FLOPs over its whole buffer, the buffer's rows) of a megablox grouped matmul, the
     instruction or its computation named for it (see the module docstring); None otherwise.
     `hidden_split`: the kernels run on one tp shard of the experts' hidden dim (their rows
     whole), so in the lowered module a call's FLOPs times that are its rows' work."""
-    if inst.op != "custom-call" or not (_MEGABLOX.search(inst.name)
-                                        or _MEGABLOX.search(computation)):
+    if inst.op != "custom-call" or not (
+        _MEGABLOX.search(inst.name) or _MEGABLOX.search(computation)
+    ):
         return None
     operands, _ = matrix_operands(inst)
     out = hlo_stats.arrays(inst.type)

@@ -27,15 +27,23 @@ def _full(flops: float) -> float:
     return 1.0
 
 
-def _matmul_work(flops: float, m: int, n: int, k: int, mxu_dim: int, time_factor: float = 1.0,
-                 share: Share = _full) -> tuple[float, float]:
+def _matmul_work(
+    flops: float,
+    m: int,
+    n: int,
+    k: int,
+    mxu_dim: int,
+    time_factor: float = 1.0,
+    share: Share = _full,
+) -> tuple[float, float]:
     """(FLOPs, FLOPs as the MXU spends them): a weight-stationary systolic array holds a
     (contraction x one free dim) tile, so a contraction of k fills k of its depth and the
     better-filling free dim (the compiler picks which operand stays) the other side.
     time_factor: the operands' time per FLOP over bf16's (0.5 for int8 on v6e); share: the
     share of peak the instruction sustains at its size."""
     fill = kernel_flops.array_efficiency(k, mxu_dim) * max(
-        kernel_flops.array_efficiency(m, mxu_dim), kernel_flops.array_efficiency(n, mxu_dim))
+        kernel_flops.array_efficiency(m, mxu_dim), kernel_flops.array_efficiency(n, mxu_dim)
+    )
     return flops, flops / fill * time_factor / share(flops)
 
 
@@ -45,8 +53,13 @@ def _time_factor(operands: list[Instruction], factors: dict[str, float]) -> floa
     return kinds.pop() if len(kinds) == 1 else 1.0
 
 
-def _dot_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int,
-              factors: dict[str, float], share: Share) -> tuple[float, float]:
+def _dot_work(
+    inst: Instruction,
+    defs: dict[str, Instruction],
+    mxu_dim: int,
+    factors: dict[str, float],
+    share: Share,
+) -> tuple[float, float]:
     operands = [defs.get(o) for o in inst.operands[:2]]
     contracting = _dims(inst.rest, "lhs_contracting_dims")
     if len(operands) < 2 or None in operands or not contracting:
@@ -54,16 +67,25 @@ def _dot_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int,
     lhs = hlo_stats.arrays(operands[0].type)[0][1]
     rhs = hlo_stats.arrays(operands[1].type)[0][1]
     k = math.prod(lhs[d] for d in contracting)
-    m = math.prod(lhs[d] for d in range(len(lhs))
-                  if d not in contracting + _dims(inst.rest, "lhs_batch_dims"))
-    n = math.prod(rhs[d] for d in range(len(rhs)) if d not in _dims(
-        inst.rest, "rhs_contracting_dims") + _dims(inst.rest, "rhs_batch_dims"))
+    m = math.prod(
+        lhs[d] for d in range(len(lhs)) if d not in contracting + _dims(inst.rest, "lhs_batch_dims")
+    )
+    n = math.prod(
+        rhs[d]
+        for d in range(len(rhs))
+        if d not in _dims(inst.rest, "rhs_contracting_dims") + _dims(inst.rest, "rhs_batch_dims")
+    )
     flops = 2.0 * math.prod(hlo_stats.arrays(inst.type)[0][1]) * k
     return _matmul_work(flops, m, n, k, mxu_dim, _time_factor(operands, factors), share)
 
 
-def _conv_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int,
-               factors: dict[str, float], share: Share) -> tuple[float, float]:
+def _conv_work(
+    inst: Instruction,
+    defs: dict[str, Instruction],
+    mxu_dim: int,
+    factors: dict[str, float],
+    share: Share,
+) -> tuple[float, float]:
     """2 x output elements x (kernel input features x the window taps that meet the input,
     not padding nor the holes of a dilated input): XLA:TPU writes some matmuls as padded
     convolutions, and a batched one as a base-dilated convolution whose window meets one
@@ -85,12 +107,20 @@ def _conv_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int,
     features = rhs_shape[labels[2].index("i")]
     out = math.prod(hlo_stats.arrays(inst.type)[0][1])
     n = rhs_shape[labels[2].index("o")]
-    return _matmul_work(2.0 * out * features * taps, out // max(n, 1), n, features * taps,
-                        mxu_dim, _time_factor(operands, factors), share)
+    return _matmul_work(
+        2.0 * out * features * taps,
+        out // max(n, 1),
+        n,
+        features * taps,
+        mxu_dim,
+        _time_factor(operands, factors),
+        share,
+    )
 
 
-def _kernel_work(inst: Instruction, mxu_dim: int, factors: dict[str, float], share: Share
-                 ) -> tuple[float, float]:
+def _kernel_work(
+    inst: Instruction, mxu_dim: int, factors: dict[str, float], share: Share
+) -> tuple[float, float]:
     flops = kernel_flops.kernel_flops(inst)
     spent = kernel_flops.splash_array_flops(inst, mxu_dim) or flops
     if kernel_flops.megablox_flops(inst) is not None:  # a grouped matmul: int8/fp8 operands?
@@ -99,9 +129,13 @@ def _kernel_work(inst: Instruction, mxu_dim: int, factors: dict[str, float], sha
     return flops, spent / share(flops) if flops else spent
 
 
-def instruction_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: int,
-                     factors: dict[str, float] | None = None, share: Share = _full
-                     ) -> tuple[float, float]:
+def instruction_work(
+    inst: Instruction,
+    defs: dict[str, Instruction],
+    mxu_dim: int,
+    factors: dict[str, float] | None = None,
+    share: Share = _full,
+) -> tuple[float, float]:
     """factors: time per FLOP over bf16's by HLO element type (`Chip.mxu_time_factors`);
     share: the share of peak a matmul of so many FLOPs sustains (`sustained.matmul_share`)."""
     if inst.op == "dot":
@@ -113,9 +147,14 @@ def instruction_work(inst: Instruction, defs: dict[str, Instruction], mxu_dim: i
     return 0.0, 0.0
 
 
-def computation_work(module: HloModule, name: str, memo: dict[str, tuple[float, float]],
-                     mxu_dim: int = 0, factors: dict[str, float] | None = None,
-                     share: Share = _full) -> tuple[float, float]:
+def computation_work(
+    module: HloModule,
+    name: str,
+    memo: dict[str, tuple[float, float]],
+    mxu_dim: int = 0,
+    factors: dict[str, float] | None = None,
+    share: Share = _full,
+) -> tuple[float, float]:
     """(MXU FLOPs, the FLOPs as the array spends them, padding included) of one run of a
     fused (or called) computation, nested fusions included."""
     if name in memo:
@@ -126,8 +165,11 @@ def computation_work(module: HloModule, name: str, memo: dict[str, tuple[float, 
     for inst in module.computations.get(name, []):
         work = [instruction_work(inst, defs, mxu_dim, factors, share)]
         if inst.op in ("fusion", "call"):
-            work += [computation_work(module, c, memo, mxu_dim, factors, share)
-                     for kind, c in hlo_stats.called(inst) if kind == "calls"]
+            work += [
+                computation_work(module, c, memo, mxu_dim, factors, share)
+                for kind, c in hlo_stats.called(inst)
+                if kind == "calls"
+            ]
         flops += sum(w[0] for w in work)
         spent += sum(w[1] for w in work)
     memo[name] = (flops, spent)

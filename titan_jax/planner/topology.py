@@ -51,8 +51,9 @@ class Chip:
         (`[quantize]`) run faster than bf16. MFU stays quoted against the bf16 peak."""
         factors = {"s8": self.peak_bf16_flops / self.peak_int8_ops} if self.peak_int8_ops else {}
         if self.peak_fp8_flops:
-            factors |= dict.fromkeys(("f8e4m3fn", "f8e5m2"),
-                                     self.peak_bf16_flops / self.peak_fp8_flops)
+            factors |= dict.fromkeys(
+                ("f8e4m3fn", "f8e5m2"), self.peak_bf16_flops / self.peak_fp8_flops
+            )
         return factors
 
     def ring_bytes_per_s(self, dims: int = 1, wraparound: bool = True) -> float:
@@ -78,25 +79,74 @@ class Chip:
 # 4 per chip on the 2-D tori (v5e/v6e pages), 6 on the 3-D ones (a link per neighbour). MXU:
 # "128 x 128 multiply-accumulators" (system-architecture page); v6e: "two 256x256" MXUs.
 _CHIP_TABLE = (
-    ("v4", 275e12, 32, 1200e9, 600e9, 6.25e9, 2, 6, 128,
-     "275 TFLOP/s bf16, 32 GiB HBM at 1200 GBps, 2400 Gbps ICI one way (former page), 3-D "
-     "torus"),
-    ("v5e", 197e12, 16, 819e9, 400e9, 3.125e9, 1, 4, 128,
-     "197 TFLOP/s bf16, 16 GB HBM at 819 GBps, 400 GBps bidirectional ICI per chip, 4 ICI "
-     "ports, 2 x 100 Gbps NIC per 8-chip host"),
-    ("v5p", 459e12, 95, 2765e9, 1200e9, 6.25e9, 2, 6, 128,
-     "459 TFLOP/s bf16, 95 GiB HBM at 2765 GBps, 1200 GBps bidirectional ICI per chip, 3-D "
-     "torus, 50 Gbps DCN per chip"),
-    ("v6e", 918e12, 32, 1638e9, 800e9, 12.5e9, 1, 4, 256,
-     "918 TFLOP/s bf16, 32 GB HBM at 1638 GBps, 800 GBps bidirectional ICI per chip, 4 ICI "
-     "ports, two 256x256 MXUs, 4 x 200 Gbps NIC per 8-chip host"),
+    (
+        "v4",
+        275e12,
+        32,
+        1200e9,
+        600e9,
+        6.25e9,
+        2,
+        6,
+        128,
+        "275 TFLOP/s bf16, 32 GiB HBM at 1200 GBps, 2400 Gbps ICI one way (former page), 3-D torus",
+    ),
+    (
+        "v5e",
+        197e12,
+        16,
+        819e9,
+        400e9,
+        3.125e9,
+        1,
+        4,
+        128,
+        "197 TFLOP/s bf16, 16 GB HBM at 819 GBps, 400 GBps bidirectional ICI per chip, 4 ICI "
+        "ports, 2 x 100 Gbps NIC per 8-chip host",
+    ),
+    (
+        "v5p",
+        459e12,
+        95,
+        2765e9,
+        1200e9,
+        6.25e9,
+        2,
+        6,
+        128,
+        "459 TFLOP/s bf16, 95 GiB HBM at 2765 GBps, 1200 GBps bidirectional ICI per chip, 3-D "
+        "torus, 50 Gbps DCN per chip",
+    ),
+    (
+        "v6e",
+        918e12,
+        32,
+        1638e9,
+        800e9,
+        12.5e9,
+        1,
+        4,
+        256,
+        "918 TFLOP/s bf16, 32 GB HBM at 1638 GBps, 800 GBps bidirectional ICI per chip, 4 ICI "
+        "ports, two 256x256 MXUs, 4 x 200 Gbps NIC per 8-chip host",
+    ),
     # Ironwood, per TensorCore (JAX's device: "JAX exposes each Ironwood chip as two separate
     # devices", one per chiplet with 96 GB of the chip's HBM); its ICI links are the chip's,
     # shared by its two cores (a 3-D torus: 6 links; the page gives no port count). MXU: 256x256
     # (MaxText's v7x optimisation guide).
-    ("tpu7x", 2307e12 / 2, 96, 7380e9 / 2, 1200e9 / 2, 12.5e9 / 2, 2, 6, 256,
-     "2307 TFLOP/s bf16 and 4614 fp8 per chip, 192 GiB HBM at 7380 GBps, 1200 GBps "
-     "bidirectional ICI, 100 Gbps DCN per chip; two TensorCores per chip, each a JAX device"),
+    (
+        "tpu7x",
+        2307e12 / 2,
+        96,
+        7380e9 / 2,
+        1200e9 / 2,
+        12.5e9 / 2,
+        2,
+        6,
+        256,
+        "2307 TFLOP/s bf16 and 4614 fp8 per chip, 192 GiB HBM at 7380 GBps, 1200 GBps "
+        "bidirectional ICI, 100 Gbps DCN per chip; two TensorCores per chip, each a JAX device",
+    ),
 )
 # int8 OP/s: the v5e and v6e pages (393 and 1836 TOPS, twice bf16); v5p's page gives none,
 # Google's launch post 918 TOPS (twice bf16); v4 and tpu7x: none published. fp8: tpu7x only
@@ -104,19 +154,51 @@ _CHIP_TABLE = (
 _INT8_OPS = {"v5e": 393e12, "v5p": 918e12, "v6e": 1836e12}
 _FP8_FLOPS = {"tpu7x": 4614e12 / 2}
 _DEVICES_PER_CHIP = {"tpu7x": 2}  # v4/v5p: one megacore device for both TensorCores
-CHIPS = {gen: Chip(gen, flops, hbm_gib * GiB, hbm_bw, ici, dcn, cores,
-                   f"docs.cloud.google.com/tpu/docs/{gen}: {words}", ports, mxu,
-                   _INT8_OPS.get(gen, 0.0), _FP8_FLOPS.get(gen, 0.0),
-                   _DEVICES_PER_CHIP.get(gen, 1))
-         for gen, flops, hbm_gib, hbm_bw, ici, dcn, cores, ports, mxu, words in _CHIP_TABLE}
+CHIPS = {
+    gen: Chip(
+        gen,
+        flops,
+        hbm_gib * GiB,
+        hbm_bw,
+        ici,
+        dcn,
+        cores,
+        f"docs.cloud.google.com/tpu/docs/{gen}: {words}",
+        ports,
+        mxu,
+        _INT8_OPS.get(gen, 0.0),
+        _FP8_FLOPS.get(gen, 0.0),
+        _DEVICES_PER_CHIP.get(gen, 1),
+    )
+    for gen, flops, hbm_gib, hbm_bw, ici, dcn, cores, ports, mxu, words in _CHIP_TABLE
+}
 
 # Chips -> physical shape of the single-slice topologies Cloud offers (3-D torus for v4/v5p/
 # tpu7x, 2-D for v5e/v6e), as libtpu names them ("v5p:2x2x1").
 _TORUS_3D = ("v4", "v5p", "tpu7x")
-_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
-              256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
-_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
-              256: "16x16"}
+_SHAPES_3D = {
+    4: "2x2x1",
+    8: "2x2x2",
+    16: "2x2x4",
+    32: "2x4x4",
+    64: "4x4x4",
+    128: "4x4x8",
+    256: "4x8x8",
+    512: "8x8x8",
+    1024: "8x8x16",
+    2048: "8x16x16",
+    4096: "16x16x16",
+}
+_SHAPES_2D = {
+    1: "1x1",
+    4: "2x2",
+    8: "2x4",
+    16: "4x4",
+    32: "4x8",
+    64: "8x8",
+    128: "8x16",
+    256: "16x16",
+}
 _NAME = re.compile(r"^(v4|v5e|v5p|v6e|tpu7x)-(\d+)$")
 
 
@@ -155,11 +237,16 @@ class TpuSlice:
         dimensions all wrap, a product of them (a ring snaking over a torus plane)."""
         wrapped = self.wrapped_lengths
         torus = len(wrapped) == len(self.shape)
-        spans = {math.prod(c) for r in range(1, len(self.shape) + 1)
-                 for c in itertools.combinations(self.shape, r)}
-        return all(size in wrapped or (torus and (size == 0 or size in spans))
-                   for size in sizes if size != 1)
-
+        spans = {
+            math.prod(c)
+            for r in range(1, len(self.shape) + 1)
+            for c in itertools.combinations(self.shape, r)
+        }
+        return all(
+            size in wrapped or (torus and (size == 0 or size in spans))
+            for size in sizes
+            if size != 1
+        )
 
 
 def valid_names() -> list[str]:
@@ -183,7 +270,8 @@ def parse_slice(name: str, num_slices: int = 1) -> TpuSlice:
             return TpuSlice(match[0], chip, cores // chip.cores_per_chip, num_slices)
     raise TopologyError(
         f"--topology {name!r} is not a TPU slice titan-jax knows; valid names (v4, v5p and tpu7x "
-        f"count TensorCores, two per chip): {', '.join(valid_names())}")
+        f"count TensorCores, two per chip): {', '.join(valid_names())}"
+    )
 
 
 def require_libtpu() -> None:
@@ -191,7 +279,8 @@ def require_libtpu() -> None:
         raise TopologyError(
             "compiling for a TPU slice needs libtpu, which is not installed: install the `tpu` "
             "extra with `pip install -e '.[tpu]'` in the titan-jax checkout (`make install` "
-            "includes it)")
+            "includes it)"
+        )
 
 
 def compile_only_devices(tpu: TpuSlice) -> list[Any]:
@@ -206,6 +295,8 @@ def compile_only_devices(tpu: TpuSlice) -> list[Any]:
     flags.FLAGS[tokamax_config.cross_compile.flag.name].value = True
 
     kwargs = {"num_slices": tpu.num_slices} if tpu.num_slices > 1 else {}
-    return list(topologies.get_topology_desc(
-        platform="tpu", topology_name=tpu.libtpu_name, **kwargs).devices)
-
+    return list(
+        topologies.get_topology_desc(
+            platform="tpu", topology_name=tpu.libtpu_name, **kwargs
+        ).devices
+    )

@@ -45,10 +45,14 @@ def comments_of(source: str) -> dict[int, str]:
 
 def _choices(annotation: ast.expr) -> tuple[str, ...]:
     """The values of a `Literal[...]` annotation, else ()."""
-    if (isinstance(annotation, ast.Subscript) and isinstance(annotation.value, ast.Name)
-            and annotation.value.id == "Literal"):
-        elts = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [
-            annotation.slice]
+    if (
+        isinstance(annotation, ast.Subscript)
+        and isinstance(annotation.value, ast.Name)
+        and annotation.value.id == "Literal"
+    ):
+        elts = (
+            annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
+        )
         return tuple(str(ast.literal_eval(e)) for e in elts)
     return ()
 
@@ -71,11 +75,16 @@ def schema_sections(source: str | None = None) -> dict[str, tuple[str, list[Fiel
     for node in ast.parse(source).body:
         if not isinstance(node, ast.ClassDef) or node.name == "JobConfig":
             continue
-        fields = [Field(item.target.id,
-                        ast.get_source_segment(source, item.value) if item.value else "",
-                        _choices(item.annotation), _field_comment(item, comments, lines))
-                  for item in node.body
-                  if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)]
+        fields = [
+            Field(
+                item.target.id,
+                ast.get_source_segment(source, item.value) if item.value else "",
+                _choices(item.annotation),
+                _field_comment(item, comments, lines),
+            )
+            for item in node.body
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+        ]
         if fields:
             sections[node.name] = (ast.get_docstring(node) or "", fields)
     return sections
@@ -102,8 +111,9 @@ def render() -> str:
     out = [HEADER]
     for section in dataclasses.fields(config_schema.JobConfig):
         doc, fields = sections[section.type]  # the schema's annotations are strings
-        defaults = {f.name: f.default for f in dataclasses.fields(getattr(config_schema,
-                                                                         section.type))}
+        defaults = {
+            f.name: f.default for f in dataclasses.fields(getattr(config_schema, section.type))
+        }
         out += [f"## [{section.name}]", ""]
         if doc:
             out += [" ".join(doc.split()), ""]
@@ -111,8 +121,12 @@ def render() -> str:
         for f in fields:
             meaning = f.comment
             if f.choices:
-                meaning += (" " if meaning else "") + "One of: " + ", ".join(
-                    f"`{c}`" for c in f.choices) + "."
+                meaning += (
+                    (" " if meaning else "")
+                    + "One of: "
+                    + ", ".join(f"`{c}`" for c in f.choices)
+                    + "."
+                )
             default = _default(f.default, defaults[f.name])
             out.append(f"| `{section.name}.{f.name}` | {default} | {meaning} |")
         out.append("")

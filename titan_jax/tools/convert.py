@@ -35,9 +35,17 @@ def _check_destination_parents(dst: Path) -> None:
             return
 
 
-def convert(src: str | Path, dst: str | Path, src_format: str, dst_format: str, *,
-            dtype: str = "float32", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-            overwrite: bool = False, model: str = "qwen3") -> Any:
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    src_format: str,
+    dst_format: str,
+    *,
+    dtype: str = "float32",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+    model: str = "qwen3",
+) -> Any:
     """Reads `src` in `src_format` and writes it to `dst` in `dst_format` (hf -> hf re-types or
     re-shards the files), weights of the registered family `model` (`model.name`). A LoRA
     run's step folder gives its adapters (`peft`) or the model with them merged (`hf`); a
@@ -47,25 +55,30 @@ def convert(src: str | Path, dst: str | Path, src_format: str, dst_format: str, 
     `dst` is written whole or not at all; a non-empty `dst` is refused unless `overwrite`, and
     the source is never written (checked before anything is read)."""
     src, dst = local_path(str(src), "SRC"), local_path(str(dst), "DST")
-    for name, fmt, valid in (("--from", src_format, SRC_FORMATS),
-                             ("--to", dst_format, DST_FORMATS)):
+    for name, fmt, valid in (
+        ("--from", src_format, SRC_FORMATS),
+        ("--to", dst_format, DST_FORMATS),
+    ):
         if fmt not in valid:
             raise ConfigError(f"{name} {fmt!r}; valid: {', '.join(valid)}")
     if src_format == dst_format == "orbax":
         raise ConfigError("--from orbax --to orbax: nothing to convert")
     if dst_format == "peft" and src_format != "orbax":
-        raise ConfigError("--to peft writes a LoRA run's adapters: give --from orbax and the "
-                          "run's checkpoint step folder ({dump_folder}/checkpoint/{step})")
+        raise ConfigError(
+            "--to peft writes a LoRA run's adapters: give --from orbax and the "
+            "run's checkpoint step folder ({dump_folder}/checkpoint/{step})"
+        )
     if dst_format == "orbax" and dtype != "float32":  # orbax models keep fp32 masters
-        raise ConfigError(f"--dtype {dtype} applies to --to hf and peft only; an orbax model "
-                          "keeps the float32 weights training reads (leave --dtype out)")
+        raise ConfigError(
+            f"--dtype {dtype} applies to --to hf and peft only; an orbax model "
+            "keeps the float32 weights training reads (leave --dtype out)"
+        )
     try:
         size = parse_size(max_shard_size)
     except ValueError as e:
         raise ConfigError(f"--max-shard-size: {e}") from None
     if size < 1:
-        raise ConfigError(f"--max-shard-size {max_shard_size!r} must be at least 1 byte "
-                          "(e.g. 5GB)")
+        raise ConfigError(f"--max-shard-size {max_shard_size!r} must be at least 1 byte (e.g. 5GB)")
     if src_format == "orbax":
         src = orbax_source(Path(src))
     _check_destination_parents(Path(dst))
@@ -78,19 +91,36 @@ def convert(src: str | Path, dst: str | Path, src_format: str, dst_format: str, 
     else:
         adapters = run_lora(src, spec)
         if dst_format == "peft" and not adapters.lora.rank:
-            raise CheckpointError(f"{src} holds no LoRA adapters (not a step of a run trained "
-                                  "with [lora]); --to peft writes a LoRA run's adapters, "
-                                  "--to hf a whole model")
+            raise CheckpointError(
+                f"{src} holds no LoRA adapters (not a step of a run trained "
+                "with [lora]); --to peft writes a LoRA run's adapters, "
+                "--to hf a whole model"
+            )
         args, params = load_orbax(src, spec, lora=adapters.lora)
     if dst_format == "peft":
-        spec.hf.save_peft(dst, params, args, adapters.lora, adapters.base_model, dtype=dtype,
-                          overwrite=overwrite, source=src)
+        spec.hf.save_peft(
+            dst,
+            params,
+            args,
+            adapters.lora,
+            adapters.base_model,
+            dtype=dtype,
+            overwrite=overwrite,
+            source=src,
+        )
         return args
     if adapters.lora.rank:  # the adapted model as one plain model
         params = merged(params, adapters.lora)
     if dst_format == "hf":
-        spec.hf.save(dst, params, args, dtype=dtype, max_shard_size=max_shard_size,
-                     overwrite=overwrite, source=src)
+        spec.hf.save(
+            dst,
+            params,
+            args,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            source=src,
+        )
     else:
         save_orbax(dst, params, args, overwrite=overwrite, source=src)
     return args

@@ -30,10 +30,14 @@ from titan_jax.jax_platform import has_accelerator_device
 
 ENV = "TITAN_JAX_ALLOCATOR"
 MIMALLOC_IN_WHEEL = "cmeel.prefix/lib/libmimalloc.so.3"
-SYSTEM_TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                   "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
-HOW_TO_ADD = ("apt-get install libtcmalloc-minimal4, or pip install cmeel-mimalloc (the cpu "
-              "extra of `make install`)")
+SYSTEM_TCMALLOC = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+)
+HOW_TO_ADD = (
+    "apt-get install libtcmalloc-minimal4, or pip install cmeel-mimalloc (the cpu "
+    "extra of `make install`)"
+)
 
 
 def find_allocator() -> Path | None:
@@ -44,8 +48,9 @@ def find_allocator() -> Path | None:
 
 def _mimalloc_from_wheel() -> Path | None:
     try:
-        path = Path(importlib.metadata.distribution("cmeel-mimalloc")
-                    .locate_file(MIMALLOC_IN_WHEEL))
+        path = Path(
+            importlib.metadata.distribution("cmeel-mimalloc").locate_file(MIMALLOC_IN_WHEEL)
+        )
     except importlib.metadata.PackageNotFoundError:
         return None
     return path if path.is_file() else None
@@ -68,8 +73,10 @@ def preload_env(env: dict[str, str]) -> tuple[dict[str, str], str]:
         return env, "no allocator preload: not a CPU host (the step's buffers are on the device)"
     library = Path(choice) if choice else find_allocator()
     if library is None:
-        return env, (f"no allocator preload found, glibc malloc (CPU steps ~15-20% slower: "
-                     f"BENCHMARKS.md): {HOW_TO_ADD}")
+        return env, (
+            f"no allocator preload found, glibc malloc (CPU steps ~15-20% slower: "
+            f"BENCHMARKS.md): {HOW_TO_ADD}"
+        )
     if not library.is_file():
         return env, f"{ENV}={choice}: no such file; glibc malloc"
     preloads = env.get("LD_PRELOAD", "").split()
@@ -85,8 +92,14 @@ def preloaded_allocator(maps: str = "/proc/self/maps") -> str | None:
     or None (glibc's)."""
     with open(maps) as lines:
         paths = {line.split()[-1] for line in lines if "/" in line}
-    return next((p for p in sorted(paths) if any(name in Path(p).name for name in
-                                                 ("mimalloc", "tcmalloc", "jemalloc"))), None)
+    return next(
+        (
+            p
+            for p in sorted(paths)
+            if any(name in Path(p).name for name in ("mimalloc", "tcmalloc", "jemalloc"))
+        ),
+        None,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

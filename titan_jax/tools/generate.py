@@ -56,21 +56,25 @@ class GenerateOptions:
         if self.max_new_tokens < 1:
             raise GenerateError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise GenerateError(f"--temperature {self.temperature} must be a number >= 0 "
-                                "(0 = greedy)")
+            raise GenerateError(
+                f"--temperature {self.temperature} must be a number >= 0 (0 = greedy)"
+            )
         if not 0 < self.top_p <= 1:
             raise GenerateError(f"--top-p {self.top_p} must be in (0, 1]")
         if self.top_p < 1 and self.temperature == 0:  # greedy decoding never samples
-            raise GenerateError(f"--top-p {self.top_p} needs --temperature > 0 (it is 0: greedy "
-                                "decoding, which --top-p would not change); add e.g. "
-                                "--temperature 0.7, or leave --top-p out")
+            raise GenerateError(
+                f"--top-p {self.top_p} needs --temperature > 0 (it is 0: greedy "
+                "decoding, which --top-p would not change); add e.g. "
+                "--temperature 0.7, or leave --top-p out"
+            )
         if not 0 <= self.seed < 2**31:
             raise GenerateError(f"--seed {self.seed} must be in [0, 2**31)")
         try:
             self.prompt.encode("utf-8")
         except UnicodeEncodeError as e:  # undecodable bytes in argv arrive as lone surrogates
-            raise GenerateError(f"--prompt is not UTF-8 text (character {e.start}); pass the "
-                                "prompt in UTF-8") from None
+            raise GenerateError(
+                f"--prompt is not UTF-8 text (character {e.start}); pass the prompt in UTF-8"
+            ) from None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -80,12 +84,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise GenerateError(f"--checkpoint {path} does not exist")
     if not path.is_dir():
-        raise GenerateError(f"--checkpoint {path} is a file; give a run's checkpoint folder, "
-                            "one of its step folders, or an orbax model directory")
+        raise GenerateError(
+            f"--checkpoint {path} is a file; give a run's checkpoint folder, "
+            "one of its step folders, or an orbax model directory"
+        )
     source = orbax_source(path)
     if not is_checkpoint_dir(source) and not (source / ARGS_FILE).is_file():
-        raise GenerateError(f"--checkpoint {path} is neither a checkpoint step folder, a folder of "
-                         "them, nor an orbax model directory (model_args.json + params/)")
+        raise GenerateError(
+            f"--checkpoint {path} is neither a checkpoint step folder, a folder of "
+            "them, nor an orbax model directory (model_args.json + params/)"
+        )
     return source
 
 
@@ -96,8 +104,7 @@ def _orbax_args(path: Path, spec: ModelSpec) -> Any:
     return read_orbax_args(path, spec)
 
 
-def _source(checkpoint: str | None, hf_checkpoint: str | None, spec: ModelSpec
-            ) -> tuple[Path, Any]:
+def _source(checkpoint: str | None, hf_checkpoint: str | None, spec: ModelSpec) -> tuple[Path, Any]:
     if (checkpoint is None) == (hf_checkpoint is None):
         raise GenerateError("give exactly one of --checkpoint PATH or --hf-checkpoint DIR")
     if hf_checkpoint is not None:
@@ -109,12 +116,17 @@ def _source(checkpoint: str | None, hf_checkpoint: str | None, spec: ModelSpec
 
 def _tokenizer(config: JobConfig, source: Path, from_hf: bool, args: Any) -> Tokenizer:
     # A HF model directory ships its tokenizer; the recipe's is the fallback.
-    path = str(source) if from_hf and (source / "tokenizer.json").is_file() else \
-        config.model.tokenizer_path
+    path = (
+        str(source)
+        if from_hf and (source / "tokenizer.json").is_file()
+        else config.model.tokenizer_path
+    )
     tokenizer = load_tokenizer(path)
     if tokenizer.vocab_size > args.vocab_size:
-        raise GenerateError(f"tokenizer {path or '(shipped)'} has vocab size "
-                            f"{tokenizer.vocab_size}, larger than the model's {args.vocab_size}")
+        raise GenerateError(
+            f"tokenizer {path or '(shipped)'} has vocab size "
+            f"{tokenizer.vocab_size}, larger than the model's {args.vocab_size}"
+        )
     return tokenizer
 
 
@@ -129,12 +141,14 @@ def _prompt_ids(tokenizer: Tokenizer, options: GenerateOptions, args: Any) -> li
         hint = f"lower --max-new-tokens to {room}" if room >= 1 else "shorten the prompt"
         raise GenerateError(
             f"--prompt of {len(ids)} tokens plus --max-new-tokens {options.max_new_tokens} "
-            f"exceeds the model's {args.max_seq_len} positions; {hint}")
+            f"exceeds the model's {args.max_seq_len} positions; {hint}"
+        )
     return ids
 
 
-def _load_params(config: JobConfig, source: Path, from_hf: bool, args: Any, spec: ModelSpec
-                 ) -> tuple[Params, jax.sharding.Mesh]:
+def _load_params(
+    config: JobConfig, source: Path, from_hf: bool, args: Any, spec: ModelSpec
+) -> tuple[Params, jax.sharding.Mesh]:
     """The weights on the shardings the recipe's mesh gives them in training (a LoRA run's
     adapters with them, then merged into the weights: decoding runs the plain model)."""
     adapters = NO_ADAPTERS if from_hf else run_lora(source, spec)
@@ -144,8 +158,11 @@ def _load_params(config: JobConfig, source: Path, from_hf: bool, args: Any, spec
     mesh_config.training.seq_len = min(config.training.seq_len, args.max_seq_len)
     mesh_config.validation.enable = False
     lora = adapters.lora
-    mesh_config.lora = LoraSection(lora.rank, lora.alpha, target_modules=",".join(
-        lora.projections)) if lora.rank else LoraSection()
+    mesh_config.lora = (
+        LoraSection(lora.rank, lora.alpha, target_modules=",".join(lora.projections))
+        if lora.rank
+        else LoraSection()
+    )
     trainer = build_trainer(mesh_config, model_args=args)
     shardings = trainer.state_shardings["params"]
     if from_hf:
@@ -154,8 +171,9 @@ def _load_params(config: JobConfig, source: Path, from_hf: bool, args: Any, spec
     return (merged(params, lora) if lora.rank else params), trainer.mesh
 
 
-def generate_text(config: JobConfig, checkpoint: str | None, hf_checkpoint: str | None,
-                  options: GenerateOptions) -> tuple[str, str]:
+def generate_text(
+    config: JobConfig, checkpoint: str | None, hf_checkpoint: str | None, options: GenerateOptions
+) -> tuple[str, str]:
     """(the prompt's continuation, the weights' source); stops at EOS or max_new_tokens."""
     options.validate()  # every input checked before the weights are read
     spec = get_model_spec(config.model.name)
@@ -167,10 +185,17 @@ def generate_text(config: JobConfig, checkpoint: str | None, hf_checkpoint: str 
     dtype = resolve_param_dtype(config.training.mixed_precision_param, list(mesh.devices.flat))
     with jax.set_mesh(mesh):
         tokens = spec.generate(
-            params, args, np.asarray([prompt_ids], np.int32), options.max_new_tokens,
-            temperature=options.temperature, top_p=options.top_p, seed=options.seed,
-            eos_id=tokenizer.eos_id, dtype=dtype)
-    new = [int(t) for t in np.asarray(tokens)[0, len(prompt_ids):]]
+            params,
+            args,
+            np.asarray([prompt_ids], np.int32),
+            options.max_new_tokens,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            seed=options.seed,
+            eos_id=tokenizer.eos_id,
+            dtype=dtype,
+        )
+    new = [int(t) for t in np.asarray(tokens)[0, len(prompt_ids) :]]
     if tokenizer.eos_id in new:
-        new = new[:new.index(tokenizer.eos_id)]
+        new = new[: new.index(tokenizer.eos_id)]
     return tokenizer.decode(new), str(source)

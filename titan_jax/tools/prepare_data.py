@@ -27,20 +27,31 @@ def _progress(message: str) -> None:
     print(f"titan-jax prepare-data: {message}", file=sys.stderr, flush=True)
 
 
-def prepare_data(config: JobConfig, output: str, *, workers: int = 1, num_shards: int = 1,
-                 shard_index: int = 0, verify: bool = False) -> dict:
+def prepare_data(
+    config: JobConfig,
+    output: str,
+    *,
+    workers: int = 1,
+    num_shards: int = 1,
+    shard_index: int = 0,
+    verify: bool = False,
+) -> dict:
     """Writes (or finishes) the store; returns its manifest. `verify`: checks every shard."""
     t = config.training
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     if verify:
         corpus = open_corpus(output, tokenizer, what="--output")
         corpus.verify()
-        _progress(f"{output}: {len(corpus.shards)} shards, {corpus.num_tokens:,} tokens: "
-                  "every checksum matches")
+        _progress(
+            f"{output}: {len(corpus.shards)} shards, {corpus.num_tokens:,} tokens: "
+            "every checksum matches"
+        )
         return {"tokens": corpus.num_tokens}
     if t.dataset == "tokens":
-        raise ConfigError("training.dataset='tokens' is already a token store; prepare-data "
-                          "reads a source: pydoc, text, jsonl, parquet or hf_disk")
+        raise ConfigError(
+            "training.dataset='tokens' is already a token store; prepare-data "
+            "reads a source: pydoc, text, jsonl, parquet or hf_disk"
+        )
     start = time.perf_counter()
     messages: list[str] = []
 
@@ -49,17 +60,26 @@ def prepare_data(config: JobConfig, output: str, *, workers: int = 1, num_shards
         _progress(message)
 
     with _locked(output), _environment_errors(output):
-        manifest = prepare_store(dataset=t.dataset, dataset_path=t.dataset_path,
-                                 text_field=t.text_field, tokenizer=tokenizer, output=output,
-                                 workers=workers, num_shards=num_shards,
-                                 shard_index=shard_index, progress=progress,
-                                 chat=chat_format(config))
+        manifest = prepare_store(
+            dataset=t.dataset,
+            dataset_path=t.dataset_path,
+            text_field=t.text_field,
+            tokenizer=tokenizer,
+            output=output,
+            workers=workers,
+            num_shards=num_shards,
+            shard_index=shard_index,
+            progress=progress,
+            chat=chat_format(config),
+        )
     seconds = time.perf_counter() - start
     if messages and "already prepared" in messages[-1]:
         return manifest
-    _progress(f"done in {seconds:.1f} s ({manifest['tokens'] / max(seconds, 1e-9):,.0f} "
-              "tokens/s); train from it with --training.dataset tokens "
-              f"--training.dataset_path {shlex.quote(output)}")
+    _progress(
+        f"done in {seconds:.1f} s ({manifest['tokens'] / max(seconds, 1e-9):,.0f} "
+        "tokens/s); train from it with --training.dataset tokens "
+        f"--training.dataset_path {shlex.quote(output)}"
+    )
     return manifest
 
 
@@ -86,6 +106,8 @@ def _environment_errors(output: str) -> Iterator[None]:
         cause = root_cause(e)
         if cause is None:
             raise
-        raise DataError(f"prepare-data --output {output}: {cause} ({e.filename or output}); "
-                        "fix that, then run the same command again: it goes on from the input "
-                        "files finished so far") from None
+        raise DataError(
+            f"prepare-data --output {output}: {cause} ({e.filename or output}); "
+            "fix that, then run the same command again: it goes on from the input "
+            "files finished so far"
+        ) from None

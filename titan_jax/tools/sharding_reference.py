@@ -25,8 +25,11 @@ def _entry_comments(source: str) -> dict[str, str]:
     """{logical axis: its comment} for DEFAULT_TABLE's entries: the comment on the entry's line
     and the comment lines right above it."""
     comments, lines = comments_of(source), source.splitlines()
-    node = next(n for n in ast.parse(source).body if isinstance(n, ast.AnnAssign)
-                and getattr(n.target, "id", "") == "DEFAULT_TABLE")
+    node = next(
+        n
+        for n in ast.parse(source).body
+        if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "DEFAULT_TABLE"
+    )
     found = {}
     for key in node.value.keys:
         above, line = [], key.lineno - 1
@@ -46,18 +49,28 @@ def _axes(value: rules.MeshAxes) -> str:
 
 def render_table() -> str:
     comments = _entry_comments(SOURCE.read_text())
-    out = [BEGIN, "", "| logical axis | mesh axes | data-parallel split in compute | note |",
-           "|---|---|---|---|"]
+    out = [
+        BEGIN,
+        "",
+        "| logical axis | mesh axes | data-parallel split in compute | note |",
+        "|---|---|---|---|",
+    ]
     for axis, value in rules.DEFAULT_TABLE.items():
         kept = "kept" if axis in rules.KEPT_IN_COMPUTE else "gathered"
-        out.append(f"| `{axis}` | {_axes(value)} | {kept} | "
-                   f"{comments[axis].replace('|', chr(92) + '|')} |")
+        out.append(
+            f"| `{axis}` | {_axes(value)} | {kept} | {comments[axis].replace('|', chr(92) + '|')} |"
+        )
     gathered = ", ".join(f"`{k}` -> {_axes(v)}" for k, v in rules.GATHERED_VOCAB.items())
-    out += ["", f"A vocabulary the table's split does not divide, or one whose split would "
-            "move more bytes than the tables (more tokens a microbatch over its shards than "
-            "vocabulary rows), and, on the jit path, HSDP replicas "
-            f"(`SimpleFSDP.splits_vocab_across_replicas`) take {gathered} instead "
-            "(`rules.table_for_vocab`).", "", END]
+    out += [
+        "",
+        f"A vocabulary the table's split does not divide, or one whose split would "
+        "move more bytes than the tables (more tokens a microbatch over its shards than "
+        "vocabulary rows), and, on the jit path, HSDP replicas "
+        f"(`SimpleFSDP.splits_vocab_across_replicas`) take {gathered} instead "
+        "(`rules.table_for_vocab`).",
+        "",
+        END,
+    ]
     return "\n".join(out)
 
 

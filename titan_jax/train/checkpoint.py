@@ -110,13 +110,16 @@ def is_checkpoint_dir(path: epath.PathLike) -> bool:
 def _refuse_foreign_steps(directory: epath.Path) -> None:
     """A numbered folder that is not ours would be taken for a step by orbax, and deleted by
     `keep_latest_k`: the run stops before touching it."""
-    foreign = sorted((p for p in directory.iterdir() if p.name.isdigit()
-                      and not is_checkpoint_dir(p)), key=lambda p: int(p.name))
+    foreign = sorted(
+        (p for p in directory.iterdir() if p.name.isdigit() and not is_checkpoint_dir(p)),
+        key=lambda p: int(p.name),
+    )
     if foreign:
         raise CheckpointError(
             f"checkpoint folder {directory} holds {foreign[0].name}/, which is not a titan-jax "
             "checkpoint (no state/ and meta/); move it out of that folder, or set "
-            "checkpoint.folder to a folder that holds only this run's checkpoints")
+            "checkpoint.folder to a folder that holds only this run's checkpoints"
+        )
 
 
 def _ensure_writable(directory: epath.Path) -> None:
@@ -165,7 +168,8 @@ def _with_dtypes(target: Any, dtypes: dict[str, Any]) -> Any:
     """`target` with each leaf's dtype replaced by the saved one (its shape and sharding kept)."""
     return jax.tree_util.tree_map_with_path(
         lambda p, s: jax.ShapeDtypeStruct(s.shape, dtypes[leaf_name(p)], sharding=s.sharding),
-        target)
+        target,
+    )
 
 
 class Checkpointer:
@@ -175,9 +179,16 @@ class Checkpointer:
     each step's meta item: the run's `resume_signature`, model args and config.
     """
 
-    def __init__(self, directory: epath.PathLike, *, keep_latest_k: int = 0,
-                 async_save: bool = True, read_only: bool = False,
-                 run_info: dict[str, Any] | None = None, state_bytes: int = 0):
+    def __init__(
+        self,
+        directory: epath.PathLike,
+        *,
+        keep_latest_k: int = 0,
+        async_save: bool = True,
+        read_only: bool = False,
+        run_info: dict[str, Any] | None = None,
+        state_bytes: int = 0,
+    ):
         directory = epath.Path(directory)
         self.directory = directory if is_url(str(directory)) else directory.absolute()
         if read_only:
@@ -206,9 +217,15 @@ class Checkpointer:
         if read_only:
             absl_logger.setLevel(max(level, logging.ERROR))
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
-                "state": ocp.PyTreeCheckpointHandler(save_concurrent_gb=in_flight_gb),
-                "meta": ocp.JsonCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=options,
+                item_handlers={
+                    "state": ocp.PyTreeCheckpointHandler(save_concurrent_gb=in_flight_gb),
+                    "meta": ocp.JsonCheckpointHandler(),
+                    "data": ocp.JsonCheckpointHandler(),
+                },
+            )
         finally:
             absl_logger.setLevel(level)
         self._saving: int | None = None  # step of a save that may still be in flight
@@ -219,27 +236,45 @@ class Checkpointer:
         """The checkpoints of the trainer's run (`checkpoint.*`, under its run folder)."""
         config = trainer.config
         c = config.checkpoint
-        run_info = {"resume": resume_signature(config, trainer.global_batch_size),
-                    "model_args": dataclasses.asdict(trainer.model.args),
-                    "config": config.to_dict(),
-                    "shape": {"processes": jax.process_count(),
-                              "devices": trainer.mesh.devices.size,
-                              "global_batch_size": trainer.global_batch_size,
-                              "microbatches": trainer.options.n_microbatches,
-                              "local_batch_size": config.training.local_batch_size}}
-        state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
-            trainer.abstract_state()))
-        return cls(run_paths(config).checkpoints, keep_latest_k=c.keep_latest_k,
-                   async_save=c.async_mode == "async", run_info=run_info,
-                   state_bytes=state_bytes)
+        run_info = {
+            "resume": resume_signature(config, trainer.global_batch_size),
+            "model_args": dataclasses.asdict(trainer.model.args),
+            "config": config.to_dict(),
+            "shape": {
+                "processes": jax.process_count(),
+                "devices": trainer.mesh.devices.size,
+                "global_batch_size": trainer.global_batch_size,
+                "microbatches": trainer.options.n_microbatches,
+                "local_batch_size": config.training.local_batch_size,
+            },
+        }
+        state_bytes = sum(
+            x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_state())
+        )
+        return cls(
+            run_paths(config).checkpoints,
+            keep_latest_k=c.keep_latest_k,
+            async_save=c.async_mode == "async",
+            run_info=run_info,
+            state_bytes=state_bytes,
+        )
 
     def steps(self) -> list[int]:
         """Finalized steps, oldest first (our own step folders only: see is_checkpoint_dir)."""
-        return sorted(s for s in self._manager.all_steps()
-                      if is_checkpoint_dir(self.directory / str(s)))
+        return sorted(
+            s for s in self._manager.all_steps() if is_checkpoint_dir(self.directory / str(s))
+        )
 
-    def save(self, step: int, state: TrainState, *, data_state: dict[str, Any] | None,
-             tokens_seen: int, model_only: bool = False, dtype: str | None = None) -> bool:
+    def save(
+        self,
+        step: int,
+        state: TrainState,
+        *,
+        data_state: dict[str, Any] | None,
+        tokens_seen: int,
+        model_only: bool = False,
+        dtype: str | None = None,
+    ) -> bool:
         """Starts saving `state` as `step` (returns once arrays are copied off the devices, so
         the caller may donate them). Returns whether the write goes on in the background.
         Raises NonFiniteStateError, saving nothing, if any floating array is not finite;
@@ -253,13 +288,21 @@ class Checkpointer:
         tree = {k: state[k] for k in MODEL_KEYS} if model_only else dict(state)
         if dtype is not None:
             tree = jax.tree.map(
-                lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+                lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+            )
         sums, finite = checksums(tree)
         if not finite:
             raise NonFiniteStateError(
-                f"the train state at step {step} holds NaN or inf values; not saving it")
-        meta = {**self.run_info, "format": FORMAT_VERSION, "step": step,
-                "tokens_seen": tokens_seen, "model_only": model_only, "checksums": sums}
+                f"the train state at step {step} holds NaN or inf values; not saving it"
+            )
+        meta = {
+            **self.run_info,
+            "format": FORMAT_VERSION,
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "model_only": model_only,
+            "checksums": sums,
+        }
         items = {"state": ocp.args.PyTreeSave(tree), "meta": ocp.args.JsonSave(meta)}
         if not model_only:
             items["data"] = ocp.args.JsonSave(data_state)
@@ -299,16 +342,18 @@ class Checkpointer:
             which = "a checkpoint" if step is None else f"checkpoint step {step}"
             what = f"saving {which} to {self.directory} failed"
             cause = root_cause(e)  # first: orbax's own first line can bury it
-            raise CheckpointSaveError(f"{cause}: {what}" if cause else
-                                      f"{what}: {first_line(e)}") from e
+            raise CheckpointSaveError(
+                f"{cause}: {what}" if cause else f"{what}: {first_line(e)}"
+            ) from e
 
     # Restore.
 
     def meta(self, step: int) -> dict[str, Any]:
         """The meta item of `step` (see the module docstring)."""
         with self._reading(step):
-            meta = self._manager.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore()))["meta"]
+            meta = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"]
             if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
                 raise ValueError(f"meta item is not a titan-jax v{FORMAT_VERSION} record")
         return meta
@@ -316,15 +361,24 @@ class Checkpointer:
     def _saved_tree(self, step: int) -> Any:
         """The metadata tree of step `step`'s saved state (no array read)."""
         with self._reading(step):
-            return ocp.PyTreeCheckpointHandler().metadata(
-                self._manager.directory / str(step) / "state").tree
+            return (
+                ocp.PyTreeCheckpointHandler()
+                .metadata(self._manager.directory / str(step) / "state")
+                .tree
+            )
 
     def saved_params(self, step: int) -> set[str]:
         """The dotted names of step `step`'s saved params (e.g. "layers.attention.wq")."""
         return set(named_leaves(self._saved_tree(step).get("params", {})))
 
-    def restore(self, step: int, abstract_state: TrainState, *, model_only: bool = False,
-                signature: dict[str, Any] | None = None) -> Restored:
+    def restore(
+        self,
+        step: int,
+        abstract_state: TrainState,
+        *,
+        model_only: bool = False,
+        signature: dict[str, Any] | None = None,
+    ) -> Restored:
         """Step `step` restored into `abstract_state`'s shapes, dtypes and shardings.
 
         `model_only`: just the MODEL_KEYS (optimizer, step and data start afresh). Otherwise the
@@ -335,9 +389,13 @@ class Checkpointer:
         if not model_only and meta["model_only"]:
             raise CheckpointError(
                 f"{where} holds only the model (checkpoint.last_save_model_only); it cannot "
-                f"resume training. {self._model_only_hint(step)}")
-        wanted = {k: abstract_state[k] for k in MODEL_KEYS if k in abstract_state} \
-            if model_only else abstract_state
+                f"resume training. {self._model_only_hint(step)}"
+            )
+        wanted = (
+            {k: abstract_state[k] for k in MODEL_KEYS if k in abstract_state}
+            if model_only
+            else abstract_state
+        )
         saved = self._saved_tree(step)
         # A key with no arrays (a dense model's buffers) that the checkpoint lacks, because it
         # was written before the key existed, is not read: it has nothing to restore.
@@ -352,9 +410,11 @@ class Checkpointer:
 
         restore_target = _with_dtypes(target, {n: m.dtype for n, m in saved.items()})
         restore_args = ocp.checkpoint_utils.construct_restore_args(restore_target)
-        items = {"state": ocp.args.PyTreeRestore(
-            restore_target, restore_args=restore_args,
-            partial_restore=model_only)}  # a subset of what was saved
+        items = {
+            "state": ocp.args.PyTreeRestore(
+                restore_target, restore_args=restore_args, partial_restore=model_only
+            )
+        }  # a subset of what was saved
         if not model_only:
             items["data"] = ocp.args.JsonRestore()
         with self._reading(step):
@@ -365,16 +425,21 @@ class Checkpointer:
         if bad is not None:
             raise CheckpointError(
                 f"{where} is corrupt: {bad} does not match the checksum recorded when it was "
-                f"saved; {self._others(step)}")
+                f"saved; {self._others(step)}"
+            )
         if uncounted:
             state = count_from_schedule(state)
         # A bf16 export restored into fp32 master weights (exact: bf16 values are fp32 values).
-        state = jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype),
-                             state, wanted)
-        return Restored(step=step if not model_only else 0, state=state,
-                        data_state=None if model_only else restored["data"],
-                        tokens_seen=0 if model_only else int(meta["tokens_seen"]),
-                        source=where)
+        state = jax.tree.map(
+            lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype), state, wanted
+        )
+        return Restored(
+            step=step if not model_only else 0,
+            state=state,
+            data_state=None if model_only else restored["data"],
+            tokens_seen=0 if model_only else int(meta["tokens_seen"]),
+            source=where,
+        )
 
     @contextlib.contextmanager
     def _reading(self, step: int) -> Iterator[None]:
@@ -385,11 +450,14 @@ class Checkpointer:
         except Exception as e:
             quiet_unstarted_reads()
             if (denied := permission_denied(e)) is not None:
-                raise CheckpointError(f"checkpoint {self.directory / str(step)} cannot be read: "
-                                      f"{denied}; make it readable by this user") from e
+                raise CheckpointError(
+                    f"checkpoint {self.directory / str(step)} cannot be read: "
+                    f"{denied}; make it readable by this user"
+                ) from e
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} is unreadable (corrupt or truncated): "
-                f"{first_line(e)}; {self._others(step)}") from e
+                f"{first_line(e)}; {self._others(step)}"
+            ) from e
 
     # Hints: each one works when followed (tests/train/test_hints.py follows them).
 
@@ -400,24 +468,34 @@ class Checkpointer:
         if self.read_only:  # someone else's checkpoints, read as a source
             if not others:
                 return "no other checkpoint here"
-            return (f"read another step's folder instead, e.g. {self.directory / str(others[-1])}"
-                    f" (finalized: {listing(others)})")
+            return (
+                f"read another step's folder instead, e.g. {self.directory / str(others[-1])}"
+                f" (finalized: {listing(others)})"
+            )
         if not others:
-            return (f"move {here} out of {self.directory} to start afresh (no other checkpoint "
-                    "here), or use a new job.dump_folder")
-        return (f"move {here} out of {self.directory} and run again to resume from step "
-                f"{others[-1]} (finalized: {listing(others)})")
+            return (
+                f"move {here} out of {self.directory} to start afresh (no other checkpoint "
+                "here), or use a new job.dump_folder"
+            )
+        return (
+            f"move {here} out of {self.directory} and run again to resume from step "
+            f"{others[-1]} (finalized: {listing(others)})"
+        )
 
     def _model_only_hint(self, step: int) -> str:
         here = self.directory / str(step)
         if self.read_only:
             return "Load it as weights with checkpoint.initial_load_model_only=true"
         older = [s for s in self.steps() if s < step]
-        hint = (f"To train on from its weights, use a new job.dump_folder with "
-                f"--checkpoint.initial_load_path {shlex.quote(str(here))}")
+        hint = (
+            f"To train on from its weights, use a new job.dump_folder with "
+            f"--checkpoint.initial_load_path {shlex.quote(str(here))}"
+        )
         if older:
-            hint += (f"; to resume the full state of step {older[-1]} instead, move {here} out "
-                     f"of {self.directory}")
+            hint += (
+                f"; to resume the full state of step {older[-1]} instead, move {here} out "
+                f"of {self.directory}"
+            )
         return hint
 
 
@@ -425,8 +503,9 @@ def listing(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if steps else "none"
 
 
-def check_shapes(where: str, saved: dict[str, Any], expected: dict[str, Any],
-                  meta: dict[str, Any]) -> None:
+def check_shapes(
+    where: str, saved: dict[str, Any], expected: dict[str, Any], meta: dict[str, Any]
+) -> None:
     flavor = meta.get("resume", {}).get("model.flavor")
     hint = f" (it was saved with model.flavor={flavor})" if flavor else ""
     # Parameters first: a model mismatch reads better as a weight than as its Adam moment.
@@ -438,16 +517,21 @@ def check_shapes(where: str, saved: dict[str, Any], expected: dict[str, Any],
         if shape != tuple(sds.shape):
             raise CheckpointError(
                 f"{where} does not fit this model: {name} has shape {shape} in the checkpoint "
-                f"but {tuple(sds.shape)} in the model{hint}")
+                f"but {tuple(sds.shape)} in the model{hint}"
+            )
     extra = [n for n in saved if n not in expected]
     if extra:
         raise CheckpointError(f"{where} holds {extra[0]}, which this model does not have{hint}")
 
 
 def _check_signature(where: str, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    changed = [f"{k}={current[k]!r} (checkpoint: {saved.get(k)!r})"
-               for k in current if saved.get(k) != current[k]]
+    changed = [
+        f"{k}={current[k]!r} (checkpoint: {saved.get(k)!r})"
+        for k in current
+        if saved.get(k) != current[k]
+    ]
     if changed:
         raise CheckpointError(
             f"cannot resume from {where}: the config changed {', '.join(changed)}; set it back, "
-            "or train in a new job.dump_folder")
+            "or train in a new job.dump_folder"
+        )

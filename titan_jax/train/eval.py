@@ -33,25 +33,42 @@ from titan_jax.train.step import REFERENCE, Batch, TrainState
 from titan_jax.train.trainer import Trainer
 
 
-def eval_step(params: Params, buffers: Params, batch: Batch, reference: Params | None = None,
-              *, model: ModelDef, param_dtype: Any, parallelism: Parallelism,
-              objective: Objective = CROSS_ENTROPY) -> dict[str, Any]:
+def eval_step(
+    params: Params,
+    buffers: Params,
+    batch: Batch,
+    reference: Params | None = None,
+    *,
+    model: ModelDef,
+    param_dtype: Any,
+    parallelism: Parallelism,
+    objective: Objective = CROSS_ENTROPY,
+) -> dict[str, Any]:
     """{"loss_sum": the objective's summed loss, "count": what it is divided by (valid tokens,
     or pairs), "n_tokens": the valid tokens, "sums": the objective's metric sums}; no
     gradients. `reference`: the frozen params of an objective that keeps them (DPO)."""
 
-    def summed_loss(p: Params, b: Params, inputs: jax.Array, labels: jax.Array
-                    ) -> tuple[jax.Array, Aux]:
-        total, _, sums = objective.summed_loss(model, p, b, inputs, labels, param_dtype,
-                                               aux_loss=False)
+    def summed_loss(
+        p: Params, b: Params, inputs: jax.Array, labels: jax.Array
+    ) -> tuple[jax.Array, Aux]:
+        total, _, sums = objective.summed_loss(
+            model, p, b, inputs, labels, param_dtype, aux_loss=False
+        )
         return total, sums
 
     with parallelism.installed():
         loss_sum, sums = parallelism.loss_map(summed_loss)(
-            params if reference is None else (params, reference), buffers, batch["inputs"],
-            batch["labels"])
-    return {"loss_sum": loss_sum, "count": objective.count(batch["inputs"], batch["labels"]),
-            "n_tokens": count_valid_tokens(batch["labels"]), "sums": sums}
+            params if reference is None else (params, reference),
+            buffers,
+            batch["inputs"],
+            batch["labels"],
+        )
+    return {
+        "loss_sum": loss_sum,
+        "count": objective.count(batch["inputs"], batch["labels"]),
+        "n_tokens": count_valid_tokens(batch["labels"]),
+        "sums": sums,
+    }
 
 
 class Validator:
@@ -63,13 +80,22 @@ class Validator:
         self.config, self.trainer, self.tokenizer = config, trainer, tokenizer
         self.global_batch_size = v.local_batch_size * trainer.degrees.dp
         self.objective = trainer.options.objective
-        step = functools.partial(eval_step, model=trainer.model,
-                                 param_dtype=trainer.options.param_dtype,
-                                 parallelism=trainer.parallelism, objective=self.objective)
-        self._step = jax.jit(step, in_shardings=(trainer.state_shardings["params"],
-                                                 trainer.state_shardings["buffers"],
-                                                 trainer.batches.sharding,
-                                                 trainer.state_shardings.get(REFERENCE)))
+        step = functools.partial(
+            eval_step,
+            model=trainer.model,
+            param_dtype=trainer.options.param_dtype,
+            parallelism=trainer.parallelism,
+            objective=self.objective,
+        )
+        self._step = jax.jit(
+            step,
+            in_shardings=(
+                trainer.state_shardings["params"],
+                trainer.state_shardings["buffers"],
+                trainer.batches.sharding,
+                trainer.state_shardings.get(REFERENCE),
+            ),
+        )
         # Fail before training starts, naming the setting, if there is not one batch.
         first = jax.process_index() == 0
         try:
@@ -80,19 +106,28 @@ class Validator:
         rows = trainer.batches.rows(self.global_batch_size)
         if holds_pairs(config):
             self._windows: ValidationWindows | ValidationPairs = ValidationPairs(
-                corpus, seq_len=v.seq_len, global_batch_size=self.global_batch_size, rows=rows)
+                corpus, seq_len=v.seq_len, global_batch_size=self.global_batch_size, rows=rows
+            )
         else:
             self._windows = ValidationWindows(
-                corpus, seq_len=v.seq_len, global_batch_size=self.global_batch_size,
-                rows=rows, document_mask=t.document_mask,
-                document_positions=t.document_positions)
+                corpus,
+                seq_len=v.seq_len,
+                global_batch_size=self.global_batch_size,
+                rows=rows,
+                document_mask=t.document_mask,
+                document_positions=t.document_positions,
+            )
         if self._windows.num_batches == 0:
-            what = (f"{self.global_batch_size} preference pairs" if holds_pairs(config) else
-                    f"{self.global_batch_size} x {v.seq_len + 1} tokens")
+            what = (
+                f"{self.global_batch_size} preference pairs"
+                if holds_pairs(config)
+                else f"{self.global_batch_size} x {v.seq_len + 1} tokens"
+            )
             raise ConfigError(
                 f"validation.dataset={v.dataset!r} holds less than one batch of {what}; lower "
-                "validation.local_batch_size" + ("" if holds_pairs(config) else
-                                                 " or validation.seq_len"))
+                "validation.local_batch_size"
+                + ("" if holds_pairs(config) else " or validation.seq_len")
+            )
 
     def batches(self, max_batches: int = -1) -> Any:
         """This process's rows of the first `max_batches` (-1: all) validation batches."""
@@ -115,8 +150,7 @@ class Validator:
                 n_batches += 1
         total = jax.device_get(total)
         loss = float(total["loss_sum"]) / float(total["count"])
-        result = {"val_loss": loss, "val_tokens": int(total["n_tokens"]),
-                  "val_batches": n_batches}
+        result = {"val_loss": loss, "val_tokens": int(total["n_tokens"]), "val_batches": n_batches}
         if total["sums"]:  # DPO's metrics, per pair
             metrics = self.objective.metrics(total["sums"], total["count"])
             return {**result, **{f"val_{k}": float(v) for k, v in metrics.items()}}

@@ -47,26 +47,43 @@ RECORD_FILE = "goodput.jsonl"
 # are recorded together as `step` and told apart when the records are read.
 CATEGORIES: dict[str, tuple[str, str]] = {
     "productive": ("steps whose results the run kept", "GoodputType.TOTAL"),
-    "startup": ("process start to the first step, less the restore: imports, joining the job, "
-                "building the trainer and its state, opening the data",
-                "TPU_INITIALIZATION + TRAINING_PREP"),
-    "checkpoint_restore": ("reading the checkpoint or weights a process starts from",
-                           "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME"),
-    "compilation": ("devices idle while the host traces and compiles the step",
-                    "PROGRAM_STARTUP"),
+    "startup": (
+        "process start to the first step, less the restore: imports, joining the job, "
+        "building the trainer and its state, opening the data",
+        "TPU_INITIALIZATION + TRAINING_PREP",
+    ),
+    "checkpoint_restore": (
+        "reading the checkpoint or weights a process starts from",
+        "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME",
+    ),
+    "compilation": ("devices idle while the host traces and compiles the step", "PROGRAM_STARTUP"),
     "data_loading": ("devices idle while the host reads a batch", "DATA_LOADING_SYNC"),
-    "checkpoint_save": ("devices idle while a checkpoint save blocks",
-                        "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME"),
+    "checkpoint_save": (
+        "devices idle while a checkpoint save blocks",
+        "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME",
+    ),
     "evaluation": ("validation", "CUSTOM_BADPUT_EVENTS"),
-    "recomputed": ("steps trained again after a restart: those done after the checkpoint the "
-                   "next process resumed from", "WASTED_PROGRESS_FROM_DISRUPTION"),
-    "pause": ("from a process's last record to the next process's start (a kill, the wait "
-              "for a restart)", "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION"),
+    "recomputed": (
+        "steps trained again after a restart: those done after the checkpoint the "
+        "next process resumed from",
+        "WASTED_PROGRESS_FROM_DISRUPTION",
+    ),
+    "pause": (
+        "from a process's last record to the next process's start (a kill, the wait for a restart)",
+        "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",
+    ),
     "other": ("devices idle while the host logs, exports or finishes", "OTHER"),
 }
 STEP = "step"  # the recorded name of productive + recomputed device time
-PHASES = ("startup", "checkpoint_restore", "compilation", "data_loading", "checkpoint_save",
-          "evaluation", "other")
+PHASES = (
+    "startup",
+    "checkpoint_restore",
+    "compilation",
+    "data_loading",
+    "checkpoint_save",
+    "evaluation",
+    "other",
+)
 
 
 def process_start_time() -> float:
@@ -197,8 +214,10 @@ class GoodputRecorder:
         self._file = open(path, "a", buffering=1)  # line-buffered: a kill loses no whole line
         if torn:
             self._file.write("\n")
-        self._write("start", {"pid": os.getpid(), "process_start": round(self.process_start, 3),
-                              "step": step})
+        self._write(
+            "start",
+            {"pid": os.getpid(), "process_start": round(self.process_start, 3), "step": step},
+        )
 
     def training(self) -> None:
         """The step loop begins: host time outside a phase is `other` from now on."""
@@ -214,12 +233,15 @@ class GoodputRecorder:
 
     def _write(self, event: str, extra: dict[str, Any] | None = None) -> None:
         self._split()
-        record: dict[str, Any] = {"event": event, "lifetime": self.lifetime,
-                                  "time": round(self._since + self._offset, 3), **(extra or {})}
+        record: dict[str, Any] = {
+            "event": event,
+            "lifetime": self.lifetime,
+            "time": round(self._since + self._offset, 3),
+            **(extra or {}),
+        }
         if self._steps:
             record["steps"] = self._steps
-        record.update({f"{k}_s": round(v, 4) for k, v in self._seconds.items()
-                       if round(v, 4)})
+        record.update({f"{k}_s": round(v, 4) for k, v in self._seconds.items() if round(v, 4)})
         self._file.write(json.dumps(record) + "\n")
         for k, v in self._seconds.items():
             self._lifetime_seconds[k] = self._lifetime_seconds.get(k, 0.0) + v
@@ -242,8 +264,13 @@ class GoodputRecorder:
         """This process's split, as one log line."""
         seconds = self._lifetime_seconds
         total = sum(seconds.values())
-        parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in sorted(
-            seconds.items(), key=lambda kv: -kv[1]) if v >= 0.05)
-        return (f"time of this process: {total:.1f} s, {100 * seconds.get(STEP, 0.0) / total:.1f}"
-                f"% in steps ({parts}); goodput across restarts: titan-jax goodput "
-                f"{shlex.quote(self.run_folder)}")
+        parts = ", ".join(
+            f"{k.replace('_', ' ')} {v:.1f} s"
+            for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])
+            if v >= 0.05
+        )
+        return (
+            f"time of this process: {total:.1f} s, {100 * seconds.get(STEP, 0.0) / total:.1f}"
+            f"% in steps ({parts}); goodput across restarts: titan-jax goodput "
+            f"{shlex.quote(self.run_folder)}"
+        )

@@ -42,12 +42,18 @@ class Lifetime:
         return sum(self.seconds.values())
 
     def to_json(self) -> dict[str, Any]:
-        return {"process": self.number, "process_start": self.process_start,
-                "last_record": self.last_record, "start_step": self.start_step,
-                "steps": list(self.steps) if self.steps else None,
-                "recomputed_steps": self.recomputed_steps, "ended": self.ended,
-                "total_s": self.total_s, "goodput": _share(self.seconds, self.total_s),
-                "seconds": self.seconds}
+        return {
+            "process": self.number,
+            "process_start": self.process_start,
+            "last_record": self.last_record,
+            "start_step": self.start_step,
+            "steps": list(self.steps) if self.steps else None,
+            "recomputed_steps": self.recomputed_steps,
+            "ended": self.ended,
+            "total_s": self.total_s,
+            "goodput": _share(self.seconds, self.total_s),
+            "seconds": self.seconds,
+        }
 
 
 @dataclasses.dataclass
@@ -68,33 +74,47 @@ class Summary:
         return _share(self.seconds, self.total_s)
 
     def to_json(self) -> dict[str, Any]:
-        return {"run_folder": self.run_folder, "total_s": self.total_s, "goodput": self.goodput,
-                "seconds": self.seconds,
-                "lifetimes": [life.to_json() for life in self.lifetimes]}
+        return {
+            "run_folder": self.run_folder,
+            "total_s": self.total_s,
+            "goodput": self.goodput,
+            "seconds": self.seconds,
+            "lifetimes": [life.to_json() for life in self.lifetimes],
+        }
 
     def table(self) -> str:
         seconds, total = self.seconds, self.total_s
         n = len(self.lifetimes)
-        lines = [f"goodput of {self.run_folder}: {100 * self.goodput:.1f}% (productive "
-                 f"{seconds['productive']:.1f} s of {total:.1f} s wall time, {n} process"
-                 f"{'es' if n > 1 else ''})", "",
-                 f"{'category':<20}{'seconds':>10}{'share':>8}  ml-goodput-measurement"]
+        lines = [
+            f"goodput of {self.run_folder}: {100 * self.goodput:.1f}% (productive "
+            f"{seconds['productive']:.1f} s of {total:.1f} s wall time, {n} process"
+            f"{'es' if n > 1 else ''})",
+            "",
+            f"{'category':<20}{'seconds':>10}{'share':>8}  ml-goodput-measurement",
+        ]
         for key, (_, theirs) in CATEGORIES.items():
             share = seconds[key] / total if total else 0.0
             lines.append(f"{key:<20}{seconds[key]:>10.1f}{100 * share:>7.1f}%  {theirs}")
-        lines += [f"{'total':<20}{total:>10.1f}{100.0 if total else 0.0:>7.1f}%", "",
-                  f"{'process':<8}{'started (UTC)':<21}{'steps':<13}{'pause s':>8}"
-                  f"{'wall s':>9}{'productive s':>13}{'recomputed':>16}{'goodput':>9}  ended"]
+        lines += [
+            f"{'total':<20}{total:>10.1f}{100.0 if total else 0.0:>7.1f}%",
+            "",
+            f"{'process':<8}{'started (UTC)':<21}{'steps':<13}{'pause s':>8}"
+            f"{'wall s':>9}{'productive s':>13}{'recomputed':>16}{'goodput':>9}  ended",
+        ]
         for life in self.lifetimes:
             started = datetime.datetime.fromtimestamp(life.process_start, datetime.UTC)
             steps = f"{life.steps[0]}-{life.steps[1]}" if life.steps else "-"
-            redone = (f"{life.recomputed_steps} ({life.seconds.get('recomputed', 0.0):.1f} s)"
-                      if life.recomputed_steps else "-")
+            redone = (
+                f"{life.recomputed_steps} ({life.seconds.get('recomputed', 0.0):.1f} s)"
+                if life.recomputed_steps
+                else "-"
+            )
             lines.append(
                 f"{life.number:<8}{started:%Y-%m-%d %H:%M:%S}  {steps:<13}"
                 f"{life.seconds.get('pause', 0.0):>8.1f}{life.total_s:>9.1f}"
                 f"{life.seconds.get('productive', 0.0):>13.1f}{redone:>16}"
-                f"{100 * _share(life.seconds, life.total_s):>8.1f}%  {life.ended}")
+                f"{100 * _share(life.seconds, life.total_s):>8.1f}%  {life.ended}"
+            )
         return "\n".join(lines)
 
 
@@ -108,28 +128,35 @@ def read_records(run_folder: str) -> list[dict[str, Any]]:
     fs, root = filesystem(run_folder)
     where = join(run_folder, RECORD_FILE)
     if not fs.isdir(root):
-        raise GoodputRecordsError(f"{run_folder} is not a folder; give the job.dump_folder of "
-                                  "a run of titan-jax train")
+        raise GoodputRecordsError(
+            f"{run_folder} is not a folder; give the job.dump_folder of a run of titan-jax train"
+        )
     try:
         text = fs.cat_file(join(root, RECORD_FILE)).decode(errors="replace")
     except FileNotFoundError:
         raise GoodputRecordsError(
             f"{run_folder} holds no {RECORD_FILE}: it is not the job.dump_folder of a run of "
-            "titan-jax train, or the run started before goodput was recorded") from None
+            "titan-jax train, or the run started before goodput was recorded"
+        ) from None
     except IsADirectoryError:
         raise GoodputRecordsError(f"{where} is a folder, not a file of goodput records") from None
     records = []
     for line in text.splitlines():
         try:
             record = json.loads(line)
-            if isinstance(record, dict) and isinstance(record.get("lifetime"), int) and \
-                    isinstance(record.get("time"), (int, float)):
+            if (
+                isinstance(record, dict)
+                and isinstance(record.get("lifetime"), int)
+                and isinstance(record.get("time"), (int, float))
+            ):
                 records.append(record)
         except ValueError:  # torn by a kill
             continue
     if not records:
-        raise GoodputRecordsError(f"{where} holds no goodput records (none was written before "
-                                  "the run stopped, or the file is not titan-jax's)")
+        raise GoodputRecordsError(
+            f"{where} holds no goodput records (none was written before "
+            "the run stopped, or the file is not titan-jax's)"
+        )
     return records
 
 
@@ -153,8 +180,11 @@ def summarize(run_folder: str, records: list[dict[str, Any]]) -> Summary:
         if life is None:
             life = lifetimes[number] = _open_lifetime(record, list(lifetimes.values()), trained)
         life.last_record = max(life.last_record, float(record["time"]))
-        seconds = {k.removesuffix("_s"): float(v) for k, v in record.items()
-                   if k.endswith("_s") and isinstance(v, (int, float))}
+        seconds = {
+            k.removesuffix("_s"): float(v)
+            for k, v in record.items()
+            if k.endswith("_s") and isinstance(v, (int, float))
+        }
         step_s = seconds.pop(STEP, 0.0)
         for key, value in seconds.items():
             key = key if key in CATEGORIES else "other"
@@ -168,14 +198,20 @@ def summarize(run_folder: str, records: list[dict[str, Any]]) -> Summary:
     return Summary(run_folder, list(lifetimes.values()))
 
 
-def _open_lifetime(record: dict[str, Any], earlier: list[Lifetime],
-                   trained: list[_Trained]) -> Lifetime:
+def _open_lifetime(
+    record: dict[str, Any], earlier: list[Lifetime], trained: list[_Trained]
+) -> Lifetime:
     """A process's first record: the pause since the one before, and the steps it repeats."""
     started = record.get("process_start")
     started = float(started if isinstance(started, (int, float)) else record["time"])
     start_step = record.get("step") if record.get("event") == "start" else None
-    life = Lifetime(record["lifetime"], started, started,
-                    start_step if isinstance(start_step, int) else None, {})
+    life = Lifetime(
+        record["lifetime"],
+        started,
+        started,
+        start_step if isinstance(start_step, int) else None,
+        {},
+    )
     if earlier:
         life.seconds["pause"] = max(0.0, started - earlier[-1].last_record)
     if life.start_step is not None:
@@ -185,8 +221,9 @@ def _open_lifetime(record: dict[str, Any], earlier: list[Lifetime],
                 continue
             moved = repeated * block.per_step_s
             block.lifetime.seconds["productive"] -= moved
-            block.lifetime.seconds["recomputed"] = \
+            block.lifetime.seconds["recomputed"] = (
                 block.lifetime.seconds.get("recomputed", 0.0) + moved
+            )
             block.lifetime.recomputed_steps += repeated
             block.last -= repeated
     return life
@@ -194,7 +231,11 @@ def _open_lifetime(record: dict[str, Any], earlier: list[Lifetime],
 
 def _steps(record: dict[str, Any]) -> tuple[int, int] | None:
     steps = record.get("steps")
-    if (isinstance(steps, list) and len(steps) == 2 and all(isinstance(s, int) for s in steps)
-            and steps[0] <= steps[1]):
+    if (
+        isinstance(steps, list)
+        and len(steps) == 2
+        and all(isinstance(s, int) for s in steps)
+        and steps[0] <= steps[1]
+    ):
         return steps[0], steps[1]
     return None

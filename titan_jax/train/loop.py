@@ -89,11 +89,16 @@ def data_summary(data: WindowStream) -> str:
     every = np.asarray(multihost_utils.process_allgather(mine))
     return "data: " + ", ".join(
         f"process {p} read rows {_rows_text(np.flatnonzero(a[:-1]))} ({a[-1]} windows)"
-        for p, a in enumerate(every))
+        for p, a in enumerate(every)
+    )
 
 
-def train(config: JobConfig, devices: list[jax.Device] | None = None,
-          model_args: Any = None, started_at: float | None = None) -> RunResult:
+def train(
+    config: JobConfig,
+    devices: list[jax.Device] | None = None,
+    model_args: Any = None,
+    started_at: float | None = None,
+) -> RunResult:
     """Trains (or resumes) up to `training.steps`; returns this run's losses and final state.
     `model_args` replaces `model.flavor`'s shape (tests and notebooks train tiny models).
     `started_at`: when this run's startup began (Unix seconds; default now), for goodput.
@@ -107,8 +112,13 @@ def train(config: JobConfig, devices: list[jax.Device] | None = None,
         return _train(config, devices, model_args, failures, started_at)
 
 
-def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
-           failures: JobFailures, started_at: float) -> RunResult:
+def _train(
+    config: JobConfig,
+    devices: list[jax.Device] | None,
+    model_args: Any,
+    failures: JobFailures,
+    started_at: float,
+) -> RunResult:
     # Every check that needs no lock; nothing written.
     setup = assemble_run(config, devices, model_args)
     paths = run_paths(config)
@@ -117,20 +127,35 @@ def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
             stack.enter_context(tidy_if_refused(paths.local))
         goodput = GoodputRecorder(jax.process_index() == 0, started_at, config.job.dump_folder)
         mirror, ckpt, start = _open(stack, config, setup, paths, goodput)
-        logger = stack.enter_context(MetricsLogger(
-            paths.local, config.metrics.log_freq, config.training.steps,
-            enable_tensorboard=config.metrics.enable_tensorboard,
-            tensorboard_folder=config.metrics.save_tb_folder,
-            progress_bar=config.metrics.progress_bar, is_main_process=jax.process_index() == 0,
-            enable_wandb=config.metrics.enable_wandb, run_config=config.to_dict(),
-            keep_through=start.step))
+        logger = stack.enter_context(
+            MetricsLogger(
+                paths.local,
+                config.metrics.log_freq,
+                config.training.steps,
+                enable_tensorboard=config.metrics.enable_tensorboard,
+                tensorboard_folder=config.metrics.save_tb_folder,
+                progress_bar=config.metrics.progress_bar,
+                is_main_process=jax.process_index() == 0,
+                enable_wandb=config.metrics.enable_wandb,
+                run_config=config.to_dict(),
+                keep_through=start.step,
+            )
+        )
         goodput.started(paths.local, start.step, logger.info)
         stack.enter_context(goodput)  # its end record: after the last save's wait
-        run = _Run(config, setup, ckpt, mirror, logger,
-                   stack.enter_context(StopSignals(logger.info)),
-                   stack.enter_context(StepProfiler(config)),
-                   stack.enter_context(StepWatchdog(config.distributed.step_timeout,
-                                                    _end_hung_job(failures))), goodput)
+        run = _Run(
+            config,
+            setup,
+            ckpt,
+            mirror,
+            logger,
+            stack.enter_context(StopSignals(logger.info)),
+            stack.enter_context(StepProfiler(config)),
+            stack.enter_context(
+                StepWatchdog(config.distributed.step_timeout, _end_hung_job(failures))
+            ),
+            goodput,
+        )
         failures.activity = run.watchdog.activity  # what the heartbeat says this process does
         # Exits first: the other processes hear of an error before cleanups that wait on them.
         stack.enter_context(failures.guard())
@@ -138,9 +163,11 @@ def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
         if setup.shape_note is not None:
             logger.info(setup.shape_note)
         if start.step >= config.training.steps:
-            logger.info(f"nothing to train: {start.source} is at step {start.step} and "
-                        f"training.steps={config.training.steps}; raise training.steps to train "
-                        "on, or use a new job.dump_folder")
+            logger.info(
+                f"nothing to train: {start.source} is at step {start.step} and "
+                f"training.steps={config.training.steps}; raise training.steps to train "
+                "on, or use a new job.dump_folder"
+            )
             return RunResult(start.step, {}, None)
         state = _first_state(setup.trainer, start, logger)
         if start.data_state is not None and setup.data.resume_note:
@@ -149,14 +176,20 @@ def _train(config: JobConfig, devices: list[jax.Device] | None, model_args: Any,
         if len(setup.data.sources) > 1:  # a mixture: tokens per source in the metrics
             run.reporter.data_metrics = lambda step: {
                 f"tokens_seen/{name}": n
-                for name, n in setup.data.source_tokens(step - start.step).items()}
+                for name, n in setup.data.source_tokens(step - start.step).items()
+            }
         step, state, stopped = _run_steps(run, state, start.step)
         with run.watchdog.paused(f"finishing after step {step}"):
             return _finish(run, step, state, stopped)
 
 
-def _open(stack: contextlib.ExitStack, config: JobConfig, setup: RunSetup, paths: RunPaths,
-          goodput: GoodputRecorder) -> tuple[RunMirror | None, Checkpointer | None, Restored]:
+def _open(
+    stack: contextlib.ExitStack,
+    config: JobConfig,
+    setup: RunSetup,
+    paths: RunPaths,
+    goodput: GoodputRecorder,
+) -> tuple[RunMirror | None, Checkpointer | None, Restored]:
     """Takes the run's folders (locks, or a URL's lease and its files copied here), opens its
     log and checkpoints, and finds where it starts, with its data position set: all before the
     first metrics line is written."""
@@ -200,13 +233,15 @@ def _end_hung_job(failures: JobFailures) -> Callable[[str], None]:
 
 def _summary(trainer: Trainer) -> str:
     config = trainer.config
-    return (f"{config.model.name} {config.model.flavor}: "
-            f"{trainer.model.num_params() / 1e6:.1f}M params, "
-            f"mesh {dict(trainer.mesh.shape)} ({trainer.degrees.mode}), "
-            f"{trainer.global_batch_size} x {config.training.seq_len} tokens/step in "
-            f"{trainer.options.n_microbatches} microbatch(es), "
-            f"param dtype {np.dtype(trainer.options.param_dtype).name}, "
-            f"vocab {trainer.model.args.vocab_size}")
+    return (
+        f"{config.model.name} {config.model.flavor}: "
+        f"{trainer.model.num_params() / 1e6:.1f}M params, "
+        f"mesh {dict(trainer.mesh.shape)} ({trainer.degrees.mode}), "
+        f"{trainer.global_batch_size} x {config.training.seq_len} tokens/step in "
+        f"{trainer.options.n_microbatches} microbatch(es), "
+        f"param dtype {np.dtype(trainer.options.param_dtype).name}, "
+        f"vocab {trainer.model.args.vocab_size}"
+    )
 
 
 def _first_state(trainer: Trainer, start: Restored, logger: MetricsLogger) -> TrainState:
@@ -245,14 +280,14 @@ def _run_steps(run: _Run, state: TrainState, first: int) -> tuple[int, TrainStat
             with run.watchdog.paused(f"validating at step {step}"), goodput.phase("evaluation"):
                 reporter.add_validation(step, validator.validate(state))
         stopped = run.stop.should_stop(step)
-        if run.ckpt is not None and (stopped or step == config.training.steps
-                                     or step % c.interval == 0):
+        if run.ckpt is not None and (
+            stopped or step == config.training.steps or step % c.interval == 0
+        ):
             _report(run, *pending)  # N's verdict (bad-step policy) before N is saved
             run.watchdog.beat(step)
             pending = None
             goodput.interval()  # a resume point is a record boundary
-            with run.watchdog.paused(f"saving checkpoint {step}"), \
-                    goodput.phase("checkpoint_save"):
+            with run.watchdog.paused(f"saving checkpoint {step}"), goodput.phase("checkpoint_save"):
                 _save(run, step, state)
         if stopped:
             break
@@ -278,8 +313,11 @@ def _finish(run: _Run, step: int, state: TrainState, stopped: bool) -> RunResult
         logger.info(data_summary(run.setup.data))
     losses = run.reporter.losses
     if stopped and step < config.training.steps:
-        saved = (f"saved checkpoint step {step} in {ckpt.directory}; run the same command "
-                 "to resume" if ckpt is not None else "checkpoint.enable=false: nothing saved")
+        saved = (
+            f"saved checkpoint step {step} in {ckpt.directory}; run the same command to resume"
+            if ckpt is not None
+            else "checkpoint.enable=false: nothing saved"
+        )
         logger.info(f"{run.stop.reason}: stopped after step {step}; {saved}")
         run.goodput.ending = run.stop.reason
         return RunResult(step, losses, state, run.stop.reason)
@@ -287,8 +325,9 @@ def _finish(run: _Run, step: int, state: TrainState, stopped: bool) -> RunResult
         path = export_hf(run.setup.trainer, state["params"], step)
         logger.info(f"final model saved as HF safetensors in {path}")
     first = min(losses)
-    logger.info(f"finished step {step}: loss {losses[first]:.4f} (step {first}) -> "
-                f"{losses[step]:.4f}")
+    logger.info(
+        f"finished step {step}: loss {losses[first]:.4f} (step {first}) -> {losses[step]:.4f}"
+    )
     return RunResult(step, losses, state)
 
 
@@ -297,13 +336,20 @@ def _save(run: _Run, step: int, state: TrainState) -> None:
     model_only = step == run.config.training.steps and c.last_save_model_only
     start = time.perf_counter()
     try:
-        writing = run.ckpt.save(step, state, data_state=run.setup.data.get_state(),
-                                tokens_seen=run.reporter.tokens_seen, model_only=model_only,
-                                dtype=c.export_dtype if model_only else None)
+        writing = run.ckpt.save(
+            step,
+            state,
+            data_state=run.setup.data.get_state(),
+            tokens_seen=run.reporter.tokens_seen,
+            model_only=model_only,
+            dtype=c.export_dtype if model_only else None,
+        )
     except NonFiniteStateError as e:
         raise BadStepsError(str(e)) from e
     what = f"model only, {c.export_dtype}" if model_only else "full state"
-    run.logger.info(f"checkpoint step {step} ({what}): {time.perf_counter() - start:.1f} s "
-                    f"blocking{', writing in the background' if writing else ', written'}")
+    run.logger.info(
+        f"checkpoint step {step} ({what}): {time.perf_counter() - start:.1f} s "
+        f"blocking{', writing in the background' if writing else ', written'}"
+    )
     if run.mirror is not None:  # the run's record at the URL reaches this checkpoint
         run.mirror.sync()

@@ -34,8 +34,9 @@ def token_cross_entropy_sum(logits_RV: jax.Array, labels_R: jax.Array) -> jax.Ar
     return jnp.sum(token_nll(logits_RV, labels_R))
 
 
-def _token_chunks(h_BTD: jax.Array, labels_BT: jax.Array, v: int, split: VocabSplit
-                  ) -> tuple[jax.Array, jax.Array] | None:
+def _token_chunks(
+    h_BTD: jax.Array, labels_BT: jax.Array, v: int, split: VocabSplit
+) -> tuple[jax.Array, jax.Array] | None:
     """The flattened tokens as (chunks, tokens a chunk) of hidden states and labels (the tail
     padded with ignored labels), or None where one unsplit matmul's logits are small enough."""
     d = h_BTD.shape[-1]
@@ -88,7 +89,7 @@ def token_log_probs(h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array) -> 
         nll_JI = split_token_nll(h_JID, w_DV, labels_JI, split)
     else:
         nll_JI = chunked_token_nll(h_JID, w_DV, labels_JI)
-    return -nll_JI.reshape(-1)[:labels_BT.size].reshape(labels_BT.shape)
+    return -nll_JI.reshape(-1)[: labels_BT.size].reshape(labels_BT.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -97,28 +98,34 @@ def _logits(h_ID: jax.Array, w_DV: jax.Array, dtype: jnp.dtype) -> jax.Array:
     returns fp32 gradients straight from the matmuls' fp32 accumulators, so neither the
     weight's gradient summed over chunks nor the hidden states' summed over vocabulary shards
     is rounded to the compute dtype on the way."""
-    return jnp.einsum("kd,dv->kv", h_ID.astype(dtype), w_DV.astype(dtype),
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(
+        "kd,dv->kv", h_ID.astype(dtype), w_DV.astype(dtype), preferred_element_type=jnp.float32
+    )
 
 
-def _logits_fwd(h_ID: jax.Array, w_DV: jax.Array, dtype: jnp.dtype
-                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def _logits_fwd(
+    h_ID: jax.Array, w_DV: jax.Array, dtype: jnp.dtype
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     return _logits(h_ID, w_DV, dtype), (h_ID, w_DV)
 
 
-def _logits_bwd(dtype: jnp.dtype, residuals: tuple[jax.Array, jax.Array], g_IV: jax.Array
-                ) -> tuple[jax.Array, jax.Array]:
+def _logits_bwd(
+    dtype: jnp.dtype, residuals: tuple[jax.Array, jax.Array], g_IV: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     h_ID, w_DV = (x.astype(dtype) for x in residuals)
     g_IV = g_IV.astype(dtype)
-    return (jnp.einsum("kv,dv->kd", g_IV, w_DV, preferred_element_type=jnp.float32),
-            jnp.einsum("kd,kv->dv", h_ID, g_IV, preferred_element_type=jnp.float32))
+    return (
+        jnp.einsum("kv,dv->kd", g_IV, w_DV, preferred_element_type=jnp.float32),
+        jnp.einsum("kd,kv->dv", h_ID, g_IV, preferred_element_type=jnp.float32),
+    )
 
 
 _logits.defvjp(_logits_fwd, _logits_bwd)
 
 
-def _chunk_nll(h_ID: jax.Array, w_DV: jax.Array, labels_I: jax.Array, split: VocabSplit,
-               dtype: jnp.dtype) -> jax.Array:
+def _chunk_nll(
+    h_ID: jax.Array, w_DV: jax.Array, labels_I: jax.Array, split: VocabSplit, dtype: jnp.dtype
+) -> jax.Array:
     """One chunk: the logits of every shard's tokens (rows) over this shard's vocabulary slice
     (fp32 `h` and `w`), the softmax reduced over shards; the NLL of this shard's tokens (0 where
     ignored)."""
@@ -135,21 +142,25 @@ def _chunk_nll(h_ID: jax.Array, w_DV: jax.Array, labels_I: jax.Array, split: Voc
     return jnp.where(labels_I != IGNORE_INDEX, nll, 0.0)
 
 
-def _split_chunks_map(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array,
-                      split: VocabSplit, reduce: Any) -> jax.Array:
+def _split_chunks_map(
+    h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array, split: VocabSplit, reduce: Any
+) -> jax.Array:
     """`reduce` of each chunk's NLLs (`_chunk_nll`), chunk by chunk (see
     `split_cross_entropy_sum`)."""
     dtype = h_JID.dtype
     w32 = w_DV.astype(jnp.float32)
-    chunk = lambda xs: reduce(_chunk_nll(xs[0].astype(jnp.float32), w32, xs[1],  # noqa: E731
-                                         split, dtype))
+
+    def chunk(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return reduce(_chunk_nll(xs[0].astype(jnp.float32), w32, xs[1], split, dtype))
+
     if h_JID.shape[0] > 1:  # one chunk's logits are kept for backward, several recomputed
         chunk = jax.checkpoint(chunk)
     return jax.lax.map(chunk, (h_JID, labels_JI))
 
 
-def split_cross_entropy_sum(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array,
-                            split: VocabSplit) -> jax.Array:
+def split_cross_entropy_sum(
+    h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array, split: VocabSplit
+) -> jax.Array:
     """Summed CE over token chunks under a vocabulary split, this shard's tokens; one chunk's
     fp32 logits (all shards' tokens, this shard's vocabulary) exist at a time, in forward and
     in backward (several chunks are rematerialised; a single one is kept). Differentiated by
@@ -160,8 +171,9 @@ def split_cross_entropy_sum(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Ar
     return jnp.sum(_split_chunks_map(h_JID, w_DV, labels_JI, split, jnp.sum))
 
 
-def split_token_nll(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array,
-                    split: VocabSplit) -> jax.Array:
+def split_token_nll(
+    h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array, split: VocabSplit
+) -> jax.Array:
     """Per-token NLL (chunks, tokens) of this shard's tokens under a vocabulary split, as
     `split_cross_entropy_sum` computes them."""
     return _split_chunks_map(h_JID, w_DV, labels_JI, split, lambda nll: nll)
@@ -172,8 +184,7 @@ def _chunk_logits(h_ID: jax.Array, w_DV: jax.Array) -> jax.Array:
 
 
 @jax.custom_vjp
-def chunked_cross_entropy_sum(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array
-                              ) -> jax.Array:
+def chunked_cross_entropy_sum(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array) -> jax.Array:
     """Summed CE over token chunks; one chunk's fp32 logits exist at a time, in forward and in
     backward (recomputed there). The backward sums the output weight's gradient over chunks in
     fp32: accumulating it in a bf16 weight's dtype would lose precision with every chunk.
@@ -181,39 +192,47 @@ def chunked_cross_entropy_sum(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.
     Chunks are mapped (`lax.map`), not scanned with a scalar carry: inside shard_map a carry
     initialised from a constant has no manual-axis type and would not match the loop's output.
     """
-    losses = jax.lax.map(lambda xs: token_cross_entropy_sum(_chunk_logits(xs[0], w_DV), xs[1]),
-                         (h_JID, labels_JI))
+    losses = jax.lax.map(
+        lambda xs: token_cross_entropy_sum(_chunk_logits(xs[0], w_DV), xs[1]), (h_JID, labels_JI)
+    )
     return jnp.sum(losses)
 
 
-def _chunked_fwd(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array
-                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+def _chunked_fwd(
+    h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     return chunked_cross_entropy_sum(h_JID, w_DV, labels_JI), (h_JID, w_DV, labels_JI)
 
 
-def _chunked_bwd(residuals: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array
-                 ) -> tuple[jax.Array, jax.Array, None]:
+def _chunked_bwd(
+    residuals: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array
+) -> tuple[jax.Array, jax.Array, None]:
     g_J = jnp.broadcast_to(g, residuals[2].shape[:1])  # each chunk's sum gets the same g
     return _chunks_backward(residuals, g_J, token_cross_entropy_sum)
 
 
-def _chunks_backward(residuals: tuple[jax.Array, jax.Array, jax.Array], g_J: jax.Array,
-                     loss_of_logits: Any) -> tuple[jax.Array, jax.Array, None]:
+def _chunks_backward(
+    residuals: tuple[jax.Array, jax.Array, jax.Array], g_J: jax.Array, loss_of_logits: Any
+) -> tuple[jax.Array, jax.Array, None]:
     """The gradients of h and w of `loss_of_logits(logits, labels)` per chunk, given each
     chunk's cotangent `g_J` (J leading): one chunk's logits are recomputed at a time, and the
     output weight's gradient is summed over chunks in fp32."""
     h_JID, w_DV, labels_JI = residuals
 
-    def chunk(dw_DV: jax.Array, xs: tuple[jax.Array, jax.Array, jax.Array]
-              ) -> tuple[jax.Array, jax.Array]:
+    def chunk(
+        dw_DV: jax.Array, xs: tuple[jax.Array, jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
         h_ID, labels_I, g = xs
-        _, pullback = jax.vjp(lambda logits: loss_of_logits(logits, labels_I),
-                              _chunk_logits(h_ID, w_DV))
+        _, pullback = jax.vjp(
+            lambda logits: loss_of_logits(logits, labels_I), _chunk_logits(h_ID, w_DV)
+        )
         (dlogits_IV,) = pullback(g)
-        dh_ID = jnp.einsum("kv,dv->kd", dlogits_IV.astype(h_ID.dtype), w_DV,
-                           preferred_element_type=jnp.float32).astype(h_ID.dtype)
-        dw_DV = dw_DV + jnp.einsum("kd,kv->dv", h_ID, dlogits_IV.astype(h_ID.dtype),
-                                   preferred_element_type=jnp.float32)
+        dh_ID = jnp.einsum(
+            "kv,dv->kd", dlogits_IV.astype(h_ID.dtype), w_DV, preferred_element_type=jnp.float32
+        ).astype(h_ID.dtype)
+        dw_DV = dw_DV + jnp.einsum(
+            "kd,kv->dv", h_ID, dlogits_IV.astype(h_ID.dtype), preferred_element_type=jnp.float32
+        )
         return dw_DV, dh_ID
 
     # Inside shard_map the sum varies over every manual axis its terms vary over (the data
@@ -246,17 +265,18 @@ chunked_cross_entropy_sum.defvjp(_chunked_fwd, _chunked_bwd)
 def chunked_token_nll(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array) -> jax.Array:
     """Per-token NLL (chunks, tokens) chunk by chunk: `chunked_cross_entropy_sum` before its
     sum, with the same memory-bounded backward."""
-    return jax.lax.map(lambda xs: token_nll(_chunk_logits(xs[0], w_DV), xs[1]),
-                       (h_JID, labels_JI))
+    return jax.lax.map(lambda xs: token_nll(_chunk_logits(xs[0], w_DV), xs[1]), (h_JID, labels_JI))
 
 
-def _token_nll_fwd(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array
-                   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+def _token_nll_fwd(
+    h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     return chunked_token_nll(h_JID, w_DV, labels_JI), (h_JID, w_DV, labels_JI)
 
 
-def _token_nll_bwd(residuals: tuple[jax.Array, jax.Array, jax.Array], g_JI: jax.Array
-                   ) -> tuple[jax.Array, jax.Array, None]:
+def _token_nll_bwd(
+    residuals: tuple[jax.Array, jax.Array, jax.Array], g_JI: jax.Array
+) -> tuple[jax.Array, jax.Array, None]:
     return _chunks_backward(residuals, g_JI, token_nll)
 
 

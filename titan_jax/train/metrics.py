@@ -38,8 +38,9 @@ class Throughput:
     `flops_per_step` / (step time x `peak` x devices) is TorchTitan's MFU. A step whose wall
     time includes other work (compiling, a validation) is not measured: `restart()` first."""
 
-    def __init__(self, tokens_per_step: int, flops_per_step: float, peak_flops: float,
-                 n_devices: int):
+    def __init__(
+        self, tokens_per_step: int, flops_per_step: float, peak_flops: float, n_devices: int
+    ):
         self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
         self.peak_flops, self.n_devices = peak_flops, n_devices
         self._last: float | None = None
@@ -55,9 +56,11 @@ class Throughput:
         self._last = now
         if not step_time:
             return {"tokens_per_sec": None, "mfu_pct": None, "step_time_s": None}
-        return {"tokens_per_sec": self.tokens_per_step / step_time,
-                "mfu_pct": 100 * self.flops_per_step / step_time
-                / (self.peak_flops * self.n_devices), "step_time_s": step_time}
+        return {
+            "tokens_per_sec": self.tokens_per_step / step_time,
+            "mfu_pct": 100 * self.flops_per_step / step_time / (self.peak_flops * self.n_devices),
+            "step_time_s": step_time,
+        }
 
 
 def memory_stats() -> dict[str, Any]:
@@ -326,8 +329,10 @@ def format_validation_line(step: int, values: dict[str, Any]) -> str:
         second = f"val_rewards/accuracies {_number(values['val_rewards/accuracies'], '.3f')}"
     else:
         second = f"val_perplexity {_number(values.get('val_perplexity'), ',.1f')}"
-    return (f"validation at step {step}: val_loss {_number(values.get('val_loss'), '.4f')}  "
-            f"{second}  ({values['val_batches']} batches, {values['val_tokens']:,} tokens)")
+    return (
+        f"validation at step {step}: val_loss {_number(values.get('val_loss'), '.4f')}  "
+        f"{second}  ({values['val_batches']} batches, {values['val_tokens']:,} tokens)"
+    )
 
 
 def _curve(jsonl: Path, key: str) -> tuple[list[int], list[float]]:
@@ -357,10 +362,16 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("metrics.enable_wandb=true needs the wandb package: "
-                              "`.venv/bin/pip install -e '.[wandb]'`") from None
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "titan-jax"),
-                               dir=str(folder), config=run_config, name=folder.name)
+            raise ConfigError(
+                "metrics.enable_wandb=true needs the wandb package: "
+                "`.venv/bin/pip install -e '.[wandb]'`"
+            ) from None
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "titan-jax"),
+            dir=str(folder),
+            config=run_config,
+            name=folder.name,
+        )
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self._run.log(scalars, step=step)

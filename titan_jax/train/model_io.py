@@ -51,8 +51,14 @@ PARAMS_DIR = "params"
 CHECKSUMS_FILE = "checksums.json"
 
 
-def save_orbax(path: str | Path, params: Params, args: Any, *, overwrite: bool = False,
-               source: str | Path | None = None) -> None:
+def save_orbax(
+    path: str | Path,
+    params: Params,
+    args: Any,
+    *,
+    overwrite: bool = False,
+    source: str | Path | None = None,
+) -> None:
     """Writes the model-only orbax checkpoint described in the module docstring, whole or not at
     all (`atomic_dir`: a non-empty `path` is replaced only with `overwrite`, never the source)."""
     writer = jax.process_index() == 0
@@ -72,19 +78,25 @@ def read_orbax_args(path: str | Path, spec: ModelSpec) -> Any:
     try:
         fields = json.loads(file.read_text())
     except FileNotFoundError:
-        what = "does not exist" if not Path(path).exists() else \
-            f"has no {ARGS_FILE} (not a titan-jax orbax model directory)"
+        what = (
+            "does not exist"
+            if not Path(path).exists()
+            else f"has no {ARGS_FILE} (not a titan-jax orbax model directory)"
+        )
         raise CheckpointError(f"{path} {what}") from None
     except PermissionError as e:
-        raise CheckpointError(f"orbax model {path} cannot be read: {e.strerror} ({file}); "
-                              "make it readable by this user") from None
+        raise CheckpointError(
+            f"orbax model {path} cannot be read: {e.strerror} ({file}); "
+            "make it readable by this user"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: not valid JSON: {e}") from None
     known = {f.name for f in dataclasses.fields(spec.args_class)}
     if not isinstance(fields, dict) or set(fields) - known:
         unknown = sorted(set(fields) - known) if isinstance(fields, dict) else fields
-        raise CheckpointError(f"{file}: unknown fields {unknown}; valid: "
-                              f"{', '.join(sorted(known))}")
+        raise CheckpointError(
+            f"{file}: unknown fields {unknown}; valid: {', '.join(sorted(known))}"
+        )
     return _checked_args(spec, fields, str(file))
 
 
@@ -101,8 +113,9 @@ def _checked_args(spec: ModelSpec, fields: dict[str, Any], where: str) -> Any:
 
 def checkpoint_args(ckpt: Checkpointer, step: int, spec: ModelSpec) -> Any:
     """The model args a training run's checkpoint `step` was saved with."""
-    return _checked_args(spec, ckpt.meta(step)["model_args"],
-                         f"checkpoint {ckpt.directory / str(step)} (model_args)")
+    return _checked_args(
+        spec, ckpt.meta(step)["model_args"], f"checkpoint {ckpt.directory / str(step)} (model_args)"
+    )
 
 
 def newest_step(path: Path) -> Path | None:
@@ -150,7 +163,8 @@ def run_lora(path: str | Path, spec: ModelSpec) -> RunLora:
     # `lora.base_dtype=auto` as the run resolved it (a float base: restored exactly in
     # either float dtype).
     param_dtype = resolve_param_dtype(
-        recorded.get("training", {}).get("mixed_precision_param", "auto"), jax.devices())
+        recorded.get("training", {}).get("mixed_precision_param", "auto"), jax.devices()
+    )
     return RunLora(resolve_lora(config, args, param_dtype), base or None)
 
 
@@ -158,12 +172,14 @@ def _abstract_params(args: Any, shardings: Params | None, lora: Lora = NO_LORA) 
     abstract = spec_of_args(args).build(args, BuildOptions(lora=lora)).abstract_params
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: default, abstract) if shardings is None else shardings
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        abstract, shardings)
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings
+    )
 
 
-def load_orbax(path: str | Path, spec: ModelSpec, shardings: Params | None = None,
-               lora: Lora = NO_LORA) -> tuple[Any, Params]:
+def load_orbax(
+    path: str | Path, spec: ModelSpec, shardings: Params | None = None, lora: Lora = NO_LORA
+) -> tuple[Any, Params]:
     """(args, params) of a model-only orbax checkpoint, or of one step of a training run's
     checkpoints (its params only, with the adapters `lora` says it holds: `run_lora`),
     restored onto `shardings` (None: the default device)."""
@@ -177,18 +193,22 @@ def load_orbax(path: str | Path, spec: ModelSpec, shardings: Params | None = Non
     args = read_orbax_args(path, spec)
     target = _abstract_params(args, shardings)
     if not (path / PARAMS_DIR).is_dir():
-        raise CheckpointError(f"{path} has no {PARAMS_DIR}/ (not a titan-jax orbax model "
-                              "directory)")
+        raise CheckpointError(
+            f"{path} has no {PARAMS_DIR}/ (not a titan-jax orbax model directory)"
+        )
     quiet_closed_loop_callbacks()  # a failed read's one-line error stays one line
     try:
         params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
     except Exception as e:  # orbax and TensorStore raise bare Exception and ValueError
         quiet_unstarted_reads()
         if (denied := permission_denied(e)) is not None:
-            raise CheckpointError(f"orbax model {path} cannot be read: {denied}; make it "
-                                  "readable by this user") from e
-        raise CheckpointError(f"orbax model {path} is unreadable (corrupt or truncated): "
-                              f"{first_line(e)}; convert it again from its source") from e
+            raise CheckpointError(
+                f"orbax model {path} cannot be read: {denied}; make it readable by this user"
+            ) from e
+        raise CheckpointError(
+            f"orbax model {path} is unreadable (corrupt or truncated): "
+            f"{first_line(e)}; convert it again from its source"
+        ) from e
     _verify(path, params)
     return args, params
 
@@ -203,9 +223,11 @@ def _verify(path: Path, params: Params) -> None:
         raise CheckpointError(f"{path / CHECKSUMS_FILE}: not valid JSON: {e}") from None
     bad = next((n for n, v in checksums(params)[0].items() if recorded.get(n) != v), None)
     if bad is not None:
-        raise CheckpointError(f"orbax model {path} is corrupt: {bad} does not match the "
-                              "checksum recorded when it was written; convert it again from "
-                              "its source")
+        raise CheckpointError(
+            f"orbax model {path} is corrupt: {bad} does not match the "
+            "checksum recorded when it was written; convert it again from "
+            "its source"
+        )
 
 
 def export_hf(trainer: Trainer, params: Any, step: int) -> Path:
@@ -219,6 +241,7 @@ def export_hf(trainer: Trainer, params: Any, step: int) -> Path:
     lora = resolve_lora(config, trainer.model.args, trainer.plan.param_dtype)
     if lora.rank:  # the adapted model, as one plain HF model
         params = merged(params, lora)
-    trainer.model_spec.hf.save(final, params, trainer.model.args,
-                               dtype=config.checkpoint.export_dtype)
+    trainer.model_spec.hf.save(
+        final, params, trainer.model.args, dtype=config.checkpoint.export_dtype
+    )
     return final

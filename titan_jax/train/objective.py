@@ -35,16 +35,22 @@ class Objective(Protocol):
         """What the summed loss is divided by, over these rows (fp32)."""
         ...
 
-    def summed_loss(self, model: ModelDef, params: Params | tuple[Params, Params],
-                    buffers: Params, inputs: jax.Array, labels: jax.Array, dtype: Any,
-                    aux_loss: bool = True, dropout_key: jax.Array | None = None
-                    ) -> SummedLossParts:
+    def summed_loss(
+        self,
+        model: ModelDef,
+        params: Params | tuple[Params, Params],
+        buffers: Params,
+        inputs: jax.Array,
+        labels: jax.Array,
+        dtype: Any,
+        aux_loss: bool = True,
+        dropout_key: jax.Array | None = None,
+    ) -> SummedLossParts:
         """`aux_loss`: the model's auxiliary loss joins it (training; validation leaves it
         out). `dropout_key`: the trained model's LoRA dropout (training; None: none)."""
         ...
 
-    def metrics(self, sums: dict[str, jax.Array], count: jax.Array
-                ) -> dict[str, jax.Array]: ...
+    def metrics(self, sums: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,17 +64,23 @@ class CrossEntropy:
         del inputs
         return count_valid_tokens(labels)
 
-    def summed_loss(self, model: ModelDef, params: Params | tuple[Params, Params],
-                    buffers: Params, inputs: jax.Array, labels: jax.Array, dtype: Any,
-                    aux_loss: bool = True, dropout_key: jax.Array | None = None
-                    ) -> SummedLossParts:
+    def summed_loss(
+        self,
+        model: ModelDef,
+        params: Params | tuple[Params, Params],
+        buffers: Params,
+        inputs: jax.Array,
+        labels: jax.Array,
+        dtype: Any,
+        aux_loss: bool = True,
+        dropout_key: jax.Array | None = None,
+    ) -> SummedLossParts:
         h, w_out, aux = model.forward(params, buffers, inputs, dtype, dropout_key)
         with jax.named_scope("loss"):
             total = cross_entropy_sum(h, w_out, labels)
             return total + aux["loss"] if aux_loss else total, aux["stats"], {}
 
-    def metrics(self, sums: dict[str, jax.Array], count: jax.Array
-                ) -> dict[str, jax.Array]:
+    def metrics(self, sums: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
         del sums, count
         return {}
 

@@ -36,8 +36,12 @@ class WSDSchedule:
     def from_config(cls, lr: float, sched: LRScheduler, total_steps: int) -> WSDSchedule:
         warmup = sched.warmup_steps
         if warmup > total_steps:
-            log.warning("lr_scheduler.warmup_steps=%d exceeds training.steps=%d; using %d",
-                        warmup, total_steps, total_steps)
+            log.warning(
+                "lr_scheduler.warmup_steps=%d exceeds training.steps=%d; using %d",
+                warmup,
+                total_steps,
+                total_steps,
+            )
             warmup = total_steps
         if sched.decay_ratio is None:
             decay = total_steps - warmup
@@ -61,8 +65,9 @@ class WSDSchedule:
         else:
             raise ValueError(f"lr_scheduler.decay_type={self.decay_type!r}")
         decayed = self.min_lr_factor + (1 - self.min_lr_factor) * decayed
-        return jnp.where(step < self.warmup_steps, warm,
-                         jnp.where(step < warmup_stable, 1.0, decayed))
+        return jnp.where(
+            step < self.warmup_steps, warm, jnp.where(step < warmup_stable, 1.0, decayed)
+        )
 
     def __call__(self, step: jnp.ndarray | int) -> jnp.ndarray:
         return self.lr * self.factor(step)
@@ -73,8 +78,14 @@ def scale_by_given_learning_rate() -> optax.GradientTransformationExtraArgs:
     schedule's value at the train state's count of applied updates, so no optimizer-internal
     count (which a wrapped optimizer would move) decides the LR."""
 
-    def update(updates: Any, state: optax.EmptyState, params: Any = None, *,
-               learning_rate: jax.Array, **extra: Any) -> tuple[Any, optax.EmptyState]:
+    def update(
+        updates: Any,
+        state: optax.EmptyState,
+        params: Any = None,
+        *,
+        learning_rate: jax.Array,
+        **extra: Any,
+    ) -> tuple[Any, optax.EmptyState]:
         del params, extra
         return jax.tree.map(lambda u: jnp.asarray(-learning_rate, u.dtype) * u, updates), state
 
@@ -88,6 +99,8 @@ def build_optimizer(opt: Optimizer) -> optax.GradientTransformationExtraArgs:
     Clipping is done by the train step itself (it needs the norm for metrics and the finite
     guard), so it is not part of this chain.
     """
-    return optax.chain(optax.scale_by_adam(b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
-                       optax.add_decayed_weights(opt.weight_decay),
-                       scale_by_given_learning_rate())
+    return optax.chain(
+        optax.scale_by_adam(b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
+        optax.add_decayed_weights(opt.weight_decay),
+        scale_by_given_learning_rate(),
+    )

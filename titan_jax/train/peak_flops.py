@@ -52,8 +52,11 @@ class PeakFlops:
     source: str  # a sentence: which table entry, or what was measured and how
 
     def to_json(self) -> dict[str, float | str]:
-        return {"peak_flops_per_device": self.flops_per_device, "peak_flops_method": self.method,
-                "peak_flops_source": self.source}
+        return {
+            "peak_flops_per_device": self.flops_per_device,
+            "peak_flops_method": self.method,
+            "peak_flops_source": self.source,
+        }
 
 
 def published_peak(device_kind: str) -> tuple[str, float] | None:
@@ -65,8 +68,9 @@ def published_peak(device_kind: str) -> tuple[str, float] | None:
     return None
 
 
-def peak_flops_per_device(device: jax.Device, dtype: str,
-                          override: float | None = None) -> PeakFlops:
+def peak_flops_per_device(
+    device: jax.Device, dtype: str, override: float | None = None
+) -> PeakFlops:
     """The MFU denominator of one device: `override` if given, else the published bf16 peak of a
     known accelerator, else a matmul peak in `dtype` measured now on `device`."""
     if override is not None:
@@ -78,13 +82,17 @@ def peak_flops_per_device(device: jax.Device, dtype: str,
     dtype = jnp.dtype(dtype).name
     peak = measure_matmul_flops(device, dtype)
     what = "CPU" if device.platform == "cpu" else f"unknown device kind {device.device_kind!r}:"
-    return PeakFlops(peak, "measured",
-                     f"{what} matmul peak measured at start: median of {MATMUL_RUNS} timed "
-                     f"{MATMUL_SIZE}^3 {dtype} matmuls after a warm-up")
+    return PeakFlops(
+        peak,
+        "measured",
+        f"{what} matmul peak measured at start: median of {MATMUL_RUNS} timed "
+        f"{MATMUL_SIZE}^3 {dtype} matmuls after a warm-up",
+    )
 
 
-def measure_matmul_flops(device: jax.Device, dtype: str, n: int = MATMUL_SIZE,
-                         runs: int = MATMUL_RUNS) -> float:
+def measure_matmul_flops(
+    device: jax.Device, dtype: str, n: int = MATMUL_SIZE, runs: int = MATMUL_RUNS
+) -> float:
     """Median FLOP/s of a jitted n^3 matmul on `device`, compiled and warmed up first."""
     x = jax.device_put(jnp.ones((n, n), dtype), device)
     matmul = jax.jit(jnp.matmul)

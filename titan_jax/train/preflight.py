@@ -33,8 +33,10 @@ def folder_to_write(path: Path, field: str) -> None:
     try:
         for p in (path, *path.parents):
             if p.is_symlink() and not p.exists():  # mkdir would say only "File exists"
-                raise ConfigError(f"{field}={path}: {p} is a broken symbolic link (to "
-                                  f"{os.readlink(p)}); remove it, or make it point at a folder")
+                raise ConfigError(
+                    f"{field}={path}: {p} is a broken symbolic link (to "
+                    f"{os.readlink(p)}); remove it, or make it point at a folder"
+                )
             if p.exists():
                 if not p.is_dir():
                     where = "is" if p == path else f"lies under {p}, which is"
@@ -52,8 +54,9 @@ def check_output_file(path: str | Path, flag: str) -> None:
     """A report file the command writes at the end (`--json OUT`): checked before the work."""
     path = Path(path)
     if path.is_dir():
-        raise ConfigError(f"{flag} {path} is a folder; name a file to write, e.g. {path}/report"
-                          ".json")
+        raise ConfigError(
+            f"{flag} {path} is a folder; name a file to write, e.g. {path}/report.json"
+        )
     if path.exists() and not os.access(path, os.W_OK):
         raise ConfigError(f"{flag} {path} is not writable: Permission denied")
     parent = path.absolute().parent
@@ -74,13 +77,13 @@ def check_outputs(config: JobConfig) -> None:
     if metrics.is_dir() or (metrics.exists() and not metrics.is_file()):
         raise ConfigError(f"{metrics} is not a file; move it out of job.dump_folder={dump}")
     if metrics.exists() and not os.access(metrics, os.W_OK):
-        raise ConfigError(f"{metrics} is not writable: Permission denied (it is where the run "
-                          "logs its metrics)")
+        raise ConfigError(
+            f"{metrics} is not writable: Permission denied (it is where the run logs its metrics)"
+        )
     if config.metrics.enable_tensorboard:
         folder_to_write(dump / config.metrics.save_tb_folder, "metrics.save_tb_folder")
     if config.profiling.enable_profiling:
-        folder_to_write(dump / config.profiling.save_traces_folder,
-                         "profiling.save_traces_folder")
+        folder_to_write(dump / config.profiling.save_traces_folder, "profiling.save_traces_folder")
     c = config.checkpoint
     if c.enable and not is_url(paths.checkpoints):
         folder_to_write(Path(paths.checkpoints), "checkpoint.folder")
@@ -90,7 +93,8 @@ def check_outputs(config: JobConfig) -> None:
             raise ConfigError(
                 f"checkpoint.last_save_in_hf: {final} already exists and the run would write "
                 f"its final model there; move it out of {final.parent}, or use another "
-                "job.dump_folder")
+                "job.dump_folder"
+            )
 
 
 def own_steps(config: JobConfig) -> list[int]:
@@ -125,22 +129,34 @@ def check_history(config: JobConfig) -> None:
     if config.checkpoint.enable and checkpoints:
         return  # a resume: the rows logged after its step are this run's own, logged again
     # A URL's files were copied in by RunMirror.
-    logged = {what: (name, steps) for what, name, key in (
-        ("metrics", METRICS_FILE, "step"), ("goodput records", RECORD_FILE, "steps"))
-        if (steps := _logged_steps(paths.local / name, key))}
+    logged = {
+        what: (name, steps)
+        for what, name, key in (
+            ("metrics", METRICS_FILE, "step"),
+            ("goodput records", RECORD_FILE, "steps"),
+        )
+        if (steps := _logged_steps(paths.local / name, key))
+    }
     if not logged and not checkpoints:
         return
-    held = [f"the {what} of steps {min(steps)}-{max(steps)} ({name})"
-            for what, (name, steps) in logged.items()]
+    held = [
+        f"the {what} of steps {min(steps)}-{max(steps)} ({name})"
+        for what, (name, steps) in logged.items()
+    ]
     if checkpoints:
-        held.append(f"checkpoints {listing(checkpoints)} "
-                    f"({dump / config.checkpoint.folder})")
-    files = " and ".join(name for name in (METRICS_FILE, RECORD_FILE)
-                         if (paths.local / name).exists())
-    hint = ("resume that run with --checkpoint.enable true, or use a new job.dump_folder"
-            if checkpoints else f"use a new job.dump_folder, or move {files} out of it")
-    raise ConfigError(f"job.dump_folder={dump} holds {' and '.join(held)} of another run; this "
-                      f"run starts at step 1 and would mix the two histories: {hint}")
+        held.append(f"checkpoints {listing(checkpoints)} ({dump / config.checkpoint.folder})")
+    files = " and ".join(
+        name for name in (METRICS_FILE, RECORD_FILE) if (paths.local / name).exists()
+    )
+    hint = (
+        "resume that run with --checkpoint.enable true, or use a new job.dump_folder"
+        if checkpoints
+        else f"use a new job.dump_folder, or move {files} out of it"
+    )
+    raise ConfigError(
+        f"job.dump_folder={dump} holds {' and '.join(held)} of another run; this "
+        f"run starts at step 1 and would mix the two histories: {hint}"
+    )
 
 
 def check_initial_load_path(config: JobConfig) -> None:
@@ -153,14 +169,18 @@ def check_initial_load_path(config: JobConfig) -> None:
     if not path.exists():
         raise CheckpointError(f"checkpoint.initial_load_path={path} does not exist")
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint.initial_load_path={path} is a file; give a "
-                              "checkpoint folder, a step folder, or a model directory")
+        raise CheckpointError(
+            f"checkpoint.initial_load_path={path} is a file; give a "
+            "checkpoint folder, a step folder, or a model directory"
+        )
     is_hf = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
     if is_hf and not c.initial_load_in_hf:
         raise CheckpointError(
             f"checkpoint.initial_load_path={path} is a HF model directory (config.json + "
-            "safetensors); add --checkpoint.initial_load_in_hf true to load it")
+            "safetensors); add --checkpoint.initial_load_in_hf true to load it"
+        )
     if c.initial_load_in_hf and not is_hf:
         raise CheckpointError(
             f"checkpoint.initial_load_path={path} is not a HF model directory (no config.json "
-            "and *.safetensors), but checkpoint.initial_load_in_hf=true")
+            "and *.safetensors), but checkpoint.initial_load_in_hf=true"
+        )

@@ -34,8 +34,11 @@ def _saved_shape(config: JobConfig) -> dict[str, Any] | None:
         with Checkpointer(folder, read_only=True) as ckpt:
             steps = ckpt.steps()
             step = c.load_step if c.load_step != -1 else (steps[-1] if steps else None)
-            if step is None or step not in steps or not is_checkpoint_dir(
-                    ckpt.directory / str(step)):
+            if (
+                step is None
+                or step not in steps
+                or not is_checkpoint_dir(ckpt.directory / str(step))
+            ):
                 return None
             shape = ckpt.meta(step).get("shape")
     except (CheckpointError, OSError, ValueError):
@@ -63,22 +66,30 @@ def keep_saved_batch(config: JobConfig, n_devices: int) -> tuple[JobConfig, str 
                 f"cannot keep the checkpoint's global batch of {before} sequences on this run's "
                 f"{dp} data-parallel ranks ({n_devices} devices); set "
                 "--training.global_batch_size to a multiple of "
-                f"{dp} (the data goes on from the same position)")
+                f"{dp} (the data goes on from the same position)"
+            )
         per_rank = before // dp
-        local = max(n for n in range(1, min(t.local_batch_size, per_rank) + 1)
-                    if per_rank % n == 0)
-        config = dataclasses.replace(config, training=dataclasses.replace(
-            t, global_batch_size=before, local_batch_size=local))
+        local = max(n for n in range(1, min(t.local_batch_size, per_rank) + 1) if per_rank % n == 0)
+        config = dataclasses.replace(
+            config,
+            training=dataclasses.replace(t, global_batch_size=before, local_batch_size=local),
+        )
         kept = f"global batch {before} kept"
     else:
         local = t.local_batch_size
-        kept = (f"global batch {t.global_batch_size} (training.global_batch_size"
-                f"{'' if t.global_batch_size == before else f'; the checkpoint had {before}'})")
+        kept = (
+            f"global batch {t.global_batch_size} (training.global_batch_size"
+            f"{'' if t.global_batch_size == before else f'; the checkpoint had {before}'})"
+        )
     microbatches = config.training.global_batch_size // (local * dp)
-    rows = "" if local == t.local_batch_size else \
-        f" (training.local_batch_size {t.local_batch_size} -> {local})"
+    rows = (
+        ""
+        if local == t.local_batch_size
+        else f" (training.local_batch_size {t.local_batch_size} -> {local})"
+    )
     return config, (
         f"resuming on {_processes(processes)} x {n_devices // processes} devices, the "
         f"checkpoint was saved on {_processes(saved['processes'])} x "
         f"{saved['devices'] // saved['processes']}: {kept} as {microbatches} microbatch(es) of "
-        f"{local} row(s) x {dp} data-parallel ranks{rows}")
+        f"{local} row(s) x {dp} data-parallel ranks{rows}"
+    )

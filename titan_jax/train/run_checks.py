@@ -59,16 +59,23 @@ def check_moe_knobs(config: JobConfig, args: Any) -> None:
     (A value equal to its default changes nothing, set or not: it is not told apart.)"""
     if getattr(args, "is_moe", False):
         return
-    changed = [f"moe.{f.name}={getattr(config.moe, f.name)}" for f in dataclasses.fields(Moe)
-               if getattr(config.moe, f.name) != f.default]
+    changed = [
+        f"moe.{f.name}={getattr(config.moe, f.name)}"
+        for f in dataclasses.fields(Moe)
+        if getattr(config.moe, f.name) != f.default
+    ]
     if changed:
-        raise ConfigError(f"{changed[0]} applies to MoE flavours only; model.flavor="
-                          f"{config.model.flavor} is dense (leave [moe] out)")
+        raise ConfigError(
+            f"{changed[0]} applies to MoE flavours only; model.flavor="
+            f"{config.model.flavor} is dense (leave [moe] out)"
+        )
     gather = config.parallelism.fsdp_expert_gather_before_router
     if gather != Parallelism.fsdp_expert_gather_before_router:
-        raise ConfigError(f"parallelism.fsdp_expert_gather_before_router={str(gather).lower()} "
-                          f"applies to MoE flavours only; model.flavor={config.model.flavor} is "
-                          "dense (leave it out)")
+        raise ConfigError(
+            f"parallelism.fsdp_expert_gather_before_router={str(gather).lower()} "
+            f"applies to MoE flavours only; model.flavor={config.model.flavor} is "
+            "dense (leave it out)"
+        )
 
 
 def check_lookahead_gather(config: JobConfig, fsdp: type[SimpleFSDP], attention: str) -> None:
@@ -84,10 +91,13 @@ def check_lookahead_gather(config: JobConfig, fsdp: type[SimpleFSDP], attention:
         raise ConfigError(
             "parallelism.fsdp_lookahead_gather=true needs activation_checkpoint.mode=full and "
             f"parallelism.fsdp_reshard_after_forward default or always (got mode={mode}, "
-            f"fsdp_reshard_after_forward={p.fsdp_reshard_after_forward})")
+            f"fsdp_reshard_after_forward={p.fsdp_reshard_after_forward})"
+        )
     if attention == "splash" and not fsdp.hosts_splash_lookahead:
-        raise ConfigError("parallelism.fsdp_lookahead_gather=true with splash attention needs "
-                          "parallelism.fsdp_implementation=shard_map (or model.attention=xla)")
+        raise ConfigError(
+            "parallelism.fsdp_lookahead_gather=true with splash attention needs "
+            "parallelism.fsdp_implementation=shard_map (or model.attention=xla)"
+        )
 
 
 def check_layer_input_offload(config: JobConfig) -> None:
@@ -97,11 +107,15 @@ def check_layer_input_offload(config: JobConfig) -> None:
     if not a.offload_layer_input:
         return
     if a.mode == "none":
-        raise ConfigError("activation_checkpoint.offload_layer_input=true needs a remat mode "
-                          "(activation_checkpoint.mode full, selective or offload; got none)")
+        raise ConfigError(
+            "activation_checkpoint.offload_layer_input=true needs a remat mode "
+            "(activation_checkpoint.mode full, selective or offload; got none)"
+        )
     if config.parallelism.fsdp_lookahead_gather:
-        raise ConfigError("activation_checkpoint.offload_layer_input=true does not combine "
-                          "with parallelism.fsdp_lookahead_gather=true (set one false)")
+        raise ConfigError(
+            "activation_checkpoint.offload_layer_input=true does not combine "
+            "with parallelism.fsdp_lookahead_gather=true (set one false)"
+        )
 
 
 def check_model_fits(config: JobConfig, args: Any) -> None:
@@ -114,7 +128,8 @@ def check_model_fits(config: JobConfig, args: Any) -> None:
         if n > args.max_seq_len:
             raise ConfigError(
                 f"{section}.seq_len={n} exceeds the maximum sequence length "
-                f"{args.max_seq_len} of model.flavor={config.model.flavor}")
+                f"{args.max_seq_len} of model.flavor={config.model.flavor}"
+            )
 
 
 def check_sharding_rules(config: JobConfig, mesh: Mesh) -> None:
@@ -123,23 +138,32 @@ def check_sharding_rules(config: JobConfig, mesh: Mesh) -> None:
     try:
         ShardingRules(mesh, table_with_overrides(config.parallelism.sharding_rules))
     except ShardingRuleError as e:
-        raise ConfigError(str(e) if str(e).startswith("parallelism.") else
-                          f"parallelism.sharding_rules: {e}") from None
+        raise ConfigError(
+            str(e) if str(e).startswith("parallelism.") else f"parallelism.sharding_rules: {e}"
+        ) from None
 
 
-def check_heads(config: JobConfig, args: Any, degrees: MeshDegrees,
-                table: Mapping[str, MeshAxes]) -> None:
+def check_heads(
+    config: JobConfig, args: Any, degrees: MeshDegrees, table: Mapping[str, MeshAxes]
+) -> None:
     """Tensor parallelism divides the attention heads and the K/V heads, where the table splits
     them over tp (a recipe may keep the K/V heads whole: `kv_heads = []`)."""
-    split = {name: n for name, n in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads))
-             if "tp" in axes_tuple(table.get(name[2:]))}
+    split = {
+        name: n
+        for name, n in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads))
+        if "tp" in axes_tuple(table.get(name[2:]))
+    }
     if any(n % degrees.tp for n in split.values()):
-        hint = (" (or keep the K/V heads whole over tp: parallelism.sharding_rules "
-                "kv_heads=)" if args.n_heads % degrees.tp == 0 else "")
+        hint = (
+            " (or keep the K/V heads whole over tp: parallelism.sharding_rules kv_heads=)"
+            if args.n_heads % degrees.tp == 0
+            else ""
+        )
         raise ConfigError(
             f"parallelism.tensor_parallel_degree={degrees.tp} must divide "
             f"{' and '.join(f'{k}={v}' for k, v in split.items())} of "
-            f"model.flavor={config.model.flavor}{hint}")
+            f"model.flavor={config.model.flavor}{hint}"
+        )
 
 
 def check_expert_chunks(config: JobConfig, args: Any, degrees: MeshDegrees) -> None:
@@ -149,20 +173,26 @@ def check_expert_chunks(config: JobConfig, args: Any, degrees: MeshDegrees) -> N
     if chunks == 1:
         return
     if degrees.ep == 1:
-        raise ConfigError(f"parallelism.expert_parallel_chunks={chunks} pipelines expert "
-                          "parallelism's exchanges; parallelism.expert_parallel_degree is 1 "
-                          "(use 1)")
+        raise ConfigError(
+            f"parallelism.expert_parallel_chunks={chunks} pipelines expert "
+            "parallelism's exchanges; parallelism.expert_parallel_degree is 1 "
+            "(use 1)"
+        )
     batches = [("micro", config.training)] + (
-        [("validation ", config.validation)] if config.validation.enable else [])
-    picks = {name: b.local_batch_size * b.seq_len // degrees.cp * getattr(args, "top_k", 1)
-             for name, b in batches}
+        [("validation ", config.validation)] if config.validation.enable else []
+    )
+    picks = {
+        name: b.local_batch_size * b.seq_len // degrees.cp * getattr(args, "top_k", 1)
+        for name, b in batches
+    }
     for name, n in picks.items():
         if n % chunks:
             # the hint must hold for every batch, not only the one refused
             fits = divisor_below(math.gcd(*picks.values()), chunks)
             raise ConfigError(
                 f"parallelism.expert_parallel_chunks={chunks} must divide each device's "
-                f"{n} picks a {name}batch (local_batch_size x seq_len / cp x top_k); use {fits}")
+                f"{n} picks a {name}batch (local_batch_size x seq_len / cp x top_k); use {fits}"
+            )
 
 
 def divisor_below(n: int, bound: int, tries: int = 1 << 16) -> int:
@@ -187,7 +217,8 @@ def microbatches(config: JobConfig, degrees: MeshDegrees) -> int:
     if global_batch % per_step:
         raise ConfigError(
             f"training.global_batch_size={global_batch} must be a multiple of "
-            f"local_batch_size x data-parallel degree = {t.local_batch_size} x {degrees.dp}")
+            f"local_batch_size x data-parallel degree = {t.local_batch_size} x {degrees.dp}"
+        )
     return global_batch // per_step
 
 
@@ -200,14 +231,18 @@ def _takes(mode: str, device: jax.Device) -> bool:
     if device.platform == "cpu":
         return True
     if device.platform == "tpu":
-        return kind.startswith("TPU7") if mode == "fp8" else kind.startswith(("TPU v4", "TPU v5",
-                                                                              "TPU v6"))
+        return (
+            kind.startswith("TPU7")
+            if mode == "fp8"
+            else kind.startswith(("TPU v4", "TPU v5", "TPU v6"))
+        )
     capability = float(getattr(device, "compute_capability", "0") or 0)
     return mode == "fp8" and capability >= 8.9
 
 
-def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
-                         devices: list[jax.Device]) -> Quantization:
+def resolve_quantization(
+    config: JobConfig, args: Any, degrees: MeshDegrees, devices: list[jax.Device]
+) -> Quantization:
     """`[quantize]` for this run's devices and model: refused where the model has none of the
     groups named, the chip has no fast path for the mode, the experts are smaller than the TPU
     kernel takes, or a block does not divide a contracted dimension."""
@@ -222,35 +257,44 @@ def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
         raise ConfigError(
             f"quantize.modules={q.modules!r}: model.flavor={config.model.flavor} is "
             f"{'MoE' if moe else 'dense'} and has no {missing}, so nothing would run in "
-            f"{q.mode}; name some of {','.join(present)}, or set quantize.mode=none")
+            f"{q.mode}; name some of {','.join(present)}, or set quantize.mode=none"
+        )
     if not _takes(q.mode, device):
         other = "int8" if q.mode == "fp8" else "fp8"
-        hint = (f"use quantize.mode={other}" if _takes(other, device)
-                else "use quantize.mode=none")
+        hint = f"use quantize.mode={other}" if _takes(other, device) else "use quantize.mode=none"
         raise ConfigError(
             f"quantize.mode={q.mode}: {device.device_kind} has no {q.mode} matmul units (fp8: "
-            f"TPU7x, NVIDIA from compute capability 8.9; int8: TPU v4-v6e); {hint}")
+            f"TPU7x, NVIDIA from compute capability 8.9; int8: TPU v4-v6e); {hint}"
+        )
     if moe and "experts" in names and q.scaling != "rowwise":  # a dense model has none
         raise ConfigError(
             f"quantize.scaling={q.scaling}: the experts' grouped matmuls take rowwise scales "
             "only (qwix's ragged_dot); use quantize.scaling=rowwise, or leave experts out of "
-            "quantize.modules")
+            "quantize.modules"
+        )
     if moe and "experts" in names and device.platform == "tpu":
         t = config.training
-        small = {"model dim": args.dim,
-                 "expert hidden dim per tensor-parallel rank": args.moe_inter_dim // degrees.tp,
-                 "number of expert rows per device (local_batch_size x seq_len / cp x top_k)":
-                     t.local_batch_size * t.seq_len // degrees.cp * args.top_k}
+        small = {
+            "model dim": args.dim,
+            "expert hidden dim per tensor-parallel rank": args.moe_inter_dim // degrees.tp,
+            "number of expert rows per device (local_batch_size x seq_len / cp x top_k)": (
+                t.local_batch_size * t.seq_len // degrees.cp * args.top_k
+            ),
+        }
         for name, n in small.items():
             if n < 128:
                 raise ConfigError(
                     f"quantize.modules={q.modules!r}: the quantized expert kernel on TPU "
                     f"(tokamax's) needs a {name} of at least 128, not {n}; leave experts out "
-                    "of quantize.modules")
+                    "of quantize.modules"
+                )
     if q.scaling == "blockwise":
         rows = config.training.seq_len // degrees.cp
-        dims = {"model dim": args.dim, "head_dim": args.head_dim, "tokens per sequence (per "
-                "context-parallel rank)": rows}
+        dims = {
+            "model dim": args.dim,
+            "head_dim": args.head_dim,
+            "tokens per sequence (per context-parallel rank)": rows,
+        }
         if "mlp" in names and not moe:
             dims["hidden_dim"] = args.hidden_dim
         bad = {name: n for name, n in dims.items() if n % q.block_size}
@@ -258,9 +302,11 @@ def resolve_quantization(config: JobConfig, args: Any, degrees: MeshDegrees,
             name, n = next(iter(bad.items()))
             raise ConfigError(
                 f"quantize.block_size={q.block_size} must divide the {name} ({n}) the blockwise "
-                "scales tile; choose a divisor, or quantize.scaling=rowwise")
-    return Quantization(q.mode, tuple(n for n in names if n != "experts" or moe), q.scaling,
-                        q.block_size)
+                "scales tile; choose a divisor, or quantize.scaling=rowwise"
+            )
+    return Quantization(
+        q.mode, tuple(n for n in names if n != "experts" or moe), q.scaling, q.block_size
+    )
 
 
 def resolve_lora(config: JobConfig, args: Any, param_dtype: Any = jnp.float32) -> Lora:
@@ -280,23 +326,31 @@ def resolve_lora(config: JobConfig, args: Any, param_dtype: Any = jnp.float32) -
         raise ConfigError(
             f"lora.target_modules={lo.target_modules!r} matches no projection of model.flavor="
             f"{config.model.flavor}, which is {kind}; name some of "
-            f"{','.join(groups)},{','.join(present)}")
+            f"{','.join(groups)},{','.join(present)}"
+        )
     base_dtype = jnp.dtype(param_dtype).name if lo.base_dtype == "auto" else lo.base_dtype
-    return Lora(lo.rank, lo.alpha, projections, lo.dropout,
-                FrozenBase(base_dtype, lo.base_block_size))
+    return Lora(
+        lo.rank, lo.alpha, projections, lo.dropout, FrozenBase(base_dtype, lo.base_block_size)
+    )
 
 
-def check_reduce_dtype(config: JobConfig, devices: list[jax.Device], fsdp: type[SimpleFSDP]
-                       ) -> None:
-    if (config.training.mixed_precision_reduce == "bfloat16" and not fsdp.reduces_in_bf16_on_cpu
-            and all(d.platform == "cpu" for d in devices)):
+def check_reduce_dtype(
+    config: JobConfig, devices: list[jax.Device], fsdp: type[SimpleFSDP]
+) -> None:
+    if (
+        config.training.mixed_precision_reduce == "bfloat16"
+        and not fsdp.reduces_in_bf16_on_cpu
+        and all(d.platform == "cpu" for d in devices)
+    ):
         raise ConfigError(  # SimpleFSDP.reduces_in_bf16_on_cpu
             "training.mixed_precision_reduce=bfloat16 with parallelism.fsdp_implementation="
-            "shard_map does not compile on CPU devices; use float32, or the jit implementation")
+            "shard_map does not compile on CPU devices; use float32, or the jit implementation"
+        )
 
 
-def check_context_parallel(cp: int, seq_lens: dict[str, int], choice: str,
-                           attention: str, method: str = "allgather") -> str:
+def check_context_parallel(
+    cp: int, seq_lens: dict[str, int], choice: str, attention: str, method: str = "allgather"
+) -> str:
     """Sequences cp can split, and an attention kernel that takes the split; returns the
     backend to run (the ring's blocks are XLA's: `auto` means xla with it)."""
     if cp > 1 and method == "ring":
@@ -304,7 +358,8 @@ def check_context_parallel(cp: int, seq_lens: dict[str, int], choice: str,
             raise ConfigError(
                 f"model.attention={choice} cannot run with parallelism.context_parallel_method"
                 "=ring (its blocks are XLA einsums with an online softmax); use auto or xla, "
-                "or context_parallel_method=allgather")
+                "or context_parallel_method=allgather"
+            )
         attention = "xla"
     for field, n in seq_lens.items():
         check_seq_len(n, cp, field)
@@ -313,11 +368,13 @@ def check_context_parallel(cp: int, seq_lens: dict[str, int], choice: str,
                 f"{field}={n} must be a multiple of 2 x parallelism.context_parallel_degree x "
                 f"{SPLASH_BLOCKS[-1]} = {2 * cp * SPLASH_BLOCKS[-1]} for model.attention="
                 f"splash (each rank's two chunks are tiled by its blocks); or use "
-                "model.attention=xla")
+                "model.attention=xla"
+            )
     if cp > 1 and attention not in CP_ATTENTION:
         raise ConfigError(
             f"model.attention={choice} (resolved: {attention}) cannot run with parallelism."
-            f"context_parallel_degree={cp}; use {' or '.join(CP_ATTENTION)}")
+            f"context_parallel_degree={cp}; use {' or '.join(CP_ATTENTION)}"
+        )
     return attention
 
 
@@ -328,8 +385,9 @@ def resolve_run_attention(config: JobConfig, cp: int, platform: str, dtype: jnp.
     if config.validation.enable:
         seq_lens["validation.seq_len"] = config.validation.seq_len
     attention = resolve_attention(config.model.attention, platform, dtype, seq_lens)
-    return check_context_parallel(cp, seq_lens, config.model.attention, attention,
-                                  config.parallelism.context_parallel_method)
+    return check_context_parallel(
+        cp, seq_lens, config.model.attention, attention, config.parallelism.context_parallel_method
+    )
 
 
 def check_base_blocks(config: JobConfig, rules: ShardingRules, model: ModelDef) -> None:
@@ -346,32 +404,43 @@ def check_base_blocks(config: JobConfig, rules: ShardingRules, model: ModelDef) 
         codes, scale = node[CODES].shape, node[SCALE].shape
         for d in range(len(codes) - 1):  # the last dim is an output (and packed)
             if 1 < scale[d] < codes[d]:
-                shards = math.prod(rules.mesh.shape[a] for a in mesh_axes_of(
-                    rules.weight_layout((axes[d],)).storage))
+                shards = math.prod(
+                    rules.mesh.shape[a]
+                    for a in mesh_axes_of(rules.weight_layout((axes[d],)).storage)
+                )
                 tiled.append((name, codes[d], scale[d], shards))
     bad = next(((n, dim, blocks, k) for n, dim, blocks, k in tiled if blocks % k), None)
     if bad is None:
         return
     name, dim, blocks, shards = bad
-    fits = next((b for b in range(config.lora.base_block_size - 1, 0, -1)
-                 if all(d % b == 0 and (d == b or (d // b) % k == 0) for _, d, _, k in tiled)),
-                None)
+    fits = next(
+        (
+            b
+            for b in range(config.lora.base_block_size - 1, 0, -1)
+            if all(d % b == 0 and (d == b or (d // b) % k == 0) for _, d, _, k in tiled)
+        ),
+        None,
+    )
     smaller = f"lora.base_block_size={fits}, or " if fits else ""
     raise ConfigError(
         f"lora.base_block_size={config.lora.base_block_size}: the {blocks} nf4 blocks of "
         f"{name}'s input dim ({dim}) do not split over its {shards} shards; use {smaller}"
-        "lora.base_dtype=int8")
+        "lora.base_dtype=int8"
+    )
 
 
 def storage_specs(config: JobConfig, rules: ShardingRules, model: ModelDef) -> tuple[Any, Any]:
     """Every param's and buffer's storage layout, checked against its shape and named on
     error."""
     try:
-        return (rules.storage_specs(model.abstract_params, model.logical_axes),
-                rules.storage_specs(model.abstract_buffers, model.buffer_logical_axes))
+        return (
+            rules.storage_specs(model.abstract_params, model.logical_axes),
+            rules.storage_specs(model.abstract_buffers, model.buffer_logical_axes),
+        )
     except ShardingRuleError as e:
-        raise ConfigError(f"cannot shard model.flavor={config.model.flavor} on this mesh: {e}"
-                          ) from None
+        raise ConfigError(
+            f"cannot shard model.flavor={config.model.flavor} on this mesh: {e}"
+        ) from None
 
 
 def check_data(config: JobConfig, args: Any, attention: str) -> Tokenizer:
@@ -381,9 +450,12 @@ def check_data(config: JobConfig, args: Any, attention: str) -> Tokenizer:
         raise ConfigError(
             f"tokenizer {config.model.tokenizer_path or '(shipped)'} has vocab size "
             f"{tokenizer.vocab_size}, larger than model.flavor={config.model.flavor}'s "
-            f"vocab_size={args.vocab_size}")
+            f"vocab_size={args.vocab_size}"
+        )
     if config.training.document_mask and attention == "cudnn":
-        raise ConfigError("training.document_mask=true needs model.attention=xla or splash: "
-                          "the cudnn attention here takes no segment ids")
+        raise ConfigError(
+            "training.document_mask=true needs model.attention=xla or splash: "
+            "the cudnn attention here takes no segment ids"
+        )
     check_inputs(config, tokenizer)
     return tokenizer

@@ -100,8 +100,14 @@ class Lease:
         self.lost: str | None = None
 
     def _record(self) -> bytes:
-        return json.dumps({"host": self.host, "pid": self.pid, "token": self.token,
-                           "expires": time.time() + LEASE_SECONDS}).encode()
+        return json.dumps(
+            {
+                "host": self.host,
+                "pid": self.pid,
+                "token": self.token,
+                "expires": time.time() + LEASE_SECONDS,
+            }
+        ).encode()
 
     def _read(self) -> dict | None:
         try:
@@ -128,15 +134,17 @@ class Lease:
             held = self._read()
             if held and not self._lapsed(held):
                 raise RunLockError(self._busy(held)) from None
-            log.warning(f"{self.where}: taking over the lease of a run that is gone "
-                        f"({held.get('host')} pid {held.get('pid')}); it did not exit cleanly"
-                        if held else f"{self.where}: taking over an unreadable lease")
+            log.warning(
+                f"{self.where}: taking over the lease of a run that is gone "
+                f"({held.get('host')} pid {held.get('pid')}); it did not exit cleanly"
+                if held
+                else f"{self.where}: taking over an unreadable lease"
+            )
             self.fs.pipe_file(self.path, self._record())
         except OSError as e:
             raise RunLockError(f"{self.field}={self.url} is not writable: {e}") from None
         self._confirm()
-        self._renewer = threading.Thread(target=self._renew, name="titan-jax-lease",
-                                         daemon=True)
+        self._renewer = threading.Thread(target=self._renew, name="titan-jax-lease", daemon=True)
         self._renewer.start()
         return self
 
@@ -148,19 +156,23 @@ class Lease:
 
     def _busy(self, held: dict) -> str:
         until = time.strftime("%H:%M:%S", time.localtime(float(held.get("expires", 0))))
-        return (f"{self.field}={self.url} is in use by another run ({held.get('host')} pid "
-                f"{held.get('pid')}, lease {self.where}, renewed until {until}); wait for it "
-                "to finish. A run that was killed holds it until then; if no run uses the "
-                f"folder, delete {self.where}")
+        return (
+            f"{self.field}={self.url} is in use by another run ({held.get('host')} pid "
+            f"{held.get('pid')}, lease {self.where}, renewed until {until}); wait for it "
+            "to finish. A run that was killed holds it until then; if no run uses the "
+            f"folder, delete {self.where}"
+        )
 
     def _renew(self) -> None:
         while not self._stop.wait(LEASE_SECONDS / 5):
             try:
                 held = self._read()
                 if held is None or held.get("token") != self.token:
-                    self.lost = (f"{self.field}={self.url}: this run's lease {self.where} was "
-                                 "deleted or taken by another run; stopping so that the two "
-                                 "do not write one folder")
+                    self.lost = (
+                        f"{self.field}={self.url}: this run's lease {self.where} was "
+                        "deleted or taken by another run; stopping so that the two "
+                        "do not write one folder"
+                    )
                     return
                 self.fs.pipe_file(self.path, self._record())
             except OSError as e:  # the bucket is unreachable for a while: the next try may do
@@ -249,8 +261,10 @@ class RunMirror:
         except Exception as e:
             if kind is None:
                 raise
-            log.warning(f"copying the run's files to {self.url} failed: {e}; they are in "
-                        f"{self.local} until this folder's next run starts a fresh mirror")
+            log.warning(
+                f"copying the run's files to {self.url} failed: {e}; they are in "
+                f"{self.local} until this folder's next run starts a fresh mirror"
+            )
         else:  # all of it is at the URL now
             shutil.rmtree(self.local, ignore_errors=True)
         finally:

@@ -66,8 +66,9 @@ class RunLock:
     (the folder is created), or `lock_file` for a folder that must stay empty until written
     whole (prepare-data's output: a hidden sibling, whose folder is created)."""
 
-    def __init__(self, folder: str | Path, field: str = "job.dump_folder",
-                 lock_file: Path | None = None):
+    def __init__(
+        self, folder: str | Path, field: str = "job.dump_folder", lock_file: Path | None = None
+    ):
         self.folder = Path(folder)
         self.field = field
         self.path = lock_file or self.folder / LOCK_FILE
@@ -80,8 +81,9 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:
-                raise ConfigError(f"{self.field}={self.folder} is not writable: "
-                                  f"{e.strerror or e}") from None
+                raise ConfigError(
+                    f"{self.field}={self.folder} is not writable: {e.strerror or e}"
+                ) from None
             try:
                 self._take(fd)
             except BaseException:
@@ -109,12 +111,16 @@ class RunLock:
             if holder and holder[0] == socket.gethostname() and pid_alive(holder[1]):
                 raise RunLockError(self._busy(previous)) from None
         if previous:  # the kernel released it: its holder died without cleaning up
-            log.warning(f"{self.path}: taking over the lock of a run that is gone "
-                        f"({previous}); it did not exit cleanly")
+            log.warning(
+                f"{self.path}: taking over the lock of a run that is gone "
+                f"({previous}); it did not exit cleanly"
+            )
 
     def _busy(self, previous: str) -> str:
-        return (f"{self.field}={self.folder} is in use by another run ({previous or 'unknown'}"
-                f", lock {self.path}); wait for it to finish, or use another {self.field}")
+        return (
+            f"{self.field}={self.folder} is in use by another run ({previous or 'unknown'}"
+            f", lock {self.path}); wait for it to finish, or use another {self.field}"
+        )
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is None:
@@ -145,4 +151,3 @@ def tidy_if_refused(folder: str | Path) -> Iterator[None]:
             if not any(folder.iterdir()):
                 folder.rmdir()
         raise
-

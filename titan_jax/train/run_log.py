@@ -36,8 +36,9 @@ class RunLog:
         index = jax.process_index()
         self.path = Path(folder) / (LOG_FILE if index == 0 else f"titan-jax.{index}.log")
         self._handler = logging.FileHandler(self.path, delay=True)
-        self._handler.setFormatter(logging.Formatter(
-            "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self._handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        )
         self._filter = _NotQuiet()
         self._filtered: list[logging.Handler] = []
 
@@ -49,15 +50,29 @@ class RunLog:
         root.addHandler(self._handler)
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if error is not None and not isinstance(error, KeyboardInterrupt) and (
-                not isinstance(error, TitanJaxError) or error.__cause__ is not None):
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if (
+            error is not None
+            and not isinstance(error, KeyboardInterrupt)
+            and (not isinstance(error, TitanJaxError) or error.__cause__ is not None)
+        ):
             # Bad input needs only its one line; a wrapped failure gets its causes on record.
             text = "".join(traceback.format_exception(kind, error, tb))
-            self._handler.handle(logging.makeLogRecord(
-                {"name": "titan_jax", "levelno": logging.ERROR, "levelname": "ERROR",
-                 "msg": f"the run stopped:\n{text}"}))
+            self._handler.handle(
+                logging.makeLogRecord(
+                    {
+                        "name": "titan_jax",
+                        "levelno": logging.ERROR,
+                        "levelname": "ERROR",
+                        "msg": f"the run stopped:\n{text}",
+                    }
+                )
+            )
             if isinstance(error, TitanJaxError):
                 error.args = (f"{error} (details in {self.path})", *error.args[1:])
         root = logging.getLogger()

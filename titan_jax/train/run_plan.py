@@ -58,8 +58,13 @@ def resolve_param_dtype(name: str, devices: list[jax.Device]) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def build_options(config: JobConfig, platform: str, attention: str,
-                  quantization: Quantization, lora: Lora = NO_LORA) -> BuildOptions:
+def build_options(
+    config: JobConfig,
+    platform: str,
+    attention: str,
+    quantization: Quantization,
+    lora: Lora = NO_LORA,
+) -> BuildOptions:
     """How the model is built for this run's devices and parallelism."""
     reshard = config.parallelism.fsdp_reshard_after_forward in ("default", "always")
     return BuildOptions(
@@ -68,15 +73,22 @@ def build_options(config: JobConfig, platform: str, attention: str,
         # stored one, which backward remakes for free (saved, it is a second copy of every
         # weight, stacked over layers).
         save_gathered_params=not reshard,
-        activation_stats=config.metrics.log_activation_stats, platform=platform,
-        attention=attention, lookahead_gather=config.parallelism.fsdp_lookahead_gather,
+        activation_stats=config.metrics.log_activation_stats,
+        platform=platform,
+        attention=attention,
+        lookahead_gather=config.parallelism.fsdp_lookahead_gather,
         expert_gather_before_router=config.parallelism.fsdp_expert_gather_before_router,
-        quantization=quantization, offload_layer_input=offload_layer_input_for(
-            config.activation_checkpoint.offload_layer_input, platform), lora=lora)
+        quantization=quantization,
+        offload_layer_input=offload_layer_input_for(
+            config.activation_checkpoint.offload_layer_input, platform
+        ),
+        lora=lora,
+    )
 
 
-def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
-             model_args: Any = None) -> RunPlan:
+def plan_run(
+    config: JobConfig, devices: list[jax.Device] | None = None, model_args: Any = None
+) -> RunPlan:
     """The run's plan on `devices` (default: all of JAX's), every decision checked as it is
     made. `model_args` replaces `model.flavor`'s shape (tests and notebooks use tiny models)."""
     spec, flavor = run_checks.check_model_choice(config)
@@ -92,8 +104,9 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
     n_microbatches = run_checks.microbatches(config, degrees)
     platform = devices[0].platform
     quantization = run_checks.resolve_quantization(config, args, degrees, devices)
-    fsdp = choose_implementation(config.parallelism, degrees, args, config.model.flavor,
-                                 platform, quantization)
+    fsdp = choose_implementation(
+        config.parallelism, degrees, args, config.model.flavor, platform, quantization
+    )
     run_checks.check_reduce_dtype(config, devices, fsdp)
     param_dtype = resolve_param_dtype(config.training.mixed_precision_param, devices)
     attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
@@ -103,12 +116,30 @@ def plan_run(config: JobConfig, devices: list[jax.Device] | None = None,
     model = spec.build(args, build_options(config, platform, attention, quantization, lora))
     # the tokens of one microbatch over the shards that split the vocabulary (cp splits the
     # same rows' positions; tp ranks share their tokens)
-    travelling = (config.training.local_batch_size * config.training.seq_len * degrees.fsdp
-                  * degrees.ep)
-    table = table_for_vocab(mesh, args.vocab_size, fsdp.splits_vocab_across_replicas,
-                            table=recipe_table, travelling_tokens=travelling)
+    travelling = (
+        config.training.local_batch_size * config.training.seq_len * degrees.fsdp * degrees.ep
+    )
+    table = table_for_vocab(
+        mesh,
+        args.vocab_size,
+        fsdp.splits_vocab_across_replicas,
+        table=recipe_table,
+        travelling_tokens=travelling,
+    )
     rules = ShardingRules(mesh, table)
     run_checks.check_base_blocks(config, rules, model)
     param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)
-    return RunPlan(config, spec, degrees, mesh, n_microbatches, fsdp, param_dtype, attention,
-                   model, rules, param_specs, buffer_specs)
+    return RunPlan(
+        config,
+        spec,
+        degrees,
+        mesh,
+        n_microbatches,
+        fsdp,
+        param_dtype,
+        attention,
+        model,
+        rules,
+        param_specs,
+        buffer_specs,
+    )

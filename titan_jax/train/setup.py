@@ -51,28 +51,47 @@ def build_data(trainer: Trainer, tokenizer: Tokenizer | None = None) -> WindowSt
     if tokenizer is None:
         tokenizer = check_data(config, trainer.model.args, trainer.attention)
     t = config.training
-    sources = training_sources(config, tokenizer, is_first=jax.process_index() == 0,
-                               barrier=process_barrier, progress=_progress)
+    sources = training_sources(
+        config,
+        tokenizer,
+        is_first=jax.process_index() == 0,
+        barrier=process_barrier,
+        progress=_progress,
+    )
     if holds_pairs(config):  # one preference pair a row (DPO)
-        return PairStream(sources, seq_len=t.seq_len, global_batch_size=trainer.global_batch_size,
-                          seed=t.seed, rows=trainer.batches.rows())
-    return WindowStream(sources, seq_len=t.seq_len, global_batch_size=trainer.global_batch_size,
-                        seed=t.seed, rows=trainer.batches.rows(), document_mask=t.document_mask,
-                        document_positions=t.document_positions,
-                        spans=trainer.batches.spans(t.seq_len))
+        return PairStream(
+            sources,
+            seq_len=t.seq_len,
+            global_batch_size=trainer.global_batch_size,
+            seed=t.seed,
+            rows=trainer.batches.rows(),
+        )
+    return WindowStream(
+        sources,
+        seq_len=t.seq_len,
+        global_batch_size=trainer.global_batch_size,
+        seed=t.seed,
+        rows=trainer.batches.rows(),
+        document_mask=t.document_mask,
+        document_positions=t.document_positions,
+        spans=trainer.batches.spans(t.seq_len),
+    )
 
 
-def assemble_run(config: JobConfig, devices: list[jax.Device] | None = None,
-                 model_args: Any = None) -> RunSetup:
+def assemble_run(
+    config: JobConfig, devices: list[jax.Device] | None = None, model_args: Any = None
+) -> RunSetup:
     """Everything a run needs before its first write, each input checked (`model_args`: as in
     `build_trainer`)."""
     check_outputs(config)
     check_initial_load_path(config)
-    config, shape_note = keep_saved_batch(config, len(jax.devices() if devices is None
-                                                      else devices))
+    config, shape_note = keep_saved_batch(
+        config, len(jax.devices() if devices is None else devices)
+    )
     trainer = build_trainer(config, devices, model_args=model_args)
-    return RunSetup(trainer, check_data(config, trainer.model.args, trainer.attention),
-                    shape_note=shape_note)
+    return RunSetup(
+        trainer, check_data(config, trainer.model.args, trainer.attention), shape_note=shape_note
+    )
 
 
 def open_data(setup: RunSetup) -> None:

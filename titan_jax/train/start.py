@@ -38,7 +38,8 @@ def _resume_step(config: JobConfig, ckpt: Checkpointer) -> int | None:
     if load_step not in steps:
         raise CheckpointError(
             f"checkpoint.load_step={load_step} is not a finalized checkpoint in {ckpt.directory}; "
-            f"available: {listing(steps)}")
+            f"available: {listing(steps)}"
+        )
     newer = [s for s in steps if s > load_step]
     if newer and load_step < config.training.steps:
         # Training on would save over checkpoints of the abandoned future, one by one, and a
@@ -46,7 +47,8 @@ def _resume_step(config: JobConfig, ckpt: Checkpointer) -> int | None:
         raise CheckpointError(
             f"checkpoint.load_step={load_step} is older than checkpoints {listing(newer)} in "
             f"{ckpt.directory}, which this run would overwrite; move those out of that folder "
-            "to roll back")
+            "to roll back"
+        )
     return load_step
 
 
@@ -65,8 +67,11 @@ def load_start(trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
     if step is not None:
         if step >= config.training.steps:
             return Restored(step=step, source=f"checkpoint {ckpt.directory / str(step)}")
-        restored = ckpt.restore(step, trainer.abstract_state(),
-                                signature=resume_signature(config, trainer.global_batch_size))
+        restored = ckpt.restore(
+            step,
+            trainer.abstract_state(),
+            signature=resume_signature(config, trainer.global_batch_size),
+        )
         if c.initial_load_path:
             restored.source += " (checkpoint.initial_load_path ignored: a resume comes first)"
         return restored
@@ -89,8 +94,12 @@ def load_start(trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
         if model_only and trainable and not trainable & source.saved_params(step):
             # A base model's run (no LoRA adapters): its weights, fresh adapters.
             abstract = {**abstract, "params": trainer.plain_base()}
-        restored = source.restore(step, abstract, model_only=model_only,
-                                  signature=resume_signature(config, trainer.global_batch_size))
+        restored = source.restore(
+            step,
+            abstract,
+            model_only=model_only,
+            signature=resume_signature(config, trainer.global_batch_size),
+        )
     if model_only:
         restored.state = trainer.state_from_params(restored.state["params"])
         restored.source += " (model only)"

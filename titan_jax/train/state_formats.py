@@ -17,8 +17,7 @@ from titan_jax.train.step import APPLIED_UPDATES, TrainState
 from titan_jax.trees import leaf_name
 
 
-def schedule_counted(target: dict[str, Any], saved: dict[str, Any]
-                      ) -> tuple[dict[str, Any], bool]:
+def schedule_counted(target: dict[str, Any], saved: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """A checkpoint from before the train state counted its applied updates kept the count as
     the LR schedule's state in the optimizer's (`ScaleByScheduleState`), where the optimizer
     now has an empty state: (the target reading that state back, without `applied_updates`;
@@ -33,8 +32,10 @@ def schedule_counted(target: dict[str, Any], saved: dict[str, Any]
         return node
 
     opt_state = jax.tree_util.tree_map_with_path(old, target["opt_state"], is_leaf=_is_empty)
-    return {**{k: v for k, v in target.items() if k != APPLIED_UPDATES},
-            "opt_state": opt_state}, True
+    return {
+        **{k: v for k, v in target.items() if k != APPLIED_UPDATES},
+        "opt_state": opt_state,
+    }, True
 
 
 def _is_empty(x: Any) -> bool:
@@ -51,6 +52,7 @@ def count_from_schedule(state: TrainState) -> TrainState:
             return optax.EmptyState()
         return node
 
-    opt_state = jax.tree.map(new, state["opt_state"],
-                             is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+    opt_state = jax.tree.map(
+        new, state["opt_state"], is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState)
+    )
     return {**state, "opt_state": opt_state, APPLIED_UPDATES: counts[-1]}

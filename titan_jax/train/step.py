@@ -54,18 +54,27 @@ class StepOptions:
     dropout_seed: int | None = None  # LoRA dropout's keys (`lora.dropout_key`); None: off
 
 
-def init_train_state(params: Params, buffers: Params, optimizer: optax.GradientTransformation,
-                     trainable: frozenset[str] | None = None, keep_reference: bool = False
-                     ) -> TrainState:
+def init_train_state(
+    params: Params,
+    buffers: Params,
+    optimizer: optax.GradientTransformation,
+    trainable: frozenset[str] | None = None,
+    keep_reference: bool = False,
+) -> TrainState:
     """A fresh state; optimizer state for the `trainable` params only (None: all);
     `keep_reference`: a frozen copy of `params` beside them (DPO's reference model)."""
-    state = {"params": params, "buffers": buffers,
-             "opt_state": optimizer.init(split_by_name(params, trainable)[0]),
-             "step": jnp.zeros((), jnp.int32), APPLIED_UPDATES: jnp.zeros((), jnp.int32)}
+    state = {
+        "params": params,
+        "buffers": buffers,
+        "opt_state": optimizer.init(split_by_name(params, trainable)[0]),
+        "step": jnp.zeros((), jnp.int32),
+        APPLIED_UPDATES: jnp.zeros((), jnp.int32),
+    }
     if keep_reference:
         # Its own buffers (donating the state donates both); shapes pass as they are.
         state[REFERENCE] = jax.tree.map(
-            lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, params)
+            lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, params
+        )
     return state
 
 
@@ -79,10 +88,16 @@ def split_microbatches(x_BT: jax.Array, n: int) -> jax.Array:
     return x_BT.reshape(b // n, n, *x_BT.shape[1:]).swapaxes(0, 1)
 
 
-def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batch,
-                   options: StepOptions, parallelism: Parallelism = NO_PARALLELISM,
-                   reference: Params | None = None, key: jax.Array | None = None
-                   ) -> tuple[jax.Array, Params, jax.Array, tuple[dict[str, jax.Array], ...]]:
+def loss_and_grads(
+    model: ModelDef,
+    params: Params,
+    buffers: Params,
+    batch: Batch,
+    options: StepOptions,
+    parallelism: Parallelism = NO_PARALLELISM,
+    reference: Params | None = None,
+    key: jax.Array | None = None,
+) -> tuple[jax.Array, Params, jax.Array, tuple[dict[str, jax.Array], ...]]:
     """(the objective's mean loss over the batch (per valid token for cross-entropy), its
     gradient with respect to the model's trainable params (`ModelDef.trainable`), the
     objective's count, (the forward's aux stats, the objective's metric sums) summed over the
@@ -99,20 +114,23 @@ def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batc
     count = objective.count(batch["inputs"], batch["labels"])
     params, frozen = split_by_name(params, model.trainable)
 
-    def microbatch_loss(p: Params, inputs: jax.Array, labels: jax.Array, i: jax.Array
-                        ) -> tuple[jax.Array, tuple[dict[str, jax.Array], ...]]:
+    def microbatch_loss(
+        p: Params, inputs: jax.Array, labels: jax.Array, i: jax.Array
+    ) -> tuple[jax.Array, tuple[dict[str, jax.Array], ...]]:
         mb_key = None if key is None else jax.random.fold_in(key, i)
 
-        def summed_loss(p: Params, b: Params, inputs: jax.Array, labels: jax.Array
-                        ) -> tuple[jax.Array, Aux]:
-            total, stats, sums = objective.summed_loss(model, p, b, inputs, labels,
-                                                       options.param_dtype,
-                                                       dropout_key=mb_key)
+        def summed_loss(
+            p: Params, b: Params, inputs: jax.Array, labels: jax.Array
+        ) -> tuple[jax.Array, Aux]:
+            total, stats, sums = objective.summed_loss(
+                model, p, b, inputs, labels, options.param_dtype, dropout_key=mb_key
+            )
             return total, (stats, sums)
 
         full = merge_nested(p, frozen)
         total, aux = parallelism.loss_map(summed_loss)(
-            full if reference is None else (full, reference), buffers, inputs, labels)
+            full if reference is None else (full, reference), buffers, inputs, labels
+        )
         # A batch with nothing to learn from (every label ignored; DPO: every pair cut to no
         # completion token) is 0 / 0: non-finite, so the step is skipped, not an update of
         # zero gradients that would still move the moments and decay the weights.
@@ -128,21 +146,30 @@ def loss_and_grads(model: ModelDef, params: Params, buffers: Params, batch: Batc
         (loss, stats), grads = grad_fn(params, batch["inputs"], batch["labels"], jnp.int32(0))
         return loss, grads, count, stats
 
-    def accumulate(carry: tuple[jax.Array, Params, Any],
-                   mb: tuple[jax.Array, jax.Array, jax.Array]
-                   ) -> tuple[tuple[jax.Array, Params, Any], None]:
+    def accumulate(
+        carry: tuple[jax.Array, Params, Any], mb: tuple[jax.Array, jax.Array, jax.Array]
+    ) -> tuple[tuple[jax.Array, Params, Any], None]:
         loss_acc, grads_acc, stats_acc = carry
         (loss, stats), grads = grad_fn(params, *mb)
-        return (loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads),
-                jax.tree.map(jnp.add, stats_acc, stats)), None
+        return (
+            loss_acc + loss,
+            jax.tree.map(jnp.add, grads_acc, grads),
+            jax.tree.map(jnp.add, stats_acc, stats),
+        ), None
 
-    microbatches = (split_microbatches(batch["inputs"], options.n_microbatches),
-                    split_microbatches(batch["labels"], options.n_microbatches),
-                    jnp.arange(options.n_microbatches, dtype=jnp.int32))
-    stats_shape = jax.eval_shape(lambda: grad_fn(params, *jax.tree.map(lambda x: x[0],
-                                                                        microbatches))[0][1])
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
-             jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
+    microbatches = (
+        split_microbatches(batch["inputs"], options.n_microbatches),
+        split_microbatches(batch["labels"], options.n_microbatches),
+        jnp.arange(options.n_microbatches, dtype=jnp.int32),
+    )
+    stats_shape = jax.eval_shape(
+        lambda: grad_fn(params, *jax.tree.map(lambda x: x[0], microbatches))[0][1]
+    )
+    zeros = (
+        jnp.zeros((), jnp.float32),
+        jax.tree.map(jnp.zeros_like, params),
+        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape),
+    )
     (loss, grads, stats), _ = jax.lax.scan(accumulate, zeros, microbatches)
     return loss, grads, count, stats
 
@@ -156,11 +183,16 @@ def clip_by_global_norm(grads: Params, max_norm: float) -> tuple[Params, jax.Arr
     return jax.tree.map(lambda g: g * scale, grads), norm
 
 
-def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
-               optimizer: optax.GradientTransformationExtraArgs, schedule: Any,
-               options: StepOptions,
-               parallelism: Parallelism = NO_PARALLELISM,
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(
+    state: TrainState,
+    batch: Batch,
+    *,
+    model: ModelDef,
+    optimizer: optax.GradientTransformationExtraArgs,
+    schedule: Any,
+    options: StepOptions,
+    parallelism: Parallelism = NO_PARALLELISM,
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step. A non-finite loss or grad norm leaves the whole state as it was.
 
     `parallelism` is where a parallelism plugs in: its hooks answer the model's calls, in
@@ -168,10 +200,10 @@ def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
     """
     params, buffers, opt_state = state["params"], state["buffers"], state["opt_state"]
     reference = state.get(REFERENCE)
-    key = (None if options.dropout_seed is None
-           else dropout_key(options.dropout_seed, state["step"]))
-    loss, grads, count, (stats, sums) = loss_and_grads(model, params, buffers, batch, options,
-                                                       parallelism, reference, key)
+    key = None if options.dropout_seed is None else dropout_key(options.dropout_seed, state["step"])
+    loss, grads, count, (stats, sums) = loss_and_grads(
+        model, params, buffers, batch, options, parallelism, reference, key
+    )
     n_tokens = count_valid_tokens(batch["labels"])
     params, frozen = split_by_name(params, model.trainable)
     grads, grad_norm = clip_by_global_norm(grads, options.max_norm)
@@ -181,22 +213,35 @@ def train_step(state: TrainState, batch: Batch, *, model: ModelDef,
         params, buffers, opt_state = old
         updates, new_opt_state = optimizer.update(grads, opt_state, params, learning_rate=lr)
         # The buffers after the optimizer, as TorchTitan.
-        return (optax.apply_updates(params, updates), model.update_buffers(buffers, stats),
-                new_opt_state)
+        return (
+            optax.apply_updates(params, updates),
+            model.update_buffers(buffers, stats),
+            new_opt_state,
+        )
 
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     # A conditional, not a select per leaf: XLA then updates the donated state in place. With
     # `where(finite, new, old)` the old Adam moments are read by two fusions (the parameter's
     # and the moment's own) and copied first: 2 x the parameters' bytes of temporaries.
     new_params, new_buffers, new_opt_state = jax.lax.cond(
-        finite, expected_branch(update), lambda old: old, (params, buffers, opt_state))
-    new_state = {"params": merge_nested(new_params, frozen), "buffers": new_buffers,
-                 "opt_state": new_opt_state,
-                 "step": state["step"] + 1,
-                 APPLIED_UPDATES: state[APPLIED_UPDATES] + finite.astype(jnp.int32)}
+        finite, expected_branch(update), lambda old: old, (params, buffers, opt_state)
+    )
+    new_state = {
+        "params": merge_nested(new_params, frozen),
+        "buffers": new_buffers,
+        "opt_state": new_opt_state,
+        "step": state["step"] + 1,
+        APPLIED_UPDATES: state[APPLIED_UPDATES] + finite.astype(jnp.int32),
+    }
     if reference is not None:
         new_state[REFERENCE] = reference
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "n_tokens": n_tokens,
-               "finite": finite, **model.aux_metrics(stats, n_tokens),
-               **options.objective.metrics(sums, count)}
+    metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "n_tokens": n_tokens,
+        "finite": finite,
+        **model.aux_metrics(stats, n_tokens),
+        **options.objective.metrics(sums, count),
+    }
     return new_state, metrics

@@ -46,18 +46,29 @@ class StepReporter:
         dtype = np.dtype(trainer.options.param_dtype).name
         peak = peak_flops_per_device(device, dtype, config.metrics.peak_flops)
         token_flops = trainer.flops_per_token()
-        self.throughput = Throughput(trainer.tokens_per_step, token_flops * trainer.tokens_per_step,
-                                     peak.flops_per_device, trainer.mesh.devices.size)
+        self.throughput = Throughput(
+            trainer.tokens_per_step,
+            token_flops * trainer.tokens_per_step,
+            peak.flops_per_device,
+            trainer.mesh.devices.size,
+        )
         self.bad_steps = BadSteps(config.training.max_consecutive_bad_steps)
         self.losses: dict[int, float] = {}
         self.validations: dict[int, dict[str, float]] = {}  # by step, until that step is logged
         self.data_metrics: Callable[[int], dict[str, int]] = lambda step: {}
-        logger.info(f"MFU peak: {peak.flops_per_device / 1e12:.3f} TFLOP/s per device "
-                    f"({peak.source})")
-        logger.write_header({**peak.to_json(), "flops_per_token": token_flops,
-                             "tokens_per_step": trainer.tokens_per_step,
-                             "devices": trainer.mesh.devices.size,
-                             "device_kind": device.device_kind, "param_dtype": dtype})
+        logger.info(
+            f"MFU peak: {peak.flops_per_device / 1e12:.3f} TFLOP/s per device ({peak.source})"
+        )
+        logger.write_header(
+            {
+                **peak.to_json(),
+                "flops_per_token": token_flops,
+                "tokens_per_step": trainer.tokens_per_step,
+                "devices": trainer.mesh.devices.size,
+                "device_kind": device.device_kind,
+                "param_dtype": dtype,
+            }
+        )
 
     def report(self, step: int, metrics: dict[str, jax.Array]) -> None:
         values = _scalars(jax.device_get(metrics))
@@ -71,8 +82,11 @@ class StepReporter:
     def add_validation(self, step: int, result: dict[str, float]) -> None:
         """Print a validation of `step` now; its loss goes into `step`'s metrics line."""
         self.logger.info(format_validation_line(step, result))
-        self.validations[step] = {k: v for k, v in result.items()  # val_loss, ...
-                                  if k not in ("val_tokens", "val_batches")}
+        self.validations[step] = {
+            k: v
+            for k, v in result.items()  # val_loss, ...
+            if k not in ("val_tokens", "val_batches")
+        }
         self.throughput.restart()  # the step's wall time includes the validation
 
     def _log(self, step: int, values: dict[str, float], force: bool) -> None:
@@ -83,11 +97,20 @@ class StepReporter:
             return
         mem = memory_stats()
         in_use = mem["bytes_in_use"]
-        self.logger.log(step, {
-            "step": step, "loss": values["loss"], "grad_norm": values["grad_norm"],
-            "lr": values["lr"], **speed, "n_tokens": values["n_tokens"],
-            "tokens_seen": self.tokens_seen, "memory_peak_gib": mem["peak_bytes"] / 2**30,
-            "memory_in_use_gib": None if in_use is None else in_use / 2**30, **validation,
-            **self.data_metrics(step),
-            **{k: v for k, v in values.items() if k not in _STEP_METRICS},  # the model's own
-        })
+        self.logger.log(
+            step,
+            {
+                "step": step,
+                "loss": values["loss"],
+                "grad_norm": values["grad_norm"],
+                "lr": values["lr"],
+                **speed,
+                "n_tokens": values["n_tokens"],
+                "tokens_seen": self.tokens_seen,
+                "memory_peak_gib": mem["peak_bytes"] / 2**30,
+                "memory_in_use_gib": None if in_use is None else in_use / 2**30,
+                **validation,
+                **self.data_metrics(step),
+                **{k: v for k, v in values.items() if k not in _STEP_METRICS},  # the model's own
+            },
+        )

@@ -62,8 +62,10 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signal.Signals(signum).name
         signal.signal(signum, signal.SIG_DFL)  # __exit__ still puts the previous one back
-        self._notify(f"{self.received} received: stopping after the current step and saving it "
-                     "(send it again to quit at once)")
+        self._notify(
+            f"{self.received} received: stopping after the current step and saving it "
+            "(send it again to quit at once)"
+        )
         if jax.process_count() > 1:
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -96,8 +98,9 @@ class StepWatchdog:
 
     def __enter__(self) -> StepWatchdog:
         if self.timeout_s > 0:
-            self._thread = threading.Thread(target=self._watch, daemon=True,
-                                            name="titan-jax-step-watchdog")
+            self._thread = threading.Thread(
+                target=self._watch, daemon=True, name="titan-jax-step-watchdog"
+            )
             self._thread.start()
         return self
 
@@ -144,7 +147,8 @@ class StepWatchdog:
                     f"no step finished within distributed.step_timeout={self.timeout_s:g} s "
                     f"after step {step} (a stuck collective, a dead host or a wedged device); "
                     "ending the job. Resume from its last checkpoint with the same command; "
-                    "raise distributed.step_timeout if steps are this slow")
+                    "raise distributed.step_timeout if steps are this slow"
+                )
                 return
 
 
@@ -165,8 +169,10 @@ class BadSteps:
             self.in_a_row = 0
             return None
         self.in_a_row += 1
-        return (f"step {step}: non-finite loss={values['loss']} or grad_norm="
-                f"{values['grad_norm']}; update skipped ({self.in_a_row} in a row)")
+        return (
+            f"step {step}: non-finite loss={values['loss']} or grad_norm="
+            f"{values['grad_norm']}; update skipped ({self.in_a_row} in a row)"
+        )
 
     @property
     def exhausted(self) -> bool:
@@ -177,4 +183,5 @@ class BadSteps:
         if self.exhausted:
             raise BadStepsError(
                 f"{self.in_a_row} non-finite steps in a row (training.max_consecutive_bad_steps="
-                f"{self.limit}); stopping at step {step} without saving it")
+                f"{self.limit}); stopping at step {step} without saving it"
+            )

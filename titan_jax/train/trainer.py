@@ -66,16 +66,22 @@ class Trainer:
         return self.options.objective.keeps_reference
 
     def flops_per_token(self) -> float:
-        return self.model_spec.flops_per_token(self.model.args, self.config.training.seq_len,
-                                               self.model.options.lora)
+        return self.model_spec.flops_per_token(
+            self.model.args, self.config.training.seq_len, self.model.options.lora
+        )
 
     def init_state(self, seed: int | None = None) -> TrainState:
         """Sharded random init: each device computes only its own shards."""
         key = jax.random.key(self.config.training.seed if seed is None else seed)
 
         def init(key: jax.Array) -> TrainState:
-            return init_train_state(self.model.init(key), self.model.init_buffers(),
-                                    self.optimizer, self.model.trainable, self.keeps_reference)
+            return init_train_state(
+                self.model.init(key),
+                self.model.init_buffers(),
+                self.optimizer,
+                self.model.trainable,
+                self.keeps_reference,
+            )
 
         with jax.set_mesh(self.mesh):
             return jax.jit(init, out_shardings=self.state_shardings)(key)
@@ -93,8 +99,9 @@ class Trainer:
             if fresh_adapters:  # the rest of this init is dead code to XLA
                 adapters = split_by_name(self.model.init(key), trainable)[0]
                 params = self.model.stored(merge_nested(params, adapters))
-            return init_train_state(params, self.model.init_buffers(), self.optimizer, trainable,
-                                    self.keeps_reference)
+            return init_train_state(
+                params, self.model.init_buffers(), self.optimizer, trainable, self.keeps_reference
+            )
 
         with jax.set_mesh(self.mesh):
             return jax.jit(state, out_shardings=self.state_shardings)(params, key)
@@ -109,27 +116,49 @@ class Trainer:
         base is narrowed), abstract, with their shardings: what base loads fill."""
         model = self.model
         specs = self.rules.storage_specs(model.plain_params, model.plain_logical_axes)
-        return self.base_params(jax.tree.map(
-            lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                 sharding=NamedSharding(self.mesh, spec)),
-            model.plain_params, specs))
+        return self.base_params(
+            jax.tree.map(
+                lambda s, spec: jax.ShapeDtypeStruct(
+                    s.shape, s.dtype, sharding=NamedSharding(self.mesh, spec)
+                ),
+                model.plain_params,
+                specs,
+            )
+        )
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the train state, without allocating it."""
-        shapes = jax.eval_shape(lambda: init_train_state(
-            self.model.abstract_params, self.model.abstract_buffers, self.optimizer,
-            self.model.trainable, self.keeps_reference))
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, self.state_shardings)
+        shapes = jax.eval_shape(
+            lambda: init_train_state(
+                self.model.abstract_params,
+                self.model.abstract_buffers,
+                self.optimizer,
+                self.model.trainable,
+                self.keeps_reference,
+            )
+        )
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            shapes,
+            self.state_shardings,
+        )
 
     @functools.cached_property
     def _jitted_step(self) -> Any:
-        step = functools.partial(train_step, model=self.model, optimizer=self.optimizer,
-                                 schedule=self.schedule, options=self.options,
-                                 parallelism=self.parallelism)
-        return jax.jit(step, donate_argnums=0,
-                       in_shardings=(self.state_shardings, self.batches.sharding),
-                       out_shardings=(self.state_shardings, None))
+        step = functools.partial(
+            train_step,
+            model=self.model,
+            optimizer=self.optimizer,
+            schedule=self.schedule,
+            options=self.options,
+            parallelism=self.parallelism,
+        )
+        return jax.jit(
+            step,
+            donate_argnums=0,
+            in_shardings=(self.state_shardings, self.batches.sharding),
+            out_shardings=(self.state_shardings, None),
+        )
 
     def step_fn(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """The jitted whole step; the input state's buffers are donated to the output."""
@@ -147,28 +176,46 @@ def assemble_trainer(plan: RunPlan) -> Trainer:
     config, t = plan.config, plan.config.training
     optimizer = build_optimizer(config.optimizer)
     objective = objective_for(config.dpo, lora=plan.model.trainable is not None)
-    state_shardings = train_state_shardings(plan.rules, plan.param_specs, plan.buffer_specs,
-                                            optimizer, plan.model.abstract_params,
-                                            ("step", APPLIED_UPDATES), plan.model.trainable)
+    state_shardings = train_state_shardings(
+        plan.rules,
+        plan.param_specs,
+        plan.buffer_specs,
+        optimizer,
+        plan.model.abstract_params,
+        ("step", APPLIED_UPDATES),
+        plan.model.trainable,
+    )
     if objective.keeps_reference:  # sharded like the params it copies
         state_shardings[REFERENCE] = state_shardings["params"]
-    parallelism = plan.fsdp(plan.rules, plan.param_specs, plan.buffer_specs,
-                            reduce_dtype=jnp.dtype(t.mixed_precision_reduce),
-                            cp_method=config.parallelism.context_parallel_method,
-                            ep_chunks=config.parallelism.expert_parallel_chunks,
-                            param_axes=plan.model.logical_axes)
+    parallelism = plan.fsdp(
+        plan.rules,
+        plan.param_specs,
+        plan.buffer_specs,
+        reduce_dtype=jnp.dtype(t.mixed_precision_reduce),
+        cp_method=config.parallelism.context_parallel_method,
+        ep_chunks=config.parallelism.expert_parallel_chunks,
+        param_axes=plan.model.logical_axes,
+    )
     return Trainer(
-        plan, WSDSchedule.from_config(config.optimizer.lr, config.lr_scheduler, t.steps),
-        optimizer, StepOptions(n_microbatches=plan.n_microbatches, param_dtype=plan.param_dtype,
-                               max_norm=t.max_norm, objective=objective,
-                               dropout_seed=t.seed if plan.model.options.lora.dropout else None),
+        plan,
+        WSDSchedule.from_config(config.optimizer.lr, config.lr_scheduler, t.steps),
+        optimizer,
+        StepOptions(
+            n_microbatches=plan.n_microbatches,
+            param_dtype=plan.param_dtype,
+            max_norm=t.max_norm,
+            objective=objective,
+            dropout_seed=t.seed if plan.model.options.lora.dropout else None,
+        ),
         state_shardings,
         BatchPlacement(batch_sharding(plan.rules), plan.global_batch_size, plan.degrees.cp),
-        parallelism)
+        parallelism,
+    )
 
 
-def build_trainer(config: JobConfig, devices: list[jax.Device] | None = None,
-                  model_args: Any = None) -> Trainer:
+def build_trainer(
+    config: JobConfig, devices: list[jax.Device] | None = None, model_args: Any = None
+) -> Trainer:
     """The trainer of `config` on `devices` (`run_plan.plan_run`: every decision checked as it
     is made); nothing allocated on devices."""
     return assemble_trainer(plan_run(config, devices, model_args))

@@ -31,14 +31,32 @@ def configure(args: Qwen3Args, config: JobConfig) -> Qwen3Args:
         args = dataclasses.replace(args, yarn=yarn_of(m))
     if not args.is_moe:
         return args
-    return dataclasses.replace(args, load_balance_coeff=config.moe.load_balance_coeff,
-                               router_aux_loss_coef=config.moe.router_aux_loss_coef)
+    return dataclasses.replace(
+        args,
+        load_balance_coeff=config.moe.load_balance_coeff,
+        router_aux_loss_coef=config.moe.router_aux_loss_coef,
+    )
 
 
-QWEN3 = ModelSpec(name="qwen3", args_class=Qwen3Args, flavors=QWEN3_FLAVORS,
-                  build=build_model_def, flops_per_token=flops_per_token, hf=_HF(),
-                  generate=decode.generate, configure=configure, display_name="Qwen3")
+QWEN3 = ModelSpec(
+    name="qwen3",
+    args_class=Qwen3Args,
+    flavors=QWEN3_FLAVORS,
+    build=build_model_def,
+    flops_per_token=flops_per_token,
+    hf=_HF(),
+    generate=decode.generate,
+    configure=configure,
+    display_name="Qwen3",
+)
 register_model(QWEN3)
 
-__all__ = ["QWEN3", "QWEN3_FLAVORS", "Qwen3", "Qwen3Def", "Qwen3Args", "build_model_def",
-           "get_flavor"]
+__all__ = [
+    "QWEN3",
+    "QWEN3_FLAVORS",
+    "Qwen3",
+    "Qwen3Def",
+    "Qwen3Args",
+    "build_model_def",
+    "get_flavor",
+]

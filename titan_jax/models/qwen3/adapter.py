@@ -25,16 +25,27 @@ class Adapter(nnx.Module):
     (stack..., in..., out...), read through the param hook like it; `stack`: leading dims with
     an adapter each (the experts)."""
 
-    def __init__(self, in_shape: tuple[int, ...], in_axes: tuple[str | None, ...],
-                 out_shape: tuple[int, ...], out_axes: tuple[str | None, ...], lora: Lora,
-                 rngs: nnx.Rngs, stack_shape: tuple[int, ...] = (),
-                 stack_axes: tuple[str | None, ...] = (), projection: str = ""):
+    def __init__(
+        self,
+        in_shape: tuple[int, ...],
+        in_axes: tuple[str | None, ...],
+        out_shape: tuple[int, ...],
+        out_axes: tuple[str | None, ...],
+        lora: Lora,
+        rngs: nnx.Rngs,
+        stack_shape: tuple[int, ...] = (),
+        stack_axes: tuple[str | None, ...] = (),
+        projection: str = "",
+    ):
         # A stream of its own: the base weights draw the same keys with or without adapters.
-        self.lora_a = nnx.LoRAParam(init_a(rngs.lora(), in_shape, lora.rank, stack_shape),
-                                    logical_axes=(*stack_axes, *in_axes, RANK_AXIS))
+        self.lora_a = nnx.LoRAParam(
+            init_a(rngs.lora(), in_shape, lora.rank, stack_shape),
+            logical_axes=(*stack_axes, *in_axes, RANK_AXIS),
+        )
         self.lora_b = nnx.LoRAParam(
             jnp.zeros((*stack_shape, lora.rank, *out_shape), jnp.float32),
-            logical_axes=(*stack_axes, RANK_AXIS, *out_axes))
+            logical_axes=(*stack_axes, RANK_AXIS, *out_axes),
+        )
         self.scale, self.dropout = lora.alpha / lora.rank, lora.dropout
         # Folded into a layer's dropout key: each adapter of a layer draws its own mask.
         self.salt = zlib.crc32(projection.encode())
@@ -45,8 +56,9 @@ class Adapter(nnx.Module):
         `dropout_key` (training), dropout on the rows first, as PEFT's."""
         if dropout_key is not None and self.dropout > 0:
             rows = dropout(rows, jax.random.fold_in(dropout_key, self.salt), self.dropout)
-        return lora_delta(rows, use_param(self.lora_a, rows.dtype),
-                          use_param(self.lora_b, rows.dtype), self.scale)
+        return lora_delta(
+            rows, use_param(self.lora_a, rows.dtype), use_param(self.lora_b, rows.dtype), self.scale
+        )
 
     @jax.named_scope("lora")
     def fold(self, *weights: Array) -> tuple[Array, ...]:
@@ -56,8 +68,14 @@ class Adapter(nnx.Module):
         return tuple(fold(list(weights), a, b, self.scale))
 
 
-def adapter_beside(lora: Lora, projection: str, weights: nnx.Param | tuple[nnx.Param, ...],
-                   n_in: int, rngs: nnx.Rngs, n_stack: int = 0) -> Adapter | None:
+def adapter_beside(
+    lora: Lora,
+    projection: str,
+    weights: nnx.Param | tuple[nnx.Param, ...],
+    n_in: int,
+    rngs: nnx.Rngs,
+    n_stack: int = 0,
+) -> Adapter | None:
     """A LoRA adapter beside `weights` (the HF/PEFT `projection`; several equal weights: one
     adapter joined over them) when `lora` targets it, else None. The weights' first `n_stack`
     dims get an adapter each, their next `n_in` are the input."""
@@ -69,5 +87,14 @@ def adapter_beside(lora: Lora, projection: str, weights: nnx.Param | tuple[nnx.P
     out_shape, out_axes = shape[outs], axes[outs]
     if isinstance(weights, tuple) and len(weights) > 1:
         out_shape, out_axes = (len(weights), *out_shape), (None, *out_axes)
-    return Adapter(shape[ins], axes[ins], out_shape, out_axes, lora, rngs, shape[:n_stack],
-                   axes[:n_stack], projection)
+    return Adapter(
+        shape[ins],
+        axes[ins],
+        out_shape,
+        out_axes,
+        lora,
+        rngs,
+        shape[:n_stack],
+        axes[:n_stack],
+        projection,
+    )

@@ -56,9 +56,16 @@ class Qwen3Args:
     def validate(self) -> None:
         """Sizes in [1, MAX_SIZE] (0 for the MoE fields of a dense model), finite positive
         floats, and the shapes' own rules; messages name the fields as Qwen3Args spells them."""
-        sizes = ["dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size",
-                 "max_seq_len", *(["num_experts", "top_k", "moe_inter_dim"] if self.is_moe
-                                  else ["hidden_dim"])]
+        sizes = [
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "max_seq_len",
+            *(["num_experts", "top_k", "moe_inter_dim"] if self.is_moe else ["hidden_dim"]),
+        ]
         for name in sizes:
             value = getattr(self, name)
             if type(value) is not int or not 1 <= value <= MAX_SIZE:
@@ -87,27 +94,89 @@ _QWEN3_VOCAB = 151936
 
 QWEN3_FLAVORS: dict[str, Qwen3Args] = {
     "debugmodel": Qwen3Args(),
-    "0.6B": Qwen3Args(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072,
-                      vocab_size=_QWEN3_VOCAB, max_seq_len=40960),
-    "1.7B": Qwen3Args(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144,
-                      vocab_size=_QWEN3_VOCAB, max_seq_len=40960),
-    "4B": Qwen3Args(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728,
-                    vocab_size=_QWEN3_VOCAB, max_seq_len=40960),
-    "8B": Qwen3Args(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288,
-                    vocab_size=_QWEN3_VOCAB, max_seq_len=40960, tie_embeddings=False),
-    "14B": Qwen3Args(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, hidden_dim=17408,
-                     vocab_size=_QWEN3_VOCAB, max_seq_len=40960, tie_embeddings=False),
-    "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600,
-                     vocab_size=_QWEN3_VOCAB, max_seq_len=40960, tie_embeddings=False),
+    "0.6B": Qwen3Args(
+        dim=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        hidden_dim=3072,
+        vocab_size=_QWEN3_VOCAB,
+        max_seq_len=40960,
+    ),
+    "1.7B": Qwen3Args(
+        dim=2048,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        hidden_dim=6144,
+        vocab_size=_QWEN3_VOCAB,
+        max_seq_len=40960,
+    ),
+    "4B": Qwen3Args(
+        dim=2560,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        hidden_dim=9728,
+        vocab_size=_QWEN3_VOCAB,
+        max_seq_len=40960,
+    ),
+    "8B": Qwen3Args(
+        dim=4096,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        hidden_dim=12288,
+        vocab_size=_QWEN3_VOCAB,
+        max_seq_len=40960,
+        tie_embeddings=False,
+    ),
+    "14B": Qwen3Args(
+        dim=5120,
+        n_layers=40,
+        n_heads=40,
+        n_kv_heads=8,
+        hidden_dim=17408,
+        vocab_size=_QWEN3_VOCAB,
+        max_seq_len=40960,
+        tie_embeddings=False,
+    ),
+    "32B": Qwen3Args(
+        dim=5120,
+        n_layers=64,
+        n_heads=64,
+        n_kv_heads=8,
+        hidden_dim=25600,
+        vocab_size=_QWEN3_VOCAB,
+        max_seq_len=40960,
+        tie_embeddings=False,
+    ),
     # Mixture of experts (TorchTitan's Qwen3 MoE flavours; HF Qwen3-30B-A3B / 235B-A22B).
-    "debugmodel_moe": Qwen3Args(tie_embeddings=False, num_experts=64, top_k=8,
-                                moe_inter_dim=768),
-    "30B-A3B": Qwen3Args(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=_QWEN3_VOCAB,
-                         max_seq_len=40960, tie_embeddings=False, num_experts=128, top_k=8,
-                         moe_inter_dim=768),
-    "235B-A22B": Qwen3Args(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
-                           vocab_size=_QWEN3_VOCAB, max_seq_len=40960, tie_embeddings=False,
-                           num_experts=128, top_k=8, moe_inter_dim=1536),
+    "debugmodel_moe": Qwen3Args(tie_embeddings=False, num_experts=64, top_k=8, moe_inter_dim=768),
+    "30B-A3B": Qwen3Args(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        vocab_size=_QWEN3_VOCAB,
+        max_seq_len=40960,
+        tie_embeddings=False,
+        num_experts=128,
+        top_k=8,
+        moe_inter_dim=768,
+    ),
+    "235B-A22B": Qwen3Args(
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        vocab_size=_QWEN3_VOCAB,
+        max_seq_len=40960,
+        tie_embeddings=False,
+        num_experts=128,
+        top_k=8,
+        moe_inter_dim=1536,
+    ),
 }
 
 

@@ -56,14 +56,20 @@ class Qwen3Def:
     @property
     def remat(self) -> Callable | None:
         o = self.options
-        return remat_policy(o.remat_mode, o.save_gathered_params, SAVED_ACTIVATIONS,
-                            o.offload_layer_input, ALWAYS_SAVED)
+        return remat_policy(
+            o.remat_mode,
+            o.save_gathered_params,
+            SAVED_ACTIVATIONS,
+            o.offload_layer_input,
+            ALWAYS_SAVED,
+        )
 
     def init(self, key: jax.Array) -> Params:
         """Random init (torchtitan's scheme, see model.py; LoRA adapters as PEFT's, from a
         key of their own). jit it with out_shardings to shard."""
-        model = Qwen3(self.args, nnx.Rngs(params=key, lora=jax.random.fold_in(key, 1)),
-                      lora=self.options.lora)
+        model = Qwen3(
+            self.args, nnx.Rngs(params=key, lora=jax.random.fold_in(key, 1)), lora=self.options.lora
+        )
         store_frozen(model, self.options.lora.base)
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
@@ -79,34 +85,45 @@ class Qwen3Def:
     def init_buffers(self) -> Params:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.abstract_buffers)
 
-    def forward(self, params: Params, buffers: Params, tokens_BT: jax.Array,
-                dtype: jnp.dtype = jnp.float32, dropout_key: jax.Array | None = None
-                ) -> tuple[jax.Array, jax.Array, Aux]:
+    def forward(
+        self,
+        params: Params,
+        buffers: Params,
+        tokens_BT: jax.Array,
+        dtype: jnp.dtype = jnp.float32,
+        dropout_key: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array, Aux]:
         """(final hidden states (B, T, D), output projection (D, V), aux), for the loss;
         `dropout_key`: LoRA dropout on (training), None: off."""
         model = nnx.merge(self.graphdef, params)
         h_BTD, stats, aux_loss, _ = model.hidden_states(
-            tokens_BT, dtype, self.remat, self.options.activation_stats,
-            buffers.get(EXPERT_BIAS), lookahead=self.options.lookahead_gather,
-            dropout_key=dropout_key)
+            tokens_BT,
+            dtype,
+            self.remat,
+            self.options.activation_stats,
+            buffers.get(EXPERT_BIAS),
+            lookahead=self.options.lookahead_gather,
+            dropout_key=dropout_key,
+        )
         return h_BTD, model.output_weight(dtype), {"loss": aux_loss, "stats": stats}
 
-    def apply(self, params: Params, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32
-              ) -> jax.Array:
+    def apply(
+        self, params: Params, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32
+    ) -> jax.Array:
         """Logits (B, T, V) in fp32; weights are read in `dtype` (with the build's remat)."""
         h_BTD, w_DV, _ = self.forward(params, self.init_buffers(), tokens_BT, dtype)
         return jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
 
-    def aux_metrics(self, stats: dict[str, jax.Array], n_tokens: jax.Array
-                    ) -> dict[str, jax.Array]:
+    def aux_metrics(self, stats: dict[str, jax.Array], n_tokens: jax.Array) -> dict[str, jax.Array]:
         """Per-layer RMS of the residual stream after each block (`activation_stats`); for MoE,
         the busiest expert's load over the mean (worst layer) and the fraction of (layer,
         expert) pairs that got no token."""
         del n_tokens
         metrics = {}
         if "activation_sq_sum" in stats:
-            metrics["activation_rms"] = jnp.sqrt(stats["activation_sq_sum"]
-                                                 / stats["activation_count"])
+            metrics["activation_rms"] = jnp.sqrt(
+                stats["activation_sq_sum"] / stats["activation_count"]
+            )
         if "tokens_per_expert" in stats:
             counts = stats["tokens_per_expert"]
             metrics["moe_max_load"] = jnp.max(jnp.max(counts, -1) / jnp.mean(counts, -1))
@@ -116,8 +133,11 @@ class Qwen3Def:
     def update_buffers(self, buffers: Params, stats: dict[str, jax.Array]) -> Params:
         if EXPERT_BIAS not in buffers:
             return buffers
-        return {EXPERT_BIAS: update_expert_bias(buffers[EXPERT_BIAS], stats["tokens_per_expert"],
-                                                self.args.load_balance_coeff)}
+        return {
+            EXPERT_BIAS: update_expert_bias(
+                buffers[EXPERT_BIAS], stats["tokens_per_expert"], self.args.load_balance_coeff
+            )
+        }
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.plain_params))
@@ -126,24 +146,36 @@ class Qwen3Def:
 def build_model_def(args: Qwen3Args, options: BuildOptions | None = None) -> Qwen3Def:
     """Traces the module once abstractly (no weights allocated) to get its structure."""
     options = options or BuildOptions()
-    kernels = Kernels(expert_kernel_for(options.platform, options.quantization),
-                      resolve_attention(options.attention, options.platform), options.platform,
-                      options.quantization, options.expert_gather_before_router)
+    kernels = Kernels(
+        expert_kernel_for(options.platform, options.quantization),
+        resolve_attention(options.attention, options.platform),
+        options.platform,
+        options.quantization,
+        options.expert_gather_before_router,
+    )
     plain = nnx.eval_shape(lambda: Qwen3(args, nnx.Rngs(0), kernels, options.lora))
     plain_graphdef, plain_shapes, plain_axes, _ = _describe(plain)
     base = options.lora.base
     check_blocks(plain, base)
-    stored = nnx.eval_shape(lambda: _stored(Qwen3(args, nnx.Rngs(0), kernels, options.lora),
-                                            base))
+    stored = nnx.eval_shape(lambda: _stored(Qwen3(args, nnx.Rngs(0), kernels, options.lora), base))
     graphdef, shapes, axes, adapters = _describe(stored)
     buffers, buffer_axes = {}, {}
     if args.is_moe:  # non-trainable: never an nnx.Param, so never seen by the optimizer
-        buffers[EXPERT_BIAS] = jax.ShapeDtypeStruct((args.n_layers, args.num_experts),
-                                                    jnp.float32)
+        buffers[EXPERT_BIAS] = jax.ShapeDtypeStruct((args.n_layers, args.num_experts), jnp.float32)
         buffer_axes[EXPERT_BIAS] = ("layers", "expert")
-    return Qwen3Def(args, graphdef, shapes, axes, options, buffers, buffer_axes,
-                    frozenset(adapters) if adapters else None, plain_shapes, plain_axes,
-                    plain_graphdef if base.narrowed else None)
+    return Qwen3Def(
+        args,
+        graphdef,
+        shapes,
+        axes,
+        options,
+        buffers,
+        buffer_axes,
+        frozenset(adapters) if adapters else None,
+        plain_shapes,
+        plain_axes,
+        plain_graphdef if base.narrowed else None,
+    )
 
 
 def _stored(model: Qwen3, base: FrozenBase) -> Qwen3:

@@ -37,17 +37,25 @@ def _model(args: Qwen3Args, platform: str) -> Qwen3Def:
     return build_model_def(args, BuildOptions(platform=platform, attention="xla"))
 
 
-def forward(params: Params, args: Qwen3Args, tokens_BT: jax.Array, start: jax.Array,
-            cache: KVCache, dtype: Any = jnp.float32, platform: str = "cpu"
-            ) -> tuple[jax.Array, KVCache]:
+def forward(
+    params: Params,
+    args: Qwen3Args,
+    tokens_BT: jax.Array,
+    start: jax.Array,
+    cache: KVCache,
+    dtype: Any = jnp.float32,
+    platform: str = "cpu",
+) -> tuple[jax.Array, KVCache]:
     """Logits (B, T, V) in fp32 of tokens at positions start..start+T-1, and the cache with
     their keys and values written in. Earlier positions come from the cache. MoE flavours
     route with a zero expert bias (HF's router: the bias is a training-time buffer)."""
     net = nnx.merge(_model(args, platform).graphdef, params)
-    h_BTD, _, _, (k, v) = net.hidden_states(tokens_BT, dtype, kv_cache=(cache["k"], cache["v"]),
-                                            start=start)
-    logits = jnp.einsum("btd,dv->btv", h_BTD, net.output_weight(dtype),
-                        preferred_element_type=jnp.float32)
+    h_BTD, _, _, (k, v) = net.hidden_states(
+        tokens_BT, dtype, kv_cache=(cache["k"], cache["v"]), start=start
+    )
+    logits = jnp.einsum(
+        "btd,dv->btv", h_BTD, net.output_weight(dtype), preferred_element_type=jnp.float32
+    )
     return logits, {"k": k, "v": v}
 
 
@@ -75,28 +83,41 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: float, top_p: floa
     return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
-def generate(params: Params, args: Qwen3Args, prompt_BT: jax.Array, max_new_tokens: int, *,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             eos_id: int | None = None, dtype: Any = jnp.float32) -> jax.Array:
+def generate(
+    params: Params,
+    args: Qwen3Args,
+    prompt_BT: jax.Array,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+    dtype: Any = jnp.float32,
+) -> jax.Array:
     """Prompt + up to `max_new_tokens` tokens (B, T + n); stops early once every row has
     produced `eos_id` (rows that finished earlier repeat it)."""
     b, t = prompt_BT.shape
     max_len = t + max_new_tokens
     if max_len > args.max_seq_len:
-        raise ValueError(f"prompt of {t} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                         f"model's max_seq_len={args.max_seq_len}")
+        raise ValueError(
+            f"prompt of {t} tokens + max_new_tokens={max_new_tokens} exceeds the "
+            f"model's max_seq_len={args.max_seq_len}"
+        )
     pick = functools.partial(sample, temperature=temperature, top_p=top_p)
     platform = platform_of(params)
 
     @functools.partial(jax.jit, donate_argnums=1)
-    def prefill(params: Params, cache: KVCache, tokens: jax.Array, key: jax.Array
-                ) -> tuple[jax.Array, KVCache]:
+    def prefill(
+        params: Params, cache: KVCache, tokens: jax.Array, key: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
         logits, cache = forward(params, args, tokens, jnp.int32(0), cache, dtype, platform)
         return pick(logits[:, -1], key), cache
 
     @functools.partial(jax.jit, donate_argnums=1)
-    def decode_step(params: Params, cache: KVCache, token_B: jax.Array, pos: jax.Array,
-                    key: jax.Array) -> tuple[jax.Array, KVCache]:
+    def decode_step(
+        params: Params, cache: KVCache, token_B: jax.Array, pos: jax.Array, key: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
         logits, cache = forward(params, args, token_B[:, None], pos, cache, dtype, platform)
         return pick(logits[:, -1], key), cache
 

@@ -39,14 +39,23 @@ def adapter_params(args: Qwen3Args, lora: Lora) -> dict[str, int]:
     `total`, and `active`, those one token uses (an expert's adapters only where the token is
     routed: top_k of num_experts)."""
     r, d = lora.rank, args.dim
-    dense = {"q_proj": (d, args.q_dim), "k_proj": (d, args.kv_dim), "v_proj": (d, args.kv_dim),
-             "o_proj": (args.q_dim, d), "gate_proj": (d, args.hidden_dim),
-             "up_proj": (d, args.hidden_dim), "down_proj": (args.hidden_dim, d)}
-    experts = {"experts.gate_up_proj": (d, 2 * args.moe_inter_dim),  # one adapter on both
-               "experts.down_proj": (args.moe_inter_dim, d)}
+    dense = {
+        "q_proj": (d, args.q_dim),
+        "k_proj": (d, args.kv_dim),
+        "v_proj": (d, args.kv_dim),
+        "o_proj": (args.q_dim, d),
+        "gate_proj": (d, args.hidden_dim),
+        "up_proj": (d, args.hidden_dim),
+        "down_proj": (args.hidden_dim, d),
+    }
+    experts = {
+        "experts.gate_up_proj": (d, 2 * args.moe_inter_dim),  # one adapter on both
+        "experts.down_proj": (args.moe_inter_dim, d),
+    }
     per_layer = sum(r * (i + o) for p, (i, o) in dense.items() if lora.targets(p))
-    per_expert = sum(r * (i + o) for p, (i, o) in experts.items()
-                     if args.is_moe and lora.targets(p))
+    per_expert = sum(
+        r * (i + o) for p, (i, o) in experts.items() if args.is_moe and lora.targets(p)
+    )
     total = args.n_layers * (per_layer + per_expert * args.num_experts)
     active = args.n_layers * (per_layer + per_expert * args.top_k)
     return {"total": total, "active": active}

@@ -57,8 +57,11 @@ class _Reader(Reader):
             if not prefix.endswith(".mlp.experts") or fused not in ("gate_up_proj", "down_proj"):
                 continue
             experts, rows = self.stored_shape(name)[:2]
-            parts = (("gate_proj", 0), ("up_proj", rows // 2)) if fused == "gate_up_proj" \
+            parts = (
+                (("gate_proj", 0), ("up_proj", rows // 2))
+                if fused == "gate_up_proj"
                 else (("down_proj", 0),)
+            )
             for j in range(experts):
                 for part, first in parts:
                     self.fused[f"{prefix}.{j}.{part}.weight"] = (name, j, first)
@@ -91,20 +94,29 @@ def _check_counts(reader: _Reader, args: Qwen3Args, where: str) -> None:
     """The layer and expert counts the model implies are ones the files hold: the list of
     expected tensors grows with their product, so a tampered count in config.json would
     allocate without bound before any shape is compared."""
-    def held(pattern: re.Pattern[str]) -> int:
-        return 1 + max((int(m[1]) for name in reader.files if (m := pattern.match(name))),
-                       default=-1)
 
-    for field, wanted, pattern, what in (("num_hidden_layers", args.n_layers, _LAYER, "layers"),
-                                         ("num_experts", args.num_experts, _EXPERT, "experts")):
+    def held(pattern: re.Pattern[str]) -> int:
+        return 1 + max(
+            (int(m[1]) for name in reader.files if (m := pattern.match(name))), default=-1
+        )
+
+    for field, wanted, pattern, what in (
+        ("num_hidden_layers", args.n_layers, _LAYER, "layers"),
+        ("num_experts", args.num_experts, _EXPERT, "experts"),
+    ):
         found = held(pattern)
         if wanted > found:
-            raise HFCheckpointError(f"{where}: {field}={wanted}, but the safetensors files hold "
-                                    f"{found} {what}")
+            raise HFCheckpointError(
+                f"{where}: {field}={wanted}, but the safetensors files hold {found} {what}"
+            )
 
 
-def load_hf_params(path: str | Path, args: Qwen3Args | None = None,
-                   shardings: Params | None = None, dtype: Any = np.float32) -> Params:
+def load_hf_params(
+    path: str | Path,
+    args: Qwen3Args | None = None,
+    shardings: Params | None = None,
+    dtype: Any = np.float32,
+) -> Params:
     """Reads the HF model directory `path` into titan-jax params.
 
     args: the model to load into; checked against the checkpoint's config.json (None: use it).
@@ -124,15 +136,19 @@ def load_hf_params(path: str | Path, args: Qwen3Args | None = None,
         tensors = hf_tensors(args)
         # HF ties by copying: a tied checkpoint may still store lm_head.weight; it is not used.
         known = {fused for fused, _, _ in reader.fused.values()} | (
-            {"lm_head.weight"} if args.tie_embeddings else set())
-        model = (f"{args.n_layers}-layer {'tied' if args.tie_embeddings else 'untied'} "
-                 f"{'MoE' if args.is_moe else 'dense'} Qwen3")
+            {"lm_head.weight"} if args.tie_embeddings else set()
+        )
+        model = (
+            f"{args.n_layers}-layer {'tied' if args.tie_embeddings else 'untied'} "
+            f"{'MoE' if args.is_moe else 'dense'} Qwen3"
+        )
         safetensors_io.check_tensors(reader, tensors, known, IGNORED, model)
         return safetensors_io.load_params(reader, tensors, shardings, dtype)
 
 
-def iter_hf_tensors(params: Params, args: Qwen3Args, dtype: Any = None
-                    ) -> Iterator[tuple[str, np.ndarray]]:
+def iter_hf_tensors(
+    params: Params, args: Qwen3Args, dtype: Any = None
+) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array in HF layout) for every tensor, one at a time: at most one layer's
     weights are gathered to the host at once."""
     return safetensors_io.iter_tensors(params, hf_tensors(args), dtype)
@@ -145,9 +161,16 @@ def live_hf_tensors(params: Params, args: Qwen3Args) -> dict[str, np.ndarray]:
     return fused_expert_layout(named, args) if args.is_moe else named
 
 
-def save_hf(path: str | Path, params: Params, args: Qwen3Args, dtype: str = "float32",
-            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, *, overwrite: bool = False,
-            source: str | Path | None = None) -> list[Path]:
+def save_hf(
+    path: str | Path,
+    params: Params,
+    args: Qwen3Args,
+    dtype: str = "float32",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    *,
+    overwrite: bool = False,
+    source: str | Path | None = None,
+) -> list[Path]:
     """Writes `params` as a HF Qwen3 model directory: config.json + safetensors.
 
     Tied models have no lm_head.weight (as HF saves them). Files larger than `max_shard_size`
@@ -162,9 +185,9 @@ def save_hf(path: str | Path, params: Params, args: Qwen3Args, dtype: str = "flo
     with atomic_dir(path, overwrite=overwrite, source=source, writer=writer) as tmp:
         if writer:
             (tmp / CONFIG_FILE).write_text(
-                json.dumps(hf_config_from_args(args, np_dtype.name), indent=2) + "\n")
-        names = safetensors_io.write_files(tmp, params, hf_tensors(args), np_dtype, limit,
-                                           writer)
+                json.dumps(hf_config_from_args(args, np_dtype.name), indent=2) + "\n"
+            )
+        names = safetensors_io.write_files(tmp, params, hf_tensors(args), np_dtype, limit, writer)
     return [Path(path) / name for name in [CONFIG_FILE, *names]]
 
 
@@ -174,19 +197,39 @@ def peft_config(lora: Lora, base_model: str | None) -> dict[str, Any]:
     default when it loads the file)."""
     experts = sorted(f"mlp.{p}" for p in lora.projections if p.startswith("experts."))
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0,
         "target_modules": sorted(p for p in lora.projections if not p.startswith("experts.")),
-        "target_parameters": experts or None, "bias": "none", "fan_in_fan_out": False,
-        "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
-        "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
-        "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+        "target_parameters": experts or None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
     }
 
 
-def save_peft(path: str | Path, params: Params, args: Qwen3Args, lora: Lora,
-              base_model: str | None = None, dtype: str = "float32", *, overwrite: bool = False,
-              source: str | Path | None = None) -> list[Path]:
+def save_peft(
+    path: str | Path,
+    params: Params,
+    args: Qwen3Args,
+    lora: Lora,
+    base_model: str | None = None,
+    dtype: str = "float32",
+    *,
+    overwrite: bool = False,
+    source: str | Path | None = None,
+) -> list[Path]:
     """Writes the adapters in `params` as a PEFT LoRA adapter directory (adapter_config.json +
     adapter_model.safetensors), for `PeftModel.from_pretrained` on the HF base model
     (`base_model`, recorded in the config; None when unknown). Every process calls this;
@@ -198,7 +241,7 @@ def save_peft(path: str | Path, params: Params, args: Qwen3Args, lora: Lora,
         tensors = dict(safetensors_io.iter_tensors(params, peft_tensors(args, lora), np_dtype))
         if writer:
             (tmp / PEFT_CONFIG_FILE).write_text(
-                json.dumps(peft_config(lora, base_model), indent=2) + "\n")
-            save_file(tensors, str(tmp / PEFT_WEIGHTS_FILE),
-                                     metadata={"format": "pt"})
+                json.dumps(peft_config(lora, base_model), indent=2) + "\n"
+            )
+            save_file(tensors, str(tmp / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
     return [Path(path) / PEFT_CONFIG_FILE, Path(path) / PEFT_WEIGHTS_FILE]

@@ -16,17 +16,29 @@ CONFIG_FILE = "config.json"
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Fields compared between a checkpoint's config.json and the model it is loaded into
 # (max_seq_len is a training choice, not a property of the weights).
-_WEIGHT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
-                  "vocab_size", "norm_eps", "rope_theta", "tie_embeddings", "num_experts",
-                  "top_k", "moe_inter_dim", "norm_topk_prob")
+_WEIGHT_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "hidden_dim",
+    "vocab_size",
+    "norm_eps",
+    "rope_theta",
+    "tie_embeddings",
+    "num_experts",
+    "top_k",
+    "moe_inter_dim",
+    "norm_topk_prob",
+)
 
 
 # ------------------------------------------------------------------------------------------------
 # config.json <-> Qwen3Args
 
 
-def _field(config: dict[str, Any], where: str, name: str, kind: type, default: Any = None
-           ) -> Any:
+def _field(config: dict[str, Any], where: str, name: str, kind: type, default: Any = None) -> Any:
     """config[name] as `kind` (an int widens to float), `default` when absent or null. Every
     int here is a size, in [1, MAX_SIZE]; every float a finite number >= 0: checked before
     anything is built from them (a tampered count would allocate without bound)."""
@@ -58,15 +70,20 @@ def _model_type(config: Any, where: str) -> str:
     archs, arch = config.get("architectures"), ARCHITECTURES[model_type]
     if archs is not None and arch not in archs:
         raise HFCheckpointError(f"{where}: architectures={archs!r}; expected [{arch!r}]")
-    for name, supported in (("hidden_act", "silu"), ("attention_bias", False),
-                            ("use_sliding_window", False)):
+    for name, supported in (
+        ("hidden_act", "silu"),
+        ("attention_bias", False),
+        ("use_sliding_window", False),
+    ):
         if name in config and config[name] != supported:
-            raise HFCheckpointError(f"{where}: {name}={config[name]!r} is not supported "
-                                    f"(Qwen3 uses {supported!r})")
+            raise HFCheckpointError(
+                f"{where}: {name}={config[name]!r} is not supported (Qwen3 uses {supported!r})"
+            )
     layer_types = config.get("layer_types") or []
     if any(t != "full_attention" for t in layer_types):
-        raise HFCheckpointError(f"{where}: layer_types={layer_types!r}; only full_attention "
-                                "layers are supported")
+        raise HFCheckpointError(
+            f"{where}: layer_types={layer_types!r}; only full_attention layers are supported"
+        )
     return model_type
 
 
@@ -76,17 +93,21 @@ def _moe_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
         raise HFCheckpointError(
             f"{where}: decoder_sparse_step={config.get('decoder_sparse_step')!r}, "
             f"mlp_only_layers={config.get('mlp_only_layers')!r}: only all-MoE layers "
-            "(1, []) are supported")
+            "(1, []) are supported"
+        )
     field = functools.partial(_field, config, where)
     # The hub's files say num_experts; transformers 5 writes num_local_experts.
     experts = "num_experts" if config.get("num_experts") is not None else "num_local_experts"
-    return {"num_experts": field(experts, int),
-            "top_k": field("num_experts_per_tok", int),
-            "moe_inter_dim": field("moe_intermediate_size", int),
-            "norm_topk_prob": field("norm_topk_prob", bool, False),
-            # HF adds its auxiliary loss only when the router logits are output.
-            "router_aux_loss_coef": field("router_aux_loss_coef", float, 0.0)
-            if config.get("output_router_logits") else 0.0}
+    return {
+        "num_experts": field(experts, int),
+        "top_k": field("num_experts_per_tok", int),
+        "moe_inter_dim": field("moe_intermediate_size", int),
+        "norm_topk_prob": field("norm_topk_prob", bool, False),
+        # HF adds its auxiliary loss only when the router logits are output.
+        "router_aux_loss_coef": field("router_aux_loss_coef", float, 0.0)
+        if config.get("output_router_logits")
+        else 0.0,
+    }
 
 
 def args_from_hf_config(config: dict[str, Any], where: str = CONFIG_FILE) -> Qwen3Args:
@@ -140,11 +161,14 @@ def _rope_from_config(config: dict[str, Any], where: str) -> tuple[float, YarnSc
     if rope_type == "default":
         return float(theta), None
     if rope_type != "yarn":
-        raise HFCheckpointError(f"{where}: {key}.rope_type={rope_type!r} is not supported "
-                                "(only 'default' and 'yarn')")
+        raise HFCheckpointError(
+            f"{where}: {key}.rope_type={rope_type!r} is not supported (only 'default' and 'yarn')"
+        )
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise HFCheckpointError(f"{where}: {key}.partial_rotary_factor="
-                                f"{rope['partial_rotary_factor']!r} is not supported (Qwen3: 1)")
+        raise HFCheckpointError(
+            f"{where}: {key}.partial_rotary_factor="
+            f"{rope['partial_rotary_factor']!r} is not supported (Qwen3: 1)"
+        )
 
     def number(name: str, default: float | None) -> float | None:
         value = rope.get(name)
@@ -158,8 +182,10 @@ def _rope_from_config(config: dict[str, Any], where: str) -> tuple[float, YarnSc
     max_len = _field(config, where, "max_position_embeddings", int, 32768)
     original = number("original_max_position_embeddings", max_len)
     if not (original == int(original) and 1 <= original <= MAX_SIZE):
-        raise HFCheckpointError(f"{where}: {key}.original_max_position_embeddings={original} "
-                                f"must be a whole number in [1, {MAX_SIZE}]")
+        raise HFCheckpointError(
+            f"{where}: {key}.original_max_position_embeddings={original} "
+            f"must be a whole number in [1, {MAX_SIZE}]"
+        )
     original = int(original)
     factor = float(number("factor", None) or max_len / original)
     attention = number("attention_factor", None)
@@ -170,10 +196,14 @@ def _rope_from_config(config: dict[str, Any], where: str) -> tuple[float, YarnSc
     truncate = rope.get("truncate", True)
     if not isinstance(truncate, bool):
         raise HFCheckpointError(f"{where}: {key}.truncate={truncate!r} is not true or false")
-    yarn = YarnScaling(factor=factor, original_max_position_embeddings=original,
-                       beta_fast=float(number("beta_fast", 32.0) or 32.0),
-                       beta_slow=float(number("beta_slow", 1.0) or 1.0),
-                       attention_factor=float(attention or 0.0), truncate=truncate)
+    yarn = YarnScaling(
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(number("beta_fast", 32.0) or 32.0),
+        beta_slow=float(number("beta_slow", 1.0) or 1.0),
+        attention_factor=float(attention or 0.0),
+        truncate=truncate,
+    )
     try:
         yarn.validate(prefix=f"{key}.")
     except ValueError as e:
@@ -187,21 +217,36 @@ def _rope_parameters(args: Qwen3Args) -> dict[str, Any]:
         return {"rope_theta": args.rope_theta, "rope_type": "default"}
     y = args.yarn
     extra = {"attention_factor": y.attention_factor} if y.attention_factor else {}
-    return {"rope_theta": args.rope_theta, "rope_type": "yarn", "factor": y.factor,
-            "original_max_position_embeddings": y.original_max_position_embeddings,
-            "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "truncate": y.truncate, **extra}
+    return {
+        "rope_theta": args.rope_theta,
+        "rope_type": "yarn",
+        "factor": y.factor,
+        "original_max_position_embeddings": y.original_max_position_embeddings,
+        "beta_fast": y.beta_fast,
+        "beta_slow": y.beta_slow,
+        "truncate": y.truncate,
+        **extra,
+    }
 
 
 def hf_config_from_args(args: Qwen3Args, dtype: str = "float32") -> dict[str, Any]:
     """The config.json transformers writes for this model (readable by transformers 4 and 5)."""
     model_type = "qwen3_moe" if args.is_moe else "qwen3"
-    moe = {"num_experts": args.num_experts, "num_local_experts": args.num_experts,
-           "num_experts_per_tok": args.top_k,
-           "moe_intermediate_size": args.moe_inter_dim, "norm_topk_prob": args.norm_topk_prob,
-           "decoder_sparse_step": 1, "mlp_only_layers": [],
-           "output_router_logits": args.router_aux_loss_coef > 0,
-           "router_aux_loss_coef": args.router_aux_loss_coef,
-           } if args.is_moe else {}
+    moe = (
+        {
+            "num_experts": args.num_experts,
+            "num_local_experts": args.num_experts,
+            "num_experts_per_tok": args.top_k,
+            "moe_intermediate_size": args.moe_inter_dim,
+            "norm_topk_prob": args.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "output_router_logits": args.router_aux_loss_coef > 0,
+            "router_aux_loss_coef": args.router_aux_loss_coef,
+        }
+        if args.is_moe
+        else {}
+    )
     return {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -244,9 +289,10 @@ def check_args_match(args: Qwen3Args, checkpoint: Qwen3Args, where: str) -> None
     """The checkpoint's weights fit `args`: every shape/numerics field agrees."""
     # An all-MoE model has no dense FFN: config.json's intermediate_size describes no weight.
     fields = [f for f in _WEIGHT_FIELDS if not (f == "hidden_dim" and args.is_moe)]
-    diffs = [f"{f}: checkpoint {getattr(checkpoint, f)!r} vs model {getattr(args, f)!r}"
-             for f in fields if getattr(args, f) != getattr(checkpoint, f)]
+    diffs = [
+        f"{f}: checkpoint {getattr(checkpoint, f)!r} vs model {getattr(args, f)!r}"
+        for f in fields
+        if getattr(args, f) != getattr(checkpoint, f)
+    ]
     if diffs:
         raise HFCheckpointError(f"{where} does not match the model: " + "; ".join(diffs))
-
-

@@ -79,10 +79,14 @@ def _expert_tensors(args: Qwen3Args, i: int) -> list[HFTensor]:
     prefix = f"model.layers.{i}.mlp"
     out = [HFTensor(f"{prefix}.gate.weight", ("layers", "moe", "gate"), i, (d, e), 1)]
     for j in range(e):
-        out += [HFTensor(f"{prefix}.experts.{j}.{name}.weight", ("layers", "moe", ours), i,
-                         shape, 1, j)
-                for name, ours, shape in (("gate_proj", "w1", (d, f)), ("up_proj", "w3", (d, f)),
-                                          ("down_proj", "w2", (f, d)))]
+        out += [
+            HFTensor(f"{prefix}.experts.{j}.{name}.weight", ("layers", "moe", ours), i, shape, 1, j)
+            for name, ours, shape in (
+                ("gate_proj", "w1", (d, f)),
+                ("up_proj", "w3", (d, f)),
+                ("down_proj", "w2", (f, d)),
+            )
+        ]
     return out
 
 
@@ -90,11 +94,16 @@ def _layer_shapes(args: Qwen3Args) -> dict[tuple[str, ...], tuple[int, ...]]:
     """Each layer tensor's titan-jax shape (per layer), by its path under `layers`."""
     d, f, hd = args.dim, args.hidden_dim, args.head_dim
     return {
-        ("attention", "wq"): (d, args.n_heads, hd), ("attention", "wk"): (d, args.n_kv_heads, hd),
-        ("attention", "wv"): (d, args.n_kv_heads, hd), ("attention", "wo"): (args.n_heads, hd, d),
-        ("attention", "q_norm", "weight"): (hd,), ("attention", "k_norm", "weight"): (hd,),
-        ("feed_forward", "w1"): (d, f), ("feed_forward", "w3"): (d, f),
-        ("feed_forward", "w2"): (f, d), ("attention_norm", "weight"): (d,),
+        ("attention", "wq"): (d, args.n_heads, hd),
+        ("attention", "wk"): (d, args.n_kv_heads, hd),
+        ("attention", "wv"): (d, args.n_kv_heads, hd),
+        ("attention", "wo"): (args.n_heads, hd, d),
+        ("attention", "q_norm", "weight"): (hd,),
+        ("attention", "k_norm", "weight"): (hd,),
+        ("feed_forward", "w1"): (d, f),
+        ("feed_forward", "w3"): (d, f),
+        ("feed_forward", "w2"): (f, d),
+        ("attention_norm", "weight"): (d,),
         ("ffn_norm", "weight"): (d,),
     }
 
@@ -105,9 +114,11 @@ def hf_tensors(args: Qwen3Args) -> list[HFTensor]:
     shapes = _layer_shapes(args)
     out = [HFTensor("model.embed_tokens.weight", ("tok_embeddings",), None, (v, d), None)]
     for i in range(args.n_layers):
-        out += [HFTensor(f"model.layers.{i}.{name}", ("layers", *path), i, shapes[path], n_in)
-                for path, name, n_in in _LAYER_TENSORS
-                if not (args.is_moe and path[0] == "feed_forward")]
+        out += [
+            HFTensor(f"model.layers.{i}.{name}", ("layers", *path), i, shapes[path], n_in)
+            for path, name, n_in in _LAYER_TENSORS
+            if not (args.is_moe and path[0] == "feed_forward")
+        ]
         if args.is_moe:
             out += _expert_tensors(args, i)
     out.append(HFTensor("model.norm.weight", ("norm", "weight"), None, (d,), None))
@@ -132,10 +143,22 @@ def peft_tensors(args: Qwen3Args, lora: Lora) -> list[HFTensor]:
             shape = shapes[path]
             adapter = ("layers", *path[:-1], path[-1] + ADAPTER_SUFFIX)
             prefix = f"base_model.model.model.layers.{i}.{module}"
-            out += [HFTensor(f"{prefix}.lora_A.weight", (*adapter, "lora_a"), i,
-                             (*shape[:n_in], lora.rank), n_in),
-                    HFTensor(f"{prefix}.lora_B.weight", (*adapter, "lora_b"), i,
-                             (lora.rank, *shape[n_in:]), 1)]
+            out += [
+                HFTensor(
+                    f"{prefix}.lora_A.weight",
+                    (*adapter, "lora_a"),
+                    i,
+                    (*shape[:n_in], lora.rank),
+                    n_in,
+                ),
+                HFTensor(
+                    f"{prefix}.lora_B.weight",
+                    (*adapter, "lora_b"),
+                    i,
+                    (lora.rank, *shape[n_in:]),
+                    1,
+                ),
+            ]
         if args.is_moe:
             out += _expert_adapter_tensors(args, lora, i)
     return out
@@ -148,29 +171,48 @@ def _expert_adapter_tensors(args: Qwen3Args, lora: Lora, i: int) -> list[HFTenso
     a_dims = ((0, 2), (1,))  # (E, in, r) -> (E*r, in)
     out = []
     for projection, key, wrapper, a_shape, b_shape, b_dims in (
-            (GATE_UP, "w1_and_w3", inner, (e, d, r), (e, r, 2, f), ((2, 3), (1, 0))),
-            (DOWN, "w2", "", (e, f, r), (e, r, d), ((2,), (1, 0)))):
+        (GATE_UP, "w1_and_w3", inner, (e, d, r), (e, r, 2, f), ((2, 3), (1, 0))),
+        (DOWN, "w2", "", (e, f, r), (e, r, d), ((2,), (1, 0))),
+    ):
         if lora.targets(projection):
             path = ("layers", "moe", key + ADAPTER_SUFFIX)
-            out += [HFTensor(f"{prefix}{wrapper}.lora_A.weight", (*path, "lora_a"), i,
-                             a_shape, None, hf_dims=a_dims),
-                    HFTensor(f"{prefix}{wrapper}.lora_B.weight", (*path, "lora_b"), i,
-                             b_shape, None, hf_dims=b_dims)]
+            out += [
+                HFTensor(
+                    f"{prefix}{wrapper}.lora_A.weight",
+                    (*path, "lora_a"),
+                    i,
+                    a_shape,
+                    None,
+                    hf_dims=a_dims,
+                ),
+                HFTensor(
+                    f"{prefix}{wrapper}.lora_B.weight",
+                    (*path, "lora_b"),
+                    i,
+                    b_shape,
+                    None,
+                    hf_dims=b_dims,
+                ),
+            ]
     return out
 
 
-def fused_expert_layout(tensors: dict[str, np.ndarray], args: Qwen3Args
-                        ) -> dict[str, np.ndarray]:
+def fused_expert_layout(tensors: dict[str, np.ndarray], args: Qwen3Args) -> dict[str, np.ndarray]:
     """Hub-layout tensors (per expert) in transformers 5's in-memory layout, where each MoE
     layer holds `mlp.experts.gate_up_proj` (E, 2F, D), gate rows first, and
     `mlp.experts.down_proj` (E, D, F): what a live model's `named_parameters` names."""
     out = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
     for i in range(args.n_layers):
         prefix = f"model.layers.{i}.mlp.experts"
-        per_expert = [{name: tensors[f"{prefix}.{j}.{name}.weight"]
-                       for name in ("gate_proj", "up_proj", "down_proj")}
-                      for j in range(args.num_experts)]
+        per_expert = [
+            {
+                name: tensors[f"{prefix}.{j}.{name}.weight"]
+                for name in ("gate_proj", "up_proj", "down_proj")
+            }
+            for j in range(args.num_experts)
+        ]
         out[f"{prefix}.gate_up_proj"] = np.stack(
-            [np.concatenate([e["gate_proj"], e["up_proj"]]) for e in per_expert])
+            [np.concatenate([e["gate_proj"], e["up_proj"]]) for e in per_expert]
+        )
         out[f"{prefix}.down_proj"] = np.stack([e["down_proj"] for e in per_expert])
     return out

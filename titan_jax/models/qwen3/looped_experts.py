@@ -68,12 +68,14 @@ class _Window(NamedTuple):
 
     def put(self, x: Array, rows: Array) -> Array:
         """`rows` written in the window, only where they are the group's."""
-        return lax.dynamic_update_slice_in_dim(x, jnp.where(self.real_R1, rows, self.rows(x)),
-                                               self.first, 0)
+        return lax.dynamic_update_slice_in_dim(
+            x, jnp.where(self.real_R1, rows, self.rows(x)), self.first, 0
+        )
 
 
-def looped_swiglu(x_MD: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
-                  group_sizes_E: Array) -> Array:
+def looped_swiglu(
+    x_MD: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array, group_sizes_E: Array
+) -> Array:
     """`w2_e(silu(w1_e x) * w3_e x)` for each row x of group e (rows sorted by group); rows
     past sum(group_sizes) are not computed and come out zero."""
     m = x_MD.shape[0]
@@ -83,8 +85,9 @@ def looped_swiglu(x_MD: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
 
 
 @jax.custom_vjp
-def _looped(x_MD: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array, group_sizes_E: Array
-            ) -> Array:
+def _looped(
+    x_MD: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array, group_sizes_E: Array
+) -> Array:
     m, groups = x_MD.shape[0], _Groups.of(group_sizes_E)
 
     def expert(e: Array, y_MD: Array) -> Array:
@@ -101,14 +104,18 @@ def _looped(x_MD: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array, group_size
     return lax.fori_loop(0, w1_EDF.shape[0], expert, y)
 
 
-def _fwd(x_MD: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array, group_sizes_E: Array
-         ) -> tuple[Array, tuple[Array, ...]]:
-    return (_looped(x_MD, w1_EDF, w3_EDF, w2_EFD, group_sizes_E),
-            (x_MD, w1_EDF, w3_EDF, w2_EFD, group_sizes_E))
+def _fwd(
+    x_MD: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array, group_sizes_E: Array
+) -> tuple[Array, tuple[Array, ...]]:
+    return (
+        _looped(x_MD, w1_EDF, w3_EDF, w2_EFD, group_sizes_E),
+        (x_MD, w1_EDF, w3_EDF, w2_EFD, group_sizes_E),
+    )
 
 
-def _block_grads(x_RD: Array, dy_RD: Array, w1_DF: Array, w3_DF: Array, w2_FD: Array
-                 ) -> tuple[Array, ...]:
+def _block_grads(
+    x_RD: Array, dy_RD: Array, w1_DF: Array, w3_DF: Array, w2_FD: Array
+) -> tuple[Array, ...]:
     """(dx, dw1, dw3, dw2) of one block (fp32 weight gradients); its input projections are
     recomputed. Contractions name the weights' own dims: no transposed weight copies."""
     f32 = jnp.float32
@@ -138,18 +145,19 @@ def _bwd(saved: tuple[Array, ...], g_MD: Array) -> tuple[Array, ...]:
             window = groups.window(e, j, m)
             dy_RD = jnp.where(window.real_R1, window.rows(g_MD), 0)  # other groups': no grad
             dx_RD, *grads = _block_grads(window.rows(x_MD), dy_RD, w1_DF, w3_DF, w2_FD)
-            return (window.put(dx_MD, dx_RD),
-                    *(a + b for a, b in zip(sums, grads, strict=True)))
+            return (window.put(dx_MD, dx_RD), *(a + b for a, b in zip(sums, grads, strict=True)))
 
         sums = [zeros(w.shape, jnp.float32) for w in (w1_DF, w3_DF, w2_FD)]
         dx_MD, *sums = lax.fori_loop(0, groups.blocks(e), block, (dx_MD, *sums))
-        return (dx_MD, *(dw.at[e].set(s.astype(dw.dtype))
-                         for dw, s in zip(dws, sums, strict=True)))
+        return (dx_MD, *(dw.at[e].set(s.astype(dw.dtype)) for dw, s in zip(dws, sums, strict=True)))
 
     weights = (w1_EDF, w3_EDF, w2_EFD)
-    dx, *dws = lax.fori_loop(0, w1_EDF.shape[0], expert,
-                             (zeros(x_MD.shape, x_MD.dtype), *(zeros(w.shape, w.dtype)
-                                                                for w in weights)))
+    dx, *dws = lax.fori_loop(
+        0,
+        w1_EDF.shape[0],
+        expert,
+        (zeros(x_MD.shape, x_MD.dtype), *(zeros(w.shape, w.dtype) for w in weights)),
+    )
     return (dx, *dws, np.zeros(group_sizes_E.shape, jax.dtypes.float0))
 
 

@@ -54,12 +54,12 @@ def tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
 def _gmm(lhs_MK: Array, rhs_EKN: Array, group_sizes: Array, interpret: bool) -> Array:
     from jax.experimental.pallas.ops.tpu import megablox
 
-    return megablox.gmm(lhs_MK, rhs_EKN, group_sizes, lhs_MK.dtype, tiling,
-                        interpret=interpret)
+    return megablox.gmm(lhs_MK, rhs_EKN, group_sizes, lhs_MK.dtype, tiling, interpret=interpret)
 
 
-def _quantized_gmm(lhs_MK: Array, rhs_EKN: Array, group_sizes: Array, qdtype: str,
-                   interpret: bool) -> Array:
+def _quantized_gmm(
+    lhs_MK: Array, rhs_EKN: Array, group_sizes: Array, qdtype: str, interpret: bool
+) -> Array:
     """tokamax's grouped matmul on `qdtype` operands (its VJP quantizes the backward's).
     `group_sizes` ends with the padding rows' group, which tokamax cannot take (its weight
     gradient would have a group more than the weights): the experts' groups go in, and the
@@ -70,33 +70,53 @@ def _quantized_gmm(lhs_MK: Array, rhs_EKN: Array, group_sizes: Array, qdtype: st
     sizes = group_sizes[:-1]
     held_M1 = (jnp.arange(lhs_MK.shape[0]) < jnp.sum(sizes))[:, None]
     kernel = PallasMosaicTpuRaggedDot(qdtype=qdtype, interpret=interpret)
-    out = kernel(jnp.where(held_M1, lhs_MK, 0), rhs_EKN, group_sizes=sizes,
-                 preferred_element_type=lhs_MK.dtype)
+    out = kernel(
+        jnp.where(held_M1, lhs_MK, 0),
+        rhs_EKN,
+        group_sizes=sizes,
+        preferred_element_type=lhs_MK.dtype,
+    )
     return jnp.where(held_M1, out, 0)
 
 
-def _swiglu_partial_sum(x_MD: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
-                        group_sizes: Array, gmm: Callable[..., Array]) -> Array:
+def _swiglu_partial_sum(
+    x_MD: Array,
+    w1_EDF: Array,
+    w3_EDF: Array,
+    w2_EFD: Array,
+    group_sizes: Array,
+    gmm: Callable[..., Array],
+) -> Array:
     """One tp shard's SwiGLU (its slice of the hidden dim): (1, M, D), its partial sum."""
     gmm = functools.partial(gmm, group_sizes=group_sizes)
     h_MF = jax.nn.silu(gmm(x_MD, w1_EDF)) * gmm(x_MD, w3_EDF)
     return gmm(h_MF, w2_EFD)[None]
 
 
-def megablox_swiglu(x_MD: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
-                    group_sizes_E: Array, interpret: bool = False, qdtype: str | None = None
-                    ) -> Array:
+def megablox_swiglu(
+    x_MD: Array,
+    w1_EDF: Array,
+    w3_EDF: Array,
+    w2_EFD: Array,
+    group_sizes_E: Array,
+    interpret: bool = False,
+    qdtype: str | None = None,
+) -> Array:
     """Rows sorted by expert through their expert's SwiGLU; rows past sum(group_sizes) zero.
     `interpret`: Pallas interpret mode (tests on CPU). `qdtype`: "int8" or "float8_e4m3fn"
     operands, by tokamax's kernel (None: bf16, by megablox's)."""
     padding = x_MD.shape[0] - jnp.sum(group_sizes_E)
     sizes = jnp.concatenate([group_sizes_E, padding[None]]).astype(jnp.int32)
-    gmm = (functools.partial(_gmm, interpret=interpret) if qdtype is None else
-           functools.partial(_quantized_gmm, qdtype=qdtype, interpret=interpret))
+    gmm = (
+        functools.partial(_gmm, interpret=interpret)
+        if qdtype is None
+        else functools.partial(_quantized_gmm, qdtype=qdtype, interpret=interpret)
+    )
     partials = run_per_shard(
         functools.partial(_swiglu_partial_sum, gmm=gmm),
         (x_MD, w1_EDF, w3_EDF, w2_EFD, sizes),
         (ROWS_AXES, EXPERT_IN_AXES, EXPERT_IN_AXES, EXPERT_OUT_AXES, (None,)),
-        ("mlp", None, None))
+        ("mlp", None, None),
+    )
     # Selective remat can keep the output; gate and up stay inside the kernel call, recomputed.
     return checkpoint_name(jnp.sum(partials, axis=0).astype(x_MD.dtype), "moe_w2")

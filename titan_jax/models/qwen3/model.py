@@ -62,8 +62,17 @@ Array = jax.Array
 # Names of the values the selective (and offload) activation-checkpoint policy saves: every
 # matmul output and attention's output, as TorchTitan's op-level selective AC. What lies
 # between them (norms, RoPE, SiLU * mul, residual adds) is recomputed in backward.
-SAVED_ACTIVATIONS = ("q_proj", "k_proj", "v_proj", "attn_out", "wo_out", "ffn_w1", "ffn_w3",
-                     "ffn_out", *MOE_SAVED_ACTIVATIONS)
+SAVED_ACTIVATIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "attn_out",
+    "wo_out",
+    "ffn_w1",
+    "ffn_w3",
+    "ffn_out",
+    *MOE_SAVED_ACTIVATIONS,
+)
 # Names every remat mode saves (see `remat_policy`).
 ALWAYS_SAVED = (MOE_ROUTING,)
 KVPair = tuple[Array, Array]  # (keys, values) of a KV cache
@@ -82,8 +91,13 @@ class Kernels:
     expert_gather_before_router: bool = True  # `moe.MoE`'s w1 and w3, before routing
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
-           std: float, n_in: int | None = None) -> nnx.Param:
+def _param(
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    axes: tuple[str | None, ...],
+    std: float,
+    n_in: int | None = None,
+) -> nnx.Param:
     """A weight ~ N(0, std); a projection's names its `n_in` input dims (what a quantized
     LoRA base quantizes: `models/frozen_weights.py`)."""
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
@@ -128,12 +142,12 @@ def rope_frequencies(head_dim: int, theta: float, yarn: YarnScaling | None = Non
         high += 0.001  # HF's guard against a zero-width ramp
     ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
     extrapolated = 1 - ramp  # 1: keep the frequency (fast dims), 0: interpolate it (slow dims)
-    return ((1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolated)
-            + (1.0 / pos_freqs) * extrapolated)
+    return (1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
 
 
-def rope_tables(positions: Array, head_dim: int, theta: float,
-                yarn: YarnScaling | None = None) -> tuple[Array, Array]:
+def rope_tables(
+    positions: Array, head_dim: int, theta: float, yarn: YarnScaling | None = None
+) -> tuple[Array, Array]:
     """cos/sin tables (*positions.shape, head_dim) in fp32, rotate-half layout (halves repeated),
     times YaRN's attention factor when scaled (HF scales the tables, not the scores)."""
     freqs = positions.astype(jnp.float32)[..., None] * rope_frequencies(head_dim, theta, yarn)
@@ -155,9 +169,14 @@ def apply_rope(x_BTNH: Array, cos_TH: Array, sin_TH: Array) -> Array:
 
 
 @jax.named_scope("project")
-def project(x: Array, w: nnx.Param | QuantizedWeight, n_in: int,
-            quantized: DotGeneralQtConfig | None = None, adapter: Adapter | None = None,
-            dropout_key: Array | None = None) -> Array:
+def project(
+    x: Array,
+    w: nnx.Param | QuantizedWeight,
+    n_in: int,
+    quantized: DotGeneralQtConfig | None = None,
+    adapter: Adapter | None = None,
+    dropout_key: Array | None = None,
+) -> Array:
     """`x (..., *in) @ w (*in, *out) -> (..., *out)`, the weight read through the param hook;
     in low precision where `quantized` says (`models/quantization.py`); plus the LoRA
     `adapter`'s term where the projection has one (`models/lora.py`), its input under dropout
@@ -177,7 +196,7 @@ def project(x: Array, w: nnx.Param | QuantizedWeight, n_in: int,
     again, so remat treats it as the weight itself.
     """
     w_ = use_param(w, x.dtype)
-    lead, ins, outs = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:], w_.shape[n_in:]
+    lead, ins, outs = x.shape[: x.ndim - n_in], x.shape[x.ndim - n_in :], w_.shape[n_in:]
     rows = x.reshape(-1, *ins)
     if n_in == 1 and len(outs) > 1:
         w_ = checkpoint_name(w_.reshape(ins[0], math.prod(outs)), GATHERED_PARAM)
@@ -209,10 +228,16 @@ class Attention(nnx.Module):
         self.backend, self.platform = kernels.attention, kernels.platform
         self.quantization = kernels.quantization
 
-    def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
-                 segment_ids_BT: Array | None = None, kv_cache: KVPair | None = None,
-                 start: Array | int = 0, dropout_key: Array | None = None
-                 ) -> tuple[Array, KVPair | None]:
+    def __call__(
+        self,
+        x_BTD: Array,
+        cos_TH: Array,
+        sin_TH: Array,
+        segment_ids_BT: Array | None = None,
+        kv_cache: KVPair | None = None,
+        start: Array | int = 0,
+        dropout_key: Array | None = None,
+    ) -> tuple[Array, KVPair | None]:
         """(output, the updated `kv_cache`). segment_ids_BT: attend only within equal ids
         (documents packed in one window). kv_cache: this layer's cached keys and values
         (B, S, K, H) each, for decoding: the tokens' own are written at positions start..,
@@ -230,12 +255,22 @@ class Attention(nnx.Module):
         v_BTKH = constrain(v_BTKH, KV_AXES)
         q_start = None
         if kv_cache is not None:
-            kv_cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), start, 1)
-                             for c, x in zip(kv_cache, (k_BTKH, v_BTKH), strict=True))
+            kv_cache = tuple(
+                jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), start, 1)
+                for c, x in zip(kv_cache, (k_BTKH, v_BTKH), strict=True)
+            )
             (k_BTKH, v_BTKH), q_start = (c.astype(q_BTNH.dtype) for c in kv_cache), start
         with jax.named_scope("sdpa"):  # scaled dot-product attention, the op profiles name
-            out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, self.scale, self.backend, self.platform,
-                                 segment_ids_BT, q_start)
+            out_BTNH = attention(
+                q_BTNH,
+                k_BTKH,
+                v_BTKH,
+                self.scale,
+                self.backend,
+                self.platform,
+                segment_ids_BT,
+                q_start,
+            )
         out_BTNH = name(out_BTNH, "attn_out")
         return name(project(out_BTNH, self.wo, 2, qt, self.wo_lora, key), "wo_out"), kv_cache
 
@@ -243,8 +278,13 @@ class Attention(nnx.Module):
 class FeedForward(nnx.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, quantization: Quantization = NONE,
-                 lora: Lora = NO_LORA):
+    def __init__(
+        self,
+        args: Qwen3Args,
+        rngs: nnx.Rngs,
+        quantization: Quantization = NONE,
+        lora: Lora = NO_LORA,
+    ):
         d, f = args.dim, args.hidden_dim
         self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02, 1)
         self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02, 1)
@@ -274,23 +314,45 @@ class Block(nnx.Module):
         self.attention = Attention(args, rngs, kernels, lora)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if args.is_moe:
-            self.moe = MoE(args.dim, args.num_experts, args.moe_inter_dim, args.top_k,
-                           args.norm_topk_prob, 0.02 / math.sqrt(2 * args.n_layers),
-                           kernels.expert_kernel, rngs, kernels.quantization,
-                           kernels.expert_gather_before_router, lora)
+            self.moe = MoE(
+                args.dim,
+                args.num_experts,
+                args.moe_inter_dim,
+                args.top_k,
+                args.norm_topk_prob,
+                0.02 / math.sqrt(2 * args.n_layers),
+                kernels.expert_kernel,
+                rngs,
+                kernels.quantization,
+                kernels.expert_gather_before_router,
+                lora,
+            )
         else:
             self.feed_forward = FeedForward(args, rngs, kernels.quantization, lora)
 
-    def __call__(self, x_BTD: Array, cos_TH: Array, sin_TH: Array,
-                 expert_bias_E: Array | None = None, segment_ids_BT: Array | None = None,
-                 kv_cache: KVPair | None = None, start: Array | int = 0,
-                 dropout_key: Array | None = None
-                 ) -> tuple[Array, dict[str, Array], KVPair | None]:
+    def __call__(
+        self,
+        x_BTD: Array,
+        cos_TH: Array,
+        sin_TH: Array,
+        expert_bias_E: Array | None = None,
+        segment_ids_BT: Array | None = None,
+        kv_cache: KVPair | None = None,
+        start: Array | int = 0,
+        dropout_key: Array | None = None,
+    ) -> tuple[Array, dict[str, Array], KVPair | None]:
         """(output, the MoE router's statistics for MoE blocks (see `MoE`), else {}, the
         updated KV cache (see `Attention`)); `dropout_key`: the layer's LoRA dropout key."""
         with jax.named_scope("attention"):
-            y_BTD, kv_cache = self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH,
-                                             segment_ids_BT, kv_cache, start, dropout_key)
+            y_BTD, kv_cache = self.attention(
+                self.attention_norm(x_BTD),
+                cos_TH,
+                sin_TH,
+                segment_ids_BT,
+                kv_cache,
+                start,
+                dropout_key,
+            )
             x_BTD = x_BTD + y_BTD
         router = {}
         with jax.named_scope("feed_forward"):
@@ -305,14 +367,16 @@ class Block(nnx.Module):
 class Qwen3(nnx.Module):
     """Qwen3 decoder. `__call__(tokens_BT) -> logits_BTV` (fp32)."""
 
-    def __init__(self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels = Kernels(),
-                 lora: Lora = NO_LORA):
+    def __init__(
+        self, args: Qwen3Args, rngs: nnx.Rngs, kernels: Kernels = Kernels(), lora: Lora = NO_LORA
+    ):
         """kernels: attention and MoE kernels, chosen for the target platform (build.py).
         lora: the projections that carry LoRA adapters (`models/lora.py`)."""
         args.validate()
         self.args = args
-        self.tok_embeddings = _param(rngs, (args.vocab_size, args.dim), ("vocab", "vocab_embed"),
-                                     0.02)
+        self.tok_embeddings = _param(
+            rngs, (args.vocab_size, args.dim), ("vocab", "vocab_embed"), 0.02
+        )
 
         @nnx.split_rngs(splits=args.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -323,14 +387,20 @@ class Qwen3(nnx.Module):
         self.layers = make_layers(rngs)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         if not args.tie_embeddings:
-            self.lm_head = _param(rngs, (args.dim, args.vocab_size), ("vocab_embed", "vocab"),
-                                  0.02)
+            self.lm_head = _param(rngs, (args.dim, args.vocab_size), ("vocab_embed", "vocab"), 0.02)
 
-    def hidden_states(self, tokens_BT: Array, dtype: jnp.dtype, remat: Callable | None = None,
-                      activation_stats: bool = False, expert_bias_LE: Array | None = None,
-                      kv_cache: KVPair | None = None, start: Array | int = 0,
-                      lookahead: bool = False, dropout_key: Array | None = None
-                      ) -> tuple[Array, dict[str, Array], Array, KVPair | None]:
+    def hidden_states(
+        self,
+        tokens_BT: Array,
+        dtype: jnp.dtype,
+        remat: Callable | None = None,
+        activation_stats: bool = False,
+        expert_bias_LE: Array | None = None,
+        kv_cache: KVPair | None = None,
+        start: Array | int = 0,
+        lookahead: bool = False,
+        dropout_key: Array | None = None,
+    ) -> tuple[Array, dict[str, Array], Array, KVPair | None]:
         """(final-normed hidden states (B, T, D) in `dtype`, aux stats, aux loss, the updated
         `kv_cache`).
 
@@ -360,36 +430,51 @@ class Qwen3(nnx.Module):
         with jax.named_scope("embed"):
             x_BTD = constrain(vocab_lookup(table_VD, tokens_BT, dtype), ACT_AXES)
         # Every layer's (cos, sin, segment ids): (T, H) tables, or (B, T, H) per token.
-        tables = (*rope_tables(positions, self.args.head_dim, self.args.rope_theta,
-                               self.args.yarn), segment_ids_BT)
+        tables = (
+            *rope_tables(positions, self.args.head_dim, self.args.rope_theta, self.args.yarn),
+            segment_ids_BT,
+        )
         layers_def, layers_state = nnx.split(self.layers)
-        layer_keys = (None if dropout_key is None else
-                      jax.random.split(dropout_key, self.args.n_layers))
+        layer_keys = (
+            None if dropout_key is None else jax.random.split(dropout_key, self.args.n_layers)
+        )
 
-        def run_layer(x_BTD: Array, layer_state: nnx.State, expert_bias_E: Array | None,
-                      kv: KVPair | None, key: Array | None,
-                      tables: tuple[Array, Array, Array | None]
-                      ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
+        def run_layer(
+            x_BTD: Array,
+            layer_state: nnx.State,
+            expert_bias_E: Array | None,
+            kv: KVPair | None,
+            key: Array | None,
+            tables: tuple[Array, Array, Array | None],
+        ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
             cos_TH, sin_TH, segment_ids_BT = tables
             y_BTD, stats, kv = nnx.merge(layers_def, layer_state)(
-                x_BTD, cos_TH, sin_TH, expert_bias_E, segment_ids_BT, kv, start, key)
+                x_BTD, cos_TH, sin_TH, expert_bias_E, segment_ids_BT, kv, start, key
+            )
             if activation_stats:
                 y32 = y_BTD.astype(jnp.float32)
                 stats["activation_sq_sum"] = jnp.sum(y32 * y32)
                 stats["activation_count"] = jnp.float32(y_BTD.size)
             return y_BTD, (stats, kv)
 
-        scan = functools.partial(_lookahead_scan, dtype=dtype) if (
-            lookahead and kv_cache is None) else functools.partial(_layer_scan, remat=remat)
-        x_BTD, (stats, kv_cache) = scan(run_layer, x_BTD, (layers_state, expert_bias_LE,
-                                                           kv_cache, layer_keys), tables)
+        scan = (
+            functools.partial(_lookahead_scan, dtype=dtype)
+            if (lookahead and kv_cache is None)
+            else functools.partial(_layer_scan, remat=remat)
+        )
+        x_BTD, (stats, kv_cache) = scan(
+            run_layer, x_BTD, (layers_state, expert_bias_LE, kv_cache, layer_keys), tables
+        )
         aux_loss = jnp.zeros((), jnp.float32)
         if self.args.is_moe:
             prob_sum = stats.pop("router_prob_sum")
             if self.args.router_aux_loss_coef > 0:
                 n = tokens_BT.size
-                aux_loss = self.args.router_aux_loss_coef * n * router_aux_loss(
-                    stats["tokens_per_expert"], prob_sum, n)
+                aux_loss = (
+                    self.args.router_aux_loss_coef
+                    * n
+                    * router_aux_loss(stats["tokens_per_expert"], prob_sum, n)
+                )
         return self.norm(x_BTD), stats, aux_loss, kv_cache
 
     def output_weight(self, dtype: jnp.dtype) -> Array:
@@ -400,18 +485,27 @@ class Qwen3(nnx.Module):
 
     def __call__(self, tokens_BT: Array, dtype: jnp.dtype = jnp.float32) -> Array:
         h_BTD, _, _, _ = self.hidden_states(tokens_BT, dtype)
-        return jnp.einsum("btd,dv->btv", h_BTD, self.output_weight(dtype).astype(dtype),
-                          preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            "btd,dv->btv",
+            h_BTD,
+            self.output_weight(dtype).astype(dtype),
+            preferred_element_type=jnp.float32,
+        )
 
 
-def _layer_scan(run_layer: Callable, x_BTD: Array,
-                layers: tuple[nnx.State, Any, Any, Any], tables: tuple[Array, ...],
-                remat: Callable | None
-                ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
+def _layer_scan(
+    run_layer: Callable,
+    x_BTD: Array,
+    layers: tuple[nnx.State, Any, Any, Any],
+    tables: tuple[Array, ...],
+    remat: Callable | None,
+) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
     """`lax.scan` of `run_layer` over the stacked layers (and their expert bias, KV cache and
     dropout keys), each iteration's weights gathered in it, with the `remat` policy."""
-    def body(x_BTD: Array, layer: tuple[nnx.State, Array | None, KVPair | None, Array | None]
-             ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
+
+    def body(
+        x_BTD: Array, layer: tuple[nnx.State, Array | None, KVPair | None, Array | None]
+    ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
         # Every use of the input goes through the name, so a policy that offloads it leaves
         # the device nothing of it to save.
         return run_layer(checkpoint_name(x_BTD, LAYER_INPUT), *layer, tables)
@@ -421,24 +515,36 @@ def _layer_scan(run_layer: Callable, x_BTD: Array,
     return jax.lax.scan(body, x_BTD, layers)
 
 
-def _lookahead_scan(run_layer: Callable, x_BTD: Array,
-                    layers: tuple[nnx.State, Any, None, Any], tables: tuple[Array, ...],
-                    dtype: jnp.dtype) -> tuple[Array, tuple[dict[str, Array], None]]:
+def _lookahead_scan(
+    run_layer: Callable,
+    x_BTD: Array,
+    layers: tuple[nnx.State, Any, None, Any],
+    tables: tuple[Array, ...],
+    dtype: jnp.dtype,
+) -> tuple[Array, tuple[dict[str, Array], None]]:
     """The layer scan with each layer's weights gathered (in `dtype`) one layer ahead, full
     remat (`models/lookahead.py`)."""
     layers_state, expert_bias_LE, _, keys = layers
 
-    def block(x_BTD: Array, gathered: nnx.State, per_layer: tuple[Any, Any],
-              tables: tuple[Array, ...]) -> tuple[Array, tuple[dict[str, Array], None]]:
+    def block(
+        x_BTD: Array, gathered: nnx.State, per_layer: tuple[Any, Any], tables: tuple[Array, ...]
+    ) -> tuple[Array, tuple[dict[str, Array], None]]:
         with pregathered():
             expert_bias_E, key = per_layer
             return run_layer(x_BTD, gathered, expert_bias_E, None, key, tables)
 
-    return scan_with_lookahead(block, functools.partial(gather_layer, dtype=dtype), x_BTD,
-                               layers_state, (expert_bias_LE, keys), tables)
+    return scan_with_lookahead(
+        block,
+        functools.partial(gather_layer, dtype=dtype),
+        x_BTD,
+        layers_state,
+        (expert_bias_LE, keys),
+        tables,
+    )
 
 
-def stacked_logical_axes(path: tuple[str, ...], axes: tuple[str | None, ...]
-                         ) -> tuple[str | None, ...]:
+def stacked_logical_axes(
+    path: tuple[str, ...], axes: tuple[str | None, ...]
+) -> tuple[str | None, ...]:
     """Logical axes of a stored parameter: those under `layers` carry the stacked layer axis."""
     return ("layers", *axes) if path and path[0] == "layers" else axes

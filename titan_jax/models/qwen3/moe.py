@@ -66,8 +66,9 @@ GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"
 
 
 @jax.named_scope("router")
-def route(x_RD: Array, gate_DE: Array, expert_bias_E: Array, top_k: int, norm_topk_prob: bool
-          ) -> tuple[Array, Array, Array]:
+def route(
+    x_RD: Array, gate_DE: Array, expert_bias_E: Array, top_k: int, norm_topk_prob: bool
+) -> tuple[Array, Array, Array]:
     """(chosen experts (N, K) int32, gate weights (N, K) fp32, full probabilities (N, E))."""
     logits = jnp.dot(x_RD.astype(jnp.float32), gate_DE.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
@@ -78,19 +79,26 @@ def route(x_RD: Array, gate_DE: Array, expert_bias_E: Array, top_k: int, norm_to
     return experts, weights, probs
 
 
-def grouped_swiglu(matmul: Callable[[Array, Array, Array], Array], x_MD: Array, w1_EDF: Array,
-                   w3_EDF: Array, w2_EFD: Array, group_sizes_E: Array) -> Array:
+def grouped_swiglu(
+    matmul: Callable[[Array, Array, Array], Array],
+    x_MD: Array,
+    w1_EDF: Array,
+    w3_EDF: Array,
+    w2_EFD: Array,
+    group_sizes_E: Array,
+) -> Array:
     """Rows sorted by expert through their expert's SwiGLU, one grouped matmul per weight."""
     gate_MF = checkpoint_name(matmul(x_MD, w1_EDF, group_sizes_E), "moe_w1")
     up_MF = checkpoint_name(matmul(x_MD, w3_EDF, group_sizes_E), "moe_w3")
-    return checkpoint_name(matmul(jax.nn.silu(gate_MF) * up_MF, w2_EFD, group_sizes_E),
-                           "moe_w2")
+    return checkpoint_name(matmul(jax.nn.silu(gate_MF) * up_MF, w2_EFD, group_sizes_E), "moe_w2")
 
 
 # (rows sorted by expert (M, D), w1, w3, w2, group sizes (E,)) -> each row's SwiGLU (M, D).
 EXPERT_KERNELS: dict[str, Callable[..., Array]] = {
     "ragged": functools.partial(grouped_swiglu, functools.partial(ragged_dot, config=None)),
-    "looped": looped_swiglu, "megablox": megablox_swiglu}
+    "looped": looped_swiglu,
+    "megablox": megablox_swiglu,
+}
 
 
 def expert_kernel_for(platform: str, quantization: Quantization = NONE) -> str:
@@ -108,12 +116,20 @@ def expert_kernel(kernel: str, quantization: Quantization) -> Callable[..., Arra
         return EXPERT_KERNELS[kernel]
     if kernel == "megablox":
         return functools.partial(megablox_swiglu, qdtype=quantization.kernel_qtype())
-    return functools.partial(grouped_swiglu, functools.partial(
-        ragged_dot, config=quantization.ragged_config()))
+    return functools.partial(
+        grouped_swiglu, functools.partial(ragged_dot, config=quantization.ragged_config())
+    )
 
 
-def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array,
-               kernel: str, quantization: Quantization = NONE) -> Array:
+def expert_ffn(
+    rows_MD: Array,
+    experts_M: Array,
+    w1_EDF: Array,
+    w3_EDF: Array,
+    w2_EFD: Array,
+    kernel: str,
+    quantization: Quantization = NONE,
+) -> Array:
     """Each row through its expert's SwiGLU (dropless): sorted by expert, the grouped kernel,
     un-sorted by the inverse permutation (a gather both ways, no scatter-add). Rows whose id
     is not an expert held here (>= the number of experts: padding of an exchange buffer) sort
@@ -122,40 +138,51 @@ def expert_ffn(rows_MD: Array, experts_M: Array, w1_EDF: Array, w3_EDF: Array, w
     inverse = jnp.argsort(order)
     group_sizes = jnp.bincount(experts_M, length=w1_EDF.shape[0]).astype(jnp.int32)
     with jax.named_scope("experts"):
-        y_MD = expert_kernel(kernel, quantization)(permute(rows_MD, order, inverse), w1_EDF,
-                                                    w3_EDF, w2_EFD, group_sizes)
+        y_MD = expert_kernel(kernel, quantization)(
+            permute(rows_MD, order, inverse), w1_EDF, w3_EDF, w2_EFD, group_sizes
+        )
     return permute(y_MD, inverse, order)
 
 
-def routed_experts(x_RD: Array, experts_RC: Array, weights_RC: Array, w1_EDF: Array,
-                   w3_EDF: Array, w2_EFD: Array, expert_kernel: str,
-                   quantization: Quantization = NONE) -> Array:
+def routed_experts(
+    x_RD: Array,
+    experts_RC: Array,
+    weights_RC: Array,
+    w1_EDF: Array,
+    w3_EDF: Array,
+    w2_EFD: Array,
+    expert_kernel: str,
+    quantization: Quantization = NONE,
+) -> Array:
     """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]), dropless, in x's dtype. Each
     (token, slot) pick is one row through the active expert dispatch (local, or all-to-all
     under expert parallelism, where the weights are the experts held here), its output scaled
     by its gate weight in fp32 where the experts compute it and cast to x's dtype (as
     TorchTitan's and HF's); the k slots are summed in fp32."""
+
     def ffn(rows_MD: Array, experts_M: Array, gates_M: Array) -> Array:
-        y_MD = expert_ffn(rows_MD, experts_M, w1_EDF, w3_EDF, w2_EFD, expert_kernel,
-                          quantization)
+        y_MD = expert_ffn(rows_MD, experts_M, w1_EDF, w3_EDF, w2_EFD, expert_kernel, quantization)
         return (y_MD.astype(jnp.float32) * gates_M[:, None]).astype(y_MD.dtype)
 
     n, k = experts_RC.shape
     with jax.named_scope("moe_permute"):  # the picks' copies, sorts, exchange and sum
         # each token's row k times (a broadcast: its gradient is a sum over k, no scatter-add)
         rows_MD = jnp.broadcast_to(x_RD[:, None], (n, k, x_RD.shape[-1])).reshape(n * k, -1)
-        y_MD = dispatch_to_experts(rows_MD, experts_RC.reshape(-1), weights_RC.reshape(-1),
-                                   w1_EDF.shape[0], ffn)
+        y_MD = dispatch_to_experts(
+            rows_MD, experts_RC.reshape(-1), weights_RC.reshape(-1), w1_EDF.shape[0], ffn
+        )
         return jnp.sum(y_MD.reshape(n, k, -1).astype(jnp.float32), axis=1).astype(x_RD.dtype)
 
 
-def dense_reference(x_RD: Array, experts_RC: Array, weights_RC: Array, w1_EDF: Array,
-                    w3_EDF: Array, w2_EFD: Array) -> Array:
+def dense_reference(
+    x_RD: Array, experts_RC: Array, weights_RC: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array
+) -> Array:
     """Every expert on every token, weighted by the (mostly zero) gate: tests only."""
     gate_RE = jnp.zeros((x_RD.shape[0], w1_EDF.shape[0]), jnp.float32)
     gate_RE = gate_RE.at[jnp.arange(x_RD.shape[0])[:, None], experts_RC].add(weights_RC)
     hidden = jax.nn.silu(jnp.einsum("nd,edf->enf", x_RD, w1_EDF)) * jnp.einsum(
-        "nd,edf->enf", x_RD, w3_EDF)
+        "nd,edf->enf", x_RD, w3_EDF
+    )
     y_ERD = jnp.einsum("enf,efd->end", hidden, w2_EFD)
     return jnp.einsum("ne,end->nd", gate_RE, y_ERD.astype(jnp.float32)).astype(x_RD.dtype)
 
@@ -173,14 +200,28 @@ class MoE(nnx.Module):
     `__call__(x_BTD, expert_bias_E) -> (y_BTD, {"tokens_per_expert": (E,) picks, no gradient;
     "router_prob_sum": (E,) summed router probabilities, with gradient (HF's aux loss)})`."""
 
-    def __init__(self, dim: int, num_experts: int, inter_dim: int, top_k: int,
-                 norm_topk_prob: bool, w2_std: float, expert_kernel: str, rngs: nnx.Rngs,
-                 quantization: Quantization = NONE, gather_before_router: bool = True,
-                 lora: Lora = NO_LORA):
-        def param(shape: tuple[int, ...], axes: tuple[str | None, ...], std: float,
-                  **metadata: Any) -> nnx.Param:
-            return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32),
-                             logical_axes=axes, **metadata)
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        inter_dim: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        w2_std: float,
+        expert_kernel: str,
+        rngs: nnx.Rngs,
+        quantization: Quantization = NONE,
+        gather_before_router: bool = True,
+        lora: Lora = NO_LORA,
+    ):
+        def param(
+            shape: tuple[int, ...], axes: tuple[str | None, ...], std: float, **metadata: Any
+        ) -> nnx.Param:
+            return nnx.Param(
+                std * jax.random.normal(rngs.params(), shape, jnp.float32),
+                logical_axes=axes,
+                **metadata,
+            )
 
         e, d, f = num_experts, dim, inter_dim
         # `read_dtype`: the look-ahead gather (models/lookahead.py) reads it as the router does.
@@ -210,22 +251,24 @@ class MoE(nnx.Module):
             x_RD, w1_EDF, w3_EDF = jax.lax.optimization_barrier((x_RD, w1_EDF, w3_EDF))
         if self.w1_and_w3_lora is not None:
             w1_EDF, w3_EDF = self.w1_and_w3_lora.fold(w1_EDF, w3_EDF)
-        experts, weights, probs = route(x_RD, use_param(self.gate, ROUTER_DTYPE), expert_bias_E,
-                                        self.top_k, self.norm_topk_prob)
+        experts, weights, probs = route(
+            x_RD, use_param(self.gate, ROUTER_DTYPE), expert_bias_E, self.top_k, self.norm_topk_prob
+        )
         experts, weights = checkpoint_name((experts, weights), MOE_ROUTING)
         w2_EFD = use_param(self.w2, dtype)
         if self.w2_lora is not None:
             (w2_EFD,) = self.w2_lora.fold(w2_EFD)
-        y_RD = routed_experts(x_RD, experts, weights, w1_EDF, w3_EDF, w2_EFD, self.expert_kernel,
-                              self.quantization)
+        y_RD = routed_experts(
+            x_RD, experts, weights, w1_EDF, w3_EDF, w2_EFD, self.expert_kernel, self.quantization
+        )
         counts = jnp.bincount(experts.reshape(-1), length=self.num_experts)
         return y_RD.reshape(x_BTD.shape), {
             "tokens_per_expert": jax.lax.stop_gradient(counts.astype(jnp.float32)),
-            "router_prob_sum": jnp.sum(probs, axis=0)}
+            "router_prob_sum": jnp.sum(probs, axis=0),
+        }
 
 
-def router_aux_loss(tokens_per_expert_LE: Array, router_prob_sum_LE: Array, n_tokens: int
-                    ) -> Array:
+def router_aux_loss(tokens_per_expert_LE: Array, router_prob_sum_LE: Array, n_tokens: int) -> Array:
     """HF's `load_balancing_loss_func` over all layers of one batch: E * sum_e f_e * P_e, with
     f_e the share of (token, layer) pairs whose top-k picked e and P_e the mean router
     probability of e (gradient through P only). Balanced routing gives top_k."""

@@ -38,13 +38,20 @@ from titan_jax.parallel.simple_fsdp.base import SimpleFSDP, only_axes
 from titan_jax.parallel.simple_fsdp.jit import REPLICAS, SHARDS, JitSimpleFSDP
 from titan_jax.parallel.simple_fsdp.shard_map import ShardMapSimpleFSDP
 
-IMPLEMENTATIONS: dict[str, type[SimpleFSDP]] = {"jit": JitSimpleFSDP,
-                                                 "shard_map": ShardMapSimpleFSDP}
+IMPLEMENTATIONS: dict[str, type[SimpleFSDP]] = {
+    "jit": JitSimpleFSDP,
+    "shard_map": ShardMapSimpleFSDP,
+}
 
 
-def choose_implementation(p: Parallelism, degrees: MeshDegrees, args: Any, flavor: str,
-                          platform: str = "cpu", quantization: Quantization = NONE
-                          ) -> type[SimpleFSDP]:
+def choose_implementation(
+    p: Parallelism,
+    degrees: MeshDegrees,
+    args: Any,
+    flavor: str,
+    platform: str = "cpu",
+    quantization: Quantization = NONE,
+) -> type[SimpleFSDP]:
     """SimpleFSDP's implementation for a run (`parallelism.fsdp_implementation`, "auto" chosen
     here), with the checks expert and context parallelism need; the one place that compares
     the implementations' names. MoE on TPU/GPU (and quantized experts on CPU) takes shard_map:
@@ -55,7 +62,8 @@ def choose_implementation(p: Parallelism, degrees: MeshDegrees, args: Any, flavo
         raise ConfigError(
             "parallelism.fsdp_implementation=jit cannot host context parallelism (its K/V "
             "gathers run over the manual cp axis of the shard_map implementation); use auto or "
-            "shard_map")
+            "shard_map"
+        )
     # CPU: the looped kernel, unless the experts are quantized (qwix's ragged_dot)
     moe = getattr(args, "is_moe", False)
     ragged = moe and (platform != "cpu" or quantization.applies_to("experts"))
@@ -63,26 +71,38 @@ def choose_implementation(p: Parallelism, degrees: MeshDegrees, args: Any, flavo
         if p.fsdp_implementation == "jit":
             raise ConfigError(
                 f"parallelism.fsdp_implementation=jit cannot compile MoE experts for {platform} "
-                "(ragged_dot under the jit path's per-shard vmap); use auto or shard_map")
+                "(ragged_dot under the jit path's per-shard vmap); use auto or shard_map"
+            )
         return ShardMapSimpleFSDP
     if degrees.ep > 1:
         if not moe:
             raise ConfigError(
                 f"parallelism.expert_parallel_degree={degrees.ep} applies to MoE flavours only; "
-                f"model.flavor={flavor} is dense (use 1)")
+                f"model.flavor={flavor} is dense (use 1)"
+            )
         if args.num_experts % degrees.ep:
             raise ConfigError(
                 f"parallelism.expert_parallel_degree={degrees.ep} must divide the "
-                f"{args.num_experts} experts of model.flavor={flavor}")
+                f"{args.num_experts} experts of model.flavor={flavor}"
+            )
         if p.fsdp_implementation == "jit":
             raise ConfigError(
                 "parallelism.fsdp_implementation=jit cannot host expert parallelism (its token "
-                "all-to-alls need the shard_map implementation); use auto or shard_map")
+                "all-to-alls need the shard_map implementation); use auto or shard_map"
+            )
         return ShardMapSimpleFSDP
     if p.fsdp_implementation == "auto":
         return ShardMapSimpleFSDP if degrees.cp > 1 else JitSimpleFSDP
     return IMPLEMENTATIONS[p.fsdp_implementation]
 
 
-__all__ = ["IMPLEMENTATIONS", "choose_implementation", "REPLICAS", "SHARDS", "JitSimpleFSDP",
-           "ShardMapSimpleFSDP", "SimpleFSDP", "only_axes"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "choose_implementation",
+    "REPLICAS",
+    "SHARDS",
+    "JitSimpleFSDP",
+    "ShardMapSimpleFSDP",
+    "SimpleFSDP",
+    "only_axes",
+]

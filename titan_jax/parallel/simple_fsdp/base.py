@@ -90,8 +90,7 @@ class SimpleFSDP(Parallelism, abc.ABC):
     def cp(self) -> int:
         return self.mesh.shape.get(CP, 1)
 
-    def use_param(self, value: jax.Array, logical_axes: LogicalAxes, dtype: jnp.dtype
-                  ) -> jax.Array:
+    def use_param(self, value: jax.Array, logical_axes: LogicalAxes, dtype: jnp.dtype) -> jax.Array:
         """Cast to `dtype` and gathered from storage to compute layout; runs inside
         `loss_map`."""
         layout = self.rules.weight_layout(logical_axes)
@@ -115,27 +114,42 @@ class SimpleFSDP(Parallelism, abc.ABC):
         return self._gather_frozen(value, logical_axes, layout, kept)
 
     @abc.abstractmethod
-    def _gather_frozen(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
-                       kept: bool) -> jax.Array:
+    def _gather_frozen(
+        self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout, kept: bool
+    ) -> jax.Array:
         """`value` gathered to `layout.compute` as it is (no cast, no backward rule)."""
 
     @abc.abstractmethod
-    def _gather(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
-                dtype: jnp.dtype, kept: bool) -> jax.Array:
+    def _gather(
+        self,
+        value: jax.Array,
+        logical_axes: LogicalAxes,
+        layout: WeightLayout,
+        dtype: jnp.dtype,
+        kept: bool,
+    ) -> jax.Array:
         """`value` (in the reduce dtype) cast to `dtype` and gathered to `layout.compute`;
         `kept`: the compute layout keeps a data-parallel split (vocabulary, experts)."""
 
-    def dispatch_to_experts(self, rows_MD: jax.Array, experts_M: jax.Array, gates_M: jax.Array,
-                            n_local: int, ffn: ExpertFFN) -> jax.Array:
+    def dispatch_to_experts(
+        self,
+        rows_MD: jax.Array,
+        experts_M: jax.Array,
+        gates_M: jax.Array,
+        n_local: int,
+        ffn: ExpertFFN,
+    ) -> jax.Array:
         """Under expert parallelism the picks travel to their expert's rank and back by the
         target devices' ragged all-to-all (`parallel/expert_parallel.py`: emulated on CPU);
         otherwise every expert is local."""
         if self.ep == 1:
             return super().dispatch_to_experts(rows_MD, experts_M, gates_M, n_local, ffn)
-        exchange = exchange_for(self.mesh.devices.flat[0].platform,
-                                rows_MD.shape[0] // self.ep_chunks)
-        return ragged_dispatch(rows_MD, experts_M, gates_M, n_local, ffn, "ep", self.ep,
-                               exchange, self.ep_chunks)
+        exchange = exchange_for(
+            self.mesh.devices.flat[0].platform, rows_MD.shape[0] // self.ep_chunks
+        )
+        return ragged_dispatch(
+            rows_MD, experts_M, gates_M, n_local, ffn, "ep", self.ep, exchange, self.ep_chunks
+        )
 
     def vocab_split(self) -> VocabSplit:
         """The vocabulary tables' split over the data axes (`parallel/vocab_parallel.py`),
@@ -157,8 +171,9 @@ class SimpleFSDP(Parallelism, abc.ABC):
             return super().sequence_split()
         return ContextParallel(self.cp, self.cp_method)
 
-    def _local_specs(self, in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes
-                     ) -> tuple[tuple[PartitionSpec, ...], PartitionSpec]:
+    def _local_specs(
+        self, in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes
+    ) -> tuple[tuple[PartitionSpec, ...], PartitionSpec]:
         """A per-shard kernel's specs: the table's model-parallel part of the activations'
         layout (the data axes are the per-shard map's)."""
         local = lambda axes: self.rules.local_compute_spec("activation", axes)  # noqa: E731
@@ -174,8 +189,13 @@ class SimpleFSDP(Parallelism, abc.ABC):
         (nothing to pin without a model-parallel axis)."""
 
     @abc.abstractmethod
-    def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
-                      in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+    def run_per_shard(
+        self,
+        kernel: Kernel,
+        args: tuple[jax.Array, ...],
+        in_axes: tuple[LogicalAxes, ...],
+        out_axes: LogicalAxes,
+    ) -> jax.Array:
         """A kernel GSPMD cannot partition (Pallas), run on each device's own rows and heads
         (`parallel/per_shard.py`). Runs inside `loss_map`."""
 

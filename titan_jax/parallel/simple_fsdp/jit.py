@@ -46,9 +46,14 @@ SHARDS, REPLICAS = "data_shards", "data_replicas"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def gather_param(stored: jax.Array, shard_index: jax.Array, dtype: jnp.dtype,
-                 reduce_dtype: jnp.dtype, storage: NamedSharding, compute: NamedSharding
-                 ) -> jax.Array:
+def gather_param(
+    stored: jax.Array,
+    shard_index: jax.Array,
+    dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    storage: NamedSharding,
+    compute: NamedSharding,
+) -> jax.Array:
     """Inside the vmap over data shards: `stored` cast to `dtype`, all-gathered from `storage`
     to `compute` sharding, as this shard's own copy (`shard_index` is the batched
     `lax.axis_index(SHARDS)`, used only to give the weight the shard dimension)."""
@@ -60,14 +65,25 @@ def gather_param(stored: jax.Array, shard_index: jax.Array, dtype: jnp.dtype,
     return checkpoint_name(x, GATHERED_PARAM)
 
 
-def _gather_param_fwd(stored: jax.Array, shard_index: jax.Array, dtype: jnp.dtype,
-                      reduce_dtype: jnp.dtype, storage: NamedSharding, compute: NamedSharding
-                      ) -> tuple[jax.Array, None]:
+def _gather_param_fwd(
+    stored: jax.Array,
+    shard_index: jax.Array,
+    dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    storage: NamedSharding,
+    compute: NamedSharding,
+) -> tuple[jax.Array, None]:
     return gather_param(stored, shard_index, dtype, reduce_dtype, storage, compute), None
 
 
-def _gather_param_bwd(dtype: jnp.dtype, reduce_dtype: jnp.dtype, storage: NamedSharding,
-                      compute: NamedSharding, _: None, g: jax.Array) -> tuple[jax.Array, None]:
+def _gather_param_bwd(
+    dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    storage: NamedSharding,
+    compute: NamedSharding,
+    _: None,
+    g: jax.Array,
+) -> tuple[jax.Array, None]:
     # g is this shard's gradient. Cast before anything sums it: vmap then sums the shards'
     # gradients of the unbatched `stored` (already in `reduce_dtype`), which GSPMD emits as
     # the reduction.
@@ -90,16 +106,28 @@ class JitSimpleFSDP(SimpleFSDP):
     # the vocabulary buffers save.
     splits_vocab_across_replicas = False
 
-    def _gather(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
-                dtype: jnp.dtype, kept: bool) -> jax.Array:
+    def _gather(
+        self,
+        value: jax.Array,
+        logical_axes: LogicalAxes,
+        layout: WeightLayout,
+        dtype: jnp.dtype,
+        kept: bool,
+    ) -> jax.Array:
         if kept:  # `loss_map` hands in this shard's slice, used as it is
             return self.constrain(value.astype(dtype), logical_axes)
-        return gather_param(value, self._shard_index(), dtype, value.dtype,
-                            NamedSharding(self.mesh, layout.storage),
-                            NamedSharding(self.mesh, layout.compute))
+        return gather_param(
+            value,
+            self._shard_index(),
+            dtype,
+            value.dtype,
+            NamedSharding(self.mesh, layout.storage),
+            NamedSharding(self.mesh, layout.compute),
+        )
 
-    def _gather_frozen(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
-                       kept: bool) -> jax.Array:
+    def _gather_frozen(
+        self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout, kept: bool
+    ) -> jax.Array:
         if kept:
             return self.constrain(value, logical_axes)
         # No shard dim: nothing differentiates it, so no per-shard gradient is needed.
@@ -113,8 +141,13 @@ class JitSimpleFSDP(SimpleFSDP):
     def _vocab_shard_axes(self, axes: tuple[str, ...]) -> str:
         return SHARDS
 
-    def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
-                      in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+    def run_per_shard(
+        self,
+        kernel: Kernel,
+        args: tuple[jax.Array, ...],
+        in_axes: tuple[LogicalAxes, ...],
+        out_axes: LogicalAxes,
+    ) -> jax.Array:
         in_specs, out_spec = self._local_specs(in_axes, out_axes)
         return jit_per_shard(self.mesh, kernel, args, in_specs, out_spec)
 
@@ -123,20 +156,28 @@ class JitSimpleFSDP(SimpleFSDP):
         n_in = math.prod(self.mesh.shape[a] for a in inner)
         n_out = self.n_shards // n_in
         if outer and self.data_axes.index(outer[-1]) > self.data_axes.index(inner[0]):
-            raise ValueError(f"the jit path needs the replicated data axes {outer} before "
-                             f"the vocabulary's {inner} in the batch's order")
+            raise ValueError(
+                f"the jit path needs the replicated data axes {outer} before "
+                f"the vocabulary's {inner} in the batch's order"
+            )
 
-        def per_shard(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
-                      ) -> tuple[jax.Array, Aux]:
+        def per_shard(
+            params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
+        ) -> tuple[jax.Array, Aux]:
             dims = each_params_tree(params, lambda _: self._per_shard_dims())
-            per = jax.vmap(summed_loss, in_axes=(dims, None, 0, 0), axis_name=SHARDS,
-                           spmd_axis_name=inner)
+            per = jax.vmap(
+                summed_loss, in_axes=(dims, None, 0, 0), axis_name=SHARDS, spmd_axis_name=inner
+            )
             if outer:
-                per = jax.vmap(per, in_axes=(None, None, 0, 0), axis_name=REPLICAS,
-                               spmd_axis_name=outer)
+                per = jax.vmap(
+                    per, in_axes=(None, None, 0, 0), axis_name=REPLICAS, spmd_axis_name=outer
+                )
+
             # Rows are laid out shard-major, so the split moves no data.
-            split = lambda x: x.reshape(  # noqa: E731
-                *((n_out,) if outer else ()), n_in, x.shape[0] // self.n_shards, *x.shape[1:])
+            def split(x: jax.Array) -> jax.Array:
+                lead = (n_out,) if outer else ()
+                return x.reshape(*lead, n_in, x.shape[0] // self.n_shards, *x.shape[1:])
+
             kept = each_params_tree(params, lambda p: self._split_kept(p, n_in))
             losses, aux = per(kept, buffers, split(inputs), split(labels))
             total = lambda a: jnp.sum(a, axis=(0, 1) if outer else 0)  # noqa: E731
@@ -150,8 +191,7 @@ class JitSimpleFSDP(SimpleFSDP):
         inner = self.rules.vocab_data_axes
         if not inner:
             return self.data_axes, ()
-        return inner, tuple(a for a in self.data_axes
-                            if a not in inner and self.mesh.shape[a] > 1)
+        return inner, tuple(a for a in self.data_axes if a not in inner and self.mesh.shape[a] > 1)
 
     def _shard_index(self) -> jax.Array:
         """The data-shard index, batched over every vmap over data shards."""
@@ -163,16 +203,21 @@ class JitSimpleFSDP(SimpleFSDP):
         vocabulary's), or None."""
         compute = self.rules.compute_spec("a weight", axes)
         data = set(self.data_axes)
-        return next((d for d, entry in enumerate(compute)
-                     if entry and mesh_axes_of(PartitionSpec(entry)) & data), None)
+        return next(
+            (
+                d
+                for d, entry in enumerate(compute)
+                if entry and mesh_axes_of(PartitionSpec(entry)) & data
+            ),
+            None,
+        )
 
     def _per_shard_dims(self) -> Any:
         """vmap in_axes of the params: the kept dim of each kept-split weight (after
         `_split_kept`), else None."""
         if self.param_axes is None:
             return None
-        return jax.tree.map(self._kept_dim, self.param_axes,
-                            is_leaf=lambda x: isinstance(x, tuple))
+        return jax.tree.map(self._kept_dim, self.param_axes, is_leaf=lambda x: isinstance(x, tuple))
 
     def _split_kept(self, params: Params, n: int) -> Params:
         """Each kept-split weight with its kept dim split into (n shards, the rest): the
@@ -185,6 +230,6 @@ class JitSimpleFSDP(SimpleFSDP):
             dim = self._kept_dim(axes)
             if dim is None:
                 return x
-            return x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1:])
+            return x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1 :])
 
         return jax.tree.map(split, params, self.param_axes)

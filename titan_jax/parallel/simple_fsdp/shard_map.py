@@ -29,9 +29,13 @@ from titan_jax.parallel.simple_fsdp.base import SimpleFSDP, only_axes
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def all_gather_param(shard: jax.Array, dtype: jnp.dtype, reduce_dtype: jnp.dtype,
-                     gathered_dims: tuple[tuple[int, str], ...], replicated: tuple[str, ...]
-                     ) -> jax.Array:
+def all_gather_param(
+    shard: jax.Array,
+    dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    gathered_dims: tuple[tuple[int, str], ...],
+    replicated: tuple[str, ...],
+) -> jax.Array:
     """Inside shard_map: this device's `shard` cast to `dtype`, marked varying over the data
     axes it is stored whole on (`replicated`) and all-gathered along `gathered_dims` ((dim,
     mesh axis) pairs). Splits a use keeps (experts over `ep`) stay local.
@@ -47,15 +51,24 @@ def all_gather_param(shard: jax.Array, dtype: jnp.dtype, reduce_dtype: jnp.dtype
     return checkpoint_name(x, GATHERED_PARAM)
 
 
-def _all_gather_param_fwd(shard: jax.Array, dtype: jnp.dtype, reduce_dtype: jnp.dtype,
-                          gathered_dims: tuple[tuple[int, str], ...],
-                          replicated: tuple[str, ...]) -> tuple[jax.Array, None]:
+def _all_gather_param_fwd(
+    shard: jax.Array,
+    dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    gathered_dims: tuple[tuple[int, str], ...],
+    replicated: tuple[str, ...],
+) -> tuple[jax.Array, None]:
     return all_gather_param(shard, dtype, reduce_dtype, gathered_dims, replicated), None
 
 
-def _all_gather_param_bwd(dtype: jnp.dtype, reduce_dtype: jnp.dtype,
-                          gathered_dims: tuple[tuple[int, str], ...], replicated: tuple[str, ...],
-                          _: None, g: jax.Array) -> tuple[jax.Array]:
+def _all_gather_param_bwd(
+    dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    gathered_dims: tuple[tuple[int, str], ...],
+    replicated: tuple[str, ...],
+    _: None,
+    g: jax.Array,
+) -> tuple[jax.Array]:
     g = g.astype(reduce_dtype)  # before any reduction
     for dim, axis in reversed(gathered_dims):
         g = lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)  # FSDP
@@ -71,13 +84,19 @@ class ShardMapSimpleFSDP(SimpleFSDP):
     implementation = "shard_map"
     reduces_in_bf16_on_cpu = False  # XLA:CPU aborts on a bf16 reduce-scatter ("opcode copy")
 
-    def _gather(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
-                dtype: jnp.dtype, kept: bool) -> jax.Array:
-        return all_gather_param(value, dtype, value.dtype, layout.gathered_dims,
-                                layout.replicated)
+    def _gather(
+        self,
+        value: jax.Array,
+        logical_axes: LogicalAxes,
+        layout: WeightLayout,
+        dtype: jnp.dtype,
+        kept: bool,
+    ) -> jax.Array:
+        return all_gather_param(value, dtype, value.dtype, layout.gathered_dims, layout.replicated)
 
-    def _gather_frozen(self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout,
-                       kept: bool) -> jax.Array:
+    def _gather_frozen(
+        self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout, kept: bool
+    ) -> jax.Array:
         if layout.replicated:  # typed as the trained weights it meets (`all_gather_param`)
             value = lax.pcast(value, layout.replicated, to="varying")
         for dim, axis in layout.gathered_dims:
@@ -91,31 +110,44 @@ class ShardMapSimpleFSDP(SimpleFSDP):
     def _vocab_shard_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
         return axes
 
-    def run_per_shard(self, kernel: Kernel, args: tuple[jax.Array, ...],
-                      in_axes: tuple[LogicalAxes, ...], out_axes: LogicalAxes) -> jax.Array:
+    def run_per_shard(
+        self,
+        kernel: Kernel,
+        args: tuple[jax.Array, ...],
+        in_axes: tuple[LogicalAxes, ...],
+        out_axes: LogicalAxes,
+    ) -> jax.Array:
         in_specs, out_spec = self._local_specs(in_axes, out_axes)
         return manual_per_shard(kernel, args, in_specs, out_spec, self.data_axes)
 
     def loss_map(self, summed_loss: SummedLoss) -> SummedLoss:
         data = self.data_axes
         is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
-        param_specs = jax.tree.map(lambda s: only_axes(s, data), self.param_specs,
-                                   is_leaf=is_spec)
-        buffer_specs = jax.tree.map(lambda _: PartitionSpec(), self.buffer_specs,  # whole
-                                    is_leaf=is_spec)
+        param_specs = jax.tree.map(lambda s: only_axes(s, data), self.param_specs, is_leaf=is_spec)
+        buffer_specs = jax.tree.map(
+            lambda _: PartitionSpec(),
+            self.buffer_specs,  # whole
+            is_leaf=is_spec,
+        )
         rows = self.rules.batch_spec  # rows, and under context parallelism sequence chunks
 
-        def local(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
-                  ) -> tuple[jax.Array, Aux]:
-            return jax.tree.map(lambda x: lax.psum(x, data),
-                                summed_loss(params, buffers, inputs, labels))
+        def local(
+            params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
+        ) -> tuple[jax.Array, Aux]:
+            return jax.tree.map(
+                lambda x: lax.psum(x, data), summed_loss(params, buffers, inputs, labels)
+            )
 
-        def mapped(params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
-                   ) -> tuple[jax.Array, Aux]:
+        def mapped(
+            params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
+        ) -> tuple[jax.Array, Aux]:
             specs = each_params_tree(params, lambda _: param_specs)
-            return jax.shard_map(local, mesh=self.mesh,
-                                 in_specs=(specs, buffer_specs, rows, rows),
-                                 out_specs=PartitionSpec(), axis_names=frozenset(data)
-                                 )(params, buffers, inputs, labels)
+            return jax.shard_map(
+                local,
+                mesh=self.mesh,
+                in_specs=(specs, buffer_specs, rows, rows),
+                out_specs=PartitionSpec(),
+                axis_names=frozenset(data),
+            )(params, buffers, inputs, labels)
 
         return mapped
