@@ -202,3 +202,22 @@ def test_one_process_failing_ends_the_job_with_its_message_on_process_0(tmp_path
     assert [p.returncode for p in procs] == [2, 2], (err0, err1)
     assert err1.strip().splitlines()[-1] == f"titan-jax: error: {missing}"
     assert err0.strip().splitlines()[-1] == f"titan-jax: error: process 1 of 2 failed: {missing}"
+
+
+@pytest.mark.parametrize(
+    "error, from_a_peer",
+    [
+        # jax 0.12 raises a gloo all-gather whose peer was killed as a ValueError (CI, 2026-12-05)
+        (
+            ValueError("UNKNOWN: Gloo AllGather failed: [pair.cc:538] Connection reset by peer"),
+            True,
+        ),
+        (jax.errors.JaxRuntimeError("UNAVAILABLE: connection lost"), True),
+        (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory"), False),
+        (ValueError("INVALID_ARGUMENT: shapes differ"), False),
+        (ValueError("a setting is wrong"), False),
+        (KeyError("UNKNOWN: not a runtime status"), False),
+    ],
+)
+def test_a_collectives_transport_error_waits_for_the_watcher_whatever_its_type(error, from_a_peer):
+    assert distributed._may_come_from_a_lost_process(error) is from_a_peer

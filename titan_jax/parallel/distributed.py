@@ -141,10 +141,23 @@ def _exit_code_and_message(error: BaseException) -> tuple[int, str]:
 _LOCAL_RUNTIME_ERRORS = ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNIMPLEMENTED")
 
 
+# Status codes a collective's transport failure carries. jax raises some of them as ValueError
+# (a gloo all-gather whose peer was killed: "UNKNOWN: Gloo AllGather failed: ... Connection
+# reset by peer"), so the code is read from the message whatever the exception's type.
+_TRANSPORT_STATUS_CODES = (
+    "UNKNOWN:",
+    "UNAVAILABLE:",
+    "ABORTED:",
+    "DEADLINE_EXCEEDED:",
+    "INTERNAL:",
+)
+
+
 def _may_come_from_a_lost_process(error: BaseException) -> bool:
-    return isinstance(error, jax.errors.JaxRuntimeError) and not str(error).startswith(
-        _LOCAL_RUNTIME_ERRORS
-    )
+    text = str(error)
+    if isinstance(error, jax.errors.JaxRuntimeError):
+        return not text.startswith(_LOCAL_RUNTIME_ERRORS)
+    return isinstance(error, ValueError | RuntimeError) and text.startswith(_TRANSPORT_STATUS_CODES)
 
 
 # Seconds past the heartbeat timeout a collective's error waits for the watcher to name a lost
