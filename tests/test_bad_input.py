@@ -326,8 +326,14 @@ def no_dns(monkeypatch):
     def unresolved(*_, **__):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
+    class NoCloudStorage:  # gcsfs would retry for a minute: it must never be asked
+        def __init__(self, *_, **__):
+            raise AssertionError("gcsfs was asked for a bucket this machine cannot reach")
+
     monkeypatch.setattr(paths.socket, "getaddrinfo", unresolved)
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    for scheme in ("gs", "gcs"):
+        monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, scheme, NoCloudStorage)
     paths.cloud_storage_unreachable.cache_clear()
     yield
     paths.cloud_storage_unreachable.cache_clear()

@@ -16,7 +16,7 @@ from pathlib import Path
 from etils import epath
 
 from titan_jax.config import ConfigError, JobConfig
-from titan_jax.data.paths import local_path
+from titan_jax.data.paths import filesystem, local_path
 from titan_jax.errors import long_name, name_too_long
 from titan_jax.train.checkpoint import CheckpointError, is_checkpoint_dir, listing
 from titan_jax.train.goodput import RECORD_FILE
@@ -71,6 +71,9 @@ def check_outputs(config: JobConfig) -> None:
     run folder, its local mirror: the URL itself is first written by taking its lease),
     metrics.jsonl, the TensorBoard, profile and checkpoint folders, the final HF export."""
     paths = run_paths(config)
+    for url in (paths.url, paths.checkpoints):
+        if url is not None and is_url(url):
+            filesystem(url)  # an unsupported scheme or an unreachable bucket: one line, at once
     dump = paths.local
     folder_to_write(dump, "job.dump_folder")
     metrics = dump / METRICS_FILE
