@@ -14,8 +14,7 @@ CHECK_PY = @test -n "$(PY)" && "$(PY)" -c 'import sys; sys.exit(sys.version_info
 	  || { echo "titan-jax needs Python >= 3.12; PY='$(PY)' is not one (looked in pyenv's versions/3.12* and for python3.12 on PATH); set PY=/path/to/python3.12"; exit 2; }
 
 # A .venv left by an older interpreter is rebuilt, not upgraded in place. uv installs into it:
-# the same pins as pip, in ~30 s where pip took ~2 min 20 s (mostly unpacking torch's CUDA
-# libraries), which CI pays on every run.
+# the same pins as pip, several times faster (docs/notes/2026-12-05-install-and-test-times.md).
 $(BIN)/python:
 	$(CHECK_PY)
 	$(PY) -m venv $(VENV)
@@ -23,7 +22,7 @@ $(BIN)/python:
 UV_PIP = $(BIN)/uv pip install --python $(BIN)/python
 
 # torch 2.13.0 for the parity references: under Python 3.12 the registry's build is the CUDA
-# one (~36 s, +3.4 GB with its CUDA libraries; it runs on CPU). Installed first and pinned, so
+# one (with its CUDA libraries; it runs on CPU). Installed first and pinned, so
 # transformers and torchtitan resolve against it.
 # tpu: libtpu (~700 MB) for ahead-of-time TPU compiles on this CPU (tests/parallel/test_tpu_aot.py);
 # with JAX_PLATFORMS=cpu (exported above, and set by the tests) CPU runs are unaffected.
@@ -41,7 +40,7 @@ install:
 
 # CPU_MALLOC: on CPU hosts, runs the command with tcmalloc (apt: libtcmalloc-minimal4) or else
 # mimalloc (the cpu extra) preloaded: XLA:CPU's per-step temporaries then stop faulting in fresh
-# pages every step (BENCHMARKS.md, "Page faults"). A no-op, with one line saying so, where
+# pages every step (docs/notes/2026-12-02-cpu-page-faults.md). A no-op, with one line saying so, where
 # neither is installed or on TPU/GPU hosts.
 CPU_MALLOC := $(BIN)/python -m titan_jax.tools.cpu_allocator
 
@@ -49,11 +48,9 @@ train:
 	$(CPU_MALLOC) $(BIN)/titan-jax train --config configs/qwen3_debug.toml
 
 # Two workers, one test file each at a time (module fixtures stay shared): most tests are
-# compile-bound and single-threaded. With tcmalloc preloaded (libtpu's compiles spend ~10% in
-# glibc's malloc) and one compilation cache for the session (tests/conftest.py) the whole
-# suite took 19.5-23 min on 2 cores (2026-12-03, two runs; 23 min 44 s without either); 22 min 6 s
-# with 728 tests (2026-12-03, later). XLA:CPU at -O0 for tests halves compile-bound tests' CPU
-# but slows the run-bound ones as much (21 min 35 s) and flips an MoE routing near-tie: not used.
+# compile-bound and single-threaded. tcmalloc preloaded (libtpu's compiles spend time in
+# glibc's malloc) and one compilation cache for the session (tests/conftest.py) shorten the
+# run; XLA:CPU at -O0 was tried and not kept (docs/notes/2026-12-05-install-and-test-times.md).
 test:
 	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile tests --nbmake notebooks
 

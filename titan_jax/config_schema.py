@@ -140,9 +140,9 @@ class Parallelism:
     # MoE: each layer's experts' w1 and w3 gathered before its router runs, under the
     # attention's compute, rather than at their use after the token dispatch (XLA:TPU queues
     # the dispatch's row permutations and the FSDP gathers on the same SparseCores; docs/MOE.md).
-    # On by default: 235B-A22B v5p-256 at ep8 3.64 -> 3.17 s. Turn it off for Ironwood's
-    # fsdp512 layout, whose gradient reduce-scatters then wait (28.37 -> 29.86 s). The numbers
-    # are the same either way.
+    # On by default: it shortens 235B-A22B's v5p-256 step at ep8. Turn it off for Ironwood's
+    # fsdp512 layout, whose gradient reduce-scatters then wait (measured in
+    # docs/notes/2026-12-05-qwen3-235b-step-time.md). The numbers are the same either way.
     fsdp_expert_gather_before_router: bool = True
     # "jit": gathers/reductions placed by the compiler (GSPMD); "shard_map": the explicit
     # all_gather/psum_scatter twin (same rules, same losses), which also hosts expert

@@ -60,7 +60,7 @@ def compile_only_libtpu() -> None:
 # not supported/recommended on platforms other than TPU v5e"): a v5p or v6e step would not
 # compile with it. The third keeps an all-gather an (async) all-gather: without it XLA:TPU
 # compiles some FSDP gathers as synchronous all-reduces of a zero-filled buffer, twice the bytes
-# (235B-A22B over fsdp512 on tpu7x-512: 12 s of a step); MaxText's Ironwood recipes set it.
+# (seconds of 235B-A22B's fsdp512 step on tpu7x-512); MaxText's Ironwood recipes set it.
 ASYNC_GATHER_FLAGS = (
     "--xla_enable_async_all_gather=true",
     "--xla_tpu_overlap_compute_collective_tc=true",
@@ -68,12 +68,12 @@ ASYNC_GATHER_FLAGS = (
 )
 # ... and that run them on the SparseCores (v5p, v6e, tpu7x), so each FSDP all-gather and
 # gradient reduce-scatter is asynchronous beside the TensorCore's compute: with the three above
-# alone libtpu 0.0.50 compiles the in-loop gathers of v5p and v6e steps synchronously. Estimated
-# (docs/TPU.md): Qwen3-8B v6e-8 1.40 -> 0.94 s a step, 235B-A22B v5p-256 3.60 -> 3.04 s, their
-# in-loop gathers 0 -> 94% and 73% covered. v5e (no SparseCores) and tpu7x (offloaded by
-# default) compile the same schedule with them. MaxText's recipes set them too, with
+# alone libtpu 0.0.50 compiles the in-loop gathers of v5p and v6e steps synchronously (with
+# them most of those gathers' time is covered: docs/notes/2026-12-05-qwen3-235b-step-time.md).
+# v5e (no SparseCores) and tpu7x (offloaded by default) compile the same schedule with them.
+# MaxText's recipes set them too, with
 # `xla_tpu_enable_async_collective_fusion_fuse_all_gather=false`, which is left out: on v5e it
-# turns off the fused continuation that overlaps its gathers there (653 -> 675 ms).
+# turns off the fused continuation that overlaps its gathers there.
 SPARSECORE_OFFLOAD_FLAGS = (
     "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
     "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true",

@@ -1,5 +1,6 @@
 """The step's program does not grow with depth, which is why compiling Qwen3-0.6B's 28 layers
-costs about what 8 cost (benchmarks/compile_time.py, BENCHMARKS.md)."""
+costs about what 8 cost (benchmarks/compile_time.py,
+docs/notes/2026-12-01-compile-time.md)."""
 
 import dataclasses
 import re

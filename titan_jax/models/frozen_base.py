@@ -105,7 +105,7 @@ def dequantize(codes: Array, scale: Array, base: FrozenBase) -> Array:
     """The weight (fp32) that `quantize` stored as `codes` and `scale`: qwix's `dequantize`
     (int8, fp8), or the same numbers for nf4 by elementwise ops only. qwix looks nf4 codes up
     by a gather over the flattened weight, which XLA:TPU materialises with int32 indices: 8B
-    QLoRA on v5e-4 then needs 21.6 GiB of temporaries, not 7."""
+    QLoRA on v5e-4 then needs about three times the temporaries (docs/POSTTRAINING.md)."""
     import qwix
 
     if base.dtype != "nf4":

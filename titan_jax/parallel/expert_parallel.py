@@ -25,7 +25,7 @@ runs only when some rank overflows; the all-gathered counts say so before anythi
 the same on every rank of the exchange (`dropless_exchange`). Padding rows carry the id
 `n_local` (no expert): left out of the group sizes, not computed, zero out. Its first form
 received every step into the worst-case buffer (filled, relaid out, sliced and padded in every
-layer's forward, recompute and backward: ~1.2 s of 235B-A22B's v5p-256 step under the
+layer's forward, recompute and backward: a large share of 235B-A22B's v5p-256 step under the
 planner's estimate); its second chose a capacity or a worst-case branch for the whole exchange
 up front, which left the exchanges inside a conditional, where nothing outside it can run
 under them (docs/MOE.md).

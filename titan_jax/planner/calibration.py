@@ -70,7 +70,7 @@ def mfu_band(mfu: float) -> tuple[float, float]:
 
 
 def with_band(step_s: float, mfu_pct: float | None = None) -> str:
-    """An estimate as printed: "3.04 s (2.80-3.60 s)", with the MFU and its band if given."""
+    """An estimate as printed, "step s (low-high s)", with "/ MFU% (low-high%)" if given."""
     low, high = step_band(step_s)
     text = f"{step_s:.2f} s ({low:.2f}-{high:.2f} s)"
     if mfu_pct is not None:

@@ -209,7 +209,7 @@ class Checkpointer:
         )
         # TensorStore's encoded chunks in flight, bounded at a tenth of this process's share of
         # the state (at least orbax's 1 GB unit): unbounded, they grew to ~0.85x the state on
-        # top of the snapshot (BENCHMARKS.md, "Checkpoint saves: host memory").
+        # top of the snapshot (docs/notes/2026-12-03-checkpoint-saves.md).
         in_flight_gb = max(1, math.ceil(state_bytes / jax.process_count() / 10 / 1e9))
         # orbax warns that a read-only folder is read only: asked for, so not printed.
         absl_logger = logging.getLogger("absl")

@@ -39,7 +39,7 @@ PEAK_BF16_FLOPS: tuple[tuple[str, str, float], ...] = (
     ("l40s", "L40S", 362e12),
     ("l4", "L4", 121e12),
 )
-MATMUL_SIZE = 2048  # n of the timed n^3 matmul: ~0.1 s per run on a 2-core CPU
+MATMUL_SIZE = 2048  # n of the timed n^3 matmul: a fraction of a second per run on a CPU
 MATMUL_RUNS = 7  # timed runs after one warm-up; the median resists a busy neighbour
 
 

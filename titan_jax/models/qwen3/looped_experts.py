@@ -1,7 +1,7 @@
 """The experts' SwiGLU on CPU: rows sorted by expert, one loop over blocks of `BLOCK` rows.
 
-XLA:CPU runs `ragged_dot` like a masked dense matmul over every group (BENCHMARKS.md, "CPU
-kernel choices"), and a batched einsum over padded blocks needs every block's copy of its
+XLA:CPU runs `ragged_dot` like a masked dense matmul over every group (docs/notes/
+2026-12-03-cpu-train-step.md), and a batched einsum over padded blocks needs every block's copy of its
 expert's weights (blocks x D x F per projection, several times the weights themselves; 0.79 GB
 of temporaries per layer at the debug MoE recipe's 8192 picks). Here a loop over the experts
 slices each expert's weights once, and an inner loop visits only the blocks its rows fill

@@ -183,7 +183,7 @@ def project(
     with the layer's `dropout_key`.
 
     The leading (batch, seq) dims are merged into one row dim for the matmul: XLA:CPU runs it
-    faster than with two batch-free leading dims (BENCHMARKS.md, "CPU kernel choices"), and
+    faster than with two batch-free leading dims (docs/notes/2026-12-03-cpu-train-step.md), and
     the merge is a free reshape on every backend. This is local to the kernel: callers see
     (B, T, ...) activations.
     With one in dim (q, k, v) the weight's out dims are merged too, a 2-D matmul: XLA:TPU

@@ -22,7 +22,7 @@ platform:
 - "ragged" (GPU): three `jax.lax.ragged_dot` grouped matmuls;
 - "looped" (CPU): one loop over blocks of each expert's rows, the whole SwiGLU per block against
   the expert's weights in place (`looped_experts.py`). XLA:CPU runs `ragged_dot` like a masked
-  dense matmul over every group (BENCHMARKS.md, "CPU kernel choices").
+  dense matmul over every group (docs/notes/2026-12-03-cpu-train-step.md).
 All equal `dense_reference` (every expert on every token, masked), which is for tests only.
 
 Balancing (TorchTitan's `load_balance_coeff`): the forward returns each expert's token count
