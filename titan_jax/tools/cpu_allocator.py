@@ -1,16 +1,16 @@
 """Run a command with a faster malloc preloaded on CPU hosts: `python -m
 titan_jax.tools.cpu_allocator CMD [ARGS...]` (what `make train` and `make bench` do).
 
-Why (docs/notes/2026-12-02-cpu-page-faults.md): XLA:CPU allocates a step's temporaries as one block per
-execution (1.76 GB at debugmodel 4 x 256) and frees it after. glibc serves a block that large
-with a fresh mmap and unmaps it on free, so every step faults in ~400k kernel-zeroed pages
-(~20% of the step's CPU time). tcmalloc and mimalloc keep the freed block for the next step.
-Neither XLA nor JAX has an option for the host allocator, and LD_PRELOAD is read only when a
-process starts: hence a launcher that execs the command with it set.
+Why (docs/notes/2026-12-02-cpu-page-faults.md): XLA:CPU allocates a step's temporaries as one
+block per execution (1.76 GB at debugmodel 4 x 256) and frees it after. glibc serves a block
+that large with a fresh mmap and unmaps it on free, so every step faults in ~400k kernel-zeroed
+pages (~20% of the step's CPU time). tcmalloc and mimalloc keep the freed block for the next
+step. Neither XLA nor JAX has an option for the host allocator, and LD_PRELOAD is read only when
+a process starts: hence a launcher that execs the command with it set.
 
-Which (measured in docs/notes/2026-12-02-cpu-page-faults.md): tcmalloc where the system has it (Debian's
-libtcmalloc-minimal4; `.ci/run` installs it as root): no fault left, PyTorch in the same
-process unchanged, but a second temporaries block stays resident (+1.5 GB at the debug
+Which (measured in docs/notes/2026-12-02-cpu-page-faults.md): tcmalloc where the system has it
+(Debian's libtcmalloc-minimal4; `.ci/run` installs it as root): no fault left, PyTorch in the
+same process unchanged, but a second temporaries block stays resident (+1.5 GB at the debug
 shape). Else mimalloc from the `cmeel-mimalloc` wheel (the `cpu` extra of `make install`, no
 root needed) with its transparent huge pages off: as fast for titan-jax, but PyTorch's step
 took +13% CPU under it (+50% with THP on). `TITAN_JAX_ALLOCATOR` overrides:

@@ -1,17 +1,16 @@
 """The experts' SwiGLU on CPU: rows sorted by expert, one loop over blocks of `BLOCK` rows.
 
-XLA:CPU runs `ragged_dot` like a masked dense matmul over every group (docs/notes/
-2026-12-03-cpu-train-step.md), and a batched einsum over padded blocks needs every block's copy of its
-expert's weights (blocks x D x F per projection, several times the weights themselves; 0.79 GB
-of temporaries per layer at the debug MoE recipe's 8192 picks). Here a loop over the experts
-slices each expert's weights once, and an inner loop visits only the blocks its rows fill
-(`ceil(size / BLOCK)`; rows past the groups, an exchange buffer's padding, are never visited
-and come out zero), running the whole SwiGLU of one block. Backward (a custom VJP that saves
-only the inputs) loops the same way, recomputes the block's two input projections, and sums
-the expert's weight gradients in the inner loop's carry: nothing per block outlives its
-iteration, and no weight is copied per block (nor transposed: the contractions name the
-weights' own dims).
-"""
+XLA:CPU runs `ragged_dot` like a masked dense matmul over every group
+(docs/notes/2026-12-03-cpu-train-step.md), and a batched einsum over padded blocks needs every
+block's copy of its expert's weights (blocks x D x F per projection, several times the weights
+themselves; 0.79 GB of temporaries per layer at the debug MoE recipe's 8192 picks). Here a loop
+over the experts slices each expert's weights once, and an inner loop visits only the blocks its
+rows fill (`ceil(size / BLOCK)`; rows past the groups, an exchange buffer's padding, are never
+visited and come out zero), running the whole SwiGLU of one block. Backward (a custom VJP that
+saves only the inputs) loops the same way, recomputes the block's two input projections, and
+sums the expert's weight gradients in the inner loop's carry: nothing per block outlives its
+iteration, and no weight is copied per block (nor transposed: the contractions name the weights'
+own dims)."""
 
 from __future__ import annotations
 
