@@ -1,6 +1,5 @@
-"""`titan-jax compile` (planner/aot_compile.py, planner/hlo_stats.py, planner/topology.py): the
-train step compiled for named TPU slices on this CPU with libtpu, and the HLO arithmetic behind
-it."""
+"""`titan-jax compile` (planner/aot_compile.py): the train step compiled for named TPU slices on
+this CPU with libtpu, and its report."""
 
 from __future__ import annotations
 
@@ -13,94 +12,11 @@ import pytest
 
 from titan_jax.cli import main
 from titan_jax.planner import calibration, hlo_stats, topology
-from titan_jax.planner.hlo_cost import moved_bytes as _moved_bytes
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
     reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
 )
-
-# A scan of 3 iterations whose body holds a loop of 4: dots run 1, 3 and 12 times.
-LOOPS = """
-HloModule m
-
-%inner_body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
-  %p = (s32[], f32[8,16]{1,0}) parameter(0)
-  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
-  %w = f32[16,16]{1,0} constant({...})
-  %d3 = f32[8,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  %ag = bf16[64,16]{1,0} all-gather(%x), replica_groups=[2,4]<=[8], dimensions={0}
-}
-
-%inner_cond (p: (s32[], f32[8,16])) -> pred[] {
-  %p = (s32[], f32[8,16]{1,0}) parameter(0)
-  %i = s32[] get-tuple-element(%p), index=0
-  %n = s32[] constant(4)
-  ROOT %lt = pred[] compare(%i, %n), direction=LT
-}
-
-%outer_body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
-  %p = (s32[], f32[8,16]{1,0}) parameter(0)
-  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
-  %w = f32[16,32]{1,0} constant({...})
-  %d2 = f32[8,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  %loop = (s32[], f32[8,16]{1,0}) while(%p), condition=%inner_cond, body=%inner_body
-}
-
-%outer_cond (p: (s32[], f32[8,16])) -> pred[] {
-  %p = (s32[], f32[8,16]{1,0}) parameter(0)
-  %i = s32[] get-tuple-element(%p), index=0
-  %n = s32[] constant(3)
-  ROOT %lt = pred[] compare(%i, %n), direction=LT
-}
-
-ENTRY %main (a: f32[8,16]) -> f32[8,16] {
-  %a = f32[8,16]{1,0} parameter(0)
-  %b = f32[16,4]{1,0} constant({...})
-  %d1 = f32[8,4]{1,0} dot(f32[8,16]{1,0} %a, f32[16,4]{1,0} %b), lhs_contracting_dims={1}
-  %t = (s32[], f32[8,16]{1,0}) tuple(%i0, %a)
-  %loop = (s32[], f32[8,16]{1,0}) while(%t), condition=%outer_cond, body=%outer_body
-  %ar = f32[8,16]{1,0} all-reduce(%a), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
-}
-"""
-
-
-def test_flops_count_every_loop_iteration():
-    module = hlo_stats.parse(LOOPS)
-    counts, unknown = hlo_stats.executions(module)
-    assert (counts["main"], counts["outer_body"], counts["inner_body"], unknown) == (1, 3, 12, 0)
-    flops, _ = hlo_stats.dot_flops(module)
-    assert flops == 2 * (8 * 4 * 16 + 3 * 8 * 32 * 16 + 12 * 8 * 16 * 16)
-
-
-def test_collectives_carry_groups_and_executions():
-    ops = {c["op"]: c for c in hlo_stats.collective_ops(hlo_stats.parse(LOOPS))}
-    assert ops["all-gather"]["groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert ops["all-gather"]["executions"] == 12 and ops["all-gather"]["bytes"] == 64 * 16 * 2
-    assert ops["all-reduce"]["groups"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    iota = hlo_stats.Instruction(
-        "x", "f32[4]", "all-gather", "%a), replica_groups=[4,2]<=[2,4]T(1,0)"
-    )
-    assert hlo_stats.replica_groups(iota) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-
-
-def test_ring_traffic_per_device():
-    assert _moved_bytes("all-gather", 800, 4) == 600  # receives the 3 shards it lacks
-    assert _moved_bytes("reduce-scatter", 200, 4) == 600
-    assert _moved_bytes("all-reduce", 800, 4) == 1200
-    assert _moved_bytes("all-reduce", 800, 1) == 0
-
-
-def test_slice_names_follow_cloud():
-    assert topology.parse_slice("v5p-8").chips == 4  # v5p counts TensorCores
-    assert topology.parse_slice("v5p-128").libtpu_name == "v5p:4x4x4"
-    assert topology.parse_slice("v6e-8").libtpu_name == "v6e:2x4"
-    assert topology.parse_slice("v5e-256").chips == 256
-    assert topology.parse_slice("v4-16").libtpu_name == "v4:2x2x2"
-    ironwood = topology.parse_slice("tpu7x-128")  # TensorCores: 64 chips, one 4x4x4 cube
-    assert (ironwood.chips, ironwood.libtpu_name) == (64, "tpu7x:4x4x4")
-    assert ironwood.wrapped_lengths == (4, 4, 4)
-    assert len(topology.compile_only_devices(topology.parse_slice("tpu7x-8"))) == 8
 
 
 def test_unknown_topology_lists_the_valid_names(capsys):

@@ -791,3 +791,10 @@ def test_a_conditional_is_priced_by_the_branch_a_step_takes(marked, priced):
     assert (other["seconds"] < conditional["seconds"]) == (priced == "costly")
     # the branch's HBM traffic alone: the cheap one reads and writes one n x n array
     assert (r["hbm_bytes_per_chip"] > 3 * 4 * n * n) == (priced == "costly")
+
+
+def test_ring_traffic_per_device():
+    assert hlo_cost.moved_bytes("all-gather", 800, 4) == 600  # receives the 3 shards it lacks
+    assert hlo_cost.moved_bytes("reduce-scatter", 200, 4) == 600
+    assert hlo_cost.moved_bytes("all-reduce", 800, 4) == 1200
+    assert hlo_cost.moved_bytes("all-reduce", 800, 1) == 0

@@ -1,13 +1,12 @@
 # ruff: noqa: E501 (HLO text keeps its lines whole)
-"""The published sustained rates (planner/sustained.py), the estimate's use of them
-(planner/hlo_cost.py: matmuls by size, host transfers over the host link) and the
-calibration band (planner/calibration.py)."""
+"""The published sustained rates (planner/sustained.py) and the estimate's use of them
+(planner/hlo_cost.py: matmuls by size, host transfers over the host link)."""
 
 from __future__ import annotations
 
 import pytest
 
-from titan_jax.planner import calibration, hlo_cost, sustained
+from titan_jax.planner import hlo_cost, sustained
 from titan_jax.planner.sustained import Curve
 from titan_jax.planner.topology import Chip
 
@@ -137,16 +136,3 @@ def test_host_transfers_cross_the_host_link_hidden_only_by_the_work_scheduled_un
     assert r["seconds_by_class"].get("waiting on host transfers", 0.0) == pytest.approx(waits)
     # the pieces' HBM reads (0.5 GB each at 1 TB/s) hide under the dot
     assert r["step_s"] == pytest.approx(tflops + waits, rel=1e-6)
-
-
-def test_the_band_is_the_calibrations_worst_residuals_above_and_below(monkeypatch):
-    points = (
-        calibration.Point("fast", 1.2, 1.0, "x"),
-        calibration.Point("slow", 0.9, 1.0, "y"),
-        calibration.Point("exact", 2.0, 2.0, "z"),
-    )
-    monkeypatch.setattr(calibration, "POINTS", points)
-    assert calibration.residuals() == pytest.approx((-0.1, 0.2))
-    assert calibration.step_band(3.0) == pytest.approx((2.7, 3.6))
-    assert calibration.mfu_band(48.0) == pytest.approx((40.0, 48.0 / 0.9))
-    assert calibration.with_band(3.0, 48.0) == "3.00 s (2.70-3.60 s) / 48% (40-53%)"
