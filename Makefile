@@ -40,8 +40,8 @@ install:
 
 # CPU_MALLOC: on CPU hosts, runs the command with tcmalloc (apt: libtcmalloc-minimal4) or else
 # mimalloc (the cpu extra) preloaded: XLA:CPU's per-step temporaries then stop faulting in fresh
-# pages every step (docs/notes/2026-12-02-cpu-page-faults.md). A no-op, with one line saying so, where
-# neither is installed or on TPU/GPU hosts.
+# pages every step (docs/notes/2026-12-02-cpu-page-faults.md). A no-op, with one line saying so,
+# where neither is installed or on TPU/GPU hosts.
 CPU_MALLOC := $(BIN)/python -m titan_jax.tools.cpu_allocator
 
 train:

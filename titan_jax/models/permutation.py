@@ -3,7 +3,7 @@
 `x[order]` transposes, under autodiff, to a scatter-add of the cotangent into zeros: JAX does
 not know `order` is a permutation. On TPU a scatter-add of a MoE layer's rows (each pick's
 model-dim row) costs several times the gather that does the same job when every index is hit
-once (several times, in 235B-A22B's v5p-256 program). `permute`
+once (as 235B-A22B's v5p-256 program showed). `permute`
 says so: its backward is `g[inverse]`.
 """
 
