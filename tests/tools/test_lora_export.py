@@ -16,6 +16,7 @@ from tiny_model import TINY
 
 from titan_jax.cli import main
 from titan_jax.config import load_config
+from titan_jax.models.frozen_base import FrozenBase
 from titan_jax.models.lora import Lora
 from titan_jax.models.qwen3 import build_model_def
 from titan_jax.models.spec import BuildOptions
@@ -163,6 +164,43 @@ def test_to_hf_and_last_save_in_hf_write_the_merged_model(run, tmp_path):
         ).eval()
         assert not any("lora" in name for name, _ in model.named_parameters())
         np.testing.assert_allclose(hf_logits(model), ours, rtol=0, atol=1e-5, err_msg=folder)
+
+
+@pytest.mark.parametrize("base_dtype", ["nf4", "int8"])
+def test_a_qlora_run_exports_its_quantized_base_merged(run, tmp_path, base_dtype):
+    """The merged model of a run whose frozen base is quantized holds the base as the run used
+    it (dequantized) plus the adapters: transformers gives the adapted model's logits."""
+    root, _, _ = run
+    params, step = train(
+        tmp_path / "run",
+        root / "base",
+        "--lora.rank",
+        str(RANK),
+        "--lora.alpha",
+        str(ALPHA),
+        "--lora.target_modules",
+        ",".join(TARGETS),
+        "--lora.base_dtype",
+        base_dtype,
+        *(["--lora.base_block_size", "8"] if base_dtype == "nf4" else []),  # TINY's inputs: 32
+    )
+    assert convert("--from", "orbax", "--to", "hf", step, tmp_path / "merged") == 0
+    base = FrozenBase(base_dtype, block_size=8 if base_dtype == "nf4" else 64)
+    model = build_model_def(TINY, BuildOptions(lora=Lora(RANK, ALPHA, TARGETS, base=base)))
+    ours = np.asarray(model.apply(params, TOKENS))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "merged"), dtype=torch.float32
+    ).eval()
+    np.testing.assert_allclose(hf_logits(merged), ours, rtol=0, atol=1e-5)
+    # A projection without adapters is the base as the run held it (dequantized, as PEFT's
+    # merge of a 4-bit base gives it), not the HF base's float weight.
+    name = "model.layers.0.self_attn.k_proj.weight"
+    with safe_open(str(tmp_path / "merged" / "model.safetensors"), "np") as f:
+        exported = f.get_tensor(name)
+    with safe_open(str(root / "base" / "model.safetensors"), "np") as f:
+        original = f.get_tensor(name)
+    error = np.abs(exported - original).max()
+    assert 0 < error < 0.2 * np.abs(original).max(), error
 
 
 def test_generate_decodes_the_adapted_model(run, tmp_path, capsys, monkeypatch):
