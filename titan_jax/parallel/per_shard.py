@@ -10,14 +10,14 @@ need `check_vma=False`. Inside SimpleFSDP's shard_map twin, which is type-checke
 collectives' transposes depend on it), differentiating such a kernel fails: the kernel's
 backward returns untyped cotangents for typed (varying) inputs. `typed_kernel` wraps it in a
 custom_vjp whose forward and backward run unchecked and are re-typed as varying over the data
-axes they really vary over. The forward is the kernel's own VJP's forward, its residuals
-returned beside the output (each with a leading dim over the model axes the kernel is mapped
-over, as a shard_map output needs); the backward applies the kernel's VJP to them. Both are
-traced on untyped abstract values and evaluated on the typed ones. So the backward does not
-compute the kernel's forward again (splash attention's forward, the experts' w1 and w3
-grouped matmuls), as it did when only the inputs were saved. An input that is whole on every
-shard of a model axis the kernel is mapped over (the experts' rows, under tp) gets its
-cotangent summed over that axis: each shard's is a partial sum.
+axes they really vary over. The forward is JAX's VJP of the unchecked shard_map, and its
+pullback (a pytree of residuals) is the custom_vjp's residual: the backward applies it, so it
+does not compute the kernel's forward again (splash attention's forward, the experts' w1 and
+w3 grouped matmuls), and shard_map's own partial evaluation decides which residuals are inputs
+(not copied) and how the others leave the nested map. Both are traced on untyped abstract
+values and evaluated on the typed ones. shard_map's transpose sums the cotangent of an input
+that is whole on every shard of a model axis the kernel is mapped over (the experts' rows,
+under tp) over that axis: each shard's is a partial sum.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, PartitionSpec
@@ -65,69 +64,35 @@ def manual_per_shard(
         )
 
     model_axes = frozenset().union(*map(axes_of, (*in_specs, out_spec)))
-    # An input whole on each shard of a model axis (the experts' rows, whose hidden dim tp
-    # splits) gets a partial cotangent from each: summed over those axes.
-    summed_over = [tuple(sorted(model_axes - axes_of(spec))) for spec in in_specs]
-
-    def unchecked(f: Kernel, specs: tuple[PartitionSpec, ...], out: object) -> Kernel:
-        return jax.shard_map(
-            f, in_specs=specs, out_specs=out, axis_names=model_axes, check_vma=False
-        )
+    mapped = jax.shard_map(
+        kernel, in_specs=in_specs, out_specs=out_spec, axis_names=model_axes, check_vma=False
+    )
 
     def vary(x: jax.Array) -> jax.Array:
         missing = tuple(a for a in data_axes if a not in jax.typeof(x).mat.varying)
         return lax.pcast(x, missing, to="varying") if missing else x
 
-    residual_spec = PartitionSpec(tuple(sorted(model_axes)) or None)
-    # The kernel VJP's structure, and for each of its leaves the kernel input it is (None: a
-    # residual the forward returns), from the forward's trace. Inputs are not returned: a
-    # shard_map output would copy them (the experts' rows and weights, each layer).
-    pullback: list[Any] = []
-
-    def untyped(f: Callable[..., Any], *xs: jax.Array) -> list[jax.Array]:
-        """`f`'s flat outputs, traced on untyped abstract values, evaluated on `xs`."""
-        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
-        return jaxpr_as_fun(jax.make_jaxpr(f)(*abstract))(*xs)
-
-    def forward(*xs: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
-        def traced(*a: jax.Array) -> list[jax.Array]:
-            y, vjp = jax.vjp(kernel, *a)
-            leaves, tree = jax.tree.flatten(vjp)
-            position = {id(x): i for i, x in enumerate(a)}
-            sources = [position.get(id(leaf)) for leaf in leaves]
-            pullback[:] = [tree, sources]
-            return [y, *(leaf for leaf, i in zip(leaves, sources, strict=True) if i is None)]
-
-        y, *residuals = untyped(traced, *xs)
-        return y, [r[None] for r in residuals]  # a leading dim over the model axes
-
-    def backward(
-        xs: tuple[jax.Array, ...], residuals: list[jax.Array], g: jax.Array
-    ) -> tuple[jax.Array, ...]:
-        tree, sources = pullback
-        computed = iter(r[0] for r in residuals)
-        leaves = [next(computed) if i is None else xs[i] for i in sources]
-
-        def traced(g: jax.Array, *leaves: jax.Array) -> tuple[jax.Array, ...]:
-            return jax.tree.unflatten(tree, leaves)(g)
-
-        cts = untyped(traced, g, *leaves)
-        return tuple(
-            lax.psum(ct, axes) if axes and jnp.issubdtype(ct.dtype, jnp.inexact) else ct
-            for ct, axes in zip(cts, summed_over, strict=True)
-        )
-
     @jax.custom_vjp
     def typed_kernel(*xs: jax.Array) -> jax.Array:
-        return vary(unchecked(kernel, in_specs, out_spec)(*xs))
+        return vary(mapped(*xs))
 
-    def fwd(*xs: jax.Array) -> tuple[jax.Array, tuple[Any, ...]]:
-        y, residuals = unchecked(forward, in_specs, (out_spec, residual_spec))(*xs)
-        return vary(y), (xs, residuals)
+    def fwd(*xs: jax.Array) -> tuple[jax.Array, Any]:
+        y, pullback = untyped(lambda *a: jax.vjp(mapped, *a), *xs)
+        return vary(y), pullback  # the pullback (a pytree of residuals) is the residual
 
-    def bwd(saved: tuple[Any, ...], g: jax.Array) -> tuple[jax.Array, ...]:
-        cts = unchecked(backward, (in_specs, residual_spec, out_spec), in_specs)(*saved, g)
-        return tuple(vary(ct) for ct in cts)
+    def bwd(pullback: Any, g: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(map(vary, untyped(lambda pull, g: pull(g), pullback, g)))
 
     typed_kernel.defvjp(fwd, bwd)
     return typed_kernel(*args)
+
+
+def untyped[T](f: Callable[..., T], *xs: Any) -> T:
+    """`f(*xs)` traced on untyped abstract values (no varying axes) and evaluated on `xs`: the
+    kernel and its VJP are typed as the unchecked shard_map's values, not as the data axes'."""
+    leaves, tree = jax.tree.flatten(xs)
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    closed, out_shape = jax.make_jaxpr(
+        lambda *leaves: f(*jax.tree.unflatten(tree, leaves)), return_shape=True
+    )(*abstract)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), jaxpr_as_fun(closed)(*leaves))
