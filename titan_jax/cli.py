@@ -188,16 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args, config = _parse(argv)
+        if config is None:  # the commands without a recipe
+            return _convert(args) if args.command == "convert" else _goodput(args)
         if args.command == "inspect":
             return _inspect(config, args.json)
         if args.command == "compile":
             return _compile(args, config)
         if args.command == "parity":
             return _parity(args, config)
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "goodput":
-            return _goodput(args)
         if args.command == "generate":
             return _generate(args, config)
         if args.command == "prepare-data":

@@ -82,7 +82,7 @@ def _suggest(name: str, valid: typing.Iterable[str]) -> str:
     return f"valid: {', '.join(valid)}"
 
 
-def _sections() -> dict[str, type]:
+def _sections() -> dict[str, Any]:  # section name -> its dataclass
     return {f.name: f.type for f in dataclasses.fields(JobConfig)}
 
 
@@ -491,7 +491,7 @@ def _check_quantize(q: Quantize) -> None:
     )
     _require(len(set(names)) == len(names), f"quantize.modules={q.modules!r} names a group twice")
     _require(
-        q.mode == "none" or names,
+        q.mode == "none" or bool(names),
         f"quantize.modules is empty: nothing would run in "
         f"{q.mode}; name some of {','.join(QUANTIZE_MODULES)}, or set quantize.mode=none",
     )
@@ -532,7 +532,7 @@ def _check_lora(lo: Lora) -> None:
         f"{', '.join(map(repr, unknown))} is no target; use a comma-separated subset of "
         f"{','.join(LORA_TARGETS)}",
     )
-    _require(names, "lora.target_modules is empty; name some of " + ",".join(LORA_TARGETS))
+    _require(bool(names), "lora.target_modules is empty; name some of " + ",".join(LORA_TARGETS))
     _require(
         len(set(names)) == len(names),
         f"lora.target_modules={lo.target_modules!r} names a target twice",

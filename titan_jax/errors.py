@@ -106,7 +106,7 @@ def quiet_closed_loop_callbacks() -> None:
         if not (_is_closed_loop_callback(unraisable) or _is_abandoned_orbax_read(unraisable)):
             previous(unraisable)
 
-    hook.quiets_abandoned_reads = True  # type: ignore[attr-defined]
+    hook.quiets_abandoned_reads = True  # type: ignore[attr-defined]  # a marker on the hook function itself
     sys.unraisablehook = hook
     # A read's Task that failed after the loop stopped waiting for it is reported by asyncio's
     # logger when collected ("Task exception was never retrieved"), not through the hook.

@@ -48,7 +48,8 @@ def pair_row(
     """{"inputs": (S, 3) ids, segments, positions; "labels": (S,)} of a pair given as the
     (token ids, loss mask) of its chosen and its rejected sequence (cut to fit:
     `fitted_lengths`)."""
-    lengths = fitted_lengths(*(len(ids) for ids, _ in sequences), seq_len)
+    (chosen, _), (rejected, _) = sequences
+    lengths = fitted_lengths(len(chosen), len(rejected), seq_len)
     ids = np.zeros(seq_len, np.int32)
     segments = np.full(seq_len, PADDING, np.int32)
     positions = np.zeros(seq_len, np.int32)

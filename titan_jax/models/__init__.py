@@ -1,8 +1,11 @@
 """Model families behind one interface (`spec.py`), registered by `model.name`."""
 
+from typing import Any
+
 from titan_jax.models import qwen3  # noqa: F401  (registers "qwen3")
 from titan_jax.models.spec import (
     BuildOptions,
+    ModelArgs,
     ModelDef,
     ModelSpec,
     register_model,
@@ -11,7 +14,7 @@ from titan_jax.models.spec import (
 )
 
 
-def get_model_spec(name: str) -> ModelSpec:
+def get_model_spec(name: str) -> ModelSpec[Any]:
     """The family registered as `name` (config `model.name`); a ConfigError lists the valid
     ones."""
     return registered_model(name)
@@ -19,6 +22,7 @@ def get_model_spec(name: str) -> ModelSpec:
 
 __all__ = [
     "BuildOptions",
+    "ModelArgs",
     "ModelDef",
     "ModelSpec",
     "get_model_spec",

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.typing import DTypeLike
 
 from titan_jax.models.spec import Aux, Params
 
@@ -71,8 +72,10 @@ class SequenceSplit(Protocol):
     shards' K/V, "allgather" (`gather`) or "ring" (`pass_along`: each shard's block to the
     next shard, degree - 1 times)."""
 
-    degree: int
-    method: str
+    @property
+    def degree(self) -> int: ...
+    @property
+    def method(self) -> str: ...
 
     def positions(self, t_local: int) -> jax.Array: ...
 
@@ -95,7 +98,8 @@ class VocabSplit(Protocol):
     keeps this shard's rows, `own(x)` picks this shard's rows of it without summing,
     `sum`/`max` reduce elementwise over shards. `degree` 1: the whole vocabulary is here."""
 
-    degree: int
+    @property
+    def degree(self) -> int: ...
 
     def offset(self, v_local: int) -> jax.Array: ...
 
@@ -290,10 +294,11 @@ class WeightInParts(Protocol):
     def dequantized(self, dtype: jnp.dtype) -> jax.Array: ...
 
 
-def use_param(param: nnx.Param | WeightInParts, dtype: jnp.dtype) -> jax.Array:
+def use_param(param: nnx.Variable | WeightInParts, dtype: DTypeLike) -> jax.Array:
     """The weight as the forward should see it (cast, and gathered when a mesh is active).
     A frozen weight is gathered in the dtype it is stored in and cast (or dequantized) after
     the gather, so the gather moves its stored bytes."""
+    dtype = jnp.dtype(dtype)
     if not isinstance(param, nnx.Variable):
         return checkpoint_name(param.dequantized(dtype), GATHERED_PARAM)
     if isinstance(param, FrozenParam):
@@ -307,7 +312,7 @@ def gather_frozen(param: FrozenParam) -> jax.Array:
     return _ACTIVE.get().gather_frozen(param[...], _axes_of(param))
 
 
-def _axes_of(param: nnx.Param) -> LogicalAxes:
+def _axes_of(param: nnx.Variable) -> LogicalAxes:
     axes = tuple(param.logical_axes)
     if len(axes) != param[...].ndim:
         raise ValueError(

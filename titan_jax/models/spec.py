@@ -23,10 +23,10 @@ import dataclasses
 import difflib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import jax
-import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.models.lora import NO_LORA, Lora
@@ -36,21 +36,71 @@ Params = dict[str, Any]
 Aux = dict[str, Any]  # {"loss": scalar, "stats": {name: array}}
 
 
+class ModelArgs(Protocol):
+    """A flavour's args, as family-agnostic code (run checks, planner, sharding) reads them: each
+    family's frozen args dataclass (`ModelSpec.args_class`) has these fields. Read-only, as a
+    frozen dataclass's fields are."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass (saved, replaced by field)
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def hidden_dim(self) -> int: ...  # a dense MLP's inner size
+    @property
+    def tie_embeddings(self) -> bool: ...
+    @property
+    def num_experts(self) -> int: ...  # 0: dense
+    @property
+    def top_k(self) -> int: ...  # experts per token (0: dense)
+    @property
+    def moe_inter_dim(self) -> int: ...  # an expert's inner size
+    @property
+    def is_moe(self) -> bool: ...
+
+    def validate(self) -> None:
+        """Raises ValueError naming the field where the sizes break the family's rules."""
+        ...
+
+
 class ModelDef(Protocol):
     """One built model: abstract shapes and logical axes of its params and buffers, and pure
     functions over them."""
 
-    args: Any
-    abstract_params: Params  # ShapeDtypeStruct leaves (fp32 master weights)
-    logical_axes: Params  # same tree as abstract_params; tuples of logical axis names
-    abstract_buffers: Params
-    buffer_logical_axes: Params
+    # Read-only (properties), as a frozen dataclass's fields are.
+    @property
+    def args(self) -> ModelArgs: ...
+    @property
+    def options(self) -> BuildOptions: ...  # how it was built
+    @property
+    def abstract_params(self) -> Params: ...  # ShapeDtypeStruct leaves (fp32 master weights)
+    @property
+    def logical_axes(self) -> Params: ...  # abstract_params' tree; tuples of logical axis names
+    @property
+    def abstract_buffers(self) -> Params: ...
+    @property
+    def buffer_logical_axes(self) -> Params: ...
     # Dotted names of the params the optimizer trains (LoRA: the adapters); None: every param.
-    trainable: frozenset[str] | None
+    @property
+    def trainable(self) -> frozenset[str] | None: ...
     # Every param in fp32 (a LoRA base stored in bf16 or quantized is not): what a base
     # model's checkpoint holds, and their logical axes.
-    plain_params: Params
-    plain_logical_axes: Params
+    @property
+    def plain_params(self) -> Params: ...
+    @property
+    def plain_logical_axes(self) -> Params: ...
 
     def stored(self, params: Params) -> Params:
         """Plain params (`plain_params`' tree) with the frozen base stored as the build's
@@ -66,13 +116,13 @@ class ModelDef(Protocol):
         params: Params,
         buffers: Params,
         tokens_BT: jax.Array,
-        dtype: jnp.dtype,
+        dtype: DTypeLike,
         dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, Aux]:
         """`dropout_key`: the step's LoRA dropout key (training only; None: no dropout)."""
         ...
 
-    def apply(self, params: Params, tokens_BT: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    def apply(self, params: Params, tokens_BT: jax.Array, dtype: DTypeLike) -> jax.Array:
         """Logits (B, T, V) in fp32 (for parity and decoding; training never builds them)."""
         ...
 
@@ -117,63 +167,74 @@ class BuildOptions:
     lora: Lora = NO_LORA
 
 
-class HFAdapter(Protocol):
+class HFAdapter[A: ModelArgs](Protocol):
     """HF transformers checkpoints (config.json + safetensors) of one family: its key map and
     config translation (the files themselves are `models/safetensors_io.py`'s)."""
 
-    def read_config(self, path: str | Path) -> Any: ...  # a HF directory's config.json as args
+    def read_config(self, path: str | Path) -> A: ...  # a HF directory's config.json
 
-    def load_params(
-        self, path: str | Path, args: Any, shardings: Params | None = None
-    ) -> Params: ...
+    def load_params(self, path: str | Path, args: A, shardings: Params | None = None) -> Params: ...
 
     def save(
-        self, path: str | Path, params: Params, args: Any, dtype: str = "float32", **options: Any
-    ) -> Any: ...
+        self,
+        path: str | Path,
+        params: Params,
+        args: A,
+        dtype: str = "float32",
+        max_shard_size: int | str = ...,
+        *,
+        overwrite: bool = False,
+        source: str | Path | None = None,
+    ) -> list[Path]:
+        """The model as a HF directory (`source`: where it came from, for the messages);
+        returns the files written."""
+        ...
 
     def save_peft(
         self,
         path: str | Path,
         params: Params,
-        args: Any,
+        args: A,
         lora: Lora,
         base_model: str | None = None,
         dtype: str = "float32",
-        **options: Any,
-    ) -> Any:
+        *,
+        overwrite: bool = False,
+        source: str | Path | None = None,
+    ) -> list[Path]:
         """The LoRA adapters in `params` as a PEFT adapter directory."""
         ...
 
-    def live_tensors(self, params: Params, args: Any) -> dict[str, Any]:
+    def live_tensors(self, params: Params, args: A) -> dict[str, Any]:
         """Every tensor (e.g. gradients) under a live transformers model's parameter names."""
         ...
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec[A: ModelArgs]:
     name: str
-    args_class: type  # a dataclass: a flavour's args (saved as model_args in checkpoints)
-    flavors: Mapping[str, Any]
+    args_class: type[A]  # a frozen dataclass (saved as model_args in checkpoints)
+    flavors: Mapping[str, A]
     build: Callable[..., ModelDef]  # (args, BuildOptions | None = None) -> ModelDef
     # Training FLOPs per token at a seq_len: (args, seq_len, lora=NO_LORA) -> FLOPs.
     flops_per_token: Callable[..., float]
-    hf: HFAdapter
+    hf: HFAdapter[A]
     # KV-cached sampling: (params, args, prompt_BT, max_new_tokens, *, temperature, top_p,
     # seed, eos_id, dtype) -> tokens (B, T + n).
     generate: Callable[..., jax.Array]
     # The run's config applied to a flavour's args (e.g. the [moe] knobs); identity by default.
-    configure: Callable[[Any, JobConfig], Any] = lambda args, config: args
+    configure: Callable[[A, JobConfig], A] = lambda args, config: args
     display_name: str = ""  # for messages; defaults to `name`
 
     def __post_init__(self) -> None:
         if not self.display_name:
             object.__setattr__(self, "display_name", self.name)
 
-    def flavor(self, name: str) -> Any:
+    def flavor(self, name: str) -> A:
         return pick_flavor(self.display_name, self.flavors, name)
 
 
-def pick_flavor(family: str, flavors: Mapping[str, Any], name: str) -> Any:
+def pick_flavor[A](family: str, flavors: Mapping[str, A], name: str) -> A:
     """`flavors[name]`, or a ConfigError that suggests the nearest names."""
     if name not in flavors:
         by_lower = {k.lower(): k for k in flavors}
@@ -189,10 +250,11 @@ def pick_flavor(family: str, flavors: Mapping[str, Any], name: str) -> Any:
     return flavors[name]
 
 
-_REGISTRY: dict[str, ModelSpec] = {}
+# Families differ in their args class: the registry holds each spec whatever its `A`.
+_REGISTRY: dict[str, ModelSpec[Any]] = {}
 
 
-def spec_of_args(args: Any) -> ModelSpec:
+def spec_of_args(args: ModelArgs) -> ModelSpec[Any]:
     """The registered family whose flavours are `type(args)`."""
     for spec in _REGISTRY.values():
         if isinstance(args, spec.args_class):
@@ -200,11 +262,11 @@ def spec_of_args(args: Any) -> ModelSpec:
     raise ValueError(f"{type(args).__name__} is no registered model's args")
 
 
-def register_model(spec: ModelSpec) -> None:
+def register_model(spec: ModelSpec[Any]) -> None:
     _REGISTRY[spec.name] = spec
 
 
-def registered_model(name: str) -> ModelSpec:
+def registered_model(name: str) -> ModelSpec[Any]:
     """The registered family `name` (model.name), or a ConfigError listing the valid ones.
     Use `titan_jax.models.get_model_spec`, which registers the built-in families first."""
     if name not in _REGISTRY:

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
+from typing import Any
 
 import jax
 
@@ -181,7 +182,8 @@ class JobFailures:
         self.heartbeat_timeout = heartbeat_timeout
         self.poll_s = min(poll_s, heartbeat_timeout / 10)
         self.activity: Callable[[], str] = lambda: "starting up"  # the run loop sets its own
-        self._client = None
+        # JAX's coordination-service client once joined (`jax._src.distributed`'s, typed Any there).
+        self._client: Any = None
         self._stop = threading.Event()
         self._reported: int | None = None  # the exit code of this process's own failure
         self._answered = time.monotonic()  # when the coordination service last answered

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from titan_jax.models import spec_of_args
+from titan_jax.models import ModelArgs, spec_of_args
 
 
 @dataclasses.dataclass
@@ -64,7 +64,7 @@ class Trajectory:
 
 @dataclasses.dataclass
 class ParityReport:
-    args: Any  # the compared model's args (its family's dataclass)
+    args: ModelArgs  # the compared model's args (its family's dataclass)
     weights: str  # where the weights came from
     prompt_len: int
     decode_tokens: int

@@ -23,7 +23,8 @@ from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.pipeline import training_sources
 from titan_jax.data.tokenizer import load_tokenizer
 from titan_jax.data.windows import WindowStream
-from titan_jax.models import BuildOptions, get_model_spec, spec_of_args
+from titan_jax.models import BuildOptions, ModelArgs, get_model_spec, spec_of_args
+from titan_jax.models.qwen3 import Qwen3Args
 from titan_jax.parity import BARS, REFERENCES, metrics
 from titan_jax.parity.ours import TitanSide, train_trajectory
 from titan_jax.parity.report import ParityReport, ReferenceResult, Trajectory
@@ -75,7 +76,7 @@ def _compare_logits(
 
 
 def run_parity(
-    args: Any,
+    args: ModelArgs,
     hf_dir: str | Path,
     *,
     references: tuple[str, ...] = REFERENCES,
@@ -140,7 +141,7 @@ def run_parity(
 
 def _compare_reference(
     name: str,
-    args: Any,
+    args: ModelArgs,
     hf_dir: Path,
     our_logits: np.ndarray,
     our_loss: float,
@@ -168,6 +169,9 @@ def _compare_reference(
                 inputs,
                 labels,
             )
+        return result
+    if not isinstance(args, Qwen3Args):  # torchtitan_ref builds torchtitan's Qwen3
+        result.unavailable = f"torchtitan's reference is Qwen3's, not {type(args).__name__}'s"
         return result
     if args.yarn is not None:
         result.unavailable = (
@@ -198,7 +202,7 @@ def _compare_reference(
 
 def _compare_hf(
     result: ReferenceResult,
-    args: Any,
+    args: ModelArgs,
     hf_dir: Path,
     our_logits: np.ndarray,
     our_loss: float,

@@ -25,6 +25,7 @@ import numpy as np
 
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.jax_platform import DEFAULT_LIBTPU_FLAGS
+from titan_jax.models.spec import ModelArgs
 from titan_jax.planner import calibration, hlo_cost, hlo_stats, inspect_step, kernel_flops
 from titan_jax.planner.collectives import collectives
 from titan_jax.planner.topology import Chip, TpuSlice, compile_only_devices, parse_slice
@@ -180,7 +181,9 @@ def _compile_with_dumps(
     return compiled, buffers, flags, rings
 
 
-def _build(config: JobConfig, tpu: TpuSlice, devices: list[Any], model_args: Any) -> Trainer:
+def _build(
+    config: JobConfig, tpu: TpuSlice, devices: list[Any], model_args: ModelArgs | None
+) -> Trainer:
     try:
         return build_trainer(config, devices, model_args=model_args)
     except ConfigError as e:
@@ -220,7 +223,7 @@ def routed_rows(trainer: Trainer) -> int | None:
     as it sends), over `parallelism.expert_parallel_chunks` (each kernel runs one chunk).
     None for a dense model."""
     args, t = trainer.model.args, trainer.config.training
-    if not getattr(args, "num_experts", 0):
+    if not args.num_experts:
         return None
     return (
         t.local_batch_size
@@ -316,7 +319,7 @@ def compile_report(
     config: JobConfig,
     topology: str,
     num_slices: int = 1,
-    model_args: Any = None,
+    model_args: ModelArgs | None = None,
     keep_dump: Path | None = None,
 ) -> dict[str, Any]:
     """Compile the train step for `topology` with abstract inputs and report what it costs;

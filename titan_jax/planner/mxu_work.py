@@ -60,9 +60,9 @@ def _dot_work(
     factors: dict[str, float],
     share: Share,
 ) -> tuple[float, float]:
-    operands = [defs.get(o) for o in inst.operands[:2]]
+    operands = [defs[o] for o in inst.operands[:2] if o in defs]
     contracting = _dims(inst.rest, "lhs_contracting_dims")
-    if len(operands) < 2 or None in operands or not contracting:
+    if len(operands) < 2 or not contracting:
         return 0.0, 0.0
     lhs = hlo_stats.arrays(operands[0].type)[0][1]
     rhs = hlo_stats.arrays(operands[1].type)[0][1]
@@ -91,8 +91,8 @@ def _conv_work(
     convolutions, and a batched one as a base-dilated convolution whose window meets one
     input element per batch entry (window 65536, lhs_dilate 65536)."""
     labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", inst.rest)
-    operands = [defs.get(o) for o in inst.operands[:2]]
-    if labels is None or None in operands:
+    operands = [defs[o] for o in inst.operands[:2] if o in defs]
+    if labels is None or len(operands) < 2:
         return 0.0, 0.0
     lhs_shape = hlo_stats.arrays(operands[0].type)[0][1]
     rhs_shape = hlo_stats.arrays(operands[1].type)[0][1]

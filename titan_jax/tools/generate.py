@@ -23,7 +23,7 @@ from titan_jax.config import Lora as LoraSection
 from titan_jax.data.paths import local_path
 from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
 from titan_jax.errors import TitanJaxError
-from titan_jax.models import ModelSpec, get_model_spec
+from titan_jax.models import ModelArgs, ModelSpec, get_model_spec
 from titan_jax.models.lora import merged
 from titan_jax.models.spec import Params
 from titan_jax.train.checkpoint import Checkpointer, is_checkpoint_dir
@@ -114,7 +114,7 @@ def _source(checkpoint: str | None, hf_checkpoint: str | None, spec: ModelSpec) 
     return source, _orbax_args(source, spec)
 
 
-def _tokenizer(config: JobConfig, source: Path, from_hf: bool, args: Any) -> Tokenizer:
+def _tokenizer(config: JobConfig, source: Path, from_hf: bool, args: ModelArgs) -> Tokenizer:
     # A HF model directory ships its tokenizer; the recipe's is the fallback.
     path = (
         str(source)
@@ -130,7 +130,7 @@ def _tokenizer(config: JobConfig, source: Path, from_hf: bool, args: Any) -> Tok
     return tokenizer
 
 
-def _prompt_ids(tokenizer: Tokenizer, options: GenerateOptions, args: Any) -> list[int]:
+def _prompt_ids(tokenizer: Tokenizer, options: GenerateOptions, args: ModelArgs) -> list[int]:
     ids = tokenizer.encode(options.prompt)
     if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
         ids = [tokenizer.bos_id, *ids]
@@ -147,7 +147,7 @@ def _prompt_ids(tokenizer: Tokenizer, options: GenerateOptions, args: Any) -> li
 
 
 def _load_params(
-    config: JobConfig, source: Path, from_hf: bool, args: Any, spec: ModelSpec
+    config: JobConfig, source: Path, from_hf: bool, args: ModelArgs, spec: ModelSpec
 ) -> tuple[Params, jax.sharding.Mesh]:
     """The weights on the shardings the recipe's mesh gives them in training (a LoRA run's
     adapters with them, then merged into the weights: decoding runs the plain model)."""

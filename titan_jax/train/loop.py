@@ -28,6 +28,7 @@ from jax.experimental import multihost_utils
 
 from titan_jax.config import JobConfig
 from titan_jax.data.windows import WindowStream
+from titan_jax.models.spec import ModelArgs
 from titan_jax.parallel.distributed import JobFailures, exit_job, initialize_distributed
 from titan_jax.train.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError, Restored
 from titan_jax.train.goodput import GoodputRecorder
@@ -71,7 +72,13 @@ class _Run:
     profiler: StepProfiler
     watchdog: StepWatchdog
     goodput: GoodputRecorder
-    reporter: StepReporter | None = None
+    step_reporter: StepReporter | None = None  # made once the first state is there
+
+    @property
+    def reporter(self) -> StepReporter:
+        if self.step_reporter is None:
+            raise RuntimeError("a step is reported before the run's StepReporter exists")
+        return self.step_reporter
 
 
 def _rows_text(rows: np.ndarray) -> str:
@@ -96,7 +103,7 @@ def data_summary(data: WindowStream) -> str:
 def train(
     config: JobConfig,
     devices: list[jax.Device] | None = None,
-    model_args: Any = None,
+    model_args: ModelArgs | None = None,
     started_at: float | None = None,
 ) -> RunResult:
     """Trains (or resumes) up to `training.steps`; returns this run's losses and final state.
@@ -115,7 +122,7 @@ def train(
 def _train(
     config: JobConfig,
     devices: list[jax.Device] | None,
-    model_args: Any,
+    model_args: ModelArgs | None,
     failures: JobFailures,
     started_at: float,
 ) -> RunResult:
@@ -172,7 +179,7 @@ def _train(
         state = _first_state(setup.trainer, start, logger)
         if start.data_state is not None and setup.data.resume_note:
             logger.info(setup.data.resume_note)
-        run.reporter = StepReporter(setup.trainer, logger, start.tokens_seen)
+        run.step_reporter = StepReporter(setup.trainer, logger, start.tokens_seen)
         if len(setup.data.sources) > 1:  # a mixture: tokens per source in the metrics
             run.reporter.data_metrics = lambda step: {
                 f"tokens_seen/{name}": n
@@ -288,7 +295,7 @@ def _run_steps(run: _Run, state: TrainState, first: int) -> tuple[int, TrainStat
             pending = None
             goodput.interval()  # a resume point is a record boundary
             with run.watchdog.paused(f"saving checkpoint {step}"), goodput.phase("checkpoint_save"):
-                _save(run, step, state)
+                _save(run, run.ckpt, step, state)
         if stopped:
             break
     if pending is not None:
@@ -331,12 +338,12 @@ def _finish(run: _Run, step: int, state: TrainState, stopped: bool) -> RunResult
     return RunResult(step, losses, state)
 
 
-def _save(run: _Run, step: int, state: TrainState) -> None:
+def _save(run: _Run, ckpt: Checkpointer, step: int, state: TrainState) -> None:
     c = run.config.checkpoint
     model_only = step == run.config.training.steps and c.last_save_model_only
     start = time.perf_counter()
     try:
-        writing = run.ckpt.save(
+        writing = ckpt.save(
             step,
             state,
             data_state=run.setup.data.get_state(),

@@ -19,7 +19,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import jax
 from tqdm import tqdm
@@ -161,7 +161,7 @@ class MetricsLogger:
 
     def __init__(
         self,
-        dump_folder: str,
+        dump_folder: str | Path,
         log_freq: int,
         total_steps: int,
         enable_tensorboard: bool = False,
@@ -178,7 +178,10 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.folder = Path(dump_folder)
         self._enabled = is_main_process
-        self._jsonl = self._tb = self._bar = self._wandb = None
+        self._jsonl: TextIO | None = None  # None off the main process
+        self._tb: Any = None  # a tensorboardX SummaryWriter where asked for
+        self._bar: tqdm | None = None
+        self._wandb: WandbSink | None = None
         if not self._enabled:
             return
         path = self.folder / "metrics.jsonl"
@@ -207,7 +210,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record the metrics of `step` in every sink and move the bar to `step`."""
-        if not self._enabled:
+        if self._jsonl is None:  # not the main process
             return
         record = {"step": int(step), **{k: _json_number(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")

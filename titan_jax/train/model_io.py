@@ -29,7 +29,7 @@ from titan_jax.atomic_dir import atomic_dir
 from titan_jax.config import JobConfig
 from titan_jax.config import Lora as LoraSection
 from titan_jax.errors import quiet_closed_loop_callbacks, quiet_unstarted_reads
-from titan_jax.models import BuildOptions, ModelSpec, spec_of_args
+from titan_jax.models import BuildOptions, ModelArgs, ModelSpec, spec_of_args
 from titan_jax.models.lora import NO_LORA, Lora, merged
 from titan_jax.models.spec import Params
 from titan_jax.train.checkpoint import (
@@ -54,7 +54,7 @@ CHECKSUMS_FILE = "checksums.json"
 def save_orbax(
     path: str | Path,
     params: Params,
-    args: Any,
+    args: ModelArgs,
     *,
     overwrite: bool = False,
     source: str | Path | None = None,
@@ -168,7 +168,7 @@ def run_lora(path: str | Path, spec: ModelSpec) -> RunLora:
     return RunLora(resolve_lora(config, args, param_dtype), base or None)
 
 
-def _abstract_params(args: Any, shardings: Params | None, lora: Lora = NO_LORA) -> Params:
+def _abstract_params(args: ModelArgs, shardings: Params | None, lora: Lora = NO_LORA) -> Params:
     abstract = spec_of_args(args).build(args, BuildOptions(lora=lora)).abstract_params
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: default, abstract) if shardings is None else shardings

@@ -29,7 +29,8 @@ SummedLossParts = tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]
 
 class Objective(Protocol):
     # The train state holds a frozen copy of the initial params ("reference") for it.
-    keeps_reference: bool
+    @property
+    def keeps_reference(self) -> bool: ...
 
     def count(self, inputs: jax.Array, labels: jax.Array) -> jax.Array:
         """What the summed loss is divided by, over these rows (fp32)."""

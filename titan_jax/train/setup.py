@@ -12,7 +12,6 @@ next, still before any write (`loop`), and the training stream is opened under t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 
@@ -21,6 +20,7 @@ from titan_jax.data.pairs import PairStream
 from titan_jax.data.pipeline import holds_pairs, process_barrier, training_sources
 from titan_jax.data.tokenizer import Tokenizer
 from titan_jax.data.windows import WindowStream
+from titan_jax.models.spec import ModelArgs
 from titan_jax.train.eval import Validator
 from titan_jax.train.preflight import check_initial_load_path, check_outputs
 from titan_jax.train.resume_shape import keep_saved_batch
@@ -32,10 +32,17 @@ from titan_jax.train.trainer import Trainer, build_trainer
 class RunSetup:
     trainer: Trainer
     tokenizer: Tokenizer
-    # Built under the run's lock (a small source becomes a token store in the dump folder).
-    data: WindowStream | None = None
     validator: Validator | None = None
     shape_note: str | None = None  # a resume on another shape: what changed, what was kept
+    # Built under the run's lock (a small source becomes a token store in the dump folder).
+    opened_data: WindowStream | None = None
+
+    @property
+    def data(self) -> WindowStream:
+        """The training stream, once `open_data` has built it."""
+        if self.opened_data is None:
+            raise RuntimeError("the run's data is read before open_data(setup) built it")
+        return self.opened_data
 
 
 def _progress(message: str) -> None:
@@ -79,7 +86,7 @@ def build_data(trainer: Trainer, tokenizer: Tokenizer | None = None) -> WindowSt
 
 
 def assemble_run(
-    config: JobConfig, devices: list[jax.Device] | None = None, model_args: Any = None
+    config: JobConfig, devices: list[jax.Device] | None = None, model_args: ModelArgs | None = None
 ) -> RunSetup:
     """Everything a run needs before its first write, each input checked (`model_args`: as in
     `build_trainer`)."""
@@ -96,6 +103,6 @@ def assemble_run(
 
 def open_data(setup: RunSetup) -> None:
     """The training stream and the validator (under the run's lock: they may write a store)."""
-    setup.data = build_data(setup.trainer, setup.tokenizer)
+    setup.opened_data = build_data(setup.trainer, setup.tokenizer)
     if setup.trainer.config.validation.enable:
         setup.validator = Validator(setup.trainer, setup.tokenizer)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from titan_jax.models.attention import resolve_attention
 from titan_jax.models.frozen_base import FrozenBase
@@ -90,7 +91,7 @@ class Qwen3Def:
         params: Params,
         buffers: Params,
         tokens_BT: jax.Array,
-        dtype: jnp.dtype = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
         dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, Aux]:
         """(final hidden states (B, T, D), output projection (D, V), aux), for the loss;
@@ -108,7 +109,7 @@ class Qwen3Def:
         return h_BTD, model.output_weight(dtype), {"loss": aux_loss, "stats": stats}
 
     def apply(
-        self, params: Params, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32
+        self, params: Params, tokens_BT: jax.Array, dtype: DTypeLike = jnp.float32
     ) -> jax.Array:
         """Logits (B, T, V) in fp32; weights are read in `dtype` (with the build's remat)."""
         h_BTD, w_DV, _ = self.forward(params, self.init_buffers(), tokens_BT, dtype)

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.typing import DTypeLike
 
 from titan_jax.models.attention import KV_AXES, Q_AXES, attention
 from titan_jax.models.embedding import vocab_lookup
@@ -483,7 +484,8 @@ class Qwen3(nnx.Module):
             return use_param(self.tok_embeddings, dtype).T
         return use_param(self.lm_head, dtype)
 
-    def __call__(self, tokens_BT: Array, dtype: jnp.dtype = jnp.float32) -> Array:
+    def __call__(self, tokens_BT: Array, dtype: DTypeLike = jnp.float32) -> Array:
+        dtype = jnp.dtype(dtype)
         h_BTD, _, _, _ = self.hidden_states(tokens_BT, dtype)
         return jnp.einsum(
             "btd,dv->btv",

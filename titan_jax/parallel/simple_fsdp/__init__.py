@@ -29,10 +29,9 @@ gathered weight, found by its checkpoint name, is recomputed in backward, i.e. r
 
 from __future__ import annotations
 
-from typing import Any
-
 from titan_jax.config import ConfigError, Parallelism
 from titan_jax.models.quantization import NONE, Quantization
+from titan_jax.models.spec import ModelArgs
 from titan_jax.parallel.mesh import MeshDegrees
 from titan_jax.parallel.simple_fsdp.base import SimpleFSDP, only_axes
 from titan_jax.parallel.simple_fsdp.jit import REPLICAS, SHARDS, JitSimpleFSDP
@@ -47,7 +46,7 @@ IMPLEMENTATIONS: dict[str, type[SimpleFSDP]] = {
 def choose_implementation(
     p: Parallelism,
     degrees: MeshDegrees,
-    args: Any,
+    args: ModelArgs,
     flavor: str,
     platform: str = "cpu",
     quantization: Quantization = NONE,
@@ -65,7 +64,7 @@ def choose_implementation(
             "shard_map"
         )
     # CPU: the looped kernel, unless the experts are quantized (qwix's ragged_dot)
-    moe = getattr(args, "is_moe", False)
+    moe = args.is_moe
     ragged = moe and (platform != "cpu" or quantization.applies_to("experts"))
     if ragged and degrees.ep == 1:
         if p.fsdp_implementation == "jit":
