@@ -27,7 +27,7 @@ from titan_jax.config import ConfigError, JobConfig, Moe, Parallelism
 from titan_jax.config_schema import LORA_GROUPS
 from titan_jax.data.pipeline import check_inputs
 from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
-from titan_jax.models import ModelDef, ModelSpec, get_model_spec
+from titan_jax.models import ModelArgs, ModelDef, ModelSpec, get_model_spec
 from titan_jax.models.attention import CP_ATTENTION, SPLASH_BLOCKS, resolve_attention
 from titan_jax.models.frozen_base import CODES, SCALE, FrozenBase, is_quantized
 from titan_jax.models.lora import NO_LORA, Lora
@@ -53,11 +53,11 @@ def check_model_choice(config: JobConfig) -> tuple[ModelSpec, Any]:
     return spec, spec.flavor(config.model.flavor)
 
 
-def check_moe_knobs(config: JobConfig, args: Any) -> None:
+def check_moe_knobs(config: JobConfig, args: ModelArgs) -> None:
     """`[moe]` keys, and `parallelism.fsdp_expert_gather_before_router`, changed from their
     defaults on a dense flavour are refused, as an expert degree is: nothing reads them there.
     (A value equal to its default changes nothing, set or not: it is not told apart.)"""
-    if getattr(args, "is_moe", False):
+    if args.is_moe:
         return
     changed = [
         f"moe.{f.name}={getattr(config.moe, f.name)}"
@@ -118,7 +118,7 @@ def check_layer_input_offload(config: JobConfig) -> None:
         )
 
 
-def check_model_fits(config: JobConfig, args: Any) -> None:
+def check_model_fits(config: JobConfig, args: ModelArgs) -> None:
     """The `[moe]` keys apply, and every sequence length fits the model's positions."""
     check_moe_knobs(config, args)
     lengths = {"training": config.training.seq_len}
@@ -144,7 +144,7 @@ def check_sharding_rules(config: JobConfig, mesh: Mesh) -> None:
 
 
 def check_heads(
-    config: JobConfig, args: Any, degrees: MeshDegrees, table: Mapping[str, MeshAxes]
+    config: JobConfig, args: ModelArgs, degrees: MeshDegrees, table: Mapping[str, MeshAxes]
 ) -> None:
     """Tensor parallelism divides the attention heads and the K/V heads, where the table splits
     them over tp (a recipe may keep the K/V heads whole: `kv_heads = []`)."""
@@ -166,7 +166,7 @@ def check_heads(
         )
 
 
-def check_expert_chunks(config: JobConfig, args: Any, degrees: MeshDegrees) -> None:
+def check_expert_chunks(config: JobConfig, args: ModelArgs, degrees: MeshDegrees) -> None:
     """`parallelism.expert_parallel_chunks` splits each device's picks of a microbatch (and of
     a validation batch) into equal exchanges, under expert parallelism."""
     chunks = config.parallelism.expert_parallel_chunks
@@ -181,10 +181,7 @@ def check_expert_chunks(config: JobConfig, args: Any, degrees: MeshDegrees) -> N
     batches = [("micro", config.training)] + (
         [("validation ", config.validation)] if config.validation.enable else []
     )
-    picks = {
-        name: b.local_batch_size * b.seq_len // degrees.cp * getattr(args, "top_k", 1)
-        for name, b in batches
-    }
+    picks = {name: b.local_batch_size * b.seq_len // degrees.cp * args.top_k for name, b in batches}
     for name, n in picks.items():
         if n % chunks:
             # the hint must hold for every batch, not only the one refused
@@ -241,7 +238,7 @@ def _takes(mode: str, device: jax.Device) -> bool:
 
 
 def resolve_quantization(
-    config: JobConfig, args: Any, degrees: MeshDegrees, devices: list[jax.Device]
+    config: JobConfig, args: ModelArgs, degrees: MeshDegrees, devices: list[jax.Device]
 ) -> Quantization:
     """`[quantize]` for this run's devices and model: refused where the model has none of the
     groups named, the chip has no fast path for the mode, the experts are smaller than the TPU
@@ -250,7 +247,7 @@ def resolve_quantization(
     if q.mode == "none":
         return NONE
     device, names = devices[0], q.module_names()
-    moe = getattr(args, "is_moe", False)
+    moe = args.is_moe
     present = ("attention", "experts" if moe else "mlp")  # a MoE layer has no dense SwiGLU
     if not set(names) & set(present):
         missing = "experts" if not moe else "dense mlp (its feed-forward is the experts)"
@@ -309,7 +306,7 @@ def resolve_quantization(
     )
 
 
-def resolve_lora(config: JobConfig, args: Any, param_dtype: Any = jnp.float32) -> Lora:
+def resolve_lora(config: JobConfig, args: ModelArgs, param_dtype: Any = jnp.float32) -> Lora:
     """`[lora]` for this model: the projections its targets name that the model has (a MoE
     layer has experts, not a dense SwiGLU; a dense one no experts); refused where they name
     none of them, as PEFT refuses. `lora.base_dtype=auto` stores the frozen base in the
@@ -317,7 +314,7 @@ def resolve_lora(config: JobConfig, args: Any, param_dtype: Any = jnp.float32) -
     lo = config.lora
     if lo.rank == 0:
         return NO_LORA
-    moe = getattr(args, "is_moe", False)
+    moe = args.is_moe
     groups = ("attention", "experts" if moe else "mlp")
     present = tuple(n for g in groups for n in LORA_GROUPS[g])
     projections = tuple(n for n in lo.projections() if n in present)
@@ -443,7 +440,7 @@ def storage_specs(config: JobConfig, rules: ShardingRules, model: ModelDef) -> t
         ) from None
 
 
-def check_data(config: JobConfig, args: Any, attention: str) -> Tokenizer:
+def check_data(config: JobConfig, args: ModelArgs, attention: str) -> Tokenizer:
     """The run's tokenizer, once its vocabulary fits the model and every input exists."""
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     if tokenizer.vocab_size > args.vocab_size:

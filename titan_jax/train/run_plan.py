@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from titan_jax.config import JobConfig
-from titan_jax.models import BuildOptions, ModelDef, ModelSpec
+from titan_jax.models import BuildOptions, ModelArgs, ModelDef, ModelSpec
 from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.quantization import Quantization
 from titan_jax.models.remat import offload_layer_input_for, remat_mode_for
@@ -54,7 +54,7 @@ def resolve_param_dtype(name: str, devices: list[jax.Device]) -> jnp.dtype:
     """`auto` follows the devices the mesh is built on, not the host: bf16 on TPU/GPU (also
     when compiling ahead of time for them from a CPU host), fp32 on CPU (no bf16 matmuls)."""
     if name == "auto":
-        return jnp.float32 if all(d.platform == "cpu" for d in devices) else jnp.bfloat16
+        return jnp.dtype(jnp.float32 if all(d.platform == "cpu" for d in devices) else jnp.bfloat16)
     return jnp.dtype(name)
 
 
@@ -87,7 +87,7 @@ def build_options(
 
 
 def plan_run(
-    config: JobConfig, devices: list[jax.Device] | None = None, model_args: Any = None
+    config: JobConfig, devices: list[jax.Device] | None = None, model_args: ModelArgs | None = None
 ) -> RunPlan:
     """The run's plan on `devices` (default: all of JAX's), every decision checked as it is
     made. `model_args` replaces `model.flavor`'s shape (tests and notebooks use tiny models)."""

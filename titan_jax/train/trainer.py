@@ -15,6 +15,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from titan_jax.config import JobConfig
+from titan_jax.models.spec import ModelArgs
 from titan_jax.parallel.batch_placement import BatchPlacement
 from titan_jax.parallel.simple_fsdp import SimpleFSDP
 from titan_jax.parallel.state_shardings import batch_sharding, train_state_shardings
@@ -214,7 +215,7 @@ def assemble_trainer(plan: RunPlan) -> Trainer:
 
 
 def build_trainer(
-    config: JobConfig, devices: list[jax.Device] | None = None, model_args: Any = None
+    config: JobConfig, devices: list[jax.Device] | None = None, model_args: ModelArgs | None = None
 ) -> Trainer:
     """The trainer of `config` on `devices` (`run_plan.plan_run`: every decision checked as it
     is made); nothing allocated on devices."""
