@@ -4,14 +4,14 @@ chunked, vocabulary-split path."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from titan_jax.data.windows import IGNORE_INDEX  # the data layer marks the ignored labels
 from titan_jax.models.sharding_hooks import VocabSplit, constrain, vocab_split
+from titan_jax.parallel.vocab_parallel import split_cross_entropy_sum, split_token_nll
 
 # Above this many logits per microbatch the loss is computed chunk by chunk over tokens, so the
 # full (tokens, vocab) fp32 logits never exist at once (e.g. 4096 tokens x 151936 vocab = 2.5 GB).
@@ -62,10 +62,9 @@ def _flat_logits(h_BTD: jax.Array, w_DV: jax.Array) -> jax.Array:
 def cross_entropy_sum(h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array) -> jax.Array:
     """Summed CE of `h @ w` against labels, chunked over tokens when the logits are large.
 
-    Under a vocabulary split (`vocab_split()`, parallel/vocab_parallel.py) `w_DV` is this
-    shard's vocabulary slice: each chunk's hidden states are gathered over the shards, every
-    shard computes its slice's logits of all of them, and the softmax is reduced over shards;
-    the result is the sum over this shard's own tokens."""
+    Under a vocabulary split (`vocab_split()`) `w_DV` is this shard's vocabulary slice
+    (`parallel/vocab_parallel.split_cross_entropy_sum`); the result is the sum over this
+    shard's own tokens."""
     split = vocab_split()
     chunks = _token_chunks(h_BTD, labels_BT, w_DV.shape[1], split)
     if chunks is None:
@@ -90,93 +89,6 @@ def token_log_probs(h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array) -> 
     else:
         nll_JI = chunked_token_nll(h_JID, w_DV, labels_JI)
     return -nll_JI.reshape(-1)[: labels_BT.size].reshape(labels_BT.shape)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _logits(h_ID: jax.Array, w_DV: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """fp32 logits of fp32 `h` and `w` multiplied in `dtype` (the compute dtype). Its backward
-    returns fp32 gradients straight from the matmuls' fp32 accumulators, so neither the
-    weight's gradient summed over chunks nor the hidden states' summed over vocabulary shards
-    is rounded to the compute dtype on the way."""
-    return jnp.einsum(
-        "kd,dv->kv", h_ID.astype(dtype), w_DV.astype(dtype), preferred_element_type=jnp.float32
-    )
-
-
-def _logits_fwd(
-    h_ID: jax.Array, w_DV: jax.Array, dtype: jnp.dtype
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return _logits(h_ID, w_DV, dtype), (h_ID, w_DV)
-
-
-def _logits_bwd(
-    dtype: jnp.dtype, residuals: tuple[jax.Array, jax.Array], g_IV: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    h_ID, w_DV = (x.astype(dtype) for x in residuals)
-    g_IV = g_IV.astype(dtype)
-    return (
-        jnp.einsum("kv,dv->kd", g_IV, w_DV, preferred_element_type=jnp.float32),
-        jnp.einsum("kd,kv->dv", h_ID, g_IV, preferred_element_type=jnp.float32),
-    )
-
-
-_logits.defvjp(_logits_fwd, _logits_bwd)
-
-
-def _chunk_nll(
-    h_ID: jax.Array, w_DV: jax.Array, labels_I: jax.Array, split: VocabSplit, dtype: jnp.dtype
-) -> jax.Array:
-    """One chunk: the logits of every shard's tokens (rows) over this shard's vocabulary slice
-    (fp32 `h` and `w`), the softmax reduced over shards; the NLL of this shard's tokens (0 where
-    ignored)."""
-    v = w_DV.shape[1]
-    logits = constrain(_logits(split.gather(h_ID), w_DV, dtype), ("batch", "vocab"))
-    labels = split.gather(labels_I)
-    local = labels - split.offset(v)
-    here = (local >= 0) & (local < v)
-    row_max = split.max(jnp.max(jax.lax.stop_gradient(logits), axis=-1))
-    denom = split.sum(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=-1))
-    label_logit = jnp.take_along_axis(logits, jnp.where(here, local, 0)[:, None], axis=-1)[:, 0]
-    label_logit = split.sum(jnp.where(here, label_logit, 0.0))
-    nll = split.own(row_max + jnp.log(denom) - label_logit)  # this shard's tokens only
-    return jnp.where(labels_I != IGNORE_INDEX, nll, 0.0)
-
-
-def _split_chunks_map(
-    h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array, split: VocabSplit, reduce: Any
-) -> jax.Array:
-    """`reduce` of each chunk's NLLs (`_chunk_nll`), chunk by chunk (see
-    `split_cross_entropy_sum`)."""
-    dtype = h_JID.dtype
-    w32 = w_DV.astype(jnp.float32)
-
-    def chunk(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
-        return reduce(_chunk_nll(xs[0].astype(jnp.float32), w32, xs[1], split, dtype))
-
-    if h_JID.shape[0] > 1:  # one chunk's logits are kept for backward, several recomputed
-        chunk = jax.checkpoint(chunk)
-    return jax.lax.map(chunk, (h_JID, labels_JI))
-
-
-def split_cross_entropy_sum(
-    h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array, split: VocabSplit
-) -> jax.Array:
-    """Summed CE over token chunks under a vocabulary split, this shard's tokens; one chunk's
-    fp32 logits (all shards' tokens, this shard's vocabulary) exist at a time, in forward and
-    in backward (several chunks are rematerialised; a single one is kept). Differentiated by
-    JAX, not a custom_vjp: under the jit path's vmap a custom_vjp's backward cannot name the
-    shards' axis. The weight enters
-    in fp32 (the parallelism hands the tables over as stored), so its gradient is summed over
-    chunks in fp32, and the hidden states' gradient over shards (their gather is fp32)."""
-    return jnp.sum(_split_chunks_map(h_JID, w_DV, labels_JI, split, jnp.sum))
-
-
-def split_token_nll(
-    h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array, split: VocabSplit
-) -> jax.Array:
-    """Per-token NLL (chunks, tokens) of this shard's tokens under a vocabulary split, as
-    `split_cross_entropy_sum` computes them."""
-    return _split_chunks_map(h_JID, w_DV, labels_JI, split, lambda nll: nll)
 
 
 def _chunk_logits(h_ID: jax.Array, w_DV: jax.Array) -> jax.Array:
@@ -212,7 +124,9 @@ def _chunked_bwd(
 
 
 def _chunks_backward(
-    residuals: tuple[jax.Array, jax.Array, jax.Array], g_J: jax.Array, loss_of_logits: Any
+    residuals: tuple[jax.Array, jax.Array, jax.Array],
+    g_J: jax.Array,
+    loss_of_logits: Callable[[jax.Array, jax.Array], jax.Array],
 ) -> tuple[jax.Array, jax.Array, None]:
     """The gradients of h and w of `loss_of_logits(logits, labels)` per chunk, given each
     chunk's cotangent `g_J` (J leading): one chunk's logits are recomputed at a time, and the
