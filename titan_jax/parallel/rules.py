@@ -260,7 +260,7 @@ class ShardingRules:
         if shape is not None and len(axes) != len(shape):
             raise ShardingRuleError(f"{name}: logical axes {axes} do not match shape {shape}")
         spec: list[MeshAxes] = []
-        used: dict[str, str] = {}
+        used: dict[str, str | None] = {}
         for dim, axis in enumerate(axes):
             if axis is not None and axis not in self.table:
                 raise ShardingRuleError(f"{name}: logical axis {axis!r} has no sharding rule")

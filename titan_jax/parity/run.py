@@ -24,7 +24,6 @@ from titan_jax.data.pipeline import training_sources
 from titan_jax.data.tokenizer import load_tokenizer
 from titan_jax.data.windows import WindowStream
 from titan_jax.models import BuildOptions, ModelArgs, get_model_spec, spec_of_args
-from titan_jax.models.qwen3 import Qwen3Args
 from titan_jax.parity import BARS, REFERENCES, metrics
 from titan_jax.parity.ours import TitanSide, train_trajectory
 from titan_jax.parity.report import ParityReport, ReferenceResult, Trajectory
@@ -170,23 +169,24 @@ def _compare_reference(
                 labels,
             )
         return result
-    if not isinstance(args, Qwen3Args):  # torchtitan_ref builds torchtitan's Qwen3
+    from titan_jax.parity import torchtitan_ref
+
+    qwen3 = torchtitan_ref.as_qwen3(args)
+    if qwen3 is None:
         result.unavailable = f"torchtitan's reference is Qwen3's, not {type(args).__name__}'s"
         return result
-    if args.yarn is not None:
+    if qwen3.yarn is not None:
         result.unavailable = (
             "torchtitan's YaRN RoPE leaves out HF's attention factor on "
             "cos/sin, so it is no reference for it (compare with "
             "--reference hf)"
         )
         return result
-    from titan_jax.parity import torchtitan_ref
-
     result.unavailable = torch_unavailable_reason() or torchtitan_ref.unavailable_reason()
     if result.unavailable is None:
         from titan_jax.parity import hf_ref
 
-        tt = torchtitan_ref.load_model(args, hf_dir, len(inputs))
+        tt = torchtitan_ref.load_model(qwen3, hf_dir, len(inputs))
         ref_logits = torchtitan_ref.logits(tt, inputs)
         _compare_logits(
             result,

@@ -33,12 +33,18 @@ from safetensors.torch import load_file
 
 from titan_jax.config import LRScheduler
 from titan_jax.models.qwen3.args import Qwen3Args
+from titan_jax.models.spec import ModelArgs
 
 VERSION = "0.3.0"
 INSTALL = (
     f"pip install --no-deps torchtitan=={VERSION} && pip install tyro einops "
     "spmd_types==0.2.3 torch_checkpointing triton  (`make install` does this)"
 )
+
+
+def as_qwen3(args: ModelArgs) -> Qwen3Args | None:
+    """`args` as the Qwen3 args this reference is built from; None for another family's."""
+    return args if isinstance(args, Qwen3Args) else None
 
 
 @functools.cache

@@ -15,7 +15,7 @@ import collections
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -223,9 +223,11 @@ def _inside_manual(module: HloModule) -> set[str]:
     return found
 
 
-def _weighted(module: HloModule, ops: tuple[str, ...], with_computation: bool = False):
+def _weighted(
+    module: HloModule, ops: tuple[str, ...]
+) -> Iterator[tuple[int, Instruction, dict[str, Instruction], int, str]]:
     """(times it runs, instruction, its computation's definitions, the devices sharing its
-    shapes[, the computation's name]) for each instruction of `ops` in the lowered (global)
+    shapes, the computation's name) for each instruction of `ops` in the lowered (global)
     module: shard_map bodies see one device's shapes, so they run once per body device."""
     counts, _ = executions(module)
     manual, scale = _inside_manual(module), manual_scale(module)
@@ -235,8 +237,7 @@ def _weighted(module: HloModule, ops: tuple[str, ...], with_computation: bool = 
         for inst in module.computations[name]:
             if inst.op in ops:
                 defs = defs or module.defining(name)
-                found = (times * sharing, inst, defs, sharing)
-                yield (*found, name) if with_computation else found
+                yield times * sharing, inst, defs, sharing, name
 
 
 def dot_flops(module: HloModule) -> tuple[float, int]:
@@ -244,7 +245,7 @@ def dot_flops(module: HloModule) -> tuple[float, int]:
     size per dot, each weighted by how often its computation runs; and the count of loops of
     unknown length. Grouped matmuls are `ragged_dot_flops`'."""
     total = 0.0
-    for times, inst, defs, _ in _weighted(module, ("dot",)):
+    for times, inst, defs, _, _ in _weighted(module, ("dot",)):
         lhs = defs.get(inst.operands[0])
         contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", inst.rest)
         if lhs is None or contracting is None:
@@ -266,7 +267,7 @@ def ragged_dot_flops(
     `expected_rows` globally (tokens x top_k: each pick is one row), so `expected` scales each
     op by min(1, expected_rows / its buffer's global rows)."""
     per_computation: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
-    for times, inst, defs, sharing, where in _weighted(module, ("ragged-dot", "custom-call"), True):
+    for times, inst, defs, sharing, where in _weighted(module, ("ragged-dot", "custom-call")):
         found = (
             _ragged_dot(inst, defs)
             if inst.op == "ragged-dot"

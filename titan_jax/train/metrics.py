@@ -18,6 +18,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -208,7 +209,7 @@ class MetricsLogger:
         """Steps to log: the first, every `log_freq`-th, and the last."""
         return step == 1 or step % self.log_freq == 0 or step == self.total_steps
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
         """Record the metrics of `step` in every sink and move the bar to `step`."""
         if self._jsonl is None:  # not the main process
             return

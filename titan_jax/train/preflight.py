@@ -147,7 +147,7 @@ def check_history(config: JobConfig) -> None:
         for what, (name, steps) in logged.items()
     ]
     if checkpoints:
-        held.append(f"checkpoints {listing(checkpoints)} ({dump / config.checkpoint.folder})")
+        held.append(f"checkpoints {listing(checkpoints)} ({paths.checkpoints})")
     files = " and ".join(
         name for name in (METRICS_FILE, RECORD_FILE) if (paths.local / name).exists()
     )

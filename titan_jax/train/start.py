@@ -64,7 +64,7 @@ def load_start(trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
     if ckpt is None and c.load_step != -1:
         raise CheckpointError(f"checkpoint.load_step={c.load_step} needs checkpoint.enable=true")
     step = _resume_step(config, ckpt) if ckpt is not None else None
-    if step is not None:
+    if ckpt is not None and step is not None:
         if step >= config.training.steps:
             return Restored(step=step, source=f"checkpoint {ckpt.directory / str(step)}")
         restored = ckpt.restore(
