@@ -56,6 +56,23 @@ def test_chunked_equals_unchunked_fp32(monkeypatch):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), chunked, full)
 
 
+def test_chunked_token_log_probs_keep_no_chunks_logits_for_backward(monkeypatch):
+    """Backward recomputes each chunk's logits: the compiled gradient's temporaries stay well
+    under the (tokens, vocab) fp32 logits that autodiff through the chunk loop would keep."""
+    n, d, v, chunk = 2048, 64, 4096, 128
+    h = jax.random.normal(jax.random.key(0), (1, n, d))
+    w = jax.random.normal(jax.random.key(1), (d, v)) * 0.1
+    labels = jax.random.randint(jax.random.key(2), (1, n), 0, v)
+    monkeypatch.setattr(loss, "MAX_LOGITS_PER_CHUNK", chunk * v)
+
+    def total(h, w):
+        return jnp.sum(loss.token_log_probs(h, w, labels))
+
+    compiled = jax.jit(jax.grad(total, argnums=(0, 1))).lower(h, w).compile()
+    all_logits = n * v * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < all_logits / 4
+
+
 def test_chunked_gradients_inside_shard_map_with_a_replicated_output_weight(monkeypatch):
     """Tokens split over a manual axis, the output weight replicated (a vocabulary the mesh
     does not split): the weight gradient's carry must vary over that axis as its terms do."""

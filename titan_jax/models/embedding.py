@@ -13,6 +13,9 @@ from titan_jax.models.sharding_hooks import vocab_split
 Array = jax.Array
 
 
+# Hand-written VJP: the rows' gradient is scatter-added in fp32, where autodiff's `take`
+# transposes to a scatter-add in the table's dtype. Without it:
+# tests/models/test_embedding.py::test_a_frequent_tokens_bf16_row_gradient_is_summed_in_fp32
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def embed_lookup(table_VD: Array, tokens: Array, vocab_size: int) -> Array:
     """Rows of the embedding table; the gradient is scatter-added in fp32.

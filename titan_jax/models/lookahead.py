@@ -69,6 +69,9 @@ def scan_with_lookahead(
     return x, outs
 
 
+# Hand-written VJP: backward gathers the layer's weights again, where autodiff would keep every
+# layer's carried gathered weights for it. Without it:
+# tests/parallel/test_tpu_aot.py::test_lookahead_gather_raises_the_compiled_gather_overlap
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _layer(
     block: Block,

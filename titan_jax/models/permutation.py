@@ -12,6 +12,9 @@ from __future__ import annotations
 import jax
 
 
+# Hand-written VJP: the cotangent goes back by the inverse permutation's gather, where autodiff
+# of indexing would scatter-add. Without it:
+# tests/models/test_permutation.py::test_permute_equals_indexing_and_its_gradient_is_a_gather
 @jax.custom_vjp
 def permute(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
     """`x[order]` along the first axis, `inverse` being `order`'s inverse permutation

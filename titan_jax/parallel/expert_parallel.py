@@ -327,6 +327,10 @@ class _Overflow:
         )
 
 
+# Hand-written VJP: it saves nothing of the overflow branch and recomputes it in backward when
+# it ran, where autodiff's conditional keeps that branch's residuals every layer. Without it:
+# tests/parallel/test_expert_parallel_aot.py::
+# test_experts_run_the_megablox_kernels_counted_at_the_analytic_flops
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _with_overflow(
     o: _Overflow,

@@ -72,6 +72,10 @@ def manual_per_shard(
         missing = tuple(a for a in data_axes if a not in jax.typeof(x).mat.varying)
         return lax.pcast(x, missing, to="varying") if missing else x
 
+    # Hand-written VJP: autodiff of the unchecked shard_map returns untyped cotangents for the
+    # typed (varying) inputs, which the checked outer shard_map refuses. Without it:
+    # tests/parallel/test_per_shard.py::
+    # test_a_per_shard_kernel_over_a_model_axis_equals_the_plain_kernel_forward_once
     @jax.custom_vjp
     def typed_kernel(*xs: jax.Array) -> jax.Array:
         return vary(mapped(*xs))

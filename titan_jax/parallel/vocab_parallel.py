@@ -42,6 +42,9 @@ from titan_jax.models.sharding_hooks import VocabSplit, constrain
 from titan_jax.parallel.reduce_scatter import staged_psum_scatter
 
 
+# Hand-written VJP: its transpose is the staged reduce-scatter, where autodiff's single
+# psum_scatter is lowered by XLA:TPU as an all-reduce over eight v5p chips. Without it:
+# tests/parallel/test_tpu_aot.py::test_vocabulary_rows_are_reduce_scattered_on_eight_chips
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def gather_rows(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Inside shard_map: every shard's rows of `x` stacked along dim 0 (shard-major); its
@@ -99,6 +102,10 @@ class VocabParallel:
         return lax.pmax(x, self.axis)
 
 
+# Hand-written VJP: the gradients leave the matmuls' fp32 accumulators as they are, where
+# autodiff would round them to the compute dtype first. Without it:
+# tests/parallel/test_vocab_parallel.py::
+# test_the_bf16_split_losss_weight_gradient_is_not_rounded_to_bf16
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _logits(h_ID: jax.Array, w_DV: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """fp32 logits of fp32 `h` and `w` multiplied in `dtype` (the compute dtype). Its backward

@@ -95,6 +95,9 @@ def _chunk_logits(h_ID: jax.Array, w_DV: jax.Array) -> jax.Array:
     return jnp.einsum("kd,dv->kv", h_ID, w_DV, preferred_element_type=jnp.float32)
 
 
+# Hand-written VJP: the output weight's gradient is summed over chunks in fp32 (autodiff would
+# sum it in the weight's dtype) and each chunk's logits are recomputed. Without it:
+# tests/train/test_loss.py::test_bf16_weight_gradient_error_does_not_grow_with_chunks
 @jax.custom_vjp
 def chunked_cross_entropy_sum(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array) -> jax.Array:
     """Summed CE over token chunks; one chunk's fp32 logits exist at a time, in forward and in
@@ -175,6 +178,9 @@ def _like(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
 chunked_cross_entropy_sum.defvjp(_chunked_fwd, _chunked_bwd)
 
 
+# Hand-written VJP: backward recomputes each chunk's logits, where autodiff through the chunk
+# loop keeps every chunk's (all the tokens' logits). Without it:
+# tests/train/test_loss.py::test_chunked_token_log_probs_keep_no_chunks_logits_for_backward
 @jax.custom_vjp
 def chunked_token_nll(h_JID: jax.Array, w_DV: jax.Array, labels_JI: jax.Array) -> jax.Array:
     """Per-token NLL (chunks, tokens) chunk by chunk: `chunked_cross_entropy_sum` before its

@@ -83,6 +83,10 @@ def looped_swiglu(
     return _looped(x_MD, w1_EDF, w3_EDF, w2_EFD, group_sizes_E)[:m]
 
 
+# Hand-written VJP: reverse-mode autodiff is not defined for its loops' data-dependent
+# bounds. Without it:
+# tests/models/test_moe.py::
+# test_looped_kernel_leaves_padding_rows_out_and_copies_no_weights_per_block
 @jax.custom_vjp
 def _looped(
     x_MD: Array, w1_EDF: Array, w3_EDF: Array, w2_EFD: Array, group_sizes_E: Array

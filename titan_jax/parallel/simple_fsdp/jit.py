@@ -45,6 +45,9 @@ from titan_jax.parallel.simple_fsdp.base import SimpleFSDP
 SHARDS, REPLICAS = "data_shards", "data_replicas"
 
 
+# Hand-written VJP: the gradient is cast to reduce_dtype (fp32) before its cross-shard sum,
+# where autodiff would reduce it in the compute dtype. Without it:
+# tests/parallel/test_simple_fsdp.py::test_bf16_gathers_and_fp32_gradient_reductions[hsdp2x4-jit]
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def gather_param(
     stored: jax.Array,

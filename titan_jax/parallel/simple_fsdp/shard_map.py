@@ -28,6 +28,10 @@ from titan_jax.parallel.rules import WeightLayout
 from titan_jax.parallel.simple_fsdp.base import SimpleFSDP, only_axes
 
 
+# Hand-written VJP: the gradient is cast to reduce_dtype (fp32) before its reduce-scatter,
+# where autodiff would reduce it in the compute dtype (a bf16 reduce-scatter XLA:CPU aborts on).
+# Without it: tests/parallel/test_simple_fsdp.py::
+# test_bf16_gathers_and_fp32_gradient_reductions[hsdp2x4-shard_map]
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def all_gather_param(
     shard: jax.Array,
