@@ -6,8 +6,9 @@ after its `::`):
     # Hand-written VJP: <why>. Without it:
     # tests/<file>.py::<test>
 
-The named test must exist (a `def test_...` in that file), so a renamed or deleted test shows up
-here. Read from the source by AST, as tests/test_layering.py reads imports.
+The named test must exist (a `def test_...` in that file, and the values of a parametrized id
+as strings there), so a renamed or deleted test shows up here. Read from the source by AST, as
+tests/test_layering.py reads imports.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ def test_each_custom_derivative_names_why_and_the_test_that_fails_without_it():
         test_file = REPO / match["file"]
         if not test_file.is_file() or match["test"] not in _tests_in(test_file):
             problems.append(f"{where}: {match['file']}::{match['test']} does not exist")
+        elif (params := match["params"]) and not all(
+            f'"{value}"' in test_file.read_text() for value in params[1:-1].split("-")
+        ):  # a parametrized id: each of its values is a string in the test file
+            problems.append(f"{where}: {match['file']} has no parameters {params}")
     assert not problems, "\n".join(problems)
 
 
