@@ -139,7 +139,7 @@ def traffic(module: HloModule, inst: Instruction, defs: dict[str, Instruction]) 
         read += full * (rereads[index] - 1) if index < len(rereads) else 0
     written = hbm_bytes(inst.type)
     root = module.computations.get(fused, [])[-1:] if fused else []
-    if root and root[0].op == "dynamic-update-slice":
+    if fused and root and root[0].op == "dynamic-update-slice":
         update = module.defining(fused).get(root[0].operands[1])
         written = hbm_bytes(update.type) if update is not None else written
     return read + written
@@ -183,7 +183,7 @@ def _host_slice_bytes(module: HloModule, inst: Instruction) -> Dma:
     nothing for any other."""
     callee = next((c for kind, c in hlo_stats.called(inst) if kind == "calls"), None)
     root = module.computations.get(callee, [])[-1:] if callee else []
-    if not root or root[0].op not in ("dynamic-slice", "dynamic-update-slice"):
+    if not callee or not root or root[0].op not in ("dynamic-slice", "dynamic-update-slice"):
         return Dma(0)
     defs = module.defining(callee)
     buffer = defs.get(root[0].operands[0])

@@ -105,11 +105,11 @@ def _orbax_args(path: Path, spec: ModelSpec) -> Any:
 
 
 def _source(checkpoint: str | None, hf_checkpoint: str | None, spec: ModelSpec) -> tuple[Path, Any]:
-    if (checkpoint is None) == (hf_checkpoint is None):
-        raise GenerateError("give exactly one of --checkpoint PATH or --hf-checkpoint DIR")
-    if hf_checkpoint is not None:
+    if hf_checkpoint is not None and checkpoint is None:
         path = local_path(hf_checkpoint, "--hf-checkpoint")
         return path, spec.hf.read_config(path)
+    if checkpoint is None or hf_checkpoint is not None:
+        raise GenerateError("give exactly one of --checkpoint PATH or --hf-checkpoint DIR")
     source = resolve_checkpoint(local_path(checkpoint, "--checkpoint"))
     return source, _orbax_args(source, spec)
 

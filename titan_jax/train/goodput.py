@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import jax
 
@@ -154,7 +154,7 @@ class GoodputRecorder:
         self._in_flight: _Finish | None = None
         self._steps: list[int] = []  # the first and last step reported since the last record
         self._finishes = _FinishTimes() if enabled else None
-        self._file = None
+        self._file: TextIO | None = None  # the records file, once started
         self.lifetime = 0
         self.ending = "finished"  # or the signal that stopped the run
 
@@ -191,7 +191,7 @@ class GoodputRecorder:
 
     def dispatched(self, outputs: Any) -> None:
         """A step was dispatched: until `outputs` are ready, the devices are busy with it."""
-        if self.enabled:
+        if self._finishes is not None:  # enabled
             self._split()
             self._in_flight = self._finishes.watch(outputs)
 
@@ -232,6 +232,8 @@ class GoodputRecorder:
             self._write("interval")
 
     def _write(self, event: str, extra: dict[str, Any] | None = None) -> None:
+        if self._file is None:
+            raise RuntimeError(f"goodput {event!r} record before its file was opened")
         self._split()
         record: dict[str, Any] = {
             "event": event,

@@ -124,7 +124,7 @@ def generate(
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     cache = init_cache(args, b, max_len, dtype)
     token, cache = prefill(params, cache, prompt_BT, keys[0])
-    out = [token]
+    out: list[jax.Array] = [token]
     done = token == eos_id if eos_id is not None else jnp.zeros((b,), bool)
     for i in range(1, max_new_tokens):
         if eos_id is not None and bool(jnp.all(done)):
