@@ -57,7 +57,7 @@ test:
 test-fast:
 	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile -m "not slow" tests
 
-# pyrefly: the package's types ([tool.pyrefly] in pyproject.toml; ~4 s). A finding not in
+# pyrefly: the package's types ([tool.pyrefly] in pyproject.toml). A finding not in
 # pyrefly-baseline.json fails, and so does a listed one that is fixed (the list only shrinks).
 lint:
 	$(BIN)/ruff check titan_jax tests scripts benchmarks
