@@ -12,7 +12,9 @@ A model calls four functions, naming dimensions by logical axis only (`("batch",
 - `sequence_split()`: where this shard's tokens sit in the sequence, for RoPE and attention
   (context parallelism splits it);
 - `vocab_split()`: how the vocabulary tables are split (the embedding lookup and the loss read
-  only their shard's vocabulary slice and exchange tokens, never the whole table).
+  only their shard's vocabulary slice and exchange tokens, never the whole table);
+- `pipeline_split()`: how the stacked layers are split into pipeline stages (the layer scan
+  becomes a schedule over stages and microbatches: `titan_jax/models/pipeline.py`).
 The step adds a fifth, `loss_map`, around the summed loss (how the batch's computation is
 split). The base class is no parallelism: a weight read is a cast to the compute dtype, a
 constraint does nothing, every expert is local, a kernel sees the whole arrays, the whole
@@ -151,6 +153,19 @@ class WholeSequence:
         return x
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineSplit:
+    """How the stacked layers run as a pipeline (`titan_jax/models/pipeline.py`): `degree`
+    stages, each holding `virtual` chunks of consecutive layers (chunk c on stage c mod degree:
+    the circular, or interleaved, placement), fed `microbatches` slices of the batch. `axis`:
+    the mesh axis the stage dim is split over (None: no mesh). `degree` 1: one layer scan."""
+
+    degree: int = 1
+    virtual: int = 1
+    microbatches: int = 1
+    axis: str | None = None
+
+
 class Parallelism:
     """No parallelism; subclasses override the hooks they change (see the module docstring)."""
 
@@ -209,6 +224,10 @@ class Parallelism:
     def vocab_split(self) -> VocabSplit:
         """How the vocabulary tables are split over devices (see VocabSplit)."""
         return WholeVocab()
+
+    def pipeline_split(self) -> PipelineSplit:
+        """How the stacked layers are split into pipeline stages (see PipelineSplit)."""
+        return PipelineSplit()
 
     def loss_map(self, summed_loss: SummedLoss) -> SummedLoss:
         """A transform of the summed loss, applied before it is differentiated."""
@@ -271,6 +290,9 @@ class _Pregathered(Parallelism):
 
     def vocab_split(self) -> VocabSplit:
         return self.outer.vocab_split()
+
+    def pipeline_split(self) -> PipelineSplit:
+        return self.outer.pipeline_split()
 
     def loss_map(self, summed_loss: SummedLoss) -> SummedLoss:
         return self.outer.loss_map(summed_loss)
@@ -354,6 +376,11 @@ def sequence_split() -> SequenceSplit:
 def vocab_split() -> VocabSplit:
     """How the running forward's vocabulary tables are split (see VocabSplit)."""
     return _ACTIVE.get().vocab_split()
+
+
+def pipeline_split() -> PipelineSplit:
+    """How the running forward's stacked layers are split into stages (see PipelineSplit)."""
+    return _ACTIVE.get().pipeline_split()
 
 
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:

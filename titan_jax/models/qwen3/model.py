@@ -41,6 +41,7 @@ from titan_jax.models.embedding import vocab_lookup
 from titan_jax.models.frozen_weights import IN_DIMS, QuantizedWeight
 from titan_jax.models.lookahead import scan_with_lookahead
 from titan_jax.models.lora import NO_LORA, Lora
+from titan_jax.models.pipeline import pipeline_scan
 from titan_jax.models.quantization import NONE, Quantization, dot
 from titan_jax.models.qwen3.adapter import Adapter, adapter_beside
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
@@ -48,8 +49,10 @@ from titan_jax.models.qwen3.moe import MOE_ROUTING, MOE_SAVED_ACTIVATIONS, MoE, 
 from titan_jax.models.remat import LAYER_INPUT
 from titan_jax.models.sharding_hooks import (
     GATHERED_PARAM,
+    PipelineSplit,
     constrain,
     gather_layer,
+    pipeline_split,
     pregathered,
     sequence_split,
     use_param,
@@ -458,11 +461,13 @@ class Qwen3(nnx.Module):
                 stats["activation_count"] = jnp.float32(y_BTD.size)
             return y_BTD, (stats, kv)
 
-        scan = (
-            functools.partial(_lookahead_scan, dtype=dtype)
-            if (lookahead and kv_cache is None)
-            else functools.partial(_layer_scan, remat=remat)
-        )
+        split = pipeline_split()
+        if split.degree > 1 and kv_cache is None:  # training and evaluation, not decoding
+            scan = functools.partial(_pipelined_scan, remat=remat, split=split)
+        elif lookahead and kv_cache is None:
+            scan = functools.partial(_lookahead_scan, dtype=dtype)
+        else:
+            scan = functools.partial(_layer_scan, remat=remat)
         x_BTD, (stats, kv_cache) = scan(
             run_layer, x_BTD, (layers_state, expert_bias_LE, kv_cache, layer_keys), tables
         )
@@ -515,6 +520,25 @@ def _layer_scan(
     if remat is not None:
         body = jax.checkpoint(body, policy=remat, prevent_cse=False)
     return jax.lax.scan(body, x_BTD, layers)
+
+
+def _pipelined_scan(
+    run_layer: Callable,
+    x_BTD: Array,
+    layers: tuple[nnx.State, Any, None, Any],
+    tables: tuple[Array, ...],
+    remat: Callable | None,
+    split: PipelineSplit,
+) -> tuple[Array, tuple[dict[str, Array], None]]:
+    """The layer scan as `split`'s pipeline (`models/pipeline.py`): each stage's chunk of layers
+    is a layer scan of its own, with the `remat` policy."""
+
+    def chunk_scan(x_BTD: Array, chunk: Any, tables: tuple) -> tuple[Array, dict[str, Array]]:
+        y_BTD, (stats, _) = _layer_scan(run_layer, x_BTD, chunk, tables, remat)
+        return y_BTD, stats
+
+    x_BTD, stats = pipeline_scan(chunk_scan, x_BTD, layers, tables, split)
+    return x_BTD, (stats, None)
 
 
 def _lookahead_scan(
