@@ -154,6 +154,21 @@ class Parallelism:
     # devices know their slice; others make one slice). The DCN axis carries HSDP's replicate
     # degree when it divides it, else the FSDP degree; every other axis stays inside a slice.
     num_slices: int = -1
+    # Pipeline parallelism: the stacked layers split into this many stages over a `pp` mesh axis
+    # (the rules table's `layers` rule), each stage's activations sent to the next by a
+    # collective-permute; with several slices pp spans them when the slice count divides it.
+    # Must divide n_layers (x the virtual stages); docs/PARALLELISM.md, "Pipeline parallelism".
+    pipeline_parallel_degree: int = 1
+    # "gpipe": each stage holds one chunk of consecutive layers; "interleaved": each holds
+    # `pipeline_parallel_virtual_stages` chunks placed round-robin (chunk c on stage c mod pp,
+    # MaxText's circular pipeline), a smaller bubble for more sends. Backward runs after the
+    # whole forward in both (no 1F1B).
+    pipeline_parallel_schedule: Literal["gpipe", "interleaved"] = "gpipe"
+    # Chunks per stage under "interleaved" (>= 2); 1 under "gpipe".
+    pipeline_parallel_virtual_stages: int = 1
+    # Slices of each (gradient-accumulation) microbatch's rows that flow through the stages;
+    # -1: pipeline_parallel_degree. At least the degree; must divide the local batch size.
+    pipeline_parallel_microbatches: int = -1
     # Rules of the sharding table (titan_jax/parallel/rules.py) replaced for this recipe:
     # logical axis -> the mesh axes that split it ([] = none), e.g. a TOML table
     # `[parallelism.sharding_rules]` with `kv_heads = []` (K/V heads replicated over tp, for a

@@ -24,8 +24,15 @@ def test_mesh_axes_are_auto_and_ordered():
         "--training.local_batch_size",
         "2",
     )
-    assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 2, "cp": 1, "ep": 1, "tp": 2}
-    assert trainer.mesh.axis_names == ("dp_replicate", "fsdp", "cp", "ep", "tp")
+    assert dict(trainer.mesh.shape) == {
+        "pp": 1,
+        "dp_replicate": 2,
+        "fsdp": 2,
+        "cp": 1,
+        "ep": 1,
+        "tp": 2,
+    }
+    assert trainer.mesh.axis_names == ("pp", "dp_replicate", "fsdp", "cp", "ep", "tp")
     assert set(trainer.mesh.axis_types) == {AxisType.Auto}
 
 
@@ -33,7 +40,7 @@ def test_fill_shard_degree():
     config = tiny_config("--parallelism.data_parallel_replicate_degree", "2")
     degrees = resolve_degrees(config.parallelism, 8)
     assert (degrees.dp_replicate, degrees.fsdp, degrees.tp, degrees.ep) == (2, 4, 1, 1)
-    assert build_mesh(degrees, jax.devices()).devices.shape == (2, 4, 1, 1, 1)
+    assert build_mesh(degrees, jax.devices()).devices.shape == (1, 2, 4, 1, 1, 1)
 
 
 def test_expert_parallelism_is_carved_out_of_the_shard_degree():

@@ -150,7 +150,14 @@ def test_restore_onto_another_mesh_is_bit_exact(saved, mesh):
             saved.folder.parent, "--parallelism.data_parallel_replicate_degree", "2"
         )
         trainer = make_trainer(config)
-        assert dict(trainer.mesh.shape) == {"dp_replicate": 2, "fsdp": 4, "ep": 1, "cp": 1, "tp": 1}
+        assert dict(trainer.mesh.shape) == {
+            "pp": 1,
+            "dp_replicate": 2,
+            "fsdp": 4,
+            "ep": 1,
+            "cp": 1,
+            "tp": 1,
+        }
     else:
         trainer = make_trainer(saved.config, jax.devices()[:1])
     restored = Checkpointer.for_run(trainer).restore(

@@ -110,17 +110,26 @@ def pipeline_scan(
     state_PbTD = constrain(state_PbTD, STAGE_AXES)
     # The statistics' shapes: one stage's tick, traced abstractly.
     one = jax.eval_shape(
-        lambda: run_stage(
-            buffer_MbTD[0], jax.tree.map(lambda c: c[:, 0], chunks), 0, 0
-        )[1]
+        lambda: run_stage(buffer_MbTD[0], jax.tree.map(lambda c: c[:, 0], chunks), 0, 0)[1]
     )
-    zeros = jax.tree.map(lambda s: jnp.zeros((p, v, *s.shape), s.dtype), one)
+    operands = (x_BTD, *jax.tree.leaves(chunks))
+    zeros = jax.tree.map(
+        lambda s: _varying_like(jnp.zeros((p, v, *s.shape), s.dtype), operands), one
+    )
     (_, buffer_MbTD, stats), _ = jax.lax.scan(
         tick, (state_PbTD, buffer_MbTD, zeros), jnp.arange(ticks)
     )
     # (stage, repeat, layer of chunk) -> the stacked layer order (repeat, stage, layer of chunk).
     stats = jax.tree.map(lambda s: s.swapaxes(0, 1).reshape(-1, *s.shape[3:]), stats)
     return buffer_MbTD.reshape(x_BTD.shape), stats
+
+
+def _varying_like(init: Array, operands: tuple[Array, ...]) -> Array:
+    """`init` varying over every manual mesh axis an operand varies over: inside a shard_map a
+    loop's carry keeps one type, and the ticks mix the tokens and weights into it."""
+    varying = lambda a: jax.typeof(a).mat.varying  # noqa: E731
+    axes = set().union(*map(varying, operands)) - varying(init)
+    return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
 
 
 def _lead(mask: Array, like: Array) -> Array:

@@ -1,5 +1,6 @@
-"""Device mesh from `[parallelism]`: axes (dp_replicate, fsdp, cp, ep, tp), checked against the
-devices and laid on their topology: ICI axes inside a slice, one data-parallel axis over DCN."""
+"""Device mesh from `[parallelism]`: axes (pp, dp_replicate, fsdp, cp, ep, tp), checked against
+the devices and laid on their topology: ICI axes inside a slice, the pipeline axis or one
+data-parallel axis over DCN."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from jax.sharding import AxisType, Mesh
 from titan_jax.config import ConfigError, Parallelism
 
 # cp (context parallelism) sits next to the model-parallel axes: its K/V all-gather runs in
-# every layer, so it wants the nearer links after tp and ep.
-MESH_AXES = ("dp_replicate", "fsdp", "cp", "ep", "tp")
+# every layer, so it wants the nearer links after tp and ep. pp (pipeline stages) is outermost:
+# it sends one microbatch's activations a tick, the lightest traffic, so the farthest links.
+MESH_AXES = ("pp", "dp_replicate", "fsdp", "cp", "ep", "tp")
 
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -47,6 +49,7 @@ class MeshDegrees:
     tp: int
     ep: int = 1
     cp: int = 1
+    pp: int = 1  # pipeline stages (`titan_jax/models/pipeline.py`); ranks along pp share rows
 
     @property
     def dp_shard(self) -> int:
@@ -75,14 +78,15 @@ class MeshDegrees:
 def resolve_degrees(p: Parallelism, n_devices: int) -> MeshDegrees:
     """Fills data_parallel_shard_degree=-1, carves the ep axis out of it, and checks the
     product equals the device count."""
-    cp = p.context_parallel_degree
-    fixed = p.data_parallel_replicate_degree * p.tensor_parallel_degree * cp
+    cp, pp = p.context_parallel_degree, p.pipeline_parallel_degree
+    fixed = p.data_parallel_replicate_degree * p.tensor_parallel_degree * cp * pp
     shard = p.data_parallel_shard_degree
     if shard == -1:
         if n_devices % fixed:
             raise ConfigError(
                 f"parallelism: data_parallel_replicate_degree x tensor_parallel_degree x "
-                f"context_parallel_degree = {fixed} does not divide {n_devices} devices"
+                f"context_parallel_degree x pipeline_parallel_degree = {fixed} does not divide "
+                f"{n_devices} devices"
             )
         shard = n_devices // fixed
     ep = p.expert_parallel_degree
@@ -92,13 +96,14 @@ def resolve_degrees(p: Parallelism, n_devices: int) -> MeshDegrees:
             f"{shard} (experts are split over part of the FSDP ranks, as in TorchTitan)"
         )
     degrees = MeshDegrees(
-        p.data_parallel_replicate_degree, shard // ep, p.tensor_parallel_degree, ep, cp
+        p.data_parallel_replicate_degree, shard // ep, p.tensor_parallel_degree, ep, cp, pp
     )
-    product = degrees.dp_replicate * degrees.dp_shard * degrees.tp * cp
+    product = degrees.dp_replicate * degrees.dp_shard * degrees.tp * cp * pp
     if product != n_devices:
         raise ConfigError(
-            f"parallelism degrees dp_replicate={degrees.dp_replicate} x fsdp={degrees.dp_shard} x "
-            f"cp={cp} x tp={degrees.tp} = {product} but there are {n_devices} devices; the "
+            f"parallelism degrees pp={pp} x dp_replicate={degrees.dp_replicate} x "
+            f"fsdp={degrees.dp_shard} x cp={cp} x tp={degrees.tp} = {product} but there are "
+            f"{n_devices} devices; the "
             "product must "
             "equal the device count (set data_parallel_shard_degree = -1 to fill)"
         )
@@ -128,17 +133,23 @@ def slices_of(devices: list[jax.Device], num_slices: int = -1) -> list[list[jax.
 
 
 def dcn_axis(degrees: MeshDegrees, num_slices: int) -> int:
-    """Which mesh axis spans the slices: HSDP's replicate axis when the slice count divides it
-    (only the once-per-step gradient all-reduce crosses the slow network), else FSDP (its
-    gathers cross it every layer). TP, EP and CP always stay inside a slice."""
+    """Which mesh axis spans the slices: the pipeline axis when there is one and the slice count
+    divides it (only activations, one microbatch a tick, cross the slow network), else HSDP's
+    replicate axis when the slice count divides it (the once-per-step gradient all-reduce
+    crosses it), else FSDP (its gathers cross it every layer). TP, EP and CP always stay inside
+    a slice."""
+    if degrees.pp > 1 and degrees.pp % num_slices == 0:
+        return MESH_AXES.index("pp")
     if degrees.dp_replicate % num_slices == 0:
         return MESH_AXES.index("dp_replicate")
     if degrees.fsdp % num_slices == 0:
         return MESH_AXES.index("fsdp")
     raise ConfigError(
         f"{num_slices} slices must divide parallelism.data_parallel_replicate_degree="
-        f"{degrees.dp_replicate} or the FSDP degree {degrees.fsdp}: only data parallelism "
-        "crosses slices (set data_parallel_replicate_degree to a multiple of the slice count)"
+        f"{degrees.dp_replicate} or the FSDP degree {degrees.fsdp} (or "
+        f"pipeline_parallel_degree={degrees.pp}): only data or pipeline parallelism crosses "
+        "slices (set data_parallel_replicate_degree or pipeline_parallel_degree to a multiple "
+        "of the slice count)"
     )
 
 
@@ -150,7 +161,7 @@ def build_mesh(
     collectives stay on the nearest links, ep next), and with several slices one data-parallel
     axis spans them over DCN (`dcn_axis`), as MaxText's hybrid meshes do."""
     devices = jax.devices() if devices is None else devices
-    shape = (degrees.dp_replicate, degrees.fsdp, degrees.cp, degrees.ep, degrees.tp)
+    shape = (degrees.pp, degrees.dp_replicate, degrees.fsdp, degrees.cp, degrees.ep, degrees.tp)
     slices = slices_of(devices, num_slices)
     axis = dcn_axis(degrees, len(slices)) if len(slices) > 1 else 0
     slice_shape = list(shape)

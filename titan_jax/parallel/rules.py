@@ -40,7 +40,9 @@ MeshAxes = str | tuple[str, ...] | None
 DEFAULT_TABLE: Mapping[str, MeshAxes] = {
     "batch": ("dp_replicate", "fsdp", "ep"),  # activations' rows: every data-parallel axis
     "seq": "cp",  # context parallelism (load-balanced chunks: parallel/context_parallel.py)
-    "layers": None,  # the stacked layers' dim: scanned over, never split
+    # The stacked layers' dim: split into pipeline stages (consecutive layers per stage); the
+    # pipeline's stage dim of activations is named `layers` too (titan_jax/models/pipeline.py).
+    "layers": "pp",
     "embed": ("fsdp", "cp", "ep"),  # SimpleFSDP's shard dim of every weight that has it
     "norm": ("fsdp", "cp", "ep"),  # norm weights, sharded like `embed`
     # The vocabulary tables: split over the data axes and tp, and kept split in compute

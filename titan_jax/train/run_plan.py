@@ -20,12 +20,14 @@ from jax.sharding import Mesh
 from titan_jax.config import JobConfig
 from titan_jax.models import BuildOptions, ModelArgs, ModelDef, ModelSpec
 from titan_jax.models.lora import NO_LORA, Lora
+from titan_jax.models.sharding_hooks import PipelineSplit
 from titan_jax.models.quantization import Quantization
 from titan_jax.models.remat import offload_layer_input_for, remat_mode_for
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRules, table_for_vocab, table_with_overrides
 from titan_jax.parallel.simple_fsdp import SimpleFSDP, choose_implementation
 from titan_jax.train import run_checks
+from titan_jax.train.pipeline_plan import plan_pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,7 @@ class RunPlan:
     rules: ShardingRules
     param_specs: Any  # every param's storage layout
     buffer_specs: Any
+    pipeline: PipelineSplit = PipelineSplit()  # the layers' stages (none: degree 1)
 
     @property
     def global_batch_size(self) -> int:
@@ -101,6 +104,7 @@ def plan_run(
     recipe_table = table_with_overrides(config.parallelism.sharding_rules)
     run_checks.check_heads(config, args, degrees, recipe_table)
     run_checks.check_expert_chunks(config, args, degrees)
+    pipeline = plan_pipeline(config, args, degrees)
     n_microbatches = run_checks.microbatches(config, degrees)
     platform = devices[0].platform
     quantization = run_checks.resolve_quantization(config, args, degrees, devices)
@@ -142,4 +146,5 @@ def plan_run(
         rules,
         param_specs,
         buffer_specs,
+        pipeline,
     )

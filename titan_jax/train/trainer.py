@@ -196,6 +196,7 @@ def assemble_trainer(plan: RunPlan) -> Trainer:
         cp_method=config.parallelism.context_parallel_method,
         ep_chunks=config.parallelism.expert_parallel_chunks,
         param_axes=plan.model.logical_axes,
+        pipeline=plan.pipeline,
     )
     return Trainer(
         plan,

@@ -20,6 +20,7 @@ from titan_jax.models.sharding_hooks import (
     Kernel,
     LogicalAxes,
     Parallelism,
+    PipelineSplit,
     SequenceSplit,
     SummedLoss,
     VocabSplit,
@@ -52,7 +53,8 @@ class SimpleFSDP(Parallelism, abc.ABC):
     reduce_dtype: dtype of gradient reductions (TorchTitan's `mixed_precision_reduce`; fp32 by
     default). cp_method: `parallelism.context_parallel_method`. ep_chunks:
     `parallelism.expert_parallel_chunks`. param_axes: the params' logical axes (tree), which the
-    jit path needs to hand each shard its slice of the vocabulary tables.
+    jit path needs to hand each shard its slice of the vocabulary tables. pipeline: the stacked
+    layers' stages over the `pp` axis (`models/pipeline.py`; degree 1: none).
     """
 
     implementation = ""  # "jit" or "shard_map": the config's name of the subclass
@@ -69,6 +71,7 @@ class SimpleFSDP(Parallelism, abc.ABC):
     cp_method: str = "allgather"
     ep_chunks: int = 1
     param_axes: Any = None
+    pipeline: PipelineSplit = PipelineSplit()
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -163,6 +166,9 @@ class SimpleFSDP(Parallelism, abc.ABC):
     @abc.abstractmethod
     def _vocab_shard_axes(self, axes: tuple[str, ...]) -> str | tuple[str, ...]:
         """The axis name(s) the vocabulary's data shards go by inside `loss_map`."""
+
+    def pipeline_split(self) -> PipelineSplit:
+        return self.pipeline
 
     def sequence_split(self) -> SequenceSplit:
         """Under context parallelism each rank holds two chunks of every sequence and gathers

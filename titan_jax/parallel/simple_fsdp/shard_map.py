@@ -6,6 +6,7 @@ Pallas kernels of MoE on TPU need its manual data axes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,6 +19,7 @@ from titan_jax.models.sharding_hooks import (
     GATHERED_PARAM,
     Kernel,
     LogicalAxes,
+    PipelineSplit,
     SummedLoss,
     each_params_tree,
 )
@@ -110,6 +112,12 @@ class ShardMapSimpleFSDP(SimpleFSDP):
     def constrain(self, x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         spec = self.rules.local_compute_spec("activation", logical_axes)
         return lax.with_sharding_constraint(x, spec) if spec else x  # data axes are manual
+
+    def pipeline_split(self) -> PipelineSplit:
+        # The stage vmap names no mesh axis: inside a shard_map an auto axis cannot be a vmap's
+        # spmd_axis_name. Its stage dim is left unconstrained inside the stage, pinned to pp
+        # between ticks (`models/pipeline.py`), and the partitioner keeps it there.
+        return dataclasses.replace(self.pipeline, axis=None)
 
     def _vocab_shard_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
         return axes
