@@ -20,9 +20,9 @@ from jax.sharding import Mesh
 from titan_jax.config import JobConfig
 from titan_jax.models import BuildOptions, ModelArgs, ModelDef, ModelSpec
 from titan_jax.models.lora import NO_LORA, Lora
-from titan_jax.models.sharding_hooks import PipelineSplit
 from titan_jax.models.quantization import Quantization
 from titan_jax.models.remat import offload_layer_input_for, remat_mode_for
+from titan_jax.models.sharding_hooks import PipelineSplit
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRules, table_for_vocab, table_with_overrides
 from titan_jax.parallel.simple_fsdp import SimpleFSDP, choose_implementation
