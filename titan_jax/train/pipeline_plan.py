@@ -1,6 +1,7 @@
 """A run's pipeline (`parallelism.pipeline_parallel_*`), checked against the model, the batch
 and the other settings, as the `PipelineSplit` SimpleFSDP hands the model
-(titan_jax/models/pipeline.py). Each refusal is a ConfigError naming the field, its value and what would be valid."""
+(titan_jax/models/pipeline.py). Each refusal is a ConfigError naming the field, its value
+and what would be valid."""
 
 from __future__ import annotations
 
