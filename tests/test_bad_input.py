@@ -69,6 +69,7 @@ def _check(tmp_path, capsys, argv, message):
     assert snapshot(tmp_path) == before  # nothing written, nothing lost
 
 
+PIPELINE_2 = ["--parallelism.pipeline_parallel_degree", "2"]
 LONG = "a" * 300
 TOO_LONG = "the name aaaaaaaaaaaa...aaaa is 300 bytes, longer than the 255 bytes a file name may"
 CASES = {
@@ -212,6 +213,21 @@ CASES = {
             "distributed.coordinator_address='localhost:70000': port 70000 is not a TCP port",
         ),
         (["--distributed.step_timeout", "-1"], "distributed.step_timeout=-1 must be >= 0"),
+        (
+            PIPELINE_2
+            + ["--parallelism.pipeline_parallel_schedule", "interleaved"]
+            + ["--parallelism.pipeline_parallel_virtual_stages", "3"],
+            "pipeline_parallel_degree=2 x pipeline_parallel_virtual_stages=3 = 6 chunks do not "
+            "divide the model's 8 layers",
+        ),
+        (
+            [*PIPELINE_2, "--parallelism.pipeline_parallel_microbatches", "1"],
+            "pipeline_parallel_microbatches=1 is fewer than the 2 stages; use at least 2",
+        ),
+        (
+            [*PIPELINE_2, "--parallelism.fsdp_lookahead_gather", "true"],
+            "fsdp_lookahead_gather cannot run under pipeline_parallel_degree=2",
+        ),
         (
             ["--distributed.heartbeat_timeout", "0"],
             "distributed.heartbeat_timeout=0 must be >= 1 seconds",

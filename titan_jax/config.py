@@ -411,6 +411,8 @@ def _check_rest(config: JobConfig) -> None:
         "expert_parallel_degree",
         "expert_parallel_chunks",
         "context_parallel_degree",
+        "pipeline_parallel_degree",
+        "pipeline_parallel_virtual_stages",
     ):
         degree = getattr(p, name)
         _require(degree >= 1, f"parallelism.{name}={degree} must be >= 1")
@@ -418,6 +420,11 @@ def _check_rest(config: JobConfig) -> None:
         p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
         f"parallelism.data_parallel_shard_degree={p.data_parallel_shard_degree} "
         "must be >= 1 or -1 (fill the remaining devices)",
+    )
+    _require(
+        p.pipeline_parallel_microbatches == -1 or p.pipeline_parallel_microbatches >= 1,
+        f"parallelism.pipeline_parallel_microbatches={p.pipeline_parallel_microbatches} "
+        "must be >= 1 or -1 (one per stage)",
     )
     _require(
         p.num_slices == -1 or p.num_slices >= 1,
