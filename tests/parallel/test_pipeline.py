@@ -1,0 +1,130 @@
+"""Pipeline parallelism (titan_jax/models/pipeline.py): every schedule on 8 devices trains like
+one device (20 steps, fp32), the stages split the stacked layers over `pp`, and a checkpoint
+moves between a pipelined run and one without, bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from parallel_helpers import TINY, make_batches, run_losses, tiny_config
+
+from titan_jax.models.pipeline import bubble_fraction
+from titan_jax.train.checkpoint import Checkpointer
+from titan_jax.train.trainer import build_trainer
+
+DENSE = dataclasses.replace(TINY, n_layers=4)  # pp 4, or pp 2 x 2 virtual stages: 1 layer each
+MOE = dataclasses.replace(DENSE, num_experts=8, top_k=2, moe_inter_dim=32)
+STEPS = 20
+TP2_LOCAL4 = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
+
+
+def pipeline(degree: int, schedule: str = "gpipe", virtual: int = 1, microbatches: int = -1):
+    """Flags of a pipelined run; the other devices data-parallel with the batch kept at 8."""
+    return [
+        "--parallelism.pipeline_parallel_degree",
+        str(degree),
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        "--parallelism.pipeline_parallel_virtual_stages",
+        str(virtual),
+        "--parallelism.pipeline_parallel_microbatches",
+        str(microbatches),
+        "--training.local_batch_size",  # 8 rows over the 8 / degree data-parallel ranks
+        str(degree),
+    ]
+
+
+def moe_config(*overrides: str):
+    return tiny_config("--moe.load_balance_coeff", "1e-2", *overrides)
+
+
+@pytest.fixture(scope="module")
+def dense_reference():
+    trainer = build_trainer(
+        tiny_config("--training.local_batch_size", "8"), jax.devices()[:1], model_args=DENSE
+    )
+    init = jax.device_get(trainer.init_state())
+    return init, run_losses(trainer, init, make_batches(STEPS))
+
+
+@pytest.mark.parametrize(
+    "flags, implementation",
+    [
+        (pipeline(2), "jit"),
+        (pipeline(4), "jit"),
+        # more microbatches than stages, beside tensor parallelism: pp2 x fsdp2 x tp2
+        ([*pipeline(2, microbatches=4), *TP2_LOCAL4], "jit"),
+        (pipeline(2, "interleaved", 2), "jit"),
+        (pipeline(2), "shard_map"),
+    ],
+    ids=["gpipe_pp2", "gpipe_pp4", "gpipe_pp2_m4_tp2", "interleaved_pp2_v2", "gpipe_pp2_shard_map"],
+)
+def test_schedules_equal_one_device(dense_reference, flags, implementation):
+    init, want = dense_reference
+    trainer = build_trainer(
+        tiny_config(*flags, "--parallelism.fsdp_implementation", implementation),
+        model_args=DENSE,
+    )
+    assert trainer.mesh.shape["pp"] == int(flags[1])
+    # The stacked layers are split over the stages, the embedding is not.
+    params = trainer.state_shardings["params"]
+    assert params["layers"]["attention"]["wq"].spec[0] == "pp"
+    assert "pp" not in str(params["tok_embeddings"].spec)
+    np.testing.assert_allclose(run_losses(trainer, init, make_batches(STEPS)), want, rtol=1e-5)
+
+
+@pytest.mark.slow  # ~115 s here, half of it the one-device reference
+def test_moe_pp2_fsdp2_ep2_equals_one_device():
+    reference = build_trainer(
+        moe_config("--training.local_batch_size", "8"), jax.devices()[:1], model_args=MOE
+    )
+    init = jax.device_get(reference.init_state())
+    # A sharp router, as tests/parallel/test_moe_training.py: near-ties would flip top-k picks
+    # on a reduction order.
+    init["params"]["layers"]["moe"]["gate"] = init["params"]["layers"]["moe"]["gate"] * 50
+    batches = make_batches(STEPS)
+    want = run_losses(reference, init, batches)
+    trainer = build_trainer(
+        moe_config(
+            *pipeline(2),
+            "--parallelism.data_parallel_shard_degree",
+            "4",
+            "--parallelism.expert_parallel_degree",
+            "2",
+        ),
+        model_args=MOE,
+    )
+    assert {a: n for a, n in trainer.mesh.shape.items() if n > 1} == {"pp": 2, "fsdp": 2, "ep": 2}
+    np.testing.assert_allclose(run_losses(trainer, init, batches), want, rtol=1e-5)
+
+
+def test_a_checkpoint_moves_between_pipelined_and_plain_runs_bitwise(dense_reference, tmp_path):
+    """Train 3 steps with pp 2, save; restore without pp, and the other way: the stacked
+    layers keep one layout, so both restores equal the saved state bit for bit, and the run
+    without pp goes on with the pipelined run's losses."""
+    init, _ = dense_reference
+    batches = make_batches(5)
+    config = tiny_config(*pipeline(2), "--checkpoint.enable", "true")
+    piped = build_trainer(config, model_args=DENSE)
+    state = jax.device_put(init, piped.state_shardings)
+    for batch in batches[:3]:
+        state, _ = piped.step_fn(state, piped.batches.put(batch))
+    saved = jax.device_get(state)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, state, data_state={}, tokens_seen=0)
+    plain = build_trainer(tiny_config("--training.local_batch_size", "1"), model_args=DENSE)
+    for trainer in (plain, piped):
+        restored = Checkpointer(tmp_path).restore(3, trainer.abstract_state()).state
+        for want, got in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), want)
+    go_on = run_losses(plain, saved, batches[3:])
+    np.testing.assert_allclose(go_on, run_losses(piped, saved, batches[3:]), rtol=1e-5)
+
+
+def test_bubble_fraction():
+    assert bubble_fraction(4, 1, 4) == 3 / 7  # GPipe and 1F1B: (pp - 1) / (m + pp - 1)
+    assert bubble_fraction(4, 2, 4) == 3 / 11  # interleaved: (pp - 1) / (v m + pp - 1)
+    assert bubble_fraction(1, 1, 1) == 0
