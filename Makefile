@@ -92,6 +92,7 @@ bench-update:
 # The pod recipes compiled ahead of time for their TPU slices (libtpu, no TPU), into docs/TPU.md.
 plans:
 	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(BIN)/python benchmarks/tpu_plans.py --write docs/TPU.md
+	$(BIN)/python benchmarks/pipeline_plans.py --write docs/PARALLELISM.md
 
 tokenizer:
 	$(BIN)/python scripts/build_tokenizer.py

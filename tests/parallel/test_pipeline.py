@@ -5,6 +5,7 @@ moves between a pipelined run and one without, bit for bit."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -101,10 +102,12 @@ def test_moe_pp2_fsdp2_ep2_equals_one_device():
     np.testing.assert_allclose(run_losses(trainer, init, batches), want, rtol=1e-5)
 
 
-def test_a_checkpoint_moves_between_pipelined_and_plain_runs_bitwise(dense_reference, tmp_path):
-    """Train 3 steps with pp 2, save; restore without pp, and the other way: the stacked
-    layers keep one layout, so both restores equal the saved state bit for bit, and the run
-    without pp goes on with the pipelined run's losses."""
+def test_a_checkpoint_moves_between_pipelined_and_plain_runs_and_resumes_bitwise(
+    dense_reference, tmp_path
+):
+    """Train 3 steps with pp 2, save; restore without pp, and with it: the stacked layers keep
+    one layout, so both restores equal the saved state bit for bit; the resumed pipelined run
+    repeats the uninterrupted one's losses bitwise, and the run without pp goes on with them."""
     init, _ = dense_reference
     batches = make_batches(5)
     config = tiny_config(*pipeline(2), "--checkpoint.enable", "true")
@@ -115,16 +118,43 @@ def test_a_checkpoint_moves_between_pipelined_and_plain_runs_bitwise(dense_refer
     saved = jax.device_get(state)
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(3, state, data_state={}, tokens_seen=0)
+    uninterrupted = []
+    for batch in batches[3:]:
+        state, metrics = piped.step_fn(state, piped.batches.put(batch))
+        uninterrupted.append(float(metrics["loss"]))
     plain = build_trainer(tiny_config("--training.local_batch_size", "1"), model_args=DENSE)
     for trainer in (plain, piped):
         restored = Checkpointer(tmp_path).restore(3, trainer.abstract_state()).state
         for want, got in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), strict=True):
             np.testing.assert_array_equal(np.asarray(got), want)
+    resumed = run_losses(piped, jax.device_get(restored), batches[3:])
+    np.testing.assert_array_equal(resumed, uninterrupted)  # a resume is bitwise
     go_on = run_losses(plain, saved, batches[3:])
-    np.testing.assert_allclose(go_on, run_losses(piped, saved, batches[3:]), rtol=1e-5)
+    np.testing.assert_allclose(go_on, uninterrupted, rtol=1e-5)
 
 
 def test_bubble_fraction():
     assert bubble_fraction(4, 1, 4) == 3 / 7  # GPipe and 1F1B: (pp - 1) / (m + pp - 1)
     assert bubble_fraction(4, 2, 4) == 3 / 11  # interleaved: (pp - 1) / (v m + pp - 1)
     assert bubble_fraction(1, 1, 1) == 0
+
+
+@pytest.mark.parametrize("implementation", ["jit", "shard_map"])
+def test_compiled_step_runs_one_stage_a_device_and_sends_between_stages(implementation):
+    """In the compiled program each device's MLP matmuls take one microbatch of its own data
+    shard (16 token rows: 2 rows / 2 microbatches x 16 positions), not every stage's, and the
+    stages' hand-offs are collective-permutes."""
+    trainer = build_trainer(
+        tiny_config(*pipeline(2), "--parallelism.fsdp_implementation", implementation),
+        model_args=DENSE,
+    )
+    tokens = jax.ShapeDtypeStruct((8, 16), np.int32, sharding=trainer.batches.sharding)
+    compiled = trainer.lower_step(
+        trainer.abstract_state(), {"inputs": tokens, "labels": tokens}
+    ).compile()
+    text = compiled.as_text()
+    # (rows, hidden) matmul outputs: the forward's (16 token rows) and the weight gradients'
+    # (dim rows); with the stages' work replicated the token rows would be 32, or (2, 16).
+    mlp_rows = set(re.findall(rf"f32\[([\d,]+),{DENSE.hidden_dim}\]\S* dot\(", text))
+    assert mlp_rows == {"16", str(DENSE.dim)}, mlp_rows
+    assert "collective-permute(" in text

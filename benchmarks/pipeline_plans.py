@@ -1,0 +1,91 @@
+"""Pipeline stages against data parallelism for the recipes users ask about, priced without a
+compile (`titan_jax/planner/pipeline_cost.py`): Qwen3-235B-A22B on 2 and 4 slices, PP across
+the slices against HSDP across them, and Qwen3-32B on one slice with and without PP. Prints the
+table; `--write docs/PARALLELISM.md` (`make plans`) replaces it between the markers there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from titan_jax.atomic_dir import write_text_atomic
+from titan_jax.models.qwen3.args import get_flavor
+from titan_jax.planner.pipeline_cost import Layout, layout_cost
+from titan_jax.planner.topology import parse_slice
+
+BEGIN, END = "<!-- pipeline_plans:begin -->", "<!-- pipeline_plans:end -->"
+SEQ_LEN = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    flavor: str
+    slice_name: str
+    num_slices: int
+    tokens_per_chip: int  # the shipped recipe's: 235B 1 x 4096 (ep x fsdp), 32B 1 x 4096 / tp4
+    layout: Layout
+
+
+def _rows() -> list[Row]:
+    rows = []
+    for slice_name, slices in (("v5p-256", 2), ("v5p-256", 4), ("v5p-128", 2)):
+        for layout in (
+            Layout(),
+            Layout(slices, 1, 4 * slices),
+            Layout(slices, 1, 8 * slices),
+            Layout(slices, 2, 4 * slices),
+        ):
+            rows.append(Row("235B-A22B", slice_name, slices, 4096, layout))
+    for layout in (Layout(), Layout(2, 1, 8), Layout(4, 1, 16), Layout(2, 2, 8)):
+        rows.append(Row("32B", "v5p-32", 1, 1024, layout))
+    return rows
+
+
+def _name(layout: Layout, slices: int) -> str:
+    if layout.pp == 1:
+        return "no PP (HSDP across slices)" if slices > 1 else "no PP (FSDP)"
+    kind = "gpipe" if layout.virtual == 1 else f"interleaved v{layout.virtual}"
+    return f"pp{layout.pp} {kind} m{layout.microbatches}"
+
+
+def table() -> str:
+    lines = [
+        "| model | slices | layout | bubble | compute s | + bubble s | + DCN s | + ICI sends s | "
+        "weight gathers | state GB/chip | step <= s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in _rows():
+        c = layout_cost(
+            get_flavor(r.flavor),
+            parse_slice(r.slice_name, r.num_slices),
+            r.tokens_per_chip,
+            SEQ_LEN,
+            r.layout,
+        )
+        lines.append(
+            f"| {r.flavor} | {r.num_slices} x {r.slice_name} | {_name(r.layout, r.num_slices)} | "
+            f"{c.bubble_fraction:.0%} | {c.compute_s:.2f} | {c.bubble_s:.2f} | {c.dcn_s:.3f} | "
+            f"{c.ici_sends_s:.4f} | {c.weight_gathers:.1f}x | {c.state_bytes / 1e9:.1f} | "
+            f"{c.step_s:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--write", type=Path, help="replace the table in this markdown file")
+    out = table()
+    target = parser.parse_args().write
+    if target is None:
+        print(out)
+        return
+    text = target.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    write_text_atomic(target, f"{head}{BEGIN}\n{out}\n{END}{tail}")
+
+
+if __name__ == "__main__":
+    main()

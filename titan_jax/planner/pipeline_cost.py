@@ -1,0 +1,113 @@
+"""Which layout wins across slices (or inside one): pipeline stages against data parallelism, priced
+from the model's shape and the chips' published rates (`topology.Chip`, `sustained`), without a
+compile.
+
+Both layouts run the same per-chip compute (each chip's share of the batch's FLOPs), so the
+comparison is in what each adds to it:
+- HSDP across slices (`pp` 1, `dp_replicate` = slices): every step the fp32 gradient is
+  all-reduced across slices over DCN; each chip sends 2 (S - 1) / S of its gradient shard
+  (parameters x 4 bytes / chips of a slice). Each slice holds the whole model, FSDP-sharded over
+  its chips.
+- PP (`pp` stages, across slices when pp divides by them): the bubble, (pp - 1) / (v m + pp - 1)
+  of the ticks idle (`models/pipeline.py`), i.e. the compute stretched by (pp - 1) / (v m); each
+  tick every chip sends its shard of one microbatch's activations (bf16) to the next stage,
+  forward and (the activation's gradient) backward, over DCN when pp spans slices; each stage's
+  weights are gathered again every tick (fwd, and bwd under remat), over ICI; interleaved
+  stages also move (v - 1) / v of the stored weights to their chunks' stages and the gradients
+  back each step (the layers are stored in one layout, `layers` split over pp in consecutive
+  blocks). Each chip holds
+  1 / pp of the model's state (a stage's layers) where HSDP holds it whole in every slice.
+
+The times are upper bounds on what each adds: transfers are counted exposed (not overlapped with
+compute), the compute at the chip's sustained matmul rate (full remat: 8 / 6 of the training
+FLOPs). What a row says is which added cost is larger, and by how much.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titan_jax.models.pipeline import bubble_fraction
+from titan_jax.models.qwen3.args import Qwen3Args
+from titan_jax.models.qwen3.flops import count_params, flops_per_token
+from titan_jax.planner import sustained
+from titan_jax.planner.topology import TpuSlice
+
+GRAD_BYTES = 4  # fp32 gradient reductions (training.mixed_precision_reduce)
+ACT_BYTES = 2  # bf16 activations between stages
+STATE_BYTES = 12  # fp32 master weights + Adam's two moments per parameter
+REMAT_FULL = 8 / 6  # full activation checkpointing recomputes the forward
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to place a run: `pp` stages (`virtual` chunks each, `microbatches` slices of the
+    batch), the rest data-parallel (FSDP inside a slice, HSDP's replicas across slices)."""
+
+    pp: int = 1
+    virtual: int = 1
+    microbatches: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutCost:
+    """Seconds a step spends on compute and on what the layout adds to it, and bytes per chip."""
+
+    compute_s: float
+    bubble_s: float
+    dcn_s: float  # gradient all-reduce (HSDP) or stage sends (PP over DCN), exposed
+    ici_sends_s: float  # stage sends over ICI (PP inside a slice), exposed
+    weight_gathers: float  # the model's weights FSDP-gathered per step, in whole models (ICI)
+    state_bytes: float  # master weights + optimizer moments per chip
+    bubble_fraction: float  # of the ticks, idle
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.dcn_s + self.ici_sends_s
+
+
+def layout_cost(
+    args: Qwen3Args, tpu: TpuSlice, tokens_per_chip: int, seq_len: int, layout: Layout
+) -> LayoutCost:
+    """The cost of `layout` for `args` on `tpu` (all its slices), each chip holding
+    `tokens_per_chip` tokens of the step's batch (as the same batch data-parallel would)."""
+    chip, slices = tpu.chip, tpu.num_slices
+    chips = tpu.chips * slices * chip.devices_per_chip
+    params = count_params(args)["total"]
+    flops = flops_per_token(args, seq_len) * tokens_per_chip * REMAT_FULL
+    # The model's big matmuls: rows of tokens against dim x hidden weights.
+    rate = chip.peak_bf16_flops * sustained.matmul_share(
+        chip.generation, 2 * tokens_per_chip * args.dim * max(args.hidden_dim, args.dim)
+    )
+    compute = flops / rate
+    pp, v, m = layout.pp, layout.virtual, layout.microbatches
+    # The ticks stretch the compute by (v m + pp - 1) / (v m): idle (pp - 1) / (v m + pp - 1)
+    # of the step, `models.pipeline.bubble_fraction`.
+    bubble = compute * (pp - 1) / (v * m)
+    dcn_per_chip = chip.dcn_bytes_per_s
+    ici_ring = chip.ring_bytes_per_s()
+    dcn = ici_sends = 0.0
+    if pp == 1:
+        # HSDP across slices: the gradient shard of each chip all-reduced across the slices.
+        if slices > 1:
+            shard = params * GRAD_BYTES / (tpu.chips * chip.devices_per_chip)
+            dcn = 2 * (slices - 1) / slices * shard / dcn_per_chip
+        regather = 1.0  # FSDP inside the slice: the whole model gathered once (fwd + bwd)
+        state = params * STATE_BYTES / (chips / slices)
+    else:
+        ticks = v * m + pp - 1
+        # A stage's chips hold pp x the tokens of a data-parallel chip; one microbatch a tick.
+        send = pp * tokens_per_chip / m * args.dim * ACT_BYTES
+        sends = 2 * ticks * send
+        # Interleaved: the stored layers are split over pp in consecutive blocks, the chunks
+        # are placed round-robin, so each step (v - 1) / v of every chip's weight shard (fp32)
+        # moves to its chunk's stage and its gradient back.
+        sends += 2 * (v - 1) / v * params * GRAD_BYTES / chips
+        if slices > 1 and pp % slices == 0:
+            dcn = sends / dcn_per_chip
+        else:
+            ici_sends = sends / ici_ring
+        # Each tick gathers one chunk (1 / (pp v) of the model), forward and backward.
+        regather = ticks / (pp * v)
+        state = params * STATE_BYTES / chips
+    return LayoutCost(compute, bubble, dcn, ici_sends, regather, state, bubble_fraction(pp, v, m))
