@@ -11,8 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from titan_jax.atomic_dir import write_text_atomic
-from titan_jax.models.qwen3.args import get_flavor
-from titan_jax.planner.pipeline_cost import Layout, layout_cost
+from titan_jax.planner.pipeline_cost import Layout, ModelShape, layout_cost
 from titan_jax.planner.topology import parse_slice
 
 BEGIN, END = "<!-- pipeline_plans:begin -->", "<!-- pipeline_plans:end -->"
@@ -56,14 +55,12 @@ def table() -> str:
         "weight gathers | state GB/chip | step <= s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    shapes: dict[str, ModelShape] = {}
     for r in _rows():
-        c = layout_cost(
-            get_flavor(r.flavor),
-            parse_slice(r.slice_name, r.num_slices),
-            r.tokens_per_chip,
-            SEQ_LEN,
-            r.layout,
-        )
+        if r.flavor not in shapes:
+            shapes[r.flavor] = ModelShape.of("qwen3", r.flavor, SEQ_LEN)
+        tpu = parse_slice(r.slice_name, r.num_slices)
+        c = layout_cost(shapes[r.flavor], tpu, r.tokens_per_chip, r.layout)
         lines.append(
             f"| {r.flavor} | {r.num_slices} x {r.slice_name} | {_name(r.layout, r.num_slices)} | "
             f"{c.bubble_fraction:.0%} | {c.compute_s:.2f} | {c.bubble_s:.2f} | {c.dcn_s:.3f} | "

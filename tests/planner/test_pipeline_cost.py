@@ -5,28 +5,26 @@ from __future__ import annotations
 
 import pytest
 
-from titan_jax.models.qwen3.args import get_flavor
-from titan_jax.models.qwen3.flops import count_params
-from titan_jax.planner.pipeline_cost import Layout, layout_cost
+from titan_jax.planner.pipeline_cost import Layout, ModelShape, layout_cost
 from titan_jax.planner.topology import parse_slice
 
-BIG = get_flavor("235B-A22B")
+BIG = ModelShape.of("qwen3", "235B-A22B", 4096)
 
 
 def test_hsdp_across_slices_pays_the_gradient_over_dcn():
-    one = layout_cost(BIG, parse_slice("v5p-256", 1), 4096, 4096, Layout())
-    two = layout_cost(BIG, parse_slice("v5p-256", 2), 4096, 4096, Layout())
+    one = layout_cost(BIG, parse_slice("v5p-256", 1), 4096, Layout())
+    two = layout_cost(BIG, parse_slice("v5p-256", 2), 4096, Layout())
     assert one.dcn_s == 0 and one.bubble_s == 0
     # 2 (S-1)/S of each chip's fp32 gradient shard (params x 4 / 128 chips) at 6.25 GB/s
-    shard = 4 * count_params(BIG)["total"] / 128
+    shard = 4 * BIG.params / 128
     assert two.dcn_s == pytest.approx(shard / 6.25e9, rel=0.01)
     assert two.compute_s == one.compute_s and two.state_bytes == one.state_bytes
 
 
 def test_pp_across_slices_sends_activations_and_halves_the_state():
     tpu = parse_slice("v5p-256", 2)
-    hsdp = layout_cost(BIG, tpu, 4096, 4096, Layout())
-    pp = layout_cost(BIG, tpu, 4096, 4096, Layout(2, 1, 8))
+    hsdp = layout_cost(BIG, tpu, 4096, Layout())
+    pp = layout_cost(BIG, tpu, 4096, Layout(2, 1, 8))
     assert pp.bubble_fraction == pytest.approx(1 / 9)
     assert pp.bubble_s == pytest.approx(pp.compute_s / 8)  # stretched by (v m + pp - 1) / (v m)
     assert pp.dcn_s < hsdp.dcn_s / 20  # activations, not gradients, cross the slices
@@ -37,9 +35,9 @@ def test_pp_across_slices_sends_activations_and_halves_the_state():
 
 def test_pp_inside_one_slice_only_adds():
     tpu = parse_slice("v5p-32", 1)
-    args = get_flavor("32B")
-    plain = layout_cost(args, tpu, 1024, 4096, Layout())
+    model = ModelShape.of("qwen3", "32B", 4096)
+    plain = layout_cost(model, tpu, 1024, Layout())
     for layout in (Layout(2, 1, 8), Layout(2, 2, 8)):
-        pp = layout_cost(args, tpu, 1024, 4096, layout)
+        pp = layout_cost(model, tpu, 1024, layout)
         assert pp.dcn_s == 0 and pp.ici_sends_s > 0 and pp.step_s > plain.step_s
         assert pp.state_bytes == plain.state_bytes

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from titan_jax.models import get_model_spec
 from titan_jax.models.pipeline import bubble_fraction
-from titan_jax.models.qwen3.args import Qwen3Args
-from titan_jax.models.qwen3.flops import count_params, flops_per_token
 from titan_jax.planner import sustained
 from titan_jax.planner.topology import TpuSlice
 
@@ -37,6 +36,23 @@ GRAD_BYTES = 4  # fp32 gradient reductions (training.mixed_precision_reduce)
 ACT_BYTES = 2  # bf16 activations between stages
 STATE_BYTES = 12  # fp32 master weights + Adam's two moments per parameter
 REMAT_FULL = 8 / 6  # full activation checkpointing recomputes the forward
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the pricing reads of a model: its parameters, training FLOPs a token, width."""
+
+    params: int
+    flops_per_token: float
+    dim: int
+
+    @classmethod
+    def of(cls, family: str, flavor: str, seq_len: int) -> ModelShape:
+        """The shape of a registered family's flavour (`model.name`, `model.flavor`), built
+        abstractly (nothing allocated)."""
+        spec = get_model_spec(family)
+        args = spec.flavor(flavor)
+        return cls(spec.build(args).num_params(), spec.flops_per_token(args, seq_len), args.dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,17 +83,17 @@ class LayoutCost:
 
 
 def layout_cost(
-    args: Qwen3Args, tpu: TpuSlice, tokens_per_chip: int, seq_len: int, layout: Layout
+    model: ModelShape, tpu: TpuSlice, tokens_per_chip: int, layout: Layout
 ) -> LayoutCost:
-    """The cost of `layout` for `args` on `tpu` (all its slices), each chip holding
+    """The cost of `layout` for `model` on `tpu` (all its slices), each chip holding
     `tokens_per_chip` tokens of the step's batch (as the same batch data-parallel would)."""
     chip, slices = tpu.chip, tpu.num_slices
     chips = tpu.chips * slices * chip.devices_per_chip
-    params = count_params(args)["total"]
-    flops = flops_per_token(args, seq_len) * tokens_per_chip * REMAT_FULL
-    # The model's big matmuls: rows of tokens against dim x hidden weights.
+    params, dim = model.params, model.dim
+    flops = model.flops_per_token * tokens_per_chip * REMAT_FULL
+    # The rate of a (tokens x dim) x (dim x dim) matmul, the size of the model's projections.
     rate = chip.peak_bf16_flops * sustained.matmul_share(
-        chip.generation, 2 * tokens_per_chip * args.dim * max(args.hidden_dim, args.dim)
+        chip.generation, 2 * tokens_per_chip * dim * dim
     )
     compute = flops / rate
     pp, v, m = layout.pp, layout.virtual, layout.microbatches
@@ -97,7 +113,7 @@ def layout_cost(
     else:
         ticks = v * m + pp - 1
         # A stage's chips hold pp x the tokens of a data-parallel chip; one microbatch a tick.
-        send = pp * tokens_per_chip / m * args.dim * ACT_BYTES
+        send = pp * tokens_per_chip / m * dim * ACT_BYTES
         sends = 2 * ticks * send
         # Interleaved: the stored layers are split over pp in consecutive blocks, the chunks
         # are placed round-robin, so each step (v - 1) / v of every chip's weight shard (fp32)
