@@ -13,6 +13,7 @@ import pytest
 from parallel_helpers import TINY, make_batches, run_losses, tiny_config
 
 from titan_jax.models.pipeline import bubble_fraction
+from titan_jax.parallel.mesh import MeshDegrees, build_mesh
 from titan_jax.train.checkpoint import Checkpointer
 from titan_jax.train.trainer import build_trainer
 
@@ -131,6 +132,13 @@ def test_a_checkpoint_moves_between_pipelined_and_plain_runs_and_resumes_bitwise
     np.testing.assert_array_equal(resumed, uninterrupted)  # a resume is bitwise
     go_on = run_losses(plain, saved, batches[3:])
     np.testing.assert_allclose(go_on, uninterrupted, rtol=1e-5)
+
+
+def test_stages_span_the_slices():
+    """With 2 slices (4 CPU devices each) pp 2 crosses them: each stage is one slice."""
+    devices = jax.devices()
+    mesh = build_mesh(MeshDegrees(1, 2, 1, ep=2, pp=2), devices, num_slices=2)
+    assert [set(mesh.devices[s].flat) for s in range(2)] == [set(devices[:4]), set(devices[4:])]
 
 
 def test_bubble_fraction():

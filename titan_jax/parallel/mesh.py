@@ -158,8 +158,8 @@ def build_mesh(
 ) -> Mesh:
     """A mesh over all (global) devices that follows the hardware: inside each slice the axes
     are laid on the physical topology (`mesh_utils.create_device_mesh`; tp innermost so its
-    collectives stay on the nearest links, ep next), and with several slices one data-parallel
-    axis spans them over DCN (`dcn_axis`), as MaxText's hybrid meshes do."""
+    collectives stay on the nearest links, ep next), and with several slices the pipeline axis
+    or one data-parallel axis spans them over DCN (`dcn_axis`), as MaxText's hybrid meshes do."""
     devices = jax.devices() if devices is None else devices
     shape = (degrees.pp, degrees.dp_replicate, degrees.fsdp, degrees.cp, degrees.ep, degrees.tp)
     slices = slices_of(devices, num_slices)

@@ -39,7 +39,8 @@ def plan_pipeline(config: JobConfig, args: Any, degrees: MeshDegrees) -> Pipelin
     if args.n_layers % chunks:
         raise ConfigError(
             f"parallelism.pipeline_parallel_degree={pp} x pipeline_parallel_virtual_stages="
-            f"{virtual} = {chunks} chunks do not divide the model's {args.n_layers} layers"
+            f"{virtual} = {chunks} chunks do not divide the model's {args.n_layers} layers; "
+            f"use a degree x virtual stages that divides {args.n_layers}"
         )
     m = pp if p.pipeline_parallel_microbatches == -1 else p.pipeline_parallel_microbatches
     if m < pp:
