@@ -66,7 +66,7 @@ def test_expert_parallelism_is_carved_out_of_the_shard_degree():
         (
             ["--parallelism.data_parallel_replicate_degree", "3"],
             "data_parallel_replicate_degree x tensor_parallel_degree x "
-            "context_parallel_degree = 3 does "
+            "context_parallel_degree x pipeline_parallel_degree = 3 does "
             "not divide 8 devices",
         ),
         (

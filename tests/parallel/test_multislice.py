@@ -23,14 +23,14 @@ def _slice_ids(mesh_devices: np.ndarray, slices: list[list[jax.Device]]) -> np.n
 def test_hsdp_replicate_axis_spans_the_slices():
     devices = jax.devices()
     mesh = build_mesh(MeshDegrees(2, 4, 1), devices, num_slices=2)
-    ids = _slice_ids(mesh.devices, slices_of(devices, 2))
+    ids = _slice_ids(mesh.devices, slices_of(devices, 2))[0]  # (pp 1 first)
     assert (ids[0] == 0).all() and (ids[1] == 1).all()  # replicate index = slice
 
 
 def test_fsdp_spans_the_slices_without_a_replicate_degree():
     devices = jax.devices()
     mesh = build_mesh(MeshDegrees(1, 4, 2), devices, num_slices=2)
-    ids = _slice_ids(mesh.devices, slices_of(devices, 2))[0, :, 0, :]
+    ids = _slice_ids(mesh.devices, slices_of(devices, 2))[0, 0, :, 0, 0, :]  # (fsdp, tp)
     assert (ids[:2] == 0).all() and (ids[2:] == 1).all()  # tp pairs never cross a slice
 
 
@@ -72,7 +72,7 @@ def test_tpu_multislice_devices_put_replicas_on_separate_slices():
     config = tiny_config("--parallelism.data_parallel_replicate_degree", "2")
     degrees = resolve_degrees(config.parallelism, len(devices))
     mesh = build_mesh(degrees, devices)
-    slice_index = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    slice_index = np.vectorize(lambda d: d.slice_index)(mesh.devices)[0]  # (pp 1 first)
     assert (slice_index[0] == 0).all() and (slice_index[1] == 1).all()
     with pytest.raises(ConfigError, match="num_slices=3 but the devices form 2 slices"):
         build_mesh(degrees, devices, num_slices=3)
