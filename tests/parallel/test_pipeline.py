@@ -20,6 +20,7 @@ from titan_jax.train.trainer import build_trainer
 DENSE = dataclasses.replace(TINY, n_layers=4)  # pp 4, or pp 2 x 2 virtual stages: 1 layer each
 MOE = dataclasses.replace(DENSE, num_experts=8, top_k=2, moe_inter_dim=32)
 STEPS = 20
+CP2_LOCAL4 = ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4"]
 TP2_LOCAL4 = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
 
 
@@ -61,8 +62,16 @@ def dense_reference():
         ([*pipeline(2, microbatches=4), *TP2_LOCAL4], "jit"),
         (pipeline(2, "interleaved", 2), "jit"),
         (pipeline(2), "shard_map"),
+        ([*pipeline(2), *CP2_LOCAL4], "shard_map"),  # pp2 x fsdp2 x cp2
     ],
-    ids=["gpipe_pp2", "gpipe_pp4", "gpipe_pp2_m4_tp2", "interleaved_pp2_v2", "gpipe_pp2_shard_map"],
+    ids=[
+        "gpipe_pp2",
+        "gpipe_pp4",
+        "gpipe_pp2_m4_tp2",
+        "interleaved_pp2_v2",
+        "gpipe_pp2_shard_map",
+        "gpipe_pp2_cp2",
+    ],
 )
 def test_schedules_equal_one_device(dense_reference, flags, implementation):
     init, want = dense_reference
