@@ -64,16 +64,19 @@ def pipeline_scan(
         return leaf.reshape(v, p, leaf.shape[0] // (v * p), *leaf.shape[1:])
 
     chunks = jax.tree.map(by_chunk, layers)
-    per_token = tables[0].ndim == 3  # (B, T, H) tables travel with their microbatch
+    cos = tables[0]
+    per_token = cos is not None and cos.ndim == 3  # (B, T, H) tables travel with their microbatch
 
-    def microbatched(x: Array | None) -> Array | None:
-        return None if x is None else x.reshape(m, b // m, *x.shape[1:])
+    def microbatched(x: Array) -> Array:
+        return x.reshape(m, b // m, *x.shape[1:])
 
-    mb_tables = tuple(microbatched(t) for t in tables) if per_token else tables
+    mb_tables = (
+        tuple(None if t is None else microbatched(t) for t in tables) if per_token else tables
+    )
     buffer_MbTD = microbatched(x_BTD)
     stage = jnp.arange(p)
 
-    def run_stage(x_bTD: Array, chunk: Any, r: Array, i: Array) -> tuple[Array, dict]:
+    def run_stage(x_bTD: Array, chunk: Any, r: Array | int, i: Array | int) -> tuple[Array, dict]:
         """One stage's tick: its chunk of repeat `r` over microbatch `i`'s activations."""
         layers_r = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, r, 0, False), chunk)
         t = tuple(None if x is None else x[i] for x in mb_tables) if per_token else mb_tables
