@@ -222,3 +222,55 @@ def test_a_store_listed_twice_in_a_mixture_is_refused(tmp_path):
         r"training.mixture\[0\]'s; list it once, with the weights summed",
     ):
         load_config(recipe)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (["--checkpoint.local_interval", "0"], "checkpoint.local_interval=0 must be >= 1"),
+        (
+            ["--checkpoint.local_folder", "/dev/shm/run"],
+            "checkpoint.local_folder=/dev/shm/run needs checkpoint.enable=true (or leave "
+            "local_folder empty)",
+        ),
+        (
+            ["--checkpoint.enable", "true", "--checkpoint.local_folder", "local"],
+            "checkpoint.local_folder=local must be an absolute path on each host's own storage "
+            "(a RAM disk or local SSD, e.g. /dev/shm/NAME)",
+        ),
+        (
+            ["--checkpoint.enable", "true", "--checkpoint.local_folder", "gs://b/local"],
+            "checkpoint.local_folder=gs://b/local must be an absolute path",
+        ),
+        (
+            [
+                *("--checkpoint.enable", "true", "--job.dump_folder", "/runs/a"),
+                *("--checkpoint.local_folder", "/runs/a/checkpoint/local"),
+            ],
+            "checkpoint.local_folder=/runs/a/checkpoint/local overlaps the persistent "
+            "checkpoints in /runs/a/checkpoint; give the local tier a folder of its own outside "
+            "checkpoint.folder",
+        ),
+        (
+            [
+                *("--checkpoint.enable", "true", "--checkpoint.folder", "/ckpt/a"),
+                *("--checkpoint.local_folder", "/ckpt"),
+            ],
+            "checkpoint.local_folder=/ckpt overlaps the persistent checkpoints in /ckpt/a",
+        ),
+    ],
+)
+def test_bad_local_tier_settings_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, override)
+
+
+def test_a_local_tier_beside_the_run_folder_is_allowed():
+    c = load_config(
+        None,
+        [
+            *("--checkpoint.enable", "true", "--job.dump_folder", "/runs/a"),
+            *("--checkpoint.local_folder", "/dev/shm/a", "--checkpoint.local_interval", "5"),
+        ],
+    ).checkpoint
+    assert (c.local_folder, c.local_interval) == ("/dev/shm/a", 5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import tomllib
 import types
 import typing
@@ -484,6 +485,35 @@ def _check_rest(config: JobConfig) -> None:
     _require(
         c.keep_latest_k >= 0,
         f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 (0 keeps all)",
+    )
+    _check_local_tier(config)
+
+
+def _check_local_tier(config: JobConfig) -> None:
+    """The local tier of multi-tier checkpoints: a folder of each host's own, apart from the
+    persistent checkpoints."""
+    c = config.checkpoint
+    _require(c.local_interval >= 1, f"checkpoint.local_interval={c.local_interval} must be >= 1")
+    if not c.local_folder:
+        return
+    field = f"checkpoint.local_folder={c.local_folder}"
+    _require(c.enable, f"{field} needs checkpoint.enable=true (or leave local_folder empty)")
+    _require(
+        "://" not in c.local_folder and Path(c.local_folder).is_absolute(),
+        f"{field} must be an absolute path on each host's own storage (a RAM disk or local "
+        "SSD, e.g. /dev/shm/NAME)",
+    )
+    local = Path(os.path.abspath(c.local_folder))
+    persistent = Path(c.folder)
+    if not persistent.is_absolute():
+        if "://" in config.job.dump_folder:
+            return  # the persistent tier is in a bucket: apart from any local path
+        persistent = Path(config.job.dump_folder) / c.folder
+    persistent = Path(os.path.abspath(persistent))
+    _require(
+        not (local.is_relative_to(persistent) or persistent.is_relative_to(local)),
+        f"{field} overlaps the persistent checkpoints in {persistent}; give the local tier a "
+        "folder of its own outside checkpoint.folder",
     )
 
 

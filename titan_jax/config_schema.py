@@ -218,6 +218,12 @@ class Checkpoint:
     # "async": training goes on while the files are written; "disabled": blocks until written.
     async_mode: Literal["disabled", "async"] = "async"
     load_step: int = -1  # -1 = newest finalized
+    # Multi-tier checkpoints (docs/CHECKPOINTS.md): a local tier on each host's own fast
+    # storage (a RAM disk or local SSD, e.g. /dev/shm/NAME), saved every local_interval steps
+    # between the persistent saves above; an absolute path outside checkpoint.folder, holding
+    # one run's local checkpoints. "" = no local tier.
+    local_folder: str = ""
+    local_interval: int = 10  # steps between local-tier saves (keep it below `interval`)
     # Weights (or a whole state) a new run starts from: an orbax checkpoint folder or step, a
     # `titan-jax convert --to orbax` directory, or a HF directory (with initial_load_in_hf).
     initial_load_path: str = ""

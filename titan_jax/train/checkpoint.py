@@ -33,7 +33,7 @@ import math
 import os
 import shlex
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -290,19 +290,9 @@ class Checkpointer:
             tree = jax.tree.map(
                 lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
             )
-        sums, finite = checksums(tree)
-        if not finite:
-            raise NonFiniteStateError(
-                f"the train state at step {step} holds NaN or inf values; not saving it"
-            )
-        meta = {
-            **self.run_info,
-            "format": FORMAT_VERSION,
-            "step": step,
-            "tokens_seen": tokens_seen,
-            "model_only": model_only,
-            "checksums": sums,
-        }
+        meta = save_record(
+            self.run_info, step, tree, tokens_seen=tokens_seen, model_only=model_only
+        )
         items = {"state": ocp.args.PyTreeSave(tree), "meta": ocp.args.JsonSave(meta)}
         if not model_only:
             items["data"] = ocp.args.JsonSave(data_state)
@@ -406,7 +396,7 @@ class Checkpointer:
         target, uncounted = schedule_counted(target, saved)
         check_shapes(where, saved, named_leaves(target), meta)
         if signature is not None and not model_only:
-            _check_signature(where, meta.get("resume", {}), signature)
+            check_signature(where, meta.get("resume", {}), signature)
 
         restore_target = _with_dtypes(target, {n: m.dtype for n, m in saved.items()})
         restore_args = ocp.checkpoint_utils.construct_restore_args(restore_target)
@@ -420,13 +410,7 @@ class Checkpointer:
         with self._reading(step):
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         state = {**restored["state"], **empty}
-        sums, _ = checksums(state)
-        bad = next((n for n, v in sums.items() if meta["checksums"].get(n) != v), None)
-        if bad is not None:
-            raise CheckpointError(
-                f"{where} is corrupt: {bad} does not match the checksum recorded when it was "
-                f"saved; {self._others(step)}"
-            )
+        check_checksums(where, state, meta["checksums"], lambda: self._others(step))
         if uncounted:
             state = count_from_schedule(state)
         # A bf16 export restored into fp32 master weights (exact: bf16 values are fp32 values).
@@ -499,6 +483,40 @@ class Checkpointer:
         return hint
 
 
+def save_record(
+    run_info: dict[str, Any], step: int, tree: Any, *, tokens_seen: int, model_only: bool
+) -> dict[str, Any]:
+    """The meta record of a save of `tree` at `step` (see the module docstring), with one
+    checksum per array. Raises NonFiniteStateError if any floating array is not finite."""
+    sums, finite = checksums(tree)
+    if not finite:
+        raise NonFiniteStateError(
+            f"the train state at step {step} holds NaN or inf values; not saving it"
+        )
+    return {
+        **run_info,
+        "format": FORMAT_VERSION,
+        "step": step,
+        "tokens_seen": tokens_seen,
+        "model_only": model_only,
+        "checksums": sums,
+    }
+
+
+def check_checksums(
+    where: str, state: Any, saved: dict[str, int], remedy: Callable[[], str]
+) -> None:
+    """Raises CheckpointError naming the first array of `state` whose checksum differs from
+    the one recorded at save (`remedy()`: what to do about it, asked only then)."""
+    sums, _ = checksums(state)
+    bad = next((n for n, v in sums.items() if saved.get(n) != v), None)
+    if bad is not None:
+        raise CheckpointError(
+            f"{where} is corrupt: {bad} does not match the checksum recorded when it was "
+            f"saved; {remedy()}"
+        )
+
+
 def listing(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if steps else "none"
 
@@ -524,7 +542,7 @@ def check_shapes(
         raise CheckpointError(f"{where} holds {extra[0]}, which this model does not have{hint}")
 
 
-def _check_signature(where: str, saved: dict[str, Any], current: dict[str, Any]) -> None:
+def check_signature(where: str, saved: dict[str, Any], current: dict[str, Any]) -> None:
     changed = [
         f"{k}={current[k]!r} (checkpoint: {saved.get(k)!r})"
         for k in current

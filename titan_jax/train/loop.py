@@ -20,7 +20,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -46,6 +46,9 @@ from titan_jax.train.step_report import StepReporter
 from titan_jax.train.stopping import BadStepsError, StepWatchdog, StopSignals
 from titan_jax.train.trainer import Trainer
 
+if TYPE_CHECKING:  # imported by the runs that have a local tier (its imports take ~1.5 s)
+    from titan_jax.train.local_tier import LocalTier
+
 
 @dataclasses.dataclass
 class RunResult:
@@ -66,6 +69,7 @@ class _Run:
     config: JobConfig
     setup: RunSetup
     ckpt: Checkpointer | None
+    local: LocalTier | None  # the local tier of multi-tier checkpoints (train/local_tier.py)
     mirror: RunMirror | None  # a URL run folder's copy here (train/run_folder.py)
     logger: MetricsLogger
     stop: StopSignals
@@ -133,7 +137,7 @@ def _train(
         if jax.process_index() == 0:  # exits last: after the locks are gone
             stack.enter_context(tidy_if_refused(paths.local))
         goodput = GoodputRecorder(jax.process_index() == 0, started_at, config.job.dump_folder)
-        mirror, ckpt, start = _open(stack, config, setup, paths, goodput)
+        mirror, ckpt, local, start = _open(stack, config, setup, paths, goodput)
         logger = stack.enter_context(
             MetricsLogger(
                 paths.local,
@@ -154,6 +158,7 @@ def _train(
             config,
             setup,
             ckpt,
+            local,
             mirror,
             logger,
             stack.enter_context(StopSignals(logger.info)),
@@ -196,7 +201,7 @@ def _open(
     setup: RunSetup,
     paths: RunPaths,
     goodput: GoodputRecorder,
-) -> tuple[RunMirror | None, Checkpointer | None, Restored]:
+) -> tuple[RunMirror | None, Checkpointer | None, LocalTier | None, Restored]:
     """Takes the run's folders (locks, or a URL's lease and its files copied here), opens its
     log and checkpoints, and finds where it starts, with its data position set: all before the
     first metrics line is written."""
@@ -219,15 +224,20 @@ def _open(
             stack.enter_context(RunLock(paths.checkpoints, "checkpoint.folder"))
         # Closed (waiting for an in-flight save) on every exit, errors and signals included.
         ckpt = stack.enter_context(Checkpointer.for_run(setup.trainer))
+    local = None
+    if ckpt is not None and config.checkpoint.local_folder:
+        from titan_jax.train.local_tier import LocalTier
+
+        local = stack.enter_context(LocalTier.for_run(setup.trainer, ckpt))
     with goodput.phase("checkpoint_restore"):
-        start = load_start(setup.trainer, ckpt)
+        start = load_start(setup.trainer, ckpt, local)
     open_data(setup)
     if start.data_state is not None:
         try:
             setup.data.set_state(start.data_state)
         except (ValueError, KeyError, IndexError, TypeError) as e:  # a damaged data item
             raise CheckpointError(f"cannot resume from {start.source}: {e}") from e
-    return mirror, ckpt, start
+    return mirror, ckpt, local, start
 
 
 def _end_hung_job(failures: JobFailures) -> Callable[[str], None]:
@@ -287,15 +297,23 @@ def _run_steps(run: _Run, state: TrainState, first: int) -> tuple[int, TrainStat
             with run.watchdog.paused(f"validating at step {step}"), goodput.phase("evaluation"):
                 reporter.add_validation(step, validator.validate(state))
         stopped = run.stop.should_stop(step)
+        saver: Checkpointer | LocalTier | None = None
         if run.ckpt is not None and (
             stopped or step == config.training.steps or step % c.interval == 0
         ):
+            saver = run.ckpt
+        elif run.local is not None and step % c.local_interval == 0:
+            saver = (
+                run.local
+            )  # never beside a persistent save: one host copy of the state at a time
+        if saver is not None:
             _report(run, *pending)  # N's verdict (bad-step policy) before N is saved
             run.watchdog.beat(step)
             pending = None
             goodput.interval()  # a resume point is a record boundary
-            with run.watchdog.paused(f"saving checkpoint {step}"), goodput.phase("checkpoint_save"):
-                _save(run, run.ckpt, step, state)
+            what = "checkpoint" if isinstance(saver, Checkpointer) else "local checkpoint"
+            with run.watchdog.paused(f"saving {what} {step}"), goodput.phase("checkpoint_save"):
+                _save(run, saver, step, state)
         if stopped:
             break
     if pending is not None:
@@ -316,6 +334,8 @@ def _finish(run: _Run, step: int, state: TrainState, stopped: bool) -> RunResult
     if ckpt is not None:
         with run.goodput.phase("checkpoint_save"):
             ckpt.wait()
+            if run.local is not None:
+                run.local.wait()
     if jax.process_count() > 1:
         logger.info(data_summary(run.setup.data))
     losses = run.reporter.losses
@@ -338,25 +358,32 @@ def _finish(run: _Run, step: int, state: TrainState, stopped: bool) -> RunResult
     return RunResult(step, losses, state)
 
 
-def _save(run: _Run, ckpt: Checkpointer, step: int, state: TrainState) -> None:
+def _save(run: _Run, saver: Checkpointer | LocalTier, step: int, state: TrainState) -> None:
+    """Saves `step` to the persistent tier (`run.ckpt`) or the local one (`run.local`)."""
     c = run.config.checkpoint
-    model_only = step == run.config.training.steps and c.last_save_model_only
+    persistent = isinstance(saver, Checkpointer)
+    model_only = persistent and step == run.config.training.steps and c.last_save_model_only
+    data_state, tokens_seen = run.setup.data.get_state(), run.reporter.tokens_seen
     start = time.perf_counter()
     try:
-        writing = ckpt.save(
-            step,
-            state,
-            data_state=run.setup.data.get_state(),
-            tokens_seen=run.reporter.tokens_seen,
-            model_only=model_only,
-            dtype=c.export_dtype if model_only else None,
-        )
+        if isinstance(saver, Checkpointer):
+            writing = saver.save(
+                step,
+                state,
+                data_state=data_state,
+                tokens_seen=tokens_seen,
+                model_only=model_only,
+                dtype=c.export_dtype if model_only else None,
+            )
+        else:
+            writing = saver.save(step, state, data_state=data_state, tokens_seen=tokens_seen)
     except NonFiniteStateError as e:
         raise BadStepsError(str(e)) from e
     what = f"model only, {c.export_dtype}" if model_only else "full state"
+    saved = f"checkpoint step {step} ({what})" if persistent else f"local checkpoint step {step}"
     run.logger.info(
-        f"checkpoint step {step} ({what}): {time.perf_counter() - start:.1f} s "
+        f"{saved}: {time.perf_counter() - start:.1f} s "
         f"blocking{', writing in the background' if writing else ', written'}"
     )
-    if run.mirror is not None:  # the run's record at the URL reaches this checkpoint
+    if persistent and run.mirror is not None:  # the run's record at the URL reaches it
         run.mirror.sync()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -22,6 +23,9 @@ from titan_jax.train.checkpoint import (
 from titan_jax.train.model_io import load_orbax, read_orbax_args
 from titan_jax.train.trainer import Trainer
 from titan_jax.trees import named_leaves
+
+if TYPE_CHECKING:  # imported by runs with a local tier only (its imports take ~1.5 s)
+    from titan_jax.train.local_tier import LocalTier
 
 
 def _newest_step(ckpt: Checkpointer) -> int:
@@ -52,18 +56,59 @@ def _resume_step(config: JobConfig, ckpt: Checkpointer) -> int | None:
     return load_step
 
 
-def load_start(trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
+def newest_tier(local_step: int | None, persistent_step: int | None) -> tuple[str, int] | None:
+    """Where a resume starts: ("local", step) when the newest step complete across the job in
+    the local tier is newer than the newest persistent one, else ("persistent", step); None
+    when neither tier holds a step."""
+    if local_step is not None and (persistent_step is None or local_step > persistent_step):
+        return "local", local_step
+    if persistent_step is not None:
+        return "persistent", persistent_step
+    return None
+
+
+def load_start(
+    trainer: Trainer, ckpt: Checkpointer | None, local: LocalTier | None = None
+) -> Restored:
     """Where a run starts: its own newest (or `load_step`) checkpoint, else
     `initial_load_path` (orbax or HF), else random init (`Restored()` with no state).
 
     A resume always wins over `initial_load_path`, as in TorchTitan. A returned step at or
     past `training.steps` means there is nothing left to train (its state is not loaded).
+    With a local tier (multi-tier checkpoints), its newest step complete across the job is
+    taken when newer than the persistent tier's (not with `load_step`); its steps after the
+    one the run starts from are then discarded, as the run saves them again.
     """
+    start = _load_start(trainer, ckpt, local)
+    if local is not None:
+        local.discard_after(start.step)
+    return start
+
+
+def _load_start(trainer: Trainer, ckpt: Checkpointer | None, local: LocalTier | None) -> Restored:
     config = trainer.config
     c = config.checkpoint
     if ckpt is None and c.load_step != -1:
         raise CheckpointError(f"checkpoint.load_step={c.load_step} needs checkpoint.enable=true")
     step = _resume_step(config, ckpt) if ckpt is not None else None
+    note = ""
+    if local is not None and ckpt is not None and c.load_step == -1:  # (local needs ckpt)
+        tier = newest_tier(local.newest_complete_step(), step)
+        if tier is not None and tier[0] == "local":
+            restored = local.restore(
+                tier[1],
+                trainer.abstract_state(),
+                signature=resume_signature(config, trainer.global_batch_size),
+            )
+            if restored is not None:
+                return restored
+            note = f" (local checkpoint step {tier[1]} was unreadable on some process)"
+            if step is None:
+                raise CheckpointError(
+                    f"local checkpoint step {tier[1]} in {local.root} is unreadable on some "
+                    f"process and {ckpt.directory} holds no checkpoint to fall back to; "
+                    f"delete {local.root} on every host to start afresh"
+                )
     if ckpt is not None and step is not None:
         if step >= config.training.steps:
             return Restored(step=step, source=f"checkpoint {ckpt.directory / str(step)}")
@@ -72,6 +117,7 @@ def load_start(trainer: Trainer, ckpt: Checkpointer | None) -> Restored:
             trainer.abstract_state(),
             signature=resume_signature(config, trainer.global_batch_size),
         )
+        restored.source += note
         if c.initial_load_path:
             restored.source += " (checkpoint.initial_load_path ignored: a resume comes first)"
         return restored
