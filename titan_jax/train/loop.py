@@ -46,7 +46,7 @@ from titan_jax.train.step_report import StepReporter
 from titan_jax.train.stopping import BadStepsError, StepWatchdog, StopSignals
 from titan_jax.train.trainer import Trainer
 
-if TYPE_CHECKING:  # imported by the runs that have a local tier (its imports take ~1.5 s)
+if TYPE_CHECKING:  # imported by runs with a local tier only (grain is slow to import)
     from titan_jax.train.local_tier import LocalTier
 
 

@@ -24,7 +24,7 @@ from titan_jax.train.model_io import load_orbax, read_orbax_args
 from titan_jax.train.trainer import Trainer
 from titan_jax.trees import named_leaves
 
-if TYPE_CHECKING:  # imported by runs with a local tier only (its imports take ~1.5 s)
+if TYPE_CHECKING:  # imported by runs with a local tier only (grain is slow to import)
     from titan_jax.train.local_tier import LocalTier
 
 
