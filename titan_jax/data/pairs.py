@@ -25,8 +25,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from titan_jax.data.dataset import DataError
+from titan_jax.data.packing import packed_row
 from titan_jax.data.store import Corpus
-from titan_jax.data.windows import IGNORE_INDEX, Source, WindowStream
+from titan_jax.data.windows import Source, WindowStream
 
 CHOSEN, REJECTED, PADDING = 0, 1, 2  # segment ids of a pair's row
 
@@ -47,25 +48,10 @@ def pair_row(
 ) -> dict[str, np.ndarray]:
     """{"inputs": (S, 3) ids, segments, positions; "labels": (S,)} of a pair given as the
     (token ids, loss mask) of its chosen and its rejected sequence (cut to fit:
-    `fitted_lengths`)."""
-    (chosen, _), (rejected, _) = sequences
-    lengths = fitted_lengths(len(chosen), len(rejected), seq_len)
-    ids = np.zeros(seq_len, np.int32)
-    segments = np.full(seq_len, PADDING, np.int32)
-    positions = np.zeros(seq_len, np.int32)
-    labels = np.full(seq_len, IGNORE_INDEX, np.int32)
-    at = 0
-    for segment, (tokens, trained), n in zip((CHOSEN, REJECTED), sequences, lengths, strict=True):
-        tokens, trained = tokens[:n], np.asarray(trained[:n], bool)
-        ids[at : at + n], segments[at : at + n], positions[at : at + n] = (
-            tokens,
-            segment,
-            np.arange(n),
-        )
-        # The label of token t is token t + 1, trained where its mask is.
-        labels[at : at + n - 1] = np.where(trained[1:], tokens[1:], IGNORE_INDEX)
-        at += n
-    return {"inputs": np.stack([ids, segments, positions], axis=-1), "labels": labels}
+    `fitted_lengths`): segments `CHOSEN`, `REJECTED`, then `PADDING` (data/packing.py)."""
+    lengths = fitted_lengths(*(len(ids) for ids, _ in sequences), seq_len)
+    cut = [(ids[:n], mask[:n]) for (ids, mask), n in zip(sequences, lengths, strict=True)]
+    return packed_row(cut, seq_len)
 
 
 def read_pair_row(corpus: Corpus, pair: int, seq_len: int) -> dict[str, np.ndarray]:

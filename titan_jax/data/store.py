@@ -314,6 +314,14 @@ class Corpus:
             i += 1
         return np.concatenate(found) if found else np.zeros(0, np.int64)
 
+    def document_lengths(self) -> np.ndarray:
+        """Tokens of every document in order, its EOS included (reads every shard's offsets)."""
+        ends = [
+            np.asarray(shard.document_ends()) + begin
+            for shard, begin in zip(self.shards, self.starts[:-1].tolist(), strict=True)
+        ]
+        return np.diff(np.concatenate([np.zeros(1, np.int64), *ends]))
+
     def document(self, j: int) -> tuple[int, int]:
         """Token range [start, stop) of document `j` (its EOS included)."""
         i = int(np.searchsorted(self.doc_starts, j, side="right")) - 1

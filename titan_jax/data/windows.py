@@ -188,6 +188,9 @@ class WindowStream:
 
     # A sample is seq_len tokens: a resume at another seq_len continues at the same token.
     samples_are_windows = True
+    # How rows are cut from the stores, recorded in the state where it is not windows: a
+    # sample count of one layout means nothing in another.
+    packing: str | None = None
 
     def samples_in(self, corpus: Corpus) -> int:
         """How many samples (windows) a source's corpus holds."""
@@ -231,12 +234,16 @@ class WindowStream:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        source, window = self.window_index(self.samples + np.array(self.rows))
+        rows = self.read_samples(self.samples + np.array(self.rows))
         self.samples += self.global_batch_size
-        rows = [
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def read_samples(self, k: np.ndarray) -> list[dict[str, np.ndarray]]:
+        """The rows of samples `k`."""
+        source, window = self.window_index(k)
+        return [
             self.read(self.sources[s].corpus, int(w)) for s, w in zip(source, window, strict=True)
         ]
-        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
     def source_tokens(self, batches: int) -> dict[str, int]:
         """Tokens each source gave after `batches` batches of this run (for metrics)."""
@@ -253,6 +260,7 @@ class WindowStream:
                 [s.name, s.corpus.num_tokens, s.weight, s.corpus.content_sha256]
                 for s in self.sources
             ],
+            **({"packing": self.packing} if self.packing else {}),
         }
 
     def _same_stream(self, saved: dict[str, Any]) -> bool:
@@ -283,6 +291,15 @@ class WindowStream:
             raise DataError(
                 f"data iterator state has no version {STATE_VERSION} position (it was saved by "
                 f"an older titan-jax): {str(state)[:200]}"
+            )
+        saved_packing = state["stream"].get("packing")
+        if saved_packing != self.packing:
+            layouts = {None: "windows", "whole": "whole conversations"}
+            raise DataError(
+                f"data iterator state counts rows of {layouts.get(saved_packing, saved_packing)}"
+                f", this run reads rows of {layouts[self.packing]}; resume with "
+                f"--training.sft_packing {'window' if saved_packing is None else saved_packing}"
+                ", or train in a new job.dump_folder"
             )
         if not self._same_stream(state["stream"]):
             saved = [src[0] for src in state["stream"].get("sources", [])]
