@@ -659,6 +659,11 @@ def yarn_of(m: Model) -> YarnScaling:
     )
 
 
+def packs_whole_conversations(t: Training) -> bool:
+    """The run's rows hold whole conversations (data/packing.py), not windows."""
+    return t.data_format in ("messages", "prompt_completion") and t.sft_packing == "whole"
+
+
 def _check_data(t: Training) -> None:
     for i, m in enumerate(t.mixture):
         _require(
@@ -688,6 +693,13 @@ def _check_data(t: Training) -> None:
     _require(
         t.document_mask or not t.document_positions,
         "training.document_positions=true needs training.document_mask=true",
+    )
+    _require(
+        not packs_whole_conversations(t) or (t.document_mask and t.document_positions),
+        f"training.data_format={t.data_format!r} packs whole conversations into rows "
+        "(training.sft_packing='whole'), each attended and positioned apart: set "
+        "training.document_mask=true and training.document_positions=true, or "
+        "training.sft_packing='window'",
     )
 
 

@@ -77,6 +77,11 @@ class Training:
     # [dpo]). Conversations are rendered with the chat template and only the assistant's
     # tokens are trained on (SFT, docs/POSTTRAINING.md); validation reads its files the same way.
     data_format: Literal["text", "messages", "prompt_completion", "preference"] = "text"
+    # How "messages" / "prompt_completion" rows are cut: "whole" (each row holds whole
+    # conversations, best-fit packed, then padding; one longer than seq_len keeps its start;
+    # needs document_mask and document_positions) | "window" (fixed windows of the packed
+    # stream: no padding, but a conversation may straddle two rows).
+    sft_packing: Literal["whole", "window"] = "whole"
     # The chat template: a .jinja file, a tokenizer_config.json or a folder holding either;
     # "" = the tokenizer's own (beside model.tokenizer_path; the shipped tokenizer has one).
     chat_template: str = ""

@@ -7,7 +7,8 @@ It is jitted once with the training run's parameter and batch shardings, so it n
 resharding and no second copy of the weights. `Validator` runs it over the `[validation]`
 batches (the same batches every time: windows of a held-out token store in order,
 `data.windows.ValidationWindows`, with training's document masking; or held-out preference
-pairs, `data.pairs.ValidationPairs`) and returns the loss over all valid tokens, TorchTitan's
+pairs, `data.pairs.ValidationPairs`; or held-out conversations packed whole,
+`data.packing.ValidationConversations`) and returns the loss over all valid tokens, TorchTitan's
 reduction, and its perplexity; for DPO, the loss and the metrics over all held-out pairs.
 """
 
@@ -20,7 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from titan_jax.config import ConfigError
+from titan_jax.config import ConfigError, packs_whole_conversations
+from titan_jax.data.packing import ValidationConversations
 from titan_jax.data.pairs import ValidationPairs
 from titan_jax.data.pipeline import holds_pairs, process_barrier, validation_corpus
 from titan_jax.data.tokenizer import Tokenizer
@@ -105,7 +107,13 @@ class Validator:
         t = config.training  # the document masking training runs with
         rows = trainer.batches.rows(self.global_batch_size)
         if holds_pairs(config):
-            self._windows: ValidationWindows | ValidationPairs = ValidationPairs(
+            self._windows: ValidationWindows | ValidationPairs | ValidationConversations = (
+                ValidationPairs(
+                    corpus, seq_len=v.seq_len, global_batch_size=self.global_batch_size, rows=rows
+                )
+            )
+        elif packs_whole_conversations(t):  # conversations whole, as training reads them
+            self._windows = ValidationConversations(
                 corpus, seq_len=v.seq_len, global_batch_size=self.global_batch_size, rows=rows
             )
         else:
@@ -121,6 +129,8 @@ class Validator:
             what = (
                 f"{self.global_batch_size} preference pairs"
                 if holds_pairs(config)
+                else f"{self.global_batch_size} rows of whole conversations"
+                if packs_whole_conversations(t)
                 else f"{self.global_batch_size} x {v.seq_len + 1} tokens"
             )
             raise ConfigError(

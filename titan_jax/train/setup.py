@@ -15,7 +15,8 @@ import dataclasses
 
 import jax
 
-from titan_jax.config import JobConfig
+from titan_jax.config import JobConfig, packs_whole_conversations
+from titan_jax.data.packing import ConversationStream
 from titan_jax.data.pairs import PairStream
 from titan_jax.data.pipeline import holds_pairs, process_barrier, training_sources
 from titan_jax.data.tokenizer import Tokenizer
@@ -73,6 +74,17 @@ def build_data(trainer: Trainer, tokenizer: Tokenizer | None = None) -> WindowSt
             seed=t.seed,
             rows=trainer.batches.rows(),
         )
+    if packs_whole_conversations(t):  # whole conversations a row, then padding (SFT)
+        stream = ConversationStream(
+            sources,
+            seq_len=t.seq_len,
+            global_batch_size=trainer.global_batch_size,
+            seed=t.seed,
+            rows=trainer.batches.rows(),
+            spans=trainer.batches.spans(t.seq_len),
+        )
+        _progress(f"data: {stream.note}")
+        return stream
     return WindowStream(
         sources,
         seq_len=t.seq_len,
