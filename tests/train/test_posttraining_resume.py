@@ -19,6 +19,8 @@ SFT = [
     str(STEPS),
     "--training.seq_len",
     "64",
+    "--training.sft_packing",  # short windows: cheap steps (64 tokens keep no reply whole)
+    "window",
     "--training.local_batch_size",
     "4",
     "--lr_scheduler.warmup_steps",
