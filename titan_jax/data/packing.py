@@ -193,7 +193,7 @@ class ConversationStream(WindowStream):
     def _plan(self, source: int, epoch: int) -> PackedRows:
         key = (source, epoch)
         if key not in self._plans:
-            if len(self._plans) > 4:  # an epoch's and the next one's, per source, at most
+            if len(self._plans) >= 2 * len(self._lengths):  # an epoch and the next, per source
                 self._plans.clear()
             self._plans[key] = pack_conversations(
                 self._lengths[source],
