@@ -20,14 +20,14 @@ its R rows), and the iterator state is the number of rows consumed, as for windo
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from titan_jax.data.permutation import Permutation, derive_key
 from titan_jax.data.store import Corpus
-from titan_jax.data.windows import IGNORE_INDEX, Source, WindowStream
+from titan_jax.data.windows import IGNORE_INDEX, HeldOutRows, Source, WindowStream
 
 _ORDER_SALT = 1  # the conversations' order is keyed apart from the rows' (same seed and epoch)
 
@@ -215,10 +215,9 @@ class ConversationStream(WindowStream):
         return out
 
 
-class ValidationConversations:
-    """The same batches every call: held-out conversations packed whole in store order (rows
-    as `ConversationStream` packs them, unshuffled; batch b, row r = packed row b*G + r), up to
-    `max_batches` (-1: all whole batches); this process's rows."""
+class ValidationConversations(HeldOutRows):
+    """Held-out conversations packed whole in store order (rows as `ConversationStream` packs
+    them, unshuffled), read in order (`HeldOutRows`)."""
 
     def __init__(
         self,
@@ -228,16 +227,11 @@ class ValidationConversations:
         global_batch_size: int,
         rows: Sequence[int] | None = None,
     ):
-        self.corpus, self.seq_len, self.global_batch_size = corpus, seq_len, global_batch_size
-        self.rows = np.array(range(global_batch_size) if rows is None else sorted(set(rows)))
+        super().__init__(corpus, seq_len, global_batch_size, rows)
         self.plan = pack_conversations(conversation_lengths(corpus), seq_len, key=None)
-        self.num_batches = len(self.plan) // global_batch_size
 
-    def batches(self, max_batches: int = -1) -> Iterator[dict[str, np.ndarray]]:
-        n = self.num_batches if max_batches < 0 else min(max_batches, self.num_batches)
-        for b in range(n):
-            rows = [
-                read_packed_row(self.corpus, self.plan.row(int(r)), self.seq_len)
-                for r in b * self.global_batch_size + self.rows
-            ]
-            yield {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    def num_samples(self) -> int:
+        return len(self.plan)
+
+    def read_sample(self, sample: int) -> dict[str, np.ndarray]:
+        return read_packed_row(self.corpus, self.plan.row(sample), self.seq_len)

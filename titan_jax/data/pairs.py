@@ -20,14 +20,14 @@ permutation per epoch), so the iterator state is the number of pairs consumed, w
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from titan_jax.data.dataset import DataError
 from titan_jax.data.packing import packed_row
 from titan_jax.data.store import Corpus
-from titan_jax.data.windows import Source, WindowStream
+from titan_jax.data.windows import HeldOutRows, Source, WindowStream
 
 CHOSEN, REJECTED, PADDING = 0, 1, 2  # segment ids of a pair's row
 
@@ -98,9 +98,8 @@ class PairStream(WindowStream):
         return read_pair_row(corpus, sample, self.seq_len)
 
 
-class ValidationPairs:
-    """The same batches every call: pairs 0, 1, 2, ... of a held-out store in order (batch b,
-    row r = pair b*G + r), up to `max_batches` (-1: all whole batches); this process's rows."""
+class ValidationPairs(HeldOutRows):
+    """Pairs 0, 1, 2, ... of a held-out store in order (`HeldOutRows`)."""
 
     def __init__(
         self,
@@ -112,15 +111,10 @@ class ValidationPairs:
     ):
         if not corpus.pairs:
             raise DataError("the validation store holds no preference pairs")
-        self.corpus, self.seq_len, self.global_batch_size = corpus, seq_len, global_batch_size
-        self.rows = np.array(range(global_batch_size) if rows is None else sorted(set(rows)))
-        self.num_batches = corpus.num_documents // 2 // global_batch_size
+        super().__init__(corpus, seq_len, global_batch_size, rows)
 
-    def batches(self, max_batches: int = -1) -> Iterator[dict[str, np.ndarray]]:
-        n = self.num_batches if max_batches < 0 else min(max_batches, self.num_batches)
-        for b in range(n):
-            rows = [
-                read_pair_row(self.corpus, int(p), self.seq_len)
-                for p in b * self.global_batch_size + self.rows
-            ]
-            yield {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    def num_samples(self) -> int:
+        return self.corpus.num_documents // 2
+
+    def read_sample(self, sample: int) -> dict[str, np.ndarray]:
+        return read_pair_row(self.corpus, sample, self.seq_len)

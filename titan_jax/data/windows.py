@@ -323,10 +323,37 @@ class WindowStream:
         self.samples = self.samples_at_start = samples
 
 
-class ValidationWindows:
-    """The same batches every call: windows 0, 1, 2, ... of a held-out corpus in order (batch b,
-    row r = window b*G + r), up to `max_batches` (-1: all whole batches); this process's rows.
-    `document_mask` / `document_positions`: the same fields training reads (WindowStream)."""
+class HeldOutRows:
+    """The same batches every call: samples 0, 1, 2, ... of a held-out corpus in order (batch
+    b, row r = sample b*G + r), up to `max_batches` (-1: all whole batches); this process's
+    rows. A subclass says how many samples the corpus holds and how one is read."""
+
+    def __init__(
+        self, corpus: Corpus, seq_len: int, global_batch_size: int, rows: Sequence[int] | None
+    ):
+        self.corpus, self.seq_len, self.global_batch_size = corpus, seq_len, global_batch_size
+        self.rows = np.array(range(global_batch_size) if rows is None else sorted(set(rows)))
+
+    @property
+    def num_batches(self) -> int:
+        return self.num_samples() // self.global_batch_size
+
+    def num_samples(self) -> int:
+        raise NotImplementedError
+
+    def read_sample(self, sample: int) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def batches(self, max_batches: int = -1) -> Iterator[dict[str, np.ndarray]]:
+        n = self.num_batches if max_batches < 0 else min(max_batches, self.num_batches)
+        for b in range(n):
+            rows = [self.read_sample(int(i)) for i in b * self.global_batch_size + self.rows]
+            yield {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+class ValidationWindows(HeldOutRows):
+    """Windows of a held-out corpus in order (`HeldOutRows`). `document_mask` /
+    `document_positions`: the same fields training reads (WindowStream)."""
 
     def __init__(
         self,
@@ -338,18 +365,17 @@ class ValidationWindows:
         document_mask: bool = False,
         document_positions: bool = False,
     ):
-        self.corpus, self.seq_len, self.global_batch_size = corpus, seq_len, global_batch_size
-        self.rows = np.array(range(global_batch_size) if rows is None else sorted(set(rows)))
-        self.num_batches = (corpus.num_tokens - 1) // seq_len // global_batch_size
+        super().__init__(corpus, seq_len, global_batch_size, rows)
         self.document_mask, self.document_positions = document_mask, document_positions
 
-    def batches(self, max_batches: int = -1) -> Iterator[dict[str, np.ndarray]]:
-        n = self.num_batches if max_batches < 0 else min(max_batches, self.num_batches)
-        for b in range(n):
-            rows = [
-                read_row(
-                    self.corpus, int(s), self.seq_len, self.document_mask, self.document_positions
-                )
-                for s in (b * self.global_batch_size + self.rows) * self.seq_len
-            ]
-            yield {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    def num_samples(self) -> int:
+        return (self.corpus.num_tokens - 1) // self.seq_len
+
+    def read_sample(self, sample: int) -> dict[str, np.ndarray]:
+        return read_row(
+            self.corpus,
+            sample * self.seq_len,
+            self.seq_len,
+            self.document_mask,
+            self.document_positions,
+        )
