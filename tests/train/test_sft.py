@@ -1,5 +1,6 @@
-"""Supervised fine-tuning through the CLI: the shipped SFT recipe lowers the held-out loss on
-the assistant's tokens; a tokenizer without a chat template is one line whose hint works."""
+"""Supervised fine-tuning through the CLI: the shipped SFT recipe, whole conversations a row,
+lowers the held-out loss on the assistant's tokens; a tokenizer without a chat template is one
+line whose hint works."""
 
 import json
 import shutil
@@ -40,7 +41,11 @@ def test_the_sft_recipe_lowers_the_held_out_loss_on_the_assistants_tokens(
             str(tmp_path),
         ]
     )
-    assert code == 0, capsys.readouterr().err
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    # Whole conversations a row, said once with the padding share and the cut ones.
+    assert out.out.count("70 conversations packed whole into 37 rows of 1024 tokens") == 1
+    assert "2 longer than training.seq_len=1024 keep their first 1024 tokens" in out.out
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     held_out = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(held_out) == 2 and held_out[1] < held_out[0] < 7.7, held_out
