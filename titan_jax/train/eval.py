@@ -26,7 +26,7 @@ from titan_jax.data.packing import ValidationConversations
 from titan_jax.data.pairs import ValidationPairs
 from titan_jax.data.pipeline import holds_pairs, process_barrier, validation_corpus
 from titan_jax.data.tokenizer import Tokenizer
-from titan_jax.data.windows import ValidationWindows
+from titan_jax.data.windows import HeldOutRows, ValidationWindows
 from titan_jax.models.sharding_hooks import Parallelism
 from titan_jax.models.spec import Aux, ModelDef, Params
 from titan_jax.train.loss import count_valid_tokens
@@ -106,11 +106,10 @@ class Validator:
             raise ConfigError(f"validation.{e}") from None
         t = config.training  # the document masking training runs with
         rows = trainer.batches.rows(self.global_batch_size)
+        self._windows: HeldOutRows
         if holds_pairs(config):
-            self._windows: ValidationWindows | ValidationPairs | ValidationConversations = (
-                ValidationPairs(
-                    corpus, seq_len=v.seq_len, global_batch_size=self.global_batch_size, rows=rows
-                )
+            self._windows = ValidationPairs(
+                corpus, seq_len=v.seq_len, global_batch_size=self.global_batch_size, rows=rows
             )
         elif packs_whole_conversations(t):  # conversations whole, as training reads them
             self._windows = ValidationConversations(
