@@ -49,7 +49,8 @@ def pair_row(
     """{"inputs": (S, 3) ids, segments, positions; "labels": (S,)} of a pair given as the
     (token ids, loss mask) of its chosen and its rejected sequence (cut to fit:
     `fitted_lengths`): segments `CHOSEN`, `REJECTED`, then `PADDING` (data/packing.py)."""
-    lengths = fitted_lengths(*(len(ids) for ids, _ in sequences), seq_len)
+    (chosen, _), (rejected, _) = sequences
+    lengths = fitted_lengths(len(chosen), len(rejected), seq_len)
     cut = [(ids[:n], mask[:n]) for (ids, mask), n in zip(sequences, lengths, strict=True)]
     return packed_row(cut, seq_len)
 
