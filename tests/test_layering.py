@@ -99,6 +99,24 @@ def test_models_and_parallel_are_independent_of_each_other_downwards():
     assert not bad, bad
 
 
+def test_models_and_parallel_never_see_the_job_config():
+    """The run's plan hands models/ and parallel/ the typed values they need (degrees, build
+    options, args overrides); they never import the config loader or name `JobConfig`."""
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in _imports().items()
+        for d in deps
+        if m.startswith(("titan_jax.models", "titan_jax.parallel")) and d == "titan_jax.config"
+    ]
+    named = [
+        str(path.relative_to(ROOT.parent))
+        for package in ("models", "parallel")
+        for path in (ROOT / package).rglob("*.py")
+        if "JobConfig" in path.read_text()
+    ]
+    assert not bad and not named, bad + named
+
+
 # TorchTitan's own Qwen3 is the parity reference for this family, so its adapter is Qwen3's.
 FAMILY_SPECIFIC = {"titan_jax.parity.torchtitan_ref"}
 

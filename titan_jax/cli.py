@@ -41,9 +41,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")
         return args, None
     config = load_config(args.config, overrides)
-    from titan_jax.train.run_checks import check_model_choice
+    from titan_jax.train.plan_decisions import model_choice
 
-    check_model_choice(config)  # an unknown model.name or flavor: before anything is built
+    model_choice(config)  # an unknown model.name or flavor: before anything is built
     return args, config
 
 

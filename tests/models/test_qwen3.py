@@ -20,6 +20,7 @@ from titan_jax.models.qwen3.model import (
     rope_tables,
 )
 from titan_jax.models.sharding_hooks import GATHERED_PARAM
+from titan_jax.train.plan_decisions import args_overrides
 from titan_jax.trees import is_axes, named_leaves
 
 # Published totals (HF safetensors metadata counts the tied lm_head twice; these count it once).
@@ -109,11 +110,12 @@ def test_yarn_keys_of_the_model_section_reach_the_args_and_survive_json():
             "64",
         ],
     )
-    args = QWEN3.configure(TINY, config)
+    args = QWEN3.configure(TINY, args_overrides(config))
     assert args.yarn == YarnScaling(factor=2.0, original_max_position_embeddings=64)
     assert args.yarn.cos_sin_scale == pytest.approx(0.1 * np.log(2) + 1)
     assert Qwen3Args(**json.loads(json.dumps(dataclasses.asdict(args)))) == args  # model_io
-    assert QWEN3.configure(args, load_config(None, [])) == args  # "default": the args' own
+    default = args_overrides(load_config(None, []))
+    assert QWEN3.configure(args, default) == args  # "default": the args' own
     cos, _ = rope_tables(jnp.arange(3), 8, 1e6, args.yarn)
     np.testing.assert_allclose(cos[0], args.yarn.cos_sin_scale)  # HF scales the tables
     with pytest.raises(ConfigError, match=r"^model.yarn_factor=0.5 must be >= 1$"):

@@ -4,6 +4,7 @@ from typing import Any
 
 from titan_jax.models import qwen3  # noqa: F401  (registers "qwen3")
 from titan_jax.models.spec import (
+    ArgsOverrides,
     BuildOptions,
     ModelArgs,
     ModelDef,
@@ -21,6 +22,7 @@ def get_model_spec(name: str) -> ModelSpec[Any]:
 
 
 __all__ = [
+    "ArgsOverrides",
     "BuildOptions",
     "ModelArgs",
     "ModelDef",

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from titan_jax.config import ConfigError
+from titan_jax.config_schema import ConfigError
 from titan_jax.models.ring_attention import ring_attention
 from titan_jax.models.sharding_hooks import (
     SequenceSplit,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from titan_jax.config import ConfigError
+from titan_jax.config_schema import ConfigError
 from titan_jax.models.frozen_base import FrozenBase, dequantize, quantize, scale_axes
 from titan_jax.models.sharding_hooks import FrozenParam, gather_frozen
 

@@ -28,9 +28,10 @@ from typing import Any, ClassVar, Protocol
 import jax
 from jax.typing import DTypeLike
 
-from titan_jax.config import ConfigError, JobConfig
+from titan_jax.config_schema import ConfigError, Moe
 from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.quantization import NONE, Quantization
+from titan_jax.yarn import YarnScaling
 
 Params = dict[str, Any]
 Aux = dict[str, Any]  # {"loss": scalar, "stats": {name: array}}
@@ -211,6 +212,16 @@ class HFAdapter[A: ModelArgs](Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class ArgsOverrides:
+    """The run's choices a family applies to a flavour's args (`ModelSpec.configure`), built
+    by the run's plan from the `[model]` and `[moe]` sections."""
+
+    yarn: YarnScaling | None = None  # RoPE scaling; None keeps the args' own
+    load_balance_coeff: float = Moe.load_balance_coeff  # MoE flavours only
+    router_aux_loss_coef: float = Moe.router_aux_loss_coef
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec[A: ModelArgs]:
     name: str
     args_class: type[A]  # a frozen dataclass (saved as model_args in checkpoints)
@@ -222,8 +233,8 @@ class ModelSpec[A: ModelArgs]:
     # KV-cached sampling: (params, args, prompt_BT, max_new_tokens, *, temperature, top_p,
     # seed, eos_id, dtype) -> tokens (B, T + n).
     generate: Callable[..., jax.Array]
-    # The run's config applied to a flavour's args (e.g. the [moe] knobs); identity by default.
-    configure: Callable[[A, JobConfig], A] = lambda args, config: args
+    # The run's overrides applied to a flavour's args (e.g. the [moe] knobs); identity by default.
+    configure: Callable[[A, ArgsOverrides], A] = lambda args, overrides: args
     display_name: str = ""  # for messages; defaults to `name`
 
     def __post_init__(self) -> None:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from titan_jax.config import ConfigError
+from titan_jax.config_schema import ConfigError
 
 CP = "cp"
 

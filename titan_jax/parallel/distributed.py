@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 
-from titan_jax.config import AUTO, Distributed
+from titan_jax.config_schema import AUTO, Distributed
 from titan_jax.errors import TitanJaxError
 from titan_jax.jax_platform import is_tpu_host
 

@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from titan_jax.config import ConfigError, Parallelism
+from titan_jax.config_schema import ConfigError, Parallelism
 
 # cp (context parallelism) sits next to the model-parallel axes: its K/V all-gather runs in
 # every layer, so it wants the nearer links after tp and ep. pp (pipeline stages) is outermost:

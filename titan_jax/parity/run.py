@@ -27,6 +27,7 @@ from titan_jax.models import BuildOptions, ModelArgs, get_model_spec, spec_of_ar
 from titan_jax.parity import BARS, REFERENCES, metrics
 from titan_jax.parity.ours import TitanSide, train_trajectory
 from titan_jax.parity.report import ParityReport, ReferenceResult, Trajectory
+from titan_jax.train.plan_decisions import args_overrides
 
 # Set here, by the comparison's driver, before a reference imports torch (libgomp reads it
 # then), rather than by the package, which every CLI run imports for its bars: torch's OpenMP
@@ -307,7 +308,7 @@ def run_from_config(
     with tempfile.TemporaryDirectory(prefix="titan_jax_parity_") as tmp:
         if hf_checkpoint is None:
             progress(f"random init of model.flavor={config.model.flavor}, export to HF")
-            args = spec.configure(spec.flavor(config.model.flavor), config)
+            args = spec.configure(spec.flavor(config.model.flavor), args_overrides(config))
             params = jax.jit(spec.build(args, BuildOptions()).init)(jax.random.key(seed))
             spec.hf.save(tmp, params, args)
             del params  # every side loads its own copy from the files

@@ -26,7 +26,7 @@ from titan_jax.models.sharding_hooks import PipelineSplit
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh, resolve_degrees
 from titan_jax.parallel.rules import ShardingRules, table_for_vocab, table_with_overrides
 from titan_jax.parallel.simple_fsdp import SimpleFSDP, choose_implementation
-from titan_jax.train import run_checks
+from titan_jax.train import plan_decisions, run_checks
 from titan_jax.train.pipeline_plan import plan_pipeline
 
 
@@ -94,8 +94,10 @@ def plan_run(
 ) -> RunPlan:
     """The run's plan on `devices` (default: all of JAX's), every decision checked as it is
     made. `model_args` replaces `model.flavor`'s shape (tests and notebooks use tiny models)."""
-    spec, flavor = run_checks.check_model_choice(config)
-    args = spec.configure(flavor if model_args is None else model_args, config)
+    spec, flavor = plan_decisions.model_choice(config)
+    args = spec.configure(
+        flavor if model_args is None else model_args, plan_decisions.args_overrides(config)
+    )
     run_checks.check_model_fits(config, args)
     devices = jax.devices() if devices is None else devices
     degrees = resolve_degrees(config.parallelism, len(devices))

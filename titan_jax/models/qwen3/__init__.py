@@ -3,14 +3,13 @@ its registration as model.name = "qwen3"."""
 
 import dataclasses
 
-from titan_jax.config import JobConfig, yarn_of
 from titan_jax.models.qwen3 import decode, hf
 from titan_jax.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args, get_flavor
 from titan_jax.models.qwen3.build import Qwen3Def, build_model_def
 from titan_jax.models.qwen3.flops import flops_per_token
 from titan_jax.models.qwen3.hf_config import read_hf_config
 from titan_jax.models.qwen3.model import Qwen3
-from titan_jax.models.spec import ModelSpec, register_model
+from titan_jax.models.spec import ArgsOverrides, ModelSpec, register_model
 
 
 class _HF:
@@ -23,18 +22,17 @@ class _HF:
     live_tensors = staticmethod(hf.live_hf_tensors)
 
 
-def configure(args: Qwen3Args, config: JobConfig) -> Qwen3Args:
+def configure(args: Qwen3Args, overrides: ArgsOverrides) -> Qwen3Args:
     """The run's RoPE scaling (`[model]` rope_type, yarn_*) and, on a MoE flavour's args, its
     `[moe]` knobs."""
-    m = config.model
-    if m.rope_type == "yarn":
-        args = dataclasses.replace(args, yarn=yarn_of(m))
+    if overrides.yarn is not None:
+        args = dataclasses.replace(args, yarn=overrides.yarn)
     if not args.is_moe:
         return args
     return dataclasses.replace(
         args,
-        load_balance_coeff=config.moe.load_balance_coeff,
-        router_aux_loss_coef=config.moe.router_aux_loss_coef,
+        load_balance_coeff=overrides.load_balance_coeff,
+        router_aux_loss_coef=overrides.router_aux_loss_coef,
     )
 
 

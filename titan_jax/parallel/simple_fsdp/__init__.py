@@ -29,7 +29,7 @@ gathered weight, found by its checkpoint name, is recomputed in backward, i.e. r
 
 from __future__ import annotations
 
-from titan_jax.config import ConfigError, Parallelism
+from titan_jax.config_schema import ConfigError, Parallelism
 from titan_jax.models.quantization import NONE, Quantization
 from titan_jax.models.spec import ModelArgs
 from titan_jax.parallel.mesh import MeshDegrees
