@@ -22,6 +22,7 @@ from titan_jax.models.sharding_hooks import Parallelism
 from titan_jax.parallel.context_parallel import ContextParallel, load_balanced_order
 from titan_jax.parallel.per_shard import manual_per_shard
 from titan_jax.train.checkpoint import Checkpointer
+from titan_jax.train.plan_decisions import context_parallel_kernel
 from titan_jax.train.run_checks import check_context_parallel
 from titan_jax.train.trainer import build_trainer
 
@@ -159,11 +160,13 @@ def dense_reference(batches):
 def test_cp_losses_equal_one_device(dense_reference, batches, mesh):
     init, want = dense_reference
     trainer = build_trainer(tiny_config(*cp_overrides(**mesh)), model_args=TINY)
-    assert trainer.parallelism.implementation == "shard_map" and trainer.degrees.cp == mesh["cp"]
+    assert (
+        trainer.parallelism.implementation == "shard_map" and trainer.plan.degrees.cp == mesh["cp"]
+    )
     assert trainer.parallelism.sequence_split().method == mesh.get("method", "allgather")
     # The loader's token ranges: devices holding cp rank 0 read chunks 0 and 2cp-1 only.
-    seq, names = trainer.config.training.seq_len, list(trainer.mesh.axis_names)
-    rank0 = list(np.take(trainer.mesh.devices, 0, axis=names.index("cp")).flat)
+    seq, names = trainer.plan.config.training.seq_len, list(trainer.plan.mesh.axis_names)
+    rank0 = list(np.take(trainer.plan.mesh.devices, 0, axis=names.index("cp")).flat)
     chunk = seq // (2 * mesh["cp"])
     assert trainer.batches.spans(seq) is None  # one process: all of every row
     assert trainer.batches.spans(seq, rank0) == [(0, chunk), (seq - chunk, seq)]
@@ -292,7 +295,9 @@ def test_a_kernel_that_cannot_take_cp_is_refused_naming_the_field():
         r"parallelism.context_parallel_method=ring \(its blocks",
     ):
         check_context_parallel(2, {"training.seq_len": 64}, "splash", "splash", "ring")
-    assert check_context_parallel(2, {"training.seq_len": 64}, "auto", "splash", "ring") == "xla"
+    assert context_parallel_kernel("splash", 2, "ring") == "xla"  # the ring's blocks are XLA's
+    assert context_parallel_kernel("splash", 2, "allgather") == "splash"
+    check_context_parallel(2, {"training.seq_len": 64}, "auto", "xla", "ring")
     check_context_parallel(1, {"training.seq_len": 63}, "auto", "cudnn")  # no cp: no limits
 
 
@@ -313,13 +318,13 @@ def test_32k_recipes_build_for_their_slices(recipe, topology, mesh):
     from titan_jax.planner.topology import compile_only_devices, parse_slice
 
     trainer = build_trainer(load_config(recipe), compile_only_devices(parse_slice(topology)))
-    assert {k: v for k, v in trainer.mesh.shape.items() if v > 1} == {
+    assert {k: v for k, v in trainer.plan.mesh.shape.items() if v > 1} == {
         k: v for k, v in mesh.items() if v > 1
     }
-    assert trainer.attention == "splash" and trainer.parallelism.implementation == "shard_map"
-    assert trainer.tokens_per_step == trainer.global_batch_size * 32768
-    assert trainer.global_batch_size == load_config(recipe).training.global_batch_size
-    assert trainer.model.args.yarn is None  # 32K is Qwen3's native window
+    assert trainer.plan.attention == "splash" and trainer.parallelism.implementation == "shard_map"
+    assert trainer.plan.tokens_per_step == trainer.plan.global_batch_size * 32768
+    assert trainer.plan.global_batch_size == load_config(recipe).training.global_batch_size
+    assert trainer.plan.model.args.yarn is None  # 32K is Qwen3's native window
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from titan_jax.config import ConfigError, load_config
 from titan_jax.models.qwen3 import hf
 from titan_jax.planner.inspect_step import abstract_batch
 from titan_jax.train import loop
-from titan_jax.train.run_checks import resolve_lora
+from titan_jax.train.plan_decisions import resolve_lora
 from titan_jax.train.start import load_start
 from titan_jax.train.trainer import build_trainer
 from titan_jax.trees import named_leaves, split_by_name
@@ -84,7 +84,7 @@ def test_lora_fine_tunes_a_hf_base_model_leaving_it_bitwise(tmp_path):
 
     losses = list(result.losses.values())
     assert len(losses) == 16 and np.mean(losses[-4:]) < losses[0] - 0.3, losses
-    trainable = trainer.model.trainable
+    trainable = trainer.plan.model.trainable
     adapters, base = split_by_name(last["params"], trainable)
     first_adapters, first_base = split_by_name(first["params"], trainable)
     assert len(named_leaves(adapters)) == 2 * 7  # A and B of the 7 projections of a layer
@@ -117,7 +117,7 @@ def test_lora_starts_from_a_full_fine_tuning_checkpoint(tmp_path):
         return trainer, jax.device_get(restored.state["params"])
 
     trainer, params = start(tmp_path / "base" / "checkpoint" / "2")
-    adapters, frozen = split_by_name(params, trainer.model.trainable)
+    adapters, frozen = split_by_name(params, trainer.plan.model.trainable)
     jax.tree.map(np.testing.assert_array_equal, frozen, base["params"])
     assert not any(b.any() for n, b in named_leaves(adapters).items() if n.endswith("lora_b"))
 
@@ -206,7 +206,7 @@ def test_fresh_adapters_start_as_the_base_model(tmp_path):
     config = make_config(tmp_path, *LORA)
     trainer = build_trainer(config, jax.devices()[:1], model_args=TINY)
     params = jax.device_get(trainer.init_state()["params"])
-    adapters, base = split_by_name(params, trainer.model.trainable)
+    adapters, base = split_by_name(params, trainer.plan.model.trainable)
     full = build_trainer(make_config(tmp_path), jax.devices()[:1], model_args=TINY)
     # The base draws the keys it draws without adapters.
     jax.tree.map(np.testing.assert_array_equal, base, jax.device_get(full.init_state()["params"]))
@@ -214,7 +214,7 @@ def test_fresh_adapters_start_as_the_base_model(tmp_path):
         assert name.endswith("lora_a") or not b.any(), name
     tokens = np.arange(32, dtype=np.int32).reshape(2, 16)
     np.testing.assert_array_equal(
-        trainer.model.apply(params, tokens), full.model.apply(base, tokens)
+        trainer.plan.model.apply(params, tokens), full.plan.model.apply(base, tokens)
     )
 
 
@@ -314,18 +314,18 @@ def two_steps_leave_the_base(trainer, args):
         )
     last = jax.device_get(state)
     assert np.isfinite(metrics["loss"])
-    adapters, base = split_by_name(last["params"], trainer.model.trainable)
+    adapters, base = split_by_name(last["params"], trainer.plan.model.trainable)
     jax.tree.map(
         np.testing.assert_array_equal,
         base,
-        split_by_name(first["params"], trainer.model.trainable)[1],
+        split_by_name(first["params"], trainer.plan.model.trainable)[1],
     )
     return first, last, adapters
 
 
 def test_expert_adapters_train_and_leave_the_experts_frozen(tmp_path):
     trainer = build_trainer(make_config(tmp_path, *EXPERT_LORA), jax.devices()[:1], model_args=MOE)
-    assert {n for n in trainer.model.trainable if ".moe." in n} == {
+    assert {n for n in trainer.plan.model.trainable if ".moe." in n} == {
         "layers.moe.w1_and_w3_lora.lora_a",
         "layers.moe.w1_and_w3_lora.lora_b",
         "layers.moe.w2_lora.lora_a",
@@ -342,7 +342,7 @@ def test_lora_on_a_moe_model_trains_the_attention_adapters_only(tmp_path):
     experts and router stay frozen and the expert bias (a buffer) still moves."""
     moe = dataclasses.replace(TINY, num_experts=4, top_k=2, moe_inter_dim=16)
     trainer = build_trainer(make_config(tmp_path, *LORA), jax.devices()[:1], model_args=moe)
-    assert {n.split(".")[1] for n in trainer.model.trainable} == {"attention"}
+    assert {n.split(".")[1] for n in trainer.plan.model.trainable} == {"attention"}
     first, last, adapters = two_steps_leave_the_base(trainer, moe)
     assert all(b.any() for n, b in named_leaves(adapters).items() if n.endswith("lora_b"))
     assert not np.array_equal(last["buffers"]["expert_bias"], first["buffers"]["expert_bias"])

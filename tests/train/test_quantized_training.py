@@ -16,7 +16,7 @@ from titan_jax.cli import main
 from titan_jax.config import ConfigError, load_config
 from titan_jax.models.qwen3 import QWEN3_FLAVORS, Qwen3Args
 from titan_jax.train import loop
-from titan_jax.train.run_checks import resolve_quantization
+from titan_jax.train.plan_decisions import resolve_quantization
 
 SMALL = Qwen3Args(
     dim=64,

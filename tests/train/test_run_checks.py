@@ -11,12 +11,8 @@ from tiny_model import TINY
 
 from titan_jax.config import ConfigError, load_config
 from titan_jax.parallel.mesh import MeshDegrees
-from titan_jax.train.run_checks import (
-    check_expert_chunks,
-    check_moe_knobs,
-    divisor_below,
-    resolve_quantization,
-)
+from titan_jax.train.plan_decisions import resolve_quantization
+from titan_jax.train.run_checks import check_expert_chunks, check_moe_knobs, divisor_below
 
 TINY_MOE = dataclasses.replace(TINY, num_experts=8, top_k=2, moe_inter_dim=32)
 

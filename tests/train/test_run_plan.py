@@ -36,7 +36,7 @@ def test_a_plan_holds_every_decision_and_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.attention = "splash"
     trainer = assemble_trainer(plan)
-    assert trainer.plan is plan and trainer.global_batch_size == 16
+    assert trainer.plan is plan and trainer.batches.global_batch_size == 16
     assert isinstance(trainer.parallelism, JitSimpleFSDP)
     assert trainer.batches.sharding.spec == plan.rules.batch_spec
 
@@ -121,3 +121,30 @@ def test_layer_input_offload_is_off_on_cpu_devices_with_a_warning(caplog):
     )
     assert not plan.model.options.offload_layer_input
     assert "offload_layer_input on CPU devices is off" in caplog.text
+
+
+def test_every_derived_number_is_the_plans_next_to_its_inputs():
+    """A MoE run over fsdp 2 x ep 2: the numbers the step, the tools and the rules table read
+    (tokens, travelling tokens, expert rows, the reduce dtype, the exchanges) are the plan's,
+    and the assembled SimpleFSDP takes them from there."""
+    moe = dataclasses.replace(TINY, num_experts=8, top_k=2, moe_inter_dim=32)
+    plan = plan_run(
+        config(
+            *("--parallelism.data_parallel_shard_degree", "4"),
+            *("--parallelism.expert_parallel_degree", "2"),
+            *("--parallelism.expert_parallel_chunks", "2"),
+            *("--training.global_batch_size", "16"),
+        ),
+        jax.devices()[:4],
+        moe,
+    )
+    assert (plan.degrees.fsdp, plan.degrees.ep, plan.n_microbatches) == (2, 2, 2)
+    assert plan.tokens_per_step == 16 * 16
+    assert plan.travelling_tokens == 2 * 16 * 2 * 2  # a microbatch over fsdp x ep
+    assert plan.expert_rows_per_device == 2 * 16 * 2  # local rows x seq_len x top_k
+    assert plan.expert_rows_per_step == 16 * 16 * 2
+    assert plan.reduce_dtype == jnp.float32 and plan.ep_chunks == 2
+    fsdp = assemble_trainer(plan).parallelism
+    assert (fsdp.reduce_dtype, fsdp.cp_method, fsdp.ep_chunks) == (jnp.float32, "allgather", 2)
+    dense = plan_run(config(), jax.devices()[:1], TINY)
+    assert dense.expert_rows_per_device is None and dense.expert_rows_per_step is None

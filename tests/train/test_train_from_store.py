@@ -94,6 +94,7 @@ progress_bar = false
 
 def test_document_masking_with_cudnn_attention_is_refused_in_one_line():
     from titan_jax.config import ConfigError, load_config
+    from titan_jax.data.tokenizer import load_tokenizer
     from titan_jax.train.run_checks import check_data
 
     config = load_config(None, ["--training.document_mask", "true"])
@@ -102,4 +103,4 @@ def test_document_masking_with_cudnn_attention_is_refused_in_one_line():
         match="document_mask=true needs model.attention=xla or "
         "splash: the cudnn attention here takes no segment ids",
     ):
-        check_data(config, SimpleNamespace(vocab_size=2048), "cudnn")
+        check_data(config, SimpleNamespace(vocab_size=2048), "cudnn", load_tokenizer())

@@ -198,16 +198,11 @@ def _flops(trainer: Trainer, lowered: Any) -> dict[str, Any]:
     # debug_info: the ops' names, which mark the conditionals' expected branches
     module = hlo_stats.parse(lowered.as_text(dialect="hlo", debug_info=True))
     dots, unknown_loops = hlo_stats.dot_flops(module)
-    top_k = (
-        getattr(trainer.model.args, "top_k", 0)
-        if getattr(trainer.model.args, "num_experts", 0)
-        else 0
-    )
-    chunks = trainer.config.parallelism.expert_parallel_chunks  # each kernel runs one chunk
+    plan, rows = trainer.plan, trainer.plan.expert_rows_per_step
     grouped, grouped_bound = hlo_stats.ragged_dot_flops(
         module,
-        trainer.tokens_per_step * top_k // chunks if top_k else None,
-        functools.partial(kernel_flops.megablox_flops, hidden_split=trainer.degrees.tp),
+        rows // plan.ep_chunks if rows else None,  # each kernel runs one chunk
+        functools.partial(kernel_flops.megablox_flops, hidden_split=plan.degrees.tp),
     )
     return {
         "dot_flops_per_step": dots,
@@ -222,16 +217,8 @@ def routed_rows(trainer: Trainer) -> int | None:
     (tokens of one microbatch on its data-parallel rank x top_k; each rank receives as many
     as it sends), over `parallelism.expert_parallel_chunks` (each kernel runs one chunk).
     None for a dense model."""
-    args, t = trainer.model.args, trainer.config.training
-    if not args.num_experts:
-        return None
-    return (
-        t.local_batch_size
-        * t.seq_len
-        // trainer.degrees.cp
-        * args.top_k
-        // trainer.config.parallelism.expert_parallel_chunks
-    )
+    rows = trainer.plan.expert_rows_per_device
+    return None if rows is None else rows // trainer.plan.ep_chunks
 
 
 def _estimates(
@@ -339,14 +326,14 @@ def compile_report(
         "tpu": tpu.libtpu_name,
         "chip_source": tpu.chip.source,
         "model": f"{config.model.name} {config.model.flavor}",
-        "mesh": dict(trainer.mesh.shape),
-        "mode": trainer.degrees.mode,
+        "mesh": dict(trainer.plan.mesh.shape),
+        "mode": trainer.plan.degrees.mode,
         "fsdp_implementation": trainer.parallelism.implementation,
         "param_dtype": np.dtype(trainer.options.param_dtype).name,
         "activation_checkpoint": config.activation_checkpoint.mode,
-        "attention": trainer.attention,
-        "tokens_per_step": trainer.tokens_per_step,
-        "analytic_flops_per_step": trainer.flops_per_token() * trainer.tokens_per_step,
+        "attention": trainer.plan.attention,
+        "tokens_per_step": trainer.plan.tokens_per_step,
+        "analytic_flops_per_step": trainer.plan.flops_per_token() * trainer.plan.tokens_per_step,
         **_flops(trainer, lowered),
         "lower_s": lower_s,
     }
@@ -389,8 +376,8 @@ def compile_report(
             program,
             tpu,
             n,
-            list(trainer.mesh.devices.flat),
-            dict(trainer.mesh.shape),
+            list(trainer.plan.mesh.devices.flat),
+            dict(trainer.plan.mesh.shape),
             rings,
             routed_rows(trainer),
         )

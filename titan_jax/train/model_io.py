@@ -41,7 +41,7 @@ from titan_jax.train.checkpoint import (
     permission_denied,
 )
 from titan_jax.train.checksums import checksums
-from titan_jax.train.run_checks import resolve_lora
+from titan_jax.train.plan_decisions import resolve_lora
 from titan_jax.train.run_folder import run_paths
 from titan_jax.train.run_plan import resolve_param_dtype
 from titan_jax.train.trainer import Trainer
@@ -234,14 +234,14 @@ def export_hf(trainer: Trainer, params: Any, step: int) -> Path:
     """Writes `params` as a HF safetensors directory `{checkpoint folder}/hf-{step}` (in
     `checkpoint.export_dtype`; a LoRA run's adapters merged into the weights), under a
     temporary name first: the folder is whole or absent."""
-    config = trainer.config
+    config = trainer.plan.config
     final = run_paths(config).hf_exports / f"hf-{step}"
     if final.exists():
         raise CheckpointSaveError(f"{final} already exists; not overwriting it")
-    lora = resolve_lora(config, trainer.model.args, trainer.plan.param_dtype)
+    lora = resolve_lora(config, trainer.plan.model.args, trainer.plan.param_dtype)
     if lora.rank:  # the adapted model, as one plain HF model
         params = merged(params, lora)
-    trainer.model_spec.hf.save(
-        final, params, trainer.model.args, dtype=config.checkpoint.export_dtype
+    trainer.plan.model_spec.hf.save(
+        final, params, trainer.plan.model.args, dtype=config.checkpoint.export_dtype
     )
     return final

@@ -1,15 +1,14 @@
-"""The checks of a run that need more than the config alone, as plain functions that raise
-ConfigError, before anything is written or allocated on devices: the model choice
-(`model.name`, `model.flavor`), the model against the config and the mesh (from the abstract
-model: shapes, heads, sequence lengths, every array's layout), the batch, the attention kernel
-(resolved here, once), low-precision matmuls for the chip, and the data (the tokenizer, loaded
-once, and every input).
+"""The checks of a run that need more than the config alone, as plain functions that only
+raise ConfigError (they return nothing and decide nothing), before anything is written or
+allocated on devices: the model against the config and the mesh (from the abstract model:
+shapes, heads, sequence lengths, nf4 blocks over their shards), the expert exchanges, the
+attention kernel against the context-parallel split, the reduce dtype, the look-ahead gather
+and layer-input offload, and the data (the tokenizer against the model, every input).
 
 `config.validate` checks the config by itself when it is loaded (types, ranges, one field
-against another); `resolve_degrees` checks the degrees against the device count as it
-computes them and `simple_fsdp.choose_implementation` SimpleFSDP's implementation.
-`run_plan.plan_run` calls each check as it makes the decision it checks, and
-`setup.assemble_run` the data checks after it.
+against another). The decisions are `plan_decisions`' (each refuses what it cannot decide):
+`run_plan.plan_run` makes them in order and calls each check here as it makes the decision
+it checks, and `setup.assemble_run` the data checks after it.
 """
 
 from __future__ import annotations
@@ -17,21 +16,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from titan_jax.config import ConfigError, JobConfig, Moe, Parallelism
-from titan_jax.config_schema import LORA_GROUPS
 from titan_jax.data.pipeline import check_inputs
-from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
-from titan_jax.models import ModelArgs, ModelDef, ModelSpec, get_model_spec
-from titan_jax.models.attention import CP_ATTENTION, SPLASH_BLOCKS, resolve_attention
-from titan_jax.models.frozen_base import CODES, SCALE, FrozenBase, is_quantized
-from titan_jax.models.lora import NO_LORA, Lora
-from titan_jax.models.quantization import NONE, Quantization
+from titan_jax.data.tokenizer import Tokenizer
+from titan_jax.models import ModelArgs, ModelDef
+from titan_jax.models.attention import CP_ATTENTION, SPLASH_BLOCKS
+from titan_jax.models.frozen_base import CODES, SCALE, is_quantized
 from titan_jax.parallel.context_parallel import check_seq_len
 from titan_jax.parallel.mesh import MeshDegrees
 from titan_jax.parallel.rules import (
@@ -43,14 +37,8 @@ from titan_jax.parallel.rules import (
     table_with_overrides,
 )
 from titan_jax.parallel.simple_fsdp import SimpleFSDP
+from titan_jax.train.plan_decisions import expert_rows
 from titan_jax.trees import named_leaves, nested_get
-
-
-def check_model_choice(config: JobConfig) -> tuple[ModelSpec, Any]:
-    """(the family `model.name`, its `model.flavor` args); an unknown name or flavour is a
-    ConfigError naming the valid ones."""
-    spec = get_model_spec(config.model.name)
-    return spec, spec.flavor(config.model.flavor)
 
 
 def check_moe_knobs(config: JobConfig, args: ModelArgs) -> None:
@@ -181,7 +169,9 @@ def check_expert_chunks(config: JobConfig, args: ModelArgs, degrees: MeshDegrees
     batches = [("micro", config.training)] + (
         [("validation ", config.validation)] if config.validation.enable else []
     )
-    picks = {name: b.local_batch_size * b.seq_len // degrees.cp * args.top_k for name, b in batches}
+    picks = {
+        name: expert_rows(b.local_batch_size, b.seq_len, degrees.cp, args) for name, b in batches
+    }
     for name, n in picks.items():
         if n % chunks:
             # the hint must hold for every batch, not only the one refused
@@ -206,131 +196,6 @@ def divisor_below(n: int, bound: int, tries: int = 1 << 16) -> int:
     return best
 
 
-def microbatches(config: JobConfig, degrees: MeshDegrees) -> int:
-    """Microbatches per optimizer step: the global batch over one data-parallel pass."""
-    t = config.training
-    per_step = t.local_batch_size * degrees.dp
-    global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
-    if global_batch % per_step:
-        raise ConfigError(
-            f"training.global_batch_size={global_batch} must be a multiple of "
-            f"local_batch_size x data-parallel degree = {t.local_batch_size} x {degrees.dp}"
-        )
-    return global_batch // per_step
-
-
-# Where each mode has a fast path: fp8 on Ironwood (TPU7x, "the first TPUs" with fp8 in
-# their MXUs; v5p/v6e list fp8 at their bf16 rate, v5e none) and on NVIDIA GPUs from compute
-# capability 8.9 (Ada, Hopper, Blackwell); int8 on TPU v4-v6e (twice their bf16 rate on
-# v5e/v6e). CPU devices run both emulated, for tests.
-def _takes(mode: str, device: jax.Device) -> bool:
-    kind = device.device_kind
-    if device.platform == "cpu":
-        return True
-    if device.platform == "tpu":
-        return (
-            kind.startswith("TPU7")
-            if mode == "fp8"
-            else kind.startswith(("TPU v4", "TPU v5", "TPU v6"))
-        )
-    capability = float(getattr(device, "compute_capability", "0") or 0)
-    return mode == "fp8" and capability >= 8.9
-
-
-def resolve_quantization(
-    config: JobConfig, args: ModelArgs, degrees: MeshDegrees, devices: list[jax.Device]
-) -> Quantization:
-    """`[quantize]` for this run's devices and model: refused where the model has none of the
-    groups named, the chip has no fast path for the mode, the experts are smaller than the TPU
-    kernel takes, or a block does not divide a contracted dimension."""
-    q = config.quantize
-    if q.mode == "none":
-        return NONE
-    device, names = devices[0], q.module_names()
-    moe = args.is_moe
-    present = ("attention", "experts" if moe else "mlp")  # a MoE layer has no dense SwiGLU
-    if not set(names) & set(present):
-        missing = "experts" if not moe else "dense mlp (its feed-forward is the experts)"
-        raise ConfigError(
-            f"quantize.modules={q.modules!r}: model.flavor={config.model.flavor} is "
-            f"{'MoE' if moe else 'dense'} and has no {missing}, so nothing would run in "
-            f"{q.mode}; name some of {','.join(present)}, or set quantize.mode=none"
-        )
-    if not _takes(q.mode, device):
-        other = "int8" if q.mode == "fp8" else "fp8"
-        hint = f"use quantize.mode={other}" if _takes(other, device) else "use quantize.mode=none"
-        raise ConfigError(
-            f"quantize.mode={q.mode}: {device.device_kind} has no {q.mode} matmul units (fp8: "
-            f"TPU7x, NVIDIA from compute capability 8.9; int8: TPU v4-v6e); {hint}"
-        )
-    if moe and "experts" in names and q.scaling != "rowwise":  # a dense model has none
-        raise ConfigError(
-            f"quantize.scaling={q.scaling}: the experts' grouped matmuls take rowwise scales "
-            "only (qwix's ragged_dot); use quantize.scaling=rowwise, or leave experts out of "
-            "quantize.modules"
-        )
-    if moe and "experts" in names and device.platform == "tpu":
-        t = config.training
-        small = {
-            "model dim": args.dim,
-            "expert hidden dim per tensor-parallel rank": args.moe_inter_dim // degrees.tp,
-            "number of expert rows per device (local_batch_size x seq_len / cp x top_k)": (
-                t.local_batch_size * t.seq_len // degrees.cp * args.top_k
-            ),
-        }
-        for name, n in small.items():
-            if n < 128:
-                raise ConfigError(
-                    f"quantize.modules={q.modules!r}: the quantized expert kernel on TPU "
-                    f"(tokamax's) needs a {name} of at least 128, not {n}; leave experts out "
-                    "of quantize.modules"
-                )
-    if q.scaling == "blockwise":
-        rows = config.training.seq_len // degrees.cp
-        dims = {
-            "model dim": args.dim,
-            "head_dim": args.head_dim,
-            "tokens per sequence (per context-parallel rank)": rows,
-        }
-        if "mlp" in names and not moe:
-            dims["hidden_dim"] = args.hidden_dim
-        bad = {name: n for name, n in dims.items() if n % q.block_size}
-        if bad:
-            name, n = next(iter(bad.items()))
-            raise ConfigError(
-                f"quantize.block_size={q.block_size} must divide the {name} ({n}) the blockwise "
-                "scales tile; choose a divisor, or quantize.scaling=rowwise"
-            )
-    return Quantization(
-        q.mode, tuple(n for n in names if n != "experts" or moe), q.scaling, q.block_size
-    )
-
-
-def resolve_lora(config: JobConfig, args: ModelArgs, param_dtype: Any = jnp.float32) -> Lora:
-    """`[lora]` for this model: the projections its targets name that the model has (a MoE
-    layer has experts, not a dense SwiGLU; a dense one no experts); refused where they name
-    none of them, as PEFT refuses. `lora.base_dtype=auto` stores the frozen base in the
-    run's `param_dtype`."""
-    lo = config.lora
-    if lo.rank == 0:
-        return NO_LORA
-    moe = args.is_moe
-    groups = ("attention", "experts" if moe else "mlp")
-    present = tuple(n for g in groups for n in LORA_GROUPS[g])
-    projections = tuple(n for n in lo.projections() if n in present)
-    if not projections:
-        kind = "MoE (its feed-forward is the experts)" if moe else "dense (it has no experts)"
-        raise ConfigError(
-            f"lora.target_modules={lo.target_modules!r} matches no projection of model.flavor="
-            f"{config.model.flavor}, which is {kind}; name some of "
-            f"{','.join(groups)},{','.join(present)}"
-        )
-    base_dtype = jnp.dtype(param_dtype).name if lo.base_dtype == "auto" else lo.base_dtype
-    return Lora(
-        lo.rank, lo.alpha, projections, lo.dropout, FrozenBase(base_dtype, lo.base_block_size)
-    )
-
-
 def check_reduce_dtype(
     config: JobConfig, devices: list[jax.Device], fsdp: type[SimpleFSDP]
 ) -> None:
@@ -347,17 +212,15 @@ def check_reduce_dtype(
 
 def check_context_parallel(
     cp: int, seq_lens: dict[str, int], choice: str, attention: str, method: str = "allgather"
-) -> str:
-    """Sequences cp can split, and an attention kernel that takes the split; returns the
-    backend to run (the ring's blocks are XLA's: `auto` means xla with it)."""
-    if cp > 1 and method == "ring":
-        if choice not in ("auto", "xla"):
-            raise ConfigError(
-                f"model.attention={choice} cannot run with parallelism.context_parallel_method"
-                "=ring (its blocks are XLA einsums with an online softmax); use auto or xla, "
-                "or context_parallel_method=allgather"
-            )
-        attention = "xla"
+) -> None:
+    """Sequences cp can split, and an attention kernel (`attention`, what `choice` resolved
+    to: `plan_decisions.resolve_run_attention`) that takes the split."""
+    if cp > 1 and method == "ring" and choice not in ("auto", "xla"):
+        raise ConfigError(
+            f"model.attention={choice} cannot run with parallelism.context_parallel_method"
+            "=ring (its blocks are XLA einsums with an online softmax); use auto or xla, "
+            "or context_parallel_method=allgather"
+        )
     for field, n in seq_lens.items():
         check_seq_len(n, cp, field)
         if cp > 1 and attention == "splash" and (n // (2 * cp)) % SPLASH_BLOCKS[-1]:
@@ -372,19 +235,6 @@ def check_context_parallel(
             f"model.attention={choice} (resolved: {attention}) cannot run with parallelism."
             f"context_parallel_degree={cp}; use {' or '.join(CP_ATTENTION)}"
         )
-    return attention
-
-
-def resolve_run_attention(config: JobConfig, cp: int, platform: str, dtype: jnp.dtype) -> str:
-    """The kernel `model.attention` means for this run (its devices, compute dtype, every
-    sequence length it uses and the context-parallel split): resolved once, here."""
-    seq_lens = {"training.seq_len": config.training.seq_len}
-    if config.validation.enable:
-        seq_lens["validation.seq_len"] = config.validation.seq_len
-    attention = resolve_attention(config.model.attention, platform, dtype, seq_lens)
-    return check_context_parallel(
-        cp, seq_lens, config.model.attention, attention, config.parallelism.context_parallel_method
-    )
 
 
 def check_base_blocks(config: JobConfig, rules: ShardingRules, model: ModelDef) -> None:
@@ -426,23 +276,8 @@ def check_base_blocks(config: JobConfig, rules: ShardingRules, model: ModelDef) 
     )
 
 
-def storage_specs(config: JobConfig, rules: ShardingRules, model: ModelDef) -> tuple[Any, Any]:
-    """Every param's and buffer's storage layout, checked against its shape and named on
-    error."""
-    try:
-        return (
-            rules.storage_specs(model.abstract_params, model.logical_axes),
-            rules.storage_specs(model.abstract_buffers, model.buffer_logical_axes),
-        )
-    except ShardingRuleError as e:
-        raise ConfigError(
-            f"cannot shard model.flavor={config.model.flavor} on this mesh: {e}"
-        ) from None
-
-
-def check_data(config: JobConfig, args: ModelArgs, attention: str) -> Tokenizer:
-    """The run's tokenizer, once its vocabulary fits the model and every input exists."""
-    tokenizer = load_tokenizer(config.model.tokenizer_path)
+def check_data(config: JobConfig, args: ModelArgs, attention: str, tokenizer: Tokenizer) -> None:
+    """The run's tokenizer fits the model's vocabulary, and every input exists."""
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
             f"tokenizer {config.model.tokenizer_path or '(shipped)'} has vocab size "
@@ -455,4 +290,3 @@ def check_data(config: JobConfig, args: ModelArgs, attention: str) -> Tokenizer:
             "the cudnn attention here takes no segment ids"
         )
     check_inputs(config, tokenizer)
-    return tokenizer

@@ -2,10 +2,12 @@
 
 config -> model family and args -> degrees and mesh -> microbatches -> low precision ->
 SimpleFSDP's implementation -> dtypes -> attention kernel -> LoRA targets -> the model
-(abstract) -> the rules table and every array's storage layout. Each step is checked as it is
-decided (the checks are `run_checks`' plain functions, which raise ConfigError); the result is
-a frozen `RunPlan`, from which `trainer.assemble_trainer` builds the optimizer, shardings and
-step without deciding anything. Nothing here allocates on devices.
+(abstract) -> the rules table and every array's storage layout. The decisions that take more
+than a line are `plan_decisions`' functions (each returns its decision); each is checked as it
+is made by `run_checks`' plain functions, which only raise ConfigError. The result is a frozen
+`RunPlan` holding every decision and the numbers derived from them, from which
+`trainer.assemble_trainer` builds the optimizer, shardings and step without deciding or
+re-reading anything. Nothing here allocates on devices.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ from titan_jax.train.pipeline_plan import plan_pipeline
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
+    """The run's decisions, and every number derived from them, read from here by the trainer,
+    the loop and the tools. `config` stays the run's input: the sections the plan derives
+    nothing from (optimizer, checkpoints, metrics, data) are read there by their owners."""
+
     config: JobConfig
     model_spec: ModelSpec  # the family (`model.name`)
     degrees: MeshDegrees
@@ -39,7 +45,10 @@ class RunPlan:
     n_microbatches: int  # per optimizer step
     fsdp: type[SimpleFSDP]  # SimpleFSDP's implementation, chosen once
     param_dtype: jnp.dtype  # the compute dtype weights are gathered in
+    reduce_dtype: jnp.dtype  # gradients are reduced across data-parallel ranks in it
     attention: str  # the kernel `model.attention` resolved to for the devices
+    cp_method: str  # how context parallelism's ranks share K/V (allgather or ring)
+    ep_chunks: int  # expert parallelism's exchanges per microbatch (each kernel runs one)
     model: ModelDef  # built for the devices, dtypes, attention and low precision decided;
     # abstract until `init`
     rules: ShardingRules
@@ -48,9 +57,53 @@ class RunPlan:
     pipeline: PipelineSplit = PipelineSplit()  # the layers' stages (none: degree 1)
 
     @property
+    def local_batch_size(self) -> int:
+        """Rows of one microbatch on one data-parallel rank."""
+        return self.config.training.local_batch_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.config.training.seq_len
+
+    @property
     def global_batch_size(self) -> int:
         """Rows of one optimizer step: `n_microbatches` passes over every data-parallel rank."""
-        return self.n_microbatches * self.config.training.local_batch_size * self.degrees.dp
+        return self.n_microbatches * self.local_batch_size * self.degrees.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    @property
+    def travelling_tokens(self) -> int:
+        """The tokens of one microbatch over the shards that split the vocabulary."""
+        return plan_decisions.travelling_tokens(self.config.training, self.degrees)
+
+    @property
+    def expert_rows_per_device(self) -> int | None:
+        """Rows a device's expert kernels take from one microbatch at balanced routing (all
+        `ep_chunks` exchanges together); None for a dense model."""
+        args = self.model.args
+        if not args.num_experts:
+            return None
+        return plan_decisions.expert_rows(
+            self.local_batch_size, self.seq_len, self.degrees.cp, args
+        )
+
+    @property
+    def expert_rows_per_step(self) -> int | None:
+        """Rows the expert kernels of one whole step take (every microbatch's tokens on every
+        data-parallel rank x `top_k`); None for a dense model."""
+        args = self.model.args
+        if not args.num_experts:
+            return None
+        return self.tokens_per_step * args.top_k
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token at the run's sequence length (the MFU numerator)."""
+        return self.model_spec.flops_per_token(
+            self.model.args, self.seq_len, self.model.options.lora
+        )
 
 
 def resolve_param_dtype(name: str, devices: list[jax.Device]) -> jnp.dtype:
@@ -107,34 +160,37 @@ def plan_run(
     run_checks.check_heads(config, args, degrees, recipe_table)
     run_checks.check_expert_chunks(config, args, degrees)
     pipeline = plan_pipeline(config, args, degrees)
-    n_microbatches = run_checks.microbatches(config, degrees)
+    n_microbatches = plan_decisions.microbatches(config, degrees)
     platform = devices[0].platform
-    quantization = run_checks.resolve_quantization(config, args, degrees, devices)
+    quantization = plan_decisions.resolve_quantization(config, args, degrees, devices)
     fsdp = choose_implementation(
         config.parallelism, degrees, args, config.model.flavor, platform, quantization
     )
     run_checks.check_reduce_dtype(config, devices, fsdp)
     param_dtype = resolve_param_dtype(config.training.mixed_precision_param, devices)
-    attention = run_checks.resolve_run_attention(config, degrees.cp, platform, param_dtype)
+    attention = plan_decisions.resolve_run_attention(config, degrees.cp, platform, param_dtype)
+    cp_method = config.parallelism.context_parallel_method
+    run_checks.check_context_parallel(
+        degrees.cp,
+        plan_decisions.run_seq_lens(config),
+        config.model.attention,
+        attention,
+        cp_method,
+    )
     run_checks.check_lookahead_gather(config, fsdp, attention)
     run_checks.check_layer_input_offload(config)
-    lora = run_checks.resolve_lora(config, args, param_dtype)
+    lora = plan_decisions.resolve_lora(config, args, param_dtype)
     model = spec.build(args, build_options(config, platform, attention, quantization, lora))
-    # the tokens of one microbatch over the shards that split the vocabulary (cp splits the
-    # same rows' positions; tp ranks share their tokens)
-    travelling = (
-        config.training.local_batch_size * config.training.seq_len * degrees.fsdp * degrees.ep
-    )
     table = table_for_vocab(
         mesh,
         args.vocab_size,
         fsdp.splits_vocab_across_replicas,
         table=recipe_table,
-        travelling_tokens=travelling,
+        travelling_tokens=plan_decisions.travelling_tokens(config.training, degrees),
     )
     rules = ShardingRules(mesh, table)
     run_checks.check_base_blocks(config, rules, model)
-    param_specs, buffer_specs = run_checks.storage_specs(config, rules, model)
+    param_specs, buffer_specs = plan_decisions.storage_specs(config, rules, model)
     return RunPlan(
         config,
         spec,
@@ -143,7 +199,10 @@ def plan_run(
         n_microbatches,
         fsdp,
         param_dtype,
+        jnp.dtype(config.training.mixed_precision_reduce),
         attention,
+        cp_method,
+        config.parallelism.expert_parallel_chunks,
         model,
         rules,
         param_specs,

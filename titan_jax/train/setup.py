@@ -2,8 +2,8 @@
 
 config (validated once) -> the paths it writes (`preflight.check_outputs`) and the weights it
 starts from -> the trainer (mesh, model and shardings from the abstract model; nothing
-allocated) -> the tokenizer, loaded once, and every data input (`check_data`). The checks
-themselves live in `run_checks.py` (and `preflight.py` for paths); every bad-input error of a
+allocated) -> the tokenizer, loaded once, and every data input (`checked_tokenizer`). The
+checks themselves live in `run_checks.py` (and `preflight.py` for paths); every bad-input error of a
 run's setup is raised from `assemble_run`, so a refused run leaves nothing behind;
 what needs the run's lock (another run's history in the folder, the checkpoints) is checked
 next, still before any write (`loop`), and the training stream is opened under that lock.
@@ -19,7 +19,7 @@ from titan_jax.config import JobConfig, packs_whole_conversations
 from titan_jax.data.packing import ConversationStream
 from titan_jax.data.pairs import PairStream
 from titan_jax.data.pipeline import holds_pairs, process_barrier, training_sources
-from titan_jax.data.tokenizer import Tokenizer
+from titan_jax.data.tokenizer import Tokenizer, load_tokenizer
 from titan_jax.data.windows import WindowStream
 from titan_jax.models.spec import ModelArgs
 from titan_jax.train.eval import Validator
@@ -51,13 +51,22 @@ def _progress(message: str) -> None:
         print(f"titan-jax: {message}", flush=True)
 
 
+def checked_tokenizer(trainer: Trainer) -> Tokenizer:
+    """The run's tokenizer, loaded once, with every data input checked against it and the
+    model (`check_data`)."""
+    plan = trainer.plan
+    tokenizer = load_tokenizer(plan.config.model.tokenizer_path)
+    check_data(plan.config, plan.model.args, plan.attention, tokenizer)
+    return tokenizer
+
+
 def build_data(trainer: Trainer, tokenizer: Tokenizer | None = None) -> WindowStream:
     """The training windows (or preference pairs) of this process's rows (small sources become a
-    token store under the dump folder first: data/pipeline.py). `tokenizer`: from `check_data`,
-    else checked here."""
-    config = trainer.config
+    token store under the dump folder first: data/pipeline.py). `tokenizer`: from
+    `checked_tokenizer`, else loaded and checked here."""
+    config = trainer.plan.config
     if tokenizer is None:
-        tokenizer = check_data(config, trainer.model.args, trainer.attention)
+        tokenizer = checked_tokenizer(trainer)
     t = config.training
     sources = training_sources(
         config,
@@ -70,7 +79,7 @@ def build_data(trainer: Trainer, tokenizer: Tokenizer | None = None) -> WindowSt
         return PairStream(
             sources,
             seq_len=t.seq_len,
-            global_batch_size=trainer.global_batch_size,
+            global_batch_size=trainer.plan.global_batch_size,
             seed=t.seed,
             rows=trainer.batches.rows(),
         )
@@ -88,7 +97,7 @@ def build_data(trainer: Trainer, tokenizer: Tokenizer | None = None) -> WindowSt
     return WindowStream(
         sources,
         seq_len=t.seq_len,
-        global_batch_size=trainer.global_batch_size,
+        global_batch_size=trainer.plan.global_batch_size,
         seed=t.seed,
         rows=trainer.batches.rows(),
         document_mask=t.document_mask,
@@ -108,13 +117,11 @@ def assemble_run(
         config, len(jax.devices() if devices is None else devices)
     )
     trainer = build_trainer(config, devices, model_args=model_args)
-    return RunSetup(
-        trainer, check_data(config, trainer.model.args, trainer.attention), shape_note=shape_note
-    )
+    return RunSetup(trainer, checked_tokenizer(trainer), shape_note=shape_note)
 
 
 def open_data(setup: RunSetup) -> None:
     """The training stream and the validator (under the run's lock: they may write a store)."""
     setup.opened_data = build_data(setup.trainer, setup.tokenizer)
-    if setup.trainer.config.validation.enable:
+    if setup.trainer.plan.config.validation.enable:
         setup.validator = Validator(setup.trainer, setup.tokenizer)

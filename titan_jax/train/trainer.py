@@ -10,7 +10,6 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
@@ -44,47 +43,25 @@ class Trainer:
     batches: BatchPlacement  # which rows each process reads, and how they become global arrays
     parallelism: SimpleFSDP  # the model's hooks and the loss map: gather at use, fp32 reduce
 
-    # The plan's decisions that the run reads most.
-    config = property(lambda self: self.plan.config)
-    mesh = property(lambda self: self.plan.mesh)
-    degrees = property(lambda self: self.plan.degrees)
-    model_spec = property(lambda self: self.plan.model_spec)
-    model = property(lambda self: self.plan.model)
-    rules = property(lambda self: self.plan.rules)
-    attention = property(lambda self: self.plan.attention)
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.batches.global_batch_size
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.config.training.seq_len
-
     @property
     def keeps_reference(self) -> bool:
         """The state holds a frozen copy of the initial params (DPO's reference model)."""
         return self.options.objective.keeps_reference
 
-    def flops_per_token(self) -> float:
-        return self.model_spec.flops_per_token(
-            self.model.args, self.config.training.seq_len, self.model.options.lora
-        )
-
     def init_state(self, seed: int | None = None) -> TrainState:
         """Sharded random init: each device computes only its own shards."""
-        key = jax.random.key(self.config.training.seed if seed is None else seed)
+        key = jax.random.key(self.plan.config.training.seed if seed is None else seed)
 
         def init(key: jax.Array) -> TrainState:
             return init_train_state(
-                self.model.init(key),
-                self.model.init_buffers(),
+                self.plan.model.init(key),
+                self.plan.model.init_buffers(),
                 self.optimizer,
-                self.model.trainable,
+                self.plan.model.trainable,
                 self.keeps_reference,
             )
 
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.plan.mesh):
             return jax.jit(init, out_shardings=self.state_shardings)(key)
 
     def state_from_params(self, params: Any) -> TrainState:
@@ -92,35 +69,39 @@ class Trainer:
         base model's weights (`plain_base`: fp32, no LoRA adapters) get fresh adapters, whose
         B is zero (the model starts as the base), and are stored as `lora.base_dtype` says
         (cast, or quantized). DPO's reference (without LoRA) is these params."""
-        trainable = self.model.trainable
+        trainable = self.plan.model.trainable
         fresh_adapters = trainable is not None and not trainable & set(named_leaves(params))
-        key = jax.random.key(self.config.training.seed)
+        key = jax.random.key(self.plan.config.training.seed)
 
         def state(params: Any, key: jax.Array) -> TrainState:
             if fresh_adapters:  # the rest of this init is dead code to XLA
-                adapters = split_by_name(self.model.init(key), trainable)[0]
-                params = self.model.stored(merge_nested(params, adapters))
+                adapters = split_by_name(self.plan.model.init(key), trainable)[0]
+                params = self.plan.model.stored(merge_nested(params, adapters))
             return init_train_state(
-                params, self.model.init_buffers(), self.optimizer, trainable, self.keeps_reference
+                params,
+                self.plan.model.init_buffers(),
+                self.optimizer,
+                trainable,
+                self.keeps_reference,
             )
 
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.plan.mesh):
             return jax.jit(state, out_shardings=self.state_shardings)(params, key)
 
     def base_params(self, tree: Any) -> Any:
         """A params-shaped `tree` without the LoRA adapters: the part a base model fills."""
-        trainable = self.model.trainable
+        trainable = self.plan.model.trainable
         return tree if trainable is None else split_by_name(tree, trainable)[1]
 
     def plain_base(self) -> Any:
         """The base model's params as a checkpoint of it holds them (fp32, before a LoRA
         base is narrowed), abstract, with their shardings: what base loads fill."""
-        model = self.model
-        specs = self.rules.storage_specs(model.plain_params, model.plain_logical_axes)
+        model = self.plan.model
+        specs = self.plan.rules.storage_specs(model.plain_params, model.plain_logical_axes)
         return self.base_params(
             jax.tree.map(
                 lambda s, spec: jax.ShapeDtypeStruct(
-                    s.shape, s.dtype, sharding=NamedSharding(self.mesh, spec)
+                    s.shape, s.dtype, sharding=NamedSharding(self.plan.mesh, spec)
                 ),
                 model.plain_params,
                 specs,
@@ -131,10 +112,10 @@ class Trainer:
         """Shapes, dtypes and shardings of the train state, without allocating it."""
         shapes = jax.eval_shape(
             lambda: init_train_state(
-                self.model.abstract_params,
-                self.model.abstract_buffers,
+                self.plan.model.abstract_params,
+                self.plan.model.abstract_buffers,
                 self.optimizer,
-                self.model.trainable,
+                self.plan.model.trainable,
                 self.keeps_reference,
             )
         )
@@ -148,7 +129,7 @@ class Trainer:
     def _jitted_step(self) -> Any:
         step = functools.partial(
             train_step,
-            model=self.model,
+            model=self.plan.model,
             optimizer=self.optimizer,
             schedule=self.schedule,
             options=self.options,
@@ -163,18 +144,18 @@ class Trainer:
 
     def step_fn(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """The jitted whole step; the input state's buffers are donated to the output."""
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.plan.mesh):
             return self._jitted_step(state, batch)
 
     def lower_step(self, state: Any, batch: Any) -> Any:
         """The step lowered for (possibly abstract) inputs, for inspection and AOT compiles."""
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.plan.mesh):
             return self._jitted_step.lower(state, batch)
 
 
 def assemble_trainer(plan: RunPlan) -> Trainer:
     """The optimizer, shardings, SimpleFSDP and step of a planned run (nothing allocated)."""
-    config, t = plan.config, plan.config.training
+    config, t = plan.config, plan.config.training  # the sections the plan derives nothing from
     optimizer = build_optimizer(config.optimizer)
     objective = objective_for(config.dpo, lora=plan.model.trainable is not None)
     state_shardings = train_state_shardings(
@@ -192,9 +173,9 @@ def assemble_trainer(plan: RunPlan) -> Trainer:
         plan.rules,
         plan.param_specs,
         plan.buffer_specs,
-        reduce_dtype=jnp.dtype(t.mixed_precision_reduce),
-        cp_method=config.parallelism.context_parallel_method,
-        ep_chunks=config.parallelism.expert_parallel_chunks,
+        reduce_dtype=plan.reduce_dtype,
+        cp_method=plan.cp_method,
+        ep_chunks=plan.ep_chunks,
         param_axes=plan.model.logical_axes,
         pipeline=plan.pipeline,
     )
