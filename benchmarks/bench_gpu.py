@@ -122,7 +122,7 @@ def measure(
     device = jax.devices()[0]
     trainer = build_trainer(config, [device], model_args=SMOKE if flavor == "smoke" else None)
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, trainer.model.args.vocab_size, (batch, seq + 1)).astype(np.int32)
+    tokens = rng.integers(0, trainer.plan.model.args.vocab_size, (batch, seq + 1)).astype(np.int32)
     data = trainer.batches.put({"inputs": tokens[:, :-1], "labels": tokens[:, 1:]})
     start = time.perf_counter()
     compiled = trainer.lower_step(trainer.abstract_state(), data).compile()
@@ -140,7 +140,7 @@ def measure(
     dtype = np.dtype(trainer.options.param_dtype).name
     # A GPU's published bf16 peak; on CPU (--smoke) a matmul peak measured in the compute dtype.
     peak = peak_flops_per_device(device, dtype)
-    flops = trainer.flops_per_token() * trainer.tokens_per_step
+    flops = trainer.plan.flops_per_token() * trainer.plan.tokens_per_step
     mem = memory_stats()
     return {
         "model": flavor,
@@ -148,12 +148,12 @@ def measure(
         "activation_checkpoint": ac,
         "batch": batch,
         "seq_len": seq,
-        "tokens_per_step": trainer.tokens_per_step,
+        "tokens_per_step": trainer.plan.tokens_per_step,
         "device_kind": device.device_kind,
         "jax": jax.__version__,
         "compile_s": compile_s,
         "step_s": step_s,
-        "tokens_per_s": trainer.tokens_per_step / step_s,
+        "tokens_per_s": trainer.plan.tokens_per_step / step_s,
         "model_tflops_per_s": flops / step_s / 1e12,
         "mfu_pct": 100 * flops / step_s / peak.flops_per_device,
         "peak_flops": peak.flops_per_device,

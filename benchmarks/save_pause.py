@@ -112,7 +112,7 @@ def main() -> None:
             {
                 "model": args.model,
                 "mode": args.mode,
-                "params": trainer.model.num_params(),
+                "params": trainer.plan.model.num_params(),
                 "state_bytes": state_bytes,
                 "pauses_s": [round(p, 3) for p in pauses],
                 "peak_rss_gib_before_saves": round(before, 2),

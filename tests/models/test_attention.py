@@ -162,7 +162,7 @@ def _losses(attention: str, n_devices: int, *overrides: str) -> np.ndarray:
         ],
     )
     trainer = build_trainer(config, jax.devices()[:n_devices], model_args=ARGS)
-    assert trainer.model.options.attention == attention
+    assert trainer.plan.model.options.attention == attention
     state = trainer.init_state()
     tokens = np.random.default_rng(0).integers(0, ARGS.vocab_size, (3, BATCH, SEQ + 1))
     losses = []

@@ -148,6 +148,6 @@ def test_activation_rms_per_layer_through_the_aux_channel(preset):
     params = jax.device_get(state["params"])
     both = {k: np.concatenate([v, v[::-1]]) for k, v in batch.items()}
     _, metrics = trainer.step_fn(state, trainer.batches.put(both))
-    want = direct_activation_rms(trainer.model, params, jnp.asarray(both["inputs"]))
+    want = direct_activation_rms(trainer.plan.model, params, jnp.asarray(both["inputs"]))
     np.testing.assert_allclose(metrics["activation_rms"], want, rtol=1e-5)
     assert _scalars(jax.device_get(metrics))["activation_rms/1"] == pytest.approx(want[1], rel=1e-5)

@@ -89,7 +89,7 @@ def test_rows_come_from_the_batch_sharding_not_the_process_index():
         "--training.local_batch_size",
         "4",
     )
-    devices = trainer.mesh.devices.reshape(2, 4)  # (fsdp, tp)
+    devices = trainer.plan.mesh.devices.reshape(2, 4)  # (fsdp, tp)
     sharding = trainer.batches.sharding
     assert trainer.batches.rows() == list(range(8))  # one process holds every device
     # A host holding one fsdp rank's whole tp group reads that rank's rows ...

@@ -47,7 +47,7 @@ def compiled():
         "bfloat16",
     )
     trainer = build_trainer(config, list(topology.devices), model_args=TINY_MOE)
-    assert trainer.model.options.platform == "tpu"
+    assert trainer.plan.model.options.platform == "tpu"
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     compiled = hlo_stats.parse(lowered.compile().as_text())
     return (
@@ -61,7 +61,11 @@ def compiled():
 def test_picks_travel_by_ragged_all_to_all_only(compiled):
     trainer, ops, _, _ = compiled
     assert trainer.parallelism.implementation == "shard_map"
-    assert (trainer.degrees.ep, trainer.degrees.tp, trainer.degrees.fsdp) == (EP, TP, 2)
+    assert (trainer.plan.degrees.ep, trainer.plan.degrees.tp, trainer.plan.degrees.fsdp) == (
+        EP,
+        TP,
+        2,
+    )
     # experts over ep, their model dim over fsdp, their hidden (FFN) dim over tp
     spec = trainer.state_shardings["params"]["layers"]["moe"]["w1"].spec
     assert tuple(spec[1:]) == ("ep", "fsdp", "tp"), spec
@@ -122,7 +126,7 @@ def test_experts_run_the_megablox_kernels_counted_at_the_analytic_flops(compiled
         for i in body
         if i.name.startswith("ragged-dot") or masked in i.type
     ]
-    picks = trainer.tokens_per_step * TINY_MOE.top_k
+    picks = trainer.plan.tokens_per_step * TINY_MOE.top_k
     expected, bound = hlo_stats.ragged_dot_flops(
         lowered, picks, functools.partial(kernel_flops.megablox_flops, hidden_split=TP)
     )
@@ -184,7 +188,7 @@ def test_the_estimate_prices_the_branch_and_rows_balanced_routing_takes(compiled
     that routing fills; every pick on one rank (the overflow through the worst-case buffer)
     bounds it."""
     trainer, _, program, _ = compiled
-    n, chip = trainer.mesh.size, CHIPS["v5p"]
+    n, chip = trainer.plan.mesh.size, CHIPS["v5p"]
     rows = aot_compile.routed_rows(trainer)
     assert rows == GLOBAL_BATCH // DATA_SHARDS * SEQ_LEN * TINY_MOE.top_k
     balanced = hlo_cost.estimate(program, chip, n, routed_rows=rows)

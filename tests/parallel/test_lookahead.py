@@ -22,11 +22,11 @@ def loss_and_grads_of(
     def grads(params: object, buffers: object, batch: dict[str, jax.Array]) -> tuple:
         with trainer.parallelism.installed():
             loss, g, _, _ = loss_and_grads(
-                trainer.model, params, buffers, batch, trainer.options, trainer.parallelism
+                trainer.plan.model, params, buffers, batch, trainer.options, trainer.parallelism
             )
         return loss, g
 
-    with jax.set_mesh(trainer.mesh):
+    with jax.set_mesh(trainer.plan.mesh):
         loss, g = jax.jit(grads)(state["params"], state["buffers"], trainer.batches.put(batch))
     return float(loss), [np.asarray(x) for x in jax.tree.leaves(jax.device_get(g))]
 

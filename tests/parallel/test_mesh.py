@@ -24,7 +24,7 @@ def test_mesh_axes_are_auto_and_ordered():
         "--training.local_batch_size",
         "2",
     )
-    assert dict(trainer.mesh.shape) == {
+    assert dict(trainer.plan.mesh.shape) == {
         "pp": 1,
         "dp_replicate": 2,
         "fsdp": 2,
@@ -32,8 +32,8 @@ def test_mesh_axes_are_auto_and_ordered():
         "ep": 1,
         "tp": 2,
     }
-    assert trainer.mesh.axis_names == ("pp", "dp_replicate", "fsdp", "cp", "ep", "tp")
-    assert set(trainer.mesh.axis_types) == {AxisType.Auto}
+    assert trainer.plan.mesh.axis_names == ("pp", "dp_replicate", "fsdp", "cp", "ep", "tp")
+    assert set(trainer.plan.mesh.axis_types) == {AxisType.Auto}
 
 
 def test_fill_shard_degree():

@@ -55,19 +55,17 @@ def check_shipped_recipe(name: str) -> None:
     assert per_chip < 95 * 2**30, (name, per_chip)  # v5p HBM
     hlo = compiled.as_text()
     assert "tgmm" in hlo and "ragged-dot" not in hlo  # the experts' megablox kernels (TPU)
-    if trainer.mesh.shape["ep"] > 1:
-        args = trainer.model.args
-        gathered_w13 = (
-            f"bf16[{args.num_experts // trainer.mesh.shape['ep']},{args.dim},{args.moe_inter_dim}]"
-        )
+    if trainer.plan.mesh.shape["ep"] > 1:
+        args, ep = trainer.plan.model.args, trainer.plan.mesh.shape["ep"]
+        gathered_w13 = f"bf16[{args.num_experts // ep},{args.dim},{args.moe_inter_dim}]"
         late = list(gathers_after_dispatch(hlo, gathered_w13))
         assert late == [], late
-    if trainer.mesh.shape["tp"] == 1:  # (TP's activation partial sums are bf16 by design)
+    if trainer.plan.mesh.shape["tp"] == 1:  # (TP's activation partial sums are bf16 by design)
         # Except the vocabulary split's activation-shaped (rows, dim) sums: the embedding's
         # rows (one shard contributes each: exact in bf16) and the loss's partial gradients
         # of the hidden states (activation cotangents, bf16 like TP's partial sums). Weight
         # gradients (1-D or 3-D here, or (dim, experts)) stay fp32.
-        rows = re.compile(rf"= bf16\[\d+,{trainer.model.args.dim}\]")
+        rows = re.compile(rf"= bf16\[\d+,{trainer.plan.model.args.dim}\]")
         assert [r for r in bf16_reductions(hlo) if not rows.search(r)] == []
 
 

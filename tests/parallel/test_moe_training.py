@@ -106,10 +106,10 @@ def test_expert_parallel_losses_and_expert_bias_equal_one_device(reference, pres
         ),
         model_args=TINY_MOE,
     )
-    assert trainer.degrees.ep == ep and trainer.parallelism.implementation == "shard_map"
+    assert trainer.plan.degrees.ep == ep and trainer.parallelism.implementation == "shard_map"
     # Experts are split over ep; their model dim over what is left of the FSDP ranks.
     spec = (*trainer.state_shardings["params"]["layers"]["moe"]["w1"].spec, None, None)
-    assert spec[1] == "ep" and (spec[2] == "fsdp") == (trainer.degrees.fsdp > 1), spec
+    assert spec[1] == "ep" and (spec[2] == "fsdp") == (trainer.plan.degrees.fsdp > 1), spec
     state, losses, _ = run(
         trainer, make_batches(STEPS), jax.device_put(init, trainer.state_shardings)
     )
@@ -133,7 +133,7 @@ def test_lookahead_gather_with_expert_parallelism_trains_like_one_device(referen
         ),
         model_args=TINY_MOE,
     )
-    assert trainer.model.options.lookahead_gather
+    assert trainer.plan.model.options.lookahead_gather
     state, losses, _ = run(
         trainer, make_batches(STEPS), jax.device_put(init, trainer.state_shardings)
     )

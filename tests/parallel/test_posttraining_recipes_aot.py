@@ -44,7 +44,7 @@ def test_posttraining_recipe_compiles_and_fits(recipe, topology):
     trainer = build_trainer(config, compile_only_devices(parse_slice(topology)), model_args=args)
     state = trainer.abstract_state()
     if config.lora.rank:  # Adam's moments for the adapters only
-        adapters, base = split_by_name(state["params"], trainer.model.trainable)
+        adapters, base = split_by_name(state["params"], trainer.plan.model.trainable)
         moments = {x.shape for x in jax.tree.leaves(state["opt_state"]) if x.ndim}
         assert moments == {x.shape for x in jax.tree.leaves(adapters)}
         assert not moments & {x.shape for x in jax.tree.leaves(base)}

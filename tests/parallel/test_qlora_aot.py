@@ -45,7 +45,7 @@ def test_8b_qlora_compiles_for_v5e4_gathered_as_stored():
     arguments = {}
     for base_dtype, element in GATHERED.items():
         trainer, compiled = compile_8b(base_dtype)
-        assert trainer.mesh.shape["fsdp"] == 4
+        assert trainer.plan.mesh.shape["fsdp"] == 4
         memory = compiled.memory_analysis()
         assert memory.peak_memory_in_bytes < 15.75 * 2**30, (base_dtype, memory)  # v5e's usable
         arguments[base_dtype] = memory.argument_size_in_bytes

@@ -149,7 +149,7 @@ def test_a_recipe_with_a_rule_override_compiles_for_its_slice(tmp_path):
     config = load_config(recipe)
     args = dataclasses.replace(get_flavor("32B"), n_layers=2)
     trainer = build_trainer(config, compile_only_devices(parse_slice("v5p-32")), model_args=args)
-    assert trainer.mesh.shape["tp"] == 16
+    assert trainer.plan.mesh.shape["tp"] == 16
     specs = trainer.plan.param_specs["layers"]["attention"]
     assert "tp" not in str(specs["wk"]) and "tp" in str(specs["wq"])
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))

@@ -163,10 +163,10 @@ def test_offload_follows_the_target_devices_not_the_host(caplog):
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
     config = tiny_config(*preset_overrides("fsdp8"), "--activation_checkpoint.mode", "offload")
     tpu = build_trainer(config, list(topology.devices), model_args=TINY)
-    assert tpu.model.options.remat_mode == "offload"
+    assert tpu.plan.model.options.remat_mode == "offload"
     assert not caplog.records
     cpu = build_trainer(config, jax.devices(), model_args=TINY)
-    assert cpu.model.options.remat_mode == "selective"
+    assert cpu.plan.model.options.remat_mode == "selective"
     assert "activation_checkpoint.mode=offload" in caplog.text
 
 

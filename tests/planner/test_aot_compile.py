@@ -236,7 +236,7 @@ def test_lowered_step_flops_equal_the_analytic_count_on_both_fsdp_paths(implemen
     trainer = build_trainer(config, jax.devices()[:8], model_args=TINY)
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     flops, unknown = hlo_stats.dot_flops(hlo_stats.parse(lowered.as_text(dialect="hlo")))
-    analytic = trainer.flops_per_token() * trainer.tokens_per_step
+    analytic = trainer.plan.flops_per_token() * trainer.plan.tokens_per_step
     assert unknown == 0 and abs(flops / analytic - 1) < 0.02
 
 

@@ -370,7 +370,7 @@ def test_moe_grouped_matmuls_at_balanced_routing_equal_the_analytic_expert_flops
     )
     trainer = build_trainer(config, list(topology.devices), model_args=args)
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
-    picks = trainer.tokens_per_step * args.top_k
+    picks = trainer.plan.tokens_per_step * args.top_k
     module = hlo_stats.parse(lowered.as_text(dialect="hlo", debug_info=True))
     expected, bound = hlo_stats.ragged_dot_flops(module, picks, kernel_flops.megablox_flops)
     # Per layer, in matmuls of picks x dim x inter: the forward's 3, full remat's recompute of

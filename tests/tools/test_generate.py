@@ -141,6 +141,6 @@ def test_decoding_on_an_fsdp_tp_mesh_equals_one_device(tmp_path, monkeypatch):
     params = jax.jit(build_model_def(TINY).init)(jax.random.key(5))
     sharded = jax.device_put(params, trainer.state_shardings["params"])
     prompt = np.asarray([[5, 6, 7, 8]], np.int32)
-    with jax.set_mesh(trainer.mesh):
+    with jax.set_mesh(trainer.plan.mesh):
         on_mesh = decode.generate(sharded, TINY, prompt, 8)
     np.testing.assert_array_equal(on_mesh, decode.generate(params, TINY, prompt, 8))

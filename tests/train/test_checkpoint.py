@@ -150,7 +150,7 @@ def test_restore_onto_another_mesh_is_bit_exact(saved, mesh):
             saved.folder.parent, "--parallelism.data_parallel_replicate_degree", "2"
         )
         trainer = make_trainer(config)
-        assert dict(trainer.mesh.shape) == {
+        assert dict(trainer.plan.mesh.shape) == {
             "pp": 1,
             "dp_replicate": 2,
             "fsdp": 4,

@@ -142,9 +142,9 @@ def test_lora_dpo_on_expert_adapters_takes_the_base_model_as_reference(tmp_path)
     state, metrics = trainer.step_fn(trainer.init_state(), trainer.batches.put(batch))
     assert float(metrics["loss"]) == pytest.approx(np.log(2), abs=1e-6)
     state = jax.device_get(state)
-    adapters, base = split_by_name(state["params"], trainer.model.trainable)
+    adapters, base = split_by_name(state["params"], trainer.plan.model.trainable)
     assert all(np.abs(a["lora_b"]).max() > 0 for a in adapters["layers"]["moe"].values())
-    plain = build_model_def(MOE, dataclasses.replace(trainer.model.options, lora=NO_LORA))
+    plain = build_model_def(MOE, dataclasses.replace(trainer.plan.model.options, lora=NO_LORA))
 
     def log_probs(model, params):
         h, w_out, _ = jax.jit(model.forward, static_argnums=3)(
@@ -153,7 +153,7 @@ def test_lora_dpo_on_expert_adapters_takes_the_base_model_as_reference(tmp_path)
         return loss_module.token_log_probs(h, w_out, batch["labels"])
 
     np.testing.assert_array_equal(
-        log_probs(trainer.model, adapters_off(state["params"])), log_probs(plain, base)
+        log_probs(trainer.plan.model, adapters_off(state["params"])), log_probs(plain, base)
     )
 
 

@@ -58,7 +58,7 @@ def make_config(folder, *overrides):
 def reference_loss(trainer, params, batches):
     """Mean CE over all tokens of `batches`, from the model's logits on one device."""
     total = count = 0.0
-    apply = jax.jit(trainer.model.apply)  # one compile; eager dispatch costs more per batch
+    apply = jax.jit(trainer.plan.model.apply)  # one compile; eager dispatch costs more per batch
     for b in batches:
         logits = apply(params, jnp.asarray(b["inputs"]))
         total += float(
@@ -181,7 +181,7 @@ def test_validation_under_document_mask_equals_each_document_run_alone(tmp_path)
     alone_labels = np.full((len(pieces), width), IGNORE_INDEX, np.int32)
     for i, (piece, label) in enumerate(zip(pieces, labels, strict=True)):
         alone[i, : len(piece)], alone_labels[i, : len(piece)] = piece, label
-    logits = jax.jit(trainer.model.apply)(jax.device_get(state["params"]), jnp.asarray(alone))
+    logits = jax.jit(trainer.plan.model.apply)(jax.device_get(state["params"]), jnp.asarray(alone))
     total = token_cross_entropy_sum(
         logits.reshape(-1, logits.shape[-1]), jnp.asarray(alone_labels).reshape(-1)
     )

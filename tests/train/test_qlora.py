@@ -45,7 +45,9 @@ MOE = dataclasses.replace(TINY, num_experts=8, top_k=2, moe_inter_dim=16)
 
 def base_leaves(trainer, params):
     """{name: leaf} of the frozen base, quantized weights as their {qvalue, scale} dicts."""
-    return named_leaves(split_by_name(params, trainer.model.trainable)[1], is_leaf=is_quantized)
+    return named_leaves(
+        split_by_name(params, trainer.plan.model.trainable)[1], is_leaf=is_quantized
+    )
 
 
 def test_nf4_code_book_is_qwixs():

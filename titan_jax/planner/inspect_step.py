@@ -88,10 +88,10 @@ def collective_counts(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> l
 def abstract_batch(trainer: Trainer) -> dict[str, jax.ShapeDtypeStruct]:
     """The global batch the run's stream feeds the step (its fields, shapes and dtypes from
     `batch_layout`: document masking's (B, T, 3) inputs too), as sharded abstract arrays."""
-    t = trainer.config.training
+    t = trainer.plan.config.training
     return {
         k: jax.ShapeDtypeStruct(
-            (trainer.global_batch_size, *shape), dtype, sharding=trainer.batches.sharding
+            (trainer.plan.global_batch_size, *shape), dtype, sharding=trainer.batches.sharding
         )
         for k, (shape, dtype) in batch_layout(t.seq_len, t.document_mask).items()
     }
@@ -128,8 +128,8 @@ def inspect_trainer(trainer: Trainer, compile: bool = True) -> dict[str, Any]:
     params = param_table(trainer)
     state_per_device, state_total = state_bytes(trainer)
     report: dict[str, Any] = {
-        "mesh": dict(trainer.mesh.shape),
-        "mode": trainer.degrees.mode,
+        "mesh": dict(trainer.plan.mesh.shape),
+        "mode": trainer.plan.degrees.mode,
         "fsdp_implementation": trainer.parallelism.implementation,
         "param_dtype": np.dtype(trainer.options.param_dtype).name,
         "params": params,
@@ -140,9 +140,9 @@ def inspect_trainer(trainer: Trainer, compile: bool = True) -> dict[str, Any]:
     }
     if compile:
         compiled, partitioned = compile_step(trainer)
-        report["collectives"] = collective_counts(compiled.as_text(), trainer.mesh)
+        report["collectives"] = collective_counts(compiled.as_text(), trainer.plan.mesh)
         if partitioned is not None:
-            report["partitioned_collectives"] = collective_counts(partitioned, trainer.mesh)
+            report["partitioned_collectives"] = collective_counts(partitioned, trainer.plan.mesh)
         report["memory"] = memory(compiled)
     return report
 

@@ -166,9 +166,9 @@ def _load_params(
     trainer = build_trainer(mesh_config, model_args=args)
     shardings = trainer.state_shardings["params"]
     if from_hf:
-        return spec.hf.load_params(source, args, shardings), trainer.mesh
+        return spec.hf.load_params(source, args, shardings), trainer.plan.mesh
     params = load_orbax(source, spec, shardings, lora)[1]
-    return (merged(params, lora) if lora.rank else params), trainer.mesh
+    return (merged(params, lora) if lora.rank else params), trainer.plan.mesh
 
 
 def generate_text(

@@ -234,16 +234,16 @@ class Checkpointer:
     @classmethod
     def for_run(cls, trainer: Trainer) -> Checkpointer:
         """The checkpoints of the trainer's run (`checkpoint.*`, under its run folder)."""
-        config = trainer.config
+        config = trainer.plan.config
         c = config.checkpoint
         run_info = {
-            "resume": resume_signature(config, trainer.global_batch_size),
-            "model_args": dataclasses.asdict(trainer.model.args),
+            "resume": resume_signature(config, trainer.plan.global_batch_size),
+            "model_args": dataclasses.asdict(trainer.plan.model.args),
             "config": config.to_dict(),
             "shape": {
                 "processes": jax.process_count(),
-                "devices": trainer.mesh.devices.size,
-                "global_batch_size": trainer.global_batch_size,
+                "devices": trainer.plan.mesh.devices.size,
+                "global_batch_size": trainer.plan.global_batch_size,
                 "microbatches": trainer.options.n_microbatches,
                 "local_batch_size": config.training.local_batch_size,
             },

@@ -77,14 +77,14 @@ class Validator:
     """Runs validation every `validation.freq` steps (and at the last step)."""
 
     def __init__(self, trainer: Trainer, tokenizer: Tokenizer):
-        config = trainer.config
+        config = trainer.plan.config
         v = config.validation  # its seq_len is checked with the model's (run_checks)
         self.config, self.trainer, self.tokenizer = config, trainer, tokenizer
-        self.global_batch_size = v.local_batch_size * trainer.degrees.dp
+        self.global_batch_size = v.local_batch_size * trainer.plan.degrees.dp
         self.objective = trainer.options.objective
         step = functools.partial(
             eval_step,
-            model=trainer.model,
+            model=trainer.plan.model,
             param_dtype=trainer.options.param_dtype,
             parallelism=trainer.parallelism,
             objective=self.objective,
@@ -151,7 +151,7 @@ class Validator:
         Blocks until done: call it before the state is donated to the next step."""
         total: Any = None
         n_batches = 0
-        with jax.set_mesh(self.trainer.mesh):
+        with jax.set_mesh(self.trainer.plan.mesh):
             for local in self.batches(self.config.validation.steps):
                 batch = self.trainer.batches.put(local, self.global_batch_size)
                 out = self._step(state["params"], state["buffers"], batch, state.get(REFERENCE))

@@ -249,15 +249,15 @@ def _end_hung_job(failures: JobFailures) -> Callable[[str], None]:
 
 
 def _summary(trainer: Trainer) -> str:
-    config = trainer.config
+    config = trainer.plan.config
     return (
         f"{config.model.name} {config.model.flavor}: "
-        f"{trainer.model.num_params() / 1e6:.1f}M params, "
-        f"mesh {dict(trainer.mesh.shape)} ({trainer.degrees.mode}), "
-        f"{trainer.global_batch_size} x {config.training.seq_len} tokens/step in "
+        f"{trainer.plan.model.num_params() / 1e6:.1f}M params, "
+        f"mesh {dict(trainer.plan.mesh.shape)} ({trainer.plan.degrees.mode}), "
+        f"{trainer.plan.global_batch_size} x {config.training.seq_len} tokens/step in "
         f"{trainer.options.n_microbatches} microbatch(es), "
         f"param dtype {np.dtype(trainer.options.param_dtype).name}, "
-        f"vocab {trainer.model.args.vocab_size}"
+        f"vocab {trainer.plan.model.args.vocab_size}"
     )
 
 

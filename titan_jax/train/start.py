@@ -86,7 +86,7 @@ def load_start(
 
 
 def _load_start(trainer: Trainer, ckpt: Checkpointer | None, local: LocalTier | None) -> Restored:
-    config = trainer.config
+    config = trainer.plan.config
     c = config.checkpoint
     if ckpt is None and c.load_step != -1:
         raise CheckpointError(f"checkpoint.load_step={c.load_step} needs checkpoint.enable=true")
@@ -98,7 +98,7 @@ def _load_start(trainer: Trainer, ckpt: Checkpointer | None, local: LocalTier | 
             restored = local.restore(
                 tier[1],
                 trainer.abstract_state(),
-                signature=resume_signature(config, trainer.global_batch_size),
+                signature=resume_signature(config, trainer.plan.global_batch_size),
             )
             if restored is not None:
                 return restored
@@ -115,7 +115,7 @@ def _load_start(trainer: Trainer, ckpt: Checkpointer | None, local: LocalTier | 
         restored = ckpt.restore(
             step,
             trainer.abstract_state(),
-            signature=resume_signature(config, trainer.global_batch_size),
+            signature=resume_signature(config, trainer.plan.global_batch_size),
         )
         restored.source += note
         if c.initial_load_path:
@@ -136,7 +136,7 @@ def _load_start(trainer: Trainer, ckpt: Checkpointer | None, local: LocalTier | 
     with Checkpointer(root, read_only=True) as source:
         step = _newest_step(source) if step is None else step
         abstract = trainer.abstract_state()
-        trainable = trainer.model.trainable
+        trainable = trainer.plan.model.trainable
         if model_only and trainable and not trainable & source.saved_params(step):
             # A base model's run (no LoRA adapters): its weights, fresh adapters.
             abstract = {**abstract, "params": trainer.plain_base()}
@@ -144,7 +144,7 @@ def _load_start(trainer: Trainer, ckpt: Checkpointer | None, local: LocalTier | 
             step,
             abstract,
             model_only=model_only,
-            signature=resume_signature(config, trainer.global_batch_size),
+            signature=resume_signature(config, trainer.plan.global_batch_size),
         )
     if model_only:
         restored.state = trainer.state_from_params(restored.state["params"])
@@ -157,12 +157,12 @@ def _load_params(path: Path, trainer: Trainer) -> Restored:
     model's (LoRA's adapters start fresh)."""
     abstract = trainer.plain_base()
     shardings = jax.tree.map(lambda s: s.sharding, abstract)
-    if trainer.config.checkpoint.initial_load_in_hf:
+    if trainer.plan.config.checkpoint.initial_load_in_hf:
         source = f"HF checkpoint {path}"
-        params = trainer.model_spec.hf.load_params(path, trainer.model.args, shardings)
+        params = trainer.plan.model_spec.hf.load_params(path, trainer.plan.model.args, shardings)
     else:
         source = f"converted orbax model {path}"
-        spec = trainer.model_spec
+        spec = trainer.plan.model_spec
         saved = spec.build(read_orbax_args(path, spec), BuildOptions()).abstract_params
         # Before reading any array.
         check_shapes(source, named_leaves(saved), named_leaves(abstract), {})

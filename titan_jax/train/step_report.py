@@ -39,18 +39,18 @@ class StepReporter:
     """Reads step N's metrics (a device sync), logs them, applies the bad-step policy."""
 
     def __init__(self, trainer: Trainer, logger: MetricsLogger, tokens_seen: int = 0):
-        config = trainer.config
+        config = trainer.plan.config
         self.logger = logger
         self.tokens_seen = tokens_seen  # over all runs of this job, skipped steps included
-        device = trainer.mesh.devices.flat[0]
+        device = trainer.plan.mesh.devices.flat[0]
         dtype = np.dtype(trainer.options.param_dtype).name
         peak = peak_flops_per_device(device, dtype, config.metrics.peak_flops)
-        token_flops = trainer.flops_per_token()
+        token_flops = trainer.plan.flops_per_token()
         self.throughput = Throughput(
-            trainer.tokens_per_step,
-            token_flops * trainer.tokens_per_step,
+            trainer.plan.tokens_per_step,
+            token_flops * trainer.plan.tokens_per_step,
             peak.flops_per_device,
-            trainer.mesh.devices.size,
+            trainer.plan.mesh.devices.size,
         )
         self.bad_steps = BadSteps(config.training.max_consecutive_bad_steps)
         self.losses: dict[int, float] = {}
@@ -63,8 +63,8 @@ class StepReporter:
             {
                 **peak.to_json(),
                 "flops_per_token": token_flops,
-                "tokens_per_step": trainer.tokens_per_step,
-                "devices": trainer.mesh.devices.size,
+                "tokens_per_step": trainer.plan.tokens_per_step,
+                "devices": trainer.plan.mesh.devices.size,
                 "device_kind": device.device_kind,
                 "param_dtype": dtype,
             }
