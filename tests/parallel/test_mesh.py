@@ -115,7 +115,7 @@ def test_fsdp_not_dividing_a_dimension_names_the_parameter():
 def test_two_dims_on_one_mesh_axis_is_an_error():
     mesh = tiny_trainer(
         "--parallelism.data_parallel_shard_degree", "8", "--training.local_batch_size", "1"
-    ).mesh
+    ).plan.mesh
     rules = ShardingRules(mesh, {**DEFAULT_TABLE, "mlp": "fsdp"})
     with pytest.raises(
         ShardingRuleError,

@@ -92,7 +92,7 @@ def test_vocabulary_split_in_chunks_equals_single_device(
 
 
 def test_modes_follow_the_degrees():
-    modes = {name: tiny_trainer(*preset_overrides(name)).degrees.mode for name in PRESETS}
+    modes = {name: tiny_trainer(*preset_overrides(name)).plan.degrees.mode for name in PRESETS}
     assert modes == {
         "ddp8": "replicate",
         "fsdp8": "fully_shard",
@@ -103,7 +103,7 @@ def test_modes_follow_the_degrees():
 
 
 def test_compute_spec_gathers_data_axes_and_keeps_tp():
-    rules = tiny_trainer(*preset_overrides("fsdp4_tp2")).rules
+    rules = tiny_trainer(*preset_overrides("fsdp4_tp2")).plan.rules
     axes, shape = ("layers", "embed", "heads", "head_dim"), (2, 64, 8, 8)
     assert rules.storage_spec("wq", axes, shape) == P(None, "fsdp", "tp")
     assert rules.compute_spec("wq", axes, shape) == P(None, None, "tp")

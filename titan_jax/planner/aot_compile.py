@@ -198,7 +198,8 @@ def _flops(trainer: Trainer, lowered: Any) -> dict[str, Any]:
     # debug_info: the ops' names, which mark the conditionals' expected branches
     module = hlo_stats.parse(lowered.as_text(dialect="hlo", debug_info=True))
     dots, unknown_loops = hlo_stats.dot_flops(module)
-    plan, rows = trainer.plan, trainer.plan.expert_rows_per_step
+    plan = trainer.plan
+    rows = plan.expert_rows_per_step
     grouped, grouped_bound = hlo_stats.ragged_dot_flops(
         module,
         rows // plan.ep_chunks if rows else None,  # each kernel runs one chunk

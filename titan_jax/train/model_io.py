@@ -238,7 +238,7 @@ def export_hf(trainer: Trainer, params: Any, step: int) -> Path:
     final = run_paths(config).hf_exports / f"hf-{step}"
     if final.exists():
         raise CheckpointSaveError(f"{final} already exists; not overwriting it")
-    lora = resolve_lora(config, trainer.plan.model.args, trainer.plan.param_dtype)
+    lora = trainer.plan.model.options.lora  # the plan's
     if lora.rank:  # the adapted model, as one plain HF model
         params = merged(params, lora)
     trainer.plan.model_spec.hf.save(

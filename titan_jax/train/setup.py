@@ -3,8 +3,8 @@
 config (validated once) -> the paths it writes (`preflight.check_outputs`) and the weights it
 starts from -> the trainer (mesh, model and shardings from the abstract model; nothing
 allocated) -> the tokenizer, loaded once, and every data input (`checked_tokenizer`). The
-checks themselves live in `run_checks.py` (and `preflight.py` for paths); every bad-input error of a
-run's setup is raised from `assemble_run`, so a refused run leaves nothing behind;
+checks themselves live in `run_checks.py` (and `preflight.py` for paths); every bad-input
+error of a run's setup is raised from `assemble_run`, so a refused run leaves nothing behind;
 what needs the run's lock (another run's history in the folder, the checkpoints) is checked
 next, still before any write (`loop`), and the training stream is opened under that lock.
 """
