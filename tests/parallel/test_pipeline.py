@@ -79,7 +79,7 @@ def test_schedules_equal_one_device(dense_reference, flags, implementation):
         tiny_config(*flags, "--parallelism.fsdp_implementation", implementation),
         model_args=DENSE,
     )
-    assert trainer.mesh.shape["pp"] == int(flags[1])
+    assert trainer.plan.mesh.shape["pp"] == int(flags[1])
     # The stacked layers are split over the stages, the embedding is not.
     params = trainer.state_shardings["params"]
     assert params["layers"]["attention"]["wq"].spec[0] == "pp"
@@ -108,7 +108,11 @@ def test_moe_pp2_fsdp2_ep2_equals_one_device():
         ),
         model_args=MOE,
     )
-    assert {a: n for a, n in trainer.mesh.shape.items() if n > 1} == {"pp": 2, "fsdp": 2, "ep": 2}
+    assert {a: n for a, n in trainer.plan.mesh.shape.items() if n > 1} == {
+        "pp": 2,
+        "fsdp": 2,
+        "ep": 2,
+    }
     np.testing.assert_allclose(run_losses(trainer, init, batches), want, rtol=1e-5)
 
 

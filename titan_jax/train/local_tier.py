@@ -139,10 +139,10 @@ class LocalTier:
 
     @classmethod
     def for_run(cls, trainer: Trainer, persistent: Checkpointer) -> LocalTier:
-        c = trainer.config.checkpoint
+        c = trainer.plan.config.checkpoint
         return cls(
             c.local_folder,
-            trainer.mesh,
+            trainer.plan.mesh,
             trainer.abstract_state(),
             interval=c.local_interval,
             run_info=persistent.run_info,

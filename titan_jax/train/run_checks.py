@@ -6,10 +6,10 @@ attention kernel against the context-parallel split, the reduce dtype, the look-
 and layer-input offload, and the data (the tokenizer against the model, every input).
 
 `config.validate` checks the config by itself when it is loaded (types, ranges, one field
-against another). The decisions are `plan_decisions`', `parallel.mesh.resolve_degrees`' and
-`simple_fsdp.choose_implementation`'s (each refuses what it cannot decide): `run_plan.plan_run`
-makes them in order and calls each check here as it makes the decision it checks, and
-`setup.assemble_run` the data checks after it.
+against another). The decisions are `plan_decisions`', `parallel.mesh.resolve_degrees`',
+`pipeline_plan.plan_pipeline`'s and `simple_fsdp.choose_implementation`'s (each refuses what it
+cannot decide): `run_plan.plan_run` makes them in order and calls each check here as it makes
+the decision it checks, and `setup.assemble_run` the data checks after it.
 """
 
 from __future__ import annotations

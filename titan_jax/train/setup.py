@@ -87,7 +87,7 @@ def build_data(trainer: Trainer, tokenizer: Tokenizer | None = None) -> WindowSt
         stream = ConversationStream(
             sources,
             seq_len=t.seq_len,
-            global_batch_size=trainer.global_batch_size,
+            global_batch_size=trainer.plan.global_batch_size,
             seed=t.seed,
             rows=trainer.batches.rows(),
             spans=trainer.batches.spans(t.seq_len),
