@@ -1,13 +1,13 @@
 """Every decision a run makes about its model and devices, made once, in order, by `plan_run`.
 
-config -> model family and args -> degrees and mesh -> microbatches -> low precision ->
-SimpleFSDP's implementation -> dtypes -> attention kernel -> LoRA targets -> the model
-(abstract) -> the rules table and every array's storage layout. The decisions that take more
-than a line are `plan_decisions`' functions (each returns its decision); each is checked as it
-is made by `run_checks`' plain functions, which only raise ConfigError. The result is a frozen
-`RunPlan` holding every decision and the numbers derived from them, from which
-`trainer.assemble_trainer` builds the optimizer, shardings and step without deciding or
-re-reading anything. Nothing here allocates on devices.
+config -> model family and args -> degrees and mesh -> pipeline stages (`pipeline_plan`) ->
+microbatches -> low precision -> SimpleFSDP's implementation -> dtypes -> attention kernel ->
+LoRA targets -> the model (abstract) -> the rules table and every array's storage layout. The
+decisions that take more than a line are `plan_decisions`' functions (each returns its
+decision); each is checked as it is made by `run_checks`' plain functions, which only raise
+ConfigError. The result is a frozen `RunPlan` holding every decision and the numbers derived
+from them, from which `trainer.assemble_trainer` builds the optimizer, shardings and step
+without deciding or re-reading anything. Nothing here allocates on devices.
 """
 
 from __future__ import annotations
