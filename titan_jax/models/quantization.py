@@ -6,8 +6,16 @@ backward, as quantization-aware training does it.
 - Scales are computed from the operands each step ("current" scaling, qwix's `absmax`):
   `rowwise` one scale per row of each operand (per output channel of a weight), `tensorwise`
   one per operand, `blockwise` one per `block_size` slice of the contracted dimension too.
-- The weights stay fp32 masters: each matmul quantizes the gathered weight it reads, so
-  optimizer state, checkpoints and HF exports do not change. What is quantized is chosen per
+- The weights stay fp32 masters: each matmul reads its weight quantized, so optimizer state,
+  checkpoints and HF exports do not change. Under FSDP the weight is quantized where it is
+  stored and gathered as its codes and scales (`quantize.gather = "auto"`, as torchao's
+  float8 all-gather): each shard's scales are the whole weight's (a max over the data shards
+  of the scaled dims' partial maxima), so the codes are the ones quantizing the gathered
+  weight would give, the gather moves one byte per element, and the matmul takes them as they
+  are (`PrequantizedWeight`, `dot`). Its gradient is the one with respect to the dequantized weight
+  (straight-through, as qwix's quantized training has it), reduced in fp32 by the gather's
+  backward as any weight's. `blockwise` scaling gathers the param dtype: qwix's backward
+  re-reads a tiled weight unquantized. What is quantized is chosen per
   group of matmuls (`quantize.modules`); the router, norms, attention's own score and value products
   and the loss's output projection stay in the parameter dtype.
 
@@ -26,6 +34,8 @@ and XLA's IEEE reading of it turned e4m3fn's top binade into NaN.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
@@ -35,6 +45,7 @@ from jax.interpreters import mlir
 
 if TYPE_CHECKING:
     from qwix._src.core.dot_general_qt import DotGeneralQtConfig
+    from qwix._src.core.qarray import QArray
     from qwix._src.core.ragged_dot_qt import RaggedDotQtConfig
 
 Array = jax.Array
@@ -51,6 +62,7 @@ class Quantization:
     modules: tuple[str, ...] = ()  # of config_schema.QUANTIZE_MODULES
     scaling: str = "rowwise"
     block_size: int = 128  # contracted elements per scale under "blockwise"
+    gather: str = "auto"  # `quantize.gather`: "auto" (codes, see the module doc) or "param_dtype"
 
     def applies_to(self, module: str) -> bool:
         return self.mode != "none" and module in self.modules
@@ -78,6 +90,15 @@ class Quantization:
             drhs_grad_disable_channelwise_axes=tensorwise,
         )
 
+    def quantized_dot(self, module: str) -> QuantizedDot | None:
+        """How `module`'s dense matmuls read and multiply their weights; None where they stay
+        unquantized."""
+        config = self.dot_config(module)
+        if config is None:
+            return None
+        gathered = self.gather == "auto" and self.scaling != "blockwise"
+        return QuantizedDot(config, gathered)
+
     def kernel_qtype(self) -> str:
         """The one operand type of a kernel that quantizes forward and backward alike
         (tokamax's TPU grouped matmul): the forward's."""
@@ -97,6 +118,64 @@ class Quantization:
 
 
 NONE = Quantization()
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightQuantization:
+    """How a matmul quantizes its weight: to `qtype`, with one absmax scale per index of
+    `channel_dims` (the weight's output dims under rowwise scaling, none under tensorwise)."""
+
+    qtype: jnp.dtype
+    channel_dims: tuple[int, ...]
+
+    def quantize(self, w: Array, max_over_shards: Callable[[Array], Array]) -> QArray:
+        """`w` (one shard of the weight, in the compute dtype) quantized with the whole
+        weight's scales: `max_over_shards` takes this shard's absmax per scale (the scaled dims
+        kept, size 1) to the max over the shards that split the other dims. qwix's own
+        scale and rounding, so the codes are those of `dot_general_qt` on the whole weight."""
+        from qwix._src.core import qarray
+
+        reduced = tuple(d for d in range(w.ndim) if d not in self.channel_dims)
+        absmax = max_over_shards(jnp.max(jnp.abs(w), axis=reduced, keepdims=True))
+        scale, _ = qarray.compute_scale_zero_point({"absmax": absmax}, self.qtype)
+        return qarray.quantize_with_scale_zero_point(w, self.qtype, scale, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedDot:
+    """A dense matmul's quantization: qwix's `config`, and whether its weight arrives
+    quantized (`gathered`: `quantize.gather = "auto"` outside blockwise scaling)."""
+
+    config: DotGeneralQtConfig
+    gathered: bool
+
+    def weight(self, n_in: int, ndim: int) -> WeightQuantization | None:
+        """How the matmul contracting the first `n_in` of a weight's `ndim` dims quantizes it,
+        where the weight is to arrive quantized (else None: the matmul quantizes it)."""
+        if not self.gathered:
+            return None
+        tensorwise = self.config.rhs_disable_channelwise_axes
+        channels = () if tensorwise else tuple(range(n_in, ndim))
+        return WeightQuantization(jnp.dtype(self.config.rhs_qtype), channels)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrequantizedWeight:
+    """A trained weight as a quantized matmul reads it: its codes and scales (`codes`, qwix's
+    QArray) and `port`, zeros of the weight's shape and compute dtype that the forward never
+    reads: its cotangent is the gradient with respect to the dequantized weight, which the
+    weight read's backward reduces (the gather's, as for a weight read unquantized)."""
+
+    codes: QArray
+    port: Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.port.shape
+
+    def reshape(self, *shape: int) -> PrequantizedWeight:
+        return PrequantizedWeight(self.codes.reshape(*shape), self.port.reshape(*shape))
 
 
 _XLA_REDUCE_PRECISION = _mlir_internals._lowerings[jax.lax.reduce_precision_p].rule
@@ -132,17 +211,85 @@ mlir.register_lowering(jax.lax.reduce_precision_p, _lower_reduce_precision)
 
 def dot(
     x: Array,
-    w: Array,
+    w: Array | PrequantizedWeight,
     dimension_numbers: jax.lax.DotDimensionNumbers,
     config: DotGeneralQtConfig | None,
 ) -> Array:
-    """`jax.lax.dot_general(x, w, dimension_numbers)`, quantized when `config` says so; the
-    result is in x's dtype either way."""
+    """`jax.lax.dot_general(x, w, dimension_numbers)`, quantized when `config` says so (a
+    `PrequantizedWeight` is taken as it is quantized); the result is in x's dtype either way."""
     if config is None:
         return jax.lax.dot_general(x, w, dimension_numbers)
+    if isinstance(w, PrequantizedWeight):
+        return _dot_quantized_weight(x, w, dimension_numbers, config)
     from qwix._src.core.dot_general_qt import dot_general_qt
 
     return dot_general_qt(x, w, dimension_numbers, config)
+
+
+def _dot_quantized_weight(
+    x: Array,
+    w: PrequantizedWeight,
+    dimension_numbers: jax.lax.DotDimensionNumbers,
+    config: DotGeneralQtConfig,
+) -> Array:
+    """qwix's `dot_general_qt` with the weight's quantization already done: x is calibrated as
+    qwix calibrates a left operand; forward and backward are qwix's own."""
+    from qwix._src.core import dot_general, qarray
+
+    how = dot_general.get_how_to_quantize(
+        dimension_numbers=dimension_numbers,
+        ndims=(x.ndim, w.codes.ndim),
+        for_lhs=True,
+        qtype=config.lhs_qtype,
+        tile_size=config.tile_size,
+        calibration_method=config.lhs_calibration_method,
+    )
+    if config.lhs_disable_channelwise_axes:
+        how = dataclasses.replace(how, channelwise_axes=[])
+    calibration = qarray.calibrate(x, how)
+    return _dot_codes(x, w.port, w.codes, calibration, dimension_numbers, config)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _dot_codes(
+    x: Array,
+    port: Array,
+    codes: QArray,
+    x_calibration: dict[str, Array],
+    dimension_numbers: jax.lax.DotDimensionNumbers,
+    config: DotGeneralQtConfig,
+) -> Array:
+    return _dot_codes_fwd(x, port, codes, x_calibration, dimension_numbers, config)[0]
+
+
+def _dot_codes_fwd(
+    x: Array,
+    port: Array,
+    codes: QArray,
+    x_calibration: dict[str, Array],
+    dimension_numbers: jax.lax.DotDimensionNumbers,
+    config: DotGeneralQtConfig,
+) -> tuple[Array, tuple]:
+    from qwix._src.core.dot_general_qt import dot_general_qt_fwd
+
+    del port  # only its cotangent matters
+    return dot_general_qt_fwd(x, codes, x_calibration, None, dimension_numbers, config)
+
+
+def _dot_codes_bwd(
+    dimension_numbers: jax.lax.DotDimensionNumbers,
+    config: DotGeneralQtConfig,
+    residuals: tuple,
+    g: Array,
+) -> tuple[Array, Array, None, None]:
+    from qwix._src.core.dot_general_qt import dot_general_qt_bwd
+
+    # The weight's gradient goes to the port (straight-through); codes and scales get none.
+    dx, dw, *_ = dot_general_qt_bwd(dimension_numbers, residuals, g)
+    return dx, dw, None, None
+
+
+_dot_codes.defvjp(_dot_codes_fwd, _dot_codes_bwd)
 
 
 def ragged_dot(
