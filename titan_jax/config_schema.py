@@ -269,6 +269,10 @@ class Quantize:
     # `block_size` contracted elements (blockwise). Experts take rowwise only.
     scaling: Literal["rowwise", "tensorwise", "blockwise"] = "rowwise"
     block_size: int = 128  # blockwise: contracted elements per scale
+    # How FSDP gathers the weights of quantized matmuls: auto: quantized on their shards and
+    # gathered as codes and scales (1 byte an element; blockwise gathers the param dtype,
+    # which qwix's backward re-reads); param_dtype: gathered, then quantized by the matmul.
+    gather: Literal["auto", "param_dtype"] = "auto"
 
     def module_names(self) -> tuple[str, ...]:
         return tuple(name.strip() for name in self.modules.split(",") if name.strip())

@@ -122,20 +122,27 @@ NONE = Quantization()
 
 @dataclasses.dataclass(frozen=True)
 class WeightQuantization:
-    """How a matmul quantizes its weight: to `qtype`, with one absmax scale per index of
-    `channel_dims` (the weight's output dims under rowwise scaling, none under tensorwise)."""
+    """How a matmul contracting a weight's first `contracted` dims quantizes it: to `qtype`,
+    with one absmax scale per index of its other dims (`rowwise`, qwix's channelwise: per
+    output channel) or one for the whole weight."""
 
     qtype: jnp.dtype
-    channel_dims: tuple[int, ...]
+    contracted: int
+    rowwise: bool
+
+    def scaled_dims(self, ndim: int) -> tuple[int, ...]:
+        """The dims of a weight of `ndim` dims with a scale per index."""
+        return tuple(range(self.contracted, ndim)) if self.rowwise else ()
 
     def quantize(self, w: Array, max_over_shards: Callable[[Array], Array]) -> QArray:
         """`w` (one shard of the weight, in the compute dtype) quantized with the whole
         weight's scales: `max_over_shards` takes this shard's absmax per scale (the scaled dims
-        kept, size 1) to the max over the shards that split the other dims. qwix's own
-        scale and rounding, so the codes are those of `dot_general_qt` on the whole weight."""
+        kept, the others size 1) to the max over the shards that split the others. qwix's own
+        scale and rounding, so the codes are those `dot_general_qt` gives the whole weight."""
         from qwix._src.core import qarray
 
-        reduced = tuple(d for d in range(w.ndim) if d not in self.channel_dims)
+        scaled = self.scaled_dims(w.ndim)
+        reduced = tuple(d for d in range(w.ndim) if d not in scaled)
         absmax = max_over_shards(jnp.max(jnp.abs(w), axis=reduced, keepdims=True))
         scale, _ = qarray.compute_scale_zero_point({"absmax": absmax}, self.qtype)
         return qarray.quantize_with_scale_zero_point(w, self.qtype, scale, None)
@@ -149,14 +156,13 @@ class QuantizedDot:
     config: DotGeneralQtConfig
     gathered: bool
 
-    def weight(self, n_in: int, ndim: int) -> WeightQuantization | None:
-        """How the matmul contracting the first `n_in` of a weight's `ndim` dims quantizes it,
-        where the weight is to arrive quantized (else None: the matmul quantizes it)."""
+    def weight(self, n_in: int) -> WeightQuantization | None:
+        """How the matmul contracting a weight's first `n_in` dims quantizes it, where the
+        weight is to arrive quantized (else None: the matmul quantizes it)."""
         if not self.gathered:
             return None
-        tensorwise = self.config.rhs_disable_channelwise_axes
-        channels = () if tensorwise else tuple(range(n_in, ndim))
-        return WeightQuantization(jnp.dtype(self.config.rhs_qtype), channels)
+        rowwise = not self.config.rhs_disable_channelwise_axes
+        return WeightQuantization(jnp.dtype(self.config.rhs_qtype), n_in, rowwise)
 
 
 @jax.tree_util.register_dataclass

@@ -2,8 +2,10 @@
 
 A model calls four functions, naming dimensions by logical axis only (`("batch", "seq",
 "embed")`), and the active `Parallelism` answers each under the same name:
-- `use_param(param, dtype)`: the weight as the forward uses it (a `FrozenParam`, a LoRA
-  model's frozen base, through `gather_frozen`: gathered as stored, then cast);
+- `use_param(param, dtype, quantized)`: the weight as the forward uses it (a `FrozenParam`, a
+  LoRA model's frozen base, through `gather_frozen`: gathered as stored, then cast; a weight a
+  quantized matmul reads, through `use_quantized_param`: gathered as its codes where the
+  hooks gather it);
 - `constrain(x, logical_axes)`: an activation pinned to its layout;
 - `dispatch_to_experts(rows, experts, gates, n_local, ffn)`: MoE picks through their
   experts' FFN, each output scaled by its gate weight;
@@ -36,7 +38,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from titan_jax.models.spec import Aux, Params
+
+if TYPE_CHECKING:
+    from titan_jax.models.quantization import PrequantizedWeight, WeightQuantization
 
 LogicalAxes = tuple[str | None, ...]
 # checkpoint_name of every weight as the forward uses it (cast, and gathered under FSDP).
@@ -174,6 +179,19 @@ class Parallelism:
         uses. Inside the layer scan the value is one layer's slice and its axes lack `layers`."""
         del logical_axes
         return value.astype(dtype)
+
+    def use_quantized_param(
+        self,
+        value: jax.Array,
+        logical_axes: LogicalAxes,
+        dtype: jnp.dtype,
+        quantized: WeightQuantization,
+    ) -> PrequantizedWeight | None:
+        """The weight a quantized matmul reads, quantized as `quantized` says before it is
+        gathered (the gather then moves its codes); None where nothing gathers it: the
+        matmul quantizes `use_param`'s weight itself."""
+        del value, logical_axes, dtype, quantized
+        return None
 
     def gather_frozen(self, value: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         """A weight that never trains (no gradient, nothing to reduce) from storage to its
@@ -316,17 +334,26 @@ class WeightInParts(Protocol):
     def dequantized(self, dtype: jnp.dtype) -> jax.Array: ...
 
 
-def use_param(param: nnx.Variable | WeightInParts, dtype: DTypeLike) -> jax.Array:
+def use_param(
+    param: nnx.Variable | WeightInParts,
+    dtype: DTypeLike,
+    quantized: WeightQuantization | None = None,
+) -> jax.Array | PrequantizedWeight:
     """The weight as the forward should see it (cast, and gathered when a mesh is active).
     A frozen weight is gathered in the dtype it is stored in and cast (or dequantized) after
-    the gather, so the gather moves its stored bytes."""
+    the gather, so the gather moves its stored bytes. A trained weight that a quantized matmul
+    reads (`quantized`) comes quantized where the hooks gather it, so the gather moves codes."""
     dtype = jnp.dtype(dtype)
     if not isinstance(param, nnx.Variable):
         return checkpoint_name(param.dequantized(dtype), GATHERED_PARAM)
     if isinstance(param, FrozenParam):
         return checkpoint_name(gather_frozen(param).astype(dtype), GATHERED_PARAM)
-    value, axes = param[...], _axes_of(param)
-    return checkpoint_name(_ACTIVE.get().use_param(value, axes, dtype), GATHERED_PARAM)
+    value, axes, hooks = param[...], _axes_of(param), _ACTIVE.get()
+    if quantized is not None:
+        codes = hooks.use_quantized_param(value, axes, dtype, quantized)
+        if codes is not None:
+            return checkpoint_name(codes, GATHERED_PARAM)
+    return checkpoint_name(hooks.use_param(value, axes, dtype), GATHERED_PARAM)
 
 
 def gather_frozen(param: FrozenParam) -> jax.Array:

@@ -157,7 +157,7 @@ def resolve_quantization(
                 "scales tile; choose a divisor, or quantize.scaling=rowwise"
             )
     return Quantization(
-        q.mode, tuple(n for n in names if n != "experts" or moe), q.scaling, q.block_size
+        q.mode, tuple(n for n in names if n != "experts" or moe), q.scaling, q.block_size, q.gather
     )
 
 

@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ from titan_jax.models.frozen_weights import IN_DIMS, QuantizedWeight
 from titan_jax.models.lookahead import scan_with_lookahead
 from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.pipeline import pipeline_scan
-from titan_jax.models.quantization import NONE, Quantization, dot
+from titan_jax.models.quantization import NONE, Quantization, QuantizedDot, dot
 from titan_jax.models.qwen3.adapter import Adapter, adapter_beside
 from titan_jax.models.qwen3.args import Qwen3Args, YarnScaling
 from titan_jax.models.qwen3.moe import MOE_ROUTING, MOE_SAVED_ACTIVATIONS, MoE, router_aux_loss
@@ -57,9 +57,6 @@ from titan_jax.models.sharding_hooks import (
     sequence_split,
     use_param,
 )
-
-if TYPE_CHECKING:
-    from qwix._src.core.dot_general_qt import DotGeneralQtConfig
 
 Array = jax.Array
 
@@ -177,7 +174,7 @@ def project(
     x: Array,
     w: nnx.Param | QuantizedWeight,
     n_in: int,
-    quantized: DotGeneralQtConfig | None = None,
+    quantized: QuantizedDot | None = None,
     adapter: Adapter | None = None,
     dropout_key: Array | None = None,
 ) -> Array:
@@ -199,15 +196,17 @@ def project(
     contracted dims would reorder its sums). The merged weight is named a gathered weight
     again, so remat treats it as the weight itself.
     """
-    w_ = use_param(w, x.dtype)
+    config = quantized.config if quantized is not None else None
+    read_quantized = quantized.weight(n_in) if quantized else None
+    w_ = use_param(w, x.dtype, read_quantized)
     lead, ins, outs = x.shape[: x.ndim - n_in], x.shape[x.ndim - n_in :], w_.shape[n_in:]
     rows = x.reshape(-1, *ins)
     if n_in == 1 and len(outs) > 1:
         w_ = checkpoint_name(w_.reshape(ins[0], math.prod(outs)), GATHERED_PARAM)
-        y = dot(rows, w_, (((1,), (0,)), ((), ())), quantized).reshape(-1, *outs)
+        y = dot(rows, w_, (((1,), (0,)), ((), ())), config).reshape(-1, *outs)
     else:
         contract = (tuple(range(1, n_in + 1)), tuple(range(n_in)))
-        y = dot(rows, w_, (contract, ((), ())), quantized)
+        y = dot(rows, w_, (contract, ((), ())), config)
     if adapter is not None:
         y = y + adapter(rows, dropout_key)
     return y.reshape(*lead, *outs)
@@ -248,7 +247,7 @@ class Attention(nnx.Module):
         and the tokens attend to every cached position up to their own. dropout_key: the
         layer's LoRA dropout key (training)."""
         name = checkpoint_name
-        qt = self.quantization.dot_config("attention")
+        qt = self.quantization.quantized_dot("attention")
         key = dropout_key
         q_BTNH = name(project(x_BTD, self.wq, 1, qt, self.wq_lora, key), "q_proj")
         k_BTKH = name(project(x_BTD, self.wk, 1, qt, self.wk_lora, key), "k_proj")
@@ -302,7 +301,7 @@ class FeedForward(nnx.Module):
         name = checkpoint_name
         # The two matmul outputs are saved, not their product: SiLU's backward needs both,
         # and recomputing them would redo two of the block's seven matmuls.
-        qt, key = self.quantization.dot_config("mlp"), dropout_key
+        qt, key = self.quantization.quantized_dot("mlp"), dropout_key
         gate_BTF = name(project(x_BTD, self.w1, 1, qt, self.w1_lora, key), "ffn_w1")
         up_BTF = name(project(x_BTD, self.w3, 1, qt, self.w3_lora, key), "ffn_w3")
         with jax.named_scope("swiglu"):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from titan_jax.models.quantization import PrequantizedWeight, WeightQuantization
 from titan_jax.models.sharding_hooks import (
     ExpertFFN,
     Kernel,
@@ -108,6 +109,33 @@ class SimpleFSDP(Parallelism, abc.ABC):
             # grouped matmuls, and the rows the exchange returns, would be fp32.
             dtype = reduce_dtype
         return self._gather(value, logical_axes, layout, dtype, kept)
+
+    def use_quantized_param(
+        self,
+        value: jax.Array,
+        logical_axes: LogicalAxes,
+        dtype: jnp.dtype,
+        quantized: WeightQuantization,
+    ) -> PrequantizedWeight | None:
+        """Cast to `dtype`, quantized on each shard with the whole weight's scales and
+        gathered as codes and scales; its gradient reduced as `use_param`'s. None for a
+        weight no data axis gathers (nothing to save)."""
+        layout = self.rules.weight_layout(logical_axes)
+        if not layout.gathered_dims or mesh_axes_of(layout.compute) & set(self.data_axes):
+            return None
+        value = value.astype(self.reduce_dtype)  # its transpose widens the reduced gradient
+        return self._gather_quantized(value, layout, jnp.dtype(dtype), quantized)
+
+    @abc.abstractmethod
+    def _gather_quantized(
+        self,
+        value: jax.Array,
+        layout: WeightLayout,
+        dtype: jnp.dtype,
+        quantized: WeightQuantization,
+    ) -> PrequantizedWeight:
+        """`value` (in the reduce dtype) cast to `dtype`, quantized where it is stored as
+        `quantized` says with the whole weight's scales, gathered to `layout.compute`."""
 
     def gather_frozen(self, value: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         """A frozen weight (no gradient) gathered in its stored dtype: the collective moves

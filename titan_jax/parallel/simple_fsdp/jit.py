@@ -17,6 +17,7 @@ types would say "reduce later" directly, but they need Explicit axes and have no
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -27,6 +28,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
+from titan_jax.models.quantization import PrequantizedWeight, WeightQuantization
 from titan_jax.models.sharding_hooks import (
     GATHERED_PARAM,
     Kernel,
@@ -96,6 +98,67 @@ def _gather_param_bwd(
 gather_param.defvjp(_gather_param_fwd, _gather_param_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def gather_quantized(
+    stored: jax.Array,
+    shard_index: jax.Array,
+    dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    storage: NamedSharding,
+    compute: NamedSharding,
+    quantized: WeightQuantization,
+) -> PrequantizedWeight:
+    """`gather_param` of a weight a quantized matmul reads: `stored` cast to `dtype` and
+    quantized on its shard (GSPMD takes each scale's absmax over the shards it spans), its
+    codes and scales gathered to `compute`; the port is this shard's own (its gradient
+    reduced as `gather_param`'s)."""
+    x = lax.with_sharding_constraint(cast_in_loop(stored, dtype), storage)
+    codes = quantized.quantize(x, lambda m: m)
+    # Quantize on the shard and pin it there, as `gather_param` pins its cast: the codes,
+    # not the weight, are what the gather moves.
+    values = lax.with_sharding_constraint(codes.qvalue, storage)
+    values = lax.with_sharding_constraint(values, compute)
+    scale = lax.with_sharding_constraint(codes.scale, _sharding_of_scale(compute, codes.scale))
+    port = give_shard_dim(jnp.zeros(x.shape, dtype), shard_index)
+    port = lax.with_sharding_constraint(port, compute)
+    return PrequantizedWeight(dataclasses.replace(codes, qvalue=values, scale=scale), port)
+
+
+def _sharding_of_scale(compute: NamedSharding, scale: jax.Array) -> NamedSharding:
+    """`compute` without the splits of the dims a scale spans (size 1)."""
+    spec = tuple(compute.spec) + (None,) * (scale.ndim - len(compute.spec))
+    kept = [entry if n > 1 else None for entry, n in zip(spec, scale.shape, strict=True)]
+    return NamedSharding(compute.mesh, PartitionSpec(*kept))
+
+
+def _gather_quantized_fwd(
+    stored: jax.Array,
+    shard_index: jax.Array,
+    dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    storage: NamedSharding,
+    compute: NamedSharding,
+    quantized: WeightQuantization,
+) -> tuple[PrequantizedWeight, None]:
+    args = (dtype, reduce_dtype, storage, compute, quantized)
+    return gather_quantized(stored, shard_index, *args), None
+
+
+def _gather_quantized_bwd(
+    dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    storage: NamedSharding,
+    compute: NamedSharding,
+    quantized: WeightQuantization,
+    _: None,
+    g: PrequantizedWeight,
+) -> tuple[jax.Array, None]:
+    return g.port.astype(reduce_dtype), None  # as `_gather_param_bwd`
+
+
+gather_quantized.defvjp(_gather_quantized_fwd, _gather_quantized_bwd)
+
+
 class JitSimpleFSDP(SimpleFSDP):
     """SimpleFSDP by sharding constraints (the module docstring says why the vmap)."""
 
@@ -126,6 +189,23 @@ class JitSimpleFSDP(SimpleFSDP):
             value.dtype,
             NamedSharding(self.mesh, layout.storage),
             NamedSharding(self.mesh, layout.compute),
+        )
+
+    def _gather_quantized(
+        self,
+        value: jax.Array,
+        layout: WeightLayout,
+        dtype: jnp.dtype,
+        quantized: WeightQuantization,
+    ) -> PrequantizedWeight:
+        return gather_quantized(
+            value,
+            self._shard_index(),
+            dtype,
+            value.dtype,
+            NamedSharding(self.mesh, layout.storage),
+            NamedSharding(self.mesh, layout.compute),
+            quantized,
         )
 
     def _gather_frozen(

@@ -15,6 +15,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
+from titan_jax.models.quantization import PrequantizedWeight, WeightQuantization
 from titan_jax.models.sharding_hooks import (
     GATHERED_PARAM,
     Kernel,
@@ -75,13 +76,86 @@ def _all_gather_param_bwd(
     _: None,
     g: jax.Array,
 ) -> tuple[jax.Array]:
+    return (_reduce_gradient(g, reduce_dtype, gathered_dims, replicated),)
+
+
+def _reduce_gradient(
+    g: jax.Array,
+    reduce_dtype: jnp.dtype,
+    gathered_dims: tuple[tuple[int, str], ...],
+    replicated: tuple[str, ...],
+) -> jax.Array:
+    """A gathered weight's gradient `g`, cast to `reduce_dtype` and reduced to the shard."""
     g = g.astype(reduce_dtype)  # before any reduction
     for dim, axis in reversed(gathered_dims):
         g = lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)  # FSDP
-    return (lax.psum(g, replicated) if replicated else g,)  # DDP, and HSDP's replicas
+    return lax.psum(g, replicated) if replicated else g  # DDP, and HSDP's replicas
 
 
 all_gather_param.defvjp(_all_gather_param_fwd, _all_gather_param_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def all_gather_quantized(
+    shard: jax.Array,
+    dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    gathered_dims: tuple[tuple[int, str], ...],
+    replicated: tuple[str, ...],
+    quantized: WeightQuantization,
+) -> PrequantizedWeight:
+    """`all_gather_param` of a weight a quantized matmul reads: this device's `shard` cast
+    to `dtype` and quantized with the whole weight's scales (a max over the axes splitting the
+    dims each scale spans), then its codes (and the scales split along a gathered dim)
+    all-gathered. The gradient the port receives is reduced as `all_gather_param`'s."""
+    x = cast_in_loop(shard, dtype)
+    if replicated:
+        x = lax.pcast(x, replicated, to="varying")
+    scaled = quantized.scaled_dims(x.ndim)
+    spanned = tuple(axis for dim, axis in gathered_dims if dim not in scaled)
+    codes = quantized.quantize(x, functools.partial(_max_over, axes=spanned))
+    values, scale = codes.qvalue, codes.scale
+    for dim, axis in gathered_dims:
+        values = lax.all_gather(values, axis, axis=dim, tiled=True)
+        if dim in scaled:
+            scale = lax.all_gather(scale, axis, axis=dim, tiled=True)
+    # `zeros_like` varies over the data axes as the codes do: the port's cotangent arrives
+    # without an implicit (bf16) psum, reduced by the backward alone.
+    port = jnp.zeros_like(values, dtype)
+    return PrequantizedWeight(dataclasses.replace(codes, qvalue=values, scale=scale), port)
+
+
+def _max_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """`lax.pmax(x, axes)`, taken in fp32 (exact for a bf16 `x`): XLA:CPU aborts widening a
+    bf16 max all-reduce ("Invalid binary instruction opcode copy"); the scales are small."""
+    return lax.pmax(x.astype(jnp.float32), axes).astype(x.dtype) if axes else x
+
+
+def _all_gather_quantized_fwd(
+    shard: jax.Array,
+    dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    gathered_dims: tuple[tuple[int, str], ...],
+    replicated: tuple[str, ...],
+    quantized: WeightQuantization,
+) -> tuple[PrequantizedWeight, None]:
+    args = (dtype, reduce_dtype, gathered_dims, replicated, quantized)
+    return all_gather_quantized(shard, *args), None
+
+
+def _all_gather_quantized_bwd(
+    dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    gathered_dims: tuple[tuple[int, str], ...],
+    replicated: tuple[str, ...],
+    quantized: WeightQuantization,
+    _: None,
+    g: PrequantizedWeight,
+) -> tuple[jax.Array]:
+    return (_reduce_gradient(g.port, reduce_dtype, gathered_dims, replicated),)
+
+
+all_gather_quantized.defvjp(_all_gather_quantized_fwd, _all_gather_quantized_bwd)
 
 
 class ShardMapSimpleFSDP(SimpleFSDP):
@@ -99,6 +173,16 @@ class ShardMapSimpleFSDP(SimpleFSDP):
         kept: bool,
     ) -> jax.Array:
         return all_gather_param(value, dtype, value.dtype, layout.gathered_dims, layout.replicated)
+
+    def _gather_quantized(
+        self,
+        value: jax.Array,
+        layout: WeightLayout,
+        dtype: jnp.dtype,
+        quantized: WeightQuantization,
+    ) -> PrequantizedWeight:
+        args = (dtype, value.dtype, layout.gathered_dims, layout.replicated, quantized)
+        return all_gather_quantized(value, *args)
 
     def _gather_frozen(
         self, value: jax.Array, logical_axes: LogicalAxes, layout: WeightLayout, kept: bool

@@ -1,0 +1,87 @@
+"""FSDP gathers of the weights of quantized matmuls (`quantize.gather = "auto"`): quantized on
+their shards with the whole weight's scales and gathered as codes, the loss and the reduced
+gradient are those of gathering the weight and quantizing it after (`param_dtype`), on both
+SimpleFSDP implementations, for scales that span the gathered dim (`w1`: one per output
+column, its rows split) and scales split along it (`w2`: its output columns split)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from titan_jax.models.quantization import Quantization
+from titan_jax.models.qwen3.model import project
+from titan_jax.parallel.mesh import MeshDegrees, build_mesh
+from titan_jax.parallel.rules import ShardingRules
+from titan_jax.parallel.simple_fsdp import IMPLEMENTATIONS
+
+AXES = {"w1": ("embed", "mlp"), "w2": ("mlp", "embed")}
+
+
+def loss_and_grads(implementation: str, quantization: Quantization, dtype: jnp.dtype):
+    """((summed loss, gradients), the compiled HLO) of x -> w2(w1 x) on fsdp8 (fsdp4 x tp2
+    under jit), the weights read through `project` as the model reads them."""
+    tp = 2 if implementation == "jit" else 1
+    mesh = build_mesh(MeshDegrees(1, 8 // tp, tp))
+    rules = ShardingRules(mesh)
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "w1": jax.random.normal(keys[0], (64, 32), jnp.float32),
+        "w2": jax.random.normal(keys[1], (32, 64), jnp.float32) * 0.1,
+    }
+    x = jax.random.normal(keys[2], (16, 4, 64), jnp.float32).astype(dtype)
+    target = jax.random.normal(keys[3], (16, 4, 64), jnp.float32)
+    specs = rules.storage_specs(params, AXES)
+    fsdp = IMPLEMENTATIONS[implementation](rules, specs)
+    qt = quantization.quantized_dot("mlp")
+
+    def summed(params, buffers, x, labels):
+        w1, w2 = (nnx.Param(params[k], logical_axes=AXES[k]) for k in ("w1", "w2"))
+        y = project(jax.nn.silu(project(x, w1, 1, qt)), w2, 1, qt)
+        return jnp.sum(jnp.square(y.astype(jnp.float32) - labels)), {}
+
+    def step(params, x, target):
+        with fsdp.installed():
+            return jax.value_and_grad(lambda p: fsdp.loss_map(summed)(p, {}, x, target)[0])(params)
+
+    with jax.set_mesh(mesh):
+        params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+        rows = NamedSharding(mesh, P(rules.data_axes))
+        args = (params, jax.device_put(x, rows), jax.device_put(target, rows))
+        compiled = jax.jit(step).lower(*args).compile()
+        return compiled(*args), compiled.as_text()
+
+
+def gathered_weights(hlo: str) -> list[str]:
+    """Element types of the compiled program's all-gathers of 2-D arrays wider than a
+    scale row (the weights' codes or values)."""
+    found = re.findall(r"= (\w+)\[(\d+),(\d+)\][^ ]* all-gather(?:-start)?\(", hlo)
+    return [dtype for dtype, rows, cols in found if min(int(rows), int(cols)) > 1]
+
+
+@pytest.mark.parametrize("implementation", ["jit", "shard_map"])
+@pytest.mark.parametrize(
+    "mode, scaling, dtype",
+    [("fp8", "rowwise", jnp.bfloat16), ("int8", "tensorwise", jnp.float32)],
+)
+def test_quantized_gathers_equal_quantizing_after_the_gather(implementation, mode, scaling, dtype):
+    results = {
+        gather: loss_and_grads(
+            implementation, Quantization(mode, ("mlp",), scaling, gather=gather), dtype
+        )
+        for gather in ("auto", "param_dtype")
+    }
+    ((loss, grads), hlo), ((ref_loss, ref_grads), ref_hlo) = results["auto"], results["param_dtype"]
+    np.testing.assert_array_equal(loss, ref_loss)
+    for k in grads:
+        assert grads[k].dtype == jnp.float32
+        np.testing.assert_array_equal(grads[k], ref_grads[k])
+    # The weights travel as codes: s8, and fp8 as XLA:CPU widens it (f16; TPU moves f8e4m3fn:
+    # tests/parallel/test_quantized_gather_aot.py); the reference's as the compute dtype (f32).
+    assert gathered_weights(ref_hlo) == ["f32", "f32"]
+    assert gathered_weights(hlo) == ["s8" if mode == "int8" else "f16"] * 2
