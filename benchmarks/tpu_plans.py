@@ -128,10 +128,12 @@ PLANS = (
     ),
 )
 
-# Low precision (issue 31): the 8B recipe with int8 matmuls on v6e (twice bf16's rate) and,
-# beside its bf16 twin, fp8 on Ironwood (tpu7x-8: 4 chips, 8 TensorCores).
+# Low precision (issue 31): the 8B recipe with int8 matmuls on v6e and v5p (twice bf16's
+# rate) and, beside its bf16 twin, fp8 on Ironwood (tpu7x-8: 4 chips, 8 TensorCores); their
+# weights gathered as one-byte codes (issue 44, `quantize.gather`).
 LOW_PRECISION_PLANS = (
     Plan("8B v6e-8 int8", "configs/qwen3_8b.toml", "v6e-8", ("--quantize.mode", "int8")),
+    Plan("8B v5p-8 int8", "configs/qwen3_8b.toml", "v5p-8", ("--quantize.mode", "int8")),
     Plan("8B tpu7x-8", "configs/qwen3_8b.toml", "tpu7x-8"),
     Plan("8B tpu7x-8 fp8", "configs/qwen3_8b.toml", "tpu7x-8", ("--quantize.mode", "fp8")),
     # 256 chips (512 TensorCores) at MaxText's published Ironwood recipe's batch: 16 x 4096

@@ -12,11 +12,11 @@ backward, as quantization-aware training does it.
   float8 all-gather): each shard's scales are the whole weight's (a max over the data shards
   of the scaled dims' partial maxima), so the codes are the ones quantizing the gathered
   weight would give, the gather moves one byte per element, and the matmul takes them as they
-  are (`PrequantizedWeight`, `dot`). Its gradient is the one with respect to the dequantized weight
-  (straight-through, as qwix's quantized training has it), reduced in fp32 by the gather's
-  backward as any weight's. `blockwise` scaling gathers the param dtype: qwix's backward
-  re-reads a tiled weight unquantized. What is quantized is chosen per
-  group of matmuls (`quantize.modules`); the router, norms, attention's own score and value products
+  are (`PrequantizedWeight`, `dot`). Its gradient is the one with respect to the dequantized
+  weight (straight-through, as qwix's quantized training has it), reduced in fp32 by the
+  gather's backward as any weight's. `blockwise` scaling gathers the param dtype: qwix's
+  backward re-reads a tiled weight unquantized. What is quantized is chosen per group of
+  matmuls (`quantize.modules`); the router, norms, attention's own score and value products
   and the loss's output projection stay in the parameter dtype.
 
 qwix's quantized-training primitives (`dot_general_qt`, `ragged_dot_qt`, what its `QtProvider`
