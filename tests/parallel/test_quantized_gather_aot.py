@@ -50,3 +50,14 @@ def gathered_weights(topology: str, mode: str, gather: str) -> Counter:
         if "4096" in shape.split(",") and len(dims) >= 2 and min(dims[-2:]) >= 128:
             found[dtype] += 1
     return found
+
+
+@pytest.mark.parametrize(
+    "topology, mode, code", [("tpu7x-8", "fp8", "f8e4m3fn"), ("v6e-8", "int8", "s8")]
+)
+def test_8b_weights_are_gathered_as_one_byte_codes(topology, mode, code):
+    gathered = gathered_weights(topology, mode, "auto")
+    # Every projection weight (q, k, v, o, w1, w2, w3), forward and remat's re-gather.
+    assert gathered[code] >= 7, gathered
+    assert not gathered["bf16"], gathered
+    assert gathered_weights(topology, mode, "param_dtype")["bf16"] >= 7  # the check can fail
