@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import qwix
 
-from titan_jax.models.quantization import QTYPES, Quantization, dot, ragged_dot
+from titan_jax.models.quantization import QTYPES, PrequantizedWeight, Quantization, dot, ragged_dot
 from titan_jax.models.qwen3.moe import EXPERT_KERNELS
 
 DIMS = (((1,), (0,)), ((), ()))
@@ -193,3 +193,32 @@ def test_one_quantized_tpu_expert_matmul_is_that_of_qwix_quantized_operands(mode
         got[:450], want[:450], rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want)))
     )
     assert not np.any(np.asarray(got[450:]))
+
+
+@pytest.mark.parametrize("mode, scaling", [("fp8", "rowwise"), ("int8", "tensorwise")])
+def test_a_weight_quantized_in_halves_is_read_as_the_matmul_quantizes_it(mode, scaling):
+    """A weight quantized in two halves of its contracted dim with the whole weight's scales
+    (what an FSDP shard does, `WeightQuantization`) and handed to `dot` quantized: the output,
+    x's gradient and the weight's (through the port) equal `dot` quantizing the weight."""
+    x, w = _operands()
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    quantized = Quantization(mode, ("mlp",), scaling).quantized_dot("mlp")
+    read = quantized.weight(1)
+
+    def quantizing(x, w):
+        return jnp.sum(jnp.sin(dot(x, w, DIMS, quantized.config).astype(jnp.float32)))
+
+    def prequantized(x, port):
+        halves = jnp.split(w, 2)
+        # Each half's absmax per scale, taken to the whole weight's (its columns' or its own).
+        axis = 0 if read.rowwise else None
+        whole_max = lambda m: jnp.maximum(m, jnp.max(jnp.abs(w), axis, keepdims=True))  # noqa: E731
+        codes = [read.quantize(h, whole_max) for h in halves]
+        codes = jax.tree.map(lambda *a: jnp.concatenate(a) if a[0].shape[0] > 1 else a[0], *codes)
+        y = dot(x, PrequantizedWeight(codes, port), DIMS, quantized.config)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+    want = jax.jit(jax.value_and_grad(quantizing, (0, 1)))(x, w)
+    got = jax.jit(jax.value_and_grad(prequantized, (0, 1)))(x, jnp.zeros_like(w))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
