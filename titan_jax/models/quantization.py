@@ -223,10 +223,12 @@ def dot(
 ) -> Array:
     """`jax.lax.dot_general(x, w, dimension_numbers)`, quantized when `config` says so (a
     `PrequantizedWeight` is taken as it is quantized); the result is in x's dtype either way."""
+    if isinstance(w, PrequantizedWeight):
+        if config is None:
+            raise ValueError("a weight gathered quantized is read by a quantized matmul only")
+        return _dot_quantized_weight(x, w, dimension_numbers, config)
     if config is None:
         return jax.lax.dot_general(x, w, dimension_numbers)
-    if isinstance(w, PrequantizedWeight):
-        return _dot_quantized_weight(x, w, dimension_numbers, config)
     from qwix._src.core.dot_general_qt import dot_general_qt
 
     return dot_general_qt(x, w, dimension_numbers, config)

@@ -38,7 +38,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import jax
 import jax.numpy as jnp
@@ -334,6 +334,14 @@ class WeightInParts(Protocol):
     def dequantized(self, dtype: jnp.dtype) -> jax.Array: ...
 
 
+@overload
+def use_param(
+    param: nnx.Variable | WeightInParts, dtype: DTypeLike, quantized: None = None
+) -> jax.Array: ...
+@overload
+def use_param(
+    param: nnx.Variable | WeightInParts, dtype: DTypeLike, quantized: WeightQuantization
+) -> jax.Array | PrequantizedWeight: ...
 def use_param(
     param: nnx.Variable | WeightInParts,
     dtype: DTypeLike,
