@@ -241,12 +241,15 @@ def _environment() -> ImmutableSandboxedEnvironment:
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
-    env.globals.update(
-        raise_exception=_raise_exception,
-        strftime_now=_strftime_now,
-        dict=_DictGlobal(),
-        namespace=_Namespace,
-    )
+    # Typed apart: jinja2 leaves `globals` unannotated, so its value type is inferred from
+    # jinja2's own defaults (range, dict, ...) and would reject these.
+    template_globals: dict[str, Any] = {
+        "raise_exception": _raise_exception,
+        "strftime_now": _strftime_now,
+        "dict": _DictGlobal(),
+        "namespace": _Namespace,
+    }
+    env.globals.update(template_globals)
     return env
 
 

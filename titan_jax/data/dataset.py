@@ -261,5 +261,7 @@ def _hf_disk_texts(path: str, field: str) -> Iterator[str]:
     kind = getattr(ds.features[field], "dtype", None) or ds.features[field]
     if kind not in ("string", "large_string"):
         raise DataError(f"dataset_path={path!r}: column {field!r} holds {kind}, not strings")
+    # datasets' @transmit_format wrapper widens Dataset.select_columns to Dataset | DatasetDict.
+    # pyrefly: ignore[missing-attribute]
     for batch in ds.select_columns([field]).iter(batch_size=1024):
         yield from batch[field]

@@ -80,8 +80,10 @@ def encode_chunk(
     conversations, their loss mask, 0 on the EOS)."""
     if chat is not None:
         ids, masks = encode_conversations(documents, chat, tok)
-    else:
-        ids, masks = tok.encode_batch(documents), None
+    else:  # without a chat format every document is a text (read_documents)
+        texts = [d for d in documents if isinstance(d, str)]
+        assert len(texts) == len(documents), "a conversation without its chat format"
+        ids, masks = tok.encode_batch(texts), None
     lengths = np.array([len(x) + 1 for x in ids], np.int64)
     out = np.empty(int(lengths.sum()), dtype)
     ends = np.cumsum(lengths)
@@ -197,7 +199,8 @@ def _write_shard(
             files = [stack.enter_context(fs.open(p + ".tmp", "wb")) for p in paths]
             for data, lengths, mask in blocks:
                 ends = (np.cumsum(lengths) + n_tokens).astype("<i8").tobytes()
-                for f, digest, b in zip(files, digests, (data, ends, mask), strict=False):
+                parts = (data, ends) if mask is None else (data, ends, mask)
+                for f, digest, b in zip(files, digests, parts, strict=True):
                     f.write(b)
                     digest.update(b)
                 n_tokens += int(lengths.sum())
@@ -230,7 +233,7 @@ def _request(
     if chat is not None:  # another template or format is another store
         what += [chat.kind, chat.sha256]
     inputs = hashlib.sha256("\n".join(what).encode()).hexdigest()
-    request = {
+    request: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
         "dtype": token_dtype(tok.vocab_size).str,
