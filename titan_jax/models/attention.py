@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -123,10 +123,9 @@ def causal_gqa_attention(
     kv = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    if q_pos_T is None:
-        allowed = jnp.tril(jnp.ones((t, k_BSKH.shape[1]), dtype=bool))  # (T, S) causal
-    else:
-        allowed = q_pos_T[:, None] >= k_pos_S[None, :]
+    q_pos = jnp.arange(t) if q_pos_T is None else q_pos_T
+    k_pos = jnp.arange(k_BSKH.shape[1]) if k_pos_S is None else k_pos_S
+    allowed = q_pos[:, None] >= k_pos[None, :]  # (T, S) causal
     if segment_ids_BT is not None:  # and within one document: (B, 1, 1, T, S)
         kv_ids = segment_ids_BT if kv_segment_ids_BS is None else kv_segment_ids_BS
         same = segment_ids_BT[:, :, None] == kv_ids[:, None, :]
@@ -180,6 +179,9 @@ def splash_attention(
         out_BNTH = jax.vmap(with_ids)(
             heads_major(q), heads_major(k_BSKH), heads_major(v_BSKH), segment_ids_BT
         )
+    assert isinstance(
+        out_BNTH, jax.Array
+    )  # no residuals: the kernel is built without save_residuals
     return heads_major(out_BNTH)
 
 
@@ -305,14 +307,18 @@ def _split_sequence_attention(
     )
     args = (q_BTNH, k_BSKH, v_BSKH)
     axes = (Q_AXES, kv_axes, kv_axes)
-    if segment_ids_BT is not None:
+    if segment_ids_BT is not None and kv_ids_BS is not None:  # (both or neither)
         args += (segment_ids_BT, split.in_position_order(kv_ids_BS))
         axes += (("batch", "seq"), ("batch", "seq"))
     return run_per_shard(kernel, args, axes, Q_AXES)
 
 
 def cudnn_attention(
-    q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, scale: float, implementation: str = "cudnn"
+    q_BTNH: Array,
+    k_BSKH: Array,
+    v_BSKH: Array,
+    scale: float,
+    implementation: Literal["cudnn", "xla"] = "cudnn",
 ) -> Array:
     """cuDNN's fused causal attention; (B, T, N, H) layout and GQA are native to it.
     `implementation="xla"` runs the same call without cuDNN (tests check the arguments)."""
@@ -337,7 +343,7 @@ def attention(
     backend: str,
     platform: str,
     segment_ids_BT: Array | None = None,
-    q_start: Array | None = None,
+    q_start: Array | int | None = None,
 ) -> Array:
     """Causal GQA attention by `backend` (resolved: "xla" | "splash" | "cudnn"). The kernels
     run per device shard (`run_per_shard`); XLA's einsums are partitioned by the compiler.

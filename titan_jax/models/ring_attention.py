@@ -31,7 +31,7 @@ from titan_jax.models.sharding_hooks import SequenceSplit
 Array = jax.Array
 # Query rows per rematerialised block: bounds a step's fp32 scores to (heads x 512 x keys).
 QUERY_BLOCK = 512
-_MIN = jnp.finfo(jnp.float32).min
+_MIN = float(jnp.finfo(jnp.float32).min)
 Partial = tuple[Array, Array, Array]  # o (B, K, G, T, H), m (B, K, G, T), l (B, K, G, T)
 
 
@@ -49,7 +49,7 @@ def _block(
     unnormalised output, row max and row sum, masked causally by position and by segment."""
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
     allowed = (q_pos[:, None] >= k_pos[None, :])[None, None, None]
-    if q_ids is not None:
+    if q_ids is not None and k_ids is not None:  # (both or neither)
         allowed = allowed & (q_ids[:, :, None] == k_ids[:, None, :])[:, None, None]
     scores = jnp.where(allowed, scores * scale, _MIN)
     m = lax.stop_gradient(jnp.max(scores, axis=-1))  # a stabiliser: the result is invariant
@@ -124,7 +124,7 @@ def ring_attention(
     acc = _blocked(q, k, v, scale, q_pos, q_pos, ids, kv_ids)  # step 0: the causal diagonal
     for step in range(1, cp):
         k, v = split.pass_along(k), split.pass_along(v)
-        kv_ids = None if ids is None else split.pass_along(kv_ids)
+        kv_ids = None if kv_ids is None else split.pass_along(kv_ids)
         src = (rank - step) % cp
         k_pos = jnp.concatenate([src * c + jnp.arange(c), (2 * cp - 1 - src) * c + jnp.arange(c)])
 
