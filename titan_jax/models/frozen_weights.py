@@ -10,6 +10,8 @@ norms, router) carry none and stay floats.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -53,9 +55,9 @@ def store_frozen(model: nnx.Module, base: FrozenBase) -> None:
     for path, node in list(nnx.iter_graph(model)):
         if not isinstance(node, nnx.Param) or isinstance(node, nnx.LoRAParam):
             continue
-        parent = model
-        for key in path[:-1]:
-            parent = getattr(parent, key)
+        parent: Any = model
+        for key in path[:-1]:  # attribute names, and item indices inside an nnx.List
+            parent = getattr(parent, key) if isinstance(key, str) else parent[key]
         metadata = node.get_metadata()
         value, axes = node[...], tuple(node.logical_axes)
         in_dims = metadata.get(IN_DIMS)
@@ -65,7 +67,10 @@ def store_frozen(model: nnx.Module, base: FrozenBase) -> None:
             stored = QuantizedWeight(codes, scale, axes, value.shape[lead:], base)
         else:
             stored = FrozenParam(value.astype(base.float_dtype), **metadata)
-        setattr(parent, path[-1], stored)
+        if isinstance(path[-1], str):
+            setattr(parent, path[-1], stored)
+        else:
+            parent[path[-1]] = stored
 
 
 def check_blocks(model: nnx.Module, base: FrozenBase) -> None:
