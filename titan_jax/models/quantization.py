@@ -44,6 +44,8 @@ from jax._src.interpreters import mlir as _mlir_internals
 from jax.interpreters import mlir
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from qwix._src.core.dot_general_qt import DotGeneralQtConfig
     from qwix._src.core.qarray import QArray
     from qwix._src.core.ragged_dot_qt import RaggedDotQtConfig
@@ -189,7 +191,7 @@ _XLA_REDUCE_PRECISION = _mlir_internals._lowerings[jax.lax.reduce_precision_p].r
 
 def _lower_reduce_precision(
     ctx: mlir.LoweringRuleContext, operand: mlir.ir.Value, *, exponent_bits: int, mantissa_bits: int
-) -> list[mlir.ir.Value]:
+) -> Sequence[mlir.ir.Value | Sequence[mlir.ir.Value]]:
     """`reduce_precision` that leaves a float8 value reduced to its own format as it is.
 
     jax's remat (`ad_checkpoint._insert_reduce_precision`, jax 0.12) rounds every saved
@@ -202,9 +204,13 @@ def _lower_reduce_precision(
     excess precision, so the identity is exact. Without it:
     tests/train/test_quantized_training.py::test_fp8_trains_the_debug_recipe_under_every_remat_mode.
     """
-    dtype = ctx.avals_in[0].dtype
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
-        info = jnp.finfo(dtype)
+    aval = ctx.avals_in[0]
+    if (
+        isinstance(aval, jax.core.ShapedArray)
+        and jnp.issubdtype(aval.dtype, jnp.floating)
+        and aval.dtype.itemsize == 1
+    ):
+        info = jnp.finfo(aval.dtype)
         if (exponent_bits, mantissa_bits) == (info.nexp, info.nmant):
             return [operand]
     return _XLA_REDUCE_PRECISION(

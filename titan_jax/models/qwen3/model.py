@@ -77,6 +77,9 @@ SAVED_ACTIVATIONS = (
 # Names every remat mode saves (see `remat_policy`).
 ALWAYS_SAVED = (MOE_ROUTING,)
 KVPair = tuple[Array, Array]  # (keys, values) of a KV cache
+# (weights, expert bias, KV cache, dropout key) of a layer, or of all of them stacked.
+LayerInputs = tuple[nnx.State, Array | None, KVPair | None, Array | None]
+LayerTables = tuple[Array, Array, Array | None]  # every layer's (cos, sin, segment ids)
 # Logical axes of the activations the layout is pinned at (rules: titan_jax/parallel/rules.py).
 ACT_AXES = ("batch", "seq", "embed")
 
@@ -104,7 +107,8 @@ def _param(
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     if n_in is None:
         return nnx.Param(value, logical_axes=axes)
-    return nnx.Param(value, logical_axes=axes, **{IN_DIMS: tuple(range(n_in))})
+    metadata: dict[str, Any] = {IN_DIMS: tuple(range(n_in))}  # a Variable's free-form metadata
+    return nnx.Param(value, logical_axes=axes, **metadata)
 
 
 def _ones(shape: tuple[int, ...], axes: tuple[str | None, ...]) -> nnx.Param:
@@ -258,10 +262,11 @@ class Attention(nnx.Module):
         v_BTKH = constrain(v_BTKH, KV_AXES)
         q_start = None
         if kv_cache is not None:
-            kv_cache = tuple(
+            k_cache, v_cache = (
                 jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), start, 1)
                 for c, x in zip(kv_cache, (k_BTKH, v_BTKH), strict=True)
             )
+            kv_cache = k_cache, v_cache
             (k_BTKH, v_BTKH), q_start = (c.astype(q_BTNH.dtype) for c in kv_cache), start
         with jax.named_scope("sdpa"):  # scaled dot-product attention, the op profiles name
             out_BTNH = attention(
@@ -448,7 +453,7 @@ class Qwen3(nnx.Module):
             expert_bias_E: Array | None,
             kv: KVPair | None,
             key: Array | None,
-            tables: tuple[Array, Array, Array | None],
+            tables: LayerTables,
         ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
             cos_TH, sin_TH, segment_ids_BT = tables
             y_BTD, stats, kv = nnx.merge(layers_def, layer_state)(
@@ -502,15 +507,15 @@ class Qwen3(nnx.Module):
 def _layer_scan(
     run_layer: Callable,
     x_BTD: Array,
-    layers: tuple[nnx.State, Any, Any, Any],
-    tables: tuple[Array, ...],
+    layers: LayerInputs,
+    tables: LayerTables,
     remat: Callable | None,
 ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
     """`lax.scan` of `run_layer` over the stacked layers (and their expert bias, KV cache and
     dropout keys), each iteration's weights gathered in it, with the `remat` policy."""
 
     def body(
-        x_BTD: Array, layer: tuple[nnx.State, Array | None, KVPair | None, Array | None]
+        x_BTD: Array, layer: LayerInputs
     ) -> tuple[Array, tuple[dict[str, Array], KVPair | None]]:
         # Every use of the input goes through the name, so a policy that offloads it leaves
         # the device nothing of it to save.
@@ -543,16 +548,16 @@ def _pipelined_scan(
 def _lookahead_scan(
     run_layer: Callable,
     x_BTD: Array,
-    layers: tuple[nnx.State, Any, None, Any],
-    tables: tuple[Array, ...],
+    layers: LayerInputs,
+    tables: LayerTables,
     dtype: jnp.dtype,
 ) -> tuple[Array, tuple[dict[str, Array], None]]:
     """The layer scan with each layer's weights gathered (in `dtype`) one layer ahead, full
-    remat (`models/lookahead.py`)."""
+    remat (`models/lookahead.py`); no KV cache."""
     layers_state, expert_bias_LE, _, keys = layers
 
     def block(
-        x_BTD: Array, gathered: nnx.State, per_layer: tuple[Any, Any], tables: tuple[Array, ...]
+        x_BTD: Array, gathered: nnx.State, per_layer: tuple[Any, Any], tables: LayerTables
     ) -> tuple[Array, tuple[dict[str, Array], None]]:
         with pregathered():
             expert_bias_E, key = per_layer
