@@ -142,7 +142,10 @@ def merged(params: Params, lora: Lora) -> Params:
 def _merged(params: Params, lora: Lora) -> Params:
     if not isinstance(params, dict):
         return params
-    out = {k: _merged(v, lora) for k, v in params.items() if not k.endswith(ADAPTER_SUFFIX)}
+    # Subtrees, or the weights themselves (what `fold` takes) at the leaves.
+    out: dict[str, Any] = {
+        k: _merged(v, lora) for k, v in params.items() if not k.endswith(ADAPTER_SUFFIX)
+    }
     for key, adapter in params.items():
         if key.endswith(ADAPTER_SUFFIX):
             names = key[: -len(ADAPTER_SUFFIX)].split(JOIN)

@@ -255,13 +255,14 @@ def load_params(
         cache: dict[tuple, np.ndarray] = {}  # replicated shards are read once
 
         def callback(
-            index: tuple[slice, ...],
+            index: tuple[slice, ...] | None,
             group: list[HFTensor] = group,
             stack: tuple[int, ...] = stack,
             shape: tuple[int, ...] = shape,
             cache: dict = cache,
         ) -> np.ndarray:
-            index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+            index = tuple(index or ())  # None (jax never passes it): the whole array
+            index += (slice(None),) * (len(shape) - len(index))
             key = tuple(_slice_bounds(s, n) for s, n in zip(index, shape, strict=True))
             if key not in cache:
                 cache[key] = _read_stacked(reader, group, stack, key, index[len(stack) :]).astype(
@@ -320,7 +321,8 @@ def iter_tensors(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array in HF layout) for every tensor, one at a time: at most one layer's
     weights are gathered to the host at once (stacked leaves live under params["layers"])."""
-    current, layer, host = None, None, {}
+    current, host = None, {}
+    layer: Params = {}  # the current layer's weights, taken when its first tensor comes
     for t in tensors:
         if t.layer is None:
             leaf = _host_array(nested_get(params, t.path))

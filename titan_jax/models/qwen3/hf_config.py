@@ -170,9 +170,8 @@ def _rope_from_config(config: dict[str, Any], where: str) -> tuple[float, YarnSc
             f"{rope['partial_rotary_factor']!r} is not supported (Qwen3: 1)"
         )
 
-    def number(name: str, default: float | None) -> float | None:
+    def number(name: str) -> float | None:
         value = rope.get(name)
-        value = default if value is None else value
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise HFCheckpointError(f"{where}: {key}.{name}={value!r} is not a number")
         if value is not None and not math.isfinite(value):
@@ -180,16 +179,17 @@ def _rope_from_config(config: dict[str, Any], where: str) -> tuple[float, YarnSc
         return value
 
     max_len = _field(config, where, "max_position_embeddings", int, 32768)
-    original = number("original_max_position_embeddings", max_len)
+    original = number("original_max_position_embeddings")
+    original = max_len if original is None else original
     if not (original == int(original) and 1 <= original <= MAX_SIZE):
         raise HFCheckpointError(
             f"{where}: {key}.original_max_position_embeddings={original} "
             f"must be a whole number in [1, {MAX_SIZE}]"
         )
     original = int(original)
-    factor = float(number("factor", None) or max_len / original)
-    attention = number("attention_factor", None)
-    mscale, mscale_all_dim = number("mscale", None), number("mscale_all_dim", None)
+    factor = float(number("factor") or max_len / original)
+    attention = number("attention_factor")
+    mscale, mscale_all_dim = number("mscale"), number("mscale_all_dim")
     if attention is None and mscale and mscale_all_dim:  # DeepSeek's form of the same factor
         m = lambda s: 1.0 if factor <= 1 else 0.1 * s * math.log(factor) + 1.0  # noqa: E731
         attention = m(mscale) / m(mscale_all_dim)
@@ -199,8 +199,8 @@ def _rope_from_config(config: dict[str, Any], where: str) -> tuple[float, YarnSc
     yarn = YarnScaling(
         factor=factor,
         original_max_position_embeddings=original,
-        beta_fast=float(number("beta_fast", 32.0) or 32.0),
-        beta_slow=float(number("beta_slow", 1.0) or 1.0),
+        beta_fast=float(number("beta_fast") or 32.0),
+        beta_slow=float(number("beta_slow") or 1.0),
         attention_factor=float(attention or 0.0),
         truncate=truncate,
     )

@@ -133,7 +133,7 @@ def _block_grads(
     return dx_RD, outer(x_RD, da_RF), outer(x_RD, dc_RF), outer(silu_RF * c_RF, dy_RD)
 
 
-def _bwd(saved: tuple[Array, ...], g_MD: Array) -> tuple[Array, ...]:
+def _bwd(saved: tuple[Array, ...], g_MD: Array) -> tuple[Array | np.ndarray, ...]:
     x_MD, w1_EDF, w3_EDF, w2_EFD, group_sizes_E = saved
     m, groups = x_MD.shape[0], _Groups.of(group_sizes_E)
     operands = (x_MD, g_MD, w1_EDF, w3_EDF, w2_EFD)
