@@ -570,9 +570,9 @@ class _Walk:
         hbm = traffic(self.module, inst, defs)
         rows = kernel_flops.grouped_rows(inst)
         if rows and self.routed_rows:  # it visits only the row tiles its groups cover
-            share = min(1.0, self.routed_rows / rows)
-            own_flops, own_array = own_flops * share, own_array * share
-            hbm -= (1 - share) * _row_bytes(inst, defs, rows)
+            covered = min(1.0, self.routed_rows / rows)
+            own_flops, own_array = own_flops * covered, own_array * covered
+            hbm -= (1 - covered) * _row_bytes(inst, defs, rows)
         work = [(own_flops, own_array)] + [
             computation_work(self.module, c, self.memo, self.chip.mxu_dim, factors, share)
             for k, c in hlo_stats.called(inst)

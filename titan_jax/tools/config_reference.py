@@ -78,7 +78,7 @@ def schema_sections(source: str | None = None) -> dict[str, tuple[str, list[Fiel
         fields = [
             Field(
                 item.target.id,
-                ast.get_source_segment(source, item.value) if item.value else "",
+                (ast.get_source_segment(source, item.value) or "") if item.value else "",
                 _choices(item.annotation),
                 _field_comment(item, comments, lines),
             )
@@ -110,9 +110,11 @@ def render() -> str:
     sections = schema_sections()
     out = [HEADER]
     for section in dataclasses.fields(config_schema.JobConfig):
-        doc, fields = sections[section.type]  # the schema's annotations are strings
+        section_class = section.type
+        assert isinstance(section_class, str)  # the schema's annotations are strings
+        doc, fields = sections[section_class]
         defaults = {
-            f.name: f.default for f in dataclasses.fields(getattr(config_schema, section.type))
+            f.name: f.default for f in dataclasses.fields(getattr(config_schema, section_class))
         }
         out += [f"## [{section.name}]", ""]
         if doc:

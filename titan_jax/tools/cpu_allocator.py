@@ -48,9 +48,8 @@ def find_allocator() -> Path | None:
 
 def _mimalloc_from_wheel() -> Path | None:
     try:
-        path = Path(
-            importlib.metadata.distribution("cmeel-mimalloc").locate_file(MIMALLOC_IN_WHEEL)
-        )
+        located = importlib.metadata.distribution("cmeel-mimalloc").locate_file(MIMALLOC_IN_WHEEL)
+        path = Path(str(located))  # a path-like protocol object; a Path for installed wheels
     except importlib.metadata.PackageNotFoundError:
         return None
     return path if path.is_file() else None

@@ -25,13 +25,15 @@ def _entry_comments(source: str) -> dict[str, str]:
     """{logical axis: its comment} for DEFAULT_TABLE's entries: the comment on the entry's line
     and the comment lines right above it."""
     comments, lines = comments_of(source), source.splitlines()
-    node = next(
-        n
+    table = next(
+        n.value
         for n in ast.parse(source).body
-        if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "DEFAULT_TABLE"
+        if isinstance(n, ast.AnnAssign)
+        and getattr(n.target, "id", "") == "DEFAULT_TABLE"
+        and isinstance(n.value, ast.Dict)
     )
     found = {}
-    for key in node.value.keys:
+    for key in filter(None, table.keys):  # (a None key: a ** spread, none here)
         above, line = [], key.lineno - 1
         while line in comments and lines[line - 1].lstrip().startswith("#"):
             above.insert(0, comments[line])
