@@ -295,6 +295,8 @@ class Checkpointer:
         )
         items = {"state": ocp.args.PyTreeSave(tree), "meta": ocp.args.JsonSave(meta)}
         if not model_only:
+            if data_state is None:
+                raise ValueError(f"step {step}: a full save needs data_state (the data position)")
             items["data"] = ocp.args.JsonSave(data_state)
         self.wait()  # the previous save's errors, named as its own
         self._saving = step
@@ -400,7 +402,7 @@ class Checkpointer:
 
         restore_target = _with_dtypes(target, {n: m.dtype for n, m in saved.items()})
         restore_args = ocp.checkpoint_utils.construct_restore_args(restore_target)
-        items = {
+        items: dict[str, ocp.args.CheckpointArgs] = {
             "state": ocp.args.PyTreeRestore(
                 restore_target, restore_args=restore_args, partial_restore=model_only
             )

@@ -79,14 +79,14 @@ def scale_by_given_learning_rate() -> optax.GradientTransformationExtraArgs:
     count (which a wrapped optimizer would move) decides the LR."""
 
     def update(
-        updates: Any,
-        state: optax.EmptyState,
-        params: Any = None,
-        *,
-        learning_rate: jax.Array,
+        updates: optax.Updates,
+        state: optax.OptState,
+        params: optax.Params | None = None,
         **extra: Any,
-    ) -> tuple[Any, optax.EmptyState]:
-        del params, extra
+    ) -> tuple[optax.Updates, optax.OptState]:
+        # Read from `extra`, not a keyword-only parameter: optax's update protocol takes
+        # **extra_args only, so a required keyword would not match it.
+        learning_rate = extra["learning_rate"]
         return jax.tree.map(lambda u: jnp.asarray(-learning_rate, u.dtype) * u, updates), state
 
     return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
