@@ -46,7 +46,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
-from titan_jax.models.spec import Aux, Params
+from titan_jax.models.spec import Params
 
 if TYPE_CHECKING:
     from titan_jax.models.quantization import PrequantizedWeight, WeightQuantization
@@ -58,13 +58,15 @@ GATHERED_PARAM = "fsdp_gathered_param"
 # through its expert's FFN, scaled by its gate weight (M, D).
 ExpertFFN = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 Kernel = Callable[..., jax.Array]
+# The model's params tree, or a tuple of such trees (a policy and its frozen reference,
+# train/dpo.py): `loss_map` hands each to the shards as it hands one.
+ParamTrees = Params | tuple[Params, ...]
+LossAux = Any  # what a summed loss returns beside it: a tree of arrays, summed like the loss
 # A batch's summed loss and its aux, (params, buffers, inputs_BT, labels_BT) -> (scalar, aux).
-# `params` is the model's params tree, or a tuple of such trees (a policy and its frozen
-# reference, train/dpo.py): `loss_map` hands each to the shards as it hands one.
-SummedLoss = Callable[[Params, Params, jax.Array, jax.Array], tuple[jax.Array, Aux]]
+SummedLoss = Callable[[ParamTrees, Params, jax.Array, jax.Array], tuple[jax.Array, LossAux]]
 
 
-def each_params_tree(params: Params | tuple[Params, ...], f: Callable) -> Any:
+def each_params_tree(params: ParamTrees, f: Callable) -> Any:
     """`f` of the params tree, or the tuple of `f` of each of several (see SummedLoss)."""
     return tuple(f(p) for p in params) if isinstance(params, tuple) else f(params)
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from titan_jax.data.pairs import CHOSEN, REJECTED
 from titan_jax.data.windows import IGNORE_INDEX
 from titan_jax.models.lora import adapters_off
+from titan_jax.models.sharding_hooks import ParamTrees
 from titan_jax.models.spec import ModelDef, Params
 from titan_jax.train.loss import token_log_probs
 
@@ -91,7 +92,7 @@ class DPO:
     def summed_loss(
         self,
         model: ModelDef,
-        params: Params | tuple[Params, Params],
+        params: ParamTrees,
         buffers: Params,
         inputs: jax.Array,
         labels: jax.Array,

@@ -27,8 +27,8 @@ from titan_jax.data.pairs import ValidationPairs
 from titan_jax.data.pipeline import holds_pairs, process_barrier, validation_corpus
 from titan_jax.data.tokenizer import Tokenizer
 from titan_jax.data.windows import HeldOutRows, ValidationWindows
-from titan_jax.models.sharding_hooks import Parallelism
-from titan_jax.models.spec import Aux, ModelDef, Params
+from titan_jax.models.sharding_hooks import Parallelism, ParamTrees
+from titan_jax.models.spec import ModelDef, Params
 from titan_jax.train.loss import count_valid_tokens
 from titan_jax.train.objective import CROSS_ENTROPY, Objective
 from titan_jax.train.step import REFERENCE, Batch, TrainState
@@ -51,8 +51,8 @@ def eval_step(
     gradients. `reference`: the frozen params of an objective that keeps them (DPO)."""
 
     def summed_loss(
-        p: Params, b: Params, inputs: jax.Array, labels: jax.Array
-    ) -> tuple[jax.Array, Aux]:
+        p: ParamTrees, b: Params, inputs: jax.Array, labels: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         total, _, sums = objective.summed_loss(
             model, p, b, inputs, labels, param_dtype, aux_loss=False
         )

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import jax
 
 from titan_jax.config import Dpo
+from titan_jax.models.sharding_hooks import ParamTrees
 from titan_jax.models.spec import ModelDef, Params
 from titan_jax.train.dpo import DPO
 from titan_jax.train.loss import count_valid_tokens, cross_entropy_sum
@@ -39,7 +40,7 @@ class Objective(Protocol):
     def summed_loss(
         self,
         model: ModelDef,
-        params: Params | tuple[Params, Params],
+        params: ParamTrees,
         buffers: Params,
         inputs: jax.Array,
         labels: jax.Array,
@@ -68,7 +69,7 @@ class CrossEntropy:
     def summed_loss(
         self,
         model: ModelDef,
-        params: Params | tuple[Params, Params],
+        params: ParamTrees,
         buffers: Params,
         inputs: jax.Array,
         labels: jax.Array,
@@ -76,6 +77,8 @@ class CrossEntropy:
         aux_loss: bool = True,
         dropout_key: jax.Array | None = None,
     ) -> SummedLossParts:
+        if isinstance(params, tuple):  # keeps_reference is False: the step passes no reference
+            raise TypeError("cross-entropy takes the model's params, not (policy, reference)")
         h, w_out, aux = model.forward(params, buffers, inputs, dtype, dropout_key)
         with jax.named_scope("loss"):
             total = cross_entropy_sum(h, w_out, labels)

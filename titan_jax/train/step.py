@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import optax
 
 from titan_jax.models.lora import dropout_key
-from titan_jax.models.sharding_hooks import NO_PARALLELISM, Parallelism
-from titan_jax.models.spec import Aux, ModelDef, Params
+from titan_jax.models.sharding_hooks import NO_PARALLELISM, Parallelism, ParamTrees
+from titan_jax.models.spec import ModelDef, Params
 from titan_jax.planner_hints import expected_branch
 from titan_jax.train.loss import count_valid_tokens
 from titan_jax.train.objective import CROSS_ENTROPY, Objective
@@ -120,8 +120,8 @@ def loss_and_grads(
         mb_key = None if key is None else jax.random.fold_in(key, i)
 
         def summed_loss(
-            p: Params, b: Params, inputs: jax.Array, labels: jax.Array
-        ) -> tuple[jax.Array, Aux]:
+            p: ParamTrees, b: Params, inputs: jax.Array, labels: jax.Array
+        ) -> tuple[jax.Array, tuple[dict[str, jax.Array], dict[str, jax.Array]]]:
             total, stats, sums = objective.summed_loss(
                 model, p, b, inputs, labels, options.param_dtype, dropout_key=mb_key
             )
@@ -209,7 +209,7 @@ def train_step(
     grads, grad_norm = clip_by_global_norm(grads, options.max_norm)
     lr = schedule(state[APPLIED_UPDATES])  # this update's LR, the one logged
 
-    def update(old: tuple[Params, Params, Any]) -> tuple[Params, Params, Any]:
+    def update(old: tuple[Params, Params, Any]) -> tuple[optax.Params, Params, Any]:
         params, buffers, opt_state = old
         updates, new_opt_state = optimizer.update(grads, opt_state, params, learning_rate=lr)
         # The buffers after the optimizer, as TorchTitan.

@@ -33,10 +33,12 @@ from titan_jax.models.sharding_hooks import (
     GATHERED_PARAM,
     Kernel,
     LogicalAxes,
+    LossAux,
+    ParamTrees,
     SummedLoss,
     each_params_tree,
 )
-from titan_jax.models.spec import Aux, Params
+from titan_jax.models.spec import Params
 from titan_jax.parallel.compiler_workarounds import cast_in_loop, give_shard_dim
 from titan_jax.parallel.per_shard import jit_per_shard
 from titan_jax.parallel.rules import WeightLayout, mesh_axes_of
@@ -245,8 +247,8 @@ class JitSimpleFSDP(SimpleFSDP):
             )
 
         def per_shard(
-            params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
-        ) -> tuple[jax.Array, Aux]:
+            params: ParamTrees, buffers: Params, inputs: jax.Array, labels: jax.Array
+        ) -> tuple[jax.Array, LossAux]:
             dims = each_params_tree(params, lambda _: self._per_shard_dims())
             per = jax.vmap(
                 summed_loss, in_axes=(dims, None, 0, 0), axis_name=SHARDS, spmd_axis_name=inner

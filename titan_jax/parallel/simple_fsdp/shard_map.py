@@ -20,11 +20,13 @@ from titan_jax.models.sharding_hooks import (
     GATHERED_PARAM,
     Kernel,
     LogicalAxes,
+    LossAux,
+    ParamTrees,
     PipelineSplit,
     SummedLoss,
     each_params_tree,
 )
-from titan_jax.models.spec import Aux, Params
+from titan_jax.models.spec import Params
 from titan_jax.parallel.compiler_workarounds import cast_in_loop
 from titan_jax.parallel.per_shard import manual_per_shard
 from titan_jax.parallel.rules import WeightLayout
@@ -228,15 +230,15 @@ class ShardMapSimpleFSDP(SimpleFSDP):
         rows = self.rules.batch_spec  # rows, and under context parallelism sequence chunks
 
         def local(
-            params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
-        ) -> tuple[jax.Array, Aux]:
+            params: ParamTrees, buffers: Params, inputs: jax.Array, labels: jax.Array
+        ) -> tuple[jax.Array, LossAux]:
             return jax.tree.map(
                 lambda x: lax.psum(x, data), summed_loss(params, buffers, inputs, labels)
             )
 
         def mapped(
-            params: Params, buffers: Params, inputs: jax.Array, labels: jax.Array
-        ) -> tuple[jax.Array, Aux]:
+            params: ParamTrees, buffers: Params, inputs: jax.Array, labels: jax.Array
+        ) -> tuple[jax.Array, LossAux]:
             specs = each_params_tree(params, lambda _: param_specs)
             return jax.shard_map(
                 local,
