@@ -41,7 +41,7 @@ def train_state_shardings(
     param_shardings = named_shardings(rules, param_specs)
     replicated = NamedSharding(rules.mesh, PartitionSpec())
     opt_shardings = optax.tree_utils.tree_map_params(
-        optimizer,
+        optimizer.init,
         lambda _, sharding: sharding,
         jax.eval_shape(optimizer.init, split_by_name(abstract_params, trainable)[0]),
         split_by_name(param_shardings, trainable)[0],

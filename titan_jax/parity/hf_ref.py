@@ -58,12 +58,13 @@ def _tokens(x: np.ndarray) -> torch.Tensor:
 def forward_loss_grads(
     model: torch.nn.Module, inputs_T: np.ndarray, labels_T: np.ndarray
 ) -> tuple[np.ndarray, float, dict[str, np.ndarray]]:
-    """(logits (T, V), loss, {HF parameter name: gradient}) for one sequence."""
+    """(logits (T, V), loss, {HF parameter name: gradient} where the loss reaches) for one
+    sequence."""
     model.zero_grad(set_to_none=True)
     logits = model(_tokens(inputs_T)).logits
     loss = cross_entropy(logits, _tokens(labels_T))
     loss.backward()
-    grads = {name: p.grad.numpy() for name, p in model.named_parameters()}
+    grads = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
     return logits[0].detach().numpy(), loss.item(), grads
 
 

@@ -24,7 +24,7 @@ import importlib.metadata
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,6 +34,10 @@ from safetensors.torch import load_file
 from titan_jax.config import LRScheduler
 from titan_jax.models.qwen3.args import Qwen3Args
 from titan_jax.models.spec import ModelArgs
+
+if TYPE_CHECKING:  # torchtitan is imported where it is used: an optional reference
+    from torchtitan.models.common.moe import GroupedExperts
+    from torchtitan.models.qwen3.model import Qwen3Model
 
 VERSION = "0.3.0"
 INSTALL = (
@@ -91,6 +95,7 @@ def model_config(args: Qwen3Args, max_seq_len: int) -> Any:
             moe_comm_backend="standard",
         )
         for layer in layers:  # torchtitan's flavours fix route_norm=True
+            assert layer.moe is not None  # an MoE flavour's layer
             layer.moe.router.route_norm = args.norm_topk_prob
     else:
         layers = _build_qwen3_layers(**shape, hidden_dim=args.hidden_dim)
@@ -116,7 +121,7 @@ def model_config(args: Qwen3Args, max_seq_len: int) -> Any:
 
 def load_model(
     args: Qwen3Args, hf_dir: str | Path, max_seq_len: int, expert_bias_LE: np.ndarray | None = None
-) -> torch.nn.Module:
+) -> Qwen3Model:
     """torchtitan's Qwen3 with the weights of a HF directory, via its `Qwen3StateDictAdapter`
     (MoE: with the adjustments of the module docstring; `expert_bias_LE` is each layer's
     expert bias, zeros by default)."""
@@ -148,7 +153,7 @@ def load_model(
 
 
 def grouped_experts_in_model_dtype(
-    experts: torch.nn.Module, x_RD: torch.Tensor, tokens_per_expert_E: torch.Tensor
+    experts: GroupedExperts, x_RD: torch.Tensor, tokens_per_expert_E: torch.Tensor
 ) -> torch.Tensor:
     """torchtitan's `GroupedExperts.forward` (SwiGLU by three `torch._grouped_mm`) without its
     cast to bf16: the matmuls run in the weights' dtype."""
@@ -181,7 +186,7 @@ def per_expert_layout(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def logits(model: torch.nn.Module, tokens_T: np.ndarray) -> np.ndarray:
+def logits(model: Qwen3Model, tokens_T: np.ndarray) -> np.ndarray:
     """fp32 logits (T, V) of one sequence, called as torchtitan does: (tokens, positions, masks)."""
     tokens = torch.from_numpy(np.asarray(tokens_T, np.int64))[None]
     positions = torch.arange(tokens.shape[1])[None]

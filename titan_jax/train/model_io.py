@@ -189,7 +189,9 @@ def load_orbax(
             step = int(path.name)
             args = checkpoint_args(ckpt, step, spec)
             target = {"params": _abstract_params(args, shardings, lora)}
-            return args, ckpt.restore(step, target, model_only=True).state["params"]
+            state = ckpt.restore(step, target, model_only=True).state
+            assert state is not None  # a restored step always holds its state
+            return args, state["params"]
     args = read_orbax_args(path, spec)
     target = _abstract_params(args, shardings)
     if not (path / PARAMS_DIR).is_dir():

@@ -147,6 +147,7 @@ def _load_start(trainer: Trainer, ckpt: Checkpointer | None, local: LocalTier | 
             signature=resume_signature(config, trainer.plan.global_batch_size),
         )
     if model_only:
+        assert restored.state is not None  # a restored step always holds its state
         restored.state = trainer.state_from_params(restored.state["params"])
         restored.source += " (model only)"
     return restored
