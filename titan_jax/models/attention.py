@@ -179,9 +179,8 @@ def splash_attention(
         out_BNTH = jax.vmap(with_ids)(
             heads_major(q), heads_major(k_BSKH), heads_major(v_BSKH), segment_ids_BT
         )
-    assert isinstance(
-        out_BNTH, jax.Array
-    )  # no residuals: the kernel is built without save_residuals
+    # The kernel is built without save_residuals: it returns the output alone.
+    assert isinstance(out_BNTH, jax.Array)
     return heads_major(out_BNTH)
 
 
