@@ -529,15 +529,17 @@ def _layer_scan(
 def _pipelined_scan(
     run_layer: Callable,
     x_BTD: Array,
-    layers: tuple[nnx.State, Any, None, Any],
-    tables: tuple[Array, ...],
+    layers: LayerInputs,
+    tables: LayerTables,
     remat: Callable | None,
     split: PipelineSplit,
 ) -> tuple[Array, tuple[dict[str, Array], None]]:
     """The layer scan as `split`'s pipeline (`models/pipeline.py`): each stage's chunk of layers
     is a layer scan of its own, with the `remat` policy."""
 
-    def chunk_scan(x_BTD: Array, chunk: Any, tables: tuple) -> tuple[Array, dict[str, Array]]:
+    def chunk_scan(
+        x_BTD: Array, chunk: LayerInputs, tables: LayerTables
+    ) -> tuple[Array, dict[str, Array]]:
         y_BTD, (stats, _) = _layer_scan(run_layer, x_BTD, chunk, tables, remat)
         return y_BTD, stats
 
