@@ -52,7 +52,7 @@ train:
 # glibc's malloc) and one compilation cache for the session (tests/conftest.py) shorten the
 # run; XLA:CPU at -O0 was tried and not kept (docs/notes/2026-12-05-install-and-test-times.md).
 test:
-	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile tests --nbmake notebooks
+	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=40 -n 2 --dist loadfile tests --nbmake notebooks
 
 test-fast:
 	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile -m "not slow" tests

@@ -56,12 +56,21 @@ def module_tmp_path(
 # out files in collection order) run them side by side and finish on the short files, rather
 # than one worker ending on a long one while the other idles.
 LONGEST_FILES = (
+    "tests/parallel/test_posttraining_recipes_aot.py",
     "tests/parallel/test_moe_recipe_235b_aot.py",
-    "tests/parallel/test_moe_recipes_aot.py",
     "tests/parallel/test_tpu_aot.py",
+    "tests/parallel/test_multi_tier.py",
     "tests/train/test_resume.py",
+    "tests/parallel/test_pipeline.py",
     "tests/parallel/test_multihost.py",
+    "tests/parallel/test_lost_process.py",
+    "tests/parallel/test_quantized_gather_aot.py",
+    "tests/parallel/test_moe_recipes_aot.py",
     "tests/train/test_quantized_training.py",
+    "tests/parallel/test_qlora_aot.py",
+    "tests/train/test_dpo.py",
+    "tests/train/test_lora_training.py",
+    "tests/parallel/test_context_parallel.py",
 )
 
 
