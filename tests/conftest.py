@@ -2,6 +2,7 @@
 (XLA's compiled steps, the measured CPU peak) in a temporary folder, not the user's ~/.cache."""
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -49,6 +50,17 @@ def module_tmp_path(
     path = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs() -> Iterator[None]:
+    """A module's compiled programs are dropped after it: a test worker runs hundreds of
+    modules, and JAX keeps every executable it compiled until told otherwise (a worker of the
+    whole suite grew past half this machine's memory and was killed). A later module that
+    builds the same program loads it from the session's compilation cache."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 # The test files whose single tests run longest (minutes of libtpu compile or subprocess
