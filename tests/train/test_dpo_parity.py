@@ -79,8 +79,8 @@ def trl_trainer(model, ref_model, loss_type, tmp_path, peft_config=None):
 
 def trl_loss(trainer, pairs):
     """TRL's DPO loss of the pairs (backpropagated into its model) and its logged metrics."""
-    trainer.plan.model.train()
-    loss = trainer.compute_loss(trainer.plan.model, trl_inputs(pairs))
+    trainer.model.train()
+    loss = trainer.compute_loss(trainer.model, trl_inputs(pairs))
     loss.backward()
     return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
@@ -118,7 +118,7 @@ def test_lora_dpo_loss_and_adapter_gradients_equal_trl(tmp_path, loss_type):
         tmp_path,
         peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=list(TARGETS), lora_dropout=0.0),
     )
-    model = trainer.plan.model
+    model = trainer.model
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -264,6 +264,10 @@ def _dot_quantized_weight(
     return _dot_codes(x, w.port, w.codes, calibration, dimension_numbers, config)
 
 
+# Hand-written VJP: the weight arrives as integer codes, which carry no gradient, so qwix's
+# backward sends the weight's cotangent to the zero port beside them. Without it:
+# tests/parallel/test_quantized_gather.py::
+# test_quantized_gathers_equal_quantizing_after_the_gather
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _dot_codes(
     x: Array,

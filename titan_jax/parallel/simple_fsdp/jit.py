@@ -100,6 +100,10 @@ def _gather_param_bwd(
 gather_param.defvjp(_gather_param_fwd, _gather_param_bwd)
 
 
+# Hand-written VJP: the gathered codes carry no gradient, so the port's cotangent is routed
+# to the stored shard, cast to reduce_dtype before its cross-shard sum. Without it:
+# tests/parallel/test_quantized_gather.py::
+# test_quantized_gathers_equal_quantizing_after_the_gather
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def gather_quantized(
     stored: jax.Array,
@@ -119,8 +123,9 @@ def gather_quantized(
     # Quantize on the shard and pin it there, as `gather_param` pins its cast: the codes,
     # not the weight, are what the gather moves.
     values = lax.with_sharding_constraint(codes.qvalue, storage)
-    values = lax.with_sharding_constraint(values, compute)
-    scale = lax.with_sharding_constraint(codes.scale, _sharding_of_scale(compute, codes.scale))
+    values = lax.with_sharding_constraint(give_shard_dim(values, shard_index), compute)
+    scale = give_shard_dim(codes.scale, shard_index)
+    scale = lax.with_sharding_constraint(scale, _sharding_of_scale(compute, codes.scale))
     port = give_shard_dim(jnp.zeros(x.shape, dtype), shard_index)
     port = lax.with_sharding_constraint(port, compute)
     return PrequantizedWeight(dataclasses.replace(codes, qvalue=values, scale=scale), port)

@@ -97,6 +97,10 @@ def _reduce_gradient(
 all_gather_param.defvjp(_all_gather_param_fwd, _all_gather_param_bwd)
 
 
+# Hand-written VJP: the gathered codes carry no gradient, so the port's cotangent is
+# reduce-scattered in reduce_dtype to the shard. Without it:
+# tests/parallel/test_quantized_gather.py::
+# test_quantized_gathers_equal_quantizing_after_the_gather
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def all_gather_quantized(
     shard: jax.Array,
