@@ -76,7 +76,6 @@ LONGEST_FILES = (
     "tests/parallel/test_pipeline.py",
     "tests/parallel/test_multihost.py",
     "tests/parallel/test_lost_process.py",
-    "tests/parallel/test_quantized_gather_aot.py",
     "tests/parallel/test_moe_recipes_aot.py",
     "tests/train/test_quantized_training.py",
     "tests/parallel/test_qlora_aot.py",

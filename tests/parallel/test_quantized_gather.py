@@ -83,7 +83,7 @@ def test_quantized_gathers_equal_quantizing_after_the_gather(implementation, mod
         assert grads[k].dtype == jnp.float32
         np.testing.assert_array_equal(grads[k], ref_grads[k])
     # The weights travel as codes: s8, and fp8 as XLA:CPU widens it (f16; TPU moves f8e4m3fn:
-    # tests/parallel/test_quantized_gather_aot.py); the reference's as the compute dtype (f32).
+    # tests/parallel/test_tpu_aot.py); the reference's as the compute dtype (f32).
     assert gathered_weights(ref_hlo) == ["f32", "f32"]
     assert gathered_weights(hlo) == ["s8" if mode == "int8" else "f16"] * 2
 

@@ -465,6 +465,16 @@ def test_lookahead_gather_raises_the_compiled_gather_overlap():
     assert temps[1] <= temps[0] + layer_bf16, temps
 
 
+def _gathered_weight_types(hlo: str) -> collections.Counter:
+    """Element types of a compiled program's all-gathers of the projection weights (results
+    with every dim > 1: not the embedding's or output's tables, nor scales), counted."""
+    return collections.Counter(
+        dtype
+        for dtype, dims in re.findall(r"= (\w+)\[([\d,]+)\][^ ]* all-gather(?:-start)?\(", hlo)
+        if min(int(d) for d in dims.split(",")) > 1
+    )
+
+
 def _matmul_operand_types(hlo: str) -> collections.Counter:
     """(lhs, rhs) element types of every dot and convolution of a compiled program."""
     types = {m[1]: m[2] for m in re.finditer(r"(?m)^\s*(?:ROOT\s+)?(%[\w.\-]+) = (\w+)\[", hlo)}
@@ -476,8 +486,9 @@ def _matmul_operand_types(hlo: str) -> collections.Counter:
 
 def test_int8_training_on_v6e_runs_its_matmuls_in_int8_and_is_priced_at_the_int8_peak():
     """`quantize.mode=int8` compiled for v6e-8: the projections' and SwiGLU's matmuls (forward
-    and both backward ones) take s8 x s8 operands, attention's score products stay bf16, and
-    the estimate prices the int8 ones at the chip's int8 rate (twice bf16's)."""
+    and both backward ones) take s8 x s8 operands, attention's score products stay bf16, FSDP
+    gathers s8 codes, each chip computes only its own rows (FLOPs per chip as bf16's), and the
+    estimate prices the int8 ones at the chip's int8 rate (twice bf16's)."""
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x4")
@@ -501,6 +512,9 @@ def test_int8_training_on_v6e_runs_its_matmuls_in_int8_and_is_priced_at_the_int8
     # Per layer: 4 projections + 3 SwiGLU matmuls, each forward, grad-input and grad-weight.
     assert int8[("s8", "s8")] >= 7 * 3
     assert ("bf16", "bf16") in int8  # attention's own products, the loss's projection
+    # FSDP gathers the weights' codes (`quantize.gather = "auto"`), not bf16 weights.
+    assert _gathered_weight_types(programs["none"]).keys() == {"bf16"}
+    assert _gathered_weight_types(programs["int8"]).keys() == {"s8"}
     chip = CHIPS["v6e"]
     costs = {m: hlo_cost.estimate(programs[m], chip, 8) for m in programs}
     assert costs["int8"]["flops_per_chip"] == pytest.approx(
@@ -515,8 +529,8 @@ def test_int8_training_on_v6e_runs_its_matmuls_in_int8_and_is_priced_at_the_int8
 
 def test_fp8_training_on_ironwood_runs_its_matmuls_in_e4m3_forward_and_e5m2_backward():
     """`quantize.mode=fp8` compiled for TPU7x (4 chips, 8 TensorCores): the projections' and
-    SwiGLU's forward matmuls take e4m3 x e4m3, the backward ones an e5m2 gradient; the estimate
-    prices them at Ironwood's fp8 rate."""
+    SwiGLU's forward matmuls take e4m3 x e4m3, the backward ones an e5m2 gradient; FSDP gathers
+    the weights as e4m3 codes; the estimate prices them at Ironwood's fp8 rate."""
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="tpu7x:2x2x1")
@@ -537,6 +551,7 @@ def test_fp8_training_on_ironwood_runs_its_matmuls_in_e4m3_forward_and_e5m2_back
     forward = types[("f8e4m3fn", "f8e4m3fn")]
     backward = types[("f8e5m2", "f8e4m3fn")] + types[("f8e4m3fn", "f8e5m2")]
     assert forward >= 7 and backward >= 2 * 7, types
+    assert _gathered_weight_types(hlo).keys() == {"f8e4m3fn"}  # the codes travel, one byte each
     chip = CHIPS["tpu7x"]  # fp8 at twice bf16's rate, e5m2 x e4m3 included
     assert chip.mxu_time_factors == {"f8e4m3fn": 0.5, "f8e5m2": 0.5}
     no_discount = dataclasses.replace(chip, peak_fp8_flops=0.0)
