@@ -90,6 +90,43 @@ def test_prompt_completion_pairs_train_on_the_completion(tmp_path):
     )
 
 
+# A template that lists the record's `tools` (as Qwen3's does in its system turn).
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}{%- for t in tools %}"
+    "{{ t.function.name + '\\n' }}{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_parquet_conversations_give_the_store_jsonl_gives_tools_included(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tool = {"type": "function", "function": {"name": "get_weather"}}
+    records = [{**c, "tools": [tool]} for c in CONVERSATIONS]
+    template = tmp_path / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
+    fmt = load_chat_format("messages", str(template), "")
+    _prepare(_write(tmp_path / "jsonl", records), tmp_path / "from_jsonl", fmt)
+    (tmp_path / "parquet").mkdir()
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "parquet" / "chat.parquet")
+    prepare_store(
+        dataset="parquet",
+        dataset_path=str(tmp_path / "parquet"),
+        text_field="text",
+        tokenizer=TOK,
+        output=str(tmp_path / "from_parquet"),
+        chat=fmt,
+    )
+    want, got = (open_corpus(str(tmp_path / s), TOK) for s in ("from_jsonl", "from_parquet"))
+    assert got.num_tokens == want.num_tokens
+    rows = [read_row(c, 0, c.num_tokens - 1) for c in (want, got)]
+    assert "get_weather" in TOK.decode(rows[1]["inputs"].tolist())  # the tools column is read
+    for k in ("inputs", "labels"):
+        np.testing.assert_array_equal(rows[1][k], rows[0][k])
+
+
 def test_windows_with_document_masks_keep_the_loss_mask(tmp_path):
     _prepare(_write(tmp_path / "src", CONVERSATIONS * 20), tmp_path / "store")
     corpus = open_corpus(str(tmp_path / "store"), TOK)

@@ -37,6 +37,8 @@ FORMATS = {
     "prompt_completion": ("prompt", "completion"),
     "preference": ("prompt", "chosen", "rejected"),
 }
+# The fields a format reads where a record has them (a parquet file is read for its columns).
+OPTIONAL_FIELDS = {"messages": ("tools",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,10 @@ class ChatFormat:
     @property
     def fields(self) -> tuple[str, ...]:
         return FORMATS[self.kind]
+
+    @property
+    def optional_fields(self) -> tuple[str, ...]:
+        return OPTIONAL_FIELDS.get(self.kind, ())
 
     @property
     def sha256(self) -> str:

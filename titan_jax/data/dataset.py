@@ -81,13 +81,14 @@ def read_documents(dataset: str, file: str, text_field: str) -> Iterator[str]:
 
 
 def read_records(
-    dataset: str, file: str, fields: tuple[str, ...]
+    dataset: str, file: str, fields: tuple[str, ...], optional: tuple[str, ...] = ()
 ) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, record) of each record of one jsonl or parquet file, in file order, streamed;
-    every record has `fields` (a jsonl record keeps its other keys too); `where` names its file
-    and line (or row) for messages."""
+    every record has `fields`, and `optional` where the file has them (a jsonl record keeps all
+    its keys; a parquet file is read for these columns only); `where` names its file and line
+    (or row) for messages."""
     if dataset == "parquet":
-        yield from _parquet_records(file, fields)
+        yield from _parquet_records(file, fields, optional)
         return
     if dataset != "jsonl":
         raise DataError(
@@ -114,14 +115,17 @@ def _open_parquet(file: str) -> Iterator[pq.ParquetFile]:
         yield parquet
 
 
-def _parquet_records(file: str, fields: tuple[str, ...]) -> Iterator[tuple[str, dict[str, Any]]]:
+def _parquet_records(
+    file: str, fields: tuple[str, ...], optional: tuple[str, ...]
+) -> Iterator[tuple[str, dict[str, Any]]]:
     with _open_parquet(file) as parquet:
         names = parquet.schema_arrow.names
         missing = [k for k in fields if k not in names]
         if missing:
             raise DataError(f"{file}: no column {missing[0]!r} (columns: {names})")
+        columns = [*fields, *(k for k in optional if k in names)]
         row = 0
-        for batch in _batches(parquet, file, list(fields)):
+        for batch in _batches(parquet, file, columns):
             for record in batch.to_pylist():
                 yield f"{file} row {row}", record
                 row += 1

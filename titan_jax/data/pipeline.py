@@ -121,7 +121,9 @@ def check_inputs(config: JobConfig, tokenizer: Tokenizer) -> None:
             # unreadable, damaged or mistyped files fail here, before the store is written.
             if chat is None:
                 next(iter(read_documents(t.dataset, file, t.text_field)), None)
-            elif first := next(iter(read_records(t.dataset, file, chat.fields)), None):
+            elif first := next(
+                iter(read_records(t.dataset, file, chat.fields, chat.optional_fields)), None
+            ):
                 encode_documents(*first, chat, tokenizer)
     if v.enable:
         try:

@@ -396,7 +396,7 @@ def _items(
         documents: Iterator[Document] = (
             read_documents(dataset, file, text_field)
             if chat is None
-            else read_records(dataset, file, chat.fields)
+            else read_records(dataset, file, chat.fields, chat.optional_fields)
         )
         yield from ((i, c) for c in _chunks(documents))
         yield i, None  # the file's end: its shard exists even when it holds no document
