@@ -268,6 +268,10 @@ OTHER_CASES = [
         f"destination TMP/{LONG}: {TOO_LONG}",
     ),
     (
+        ["prepare-data", "--config", "configs/qwen3_debug.toml", "--output", f"TMP/{LONG}"],
+        f"--output=TMP/{LONG}: {TOO_LONG}",
+    ),
+    (
         [
             "convert",
             "--from",

@@ -86,3 +86,30 @@ def test_a_tokenizer_without_a_chat_template_is_one_line_and_its_hint_works(
     template = tmp_path / "chat.jinja"
     shutil.copy("titan_jax/data/assets/chat_template.jinja", template)
     assert main([*argv, "--training.chat_template", str(template)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ([{"role": "user", "content": "Hi"}], "chat.jsonl:2: messages has no assistant message"),
+        (
+            [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hey"}],
+            "chat.jsonl:2: messages[1] has role 'bot'; valid roles: system, user, assistant, tool",
+        ),
+    ],
+    ids=["no-assistant-turn", "unknown-role"],
+)
+def test_a_bad_conversation_is_one_line_at_train_and_nothing_is_written(
+    tmp_path, capsys, one_device, messages, message
+):
+    """train prepares its store under the run folder on first use: a bad record found there
+    leaves no run folder behind."""
+    good = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (good, messages)))
+    argv = ["train", "--config", RECIPE, *QUIET, "--training.steps", "1"]
+    argv += ["--validation.enable", "false", "--training.dataset_path", str(data)]
+    assert main([*argv, "--job.dump_folder", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("titan-jax: error: ") and message in err[0], err
+    assert not (tmp_path / "run").exists()
