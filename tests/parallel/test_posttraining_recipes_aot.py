@@ -33,7 +33,6 @@ HBM = {"v5p": 95, "v6e": 32, "v5e": 16}  # GiB a chip
 @pytest.mark.parametrize(
     ("recipe", "topology"),
     [
-        ("configs/qwen3_8b_sft.toml", "v5p-8"),
         ("configs/qwen3_8b_sft.toml", "v6e-8"),
         ("configs/qwen3_8b_lora.toml", "v5e-4"),
         ("configs/qwen3_30b_a3b_lora.toml", "v5p-8"),
