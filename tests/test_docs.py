@@ -36,6 +36,33 @@ GENERATED = re.compile(
     r"<!-- (\w+):begin -->.*?<!-- \1:end -->|<!-- rules table:.*?<!-- end of rules table -->",
     re.S,
 )
+# A statement of a run's result in a user doc: a time or speed read off a run (a decimal, a
+# range or an approximation: settings are round and exact), a loss or accuracy to two decimals,
+# or the words that introduce one. Round settings, limits and formulas do not match.
+TIME_UNITS = r"(?:ms|µs|us|s|min|minutes?|seconds?|hours?)"
+SPEEDS = r"(?:tokens/s|it/s|steps/s|[GT]FLOP/s)"
+RUN_RESULT = re.compile(
+    MEASURED.pattern
+    + rf"|(?<![\w.])\d+\.\d+\s?{TIME_UNITS}(?![\w/])"
+    + rf"|(?<![\w.])\d+(?:\.\d+)?\s?-\s?\d+(?:\.\d+)?\s?{TIME_UNITS}(?![\w/])"
+    + rf"|(?:~|\babout |\baround |\broughly )\d[\d,.]*\s?(?:{TIME_UNITS}|{SPEEDS})(?![\w/])"
+    + rf"|(?<![\w.])\d[\d,.]*[kM]?\s?{SPEEDS}"
+    + r"|\b(?:loss|accuracy)\b[^.;:]{0,60}?(?<![\w.])\d+\.\d{2,}(?![\d%e])"
+    + r"|\b(?:[Mm]easured (?:on|here|with|in)\b|on this CPU\b|on \d (?:quiet )?CPU cores|took \d)"
+)
+NOTE_LINK = re.compile(r"notes/\d{4}-\d{2}-\d{2}-[a-z0-9-]+\.md")
+# Figures others measured and published, each row naming its source (the estimator's constants
+# and its calibration, which titan_jax/planner/ holds too).
+PUBLISHED = re.compile(r"<!-- published figures:begin -->.*?<!-- published figures:end -->", re.S)
+# Statements of a user doc that state figures of no run of ours, each with why.
+ALLOWED_STATEMENTS = {
+    ("docs/USAGE.md", "step 220/400"): "a sample of the log line, showing its format",
+    ("docs/PARALLELISM.md", "collectives after SPMD"): "inspect's output: static counts, bytes",
+    ("docs/PARALLELISM.md", "Across slices PP wins"): "read off the generated table above it",
+    ("docs/PARITY.md", "to fetch Qwen3-0.6B"): "the size of the published checkpoint",
+    ("docs/TPU.md", "`usable_hbm_bytes`"): "XLA:TPU's limits per chip, read from its refusal",
+}
+
 # Times in code comments that are not measurements of ours, each with why.
 ALLOWED_TIMINGS = {
     ("titan_jax/cli.py", "30 s"): "gloo's own fixed timeout, the reason for the code below it",
@@ -102,6 +129,70 @@ def test_a_figure_copied_to_a_second_page_is_caught():
     assert stated_twice(pages) == {"3.04 s": ["a.md", "b.md"], "49.2% MFU": ["a.md", "b.md"]}
     # the generated table and the round setting are not places; one page alone is fine
     assert stated_twice({"a.md": pages["a.md"], "c.md": pages["c.md"]}) == {}
+
+
+def statements(text: str) -> list[str]:
+    """The paragraphs, list items, table rows and fenced blocks of a page: what a link beside a
+    figure can vouch for."""
+    out: list[list[str]] = []
+    fenced = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if not fenced:
+                out.append([])
+            fenced = not fenced
+        elif fenced:
+            out[-1].append(line)
+        elif not line.strip():
+            out.append([])
+        elif re.match(r"\s*(?:[-*] |\d+\. |\||#)", line) or not out:
+            out.append([line])
+        else:
+            out[-1].append(line)
+    return ["\n".join(lines) for lines in out if lines]
+
+
+def unsourced_results(name: str, text: str) -> list[str]:
+    """Figures of a run stated on a user page without a link to the note that measured them;
+    generated and published tables, inline code (commands, log lines quoted) and the allowed
+    statements left out."""
+    found = []
+    for statement in statements(PUBLISHED.sub("", GENERATED.sub("", text))):
+        if NOTE_LINK.search(statement) or any(
+            page == name and start in statement for page, start in ALLOWED_STATEMENTS
+        ):
+            continue
+        prose = re.sub(r"`[^`]*`", "", statement)
+        found += [f"{name}: {m.group(0)!r}" for m in RUN_RESULT.finditer(prose)]
+    return found
+
+
+def test_user_docs_state_run_results_only_beside_their_note():
+    found = []
+    for page in user_pages():
+        found += unsourced_results(str(page.relative_to(ROOT)), page.read_text())
+    assert not found, (
+        f"figures of a run in a user doc (move them to a dated note, link it): {found}"
+    )
+
+
+def test_a_run_result_without_its_note_is_caught():
+    moved = (
+        "With one 1,024-token row a step, its held-out loss on the assistant's tokens falls "
+        "from 7.02 (step 4) to 6.49 (step 16) from a random init."
+    )
+    (found,) = unsourced_results("a.md", moved)  # the line moved out of docs/POSTTRAINING.md
+    assert found.endswith("falls from 7.02'") or found.endswith('falls from 7.02"'), found
+    pages = {
+        "packing.md": "- Packing: ~4 s per million conversations on this CPU.",
+        "sweep.md": "Compiling: 25-50 minutes a recipe.",
+        "code.md": "```sh\nmake train  # 6.5 s a step\n```",
+    }
+    for name, text in pages.items():
+        assert unsourced_results(name, text), name
+    linked = "- Packing: ~4 s per million ([measured](notes/2026-12-06-packing.md))."
+    settings = "Heartbeats every 2 s; `distributed.step_timeout=600 s`; a 30 s timeout."
+    assert unsourced_results("a.md", linked + "\n\n" + settings) == []
 
 
 def test_comments_config_help_and_makefile_hold_no_timings():
