@@ -232,6 +232,11 @@ CASES = {
             ["--distributed.heartbeat_timeout", "0"],
             "distributed.heartbeat_timeout=0 must be >= 1 seconds",
         ),
+        (
+            ["--lora.rank", "8", "--lora.target_modules", "experts"],
+            "lora.target_modules='experts' matches no projection of model.flavor=debugmodel, "
+            "which is dense (it has no experts); name some of attention,mlp,q_proj,",
+        ),
     ],
 }
 
