@@ -4,7 +4,7 @@ in its stored dtype (int8 codes, nf4 codes two to a byte) and holds less per chi
 narrows (a bf16 base: docs/POSTTRAINING.md).
 
 Layers are cut to 2 (what fails to compile fails at any depth); the full-depth figures
-(`titan-jax compile`) are in docs/POSTTRAINING.md.
+(`titan-jax compile`) are in docs/notes/2026-12-06-lora-memory.md.
 """
 
 from __future__ import annotations

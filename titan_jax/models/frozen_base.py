@@ -105,7 +105,8 @@ def dequantize(codes: Array, scale: Array, base: FrozenBase) -> Array:
     """The weight (fp32) that `quantize` stored as `codes` and `scale`: qwix's `dequantize`
     (int8, fp8), or the same numbers for nf4 by elementwise ops only. qwix looks nf4 codes up
     by a gather over the flattened weight, which XLA:TPU materialises with int32 indices: 8B
-    QLoRA on v5e-4 then needs about three times the temporaries (docs/POSTTRAINING.md)."""
+    QLoRA on v5e-4 then needs about three times the temporaries
+    (docs/notes/2026-12-06-lora-memory.md)."""
     import qwix
 
     if base.dtype != "nf4":
