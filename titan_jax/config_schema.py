@@ -166,10 +166,11 @@ class Parallelism:
     pipeline_parallel_degree: int = 1
     # "gpipe": each stage holds one chunk of consecutive layers; "interleaved": each holds
     # `pipeline_parallel_virtual_stages` chunks placed round-robin (chunk c on stage c mod pp,
-    # MaxText's circular pipeline), a smaller bubble for more sends. Backward runs after the
-    # whole forward in both (no 1F1B).
-    pipeline_parallel_schedule: Literal["gpipe", "interleaved"] = "gpipe"
-    # Chunks per stage under "interleaved" (>= 2); 1 under "gpipe".
+    # MaxText's circular pipeline), a smaller bubble for more sends; in both backward runs
+    # after the whole forward. "1f1b": gpipe's placement and bubble, forward and backward
+    # alternating, so a stage keeps 2 (pp - 1) microbatches' inputs, not all of them.
+    pipeline_parallel_schedule: Literal["gpipe", "interleaved", "1f1b"] = "gpipe"
+    # Chunks per stage under "interleaved" (>= 2); 1 under "gpipe" and "1f1b".
     pipeline_parallel_virtual_stages: int = 1
     # Slices of each (gradient-accumulation) microbatch's rows that flow through the stages;
     # -1: pipeline_parallel_degree. At least the degree; must divide the local batch size.

@@ -95,7 +95,7 @@ def pipeline_scan(
         y_PbTD, tick_stats = stages(state_PbTD, chunks, r, i)
         y_PbTD = constrain(y_PbTD, STAGE_AXES)
         stats = jax.tree.map(
-            lambda acc, s: jax.vmap(_add_at)(acc, r, jnp.where(_lead(valid, s), s, 0)),
+            lambda acc, s: jax.vmap(_add_at)(acc, r, jnp.where(lead_mask(valid, s), s, 0)),
             stats,
             tick_stats,
         )
@@ -106,7 +106,7 @@ def pipeline_scan(
         # Each stage's output to the next; stage 0 takes the next item from the buffer.
         rolled = jnp.roll(y_PbTD, 1, axis=0)
         fresh = jax.lax.dynamic_index_in_dim(buffer_MbTD, (t + 1) % m, 0, keepdims=False)
-        state_PbTD = constrain(jnp.where(_lead(stage == 0, rolled), fresh, rolled), STAGE_AXES)
+        state_PbTD = constrain(jnp.where(lead_mask(stage == 0, rolled), fresh, rolled), STAGE_AXES)
         return (state_PbTD, buffer_MbTD, stats), None
 
     state_PbTD = jnp.zeros((p, *buffer_MbTD.shape[1:]), x_BTD.dtype).at[0].set(buffer_MbTD[0])
@@ -117,7 +117,7 @@ def pipeline_scan(
     )
     operands = (x_BTD, *jax.tree.leaves(chunks))
     zeros = jax.tree.map(
-        lambda s: _varying_like(jnp.zeros((p, v, *s.shape), s.dtype), operands), one
+        lambda s: varying_like(jnp.zeros((p, v, *s.shape), s.dtype), operands), one
     )
     (_, buffer_MbTD, stats), _ = jax.lax.scan(
         tick, (state_PbTD, buffer_MbTD, zeros), jnp.arange(ticks)
@@ -127,7 +127,7 @@ def pipeline_scan(
     return buffer_MbTD.reshape(x_BTD.shape), stats
 
 
-def _varying_like(init: Array, operands: tuple[Array, ...]) -> Array:
+def varying_like(init: Array, operands: tuple[Array, ...]) -> Array:
     """`init` varying over every manual mesh axis an operand varies over: inside a shard_map a
     loop's carry keeps one type, and the ticks mix the tokens and weights into it."""
     varying = lambda a: jax.typeof(a).mat.varying  # noqa: E731
@@ -135,7 +135,7 @@ def _varying_like(init: Array, operands: tuple[Array, ...]) -> Array:
     return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
 
 
-def _lead(mask: Array, like: Array) -> Array:
+def lead_mask(mask: Array, like: Array) -> Array:
     """`mask` (leading dims of `like`) broadcastable against `like`."""
     return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))
 

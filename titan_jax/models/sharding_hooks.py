@@ -165,12 +165,16 @@ class PipelineSplit:
     """How the stacked layers run as a pipeline (`titan_jax/models/pipeline.py`): `degree`
     stages, each holding `virtual` chunks of consecutive layers (chunk c on stage c mod degree:
     the circular, or interleaved, placement), fed `microbatches` slices of the batch. `axis`:
-    the mesh axis the stage dim is split over (None: no mesh). `degree` 1: one layer scan."""
+    the mesh axis the stage dim is split over (None: no mesh). `degree` 1: one layer scan.
+    `schedule`: "gpipe" or "interleaved" (backward is autodiff's: every forward tick first), or
+    "1f1b" (`titan_jax/models/one_f_one_b.py`: forward and backward alternate, the loss inside
+    the pipeline)."""
 
     degree: int = 1
     virtual: int = 1
     microbatches: int = 1
     axis: str | None = None
+    schedule: str = "gpipe"
 
 
 class Parallelism:

@@ -35,6 +35,9 @@ from titan_jax.yarn import YarnScaling
 
 Params = dict[str, Any]
 Aux = dict[str, Any]  # {"loss": scalar, "stats": {name: array}}
+# (final hidden states (B, T, D), output projection (D, V), labels (B, T)) -> the summed loss
+# of those rows: what `ModelDef.forward_loss` takes from the objective.
+HeadLoss = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 class ModelArgs(Protocol):
@@ -121,6 +124,21 @@ class ModelDef(Protocol):
         dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, Aux]:
         """`dropout_key`: the step's LoRA dropout key (training only; None: no dropout)."""
+        ...
+
+    def forward_loss(
+        self,
+        params: Params,
+        buffers: Params,
+        tokens_BT: jax.Array,
+        labels_BT: jax.Array,
+        head_loss: HeadLoss,
+        dtype: DTypeLike,
+        dropout_key: jax.Array | None = None,
+    ) -> tuple[jax.Array, Aux]:
+        """(`head_loss` of the forward's output summed over the batch, aux): `forward` then
+        the loss, or both inside the pipeline when its schedule needs the loss there (1F1B,
+        whose forward also computes the gradients)."""
         ...
 
     def apply(self, params: Params, tokens_BT: jax.Array, dtype: DTypeLike) -> jax.Array:

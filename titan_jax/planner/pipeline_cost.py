@@ -17,6 +17,11 @@ comparison is in what each adds to it:
   back each step (the layers are stored in one layout, `layers` split over pp in consecutive
   blocks). Each chip holds
   1 / pp of the model's state (a stage's layers) where HSDP holds it whole in every slice.
+- 1F1B (`models/one_f_one_b.py`): GPipe's placement, bubble and sends; each stage's backward
+  recomputes its forward from the saved stage input, one forward more than GPipe's (2 / 6 of
+  the training FLOPs on top of full remat's 8 / 6), for activation memory that does not grow
+  with the batch: 2 (pp - 1) stage inputs and one microbatch's recompute of a stage's layers,
+  where GPipe keeps every microbatch's layer inputs (full remat).
 
 The times are upper bounds on what each adds: transfers are counted exposed (not overlapped with
 compute), the compute at the chip's sustained matmul rate (full remat: 8 / 6 of the training
@@ -28,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from titan_jax.models import get_model_spec
+from titan_jax.models.one_f_one_b import slots
 from titan_jax.models.pipeline import bubble_fraction
 from titan_jax.planner import sustained
 from titan_jax.planner.topology import TpuSlice
@@ -36,6 +42,7 @@ GRAD_BYTES = 4  # fp32 gradient reductions (training.mixed_precision_reduce)
 ACT_BYTES = 2  # bf16 activations between stages
 STATE_BYTES = 12  # fp32 master weights + Adam's two moments per parameter
 REMAT_FULL = 8 / 6  # full activation checkpointing recomputes the forward
+STAGE_RECOMPUTE = 2 / 6  # 1F1B's backward recomputes each stage's forward once more
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +52,7 @@ class ModelShape:
     params: int
     flops_per_token: float
     dim: int
+    layers: int
 
     @classmethod
     def of(cls, family: str, flavor: str, seq_len: int) -> ModelShape:
@@ -52,17 +60,24 @@ class ModelShape:
         abstractly (nothing allocated)."""
         spec = get_model_spec(family)
         args = spec.flavor(flavor)
-        return cls(spec.build(args).num_params(), spec.flops_per_token(args, seq_len), args.dim)
+        return cls(
+            spec.build(args).num_params(),
+            spec.flops_per_token(args, seq_len),
+            args.dim,
+            args.n_layers,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """One way to place a run: `pp` stages (`virtual` chunks each, `microbatches` slices of the
-    batch), the rest data-parallel (FSDP inside a slice, HSDP's replicas across slices)."""
+    batch, `schedule` "gpipe", "interleaved" or "1f1b"), the rest data-parallel (FSDP inside a
+    slice, HSDP's replicas across slices)."""
 
     pp: int = 1
     virtual: int = 1
     microbatches: int = 1
+    schedule: str = "gpipe"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +91,7 @@ class LayoutCost:
     weight_gathers: float  # the model's weights FSDP-gathered per step, in whole models (ICI)
     state_bytes: float  # master weights + optimizer moments per chip
     bubble_fraction: float  # of the ticks, idle
+    activation_bytes: float  # layer inputs (bf16) kept between forward and backward, per chip
 
     @property
     def step_s(self) -> float:
@@ -90,7 +106,8 @@ def layout_cost(
     chip, slices = tpu.chip, tpu.num_slices
     chips = tpu.chips * slices * chip.devices_per_chip
     params, dim = model.params, model.dim
-    flops = model.flops_per_token * tokens_per_chip * REMAT_FULL
+    recompute = REMAT_FULL + (STAGE_RECOMPUTE if layout.schedule == "1f1b" else 0)
+    flops = model.flops_per_token * tokens_per_chip * recompute
     # The rate of a (tokens x dim) x (dim x dim) matmul, the size of the model's projections.
     rate = chip.peak_bf16_flops * sustained.matmul_share(
         chip.generation, 2 * tokens_per_chip * dim * dim
@@ -126,4 +143,28 @@ def layout_cost(
         # Each tick gathers one chunk (1 / (pp v) of the model), forward and backward.
         regather = ticks / (pp * v)
         state = params * STATE_BYTES / chips
-    return LayoutCost(compute, bubble, dcn, ici_sends, regather, state, bubble_fraction(pp, v, m))
+    return LayoutCost(
+        compute,
+        bubble,
+        dcn,
+        ici_sends,
+        regather,
+        state,
+        bubble_fraction(pp, v, m),
+        activation_bytes(model, tokens_per_chip, layout),
+    )
+
+
+def activation_bytes(model: ModelShape, tokens_per_chip: int, layout: Layout) -> float:
+    """Per chip, the layer inputs (bf16, full remat) a step keeps between forward and backward:
+    every layer's for every token of the stage's chip (no PP, GPipe, interleaved: all of the
+    batch's microbatches wait for backward); under 1F1B 2 (pp - 1) stage inputs and one
+    microbatch's layer inputs through the stage's layers (its recompute), whatever the batch.
+    The bubble of 1F1B is GPipe's: (pp - 1) / (m + pp - 1)."""
+    pp, m = layout.pp, layout.microbatches
+    per_token = model.dim * ACT_BYTES
+    if layout.schedule != "1f1b":
+        # A stage's chips hold pp x a data-parallel chip's tokens, for L / pp layers.
+        return model.layers * tokens_per_chip * per_token
+    microbatch = pp * tokens_per_chip / m
+    return (slots(pp) + model.layers / pp) * microbatch * per_token

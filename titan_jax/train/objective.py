@@ -79,10 +79,10 @@ class CrossEntropy:
     ) -> SummedLossParts:
         if isinstance(params, tuple):  # keeps_reference is False: the step passes no reference
             raise TypeError("cross-entropy takes the model's params, not (policy, reference)")
-        h, w_out, aux = model.forward(params, buffers, inputs, dtype, dropout_key)
-        with jax.named_scope("loss"):
-            total = cross_entropy_sum(h, w_out, labels)
-            return total + aux["loss"] if aux_loss else total, aux["stats"], {}
+        total, aux = model.forward_loss(
+            params, buffers, inputs, labels, _cross_entropy_sum, dtype, dropout_key
+        )
+        return total + aux["loss"] if aux_loss else total, aux["stats"], {}
 
     def metrics(self, sums: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
         del sums, count
@@ -90,6 +90,11 @@ class CrossEntropy:
 
 
 CROSS_ENTROPY = CrossEntropy()
+
+
+def _cross_entropy_sum(h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array) -> jax.Array:
+    with jax.named_scope("loss"):
+        return cross_entropy_sum(h_BTD, w_DV, labels_BT)
 
 
 def objective_for(dpo: Dpo, lora: bool) -> Objective:

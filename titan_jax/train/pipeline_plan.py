@@ -22,10 +22,11 @@ def plan_pipeline(config: JobConfig, args: Any, degrees: MeshDegrees) -> Pipelin
         p.pipeline_parallel_virtual_stages,
         p.pipeline_parallel_schedule,
     )
-    if schedule == "gpipe" and virtual != 1:
+    if schedule in ("gpipe", "1f1b") and virtual != 1:
         raise ConfigError(
             f"parallelism.pipeline_parallel_virtual_stages={virtual} needs "
-            "pipeline_parallel_schedule=interleaved (gpipe holds one chunk a stage: set it to 1)"
+            f"pipeline_parallel_schedule=interleaved ({schedule} holds one chunk a stage: set "
+            "it to 1)"
         )
     if schedule == "interleaved" and virtual < 2:
         raise ConfigError(
@@ -63,4 +64,22 @@ def plan_pipeline(config: JobConfig, args: Any, degrees: MeshDegrees) -> Pipelin
             "parallelism.fsdp_lookahead_gather cannot run under pipeline_parallel_degree="
             f"{pp} (the stages replace the look-ahead layer scan); set it to false"
         )
-    return PipelineSplit(pp, virtual, m, PP_AXIS)
+    if schedule == "1f1b":
+        _check_one_f_one_b(config, args)
+    return PipelineSplit(pp, virtual, m, PP_AXIS, schedule)
+
+
+def _check_one_f_one_b(config: JobConfig, args: Any) -> None:
+    """1F1B computes each microbatch's cross-entropy inside the pipeline, at its last stage
+    (`models/one_f_one_b.py`): a loss of the whole batch cannot be split that way."""
+    if config.dpo.enable:
+        raise ConfigError(
+            "parallelism.pipeline_parallel_schedule=1f1b cannot train dpo.enable=true (its "
+            "loss compares whole sequences of two models); use gpipe"
+        )
+    coef = config.moe.router_aux_loss_coef
+    if args.is_moe and coef > 0:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule=1f1b cannot take moe.router_aux_loss_coef="
+            f"{coef} (a loss of the whole batch's routing); use gpipe, or set it to 0"
+        )

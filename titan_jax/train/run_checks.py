@@ -89,6 +89,19 @@ def check_lookahead_gather(config: JobConfig, fsdp: type[SimpleFSDP], attention:
         )
 
 
+def check_one_f_one_b(config: JobConfig, degrees: MeshDegrees, fsdp: type[SimpleFSDP]) -> None:
+    """The 1F1B pipeline (models/one_f_one_b.py) beside tensor parallelism aborts XLA's SPMD
+    partitioner inside the shard_map implementation (`SimpleFSDP.hosts_one_f_one_b_with_tp`)."""
+    p = config.parallelism
+    if p.pipeline_parallel_schedule != "1f1b" or degrees.pp == 1 or degrees.tp == 1:
+        return
+    if not fsdp.hosts_one_f_one_b_with_tp:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule=1f1b with tensor_parallel_degree={degrees.tp} "
+            "needs parallelism.fsdp_implementation=jit (or pipeline_parallel_schedule=gpipe)"
+        )
+
+
 def check_layer_input_offload(config: JobConfig) -> None:
     """A layer's input is offloaded by the layer scan's remat policy: there is none without
     remat, and the look-ahead gather's scan remats on its own."""

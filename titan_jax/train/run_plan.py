@@ -178,6 +178,7 @@ def plan_run(
         cp_method,
     )
     run_checks.check_lookahead_gather(config, fsdp, attention)
+    run_checks.check_one_f_one_b(config, degrees, fsdp)
     run_checks.check_layer_input_offload(config)
     lora = plan_decisions.resolve_lora(config, args, param_dtype)
     model = spec.build(args, build_options(config, platform, attention, quantization, lora))

@@ -30,7 +30,8 @@ from titan_jax.models.qwen3.model import (
 )
 from titan_jax.models.qwen3.moe import expert_kernel_for, update_expert_bias
 from titan_jax.models.remat import remat_policy
-from titan_jax.models.spec import Aux, BuildOptions, Params
+from titan_jax.models.sharding_hooks import pipeline_split
+from titan_jax.models.spec import Aux, BuildOptions, HeadLoss, Params
 from titan_jax.trees import leaf_name, nested_set
 
 EXPERT_BIAS = "expert_bias"
@@ -107,6 +108,34 @@ class Qwen3Def:
             dropout_key=dropout_key,
         )
         return h_BTD, model.output_weight(dtype), {"loss": aux_loss, "stats": stats}
+
+    def forward_loss(
+        self,
+        params: Params,
+        buffers: Params,
+        tokens_BT: jax.Array,
+        labels_BT: jax.Array,
+        head_loss: HeadLoss,
+        dtype: DTypeLike = jnp.float32,
+        dropout_key: jax.Array | None = None,
+    ) -> tuple[jax.Array, Aux]:
+        """(`head_loss` summed over the batch, aux); under the 1F1B pipeline schedule the loss
+        runs inside the pipeline, per microbatch (`models/one_f_one_b.py`)."""
+        split = pipeline_split()
+        if split.degree == 1 or split.schedule != "1f1b":
+            h_BTD, w_DV, aux = self.forward(params, buffers, tokens_BT, dtype, dropout_key)
+            return head_loss(h_BTD, w_DV, labels_BT), aux
+        loss, stats = nnx.merge(self.graphdef, params).one_f_one_b_loss(
+            tokens_BT,
+            labels_BT,
+            head_loss,
+            jnp.dtype(dtype),
+            self.remat,
+            self.options.activation_stats,
+            buffers.get(EXPERT_BIAS),
+            dropout_key,
+        )
+        return loss, {"loss": jnp.zeros((), jnp.float32), "stats": stats}
 
     def apply(
         self, params: Params, tokens_BT: jax.Array, dtype: DTypeLike = jnp.float32

@@ -41,6 +41,7 @@ from titan_jax.models.embedding import vocab_lookup
 from titan_jax.models.frozen_weights import IN_DIMS, QuantizedWeight
 from titan_jax.models.lookahead import scan_with_lookahead
 from titan_jax.models.lora import NO_LORA, Lora
+from titan_jax.models.one_f_one_b import one_f_one_b_loss
 from titan_jax.models.pipeline import pipeline_scan
 from titan_jax.models.quantization import NONE, Quantization, QuantizedDot, dot
 from titan_jax.models.qwen3.adapter import Adapter, adapter_beside
@@ -57,6 +58,7 @@ from titan_jax.models.sharding_hooks import (
     sequence_split,
     use_param,
 )
+from titan_jax.models.spec import HeadLoss
 
 Array = jax.Array
 
@@ -427,6 +429,43 @@ class Qwen3(nnx.Module):
         dropout_key: LoRA dropout on the adapters' inputs (training), each layer's key split
         from it; None: no dropout.
         """
+        x_BTD, tables, run_layer, (layers_state, expert_bias_LE, _, keys) = self._layer_inputs(
+            tokens_BT, dtype, activation_stats, expert_bias_LE, start, dropout_key
+        )
+        split = pipeline_split()
+        if split.degree > 1 and kv_cache is None:  # training and evaluation, not decoding
+            scan = functools.partial(_pipelined_scan, remat=remat, split=split)
+        elif lookahead and kv_cache is None:
+            scan = functools.partial(_lookahead_scan, dtype=dtype)
+        else:
+            scan = functools.partial(_layer_scan, remat=remat)
+        x_BTD, (stats, kv_cache) = scan(
+            run_layer, x_BTD, (layers_state, expert_bias_LE, kv_cache, keys), tables
+        )
+        aux_loss = jnp.zeros((), jnp.float32)
+        if self.args.is_moe:
+            prob_sum = stats.pop("router_prob_sum")
+            if self.args.router_aux_loss_coef > 0:
+                n = tokens_BT.size
+                aux_loss = (
+                    self.args.router_aux_loss_coef
+                    * n
+                    * router_aux_loss(stats["tokens_per_expert"], prob_sum, n)
+                )
+        return self.norm(x_BTD), stats, aux_loss, kv_cache
+
+    def _layer_inputs(
+        self,
+        tokens_BT: Array,
+        dtype: jnp.dtype,
+        activation_stats: bool,
+        expert_bias_LE: Array | None,
+        start: Array | int,
+        dropout_key: Array | None,
+    ) -> tuple[Array, LayerTables, Callable, LayerInputs]:
+        """What the layer scans take (see `hidden_states`): the embedded tokens (B, T, D), the
+        layers' (cos, sin, segment ids) tables, one layer's function and the stacked layers'
+        inputs (state, expert bias, no KV cache, dropout keys)."""
         if self.args.is_moe and expert_bias_LE is None:
             expert_bias_LE = jnp.zeros((self.args.n_layers, self.args.num_experts), jnp.float32)
         t = tokens_BT.shape[1]
@@ -465,33 +504,67 @@ class Qwen3(nnx.Module):
                 stats["activation_count"] = jnp.float32(y_BTD.size)
             return y_BTD, (stats, kv)
 
-        split = pipeline_split()
-        if split.degree > 1 and kv_cache is None:  # training and evaluation, not decoding
-            scan = functools.partial(_pipelined_scan, remat=remat, split=split)
-        elif lookahead and kv_cache is None:
-            scan = functools.partial(_lookahead_scan, dtype=dtype)
-        else:
-            scan = functools.partial(_layer_scan, remat=remat)
-        x_BTD, (stats, kv_cache) = scan(
-            run_layer, x_BTD, (layers_state, expert_bias_LE, kv_cache, layer_keys), tables
+        return x_BTD, tables, run_layer, (layers_state, expert_bias_LE, None, layer_keys)
+
+    def one_f_one_b_loss(
+        self,
+        tokens_BT: Array,
+        labels_BT: Array,
+        head_loss: HeadLoss,
+        dtype: jnp.dtype,
+        remat: Callable | None = None,
+        activation_stats: bool = False,
+        expert_bias_LE: Array | None = None,
+        dropout_key: Array | None = None,
+    ) -> tuple[Array, dict[str, Array]]:
+        """(`head_loss` of the final-normed hidden states summed over the batch, aux stats), the
+        layers run as the 1F1B pipeline (`models/one_f_one_b.py`): the final norm and the loss
+        run per microbatch on the last stage. Arguments as `hidden_states`'; the MoE aux loss
+        (a function of the whole batch's routing) cannot be split into microbatches."""
+        if self.args.is_moe and self.args.router_aux_loss_coef > 0:
+            raise ValueError("the 1F1B pipeline cannot take the router's aux loss")
+        x_BTD, tables, run_layer, (layers_state, expert_bias_LE, _, keys) = self._layer_inputs(
+            tokens_BT, dtype, activation_stats, expert_bias_LE, 0, dropout_key
         )
-        aux_loss = jnp.zeros((), jnp.float32)
-        if self.args.is_moe:
-            prob_sum = stats.pop("router_prob_sum")
-            if self.args.router_aux_loss_coef > 0:
-                n = tokens_BT.size
-                aux_loss = (
-                    self.args.router_aux_loss_coef
-                    * n
-                    * router_aux_loss(stats["tokens_per_expert"], prob_sum, n)
-                )
-        return self.norm(x_BTD), stats, aux_loss, kv_cache
+
+        def stage_scan(
+            x_BTD: Array, layers: nnx.State, consts: tuple, tables: LayerTables
+        ) -> tuple[Array, dict[str, Array]]:
+            expert_bias_LE, keys = consts
+            layer_inputs = (layers, expert_bias_LE, None, keys)
+            y_BTD, (stats, _) = _layer_scan(run_layer, x_BTD, layer_inputs, tables, remat)
+            return y_BTD, stats
+
+        head_def, head_state = nnx.split((self.norm, self._output_param()))
+
+        def head(y_BTD: Array, head_state: nnx.State, labels_BT: Array) -> Array:
+            norm, output = nnx.merge(head_def, head_state)
+            return head_loss(norm(y_BTD), self._output_weight(output, dtype), labels_BT)
+
+        loss, stats = one_f_one_b_loss(
+            stage_scan,
+            head,
+            x_BTD,
+            layers_state,
+            (expert_bias_LE, keys),
+            tables,
+            head_state,
+            labels_BT,
+            pipeline_split(),
+        )
+        stats.pop("router_prob_sum", None)
+        return loss, stats
+
+    def _output_param(self) -> nnx.Param:
+        return self.tok_embeddings if self.args.tie_embeddings else self.lm_head
+
+    def _output_weight(self, param: nnx.Param, dtype: jnp.dtype) -> Array:
+        weight = use_param(param, dtype)
+        return weight.T if self.args.tie_embeddings else weight
 
     def output_weight(self, dtype: jnp.dtype) -> Array:
         """The (D, V) output projection: lm_head, or the embedding transposed when tied."""
-        if self.args.tie_embeddings:
-            return use_param(self.tok_embeddings, dtype).T
-        return use_param(self.lm_head, dtype)
+        return self._output_weight(self._output_param(), dtype)
 
     def __call__(self, tokens_BT: Array, dtype: DTypeLike = jnp.float32) -> Array:
         dtype = jnp.dtype(dtype)

@@ -64,6 +64,7 @@ class SimpleFSDP(Parallelism, abc.ABC):
     reduces_in_bf16_on_cpu = True  # mixed_precision_reduce=bfloat16 on CPU devices
     hosts_splash_lookahead = True  # the look-ahead gather's scan around splash attention
     splits_vocab_across_replicas = True  # vocabulary tables split in compute under HSDP
+    hosts_one_f_one_b_with_tp = True  # the 1F1B pipeline (models/one_f_one_b.py) beside tp
 
     rules: ShardingRules
     param_specs: Any

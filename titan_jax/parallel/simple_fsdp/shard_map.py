@@ -169,6 +169,9 @@ class ShardMapSimpleFSDP(SimpleFSDP):
 
     implementation = "shard_map"
     reduces_in_bf16_on_cpu = False  # XLA:CPU aborts on a bf16 reduce-scatter ("opcode copy")
+    # XLA's SPMD partitioner aborts on the 1F1B ticks beside tp here ("Check failed:
+    # partition_group_list.num_replica_groups() * ..."); gpipe and the jit path compile.
+    hosts_one_f_one_b_with_tp = False
 
     def _gather(
         self,
