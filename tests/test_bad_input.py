@@ -70,6 +70,7 @@ def _check(tmp_path, capsys, argv, message):
 
 
 PIPELINE_2 = ["--parallelism.pipeline_parallel_degree", "2"]
+ONE_F_ONE_B = ["--parallelism.pipeline_parallel_schedule", "1f1b"]
 LONG = "a" * 300
 TOO_LONG = "the name aaaaaaaaaaaa...aaaa is 300 bytes, longer than the 255 bytes a file name may"
 CASES = {
@@ -227,6 +228,17 @@ CASES = {
         (
             [*PIPELINE_2, "--parallelism.fsdp_lookahead_gather", "true"],
             "fsdp_lookahead_gather cannot run under pipeline_parallel_degree=2",
+        ),
+        (
+            [*PIPELINE_2, *ONE_F_ONE_B, "--parallelism.pipeline_parallel_virtual_stages", "2"],
+            "pipeline_parallel_virtual_stages=2 needs pipeline_parallel_schedule=interleaved "
+            "(1f1b holds one chunk a stage",
+        ),
+        (
+            [*PIPELINE_2, *ONE_F_ONE_B, "--parallelism.tensor_parallel_degree", "2"]
+            + ["--parallelism.fsdp_implementation", "shard_map"],
+            "pipeline_parallel_schedule=1f1b with tensor_parallel_degree=2 needs "
+            "parallelism.fsdp_implementation=jit",
         ),
         (
             ["--distributed.heartbeat_timeout", "0"],

@@ -10,15 +10,19 @@ import re
 import jax
 import numpy as np
 import pytest
-from parallel_helpers import TINY, make_batches, run_losses, tiny_config
+from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, make_batches, run_losses, tiny_config
 
+from titan_jax.models.one_f_one_b import slots
 from titan_jax.models.pipeline import bubble_fraction
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh
+from titan_jax.planner import inspect_step
 from titan_jax.train.checkpoint import Checkpointer
+from titan_jax.train.step import loss_and_grads
 from titan_jax.train.trainer import build_trainer
 
 DENSE = dataclasses.replace(TINY, n_layers=4)  # pp 4, or pp 2 x 2 virtual stages: 1 layer each
 MOE = dataclasses.replace(DENSE, num_experts=8, top_k=2, moe_inter_dim=32)
+LONG = dataclasses.replace(DENSE, max_seq_len=512)  # activations dominate the weights
 STEPS = 20
 CP2_LOCAL4 = ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4"]
 TP2_LOCAL4 = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
@@ -63,6 +67,10 @@ def dense_reference():
         (pipeline(2, "interleaved", 2), "jit"),
         (pipeline(2), "shard_map"),
         ([*pipeline(2), *CP2_LOCAL4], "shard_map"),  # pp2 x fsdp2 x cp2
+        (pipeline(2, "1f1b"), "jit"),
+        (pipeline(4, "1f1b"), "jit"),
+        ([*pipeline(2, "1f1b", microbatches=4), *TP2_LOCAL4], "jit"),
+        (pipeline(2, "1f1b"), "shard_map"),
     ],
     ids=[
         "gpipe_pp2",
@@ -71,6 +79,10 @@ def dense_reference():
         "interleaved_pp2_v2",
         "gpipe_pp2_shard_map",
         "gpipe_pp2_cp2",
+        "1f1b_pp2",
+        "1f1b_pp4",
+        "1f1b_pp2_m4_tp2",
+        "1f1b_pp2_shard_map",
     ],
 )
 def test_schedules_equal_one_device(dense_reference, flags, implementation):
@@ -179,3 +191,100 @@ def test_compiled_step_runs_one_stage_a_device_and_sends_between_stages(implemen
     mlp_rows = set(re.findall(rf"f32\[([\d,]+),{DENSE.hidden_dim}\]\S* dot\(", text))
     assert mlp_rows == {"16", str(DENSE.dim)}, mlp_rows
     assert "collective-permute(" in text
+
+
+@pytest.mark.parametrize(
+    "implementation",
+    ["jit", pytest.param("shard_map", marks=pytest.mark.slow)],  # ~35 s
+)
+def test_one_f_one_b_gradients_equal_gpipes(dense_reference, implementation):
+    """The gradients 1F1B computes in its forward equal autodiff's through GPipe (Adam's
+    scale invariance would hide a wrong scale from the losses alone)."""
+    init, _ = dense_reference
+    batch = make_batches(1)[0]
+
+    def grads(schedule: str) -> tuple[float, dict]:
+        flags = pipeline(2, schedule, microbatches=2)
+        trainer = build_trainer(
+            tiny_config(*flags, "--parallelism.fsdp_implementation", implementation),
+            model_args=DENSE,
+        )
+        state = jax.device_put(init, trainer.state_shardings)
+        step = jax.jit(
+            lambda s, b: loss_and_grads(
+                trainer.plan.model,
+                s["params"],
+                s["buffers"],
+                b,
+                trainer.options,
+                trainer.parallelism,
+            )[:2]
+        )
+        with jax.set_mesh(trainer.plan.mesh):
+            loss, g = step(state, trainer.batches.put(batch))
+        return float(loss), jax.device_get(g)
+
+    (want_loss, want), (loss, got) = grads("gpipe"), grads("1f1b")
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.max(np.abs(w)))
+
+
+def test_one_f_one_b_reduces_weight_gradients_in_fp32():
+    """With bf16 weights the only bf16 reductions are one microbatch's activations (the stage
+    0 input gradient, kept beside the batch); weight gradients reduce in fp32."""
+    trainer = build_trainer(
+        tiny_config(*pipeline(2, "1f1b"), "--training.mixed_precision_param", "bfloat16"),
+        model_args=DENSE,
+    )
+    found = inspect_step.inspect_trainer(trainer)["partitioned_collectives"]
+    reductions = [c for c in found if c["op"] in ("all-reduce", "reduce-scatter")]
+    microbatch_bytes = (GLOBAL_BATCH // 4 // 2) * SEQ_LEN * DENSE.dim * 2  # 4 ranks, m 2, bf16
+    assert any(c["dtype"] == "f32" for c in reductions), found
+    for c in reductions:
+        if c["dtype"] == "bf16":
+            assert c["bytes"] == c["count"] * microbatch_bytes, found
+
+
+def _temporaries(degree: int, schedule: str, microbatches: int, seq: int) -> int:
+    """Temporary bytes per device of the compiled step: one row per microbatch and data rank."""
+    ranks = 8 // degree
+    trainer = build_trainer(
+        tiny_config(
+            *pipeline(degree, schedule, microbatches=microbatches),
+            "--training.local_batch_size",
+            str(microbatches),
+            "--training.global_batch_size",
+            str(microbatches * ranks),
+            "--training.seq_len",
+            str(seq),
+            "--activation_checkpoint.mode",
+            "none",  # GPipe keeps each layer's activations; 1F1B recomputes a stage's
+        ),
+        model_args=LONG,
+    )
+    tokens = jax.ShapeDtypeStruct(
+        (microbatches * ranks, seq), np.int32, sharding=trainer.batches.sharding
+    )
+    lowered = trainer.lower_step(trainer.abstract_state(), {"inputs": tokens, "labels": tokens})
+    return lowered.compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow  # 4 compiles, ~45-60 s each degree here
+@pytest.mark.parametrize("degree", [2, 4])
+def test_one_f_one_b_keeps_a_bounded_number_of_stage_inputs(degree):
+    """Compiled steps (no remat) with m = degree and m = 4 x degree microbatches (one row each,
+    512 tokens: each layer's attention probabilities, heads x T x T, dwarf a stage input).
+    GPipe keeps every microbatch's activations, so its temporaries grow by at least the added
+    microbatches' attention probabilities in each of a stage's layers; 1F1B keeps 2 (p - 1)
+    stage inputs whatever m, so its grow only by batch-sized arrays (the added microbatches'
+    inputs and their gradient, each a stage input's size; twice that as margin)."""
+    seq, added = 512, 3 * degree
+    input_bytes = seq * LONG.dim * 4  # one microbatch's stage input, fp32
+    probs_bytes = LONG.n_heads * seq * seq * 4  # one layer's attention probabilities
+    per_stage = LONG.n_layers // degree
+    gpipe = [_temporaries(degree, "gpipe", m, seq) for m in (degree, 4 * degree)]
+    f1b = [_temporaries(degree, "1f1b", m, seq) for m in (degree, 4 * degree)]
+    assert gpipe[1] - gpipe[0] >= added * per_stage * probs_bytes, gpipe
+    assert f1b[1] - f1b[0] <= added * 2 * 2 * input_bytes, f1b
+    assert f1b[0] >= slots(degree) * input_bytes, f1b  # the ring of saved stage inputs
