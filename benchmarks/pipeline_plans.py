@@ -34,6 +34,7 @@ def _rows() -> list[Row]:
             Layout(),
             Layout(slices, 1, 4 * slices),
             Layout(slices, 1, 8 * slices),
+            Layout(slices, 1, 8 * slices, "1f1b"),
             Layout(slices, 2, 4 * slices),
         ):
             rows.append(Row("235B-A22B", slice_name, slices, 4096, layout))
@@ -45,15 +46,15 @@ def _rows() -> list[Row]:
 def _name(layout: Layout, slices: int) -> str:
     if layout.pp == 1:
         return "no PP (HSDP across slices)" if slices > 1 else "no PP (FSDP)"
-    kind = "gpipe" if layout.virtual == 1 else f"interleaved v{layout.virtual}"
+    kind = layout.schedule if layout.virtual == 1 else f"interleaved v{layout.virtual}"
     return f"pp{layout.pp} {kind} m{layout.microbatches}"
 
 
 def table() -> str:
     lines = [
         "| model | slices | layout | bubble | compute s | + bubble s | + DCN s | + ICI sends s | "
-        "weight gathers | state GB/chip | step <= s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "weight gathers | state GB/chip | activations GB/chip | step <= s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     shapes: dict[str, ModelShape] = {}
     for r in _rows():
@@ -65,7 +66,7 @@ def table() -> str:
             f"| {r.flavor} | {r.num_slices} x {r.slice_name} | {_name(r.layout, r.num_slices)} | "
             f"{c.bubble_fraction:.0%} | {c.compute_s:.2f} | {c.bubble_s:.2f} | {c.dcn_s:.3f} | "
             f"{c.ici_sends_s:.4f} | {c.weight_gathers:.1f}x | {c.state_bytes / 1e9:.1f} | "
-            f"{c.step_s:.2f} |"
+            f"{c.activation_bytes / 1e9:.2f} | {c.step_s:.2f} |"
         )
     return "\n".join(lines)
 

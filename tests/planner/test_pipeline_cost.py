@@ -41,3 +41,20 @@ def test_pp_inside_one_slice_only_adds():
         pp = layout_cost(model, tpu, 1024, layout)
         assert pp.dcn_s == 0 and pp.ici_sends_s > 0 and pp.step_s > plain.step_s
         assert pp.state_bytes == plain.state_bytes
+
+
+def test_one_f_one_b_has_gpipes_bubble_and_activations_that_shrink_with_microbatches():
+    """1F1B's bubble and sends are GPipe's; it recomputes each stage once more (2 / 6 of the
+    training FLOPs over full remat's 8 / 6) and keeps 2 (pp - 1) stage inputs plus one
+    microbatch's recompute, where GPipe keeps every layer input of the batch."""
+    tpu = parse_slice("v5p-256", 2)
+    gpipe = layout_cost(BIG, tpu, 4096, Layout(2, 1, 16))
+    f1b = layout_cost(BIG, tpu, 4096, Layout(2, 1, 16, "1f1b"))
+    assert f1b.bubble_fraction == gpipe.bubble_fraction and f1b.dcn_s == gpipe.dcn_s
+    assert f1b.compute_s == pytest.approx(gpipe.compute_s * 10 / 8)
+    layer_input = 4096 * BIG.dim * 2  # a data-parallel chip's tokens, bf16
+    assert gpipe.activation_bytes == pytest.approx(BIG.layers * layer_input)
+    microbatch = 2 * layer_input / 16  # a stage's chip holds 2 x the tokens, in 16 microbatches
+    assert f1b.activation_bytes == pytest.approx((2 + BIG.layers / 2) * microbatch)
+    more = layout_cost(BIG, tpu, 4096, Layout(2, 1, 32, "1f1b"))
+    assert more.activation_bytes == pytest.approx(f1b.activation_bytes / 2)
