@@ -288,3 +288,34 @@ def test_one_f_one_b_keeps_a_bounded_number_of_stage_inputs(degree):
     assert gpipe[1] - gpipe[0] >= added * per_stage * probs_bytes, gpipe
     assert f1b[1] - f1b[0] <= added * 2 * 2 * input_bytes, f1b
     assert f1b[0] >= slots(degree) * input_bytes, f1b  # the ring of saved stage inputs
+
+
+@pytest.mark.slow
+def test_on_tpu_pipeline_stages_with_splash_take_the_jit_path_or_xla_attention():
+    """A TPU run with pp 2 and splash attention compiles on the jit path; on the shard_map path
+    the splash kernel does not lower in a stage (its pp axis is automatic there), so the run is
+    refused in one line whose hint (xla attention) compiles."""
+    from jax.experimental import topologies
+
+    from titan_jax.config import ConfigError
+
+    devices = list(topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2").devices)
+    args = dataclasses.replace(DENSE, head_dim=128, max_seq_len=256)  # splash's shapes
+
+    def compiled(*flags: str) -> None:
+        config = tiny_config(
+            *pipeline(2),
+            "--training.seq_len",
+            "256",
+            "--training.mixed_precision_param",
+            "bfloat16",
+            *flags,
+        )
+        trainer = build_trainer(config, devices, model_args=args)
+        batch = inspect_step.abstract_batch(trainer)
+        trainer.lower_step(trainer.abstract_state(), batch).compile()
+
+    compiled("--parallelism.fsdp_implementation", "jit", "--model.attention", "splash")
+    with pytest.raises(ConfigError, match="needs model.attention=xla or .*fsdp_implementation=jit"):
+        compiled("--parallelism.fsdp_implementation", "shard_map", "--model.attention", "splash")
+    compiled("--parallelism.fsdp_implementation", "shard_map", "--model.attention", "xla")

@@ -1,8 +1,9 @@
-"""A LoRA SFT run of the shipped recipe, killed with SIGKILL mid-run and resumed: the resumed
-run's losses and its final params (base and adapters) equal the uninterrupted run's bit for
-bit. (Full fine-tuning's kill -9 is test_resume.py's, on the same checkpoint path.) The
-conversations are prepared into a store under the run folder on first use; a killed run's
-successor reads that store, it does not prepare it again."""
+"""A LoRA SFT run of the shipped recipe (whole conversations packed into rows), killed with
+SIGKILL mid-run and resumed: the resumed run's losses and its final params (base and adapters)
+equal the uninterrupted run's bit for bit; the packer resumes where the killed run's last
+checkpoint left it. (Full fine-tuning's kill -9 is test_resume.py's, on the same checkpoint
+path.) The conversations are prepared into a store under the run folder on first use; a killed
+run's successor reads that store, it does not prepare it again."""
 
 import signal
 
@@ -17,10 +18,8 @@ SFT = [
     str(ROOT / "configs" / "qwen3_debug_sft.toml"),
     "--training.steps",
     str(STEPS),
-    "--training.seq_len",
-    "64",
-    "--training.sft_packing",  # short windows: cheap steps (64 tokens keep no reply whole)
-    "window",
+    "--training.seq_len",  # short rows, cheap steps; whole conversations (the recipe's
+    "128",  # packing), those longer than a row cut to its length
     "--training.local_batch_size",
     "4",
     "--lr_scheduler.warmup_steps",

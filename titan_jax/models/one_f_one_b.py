@@ -219,10 +219,9 @@ class _Ticks:
             return (loss, *pull(seed))
 
         axis = self.split.axis
-        stages_fwd = jax.vmap(
-            self._forward if with_grads else forward_and_loss,
-            in_axes=(0, 0, rest_axes, 0),
-            spmd_axis_name=axis,
+        stages_fwd = jax.vmap(self._forward, in_axes=(0, 0, rest_axes, 0), spmd_axis_name=axis)
+        stages_fwd_loss = jax.vmap(
+            forward_and_loss, in_axes=(0, 0, rest_axes, 0), spmd_axis_name=axis
         )
         stages_bwd = jax.vmap(backward, in_axes=(0, 0, rest_axes, 0, 0, 0), spmd_axis_name=axis)
 
@@ -289,7 +288,7 @@ class _Ticks:
                     new = jnp.where(lead_mask(f_ok, old), x_PbTD, old)
                     carry["saved"] = set_slot(carry["saved"], new, slot)
                 else:
-                    y, loss, stats = stages_fwd(x_PbTD, trained, rest, f)
+                    y, loss, stats = stages_fwd_loss(x_PbTD, trained, rest, f)
                     carry["loss"] = carry["loss"] + jnp.where(f_ok & last, loss, 0)
                 carry["stats"] = jax.tree.map(
                     lambda acc, s: acc + jnp.where(lead_mask(f_ok, s), s, 0),

@@ -63,7 +63,11 @@ def manual_per_shard(
             a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))
         )
 
-    model_axes = frozenset().union(*map(axes_of, (*in_specs, out_spec)))
+    mesh = jax.sharding.get_abstract_mesh()
+    # Axes of size 1 no spec names (pp without a pipeline) join the map too: a Mosaic kernel
+    # needs every mesh axis manual.
+    unit_axes = frozenset(a for a, n in mesh.shape.items() if n == 1) - set(mesh.manual_axes)
+    model_axes = frozenset().union(*map(axes_of, (*in_specs, out_spec)), unit_axes)
     mapped = jax.shard_map(
         kernel, in_specs=in_specs, out_specs=out_spec, axis_names=model_axes, check_vma=False
     )

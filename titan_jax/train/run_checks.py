@@ -102,6 +102,27 @@ def check_one_f_one_b(config: JobConfig, degrees: MeshDegrees, fsdp: type[Simple
         )
 
 
+def check_pipeline_kernels(
+    degrees: MeshDegrees, fsdp: type[SimpleFSDP], attention: str, args: ModelArgs, platform: str
+) -> None:
+    """Pallas TPU kernels (splash attention; megablox, the experts' kernels on TPU) inside
+    pipeline stages need an implementation that hosts them (`hosts_tpu_kernels_in_stages`)."""
+    if degrees.pp == 1 or platform != "tpu" or fsdp.hosts_tpu_kernels_in_stages:
+        return
+    pp = f"parallelism.pipeline_parallel_degree={degrees.pp}"
+    if args.is_moe:  # MoE on TPU takes the shard_map implementation (choose_implementation)
+        raise ConfigError(
+            f"{pp} cannot pipeline a MoE model on TPU yet (its expert kernels do not lower "
+            "inside a pipeline stage); set parallelism.pipeline_parallel_degree=1"
+        )
+    if attention == "splash":
+        jit = " or parallelism.fsdp_implementation=jit" if degrees.cp == 1 else ""
+        raise ConfigError(
+            f"{pp} with splash attention needs model.attention=xla{jit} (the splash kernel "
+            f"does not lower inside a pipeline stage of fsdp_implementation={fsdp.implementation})"
+        )
+
+
 def check_layer_input_offload(config: JobConfig) -> None:
     """A layer's input is offloaded by the layer scan's remat policy: there is none without
     remat, and the look-ahead gather's scan remats on its own."""

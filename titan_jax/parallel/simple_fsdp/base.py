@@ -65,6 +65,7 @@ class SimpleFSDP(Parallelism, abc.ABC):
     hosts_splash_lookahead = True  # the look-ahead gather's scan around splash attention
     splits_vocab_across_replicas = True  # vocabulary tables split in compute under HSDP
     hosts_one_f_one_b_with_tp = True  # the 1F1B pipeline (models/one_f_one_b.py) beside tp
+    hosts_tpu_kernels_in_stages = True  # Pallas TPU kernels inside pipeline stages (pp > 1)
 
     rules: ShardingRules
     param_specs: Any

@@ -172,6 +172,9 @@ class ShardMapSimpleFSDP(SimpleFSDP):
     # XLA's SPMD partitioner aborts on the 1F1B ticks beside tp here ("Check failed:
     # partition_group_list.num_replica_groups() * ..."); gpipe and the jit path compile.
     hosts_one_f_one_b_with_tp = False
+    # A Mosaic kernel must see every mesh axis manual, and the stages' pp axis stays automatic
+    # here (`pipeline_split`): splash attention and megablox in a pipeline stage do not lower.
+    hosts_tpu_kernels_in_stages = False
 
     def _gather(
         self,
