@@ -28,11 +28,13 @@ KILLED_AFTER = 4  # the local save the kill follows: newer than persistent step 
 pytestmark = pytest.mark.slow
 
 
-def _train(dump: Path, local: Path | None, port: int, i: int, processes: int) -> subprocess.Popen:
+def _train(
+    dump: Path, local: Path | None, port: int, i: int, processes: int, steps: int = STEPS
+) -> subprocess.Popen:
     argv = [
         *("-m", "titan_jax.cli", "train", "--config", str(ROOT / "configs" / "qwen3_debug.toml")),
         *("--job.dump_folder", str(dump), "--job.cpu_devices", "1"),
-        *("--training.steps", str(STEPS), "--training.seq_len", "32"),
+        *("--training.steps", str(steps), "--training.seq_len", "32"),
         *("--training.local_batch_size", "1", "--lr_scheduler.warmup_steps", "2"),
         *("--metrics.log_freq", "1", "--metrics.progress_bar", "false"),
         *("--metrics.peak_flops", "1e12", "--validation.enable", "false"),
@@ -58,9 +60,25 @@ def _train(dump: Path, local: Path | None, port: int, i: int, processes: int) ->
     )
 
 
-def _job(dump: Path, local: Path | None, processes: int) -> list[subprocess.Popen]:
+def _job(
+    dump: Path, local: Path | None, processes: int, steps: int = STEPS
+) -> list[subprocess.Popen]:
     port = _free_port()
-    return [_train(dump, local, port, i, processes) for i in range(processes)]
+    return [_train(dump, local, port, i, processes, steps) for i in range(processes)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(module_tmp_path):
+    """Each job size's run without a kill or a local tier (saves change no number), run once."""
+    runs: dict[int, Path] = {}
+
+    def run(processes: int) -> Path:
+        if processes not in runs:
+            runs[processes] = module_tmp_path / f"uninterrupted{processes}"
+            _finish(_job(runs[processes], None, processes))
+        return runs[processes]
+
+    return run
 
 
 def _finish(procs: list[subprocess.Popen]) -> str:
@@ -84,10 +102,9 @@ def _final_state(dump: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("processes", [2, 4])
 def test_a_killed_process_with_a_wiped_local_tier_resumes_bitwise_from_its_peer(
-    tmp_path, processes
+    uninterrupted, tmp_path, processes
 ):
-    ref = tmp_path / "uninterrupted"  # and with no local tier: saves change no number
-    _finish(_job(ref, None, processes))
+    ref = uninterrupted(processes)
 
     dump, local = tmp_path / "run", tmp_path / "local"
     procs = _job(dump, local, processes)
@@ -123,3 +140,19 @@ def test_a_killed_process_with_a_wiped_local_tier_resumes_bitwise_from_its_peer(
     assert expected.keys() == got.keys()
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_a_job_of_4_processes_resumes_on_2_with_its_global_batch(uninterrupted, tmp_path):
+    """4 -> 2 processes (one device each): the persistent step 3 of the 4-process job resumes on
+    2, whose devices make up its global batch of 4 rows as 2 microbatches; steps 4-6 follow the
+    uninterrupted job's losses (fp32; other reduction orders, not bitwise)."""
+    source = uninterrupted(4)
+    dump = tmp_path / "resumed"
+    shutil.copytree(source, dump)
+    shutil.rmtree(dump / "checkpoint" / str(STEPS))  # resume from the persistent step 3
+    out = _finish(_job(dump, None, 2))
+    assert (
+        "resuming on 2 processes x 1 devices, the checkpoint was saved on 4 processes x 1: "
+        "global batch 4 kept as 2 microbatch(es) of 1 row(s) x 2 data-parallel ranks"
+    ) in out.splitlines(), out
+    assert _losses(dump) == pytest.approx(_losses(source), rel=1e-5, abs=0)

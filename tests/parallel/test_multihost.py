@@ -1,6 +1,8 @@
-"""Two `titan-jax train` processes x 4 CPU devices (jax.distributed over 127.0.0.1) against one
-process with 8 devices: the same recipe gives the same losses, each process reads only the
-rows its devices hold, and checkpoints move between the two layouts."""
+"""Two `titan-jax train` processes x 4 CPU devices (jax.distributed over 127.0.0.1), each
+process a slice (`parallelism.num_slices`: FSDP spans the two over the stand-in for DCN),
+against one process with 8 devices in one slice: the same recipe gives the same losses, each
+process reads only the rows its devices hold, and checkpoints move between the two layouts
+(2 slices -> 1 and back)."""
 
 from __future__ import annotations
 
@@ -55,8 +57,8 @@ pytestmark = pytest.mark.slow
 
 
 def train(dump: Path, processes: int, devices: int = 8) -> list[str]:
-    """Runs the recipe in `dump` on `processes` sharing `devices` (default 1 x 8 or 2 x 4);
-    returns each one's stdout."""
+    """Runs the recipe in `dump` on `processes` sharing `devices` (default 1 x 8 or 2 x 4), a
+    slice each; returns each one's stdout."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     port = _free_port()
 
@@ -64,6 +66,8 @@ def train(dump: Path, processes: int, devices: int = 8) -> list[str]:
         if processes == 1:
             return []
         return [
+            "--parallelism.num_slices",
+            str(processes),
             "--distributed.num_processes",
             str(processes),
             "--distributed.process_id",
