@@ -113,8 +113,9 @@ def resolve_degrees(p: Parallelism, n_devices: int) -> MeshDegrees:
 def slices_of(devices: list[jax.Device], num_slices: int = -1) -> list[list[jax.Device]]:
     """The devices grouped by slice. TPU multislice devices carry `slice_index`; elsewhere
     `num_slices` (-1 = 1) splits the list into equal contiguous blocks, which is how simulated
-    CPU devices (and one slice per process) stand in for slices."""
-    if hasattr(devices[0], "slice_index"):
+    CPU devices (and one slice per process) stand in for slices (CPU devices of a distributed
+    job carry a `slice_index` too, 0 on every process)."""
+    if devices[0].platform != "cpu" and hasattr(devices[0], "slice_index"):
         groups: dict[int, list[jax.Device]] = {}
         for d in devices:
             groups.setdefault(d.slice_index, []).append(d)
