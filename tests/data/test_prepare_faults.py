@@ -183,3 +183,24 @@ def test_a_remote_output_goes_on_after_a_failed_input_as_its_hint_says(tmp_path,
         assert "exists and is not a token store" in capsys.readouterr().err
     finally:
         fs.rm("/bucket", recursive=True)
+
+
+def test_a_full_disk_while_train_prepares_its_store_is_one_line_and_leaves_no_run(
+    tmp_path, capsys, monkeypatch
+):
+    """train prepares a jsonl dataset into a store under its run folder on first use; a disk
+    that fills there ends the run in one line, with no run folder (or half store) left."""
+    src = _source(tmp_path / "src")
+
+    def full(fs, folder, index, blocks, masked):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{folder}/tokens-{index:05d}.bin")
+
+    monkeypatch.setattr(prepare, "_write_shard", full)
+    argv = ["train", "--config", str(ROOT / "configs" / "qwen3_debug.toml")]
+    argv += ["--training.dataset", "jsonl", "--training.dataset_path", str(src)]
+    argv += ["--training.steps", "1", "--validation.enable", "false"]
+    assert main([*argv, "--job.dump_folder", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("titan-jax: error: "), err
+    assert os.strerror(errno.ENOSPC) in err[0], err
+    assert not (tmp_path / "run").exists()

@@ -21,12 +21,13 @@ from collections.abc import Callable
 
 from titan_jax.config import ConfigError, JobConfig
 from titan_jax.data.conversations import ChatFormat, encode_documents, load_chat_format
-from titan_jax.data.dataset import Split, read_documents, read_records, source_files
+from titan_jax.data.dataset import DataError, Split, read_documents, read_records, source_files
 from titan_jax.data.paths import filesystem, join
 from titan_jax.data.prepare import prepare_store
 from titan_jax.data.store import Corpus, open_corpus, read_manifest
 from titan_jax.data.tokenizer import Tokenizer
 from titan_jax.data.windows import Source
+from titan_jax.errors import root_cause
 
 Barrier = Callable[[str], None]  # every process waits there until all arrive
 
@@ -90,16 +91,24 @@ def cached_store(
     for turn in ("first", "rest"):  # process 0 prepares; the others only if they cannot see it
         if (turn == "first") == is_first and read_manifest(store) is None:
             progress(f"preparing {dataset} ({split}) as a token store in {store}")
-            prepare_store(
-                dataset=dataset,
-                dataset_path=dataset_path,
-                text_field=text_field,
-                tokenizer=tokenizer,
-                output=store,
-                split=split,
-                keep_partial=False,  # a fixed input is another store's key
-                chat=chat,
-            )
+            try:
+                prepare_store(
+                    dataset=dataset,
+                    dataset_path=dataset_path,
+                    text_field=text_field,
+                    tokenizer=tokenizer,
+                    output=store,
+                    split=split,
+                    keep_partial=False,  # a fixed input is another store's key
+                    chat=chat,
+                )
+            except OSError as e:  # a full disk, a read-only mount: one line; others keep theirs
+                if (cause := root_cause(e)) is None:
+                    raise
+                raise DataError(
+                    f"preparing training.dataset_path={dataset_path} as a token store in "
+                    f"{store}: {cause} ({e.filename or store}); fix that and run again"
+                ) from None
         if turn == "first":
             barrier(f"titan_jax token store {store}")
     return store

@@ -348,9 +348,11 @@ def prepare_store(
         entries = _write_shards(
             fs, folder, mine, dataset, text_field, tokenizer, workers, progress, chat
         )
-    except DataError as e:
+    except (DataError, OSError) as e:  # a damaged input, or a full disk part way
         if not keep_partial:
             fs.rm(folder, recursive=True)
+            raise
+        if not isinstance(e, DataError):
             raise
         raise DataError(
             f"{e}; the input files finished so far are kept in "
