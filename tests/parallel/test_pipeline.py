@@ -99,8 +99,8 @@ def test_schedules_equal_one_device(dense_reference, flags, implementation):
     np.testing.assert_allclose(run_losses(trainer, init, make_batches(STEPS)), want, rtol=1e-5)
 
 
-@pytest.mark.slow  # ~115 s here, half of it the one-device reference
-def test_moe_pp2_fsdp2_ep2_equals_one_device():
+@pytest.fixture(scope="module")
+def moe_reference():
     reference = build_trainer(
         moe_config("--training.local_batch_size", "8"), jax.devices()[:1], model_args=MOE
     )
@@ -108,11 +108,17 @@ def test_moe_pp2_fsdp2_ep2_equals_one_device():
     # A sharp router, as tests/parallel/test_moe_training.py: near-ties would flip top-k picks
     # on a reduction order.
     init["params"]["layers"]["moe"]["gate"] = init["params"]["layers"]["moe"]["gate"] * 50
+    return init, run_losses(reference, init, make_batches(STEPS))
+
+
+@pytest.mark.slow  # ~35 s a schedule here, and the one-device reference once
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_moe_pp2_fsdp2_ep2_equals_one_device(moe_reference, schedule):
+    init, want = moe_reference
     batches = make_batches(STEPS)
-    want = run_losses(reference, init, batches)
     trainer = build_trainer(
         moe_config(
-            *pipeline(2),
+            *pipeline(2, schedule),
             "--parallelism.data_parallel_shard_degree",
             "4",
             "--parallelism.expert_parallel_degree",
