@@ -1,4 +1,4 @@
-"""Multi-tier checkpoints across real processes (titan_jax/train/local_tier.py): a job of 2 or 4
+"""Multi-tier checkpoints across real processes (titan_jax/train/local_tier.py): a job of 4
 `titan-jax train` processes on 127.0.0.1 with one data-parallel replica per half of them saves
 a local tier between its persistent saves; process 1 is killed (SIGKILL) after a local save
 newer than the last persistent one and its local folder wiped (a replaced host); the restart of
@@ -68,16 +68,10 @@ def _job(
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(module_tmp_path):
-    """Each job size's run without a kill or a local tier (saves change no number), run once."""
-    runs: dict[int, Path] = {}
-
-    def run(processes: int) -> Path:
-        if processes not in runs:
-            runs[processes] = module_tmp_path / f"uninterrupted{processes}"
-            _finish(_job(runs[processes], None, processes))
-        return runs[processes]
-
+def uninterrupted(module_tmp_path) -> Path:
+    """The 4-process job without a kill or a local tier (saves change no number), run once."""
+    run = module_tmp_path / "uninterrupted"
+    _finish(_job(run, None, 4))
     return run
 
 
@@ -100,11 +94,12 @@ def _final_state(dump: Path) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in ocp.tree.to_flat_dict(restored, sep=".").items()}
 
 
-@pytest.mark.parametrize("processes", [2, 4])
 def test_a_killed_process_with_a_wiped_local_tier_resumes_bitwise_from_its_peer(
-    uninterrupted, tmp_path, processes
+    uninterrupted, tmp_path
 ):
-    ref = uninterrupted(processes)
+    """4 processes, 2 a replica: the killed one's peer holds its shards in the other replica."""
+    processes = 4
+    ref = uninterrupted
 
     dump, local = tmp_path / "run", tmp_path / "local"
     procs = _job(dump, local, processes)
@@ -146,7 +141,7 @@ def test_a_job_of_4_processes_resumes_on_2_with_its_global_batch(uninterrupted, 
     """4 -> 2 processes (one device each): the persistent step 3 of the 4-process job resumes on
     2, whose devices make up its global batch of 4 rows as 2 microbatches; steps 4-6 follow the
     uninterrupted job's losses (fp32; other reduction orders, not bitwise)."""
-    source = uninterrupted(4)
+    source = uninterrupted
     dump = tmp_path / "resumed"
     shutil.copytree(source, dump)
     shutil.rmtree(dump / "checkpoint" / str(STEPS))  # resume from the persistent step 3
