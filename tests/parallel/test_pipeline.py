@@ -14,6 +14,7 @@ from parallel_helpers import GLOBAL_BATCH, SEQ_LEN, TINY, make_batches, run_loss
 
 from titan_jax.models.one_f_one_b import slots
 from titan_jax.models.pipeline import bubble_fraction
+from titan_jax.models.qwen3 import Qwen3Args
 from titan_jax.parallel.mesh import MeshDegrees, build_mesh
 from titan_jax.planner import inspect_step
 from titan_jax.train.checkpoint import Checkpointer
@@ -21,6 +22,7 @@ from titan_jax.train.step import loss_and_grads
 from titan_jax.train.trainer import build_trainer
 
 DENSE = dataclasses.replace(TINY, n_layers=4)  # pp 4, or pp 2 x 2 virtual stages: 1 layer each
+DENSE8 = dataclasses.replace(TINY, n_layers=8)  # pp 4 x 2 virtual stages: 1 layer each
 MOE = dataclasses.replace(DENSE, num_experts=8, top_k=2, moe_inter_dim=32)
 LONG = dataclasses.replace(DENSE, max_seq_len=512)  # activations dominate the weights
 STEPS = 20
@@ -48,13 +50,18 @@ def moe_config(*overrides: str):
     return tiny_config("--moe.load_balance_coeff", "1e-2", *overrides)
 
 
-@pytest.fixture(scope="module")
-def dense_reference():
+def one_device_run(args: Qwen3Args) -> tuple[object, np.ndarray]:
+    """A fresh init of model `args` (host arrays) and its 20 step losses on one device."""
     trainer = build_trainer(
-        tiny_config("--training.local_batch_size", "8"), jax.devices()[:1], model_args=DENSE
+        tiny_config("--training.local_batch_size", "8"), jax.devices()[:1], model_args=args
     )
     init = jax.device_get(trainer.init_state())
     return init, run_losses(trainer, init, make_batches(STEPS))
+
+
+@pytest.fixture(scope="module")
+def dense_reference():
+    return one_device_run(DENSE)
 
 
 @pytest.mark.parametrize(
@@ -96,6 +103,20 @@ def test_schedules_equal_one_device(dense_reference, flags, implementation):
     params = trainer.state_shardings["params"]
     assert params["layers"]["attention"]["wq"].spec[0] == "pp"
     assert "pp" not in str(params["tok_embeddings"].spec)
+    np.testing.assert_allclose(run_losses(trainer, init, make_batches(STEPS)), want, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def dense8_reference():
+    return one_device_run(DENSE8)
+
+
+def test_interleaved_pp4_v2_equals_one_device(dense8_reference):
+    """8 chunks of one layer, chunk c on stage c mod 4: each microbatch goes around the 4
+    stages twice, its second pass entering stage 0 from the slot the last stage wrote."""
+    init, want = dense8_reference
+    trainer = build_trainer(tiny_config(*pipeline(4, "interleaved", 2)), model_args=DENSE8)
+    assert trainer.plan.mesh.shape["pp"] == 4
     np.testing.assert_allclose(run_losses(trainer, init, make_batches(STEPS)), want, rtol=1e-5)
 
 
