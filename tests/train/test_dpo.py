@@ -4,7 +4,6 @@ and resume ending bitwise as the uninterrupted run, and bad input refused in one
 
 import dataclasses
 import json
-import signal
 from pathlib import Path
 
 import jax
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from pair_fixtures import pair_batch, random_pairs
-from test_resume import Run, env, finalized  # noqa: F401  (env: a fixture)
+from test_resume import env, killed_and_resumed  # noqa: F401  (env: a fixture)
 from tiny_model import TINY
 
 from titan_jax.cli import main
@@ -376,11 +375,9 @@ def test_the_dpo_recipe_raises_the_held_out_reward_accuracy_above_chance(
     assert json.loads(manifest.read_text())["pairs"] is True
 
 
-RESUME = [
+RESUME = [  # killed_and_resumed adds the steps and the checkpoints
     "--config",
     RECIPE,
-    "--training.steps",
-    "4",
     "--training.seq_len",
     "128",
     "--training.local_batch_size",
@@ -393,10 +390,6 @@ RESUME = [
     "false",
     "--checkpoint.enable",
     "true",
-    "--checkpoint.interval",
-    "2",
-    "--checkpoint.last_save_model_only",
-    "false",
 ]
 
 
@@ -404,26 +397,5 @@ RESUME = [
 def test_a_dpo_run_killed_and_resumed_ends_bitwise_as_the_uninterrupted_one(env, tmp_path):  # noqa: F811
     """kill -9 after checkpoint 2; the resumed run restores the policy, its optimizer state,
     the reference copy and the pair stream's position: its losses and final state equal the
-    uninterrupted run's, bit for bit. The first process compiles the step; the others load it
-    from the shared compilation cache (`env`)."""
-    # The uninterrupted run saves only its last step (what is compared).
-    whole = Run(env, tmp_path / "whole", "--checkpoint.interval", "4", args=RESUME)
-    whole.finish()
-    folder, ckpt = tmp_path / "split", tmp_path / "split" / "checkpoint"
-    first = Run(env, folder, args=RESUME)
-    first.wait_for(
-        lambda: ckpt.is_dir() and 2 in finalized(ckpt) and 3 in first.losses(),
-        "checkpoint 2 and step 3",
-    )
-    first.signal(signal.SIGKILL)
-    second = Run(env, folder, args=RESUME)
-    second.finish()
-    assert {**first.losses(), **second.losses()} == whole.losses()
-    import orbax.checkpoint as ocp
-
-    with ocp.PyTreeCheckpointer() as reader:  # the last saves: the whole state
-        a, b = (
-            reader.restore(run.folder / "checkpoint" / "4" / "state") for run in (whole, second)
-        )
-    assert "reference" in a
-    jax.tree.map(np.testing.assert_array_equal, a, b)
+    uninterrupted run's, bit for bit."""
+    assert "reference" in killed_and_resumed(env, tmp_path, args=RESUME)

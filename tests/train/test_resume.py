@@ -251,6 +251,41 @@ def test_a_url_run_folder_killed_resumes_bitwise_on_another_machine(env, referen
     assert not list((tmp_path / "machine-2").rglob("metrics.jsonl"))  # the mirror is gone
 
 
+def killed_and_resumed(env, tmp_path, *extra, args=ARGS):
+    """`args` + `extra` for 4 steps, a checkpoint every 2 (the last the whole state), run
+    uninterrupted and run killed (SIGKILL) after checkpoint 2 and step 3, then resumed: asserts
+    the two log the same losses and end with the same state, bit for bit; returns that state.
+    The first process compiles the step; the others load it from the shared compilation cache."""
+    steps = ["--training.steps", "4", "--checkpoint.last_save_model_only", "false"]
+    whole = Run(env, tmp_path / "whole", *steps, *extra, "--checkpoint.interval", "4", args=args)
+    whole.finish()
+    folder, ckpt = tmp_path / "split", tmp_path / "split" / "checkpoint"
+    first = Run(env, folder, *steps, *extra, "--checkpoint.interval", "2", args=args)
+    first.wait_for(
+        lambda: ckpt.is_dir() and 2 in finalized(ckpt) and 3 in first.losses(),
+        "checkpoint 2 and step 3",
+    )
+    first.signal(signal.SIGKILL)
+    second = Run(env, folder, *steps, *extra, "--checkpoint.interval", "2", args=args)
+    assert "resuming at step 3 from checkpoint" in second.finish()
+    assert {**first.losses(), **second.losses()} == whole.losses()
+    with ocp.PyTreeCheckpointer() as reader:
+        final = [
+            reader.restore(run.folder / "checkpoint" / "4" / "state") for run in (whole, second)
+        ]
+    jax.tree.map(np.testing.assert_array_equal, *final)
+    return final[0]
+
+
+@pytest.mark.slow
+def test_a_pipelined_run_killed_resumes_bitwise(env, tmp_path):
+    """pp 2 x fsdp 4 on 8 CPU devices: the stages' layers, their optimizer state and the data
+    stream's place come back from checkpoint 2 as the uninterrupted run had them."""
+    pp2 = ["--job.cpu_devices", "8", "--parallelism.pipeline_parallel_degree", "2"]
+    quick = ["--validation.enable", "false", "--metrics.peak_flops", "1e12"]  # no MFU peak run
+    killed_and_resumed(env, tmp_path, *pp2, *quick)
+
+
 def damage(step_dir, how):
     """Damages checkpoint `step_dir` (its files may be hard links: they are replaced, not edited).
 
