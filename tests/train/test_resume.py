@@ -254,7 +254,8 @@ def test_a_url_run_folder_killed_resumes_bitwise_on_another_machine(env, referen
 def killed_and_resumed(env, tmp_path, *extra, args=ARGS):
     """`args` + `extra` for 4 steps, a checkpoint every 2 (the last the whole state), run
     uninterrupted and run killed (SIGKILL) after checkpoint 2 and step 3, then resumed: asserts
-    the two log the same losses and end with the same state, bit for bit; returns that state.
+    the two log the same losses and end with the same state, bit for bit. Returns that state
+    and the resumed run.
     The first process compiles the step; the others load it from the shared compilation cache."""
     steps = ["--training.steps", "4", "--checkpoint.last_save_model_only", "false"]
     whole = Run(env, tmp_path / "whole", *steps, *extra, "--checkpoint.interval", "4", args=args)
@@ -274,7 +275,7 @@ def killed_and_resumed(env, tmp_path, *extra, args=ARGS):
             reader.restore(run.folder / "checkpoint" / "4" / "state") for run in (whole, second)
         ]
     jax.tree.map(np.testing.assert_array_equal, *final)
-    return final[0]
+    return final[0], second
 
 
 @pytest.mark.slow
@@ -283,7 +284,8 @@ def test_a_pipelined_run_killed_resumes_bitwise(env, tmp_path):
     stream's place come back from checkpoint 2 as the uninterrupted run had them."""
     pp2 = ["--job.cpu_devices", "8", "--parallelism.pipeline_parallel_degree", "2"]
     quick = ["--validation.enable", "false", "--metrics.peak_flops", "1e12"]  # no MFU peak run
-    killed_and_resumed(env, tmp_path, *pp2, *quick)
+    _, resumed = killed_and_resumed(env, tmp_path, *pp2, *quick)
+    assert "mesh {'pp': 2, 'dp_replicate': 1, 'fsdp': 4," in resumed.output()
 
 
 def damage(step_dir, how):
