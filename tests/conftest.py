@@ -104,7 +104,25 @@ LONGEST_FILES = (
 )
 
 
+# Tests measured at 8 s or more in a full run, marked slow here rather than one decorator each,
+# so that `make test-fast` stays under 8 minutes (scripts/slow_tests_from_durations.py writes
+# the list from a run's --durations=0; `make test` runs them all the same).
+SLOW_BY_MEASUREMENT = Path(__file__).with_name("slow_by_measurement.txt")
+
+
+def _slow_by_measurement() -> set[str]:
+    if os.environ.get("TITAN_JAX_IGNORE_SLOW_LIST"):
+        return set()
+    lines = SLOW_BY_MEASUREMENT.read_text().splitlines()
+    return {line.split(None, 1)[1] for line in lines if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow = _slow_by_measurement()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
     missing = [f for f in LONGEST_FILES if not (config.rootpath / f).is_file()]
     if missing:
         raise pytest.UsageError(f"tests/conftest.py LONGEST_FILES names missing files: {missing}")
