@@ -106,6 +106,16 @@ class Quantization:
         (tokamax's TPU grouped matmul): the forward's."""
         return jnp.dtype(QTYPES[self.mode][0]).name
 
+    def expert_weight(self, kernel: str) -> WeightQuantization | None:
+        """How `kernel` (`moe.EXPERT_KERNELS`) quantizes the experts' (E, in, out) weights,
+        where they are to arrive quantized (`quantize.gather = "auto"`; else None: the kernel
+        quantizes them): qwix's `ragged_dot` (CPU, GPU), a scale per output column shared by
+        the experts (`scaling` does not apply to the experts). tokamax's TPU kernel
+        ("megablox") quantizes them itself, after a gather in the compute dtype."""
+        if not self.applies_to("experts") or self.gather != "auto" or kernel == "megablox":
+            return None
+        return WeightQuantization(jnp.dtype(QTYPES[self.mode][0]), 2, True)
+
     def ragged_config(self) -> RaggedDotQtConfig | None:
         """qwix's config for the experts' grouped matmuls (rowwise: a scale per row of the
         tokens, and per output column of the weights, shared by the experts)."""
@@ -126,7 +136,9 @@ NONE = Quantization()
 class WeightQuantization:
     """How a matmul contracting a weight's first `contracted` dims quantizes it: to `qtype`,
     with one absmax scale per index of its other dims (`rowwise`, qwix's channelwise: per
-    output channel) or one for the whole weight."""
+    output channel) or one for the whole weight. A grouped matmul's (E, in, out) weight,
+    whose experts share each output column's scale (qwix's `ragged_dot`), counts its expert
+    dim as contracted."""
 
     qtype: jnp.dtype
     contracted: int
@@ -311,11 +323,55 @@ _dot_codes.defvjp(_dot_codes_fwd, _dot_codes_bwd)
 
 
 def ragged_dot(
-    x_MD: Array, w_EDF: Array, group_sizes_E: Array, config: RaggedDotQtConfig | None
+    x_MD: Array,
+    w_EDF: Array | PrequantizedWeight,
+    group_sizes_E: Array,
+    config: RaggedDotQtConfig | None,
 ) -> Array:
-    """`jax.lax.ragged_dot`, quantized when `config` says so, in x's dtype."""
+    """`jax.lax.ragged_dot`, quantized when `config` says so (a `PrequantizedWeight` is taken
+    as it is quantized), in x's dtype."""
+    if isinstance(w_EDF, PrequantizedWeight):
+        if config is None:
+            raise ValueError("experts gathered quantized are read by a quantized matmul only")
+        return _ragged_dot_codes(x_MD, w_EDF.port, w_EDF.codes, group_sizes_E, config)
     if config is None:
         return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
     from qwix._src.core.ragged_dot_qt import ragged_dot_qt
 
     return ragged_dot_qt(x_MD, w_EDF, group_sizes_E, config, preferred_element_type=x_MD.dtype)
+
+
+# Hand-written VJP, as `_dot_codes`'s: qwix's `ragged_dot_qt` with the weight's quantization
+# already done (its forward quantizes the weight itself), the weight's gradient to the port.
+# Without it: tests/parallel/test_quantized_gather.py::
+# test_experts_gathered_as_codes_equal_quantizing_after_the_gather
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ragged_dot_codes(
+    x_MD: Array, port: Array, codes: QArray, group_sizes_E: Array, config: RaggedDotQtConfig
+) -> Array:
+    return _ragged_dot_codes_fwd(x_MD, port, codes, group_sizes_E, config)[0]
+
+
+def _ragged_dot_codes_fwd(
+    x_MD: Array, port: Array, codes: QArray, group_sizes_E: Array, config: RaggedDotQtConfig
+) -> tuple[Array, tuple]:
+    from qwix._src.core import qarray
+    from qwix._src.core import ragged_dot as qwix_ragged_dot
+
+    del port  # only its cotangent matters
+    # The rows as `ragged_dot_qt_fwd` quantizes them: a scale per row.
+    rows = qarray.quantize(x_MD, qarray.HowToQuantize(qtype=config.lhs_qtype, channelwise_axes=[0]))
+    y = qwix_ragged_dot.ragged_dot(rows, codes, group_sizes_E, None, x_MD.dtype, None)
+    return y, (rows, codes, group_sizes_E)
+
+
+def _ragged_dot_codes_bwd(
+    config: RaggedDotQtConfig, residuals: tuple, g: Array
+) -> tuple[Array, Array, None, None]:
+    from qwix._src.core.ragged_dot_qt import ragged_dot_qt_bwd
+
+    dx, dw, _ = ragged_dot_qt_bwd(config, None, g.dtype, None, residuals, g)
+    return dx, dw, None, None
+
+
+_ragged_dot_codes.defvjp(_ragged_dot_codes_fwd, _ragged_dot_codes_bwd)

@@ -45,8 +45,8 @@ from jax.ad_checkpoint import checkpoint_name
 from titan_jax.models.frozen_weights import IN_DIMS
 from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.permutation import permute
-from titan_jax.models.quantization import NONE, Quantization, ragged_dot
-from titan_jax.models.qwen3.adapter import adapter_beside
+from titan_jax.models.quantization import NONE, Quantization, WeightQuantization, ragged_dot
+from titan_jax.models.qwen3.adapter import Adapter, adapter_beside
 from titan_jax.models.qwen3.looped_experts import looped_swiglu
 from titan_jax.models.qwen3.megablox import megablox_swiglu
 from titan_jax.models.sharding_hooks import dispatch_to_experts, use_param
@@ -240,7 +240,8 @@ class MoE(nnx.Module):
     def __call__(self, x_BTD: Array, expert_bias_E: Array) -> tuple[Array, dict[str, Array]]:
         x_RD = x_BTD.reshape(-1, x_BTD.shape[-1])
         dtype = x_BTD.dtype
-        w1_EDF, w3_EDF = use_param(self.w1, dtype), use_param(self.w3, dtype)
+        read_w13 = self._read_quantized(self.w1_and_w3_lora)
+        w1_EDF, w3_EDF = use_param(self.w1, dtype, read_w13), use_param(self.w3, dtype, read_w13)
         if self.gather_before_router:
             # w1 and w3 (cast, FSDP-gathered) tied to the input, so gathered before the router:
             # XLA:TPU runs the FSDP all-gathers on the SparseCores one at a time, in schedule
@@ -255,7 +256,7 @@ class MoE(nnx.Module):
             x_RD, use_param(self.gate, ROUTER_DTYPE), expert_bias_E, self.top_k, self.norm_topk_prob
         )
         experts, weights = checkpoint_name((experts, weights), MOE_ROUTING)
-        w2_EFD = use_param(self.w2, dtype)
+        w2_EFD = use_param(self.w2, dtype, self._read_quantized(self.w2_lora))
         if self.w2_lora is not None:
             (w2_EFD,) = self.w2_lora.fold(w2_EFD)
         y_RD = routed_experts(
@@ -266,6 +267,15 @@ class MoE(nnx.Module):
             "tokens_per_expert": jax.lax.stop_gradient(counts.astype(jnp.float32)),
             "router_prob_sum": jnp.sum(probs, axis=0),
         }
+
+    def _read_quantized(self, lora: Adapter | None) -> WeightQuantization | None:
+        """How the experts' weights beside `lora` arrive quantized where FSDP gathers them
+        (as codes: `sharding_hooks.use_param`), or None: read in the compute dtype and
+        quantized by the kernel. Not where a LoRA adapter is folded into them: codes take
+        no sum."""
+        if lora is not None:
+            return None
+        return self.quantization.expert_weight(self.expert_kernel)
 
 
 def router_aux_loss(tokens_per_expert_LE: Array, router_prob_sum_LE: Array, n_tokens: int) -> Array:

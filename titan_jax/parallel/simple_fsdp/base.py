@@ -66,6 +66,9 @@ class SimpleFSDP(Parallelism, abc.ABC):
     splits_vocab_across_replicas = True  # vocabulary tables split in compute under HSDP
     hosts_one_f_one_b_with_tp = True  # the 1F1B pipeline (models/one_f_one_b.py) beside tp
     hosts_tpu_kernels_in_stages = True  # Pallas TPU kernels inside pipeline stages (pp > 1)
+    # A weight a quantized matmul reads, gathered as codes where its compute layout keeps a
+    # data axis's split (the experts over ep), over the axes it gathers.
+    quantizes_kept_splits = True
 
     rules: ShardingRules
     param_specs: Any
@@ -121,9 +124,12 @@ class SimpleFSDP(Parallelism, abc.ABC):
     ) -> PrequantizedWeight | None:
         """Cast to `dtype`, quantized on each shard with the whole weight's scales and
         gathered as codes and scales; its gradient reduced as `use_param`'s. None for a
-        weight no data axis gathers (nothing to save)."""
+        weight no data axis gathers (nothing to save), and for one whose compute layout
+        keeps a data axis's split where the implementation does not quantize such a weight
+        (`quantizes_kept_splits`)."""
         layout = self.rules.weight_layout(logical_axes)
-        if not layout.gathered_dims or mesh_axes_of(layout.compute) & set(self.data_axes):
+        kept = bool(mesh_axes_of(layout.compute) & set(self.data_axes))
+        if not layout.gathered_dims or (kept and not self.quantizes_kept_splits):
             return None
         value = value.astype(self.reduce_dtype)  # its transpose widens the reduced gradient
         return self._gather_quantized(value, layout, jnp.dtype(dtype), quantized)

@@ -178,6 +178,9 @@ class JitSimpleFSDP(SimpleFSDP):
     # gathered instead (`rules.table_for_vocab`), a gradient reduced in bf16 costing more than
     # the vocabulary buffers save.
     splits_vocab_across_replicas = False
+    # `loss_map` hands a kept-split weight (the experts under ep) to each shard as its slice,
+    # which `_gather` reads without a gather: it is read in the compute dtype.
+    quantizes_kept_splits = False
 
     def _gather(
         self,
