@@ -51,6 +51,13 @@ def loss_and_grads(implementation: str, quantization: Quantization, dtype: jnp.d
         with fsdp.installed():
             return jax.value_and_grad(lambda p: fsdp.loss_map(summed)(p, {}, x, target)[0])(params)
 
+    return run_compiled(step, rules, specs, params, x, target)
+
+
+def run_compiled(step, rules: ShardingRules, specs, params, x, target):
+    """(`step(params, x, target)` compiled and run on `rules`' mesh, params stored as `specs`
+    say and rows split over the data axes, its compiled HLO)."""
+    mesh = rules.mesh
     with jax.set_mesh(mesh):
         params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
         rows = NamedSharding(mesh, P(rules.data_axes))
@@ -165,12 +172,7 @@ def moe_loss_and_grads(implementation: str, ep: int, quantization: Quantization)
             loss = lambda p: fsdp.loss_map(summed)(p, buffers, x, target)[0]  # noqa: E731
             return jax.value_and_grad(loss)(params)
 
-    with jax.set_mesh(mesh):
-        params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-        rows = NamedSharding(mesh, P(rules.data_axes))
-        args = (params, jax.device_put(x, rows), jax.device_put(target, rows))
-        compiled = jax.jit(step).lower(*args).compile()
-        return compiled(*args), compiled.as_text()
+    return run_compiled(step, rules, specs, params, x, target)
 
 
 def gathered_experts(hlo: str) -> list[str]:
