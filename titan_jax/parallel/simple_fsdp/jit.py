@@ -179,7 +179,8 @@ class JitSimpleFSDP(SimpleFSDP):
     # the vocabulary buffers save.
     splits_vocab_across_replicas = False
     # `loss_map` hands a kept-split weight (the experts under ep) to each shard as its slice,
-    # which `_gather` reads without a gather: it is read in the compute dtype.
+    # which `_gather` casts and pins to its compute layout: GSPMD gathers the rest of its
+    # split in the compute dtype.
     quantizes_kept_splits = False
 
     def _gather(
