@@ -45,13 +45,15 @@ from jax.ad_checkpoint import checkpoint_name
 from titan_jax.models.frozen_weights import IN_DIMS
 from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.permutation import permute
-from titan_jax.models.quantization import NONE, Quantization, WeightQuantization, ragged_dot
-from titan_jax.models.qwen3.adapter import Adapter, adapter_beside
+from titan_jax.models.quantization import NONE, PrequantizedWeight, Quantization, ragged_dot
+from titan_jax.models.qwen3.adapter import adapter_beside
 from titan_jax.models.qwen3.looped_experts import looped_swiglu
 from titan_jax.models.qwen3.megablox import megablox_swiglu
 from titan_jax.models.sharding_hooks import dispatch_to_experts, use_param
 
 Array = jax.Array
+# An expert weight as the kernels read it: cast and gathered, or gathered as codes.
+ExpertWeight = Array | PrequantizedWeight
 # The experts' matmul outputs, which selective activation checkpointing saves (model.py).
 MOE_SAVED_ACTIVATIONS = ("moe_w1", "moe_w3", "moe_w2")
 # The router's picks and gate weights (top_k numbers a token), which every remat mode saves:
@@ -80,11 +82,11 @@ def route(
 
 
 def grouped_swiglu(
-    matmul: Callable[[Array, Array, Array], Array],
+    matmul: Callable[[Array, ExpertWeight, Array], Array],
     x_MD: Array,
-    w1_EDF: Array,
-    w3_EDF: Array,
-    w2_EFD: Array,
+    w1_EDF: ExpertWeight,
+    w3_EDF: ExpertWeight,
+    w2_EFD: ExpertWeight,
     group_sizes_E: Array,
 ) -> Array:
     """Rows sorted by expert through their expert's SwiGLU, one grouped matmul per weight."""
@@ -124,9 +126,9 @@ def expert_kernel(kernel: str, quantization: Quantization) -> Callable[..., Arra
 def expert_ffn(
     rows_MD: Array,
     experts_M: Array,
-    w1_EDF: Array,
-    w3_EDF: Array,
-    w2_EFD: Array,
+    w1_EDF: ExpertWeight,
+    w3_EDF: ExpertWeight,
+    w2_EFD: ExpertWeight,
     kernel: str,
     quantization: Quantization = NONE,
 ) -> Array:
@@ -148,9 +150,9 @@ def routed_experts(
     x_RD: Array,
     experts_RC: Array,
     weights_RC: Array,
-    w1_EDF: Array,
-    w3_EDF: Array,
-    w2_EFD: Array,
+    w1_EDF: ExpertWeight,
+    w3_EDF: ExpertWeight,
+    w2_EFD: ExpertWeight,
     expert_kernel: str,
     quantization: Quantization = NONE,
 ) -> Array:
@@ -240,8 +242,18 @@ class MoE(nnx.Module):
     def __call__(self, x_BTD: Array, expert_bias_E: Array) -> tuple[Array, dict[str, Array]]:
         x_RD = x_BTD.reshape(-1, x_BTD.shape[-1])
         dtype = x_BTD.dtype
-        read_w13 = self._read_quantized(self.w1_and_w3_lora)
-        w1_EDF, w3_EDF = use_param(self.w1, dtype, read_w13), use_param(self.w3, dtype, read_w13)
+        # Where FSDP gathers them, the experts arrive as codes when the kernel reads them
+        # quantized (`Quantization.expert_weight`); a LoRA adapter folds into them in the
+        # compute dtype instead (codes take no sum).
+        read = self.quantization.expert_weight(self.expert_kernel)
+        w1_EDF: ExpertWeight
+        w3_EDF: ExpertWeight
+        if self.w1_and_w3_lora is None:
+            w1_EDF, w3_EDF = use_param(self.w1, dtype, read), use_param(self.w3, dtype, read)
+        else:
+            w1_EDF, w3_EDF = self.w1_and_w3_lora.fold(
+                use_param(self.w1, dtype), use_param(self.w3, dtype)
+            )
         if self.gather_before_router:
             # w1 and w3 (cast, FSDP-gathered) tied to the input, so gathered before the router:
             # XLA:TPU runs the FSDP all-gathers on the SparseCores one at a time, in schedule
@@ -250,15 +262,15 @@ class MoE(nnx.Module):
             # the 2-layer 235B-A22B v5p-256 program); tied, both gather under the attention
             # (docs/MOE.md). w2, used last, gathers under their matmuls.
             x_RD, w1_EDF, w3_EDF = jax.lax.optimization_barrier((x_RD, w1_EDF, w3_EDF))
-        if self.w1_and_w3_lora is not None:
-            w1_EDF, w3_EDF = self.w1_and_w3_lora.fold(w1_EDF, w3_EDF)
         experts, weights, probs = route(
             x_RD, use_param(self.gate, ROUTER_DTYPE), expert_bias_E, self.top_k, self.norm_topk_prob
         )
         experts, weights = checkpoint_name((experts, weights), MOE_ROUTING)
-        w2_EFD = use_param(self.w2, dtype, self._read_quantized(self.w2_lora))
-        if self.w2_lora is not None:
-            (w2_EFD,) = self.w2_lora.fold(w2_EFD)
+        w2_EFD: ExpertWeight
+        if self.w2_lora is None:
+            w2_EFD = use_param(self.w2, dtype, read)
+        else:
+            (w2_EFD,) = self.w2_lora.fold(use_param(self.w2, dtype))
         y_RD = routed_experts(
             x_RD, experts, weights, w1_EDF, w3_EDF, w2_EFD, self.expert_kernel, self.quantization
         )
@@ -267,15 +279,6 @@ class MoE(nnx.Module):
             "tokens_per_expert": jax.lax.stop_gradient(counts.astype(jnp.float32)),
             "router_prob_sum": jnp.sum(probs, axis=0),
         }
-
-    def _read_quantized(self, lora: Adapter | None) -> WeightQuantization | None:
-        """How the experts' weights beside `lora` arrive quantized where FSDP gathers them
-        (as codes: `sharding_hooks.use_param`), or None: read in the compute dtype and
-        quantized by the kernel. Not where a LoRA adapter is folded into them: codes take
-        no sum."""
-        if lora is not None:
-            return None
-        return self.quantization.expert_weight(self.expert_kernel)
 
 
 def router_aux_loss(tokens_per_expert_LE: Array, router_prob_sum_LE: Array, n_tokens: int) -> Array:
