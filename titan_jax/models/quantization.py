@@ -341,9 +341,9 @@ def ragged_dot(
     return ragged_dot_qt(x_MD, w_EDF, group_sizes_E, config, preferred_element_type=x_MD.dtype)
 
 
-# Hand-written VJP, as `_dot_codes`'s: qwix's `ragged_dot_qt` with the weight's quantization
-# already done (its forward quantizes the weight itself), the weight's gradient to the port.
-# Without it: tests/parallel/test_quantized_gather.py::
+# Hand-written VJP: qwix's `ragged_dot_qt` quantizes the weight itself, so its derivative
+# cannot take gathered codes; this one sends the weight's gradient to the port. Without it:
+# tests/parallel/test_quantized_gather.py::
 # test_experts_gathered_as_codes_equal_quantizing_after_the_gather
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _ragged_dot_codes(
