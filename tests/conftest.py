@@ -37,7 +37,7 @@ os.environ["XDG_CACHE_HOME"] = _CACHE
 os.environ["TITAN_JAX_COMPILATION_CACHE"] = os.path.join(_CACHE, "titan_jax", "xla")
 # Python's bytecode too, written once a session under the cache folder (never beside the
 # sources) and read by every later process: each `titan-jax` subprocess a test starts otherwise
-# compiles jax, flax, orbax and ours from source again (~4 s of its start) where the
+# compiles jax, flax, orbax and ours from source again (~2 s of its start) where the
 # environment says PYTHONDONTWRITEBYTECODE, as this machine's does, and uv installs no .pyc.
 os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix = os.path.join(_CACHE, "pycache")
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
