@@ -29,6 +29,7 @@ pytestmark = [
         reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
     ),
     pytest.mark.slow,
+    pytest.mark.usefixtures("least_compile_effort"),  # tests/conftest.py
 ]
 
 RECIPES = {  # name -> (config, slice)

@@ -27,16 +27,21 @@ pytestmark = [
         reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
     ),
     pytest.mark.slow,
+    pytest.mark.usefixtures("least_compile_effort"),  # tests/conftest.py
 ]
 
 # The HLO element type each base is gathered in.
 GATHERED = {"int8": "s8", "nf4": "u8"}
 
 
+RECIPES = {"configs/qwen3_8b_qlora.toml": "v5e-4"}  # recipe -> the slice it is planned on
+
+
 def compile_8b(base_dtype: str):
-    config = load_config("configs/qwen3_8b_qlora.toml", ["--lora.base_dtype", base_dtype])
+    [(recipe, topology)] = RECIPES.items()
+    config = load_config(recipe, ["--lora.base_dtype", base_dtype])
     args = dataclasses.replace(get_flavor(config.model.flavor), n_layers=2)
-    trainer = build_trainer(config, compile_only_devices(parse_slice("v5e-4")), model_args=args)
+    trainer = build_trainer(config, compile_only_devices(parse_slice(topology)), model_args=args)
     lowered = trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
     return trainer, lowered.compile()
 
