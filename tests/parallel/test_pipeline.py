@@ -135,6 +135,9 @@ def moe_reference():
 @pytest.mark.slow  # ~35 s a schedule here, and the one-device reference once
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_moe_pp2_fsdp2_ep2_equals_one_device(moe_reference, schedule):
+    """Expert parallelism takes the shard_map implementation, where GPipe's stages hold pp
+    manual (as MoE runs on TPU: its expert kernels need every axis manual), each device its
+    own stage, hand-offs by ppermute; 1F1B's stage dim leaves pp to the partitioner."""
     init, want = moe_reference
     batches = make_batches(STEPS)
     trainer = build_trainer(
@@ -147,6 +150,7 @@ def test_moe_pp2_fsdp2_ep2_equals_one_device(moe_reference, schedule):
         ),
         model_args=MOE,
     )
+    assert trainer.parallelism.pipeline_split().manual == (schedule == "gpipe")
     assert {a: n for a, n in trainer.plan.mesh.shape.items() if n > 1} == {
         "pp": 2,
         "fsdp": 2,
@@ -318,31 +322,41 @@ def test_one_f_one_b_keeps_a_bounded_number_of_stage_inputs(degree):
 
 
 @pytest.mark.slow
-def test_on_tpu_pipeline_stages_with_splash_take_the_jit_path_or_xla_attention():
-    """A TPU run with pp 2 and splash attention compiles on the jit path; on the shard_map path
-    the splash kernel does not lower in a stage (its pp axis is automatic there), so the run is
-    refused in one line whose hint (xla attention) compiles."""
+def test_on_tpu_pipeline_stages_host_splash_and_the_expert_kernels():
+    """On TPU, GPipe's stages on the shard_map path hold pp manual, so splash attention and a
+    MoE model's megablox kernels lower inside them (the stages' hand-offs collective-permutes);
+    1F1B's stage dim leaves pp automatic, where they do not: refused in one line whose hint
+    (gpipe) compiles."""
     from jax.experimental import topologies
 
     from titan_jax.config import ConfigError
 
     devices = list(topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2").devices)
-    args = dataclasses.replace(DENSE, head_dim=128, max_seq_len=256)  # splash's shapes
+    dense = dataclasses.replace(DENSE, head_dim=128, max_seq_len=256)  # splash's shapes
+    moe = dataclasses.replace(MOE, head_dim=128, max_seq_len=256, dim=128, moe_inter_dim=128)
 
-    def compiled(*flags: str) -> None:
-        config = tiny_config(
-            *pipeline(2),
+    def compiled(args: Qwen3Args, schedule: str, *flags: str) -> str:
+        config = (moe_config if args.is_moe else tiny_config)(
+            *pipeline(2, schedule),
             "--training.seq_len",
             "256",
             "--training.mixed_precision_param",
             "bfloat16",
+            "--model.attention",
+            "splash",
             *flags,
         )
         trainer = build_trainer(config, devices, model_args=args)
         batch = inspect_step.abstract_batch(trainer)
-        trainer.lower_step(trainer.abstract_state(), batch).compile()
+        return trainer.lower_step(trainer.abstract_state(), batch).compile().as_text()
 
-    compiled("--parallelism.fsdp_implementation", "jit", "--model.attention", "splash")
-    with pytest.raises(ConfigError, match="needs model.attention=xla or .*fsdp_implementation=jit"):
-        compiled("--parallelism.fsdp_implementation", "shard_map", "--model.attention", "splash")
-    compiled("--parallelism.fsdp_implementation", "shard_map", "--model.attention", "xla")
+    compiled(dense, "gpipe", "--parallelism.fsdp_implementation", "jit")
+    hlo = compiled(dense, "gpipe", "--parallelism.fsdp_implementation", "shard_map")
+    assert "splash" in hlo and "collective-permute" in hlo
+    with pytest.raises(ConfigError, match="1f1b with splash attention needs .*schedule=gpipe"):
+        compiled(dense, "1f1b", "--parallelism.fsdp_implementation", "shard_map")
+    ep2 = ("--parallelism.expert_parallel_degree", "2")
+    hlo = compiled(moe, "gpipe", *ep2)  # pp2 x fsdp4 (ep2 of it): the shard_map path (auto)
+    assert "tgmm" in hlo and "collective-permute" in hlo  # megablox's kernels in the stages
+    with pytest.raises(ConfigError, match="cannot pipeline a MoE model on TPU .*schedule=gpipe"):
+        compiled(moe, "1f1b", *ep2)

@@ -19,6 +19,13 @@ their outputs and statistics are dropped, so their gradient is zero.
 Backward is JAX's transpose of the tick scan: all forward ticks, then all backward ticks in
 reverse (GPipe's order for both placements). Each stage keeps what the layer scan's remat
 policy saves for each of its ticks (m microbatches' worth in flight, not 1F1B's degree).
+
+Manual stages (`PipelineSplit.manual`, GPipe's placement): where the pipeline runs inside a
+shard_map that holds `pp` manual (SimpleFSDP's shard_map implementation, so that Pallas
+kernels in a stage see every mesh axis manual), each device runs its own stage on the layers
+it stores, hands its output to the next stage with a `ppermute`, and keeps its own buffer: the
+first stage's holds the batch's microbatches, the last stage's their outputs, which a sum over
+`pp` (the other stages' masked to zero) gives every stage for the final norm and the loss.
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ def pipeline_scan(
     b = x_BTD.shape[0]
     if b % m:
         raise ValueError(f"a batch of {b} rows does not split into {m} pipeline microbatches")
+    if split.manual:
+        return _manual_pipeline_scan(chunk_scan, x_BTD, layers, tables, split)
     items, ticks = v * m, v * m + p - 1
 
     def by_chunk(leaf: Array) -> Array:  # (L, ...) -> (v, p, L / (v p), ...)
@@ -125,6 +134,82 @@ def pipeline_scan(
     # (stage, repeat, layer of chunk) -> the stacked layer order (repeat, stage, layer of chunk).
     stats = jax.tree.map(lambda s: s.swapaxes(0, 1).reshape(-1, *s.shape[3:]), stats)
     return buffer_MbTD.reshape(x_BTD.shape), stats
+
+
+def _manual_pipeline_scan(
+    chunk_scan: ChunkScan,
+    x_BTD: Array,
+    layers: Any,
+    tables: tuple[Array | None, ...],
+    split: PipelineSplit,
+) -> tuple[Array, dict[str, Array]]:
+    """`pipeline_scan` with `split.axis` manual: this device's stage, GPipe's placement. Its
+    layers are the stacked inputs that vary over the axis (the weights, stored split over it);
+    the others (the expert bias, dropout keys: whole on every stage) are cut to its block."""
+    if split.virtual != 1:
+        raise ValueError("manual pipeline stages take GPipe's placement (one chunk a stage)")
+    axis, p, m = split.axis, split.degree, split.microbatches
+    assert axis is not None
+    b = x_BTD.shape[0]
+    stage = jax.lax.axis_index(axis)
+    stored = [leaf for leaf in jax.tree.leaves(layers) if axis in jax.typeof(leaf).mat.varying]
+    if not stored:
+        raise ValueError(f"no stacked layer input is split over {axis!r}")
+    per_stage = stored[0].shape[0]
+
+    def own_block(leaf: Array) -> Array:
+        if axis in jax.typeof(leaf).mat.varying:
+            return leaf
+        return jax.lax.dynamic_slice_in_dim(leaf, stage * per_stage, per_stage, 0)
+
+    chunk = jax.tree.map(own_block, layers)
+    cos = tables[0]
+    per_token = cos is not None and cos.ndim == 3
+
+    def microbatched(x: Array) -> Array:
+        return x.reshape(m, b // m, *x.shape[1:])
+
+    mb_tables = (
+        tuple(None if t is None else microbatched(t) for t in tables) if per_token else tables
+    )
+    inputs_MbTD = microbatched(x_BTD)
+    forward = [(s, s + 1) for s in range(p - 1)]
+
+    def tick(
+        carry: tuple[Array, Array, dict[str, Array]], t: Array
+    ) -> tuple[tuple[Array, Array, dict[str, Array]], None]:
+        state_bTD, outputs_MbTD, stats = carry
+        k = t - stage  # the microbatch this stage holds this tick
+        valid = (k >= 0) & (k < m)
+        i = jnp.clip(k, 0, m - 1)
+        t_i = tuple(None if x is None else x[i] for x in mb_tables) if per_token else mb_tables
+        y_bTD, tick_stats = chunk_scan(state_bTD, chunk, t_i)
+        stats = jax.tree.map(lambda acc, s: acc + jnp.where(valid, s, 0), stats, tick_stats)
+        kept = jnp.where(valid & (stage == p - 1), y_bTD, outputs_MbTD[i])
+        outputs_MbTD = jax.lax.dynamic_update_index_in_dim(outputs_MbTD, kept, i, 0)
+        sent = jax.lax.ppermute(y_bTD, axis, forward)  # stage 0 receives zeros
+        fresh = jax.lax.dynamic_index_in_dim(inputs_MbTD, (t + 1) % m, 0, keepdims=False)
+        state_bTD = jnp.where(stage == 0, fresh, sent)
+        return (state_bTD, outputs_MbTD, stats), None
+
+    operands = (x_BTD, *jax.tree.leaves(chunk))
+    state_bTD = varying_like(jnp.where(stage == 0, inputs_MbTD[0], 0), operands)
+    outputs_MbTD = varying_like(jnp.zeros_like(inputs_MbTD), operands)
+    one = jax.eval_shape(lambda: chunk_scan(state_bTD, chunk, _first(mb_tables, per_token))[1])
+    zeros = jax.tree.map(lambda s: varying_like(jnp.zeros(s.shape, s.dtype), operands), one)
+    (_, outputs_MbTD, stats), _ = jax.lax.scan(
+        tick, (state_bTD, outputs_MbTD, zeros), jnp.arange(m + p - 1)
+    )
+    # The last stage's outputs to every stage; each stage's layers' statistics in layer order.
+    outputs_MbTD = jax.lax.psum(jnp.where(stage == p - 1, outputs_MbTD, 0), axis)
+    stats = jax.tree.map(
+        lambda s: jax.lax.all_gather(s, axis, axis=0, tiled=True, to="invarying"), stats
+    )
+    return outputs_MbTD.reshape(x_BTD.shape), stats
+
+
+def _first(mb_tables: tuple[Array | None, ...], per_token: bool) -> tuple[Array | None, ...]:
+    return tuple(None if x is None else x[0] for x in mb_tables) if per_token else mb_tables
 
 
 def varying_like(init: Array, operands: tuple[Array, ...]) -> Array:

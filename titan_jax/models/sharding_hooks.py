@@ -168,13 +168,16 @@ class PipelineSplit:
     the mesh axis the stage dim is split over (None: no mesh). `degree` 1: one layer scan.
     `schedule`: "gpipe" or "interleaved" (backward is autodiff's: every forward tick first), or
     "1f1b" (`titan_jax/models/one_f_one_b.py`: forward and backward alternate, the loss inside
-    the pipeline)."""
+    the pipeline). `manual`: `axis` is manual where the pipeline runs (a shard_map over it):
+    each device runs its own stage and hands its output on by `ppermute`, instead of a stage
+    dim that the partitioner splits."""
 
     degree: int = 1
     virtual: int = 1
     microbatches: int = 1
     axis: str | None = None
     schedule: str = "gpipe"
+    manual: bool = False
 
 
 class Parallelism:

@@ -103,23 +103,31 @@ def check_one_f_one_b(config: JobConfig, degrees: MeshDegrees, fsdp: type[Simple
 
 
 def check_pipeline_kernels(
-    degrees: MeshDegrees, fsdp: type[SimpleFSDP], attention: str, args: ModelArgs, platform: str
+    config: JobConfig,
+    degrees: MeshDegrees,
+    fsdp: type[SimpleFSDP],
+    attention: str,
+    args: ModelArgs,
+    platform: str,
 ) -> None:
     """Pallas TPU kernels (splash attention; megablox, the experts' kernels on TPU) inside
-    pipeline stages need an implementation that hosts them (`hosts_tpu_kernels_in_stages`)."""
-    if degrees.pp == 1 or platform != "tpu" or fsdp.hosts_tpu_kernels_in_stages:
+    pipeline stages need a schedule whose stages host them on the implementation
+    (`SimpleFSDP.tpu_kernel_pipeline_schedules`)."""
+    schedule = config.parallelism.pipeline_parallel_schedule
+    if degrees.pp == 1 or platform != "tpu" or schedule in fsdp.tpu_kernel_pipeline_schedules:
         return
-    pp = f"parallelism.pipeline_parallel_degree={degrees.pp}"
+    pp = f"parallelism.pipeline_parallel_schedule={schedule}"
     if args.is_moe:  # MoE on TPU takes the shard_map implementation (choose_implementation)
         raise ConfigError(
-            f"{pp} cannot pipeline a MoE model on TPU yet (its expert kernels do not lower "
-            "inside a pipeline stage); set parallelism.pipeline_parallel_degree=1"
+            f"{pp} cannot pipeline a MoE model on TPU (its expert kernels do not lower inside "
+            "its stages); set parallelism.pipeline_parallel_schedule=gpipe"
         )
     if attention == "splash":
-        jit = " or parallelism.fsdp_implementation=jit" if degrees.cp == 1 else ""
+        jit = ", parallelism.fsdp_implementation=jit" if degrees.cp == 1 else ""
         raise ConfigError(
-            f"{pp} with splash attention needs model.attention=xla{jit} (the splash kernel "
-            f"does not lower inside a pipeline stage of fsdp_implementation={fsdp.implementation})"
+            f"{pp} with splash attention needs parallelism.pipeline_parallel_schedule=gpipe"
+            f"{jit} or model.attention=xla (the splash kernel does not lower inside its stages "
+            f"on fsdp_implementation={fsdp.implementation})"
         )
 
 

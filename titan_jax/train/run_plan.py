@@ -179,7 +179,7 @@ def plan_run(
     )
     run_checks.check_lookahead_gather(config, fsdp, attention)
     run_checks.check_one_f_one_b(config, degrees, fsdp)
-    run_checks.check_pipeline_kernels(degrees, fsdp, attention, args, platform)
+    run_checks.check_pipeline_kernels(config, degrees, fsdp, attention, args, platform)
     run_checks.check_layer_input_offload(config)
     lora = plan_decisions.resolve_lora(config, args, param_dtype)
     model = spec.build(args, build_options(config, platform, attention, quantization, lora))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +65,8 @@ class SimpleFSDP(Parallelism, abc.ABC):
     hosts_splash_lookahead = True  # the look-ahead gather's scan around splash attention
     splits_vocab_across_replicas = True  # vocabulary tables split in compute under HSDP
     hosts_one_f_one_b_with_tp = True  # the 1F1B pipeline (models/one_f_one_b.py) beside tp
-    hosts_tpu_kernels_in_stages = True  # Pallas TPU kernels inside pipeline stages (pp > 1)
+    # The pipeline schedules whose stages host Pallas TPU kernels (pp > 1): all on the jit path.
+    tpu_kernel_pipeline_schedules: ClassVar[tuple[str, ...]] = ("gpipe", "interleaved", "1f1b")
     # A weight a quantized matmul reads, gathered as codes where its compute layout keeps a
     # data axis's split (the experts over ep), over the axes it gathers.
     quantizes_kept_splits = True

@@ -172,9 +172,17 @@ class ShardMapSimpleFSDP(SimpleFSDP):
     # XLA's SPMD partitioner aborts on the 1F1B ticks beside tp here ("Check failed:
     # partition_group_list.num_replica_groups() * ..."); gpipe and the jit path compile.
     hosts_one_f_one_b_with_tp = False
-    # A Mosaic kernel must see every mesh axis manual, and the stages' pp axis stays automatic
-    # here (`pipeline_split`): splash attention and megablox in a pipeline stage do not lower.
-    hosts_tpu_kernels_in_stages = False
+    # A Mosaic kernel must see every mesh axis manual. GPipe's stages hold pp manual here (each
+    # device its own stage, `models/pipeline.py`); the other schedules' stage dim leaves pp
+    # automatic, where splash attention and megablox in a stage do not lower.
+    tpu_kernel_pipeline_schedules = ("gpipe",)
+
+    @property
+    def manual_axes(self) -> tuple[str, ...]:
+        """The axes `loss_map`'s shard_map holds manual: the data axes, and pp where the
+        schedule runs its stages manually."""
+        manual_pp = self.pipeline.degree > 1 and self.pipeline.schedule == "gpipe"
+        return self.data_axes + (("pp",) if manual_pp else ())
 
     def _gather(
         self,
@@ -210,6 +218,8 @@ class ShardMapSimpleFSDP(SimpleFSDP):
         return lax.with_sharding_constraint(x, spec) if spec else x  # data axes are manual
 
     def pipeline_split(self) -> PipelineSplit:
+        if "pp" in self.manual_axes:
+            return dataclasses.replace(self.pipeline, manual=True)
         # The stage vmap names no mesh axis: inside a shard_map an auto axis cannot be a vmap's
         # spmd_axis_name. Its stage dim is left unconstrained inside the stage, pinned to pp
         # between ticks (`models/pipeline.py`), and the partitioner keeps it there.
@@ -226,12 +236,14 @@ class ShardMapSimpleFSDP(SimpleFSDP):
         out_axes: LogicalAxes,
     ) -> jax.Array:
         in_specs, out_spec = self._local_specs(in_axes, out_axes)
-        return manual_per_shard(kernel, args, in_specs, out_spec, self.data_axes)
+        return manual_per_shard(kernel, args, in_specs, out_spec, self.manual_axes)
 
     def loss_map(self, summed_loss: SummedLoss) -> SummedLoss:
-        data = self.data_axes
+        data, manual = self.data_axes, self.manual_axes
         is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
-        param_specs = jax.tree.map(lambda s: only_axes(s, data), self.param_specs, is_leaf=is_spec)
+        param_specs = jax.tree.map(
+            lambda s: only_axes(s, manual), self.param_specs, is_leaf=is_spec
+        )
         buffer_specs = jax.tree.map(
             lambda _: PartitionSpec(),
             self.buffer_specs,  # whole
@@ -255,7 +267,7 @@ class ShardMapSimpleFSDP(SimpleFSDP):
                 mesh=self.mesh,
                 in_specs=(specs, buffer_specs, rows, rows),
                 out_specs=PartitionSpec(),
-                axis_names=frozenset(data),
+                axis_names=frozenset(manual),
             )(params, buffers, inputs, labels)
 
         return mapped
