@@ -23,23 +23,31 @@ class Row:
     flavor: str
     slice_name: str
     num_slices: int
-    tokens_per_chip: int  # the shipped recipe's: 235B 1 x 4096 (ep x fsdp), 32B 1 x 4096 / tp4
+    rows_per_rank: int  # rows of 4096 tokens a data-parallel rank holds without PP
+    tokens_per_chip: int  # 235B: the rank's rows (a chip, ep x fsdp); 32B: a quarter (tp4)
     layout: Layout
 
 
 def _rows() -> list[Row]:
+    """Each layout at the same global batch as its no-PP row: the shipped recipe's (one row a
+    data-parallel rank), and 4x it. Under PP a rank holds pp x the rows, cut into microbatches
+    of whole rows: at most pp x rows of them (the smallest bubble at that batch)."""
     rows = []
     for slice_name, slices in (("v5p-256", 2), ("v5p-256", 4), ("v5p-128", 2)):
-        for layout in (
-            Layout(),
-            Layout(slices, 1, 4 * slices),
-            Layout(slices, 1, 8 * slices),
-            Layout(slices, 1, 8 * slices, "1f1b"),
-            Layout(slices, 2, 4 * slices),
-        ):
-            rows.append(Row("235B-A22B", slice_name, slices, 4096, layout))
-    for layout in (Layout(), Layout(2, 1, 8), Layout(4, 1, 16), Layout(2, 2, 8)):
-        rows.append(Row("32B", "v5p-32", 1, 1024, layout))
+        for per_rank in (1, 4):
+            m = slices * per_rank
+            for layout in (
+                Layout(),
+                Layout(slices, 1, m),
+                Layout(slices, 1, m, "1f1b"),
+                Layout(slices, 2, m),
+            ):
+                rows.append(
+                    Row("235B-A22B", slice_name, slices, per_rank, per_rank * SEQ_LEN, layout)
+                )
+    for per_rank in (1, 4):
+        for layout in (Layout(), Layout(2, 1, 2 * per_rank), Layout(4, 1, 4 * per_rank)):
+            rows.append(Row("32B", "v5p-32", 1, per_rank, per_rank * SEQ_LEN // 4, layout))
     return rows
 
 
@@ -52,18 +60,20 @@ def _name(layout: Layout, slices: int) -> str:
 
 def table() -> str:
     lines = [
-        "| model | slices | layout | bubble | compute s | + bubble s | + DCN s | + ICI sends s | "
-        "weight gathers | state GB/chip | activations GB/chip | step <= s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | slices | rows a rank (no PP) | layout | bubble | compute s | + bubble s | "
+        "+ DCN s | + ICI sends s | weight gathers | state GB/chip | activations GB/chip | "
+        "step <= s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     shapes: dict[str, ModelShape] = {}
     for r in _rows():
         if r.flavor not in shapes:
             shapes[r.flavor] = ModelShape.of("qwen3", r.flavor, SEQ_LEN)
         tpu = parse_slice(r.slice_name, r.num_slices)
-        c = layout_cost(shapes[r.flavor], tpu, r.tokens_per_chip, r.layout)
+        c = layout_cost(shapes[r.flavor], tpu, r.tokens_per_chip, r.layout, r.rows_per_rank)
         lines.append(
-            f"| {r.flavor} | {r.num_slices} x {r.slice_name} | {_name(r.layout, r.num_slices)} | "
+            f"| {r.flavor} | {r.num_slices} x {r.slice_name} | {r.rows_per_rank} | "
+            f"{_name(r.layout, r.num_slices)} | "
             f"{c.bubble_fraction:.0%} | {c.compute_s:.2f} | {c.bubble_s:.2f} | {c.dcn_s:.3f} | "
             f"{c.ici_sends_s:.4f} | {c.weight_gathers:.1f}x | {c.state_bytes / 1e9:.1f} | "
             f"{c.activation_bytes / 1e9:.2f} | {c.step_s:.2f} |"

@@ -99,10 +99,21 @@ class LayoutCost:
 
 
 def layout_cost(
-    model: ModelShape, tpu: TpuSlice, tokens_per_chip: int, layout: Layout
+    model: ModelShape, tpu: TpuSlice, tokens_per_chip: int, layout: Layout, rows_per_rank: int
 ) -> LayoutCost:
     """The cost of `layout` for `model` on `tpu` (all its slices), each chip holding
-    `tokens_per_chip` tokens of the step's batch (as the same batch data-parallel would)."""
+    `tokens_per_chip` tokens of the step's batch and each data-parallel rank `rows_per_rank`
+    rows, as the same batch data-parallel would. Under PP a rank spans pp chips, one a stage,
+    and holds pp x the rows; the trainer cuts them into microbatches of whole rows, so
+    `layout.microbatches` must be at least pp and divide them (a ValueError otherwise)."""
+    if layout.pp > 1:
+        rows = layout.pp * rows_per_rank
+        m = layout.microbatches
+        if m < layout.pp or rows % m:
+            raise ValueError(
+                f"{m} microbatches of {rows} rows a data-parallel rank at pp {layout.pp}: the "
+                "trainer needs at least pp microbatches of whole rows"
+            )
     chip, slices = tpu.chip, tpu.num_slices
     chips = tpu.chips * slices * chip.devices_per_chip
     params, dim = model.params, model.dim
