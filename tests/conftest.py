@@ -17,11 +17,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The two test workers (pytest-xdist) both load libtpu for ahead-of-time TPU compiles; without
 # this the second one fails on libtpu's multi-process lockfile. No TPU is ever opened here.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# XLA:CPU without LLVM's optimizations: the tests check what tiny programs compute, not how fast,
-# and compiling is most of their time (68% of a pipeline test's; this flag takes 17% off a
-# pipeline test's run). IEEE results are the same (no fast-math either way). libtpu's compiles
-# are unaffected (`least_compile_effort` below is theirs).
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 from titan_jax.jax_platform import default_libtpu_flags  # noqa: E402
 from titan_jax.parallel.mesh import xla_flags_with_cpu_devices  # noqa: E402
 
