@@ -49,6 +49,12 @@ POINTS = (
         12.956,
         "tpu-recipes training/trillium/Llama3.1-70B-MaxText/v6e-32: 17.790 s, 443.4 TFLOP/s",
     ),
+    Point(
+        "gpt-oss-120b 10 x 8192 a TensorCore, tpu7x-128 (MaxText's program)",
+        14.93,
+        21.770,
+        "tpu-recipes training/ironwood/gpt-oss-120b/8k-bf16-tpu7x-4x4x4: 14.93 s, 378.90 TFLOP/s",
+    ),
 )
 
 
