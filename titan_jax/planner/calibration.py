@@ -55,6 +55,13 @@ POINTS = (
         21.770,
         "tpu-recipes training/ironwood/gpt-oss-120b/8k-bf16-tpu7x-4x4x4: 14.93 s, 378.90 TFLOP/s",
     ),
+    Point(
+        "Qwen3-235B-A22B 16 x 4096 a TensorCore, tpu7x-512 (MaxText's program)",
+        30.87,
+        29.896,
+        "tpu-recipes training/ironwood/qwen3-235b-a22b/4k-bf16-tpu7x-4x8x8: "
+        "30.87 s, 629.79 TFLOP/s",
+    ),
 )
 
 
