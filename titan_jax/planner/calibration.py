@@ -62,6 +62,12 @@ POINTS = (
         "tpu-recipes training/ironwood/qwen3-235b-a22b/4k-bf16-tpu7x-4x8x8: "
         "30.87 s, 629.79 TFLOP/s",
     ),
+    Point(
+        "Llama3.1-70B 2 x 8192 a TensorCore, tpu7x-128 (MaxText's program)",
+        12.20,
+        11.441,
+        "tpu-recipes training/ironwood/llama3.1-70b/8k-bf16-tpu7x-4x4x4: 12.20 s, 1207.05 TFLOP/s",
+    ),
 )
 
 
