@@ -271,7 +271,8 @@ def row(plan: Plan, r: dict[str, Any]) -> str:
     kernel = r.get("attention_kernel_flops_per_step") or 0  # splash, counted from its shapes
     attention = r["attention"] + (f" ({kernel / 1e15:.2f} PFLOP)" if kernel else "")
     est = (
-        f"{with_band(r['est_step_time_s'], r['est_mfu_pct'])} (<= {r['roofline_mfu_pct']:.0f}%)"
+        f"{with_band(r['est_step_time_s'], r['est_mfu_pct'], r['roofline_mfu_pct'])} "
+        f"(<= {r['roofline_mfu_pct']:.0f}%)"
         if r["est_step_time_s"] is not None
         else "-"
     )

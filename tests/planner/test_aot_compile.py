@@ -129,7 +129,7 @@ def test_debug_model_fits_and_counts_its_flops(tmp_path, extra, capsys):
         assert key in report
     # every estimate carries the calibration's band; XLA's count beside ours counted its way
     assert report["est_step_time_band_s"] == pytest.approx(
-        calibration.step_band(report["est_step_time_s"])
+        calibration.step_band(report["est_step_time_s"], report["roofline_step_time_s"])
     )
     assert (
         abs(report["cost_analysis_flops_per_chip"] / report["est_flops_loop_bodies_once"] - 1) < 0.1

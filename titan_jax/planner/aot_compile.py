@@ -260,6 +260,7 @@ def _estimates(
     bound = roofline(chip, max(flops, report["analytic_flops_per_step"]) / n, ops)
     peak = n * chip.peak_bf16_flops
     mfu = 100 * report["analytic_flops_per_step"] / (peak * cost["step_s"])
+    roofline_mfu = 100 * report["analytic_flops_per_step"] / (peak * bound["est_step_time_s"])
     return {
         "attention_kernel_flops_per_step": attention,
         "flops_per_step": flops,
@@ -267,7 +268,7 @@ def _estimates(
             ops, ("op", "dtype", "network", "in_layer_loop", "axes")
         ),
         "est_step_time_s": cost["step_s"],
-        "est_step_time_band_s": calibration.step_band(cost["step_s"]),
+        "est_step_time_band_s": calibration.step_band(cost["step_s"], bound["est_step_time_s"]),
         "est_compute_s": cost["compute_s"],
         "est_exposed_collective_s": cost["exposed_collective_s"],
         "est_dma_wait_s": cost["dma_wait_s"],
@@ -286,7 +287,7 @@ def _estimates(
             skewed["step_s"] if skewed and skewed["step_s"] > 1.001 * cost["step_s"] else None
         ),
         "est_mfu_pct": mfu,
-        "est_mfu_band_pct": calibration.mfu_band(mfu),
+        "est_mfu_band_pct": calibration.mfu_band(mfu, roofline_mfu),
         "in_loop_all_gathers": len(gathers),
         "in_loop_all_gather_s": gather_s,
         "in_loop_all_gather_overlap_pct": 100 * covered_s / gather_s if gather_s else None,
@@ -297,9 +298,7 @@ def _estimates(
         "compute_s": bound["compute_s"],
         "ici_s": bound["ici_s"],
         "dcn_s": bound["dcn_s"],
-        "roofline_mfu_pct": 100
-        * report["analytic_flops_per_step"]
-        / (peak * bound["est_step_time_s"]),
+        "roofline_mfu_pct": roofline_mfu,
     }
 
 
@@ -541,8 +540,8 @@ def format_report(r: dict[str, Any]) -> str:
                 "asynchronous"
             )
     if r["est_step_time_s"] is not None:
-        low, high = calibration.step_band(r["est_step_time_s"])
-        mfu_low, mfu_high = calibration.mfu_band(r["est_mfu_pct"])
+        low, high = calibration.step_band(r["est_step_time_s"], r["roofline_step_time_s"])
+        mfu_low, mfu_high = calibration.mfu_band(r["est_mfu_pct"], r["roofline_mfu_pct"])
         lines.append(
             f"estimate (each compiled op at max(FLOPs at the rate a matmul of its size "
             f"sustains, int8/fp8 at theirs, bytes at the HBM bandwidth its size sustains), "

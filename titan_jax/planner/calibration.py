@@ -76,23 +76,32 @@ def residuals() -> tuple[float, float]:
     return min(p.residual for p in POINTS), max(p.residual for p in POINTS)
 
 
-def step_band(step_s: float) -> tuple[float, float]:
-    """The step times the calibration's worst residuals allow around an estimate."""
+def step_band(step_s: float, floor_s: float = 0.0) -> tuple[float, float]:
+    """The step times the calibration's worst residuals allow around an estimate, none below
+    `floor_s` (the roofline bound: compute at bf16's peak, collectives hidden), which no step
+    beats. A floor above the estimate bounds nothing (int8/fp8 matmuls run above bf16's peak)
+    and is ignored."""
     lowest, highest = residuals()
-    return step_s * (1 + lowest), step_s * (1 + highest)
+    floor = floor_s if floor_s <= step_s else 0.0
+    return max(step_s * (1 + lowest), floor), step_s * (1 + highest)
 
 
-def mfu_band(mfu: float) -> tuple[float, float]:
-    """The MFUs the calibration's worst residuals allow around an estimated MFU."""
+def mfu_band(mfu: float, ceiling: float = 100.0) -> tuple[float, float]:
+    """The MFUs the calibration's worst residuals allow around an estimated MFU, none above
+    `ceiling` (the roofline bound's MFU; ignored below the estimate, as `step_band`'s floor)."""
     lowest, highest = residuals()
-    return mfu / (1 + highest), mfu / (1 + lowest)
+    top = mfu / (1 + lowest)
+    return mfu / (1 + highest), min(top, ceiling) if ceiling >= mfu else top
 
 
-def with_band(step_s: float, mfu_pct: float | None = None) -> str:
-    """An estimate as printed, "step s (low-high s)", with "/ MFU% (low-high%)" if given."""
-    low, high = step_band(step_s)
+def with_band(step_s: float, mfu_pct: float | None = None, roofline_mfu_pct: float = 100.0) -> str:
+    """An estimate as printed, "step s (low-high s)", with "/ MFU% (low-high%)" if given; the
+    band stops at the roofline bound (`roofline_mfu_pct`, whose step is the estimate's scaled by
+    the two MFUs: the same FLOPs)."""
+    floor = step_s * mfu_pct / roofline_mfu_pct if mfu_pct is not None else 0.0
+    low, high = step_band(step_s, floor)
     text = f"{step_s:.2f} s ({low:.2f}-{high:.2f} s)"
     if mfu_pct is not None:
-        mfu_low, mfu_high = mfu_band(mfu_pct)
+        mfu_low, mfu_high = mfu_band(mfu_pct, roofline_mfu_pct)
         text += f" / {mfu_pct:.0f}% ({mfu_low:.0f}-{mfu_high:.0f}%)"
     return text
