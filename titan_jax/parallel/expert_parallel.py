@@ -261,8 +261,8 @@ def dropless_exchange(
     if capacity >= route.ep * route.m:
         return outs
     # The FFN over one block of `m` rows, as a function of its closed-over values (the experts'
-    # weights), for the overflow's VJP.
-    block_ffn, weights = jax.closure_convert(
+    # weights, or their codes, scales and ports), for the overflow's VJP.
+    block_ffn, weights = closure_convert(
         ffn,
         zeros_varying_like(chunks[0].rows, route.m),
         zeros_varying_like(chunks[0].rows, route.m, (route.m,), jnp.int32),
@@ -273,6 +273,32 @@ def dropless_exchange(
         _with_overflow(overflow, y, c.rows, c.gates, c.counts_SE, c.first_SE, *weights)
         for y, c in zip(outs, chunks, strict=True)
     ]
+
+
+def closure_convert(
+    fun: Callable[..., jax.Array], *example_args: jax.Array
+) -> tuple[Callable[..., jax.Array], list[jax.Array]]:
+    """`jax.closure_convert`: `fun` on `example_args`' types as a function of them and of the
+    traced values it closes over (returned), but hoisting every traced value. JAX's hoists
+    only those with a tangent and leaves the others in the function (integers: experts
+    gathered as int8 codes), which `_with_overflow` takes as a static argument: differentiated
+    in a later trace (the layer's remat), they are stale tracers there, and the lowering fails
+    ("No constant handler for type: DynamicJaxprTracer"; jax-ml/jax#14760)."""
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*example_args)
+    traced = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+    fixed = [None if t else c for c, t in zip(closed.consts, traced, strict=True)]
+    hoisted = [c for c, t in zip(closed.consts, traced, strict=True) if t]
+    jaxpr = closed.with_consts(())  # the consts as its first inputs: it holds no tracer
+    out_tree = jax.tree.structure(out_shape)
+
+    def converted(*args_and_hoisted: jax.Array) -> jax.Array:
+        args, values = args_and_hoisted[: len(example_args)], args_and_hoisted[len(example_args) :]
+        given = iter(values)
+        consts = [next(given) if t else c for c, t in zip(fixed, traced, strict=True)]
+        outs = jax.core.eval_jaxpr(jaxpr, (), *consts, *jax.tree.leaves(args))
+        return jax.tree.unflatten(out_tree, outs)
+
+    return converted, hoisted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,11 +392,17 @@ def _with_overflow_fwd(
 
 def _with_overflow_bwd(o: _Overflow, saved: tuple[jax.Array, ...], g: jax.Array) -> tuple[Any, ...]:
     rows_MD, gates_M, counts_SE, first_SE, *weights = saved
+    # The weights with a tangent; the others (integer codes) get none and are read as they are.
+    tangent = [jnp.issubdtype(w.dtype, jnp.inexact) for w in weights]
+
+    def with_fixed(w: tuple[jax.Array, ...]) -> list[jax.Array]:
+        given = iter(w)
+        return [next(given) if t else fixed for fixed, t in zip(weights, tangent, strict=True)]
 
     def recomputed(g: jax.Array, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         _, pullback = jax.vjp(
             lambda x, gates, w: o.add(
-                zeros_varying_like(g, g.shape[0]), x, gates, counts_SE, first_SE, *w
+                zeros_varying_like(g, g.shape[0]), x, gates, counts_SE, first_SE, *with_fixed(w)
             ),
             *inputs,
         )
@@ -379,13 +411,15 @@ def _with_overflow_bwd(o: _Overflow, saved: tuple[jax.Array, ...], g: jax.Array)
     def passed(g: jax.Array, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         return jax.tree.map(lambda x: zeros_varying_like(x, x.shape[0]), inputs)
 
+    differentiated = tuple(w for w, t in zip(weights, tangent, strict=True) if t)
     d_rows, d_gates, d_weights = lax.cond(
-        o.occurs(counts_SE), rare_branch(recomputed), passed, g, (rows_MD, gates_M, tuple(weights))
+        o.occurs(counts_SE), rare_branch(recomputed), passed, g, (rows_MD, gates_M, differentiated)
     )
+    d_given = iter(d_weights)
     # y_MD's cotangent is g as it is, outside the conditional, so that the first exchange's
     # backward need not wait for it: the rows the overflow writes are rows the first exchange
     # did not (its output buffer's zeros), whose cotangent it never reads.
-    return (g, d_rows, d_gates, None, None, *d_weights)
+    return (g, d_rows, d_gates, None, None, *(next(d_given) if t else None for t in tangent))
 
 
 _with_overflow.defvjp(_with_overflow_fwd, _with_overflow_bwd)
