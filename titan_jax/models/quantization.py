@@ -109,12 +109,14 @@ class Quantization:
     def expert_weight(self, kernel: str) -> WeightQuantization | None:
         """How `kernel` (`moe.EXPERT_KERNELS`) quantizes the experts' (E, in, out) weights,
         where they are to arrive quantized (`quantize.gather = "auto"`; else None: the kernel
-        quantizes them): qwix's `ragged_dot` (CPU, GPU), a scale per output column shared by
-        the experts (`scaling` does not apply to the experts). tokamax's TPU kernel
-        ("megablox") quantizes them itself, after a gather in the compute dtype."""
-        if not self.applies_to("experts") or self.gather != "auto" or kernel == "megablox":
+        quantizes them). A scale per output column either way (`scaling` does not apply to
+        the experts), shared by the experts in qwix's `ragged_dot` (CPU, GPU), one per expert
+        in tokamax's TPU kernel ("megablox")."""
+        if not self.applies_to("experts") or self.gather != "auto":
             return None
-        return WeightQuantization(jnp.dtype(QTYPES[self.mode][0]), 2, True)
+        return WeightQuantization(
+            jnp.dtype(QTYPES[self.mode][0]), 2, True, per_expert=kernel == "megablox"
+        )
 
     def ragged_config(self) -> RaggedDotQtConfig | None:
         """qwix's config for the experts' grouped matmuls (rowwise: a scale per row of the
@@ -136,17 +138,19 @@ NONE = Quantization()
 class WeightQuantization:
     """How a matmul contracting a weight's first `contracted` dims quantizes it: to `qtype`,
     with one absmax scale per index of its other dims (`rowwise`, qwix's channelwise: per
-    output channel) or one for the whole weight. A grouped matmul's (E, in, out) weight,
-    whose experts share each output column's scale (qwix's `ragged_dot`), counts its expert
-    dim as contracted."""
+    output channel) or one for the whole weight. A grouped matmul's weight (E, in, out) counts
+    its expert dim as contracted where all experts share each output column's scale (qwix's
+    `ragged_dot`), and keeps a scale per expert too where `per_expert` (tokamax's kernel)."""
 
     qtype: jnp.dtype
     contracted: int
     rowwise: bool
+    per_expert: bool = False
 
     def scaled_dims(self, ndim: int) -> tuple[int, ...]:
         """The dims of a weight of `ndim` dims with a scale per index."""
-        return tuple(range(self.contracted, ndim)) if self.rowwise else ()
+        outputs = tuple(range(self.contracted, ndim)) if self.rowwise else ()
+        return ((0,) if self.per_expert else ()) + outputs
 
     def quantize(self, w: Array, max_over_shards: Callable[[Array], Array]) -> QArray:
         """`w` (one shard of the weight, in the compute dtype) quantized with the whole

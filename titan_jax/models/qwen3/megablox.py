@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from titan_jax.models.sharding_hooks import run_per_shard
+from titan_jax.models.quantization import PrequantizedWeight
+from titan_jax.models.sharding_hooks import LogicalAxes, run_per_shard
+
+if TYPE_CHECKING:
+    from qwix._src.core.qarray import QArray
 
 Array = jax.Array
 # Tile sizes tried largest first, per dim: each must divide its dim (else the whole dim is one
@@ -79,11 +84,79 @@ def _quantized_gmm(
     return jnp.where(held_M1, out, 0)
 
 
+def _prequantized_gmm(
+    lhs_MK: Array, rhs_EKN: PrequantizedWeight, group_sizes: Array, qdtype: str, interpret: bool
+) -> Array:
+    """`_quantized_gmm` of experts gathered as codes (`sharding_hooks.use_param`): tokamax's
+    kernel takes them as they are (scaled per expert and output column, as it scales them:
+    `Quantization.expert_weight`) and quantizes the rows as it does."""
+    sizes = group_sizes[:-1]
+    held_M1 = (jnp.arange(lhs_MK.shape[0]) < jnp.sum(sizes))[:, None]
+    lhs_MK = jnp.where(held_M1, lhs_MK, 0)
+    out = _gmm_codes(lhs_MK, rhs_EKN.port, rhs_EKN.codes, sizes, qdtype, interpret)
+    return jnp.where(held_M1, out, 0)
+
+
+def _tokamax_kernel(qdtype: str, interpret: bool) -> Callable[..., Array]:
+    from tokamax._src.ops.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
+
+    return PallasMosaicTpuRaggedDot(qdtype=qdtype, interpret=interpret)
+
+
+# Hand-written VJP: tokamax's own backward (its `vjp`, the same kernel for both products) with
+# the weight's gradient sent to the port: tokamax's has no cotangent for a QArray's codes.
+# Without it: tests/parallel/test_tpu_aot.py::
+# test_quantized_experts_compile_to_low_precision_kernels_on_tpu
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _gmm_codes(
+    lhs_MK: Array, port: Array, codes: QArray, sizes: Array, qdtype: str, interpret: bool
+) -> Array:
+    return _gmm_codes_fwd(lhs_MK, port, codes, sizes, qdtype, interpret)[0]
+
+
+def _gmm_codes_fwd(
+    lhs_MK: Array, port: Array, codes: QArray, sizes: Array, qdtype: str, interpret: bool
+) -> tuple[Array, tuple]:
+    kernel = _tokamax_kernel(qdtype, interpret)
+    out = kernel(lhs_MK, codes, group_sizes=sizes, preferred_element_type=lhs_MK.dtype)
+    return out, (lhs_MK, port, codes, sizes)
+
+
+def _gmm_codes_bwd(qdtype: str, interpret: bool, residuals: tuple, g: Array) -> tuple:
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tokamax_tpu
+
+    lhs_MK, port, codes, sizes = residuals
+    kernel = _tokamax_kernel(qdtype, interpret)
+    # tokamax's `vjp`, whose dtype and type reads a QArray does not answer: the rows' gradient
+    # is the incoming gradient, scaled by the codes' scales, times the codes; the weight's is
+    # the rows times the incoming gradient, as for a weight handed it unquantized.
+    d_lhs = kernel(
+        g,
+        codes,
+        group_sizes=sizes,
+        ragged_dot_dimension_numbers=tokamax_tpu.DLHS_RAGGED_DOT_DIM_NUMS,
+        preferred_element_type=lhs_MK.dtype,
+        manual_axis_type=jax.typeof(lhs_MK).manual_axis_type.to_ct_mat(),
+    )
+    d_rhs = kernel(
+        lhs_MK,
+        g,
+        group_sizes=sizes,
+        ragged_dot_dimension_numbers=tokamax_tpu.DRHS_RAGGED_DOT_DIM_NUMS,
+        preferred_element_type=port.dtype,
+        manual_axis_type=jax.typeof(port).manual_axis_type.to_ct_mat(),
+    )
+    return d_lhs, d_rhs, None, None
+
+
+_gmm_codes.defvjp(_gmm_codes_fwd, _gmm_codes_bwd)
+
+
 def _swiglu_partial_sum(
     x_MD: Array,
-    w1_EDF: Array,
-    w3_EDF: Array,
-    w2_EFD: Array,
+    w1_EDF: Array | PrequantizedWeight,
+    w3_EDF: Array | PrequantizedWeight,
+    w2_EFD: Array | PrequantizedWeight,
     group_sizes: Array,
     gmm: Callable[..., Array],
 ) -> Array:
@@ -93,11 +166,31 @@ def _swiglu_partial_sum(
     return gmm(h_MF, w2_EFD)[None]
 
 
+def _any_quantized_gmm(
+    lhs_MK: Array,
+    rhs_EKN: Array | PrequantizedWeight,
+    group_sizes: Array,
+    qdtype: str,
+    interpret: bool,
+) -> Array:
+    if isinstance(rhs_EKN, PrequantizedWeight):
+        return _prequantized_gmm(lhs_MK, rhs_EKN, group_sizes, qdtype, interpret)
+    return _quantized_gmm(lhs_MK, rhs_EKN, group_sizes, qdtype, interpret)
+
+
+def _leaf_axes(leaf: Array, arg: Array | PrequantizedWeight, axes: LogicalAxes) -> LogicalAxes:
+    """The logical axes of one array of `arg` (itself, or a prequantized weight's codes, scales
+    or port): `axes`, but None for a dim of size 1 where the weight's is larger (a scale's)."""
+    return tuple(
+        a if n == whole else None for a, n, whole in zip(axes, leaf.shape, arg.shape, strict=True)
+    )
+
+
 def megablox_swiglu(
     x_MD: Array,
-    w1_EDF: Array,
-    w3_EDF: Array,
-    w2_EFD: Array,
+    w1_EDF: Array | PrequantizedWeight,
+    w3_EDF: Array | PrequantizedWeight,
+    w2_EFD: Array | PrequantizedWeight,
     group_sizes_E: Array,
     interpret: bool = False,
     qdtype: str | None = None,
@@ -107,16 +200,24 @@ def megablox_swiglu(
     operands, by tokamax's kernel (None: bf16, by megablox's)."""
     padding = x_MD.shape[0] - jnp.sum(group_sizes_E)
     sizes = jnp.concatenate([group_sizes_E, padding[None]]).astype(jnp.int32)
-    gmm = (
-        functools.partial(_gmm, interpret=interpret)
-        if qdtype is None
-        else functools.partial(_quantized_gmm, qdtype=qdtype, interpret=interpret)
+    if qdtype is None:
+        gmm = functools.partial(_gmm, interpret=interpret)
+    else:
+        gmm = functools.partial(_any_quantized_gmm, qdtype=qdtype, interpret=interpret)
+    args = (x_MD, w1_EDF, w3_EDF, w2_EFD, sizes)
+    axes = (ROWS_AXES, EXPERT_IN_AXES, EXPERT_IN_AXES, EXPERT_OUT_AXES, (None,))
+    # Experts gathered as codes go in as their arrays (codes, scales, port), each with its
+    # weight's axes but for the dims its scales span (size 1, never split).
+    leaves, tree = jax.tree.flatten(args)
+    leaf_axes = tuple(
+        _leaf_axes(leaf, arg, arg_axes)
+        for arg, arg_axes in zip(args, axes, strict=True)
+        for leaf in jax.tree.leaves(arg)
     )
-    partials = run_per_shard(
-        functools.partial(_swiglu_partial_sum, gmm=gmm),
-        (x_MD, w1_EDF, w3_EDF, w2_EFD, sizes),
-        (ROWS_AXES, EXPERT_IN_AXES, EXPERT_IN_AXES, EXPERT_OUT_AXES, (None,)),
-        ("mlp", None, None),
-    )
+
+    def kernel(*leaves: Array) -> Array:
+        return _swiglu_partial_sum(*jax.tree.unflatten(tree, leaves), gmm=gmm)
+
+    partials = run_per_shard(kernel, tuple(leaves), leaf_axes, ("mlp", None, None))
     # Selective remat can keep the output; gate and up stay inside the kernel call, recomputed.
     return checkpoint_name(jnp.sum(partials, axis=0).astype(x_MD.dtype), "moe_w2")

@@ -49,7 +49,7 @@ from titan_jax.models.quantization import NONE, PrequantizedWeight, Quantization
 from titan_jax.models.qwen3.adapter import adapter_beside
 from titan_jax.models.qwen3.looped_experts import looped_swiglu
 from titan_jax.models.qwen3.megablox import megablox_swiglu
-from titan_jax.models.sharding_hooks import dispatch_to_experts, use_param
+from titan_jax.models.sharding_hooks import dispatch_to_experts, split_degree, use_param
 
 Array = jax.Array
 # An expert weight as the kernels read it: cast and gathered, or gathered as codes.
@@ -244,8 +244,11 @@ class MoE(nnx.Module):
         dtype = x_BTD.dtype
         # Where FSDP gathers them, the experts arrive as codes when the kernel reads them
         # quantized (`Quantization.expert_weight`); a LoRA adapter folds into them in the
-        # compute dtype instead (codes take no sum).
+        # compute dtype instead (codes take no sum), and tokamax's kernel under tp quantizes
+        # them itself (it scales each tp shard's slice of w2's hidden dim on its own).
         read = self.quantization.expert_weight(self.expert_kernel)
+        if self.expert_kernel == "megablox" and split_degree("mlp") > 1:
+            read = None
         w1_EDF: ExpertWeight
         w3_EDF: ExpertWeight
         if self.w1_and_w3_lora is None:

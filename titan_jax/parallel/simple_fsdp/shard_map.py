@@ -121,6 +121,8 @@ def all_gather_quantized(
     spanned = tuple(axis for dim, axis in gathered_dims if dim not in scaled)
     codes = quantized.quantize(x, functools.partial(_max_over, axes=spanned))
     values, scale = codes.qvalue, codes.scale
+    if spanned:  # typed as the codes it scales: a per-shard kernel types its inputs alike
+        scale = lax.pcast(scale, spanned, to="varying")
     for dim, axis in gathered_dims:
         values = lax.all_gather(values, axis, axis=dim, tiled=True)
         if dim in scaled:
