@@ -562,45 +562,81 @@ def test_fp8_training_on_ironwood_runs_its_matmuls_in_e4m3_forward_and_e5m2_back
 
 
 @pytest.mark.parametrize(
-    "topology,mode,qtype", [("v5p-16", "int8", "s8"), ("tpu7x-8", "fp8", "f8e4m3fn")]
+    "topology,mode,qtype,ep",
+    [("v5p-16", "int8", "s8", 2), ("tpu7x-8", "fp8", "f8e4m3fn", 1)],
 )
-def test_quantized_experts_compile_to_low_precision_kernels_on_tpu(topology, mode, qtype):
+def test_quantized_experts_compile_to_low_precision_kernels_on_tpu(topology, mode, qtype, ep):
     """MoE with `quantize.modules` including experts: the experts' grouped matmuls (tokamax's
-    Mosaic kernels, forward and both backward ones) take `qtype` operands."""
+    Mosaic kernels, forward and both backward ones) take `qtype` operands, and FSDP gathers
+    the experts as `qtype` codes (`quantize.gather = "auto"`; under ep each chip its own
+    experts), where `param_dtype` gathers them in bf16; each chip's kernels compute the same
+    rows and experts either way (and its other FLOPs are unchanged)."""
     from titan_jax.planner.topology import compile_only_devices, parse_slice
 
     moe = dataclasses.replace(TINY, dim=128, num_experts=4, top_k=2, moe_inter_dim=128)
-    # 4 x 64 tokens x 2 picks a device: the kernel takes at least 128 rows.
-    config = tiny_config(
-        *preset_overrides("fsdp8"),
-        "--training.mixed_precision_param",
-        "bfloat16",
-        "--quantize.mode",
-        mode,
-        "--training.seq_len",
-        "64",
-        "--training.local_batch_size",
-        "4",
-        "--training.global_batch_size",
-        "32",
-    )
-    trainer = build_trainer(config, compile_only_devices(parse_slice(topology)), model_args=moe)
-    hlo = (
-        trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
-        .compile()
-        .as_text()
-    )
-    types = {m[1]: m[2] for m in re.finditer(r"(?m)^\s*(?:ROOT\s+)?(%[\w.\-]+) = (\w+)\[", hlo)}
-    kernels = [
-        line
-        for line in hlo.splitlines()
-        if 'custom_call_target="tpu_custom_call"' in line and "ragged" in line.lower()
-    ]
-    quantized = [
-        k
-        for k in kernels
-        if any(
-            types.get(o) == qtype for o in re.findall(r"(%[\w.\-]+)", k.split("custom-call(")[1])
+    devices = compile_only_devices(parse_slice(topology))
+    programs = {}
+    for gather in ("auto", "param_dtype"):
+        # 4 x 64 tokens x 2 picks a device: the kernel takes at least 128 rows.
+        config = tiny_config(
+            *preset_overrides("fsdp8"),
+            "--parallelism.expert_parallel_degree",
+            str(ep),
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--quantize.mode",
+            mode,
+            "--quantize.gather",
+            gather,
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "4",
+            "--training.global_batch_size",
+            "32",
         )
-    ]
-    assert len(quantized) >= 3 * 3, len(quantized)  # w1, w3, w2: forward, dlhs, drhs
+        trainer = build_trainer(config, devices, model_args=moe)
+        programs[gather] = (
+            trainer.lower_step(trainer.abstract_state(), inspect_step.abstract_batch(trainer))
+            .compile()
+            .as_text()
+        )
+    kernels = {g: _expert_kernels(hlo, qtype) for g, hlo in programs.items()}
+    # w1, w3, w2: forward, dlhs, drhs, every one on two `qtype` operands either way
+    assert len(kernels["auto"]) >= 3 * 3, kernels["auto"]
+    assert all(len(shapes) == 2 for _, shapes in kernels["auto"]), kernels["auto"]
+    assert sorted(kernels["auto"]) == sorted(kernels["param_dtype"])
+    # the experts' gathers: the same ones, of `qtype` codes where `param_dtype`'s are bf16
+    expert_shape = f"[{moe.num_experts // ep},128,128]"
+    gathered = {g: _gathers(hlo, expert_shape) for g, hlo in programs.items()}
+    assert set(gathered["param_dtype"]) == {("bf16", expert_shape)}, gathered
+    assert gathered["auto"] == {
+        (qtype, expert_shape): gathered["param_dtype"]["bf16", expert_shape]
+    }
+    chip = parse_slice(topology).chip
+    flops = {g: hlo_cost.estimate(hlo, chip, 8)["flops_per_chip"] for g, hlo in programs.items()}
+    assert flops["auto"] == pytest.approx(flops["param_dtype"], rel=0.05)
+
+
+def _expert_kernels(hlo: str, qtype: str) -> list[tuple[str, tuple[str, ...]]]:
+    """Per grouped-matmul kernel of the experts (tokamax's Mosaic calls): its result's type and
+    its `qtype` operands' shapes, what it computes on (the others: the scales, as the
+    compiler pads them, and the groups' bookkeeping)."""
+    types = {m[1]: (m[2], m[3]) for m in re.finditer(_TYPED_DEF, hlo)}
+    found = []
+    for line in hlo.splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line or "ragged" not in line.lower():
+            continue
+        result, args = line.split(" = ", 1)[1].split(" custom-call(", 1)
+        operands = [types[n] for n in re.findall(r"(%[\w.\-]+)", args) if n in types]
+        found.append((result.split("{")[0], tuple(sorted(s for t, s in operands if t == qtype))))
+    return found
+
+
+_TYPED_DEF = r"(?m)^\s*(?:ROOT\s+)?(%[\w.\-]+) = (\w+)(\[[\d,]*\])"
+
+
+def _gathers(hlo: str, shape: str) -> collections.Counter[tuple[str, str]]:
+    """(element type, shape) of a compiled program's all-gathers whose results have `shape`."""
+    found = re.findall(r"= (\w+)(\[[\d,]+\])[^ ]* all-gather(?:-start)?\(", hlo)
+    return collections.Counter((dtype, s) for dtype, s in found if s == shape)
