@@ -216,3 +216,68 @@ def test_ragged_exchange_rows_vary_over_ep_so_no_cotangent_is_summed_over_ranks(
         if "psum_invariant" in line and re.search(r":\w+\[\d", line)
     ]
     assert summed == [], summed
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _static_call(f, x, *closed):
+    """`f(x, *closed)` with `f` a static argument, as `_with_overflow` takes the FFN."""
+    return f(x, *closed)
+
+
+def _static_call_fwd(f, x, *closed):
+    return _static_call(f, x, *closed), (x, closed)
+
+
+def _static_call_bwd(f, saved, g):
+    x, closed = saved
+    tangent = [jnp.issubdtype(c.dtype, jnp.inexact) for c in closed]
+
+    def with_fixed(differentiated):
+        given = iter(differentiated)
+        return [next(given) if t else c for c, t in zip(closed, tangent, strict=True)]
+
+    differentiated = [c for c, t in zip(closed, tangent, strict=True) if t]
+    _, pullback = jax.vjp(lambda x, d: f(x, *with_fixed(d)), x, differentiated)
+    d_x, d_closed = pullback(g)
+    given = iter(d_closed)
+    return (d_x, *(next(given) if t else None for t in tangent))
+
+
+_static_call.defvjp(_static_call_fwd, _static_call_bwd)
+
+
+@pytest.mark.parametrize("convert", ["jax", "ours"])
+def test_closure_convert_hoists_the_integers_a_remat_would_find_stale(convert):
+    """A layer scan under remat whose FFN closes over int8 codes and float scales, passed
+    closure-converted as a custom_vjp's static argument (the overflow's FFN): jax's
+    `closure_convert` leaves the codes in the function, stale tracers when the remat re-traces
+    it in backward, and the step does not lower; ours hoists them, and the gradients are
+    autodiff's of the plain layer."""
+    closure_convert = jax.closure_convert if convert == "jax" else expert_parallel.closure_convert
+
+    def loss(scales_LF, codes_LDF, x_MD, via_static_call):
+        def layer(x_MD, weights):
+            scale_F, codes_DF = weights
+
+            def ffn(x):
+                return jnp.tanh(x @ (codes_DF.astype(x.dtype) * scale_F))
+
+            if not via_static_call:
+                return ffn(x_MD), None
+            converted, closed = closure_convert(ffn, x_MD)
+            return _static_call(converted, x_MD, *closed), None
+
+        y, _ = jax.lax.scan(jax.checkpoint(layer), x_MD, (scales_LF, codes_LDF))
+        return jnp.sum(y)
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    scales = jax.random.uniform(keys[0], (2, D), minval=0.01, maxval=0.02)
+    codes = jax.random.randint(keys[1], (2, D, D), -127, 128, jnp.int8)
+    x = jax.random.normal(keys[2], (4, D))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 2)), static_argnums=3)
+    if convert == "jax":
+        with pytest.raises(TypeError, match="No constant handler for type.*DynamicJaxprTracer"):
+            grad.lower(scales, codes, x, True)
+        return
+    for got, want in zip(grad(scales, codes, x, True), grad(scales, codes, x, False), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
