@@ -16,7 +16,9 @@ outside the kernel (what the partitioner does for `ragged_dot` split over tp).
 Quantized experts (`[quantize]` with `experts`) run tokamax's Mosaic TPU grouped matmul instead,
 whose operands qwix quantizes to int8 or fp8 e4m3 with a scale per row and per expert output
 column, forward and in both backward products (the incoming gradient per row as well: e4m3, not
-e5m2, for fp8; tokamax's kernel takes one type), in the same per-shard call.
+e5m2, for fp8; tokamax's kernel takes one type), in the same per-shard call. Experts FSDP
+gathers as codes (`quantize.gather = "auto"`: `PrequantizedWeight`, scaled per expert and
+output column as tokamax scales them) go in as they are (`_gmm_codes`).
 """
 
 from __future__ import annotations
