@@ -195,6 +195,45 @@ def test_one_quantized_tpu_expert_matmul_is_that_of_qwix_quantized_operands(mode
     assert not np.any(np.asarray(got[450:]))
 
 
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_tpu_experts_gathered_as_codes_run_as_the_kernel_quantizes_them(mode):
+    """tokamax's kernel (interpreted) on experts arriving as codes (`Quantization.expert_weight`,
+    per expert and output column): the output the kernel gives quantizing the weight itself,
+    the rows' and the weight's (the port's) gradients within quantization error of exact
+    ones, and the padding rows zero both ways."""
+    from titan_jax.models.qwen3.megablox import _quantized_gmm
+
+    x = jax.random.normal(jax.random.key(7), (256, 128), jnp.float32)
+    w = 0.05 * jax.random.normal(jax.random.key(8), (2, 128, 128), jnp.float32)
+    sizes = jnp.array([100, 120, 36], jnp.int32)  # the last: padding rows
+    quantization = Quantization(mode, ("experts",))
+    qdtype = quantization.kernel_qtype()
+    read = quantization.expert_weight("megablox")
+    assert read is not None
+
+    def codes_and_own(x, w):
+        codes = read.quantize(w, lambda m: m)
+        y, vjp = jax.vjp(
+            lambda x, port: _quantized_gmm(x, PrequantizedWeight(codes, port), sizes, qdtype, True),
+            x,
+            jnp.zeros_like(w),
+        )
+        return y, vjp(jnp.cos(y)), _quantized_gmm(x, w, sizes, qdtype, True)
+
+    y, grads, y_own = _on_a_tpu_target(codes_and_own, x, w)
+    np.testing.assert_array_equal(y, y_own)
+    assert not np.any(np.asarray(y[220:])) and not np.any(np.asarray(grads[0][220:]))
+    y0, vjp0 = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes[:-1]), x, w)
+    grads0 = vjp0(jnp.cos(y))
+
+    def rel(a, b):
+        return float(np.linalg.norm(np.asarray(a) - b) / np.linalg.norm(b))
+
+    bound = 0.1 if mode == "fp8" else 0.03
+    assert 1e-4 < rel(y[:220], y0[:220]) < bound
+    assert all(1e-4 < rel(a, b) < bound for a, b in zip(grads, grads0, strict=True))
+
+
 @pytest.mark.parametrize("mode, scaling", [("fp8", "rowwise"), ("int8", "tensorwise")])
 def test_a_weight_quantized_in_halves_is_read_as_the_matmul_quantizes_it(mode, scaling):
     """A weight quantized in two halves of its contracted dim with the whole weight's scales

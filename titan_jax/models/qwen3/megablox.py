@@ -65,37 +65,27 @@ def _gmm(lhs_MK: Array, rhs_EKN: Array, group_sizes: Array, interpret: bool) -> 
 
 
 def _quantized_gmm(
-    lhs_MK: Array, rhs_EKN: Array, group_sizes: Array, qdtype: str, interpret: bool
+    lhs_MK: Array,
+    rhs_EKN: Array | PrequantizedWeight,
+    group_sizes: Array,
+    qdtype: str,
+    interpret: bool,
 ) -> Array:
-    """tokamax's grouped matmul on `qdtype` operands (its VJP quantizes the backward's).
+    """tokamax's grouped matmul on `qdtype` operands (its VJP quantizes the backward's), or on
+    experts gathered as codes (`sharding_hooks.use_param`), which it takes as they are (scaled
+    per expert and output column, as it scales them: `Quantization.expert_weight`).
     `group_sizes` ends with the padding rows' group, which tokamax cannot take (its weight
     gradient would have a group more than the weights): the experts' groups go in, and the
     rows past them, which it leaves unwritten, are selected out of its output and, by the
     select on its input, of its input gradient."""
-    from tokamax._src.ops.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
-
-    sizes = group_sizes[:-1]
-    held_M1 = (jnp.arange(lhs_MK.shape[0]) < jnp.sum(sizes))[:, None]
-    kernel = PallasMosaicTpuRaggedDot(qdtype=qdtype, interpret=interpret)
-    out = kernel(
-        jnp.where(held_M1, lhs_MK, 0),
-        rhs_EKN,
-        group_sizes=sizes,
-        preferred_element_type=lhs_MK.dtype,
-    )
-    return jnp.where(held_M1, out, 0)
-
-
-def _prequantized_gmm(
-    lhs_MK: Array, rhs_EKN: PrequantizedWeight, group_sizes: Array, qdtype: str, interpret: bool
-) -> Array:
-    """`_quantized_gmm` of experts gathered as codes (`sharding_hooks.use_param`): tokamax's
-    kernel takes them as they are (scaled per expert and output column, as it scales them:
-    `Quantization.expert_weight`) and quantizes the rows as it does."""
     sizes = group_sizes[:-1]
     held_M1 = (jnp.arange(lhs_MK.shape[0]) < jnp.sum(sizes))[:, None]
     lhs_MK = jnp.where(held_M1, lhs_MK, 0)
-    out = _gmm_codes(lhs_MK, rhs_EKN.port, rhs_EKN.codes, sizes, qdtype, interpret)
+    if isinstance(rhs_EKN, PrequantizedWeight):
+        out = _gmm_codes(lhs_MK, rhs_EKN.port, rhs_EKN.codes, sizes, qdtype, interpret)
+    else:
+        kernel = _tokamax_kernel(qdtype, interpret)
+        out = kernel(lhs_MK, rhs_EKN, group_sizes=sizes, preferred_element_type=lhs_MK.dtype)
     return jnp.where(held_M1, out, 0)
 
 
@@ -107,8 +97,8 @@ def _tokamax_kernel(qdtype: str, interpret: bool) -> Callable[..., Array]:
 
 # Hand-written VJP: tokamax's own backward (its `vjp`, the same kernel for both products) with
 # the weight's gradient sent to the port: tokamax's has no cotangent for a QArray's codes.
-# Without it: tests/parallel/test_tpu_aot.py::
-# test_quantized_experts_compile_to_low_precision_kernels_on_tpu
+# Without it: tests/models/test_quantization.py::
+# test_tpu_experts_gathered_as_codes_run_as_the_kernel_quantizes_them
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _gmm_codes(
     lhs_MK: Array, port: Array, codes: QArray, sizes: Array, qdtype: str, interpret: bool
@@ -129,25 +119,23 @@ def _gmm_codes_bwd(qdtype: str, interpret: bool, residuals: tuple, g: Array) -> 
 
     lhs_MK, port, codes, sizes = residuals
     kernel = _tokamax_kernel(qdtype, interpret)
+
+    def product(lhs: Array | QArray, rhs: Array | QArray, dims: object, like: Array) -> Array:
+        """One backward product, typed as `like`'s cotangent."""
+        return kernel(
+            lhs,
+            rhs,
+            group_sizes=sizes,
+            ragged_dot_dimension_numbers=dims,
+            preferred_element_type=like.dtype,
+            manual_axis_type=jax.typeof(like).manual_axis_type.to_ct_mat(),
+        )
+
     # tokamax's `vjp`, whose dtype and type reads a QArray does not answer: the rows' gradient
     # is the incoming gradient, scaled by the codes' scales, times the codes; the weight's is
     # the rows times the incoming gradient, as for a weight handed it unquantized.
-    d_lhs = kernel(
-        g,
-        codes,
-        group_sizes=sizes,
-        ragged_dot_dimension_numbers=tokamax_tpu.DLHS_RAGGED_DOT_DIM_NUMS,
-        preferred_element_type=lhs_MK.dtype,
-        manual_axis_type=jax.typeof(lhs_MK).manual_axis_type.to_ct_mat(),
-    )
-    d_rhs = kernel(
-        lhs_MK,
-        g,
-        group_sizes=sizes,
-        ragged_dot_dimension_numbers=tokamax_tpu.DRHS_RAGGED_DOT_DIM_NUMS,
-        preferred_element_type=port.dtype,
-        manual_axis_type=jax.typeof(port).manual_axis_type.to_ct_mat(),
-    )
+    d_lhs = product(g, codes, tokamax_tpu.DLHS_RAGGED_DOT_DIM_NUMS, lhs_MK)
+    d_rhs = product(lhs_MK, g, tokamax_tpu.DRHS_RAGGED_DOT_DIM_NUMS, port)
     return d_lhs, d_rhs, None, None
 
 
@@ -166,18 +154,6 @@ def _swiglu_partial_sum(
     gmm = functools.partial(gmm, group_sizes=group_sizes)
     h_MF = jax.nn.silu(gmm(x_MD, w1_EDF)) * gmm(x_MD, w3_EDF)
     return gmm(h_MF, w2_EFD)[None]
-
-
-def _any_quantized_gmm(
-    lhs_MK: Array,
-    rhs_EKN: Array | PrequantizedWeight,
-    group_sizes: Array,
-    qdtype: str,
-    interpret: bool,
-) -> Array:
-    if isinstance(rhs_EKN, PrequantizedWeight):
-        return _prequantized_gmm(lhs_MK, rhs_EKN, group_sizes, qdtype, interpret)
-    return _quantized_gmm(lhs_MK, rhs_EKN, group_sizes, qdtype, interpret)
 
 
 def _leaf_axes(leaf: Array, arg: Array | PrequantizedWeight, axes: LogicalAxes) -> LogicalAxes:
@@ -205,7 +181,7 @@ def megablox_swiglu(
     if qdtype is None:
         gmm = functools.partial(_gmm, interpret=interpret)
     else:
-        gmm = functools.partial(_any_quantized_gmm, qdtype=qdtype, interpret=interpret)
+        gmm = functools.partial(_quantized_gmm, qdtype=qdtype, interpret=interpret)
     args = (x_MD, w1_EDF, w3_EDF, w2_EFD, sizes)
     axes = (ROWS_AXES, EXPERT_IN_AXES, EXPERT_IN_AXES, EXPERT_OUT_AXES, (None,))
     # Experts gathered as codes go in as their arrays (codes, scales, port), each with its
