@@ -569,8 +569,9 @@ def test_quantized_experts_compile_to_low_precision_kernels_on_tpu(topology, mod
     """MoE with `quantize.modules` including experts: the experts' grouped matmuls (tokamax's
     Mosaic kernels, forward and both backward ones) take `qtype` operands, and FSDP gathers
     the experts as `qtype` codes (`quantize.gather = "auto"`; under ep each chip its own
-    experts), where `param_dtype` gathers them in bf16; each chip's kernels compute the same
-    rows and experts either way (and its other FLOPs are unchanged)."""
+    experts), where `param_dtype` gathers them in bf16 (the same gathers at twice the bytes);
+    each chip's kernels take the same one-byte operands either way (and its FLOPs are
+    unchanged)."""
     from titan_jax.planner.topology import compile_only_devices, parse_slice
 
     moe = dataclasses.replace(TINY, dim=128, num_experts=4, top_k=2, moe_inter_dim=128)
