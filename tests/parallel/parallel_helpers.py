@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import numpy as np
+import pytest
 
 from titan_jax.config import JobConfig, load_config
 from titan_jax.models.qwen3 import Qwen3Args
@@ -103,3 +106,15 @@ def run_losses(
         state, metrics = trainer.step_fn(state, trainer.batches.put(batch))
         losses.append(metrics["loss"])
     return np.array([float(x) for x in losses])
+
+
+# The shipped recipes' TPU compiles (test_*recipe*_aot.py, test_qlora_aot.py): libtpu needed,
+# minutes of compile, at XLA's lowest execution-time effort (tests/conftest.py).
+RECIPE_AOT_MARKS = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None,
+        reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
+    ),
+    pytest.mark.slow,
+    pytest.mark.usefixtures("least_compile_effort"),
+]

@@ -10,11 +10,11 @@ two longest compiles side by side.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
 from collections.abc import Iterator
 
 import pytest
+from parallel_helpers import RECIPE_AOT_MARKS
 from test_tpu_aot import bf16_reductions
 
 from titan_jax.config import ConfigError, load_config
@@ -23,14 +23,7 @@ from titan_jax.planner import inspect_step
 from titan_jax.planner.topology import compile_only_devices, parse_slice
 from titan_jax.train.trainer import build_trainer
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("libtpu") is None,
-        reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
-    ),
-    pytest.mark.slow,
-    pytest.mark.usefixtures("least_compile_effort"),  # tests/conftest.py
-]
+pytestmark = RECIPE_AOT_MARKS
 
 RECIPES = {  # name -> (config, slice)
     "30B-A3B v5p-16": ("configs/qwen3_30b_a3b.toml", "v5p-16"),

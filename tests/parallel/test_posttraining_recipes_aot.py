@@ -7,10 +7,10 @@ state in the compiled step."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import jax
 import pytest
+from parallel_helpers import RECIPE_AOT_MARKS
 
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import get_flavor
@@ -19,14 +19,7 @@ from titan_jax.planner.topology import compile_only_devices, parse_slice
 from titan_jax.train.trainer import build_trainer
 from titan_jax.trees import split_by_name
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("libtpu") is None,
-        reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
-    ),
-    pytest.mark.slow,
-    pytest.mark.usefixtures("least_compile_effort"),  # tests/conftest.py
-]
+pytestmark = RECIPE_AOT_MARKS
 
 HBM = {"v5p": 95, "v6e": 32, "v5e": 16}  # GiB a chip
 

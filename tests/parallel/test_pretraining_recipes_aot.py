@@ -11,13 +11,13 @@ this CPU, every recipe in configs/ is compiled by one test: the last test here s
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pytest
 import test_moe_recipes_aot
 import test_posttraining_recipes_aot
 import test_qlora_aot
+from parallel_helpers import RECIPE_AOT_MARKS
 
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import get_flavor
@@ -25,14 +25,7 @@ from titan_jax.planner import inspect_step
 from titan_jax.planner.topology import compile_only_devices, parse_slice
 from titan_jax.train.trainer import build_trainer
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("libtpu") is None,
-        reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
-    ),
-    pytest.mark.slow,
-    pytest.mark.usefixtures("least_compile_effort"),  # tests/conftest.py
-]
+pytestmark = RECIPE_AOT_MARKS
 
 RECIPES = {  # recipe -> the slice it is planned on
     "configs/qwen3_0.6b.toml": "v5p-8",

@@ -10,10 +10,9 @@ Layers are cut to 2 (what fails to compile fails at any depth); the full-depth f
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
 
-import pytest
+from parallel_helpers import RECIPE_AOT_MARKS
 
 from titan_jax.config import load_config
 from titan_jax.models.qwen3 import get_flavor
@@ -21,14 +20,7 @@ from titan_jax.planner import inspect_step
 from titan_jax.planner.topology import compile_only_devices, parse_slice
 from titan_jax.train.trainer import build_trainer
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("libtpu") is None,
-        reason="libtpu not installed (the `tpu` extra; `make install` adds it)",
-    ),
-    pytest.mark.slow,
-    pytest.mark.usefixtures("least_compile_effort"),  # tests/conftest.py
-]
+pytestmark = RECIPE_AOT_MARKS
 
 # The HLO element type each base is gathered in.
 GATHERED = {"int8": "s8", "nf4": "u8"}

@@ -73,23 +73,13 @@ def pipeline_scan(
         return leaf.reshape(v, p, leaf.shape[0] // (v * p), *leaf.shape[1:])
 
     chunks = jax.tree.map(by_chunk, layers)
-    cos = tables[0]
-    per_token = cos is not None and cos.ndim == 3  # (B, T, H) tables travel with their microbatch
-
-    def microbatched(x: Array) -> Array:
-        return x.reshape(m, b // m, *x.shape[1:])
-
-    mb_tables = (
-        tuple(None if t is None else microbatched(t) for t in tables) if per_token else tables
-    )
-    buffer_MbTD = microbatched(x_BTD)
+    buffer_MbTD, tables_of = _microbatches(x_BTD, tables, m)
     stage = jnp.arange(p)
 
     def run_stage(x_bTD: Array, chunk: Any, r: Array | int, i: Array | int) -> tuple[Array, dict]:
         """One stage's tick: its chunk of repeat `r` over microbatch `i`'s activations."""
         layers_r = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, r, 0, False), chunk)
-        t = tuple(None if x is None else x[i] for x in mb_tables) if per_token else mb_tables
-        return chunk_scan(x_bTD, layers_r, t)
+        return chunk_scan(x_bTD, layers_r, tables_of(i))
 
     stages = jax.vmap(run_stage, in_axes=(0, 1, 0, 0), spmd_axis_name=split.axis)
 
@@ -150,7 +140,6 @@ def _manual_pipeline_scan(
         raise ValueError("manual pipeline stages take GPipe's placement (one chunk a stage)")
     axis, p, m = split.axis, split.degree, split.microbatches
     assert axis is not None
-    b = x_BTD.shape[0]
     stage = jax.lax.axis_index(axis)
     stored = [leaf for leaf in jax.tree.leaves(layers) if axis in jax.typeof(leaf).mat.varying]
     if not stored:
@@ -163,16 +152,7 @@ def _manual_pipeline_scan(
         return jax.lax.dynamic_slice_in_dim(leaf, stage * per_stage, per_stage, 0)
 
     chunk = jax.tree.map(own_block, layers)
-    cos = tables[0]
-    per_token = cos is not None and cos.ndim == 3
-
-    def microbatched(x: Array) -> Array:
-        return x.reshape(m, b // m, *x.shape[1:])
-
-    mb_tables = (
-        tuple(None if t is None else microbatched(t) for t in tables) if per_token else tables
-    )
-    inputs_MbTD = microbatched(x_BTD)
+    inputs_MbTD, tables_of = _microbatches(x_BTD, tables, m)
     forward = [(s, s + 1) for s in range(p - 1)]
 
     def tick(
@@ -182,8 +162,7 @@ def _manual_pipeline_scan(
         k = t - stage  # the microbatch this stage holds this tick
         valid = (k >= 0) & (k < m)
         i = jnp.clip(k, 0, m - 1)
-        t_i = tuple(None if x is None else x[i] for x in mb_tables) if per_token else mb_tables
-        y_bTD, tick_stats = chunk_scan(state_bTD, chunk, t_i)
+        y_bTD, tick_stats = chunk_scan(state_bTD, chunk, tables_of(i))
         stats = jax.tree.map(lambda acc, s: acc + jnp.where(valid, s, 0), stats, tick_stats)
         kept = jnp.where(valid & (stage == p - 1), y_bTD, outputs_MbTD[i])
         outputs_MbTD = jax.lax.dynamic_update_index_in_dim(outputs_MbTD, kept, i, 0)
@@ -195,7 +174,7 @@ def _manual_pipeline_scan(
     operands = (x_BTD, *jax.tree.leaves(chunk))
     state_bTD = varying_like(jnp.where(stage == 0, inputs_MbTD[0], 0), operands)
     outputs_MbTD = varying_like(jnp.zeros_like(inputs_MbTD), operands)
-    one = jax.eval_shape(lambda: chunk_scan(state_bTD, chunk, _first(mb_tables, per_token))[1])
+    one = jax.eval_shape(lambda: chunk_scan(state_bTD, chunk, tables_of(0))[1])
     zeros = jax.tree.map(lambda s: varying_like(jnp.zeros(s.shape, s.dtype), operands), one)
     (_, outputs_MbTD, stats), _ = jax.lax.scan(
         tick, (state_bTD, outputs_MbTD, zeros), jnp.arange(m + p - 1)
@@ -208,8 +187,21 @@ def _manual_pipeline_scan(
     return outputs_MbTD.reshape(x_BTD.shape), stats
 
 
-def _first(mb_tables: tuple[Array | None, ...], per_token: bool) -> tuple[Array | None, ...]:
-    return tuple(None if x is None else x[0] for x in mb_tables) if per_token else mb_tables
+def _microbatches(
+    x_BTD: Array, tables: tuple[Array | None, ...], m: int
+) -> tuple[Array, Callable[[Array | int], tuple[Array | None, ...]]]:
+    """`x_BTD` cut into `m` microbatches (m, B / m, T, D), and microbatch i's tables: per
+    position (T, H) tables are every microbatch's, per token (B, T, ...) ones travel with it."""
+    b = x_BTD.shape[0]
+
+    def microbatched(x: Array) -> Array:
+        return x.reshape(m, b // m, *x.shape[1:])
+
+    cos = tables[0]
+    if cos is None or cos.ndim != 3:
+        return microbatched(x_BTD), lambda i: tables
+    mb_tables = tuple(None if t is None else microbatched(t) for t in tables)
+    return microbatched(x_BTD), lambda i: tuple(None if t is None else t[i] for t in mb_tables)
 
 
 def varying_like(init: Array, operands: tuple[Array, ...]) -> Array:
