@@ -68,6 +68,12 @@ POINTS = (
         11.441,
         "tpu-recipes training/ironwood/llama3.1-70b/8k-bf16-tpu7x-4x4x4: 12.20 s, 1207.05 TFLOP/s",
     ),
+    Point(
+        "Llama4-Scout-17B-16E 8 x 8192, v5p-256 (MaxText's program)",
+        31.652,
+        26.816,
+        "tpu-recipes training/v5p/Llama4-Scout-17B-16E-Maxtext: 31.652 s, 225.491 TFLOP/s",
+    ),
 )
 
 
