@@ -74,6 +74,12 @@ POINTS = (
         26.816,
         "tpu-recipes training/v5p/Llama4-Scout-17B-16E-Maxtext: 31.652 s, 225.491 TFLOP/s",
     ),
+    Point(
+        "Mixtral-8x7B 12 x 4096, v6e-256, dropping (MaxText's program)",
+        13.484,
+        11.902,
+        "tpu-recipes training/trillium/Mixtral-8x7B-MaxText: 13.484 s, 302.311 TFLOP/s",
+    ),
 )
 
 
