@@ -2,6 +2,7 @@
 own quantize-dequantize of the operands, in both modes, for the dense and grouped forms; the
 backward quantizes the incoming gradient in the mode's gradient type."""
 
+import dataclasses
 import functools
 
 import jax
@@ -232,6 +233,19 @@ def test_tpu_experts_gathered_as_codes_run_as_the_kernel_quantizes_them(mode):
     bound = 0.1 if mode == "fp8" else 0.03
     assert 1e-4 < rel(y[:220], y0[:220]) < bound
     assert all(1e-4 < rel(a, b) < bound for a, b in zip(grads, grads0, strict=True))
+
+
+def test_experts_arrive_as_codes_only_where_their_kernel_takes_them():
+    """Gathered as codes under `quantize.gather = "auto"` (scales per output column, and per
+    expert for tokamax's kernel), not where tokamax's kernel runs under tp (it scales each tp
+    shard's slice of w2's hidden dim on its own), nor with `gather = "param_dtype"`."""
+    auto = Quantization("int8", ("experts",))
+    assert auto.expert_weight("ragged").scaled_dims(3) == (2,)
+    assert auto.expert_weight("megablox").scaled_dims(3) == (0, 2)
+    assert auto.expert_weight("ragged", mlp_split=2) is not None
+    assert auto.expert_weight("megablox", mlp_split=2) is None
+    assert dataclasses.replace(auto, gather="param_dtype").expert_weight("ragged") is None
+    assert Quantization("int8", ("mlp",)).expert_weight("ragged") is None
 
 
 @pytest.mark.parametrize("mode, scaling", [("fp8", "rowwise"), ("int8", "tensorwise")])

@@ -106,13 +106,16 @@ class Quantization:
         (tokamax's TPU grouped matmul): the forward's."""
         return jnp.dtype(QTYPES[self.mode][0]).name
 
-    def expert_weight(self, kernel: str) -> WeightQuantization | None:
+    def expert_weight(self, kernel: str, mlp_split: int = 1) -> WeightQuantization | None:
         """How `kernel` (`moe.EXPERT_KERNELS`) quantizes the experts' (E, in, out) weights,
         where they are to arrive quantized (`quantize.gather = "auto"`; else None: the kernel
         quantizes them). A scale per output column either way (`scaling` does not apply to
         the experts), shared by the experts in qwix's `ragged_dot` (CPU, GPU), one per expert
-        in tokamax's TPU kernel ("megablox")."""
+        in tokamax's TPU kernel ("megablox"). Not for tokamax's under tp (`mlp_split` > 1): it
+        scales each tp shard's slice of w2's hidden dim on its own, after the gather."""
         if not self.applies_to("experts") or self.gather != "auto":
+            return None
+        if kernel == "megablox" and mlp_split > 1:
             return None
         return WeightQuantization(
             jnp.dtype(QTYPES[self.mode][0]), 2, True, per_expert=kernel == "megablox"

@@ -244,11 +244,8 @@ class MoE(nnx.Module):
         dtype = x_BTD.dtype
         # Where FSDP gathers them, the experts arrive as codes when the kernel reads them
         # quantized (`Quantization.expert_weight`); a LoRA adapter folds into them in the
-        # compute dtype instead (codes take no sum), and tokamax's kernel under tp quantizes
-        # them itself (it scales each tp shard's slice of w2's hidden dim on its own).
-        read = self.quantization.expert_weight(self.expert_kernel)
-        if self.expert_kernel == "megablox" and split_degree("mlp") > 1:
-            read = None
+        # compute dtype instead (codes take no sum).
+        read = self.quantization.expert_weight(self.expert_kernel, split_degree("mlp"))
         w1_EDF: ExpertWeight
         w3_EDF: ExpertWeight
         if self.w1_and_w3_lora is None:

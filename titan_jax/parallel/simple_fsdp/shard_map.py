@@ -183,7 +183,8 @@ class ShardMapSimpleFSDP(SimpleFSDP):
     def manual_axes(self) -> tuple[str, ...]:
         """The axes `loss_map`'s shard_map holds manual: the data axes, and pp where the
         schedule runs its stages manually."""
-        manual_pp = self.pipeline.degree > 1 and self.pipeline.schedule == "gpipe"
+        schedule = self.pipeline.schedule
+        manual_pp = self.pipeline.degree > 1 and schedule in self.tpu_kernel_pipeline_schedules
         return self.data_axes + (("pp",) if manual_pp else ())
 
     def _gather(
