@@ -188,6 +188,13 @@ LOW_PRECISION_PLANS = (
         "tpu7x-512",
         ("--quantize.mode", "fp8", "--parallelism.expert_parallel_degree", "8"),
     ),
+    # The shipped v5p-256 recipe (fsdp4 x ep32) in int8, beside its bf16 row above.
+    Plan(
+        "235B-A22B v5p-256 int8",
+        "configs/qwen3_235b_a22b.toml",
+        "v5p-256",
+        ("--quantize.mode", "int8"),
+    ),
 )
 
 # Long context (issue 20): 32K sequences with the global batch fixed so that context
