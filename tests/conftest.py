@@ -61,10 +61,11 @@ def module_tmp_path(
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def least_compile_effort() -> Iterator[None]:
+def _least_compile_effort() -> Iterator[None]:
     """Programs compiled at XLA's lowest execution-time effort (O0), for the tests that check a
-    TPU program compiles for its slice and fits its chips, not how fast it runs: libtpu's
+    TPU program compiles for its slice and fits its chips, or which kernels, dtypes and
+    collectives it holds; not how fast it runs, its schedule, or exact byte counts (O0 keeps
+    more host temporaries: the remat-mode test stays at the default). libtpu's
     scheduling passes are most of a recipe's compile (the 8B SFT recipe for v6e-8: 51 s at the
     default effort, 13 s at O0). Its memory check is the stricter for it: O0 left more bytes
     live in the recipe measured (5.39 GiB a chip, 4.85 at the default). `make plans` and
@@ -73,6 +74,13 @@ def least_compile_effort() -> Iterator[None]:
     jax.config.update("jax_optimization_level", "O0")
     yield
     jax.config.update("jax_optimization_level", previous)
+
+
+least_compile_effort = pytest.fixture(_least_compile_effort, name="least_compile_effort")
+# For a module-scoped fixture that compiles (a module of AOT checks sharing one program).
+module_least_compile_effort = pytest.fixture(
+    _least_compile_effort, scope="module", name="module_least_compile_effort"
+)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -245,6 +245,7 @@ def _temp_bytes(attention: str) -> int:
     return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.usefixtures("least_compile_effort")
 @pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,

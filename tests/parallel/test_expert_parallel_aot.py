@@ -30,7 +30,7 @@ EP, TP, DATA_SHARDS = 4, 2, 8  # fsdp = DATA_SHARDS / EP
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(module_least_compile_effort):
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x4")

@@ -321,6 +321,7 @@ def test_one_f_one_b_keeps_a_bounded_number_of_stage_inputs(degree):
     assert f1b[0] >= slots(degree) * input_bytes, f1b  # the ring of saved stage inputs
 
 
+@pytest.mark.usefixtures("least_compile_effort")
 @pytest.mark.slow
 def test_on_tpu_pipeline_stages_host_splash_and_the_expert_kernels():
     """On TPU, GPipe's stages on the shard_map path hold pp manual, so splash attention and a

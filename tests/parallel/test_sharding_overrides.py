@@ -127,6 +127,7 @@ def test_bad_rules_are_one_line(rules, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.usefixtures("least_compile_effort")
 @pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,

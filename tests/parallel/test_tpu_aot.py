@@ -561,6 +561,7 @@ def test_fp8_training_on_ironwood_runs_its_matmuls_in_e4m3_forward_and_e5m2_back
     )
 
 
+@pytest.mark.usefixtures("least_compile_effort")
 @pytest.mark.parametrize(
     "topology,mode,qtype,ep",
     [("v5p-16", "int8", "s8", 2), ("tpu7x-8", "fp8", "f8e4m3fn", 1)],

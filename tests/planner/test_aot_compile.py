@@ -101,6 +101,7 @@ CP2 = (
 HSDP_OVER_DCN = ("--num-slices", "2", "--parallelism.data_parallel_replicate_degree", "2")
 
 
+@pytest.mark.usefixtures("least_compile_effort")
 @needs_libtpu
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [HSDP_OVER_DCN, CP2], ids=["2xv5p-8-hsdp", "v5p-8-cp2"])
