@@ -47,12 +47,13 @@ CPU_MALLOC := $(BIN)/python -m titan_jax.tools.cpu_allocator
 train:
 	$(CPU_MALLOC) $(BIN)/titan-jax train --config configs/qwen3_debug.toml
 
-# Two workers, one test file each at a time (module fixtures stay shared): most tests are
-# compile-bound and single-threaded. tcmalloc preloaded (libtpu's compiles spend time in
-# glibc's malloc) and one compilation cache for the session (tests/conftest.py) shorten the
-# run; XLA:CPU at -O0 was tried and not kept (docs/notes/2026-12-05-install-and-test-times.md).
+# Three workers on two cores, one test file each at a time (module fixtures stay shared): with
+# two, the cores sat idle 14% of the time while tests waited on their `titan-jax` subprocesses
+# (startup, saves, peers). tcmalloc preloaded (libtpu's compiles spend time in glibc's malloc)
+# and one compilation cache for the session (tests/conftest.py) shorten the run; XLA:CPU at
+# -O0 was tried and not kept (docs/notes/2026-12-05-install-and-test-times.md).
 test:
-	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=40 -n 2 --dist loadfile tests --nbmake notebooks
+	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=40 -n 3 --dist loadfile tests --nbmake notebooks
 
 test-fast:
 	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile -m "not slow" tests
