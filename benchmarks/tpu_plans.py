@@ -75,10 +75,10 @@ PLANS = (
     ),
     Plan("8B v5p-8 xla attention", "configs/qwen3_8b.toml", "v5p-8", ("--model.attention", "xla")),
     Plan("32B v5p-32", "configs/qwen3_32b.toml", "v5p-32"),
-    # fsdp4 x ep32 as shipped; beside it ep8 and ep16, each with MaxText's program at the same
+    # fsdp8 x ep16 as shipped; beside it ep8 and ep32, each with MaxText's program at the same
     # layout (its best, ep8, is the anchor in docs/MOE.md).
     Plan(
-        "235B-A22B v5p-256", "configs/qwen3_235b_a22b.toml", "v5p-256", maxtext=(22.05, 53.58, 171)
+        "235B-A22B v5p-256", "configs/qwen3_235b_a22b.toml", "v5p-256", maxtext=(22.05, 53.93, 107)
     ),
     Plan(
         "235B-A22B v5p-256 ep8",
@@ -88,22 +88,27 @@ PLANS = (
         maxtext=(22.05, 42.99, 452),
     ),
     Plan(
-        "235B-A22B v5p-256 ep16",
+        "235B-A22B v5p-256 ep32",
         "configs/qwen3_235b_a22b.toml",
         "v5p-256",
-        ("--parallelism.expert_parallel_degree", "16"),
-        maxtext=(22.05, 53.93, 107),
+        ("--parallelism.expert_parallel_degree", "32"),
+        maxtext=(22.05, 53.58, 171),
     ),
     # The MoE recipes as shipped (`auto` picks shard_map for MoE on TPU).
     Plan("30B-A3B v5p-16", "configs/qwen3_30b_a3b.toml", "v5p-16", maxtext=(45.80, 29.20, 386)),
     Plan("30B-A3B v6e-32", "configs/qwen3_30b_a3b.toml", "v6e-32"),
     # Gradients reduced in bf16 (TorchTitan's mixed_precision_reduce; MaxText's default):
-    # half the reduce-scatters' bytes.
+    # half the reduce-scatters' bytes, at fsdp4 x ep32 beside its row `235B-A22B v5p-256 ep32`.
     Plan(
         "235B-A22B v5p-256 bf16 reduce",
         "configs/qwen3_235b_a22b.toml",
         "v5p-256",
-        ("--training.mixed_precision_reduce", "bfloat16"),
+        (
+            "--training.mixed_precision_reduce",
+            "bfloat16",
+            "--parallelism.expert_parallel_degree",
+            "32",
+        ),
     ),
     # FSDP x TP 4, the 235B recipe shipped before expert parallelism.
     Plan(
@@ -188,12 +193,12 @@ LOW_PRECISION_PLANS = (
         "tpu7x-512",
         ("--quantize.mode", "fp8", "--parallelism.expert_parallel_degree", "8"),
     ),
-    # The shipped v5p-256 recipe (fsdp4 x ep32) in int8, beside its bf16 row above.
+    # The v5p-256 recipe at fsdp4 x ep32 in int8, beside its bf16 row `235B-A22B v5p-256 ep32`.
     Plan(
         "235B-A22B v5p-256 int8",
         "configs/qwen3_235b_a22b.toml",
         "v5p-256",
-        ("--quantize.mode", "int8"),
+        ("--quantize.mode", "int8", "--parallelism.expert_parallel_degree", "32"),
     ),
 )
 
