@@ -2,7 +2,7 @@
 with MaxText's figures for the same recipe, as the table in docs/TPU.md.
 
 Runs on any host with libtpu (the `tpu` extra); nothing executes on a TPU. Each row is one
-`titan-jax compile`; `--only NAME` compiles a subset, `--write docs/TPU.md` (`make plans`)
+`titan-jax compile`; `--only NAME` compiles one row (or the rows named NAME...), `--write docs/TPU.md` (`make plans`)
 replaces the table between the markers there. Compiles take minutes each on a 2-core host.
 """
 
@@ -398,6 +398,13 @@ def write_table(path: Path, rows: list[str]) -> None:
     )
 
 
+def selects(only: str, name: str) -> bool:
+    """Whether `--only only` selects the plan `name`: its exact name, else a prefix of names
+    (`235B-A22B tpu7x-512 16 x 4096` is a row and the prefix of its fsdp512 sibling)."""
+    exact = any(p.name == only for p in PLANS)
+    return name == only if exact else name.startswith(only)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -405,7 +412,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="compile only the plans whose name starts with NAME",
+        help="compile only the plan named NAME, or where none is, the plans whose name starts "
+        "with NAME",
     )
     parser.add_argument("--json", metavar="DIR", help="also write each report as JSON here")
     parser.add_argument("--write", metavar="FILE", help="replace the table in FILE")
@@ -423,7 +431,7 @@ def main() -> None:
     )
     opts = parser.parse_args()
     compile_only_libtpu()  # before libtpu loads: CPU-hosted, with titan-jax's default flags
-    plans = [p for p in PLANS if not opts.only or any(p.name.startswith(o) for o in opts.only)]
+    plans = [p for p in PLANS if not opts.only or any(selects(o, p.name) for o in opts.only)]
     rows = []
     for plan in plans:
         name = re.sub(r"[^\w.-]+", "_", plan.name)

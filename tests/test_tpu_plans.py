@@ -1,4 +1,5 @@
-"""`make plans` rewrites only the rows it compiled (`--only`), keeping the others."""
+"""`make plans` rewrites only the rows it compiled (`--only`: a plan by its name, or the plans
+under a prefix), keeping the others."""
 
 import importlib.util
 import sys
@@ -37,3 +38,13 @@ def test_a_row_from_before_the_xla_column_is_kept_with_its_estimate_marked_as_th
     rows = plans.merged(plans.markdown([new]) + "\n" + old, [new])
     assert rows[1].split("|")[9:11] == [f" 1.34 s / 70% (<= 82%) {plans.STALE} ", " - "]
     assert rows[1].count("|") == new.count("|")
+
+
+def test_only_takes_a_plan_by_its_exact_name_before_a_prefix_of_names():
+    plans = _plans()
+    plans.PLANS = tuple(
+        plans.Plan(name, "configs/qwen3_8b.toml", "v5p-8") for name in ("x 16", "x 16 wide", "y")
+    )
+    names = [p.name for p in plans.PLANS]
+    assert [n for n in names if plans.selects("x 16", n)] == ["x 16"]
+    assert [n for n in names if plans.selects("x 1", n)] == ["x 16", "x 16 wide"]
