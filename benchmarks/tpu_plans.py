@@ -2,8 +2,9 @@
 with MaxText's figures for the same recipe, as the table in docs/TPU.md.
 
 Runs on any host with libtpu (the `tpu` extra); nothing executes on a TPU. Each row is one
-`titan-jax compile`; `--only NAME` compiles one row (or the rows named NAME...), `--write docs/TPU.md` (`make plans`)
-replaces the table between the markers there. Compiles take minutes each on a 2-core host.
+`titan-jax compile`; `--only NAME` compiles the row named NAME (or else the rows whose names
+start with it), `--write docs/TPU.md` (`make plans`) replaces the table between the markers
+there. Compiles take minutes each on a 2-core host.
 """
 
 from __future__ import annotations
