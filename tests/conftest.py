@@ -83,6 +83,41 @@ module_least_compile_effort = pytest.fixture(
 )
 
 
+def _unoptimized_cpu_code(wanted: bool) -> Iterator[None]:
+    """XLA's backend optimisations off (`jax_disable_most_optimizations`: LLVM at O0, no
+    expensive passes) in this process and the `titan-jax` processes a test starts, for the
+    modules marked `unoptimized_cpu_code`: their tests compile many small CPU programs and run
+    each a few steps, and LLVM's optimisation was most of that (test_lora_training.py: 238 ->
+    167 CPU seconds). Modules whose steps run long (40-step numerics, step timings) stay
+    optimised: there the slower code costs more than the compile saves."""
+    previous = jax.config.values["jax_disable_most_optimizations"]
+    previous_env = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
+    jax.config.update("jax_disable_most_optimizations", wanted)
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if wanted else "0"
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+    if previous_env is None:
+        os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+    else:
+        os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = previous_env
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_cpu_code(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For a marked module's own fixtures (its reference runs compile before any test)."""
+    yield from _unoptimized_cpu_code(
+        request.node.get_closest_marker("unoptimized_cpu_code") is not None
+    )
+
+
+@pytest.fixture(autouse=True)
+def _test_cpu_code(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A marked module's tests, except its TPU checks (`least_compile_effort`): those compile
+    the TPU program with the backend's optimisations as shipped."""
+    marked = request.node.get_closest_marker("unoptimized_cpu_code") is not None
+    yield from _unoptimized_cpu_code(marked and "least_compile_effort" not in request.fixturenames)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs() -> Iterator[None]:
     """A module's compiled programs are dropped after it: a test worker runs hundreds of

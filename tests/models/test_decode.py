@@ -11,6 +11,10 @@ from tiny_model import TIED, UNTIED
 
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def, decode, hf
 
+# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
+# (tests/conftest.py).
+pytestmark = pytest.mark.unoptimized_cpu_code
+
 MOE = Qwen3Args(
     dim=32,
     n_layers=2,

@@ -22,6 +22,10 @@ from titan_jax.parallel.mesh import MeshDegrees, build_mesh
 from titan_jax.parallel.rules import ShardingRules
 from titan_jax.parallel.simple_fsdp import IMPLEMENTATIONS
 
+# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
+# (tests/conftest.py).
+pytestmark = pytest.mark.unoptimized_cpu_code
+
 AXES = {"w1": ("embed", "mlp"), "w2": ("mlp", "embed")}
 
 

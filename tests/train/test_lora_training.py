@@ -21,6 +21,10 @@ from titan_jax.train.start import load_start
 from titan_jax.train.trainer import build_trainer
 from titan_jax.trees import named_leaves, split_by_name
 
+# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
+# (tests/conftest.py).
+pytestmark = pytest.mark.unoptimized_cpu_code
+
 LORA = ("--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "attention,mlp")
 
 

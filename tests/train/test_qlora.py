@@ -37,6 +37,10 @@ from test_lora_training import (  # isort: skip
     two_steps_leave_the_base,
 )
 
+# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
+# (tests/conftest.py).
+pytestmark = pytest.mark.unoptimized_cpu_code
+
 # TINY's head_dim (8) is wo's last input dim: nf4 blocks of 8 tile every weight.
 NF4 = ("--lora.base_dtype", "nf4", "--lora.base_block_size", "8")
 STORED = {"bfloat16": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "nf4": jnp.uint8}

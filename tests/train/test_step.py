@@ -19,6 +19,10 @@ from titan_jax.train.step import (
     train_step,
 )
 
+# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
+# (tests/conftest.py).
+pytestmark = pytest.mark.unoptimized_cpu_code
+
 
 def make_step(n_microbatches=1, steps=10, max_norm=1.0):
     model = build_model_def(TINY)
