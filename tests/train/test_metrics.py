@@ -304,6 +304,15 @@ def test_a_resume_keeps_each_step_once(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "metrics.jsonl"]
 
 
+def test_plot_loss_off_draws_no_plot(tmp_path):
+    with MetricsLogger(
+        str(tmp_path), log_freq=1, total_steps=2, progress_bar=False, plot_loss=False
+    ) as logger:
+        for step in (1, 2):
+            logger.log(step, step_metrics(step))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
 def read_tensorboard_tags(folder: Path) -> set[str]:
     (events,) = folder.glob("events.out.tfevents.*")
     data, tags = events.read_bytes(), set()

@@ -146,6 +146,7 @@ def _train(
                 enable_tensorboard=config.metrics.enable_tensorboard,
                 tensorboard_folder=config.metrics.save_tb_folder,
                 progress_bar=config.metrics.progress_bar,
+                plot_loss=config.metrics.plot_loss,
                 is_main_process=jax.process_index() == 0,
                 enable_wandb=config.metrics.enable_wandb,
                 run_config=config.to_dict(),

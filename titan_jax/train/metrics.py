@@ -157,7 +157,8 @@ def _json_number(value: Any) -> int | float | None:
 
 class MetricsLogger:
     """Writes metrics of logged steps to JSONL / TensorBoard / a tqdm bar; no-ops off the main
-    process. Use as a context manager or call `close()`, which also draws `loss.png`.
+    process. Use as a context manager or call `close()`, which also draws `loss.png` where
+    `plot_loss`.
     `keep_through`: the step a run starts after; earlier runs' rows past it are dropped."""
 
     def __init__(
@@ -168,6 +169,7 @@ class MetricsLogger:
         enable_tensorboard: bool = False,
         tensorboard_folder: str = "tb",
         progress_bar: bool = True,
+        plot_loss: bool = True,
         is_main_process: bool = True,
         enable_wandb: bool = False,
         run_config: dict[str, Any] | None = None,
@@ -203,6 +205,7 @@ class MetricsLogger:
         if enable_wandb:
             self._wandb = WandbSink(self.folder, run_config or {})
         self._show_bar = progress_bar
+        self._plot = plot_loss
         self._postfix: dict[str, str] = {}
 
     def should_log(self, step: int) -> bool:
@@ -277,7 +280,8 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.close()
-        self._plot_loss()
+        if self._plot:
+            self._plot_loss()
 
     def _plot_loss(self) -> None:
         """Every logged step's training loss (a marker each) and the validation loss."""
