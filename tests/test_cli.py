@@ -13,6 +13,8 @@ FAST = [
     "2",
     "--lr_scheduler.warmup_steps",
     "1",
+    "--metrics.plot_loss",  # test_train_writes_metrics_and_plot draws it
+    "false",
 ]
 
 
@@ -36,6 +38,8 @@ def test_train_writes_metrics_and_plot(tmp_path, capsys, monkeypatch):
         "2",
         "--metrics.progress_bar",
         "false",
+        "--metrics.plot_loss",
+        "true",
         "--job.dump_folder",
         str(tmp_path),
     )

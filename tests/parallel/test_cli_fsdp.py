@@ -33,6 +33,8 @@ COMMON = [
     "1",
     "--metrics.progress_bar",
     "false",
+    "--metrics.plot_loss",
+    "false",
     "--checkpoint.enable",
     "false",
 ]

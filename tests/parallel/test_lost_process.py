@@ -163,6 +163,8 @@ TRAIN = [
     "1",
     "--metrics.progress_bar",
     "false",
+    "--metrics.plot_loss",
+    "false",
     "--metrics.peak_flops",
     "1e12",
     "--validation.enable",

@@ -36,6 +36,8 @@ COMMON = [
     "1",
     "--metrics.progress_bar",
     "false",
+    "--metrics.plot_loss",
+    "false",
     "--metrics.peak_flops",
     "1e12",
     "--validation.freq",

@@ -83,6 +83,8 @@ def test_from_a_training_run_newest_step(tmp_path, capsys):
             "1",
             "--metrics.progress_bar",
             "false",
+            "--metrics.plot_loss",
+            "false",
         ],
     )
     result = loop.train(config, jax.devices()[:1], model_args=TINY)

@@ -64,6 +64,8 @@ def train(folder, hf_base, *overrides):
             "1",
             "--metrics.progress_bar",
             "false",
+            "--metrics.plot_loss",
+            "false",
             "--checkpoint.enable",
             "true",
             "--checkpoint.initial_load_path",

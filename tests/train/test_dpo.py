@@ -27,7 +27,14 @@ from titan_jax.trees import split_by_name
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "configs" / "qwen3_debug_dpo.toml")
-QUIET = ["--metrics.progress_bar", "false", "--checkpoint.enable", "false"]
+QUIET = [
+    "--metrics.progress_bar",
+    "false",
+    "--metrics.plot_loss",
+    "false",
+    "--checkpoint.enable",
+    "false",
+]
 
 
 @pytest.fixture
@@ -387,6 +394,8 @@ RESUME = [  # killed_and_resumed adds the steps and the checkpoints
     "--metrics.log_freq",
     "1",
     "--metrics.progress_bar",
+    "false",
+    "--metrics.plot_loss",
     "false",
     "--checkpoint.enable",
     "true",

@@ -50,6 +50,8 @@ def make_config(folder, *overrides):
             "1",
             "--metrics.progress_bar",
             "false",
+            "--metrics.plot_loss",
+            "false",
             *overrides,
         ],
     )

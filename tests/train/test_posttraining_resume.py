@@ -28,6 +28,8 @@ SFT = [
     "1",
     "--metrics.progress_bar",
     "false",
+    "--metrics.plot_loss",
+    "false",
     "--checkpoint.interval",
     "2",
     "--checkpoint.keep_latest_k",

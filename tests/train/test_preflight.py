@@ -35,6 +35,8 @@ def make_config(folder, *overrides):
             "6",
             "--metrics.progress_bar",
             "false",
+            "--metrics.plot_loss",
+            "false",
             "--checkpoint.enable",
             "true",
             *overrides,

@@ -25,6 +25,8 @@ def config(folder, *overrides):
             "1",
             "--metrics.progress_bar",
             "false",
+            "--metrics.plot_loss",
+            "false",
             "--profiling.enable_profiling",
             "true",
             *overrides,

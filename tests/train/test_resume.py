@@ -43,6 +43,8 @@ ARGS = [
     "1",
     "--metrics.progress_bar",
     "false",
+    "--metrics.plot_loss",
+    "false",
     "--checkpoint.enable",
     "true",
     "--checkpoint.interval",
@@ -240,7 +242,7 @@ def test_a_url_run_folder_killed_resumes_bitwise_on_another_machine(env, referen
     assert (folder / ".titan-jax.lease").is_file()  # left by the kill
 
     machine = {**env, "XDG_CACHE_HOME": str(tmp_path / "machine-2")}
-    out = Run(machine, folder, dump_folder=url).finish()
+    out = Run(machine, folder, "--metrics.plot_loss", "true", dump_folder=url).finish()
     assert "resuming at step 5 from checkpoint" in out
     assert "taking over the lease of a run that is gone" in out
     records = _records(_lines(folder / "metrics.jsonl"))

@@ -11,7 +11,14 @@ import pytest
 from titan_jax.cli import main
 
 RECIPE = "configs/qwen3_debug_sft.toml"
-QUIET = ["--metrics.progress_bar", "false", "--checkpoint.enable", "false"]
+QUIET = [
+    "--metrics.progress_bar",
+    "false",
+    "--metrics.plot_loss",
+    "false",
+    "--checkpoint.enable",
+    "false",
+]
 
 
 @pytest.fixture
