@@ -339,7 +339,7 @@ class Metrics:
     enable_tensorboard: bool = False  # TensorBoard scalars (tensorboardX)
     save_tb_folder: str = "tb"  # under job.dump_folder
     progress_bar: bool = True  # live tqdm bar; the per-step log lines print either way
-    plot_loss: bool = True  # draw loss.png at the end (matplotlib: ~1.5 s of CPU a process)
+    plot_loss: bool = True  # draw loss.png (matplotlib) at the end; off for many short runs
     # Per-layer RMS of the residual stream (`activation_rms`), through the model's aux channel.
     log_activation_stats: bool = False
     # Weights & Biases (the `wandb` extra); WANDB_PROJECT names the project, WANDB_MODE=offline
