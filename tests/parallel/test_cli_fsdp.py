@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_args import QUIET_METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
@@ -31,10 +32,7 @@ COMMON = [
     "2",
     "--metrics.log_freq",
     "1",
-    "--metrics.progress_bar",
-    "false",
-    "--metrics.plot_loss",
-    "false",
+    *QUIET_METRICS,
     "--checkpoint.enable",
     "false",
 ]

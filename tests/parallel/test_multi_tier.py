@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from cli_args import QUIET_METRICS
 
 from tests.parallel.test_distributed import _free_port
 
@@ -36,14 +37,7 @@ def _train(
         *("--job.dump_folder", str(dump), "--job.cpu_devices", "1"),
         *("--training.steps", str(steps), "--training.seq_len", "32"),
         *("--training.local_batch_size", "1", "--lr_scheduler.warmup_steps", "2"),
-        *(
-            "--metrics.log_freq",
-            "1",
-            "--metrics.progress_bar",
-            "false",
-            "--metrics.plot_loss",
-            "false",
-        ),
+        *("--metrics.log_freq", "1", *QUIET_METRICS),
         *("--metrics.peak_flops", "1e12", "--validation.enable", "false"),
         *("--parallelism.data_parallel_replicate_degree", "2"),
         *("--checkpoint.enable", "true", "--checkpoint.interval", str(INTERVAL)),

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_args import QUIET_METRICS
 
 from tests.parallel.test_distributed import _free_port
 
@@ -34,10 +35,7 @@ COMMON = [
     "2",
     "--metrics.log_freq",
     "1",
-    "--metrics.progress_bar",
-    "false",
-    "--metrics.plot_loss",
-    "false",
+    *QUIET_METRICS,
     "--metrics.peak_flops",
     "1e12",
     "--validation.freq",

@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from cli_args import QUIET_METRICS
 from tiny_model import TINY
 
 from titan_jax.cli import main
@@ -81,10 +82,7 @@ def test_from_a_training_run_newest_step(tmp_path, capsys):
             "1",
             "--checkpoint.interval",
             "1",
-            "--metrics.progress_bar",
-            "false",
-            "--metrics.plot_loss",
-            "false",
+            *QUIET_METRICS,
         ],
     )
     result = loop.train(config, jax.devices()[:1], model_args=TINY)

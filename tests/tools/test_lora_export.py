@@ -10,6 +10,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from cli_args import QUIET_METRICS
 from hf_fixtures import random_hf_model
 from safetensors import safe_open
 from tiny_model import TINY
@@ -62,10 +63,7 @@ def train(folder, hf_base, *overrides):
             "1e-1",
             "--lr_scheduler.warmup_steps",
             "1",
-            "--metrics.progress_bar",
-            "false",
-            "--metrics.plot_loss",
-            "false",
+            *QUIET_METRICS,
             "--checkpoint.enable",
             "true",
             "--checkpoint.initial_load_path",

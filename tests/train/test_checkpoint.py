@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cli_args import QUIET_METRICS
 from tiny_model import TINY
 
 from titan_jax.config import load_config
@@ -58,10 +59,7 @@ def make_config(folder, *overrides):
             "1",
             "--metrics.log_freq",
             "1",
-            "--metrics.progress_bar",
-            "false",
-            "--metrics.plot_loss",
-            "false",
+            *QUIET_METRICS,
             "--checkpoint.enable",
             "true",
             *overrides,
@@ -579,10 +577,7 @@ def test_a_full_disk_is_one_line_that_names_it_first(tmp_path, tiny_loop, capsys
             "8",
             "--training.steps",
             "2",
-            "--metrics.progress_bar",
-            "false",
-            "--metrics.plot_loss",
-            "false",
+            *QUIET_METRICS,
             "--checkpoint.enable",
             "true",
             "--checkpoint.interval",

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_args import QUIET_METRICS
 from pair_fixtures import pair_batch, random_pairs
 from test_resume import env, killed_and_resumed  # noqa: F401  (env: a fixture)
 from tiny_model import TINY
@@ -28,10 +29,7 @@ from titan_jax.trees import split_by_name
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "configs" / "qwen3_debug_dpo.toml")
 QUIET = [
-    "--metrics.progress_bar",
-    "false",
-    "--metrics.plot_loss",
-    "false",
+    *QUIET_METRICS,
     "--checkpoint.enable",
     "false",
 ]
@@ -393,10 +391,7 @@ RESUME = [  # killed_and_resumed adds the steps and the checkpoints
     "false",
     "--metrics.log_freq",
     "1",
-    "--metrics.progress_bar",
-    "false",
-    "--metrics.plot_loss",
-    "false",
+    *QUIET_METRICS,
     "--checkpoint.enable",
     "true",
 ]

@@ -9,6 +9,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from cli_args import QUIET_METRICS
 from hf_fixtures import random_hf_model
 from tiny_model import TINY
 
@@ -48,10 +49,7 @@ def make_config(folder, *overrides):
             "1",
             "--metrics.log_freq",
             "1",
-            "--metrics.progress_bar",
-            "false",
-            "--metrics.plot_loss",
-            "false",
+            *QUIET_METRICS,
             *overrides,
         ],
     )

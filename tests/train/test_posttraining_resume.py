@@ -10,6 +10,7 @@ import signal
 import jax
 import numpy as np
 import pytest
+from cli_args import QUIET_METRICS
 from test_resume import ROOT, Run, env, finalized  # noqa: F401  (env: a fixture)
 
 STEPS = 6
@@ -26,10 +27,7 @@ SFT = [
     "2",
     "--metrics.log_freq",
     "1",
-    "--metrics.progress_bar",
-    "false",
-    "--metrics.plot_loss",
-    "false",
+    *QUIET_METRICS,
     "--checkpoint.interval",
     "2",
     "--checkpoint.keep_latest_k",

@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from cli_args import QUIET_METRICS
 from tiny_model import TINY
 
 from titan_jax.cli import main
@@ -33,10 +34,7 @@ def make_config(folder, *overrides):
             "1",
             "--training.steps",
             "6",
-            "--metrics.progress_bar",
-            "false",
-            "--metrics.plot_loss",
-            "false",
+            *QUIET_METRICS,
             "--checkpoint.enable",
             "true",
             *overrides,

@@ -2,6 +2,7 @@
 
 import jax
 import pytest
+from cli_args import QUIET_METRICS
 from tiny_model import TINY
 
 from titan_jax.config import load_config
@@ -23,10 +24,7 @@ def config(folder, *overrides):
             "4",
             "--lr_scheduler.warmup_steps",
             "1",
-            "--metrics.progress_bar",
-            "false",
-            "--metrics.plot_loss",
-            "false",
+            *QUIET_METRICS,
             "--profiling.enable_profiling",
             "true",
             *overrides,

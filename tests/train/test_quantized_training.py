@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_args import QUIET_METRICS
 
 from titan_jax.cli import main
 from titan_jax.config import ConfigError, load_config
@@ -51,10 +52,7 @@ def final_loss(tmp_path, args, mode, modules="attention,mlp,experts"):
             "bfloat16",
             "--metrics.log_freq",
             "1",
-            "--metrics.progress_bar",
-            "false",
-            "--metrics.plot_loss",
-            "false",
+            *QUIET_METRICS,
             "--checkpoint.enable",
             "false",
             "--validation.enable",
@@ -120,10 +118,7 @@ def test_fp8_trains_the_debug_recipe_under_every_remat_mode(tmp_path, capsys, mo
             "2",
             "--metrics.log_freq",
             "1",
-            "--metrics.progress_bar",
-            "false",
-            "--metrics.plot_loss",
-            "false",
+            *QUIET_METRICS,
             "--checkpoint.enable",
             "false",
             "--validation.enable",

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from cli_args import QUIET_METRICS
 from tiny_model import TINY
 
 from titan_jax.cli import main
@@ -41,10 +42,7 @@ ARGS = [
     "2",
     "--metrics.log_freq",
     "1",
-    "--metrics.progress_bar",
-    "false",
-    "--metrics.plot_loss",
-    "false",
+    *QUIET_METRICS,
     "--checkpoint.enable",
     "true",
     "--checkpoint.interval",

@@ -7,6 +7,7 @@ import shutil
 
 import jax
 import pytest
+from cli_args import QUIET_METRICS
 from tiny_model import TINY
 
 from titan_jax.config import ConfigError, load_config
@@ -31,10 +32,7 @@ def make_config(folder, *overrides):
             "4",
             "--lr_scheduler.warmup_steps",
             "1",
-            "--metrics.progress_bar",
-            "false",
-            "--metrics.plot_loss",
-            "false",
+            *QUIET_METRICS,
             "--validation.enable",
             "false",
             "--checkpoint.enable",

@@ -7,15 +7,13 @@ import shutil
 
 import jax
 import pytest
+from cli_args import QUIET_METRICS
 
 from titan_jax.cli import main
 
 RECIPE = "configs/qwen3_debug_sft.toml"
 QUIET = [
-    "--metrics.progress_bar",
-    "false",
-    "--metrics.plot_loss",
-    "false",
+    *QUIET_METRICS,
     "--checkpoint.enable",
     "false",
 ]
