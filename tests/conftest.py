@@ -88,7 +88,7 @@ def _unoptimized_cpu_code(wanted: bool) -> Iterator[None]:
     expensive passes) in this process and the `titan-jax` processes a test starts, for the
     modules marked `unoptimized_cpu_code`: their tests compile many small CPU programs and run
     each a few steps, and LLVM's optimisation was most of that (test_lora_training.py: 238 ->
-    167 CPU seconds). Modules whose steps run long (40-step numerics, step timings) stay
+    136 CPU seconds). Modules whose steps run long (40-step numerics, step timings) stay
     optimised: there the slower code costs more than the compile saves."""
     previous = jax.config.values["jax_disable_most_optimizations"]
     previous_env = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")

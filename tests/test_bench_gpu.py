@@ -11,9 +11,7 @@ import pytest
 
 from titan_jax.config import ConfigError
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 ROOT = Path(__file__).resolve().parents[1]
 # Packages titan-jax's install has and the lent GPU machine's image does not (the device tool's

@@ -26,9 +26,7 @@ from titan_jax.models.qwen3 import Qwen3Args
 from titan_jax.models.qwen3.build import build_model_def
 from titan_jax.train.trainer import build_trainer
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 # GQA 2 (8 query heads on 4 kv heads) so that tensor parallelism 2 splits both; splash tiles
 # sequences in multiples of 128 rows.

@@ -11,9 +11,7 @@ from tiny_model import TIED, UNTIED
 
 from titan_jax.models.qwen3 import Qwen3Args, build_model_def, decode, hf
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 MOE = Qwen3Args(
     dim=32,

@@ -17,9 +17,7 @@ from titan_jax.models.qwen3.hf_tensors import fused_expert_layout
 from titan_jax.parity.metrics import kl_per_token
 from titan_jax.train.loss import cross_entropy_sum
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 torch = pytest.importorskip("torch")  # the `parity` extra; CI installs it
 transformers = pytest.importorskip("transformers")

@@ -16,9 +16,7 @@ from titan_jax.models.qwen3 import build_model_def, hf
 from titan_jax.models.spec import BuildOptions
 from titan_jax.trees import merge_nested, nested_get, split_by_name
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 try:  # the `parity` extra; CI installs it, so there a missing one is a failure, not a skip
     import peft

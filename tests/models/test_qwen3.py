@@ -23,9 +23,7 @@ from titan_jax.models.sharding_hooks import GATHERED_PARAM
 from titan_jax.train.plan_decisions import args_overrides
 from titan_jax.trees import is_axes, named_leaves
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 # Published totals (HF safetensors metadata counts the tied lm_head twice; these count it once).
 PUBLISHED = {

@@ -27,9 +27,7 @@ from titan_jax.train.checkpoint import Checkpointer
 from titan_jax.train.step_report import _scalars
 from titan_jax.train.trainer import build_trainer
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,9 +26,7 @@ from titan_jax.train.plan_decisions import context_parallel_kernel
 from titan_jax.train.run_checks import check_context_parallel
 from titan_jax.train.trainer import build_trainer
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 STEPS = 10
 

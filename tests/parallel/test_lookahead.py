@@ -11,9 +11,7 @@ from parallel_helpers import preset_overrides, tiny_trainer
 from titan_jax.config import ConfigError
 from titan_jax.train.step import loss_and_grads
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 
 def loss_and_grads_of(

@@ -27,7 +27,6 @@ RESTART = (
     "Ending the job: end that process if it still runs, then start every process again "
     "with the same command; it resumes from the last checkpoint"
 )
-# Slow; its CPU programs compiled without XLA's backend optimisations (tests/conftest.py).
 pytestmark = [pytest.mark.slow, pytest.mark.unoptimized_cpu_code]
 
 # A job of two processes in a loop of collectives (gloo), as the train loop is in its steps;

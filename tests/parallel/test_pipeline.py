@@ -21,9 +21,7 @@ from titan_jax.train.checkpoint import Checkpointer
 from titan_jax.train.step import loss_and_grads
 from titan_jax.train.trainer import build_trainer
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 DENSE = dataclasses.replace(TINY, n_layers=4)  # pp 4, or pp 2 x 2 virtual stages: 1 layer each
 DENSE8 = dataclasses.replace(TINY, n_layers=8)  # pp 4 x 2 virtual stages: 1 layer each

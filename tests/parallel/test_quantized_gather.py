@@ -22,9 +22,7 @@ from titan_jax.parallel.mesh import MeshDegrees, build_mesh
 from titan_jax.parallel.rules import ShardingRules
 from titan_jax.parallel.simple_fsdp import IMPLEMENTATIONS
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 AXES = {"w1": ("embed", "mlp"), "w2": ("mlp", "embed")}
 

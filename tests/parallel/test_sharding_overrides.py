@@ -17,9 +17,7 @@ from titan_jax.config import ConfigError, load_config
 from titan_jax.parallel.rules import DEFAULT_TABLE
 from titan_jax.train.trainer import build_trainer
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 # Two K/V heads: a tensor-parallel degree of 4 splits the 8 query heads but not them.
 FEW_KV_HEADS = dataclasses.replace(TINY, n_kv_heads=2)

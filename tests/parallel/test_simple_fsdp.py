@@ -26,9 +26,7 @@ from titan_jax.config import ConfigError, load_config
 from titan_jax.planner import inspect_step
 from titan_jax.train.trainer import build_trainer
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 FLOAT_DTYPES = {"bf16", "f16", "f32", "f64"}
 

@@ -15,9 +15,7 @@ from titan_jax.parity import BARS, metrics
 from titan_jax.parity.ours import train_trajectory
 from titan_jax.parity.run import ParityReport, ReferenceResult, Trajectory, run_parity
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 # Between them: tied and untied, GQA ratios 2/4/1, head_dim != dim/heads (twice), 2-4 layers,
 # a non-default rope_theta and norm eps.

@@ -15,9 +15,7 @@ from titan_jax.train import loop
 from titan_jax.train.model_io import save_orbax
 from titan_jax.train.trainer import build_trainer
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 PROMPT = "The for statement"
 

@@ -17,9 +17,7 @@ from titan_jax.train.dpo import DPO
 from titan_jax.train.step import StepOptions, loss_and_grads
 from titan_jax.trees import named_leaves, nested_get
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 try:  # the `parity` extra; CI installs it, so there a missing one is a failure, not a skip
     import datasets

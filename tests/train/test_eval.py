@@ -17,9 +17,7 @@ from titan_jax.train.eval import Validator
 from titan_jax.train.loss import token_cross_entropy_sum
 from titan_jax.train.trainer import build_trainer
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 VALIDATION = [
     "--validation.enable",

@@ -22,9 +22,7 @@ from titan_jax.train.start import load_start
 from titan_jax.train.trainer import build_trainer
 from titan_jax.trees import named_leaves, split_by_name
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 LORA = ("--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "attention,mlp")
 

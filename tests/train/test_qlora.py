@@ -37,9 +37,7 @@ from test_lora_training import (  # isort: skip
     two_steps_leave_the_base,
 )
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 # TINY's head_dim (8) is wo's last input dim: nf4 blocks of 8 tile every weight.
 NF4 = ("--lora.base_dtype", "nf4", "--lora.base_block_size", "8")

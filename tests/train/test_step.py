@@ -19,9 +19,7 @@ from titan_jax.train.step import (
     train_step,
 )
 
-# Many small CPU programs, each run a few steps: compiled without XLA's backend optimisations
-# (tests/conftest.py).
-pytestmark = pytest.mark.unoptimized_cpu_code
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
 
 
 def make_step(n_microbatches=1, steps=10, max_norm=1.0):
