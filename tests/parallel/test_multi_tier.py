@@ -3,7 +3,8 @@
 a local tier between its persistent saves; process 1 is killed (SIGKILL) after a local save
 newer than the last persistent one and its local folder wiped (a replaced host); the restart of
 every process resumes from that local step, process 1 reading its shards from its peer in the
-other replica, and trains on bitwise like a run that was never interrupted (fp32). Slow."""
+other replica, and trains on bitwise like a run that was never interrupted (fp32). (A resume on
+another number of processes: `test_multihost.py`.) Slow."""
 
 from __future__ import annotations
 
@@ -136,19 +137,3 @@ def test_a_killed_process_with_a_wiped_local_tier_resumes_bitwise_from_its_peer(
     assert expected.keys() == got.keys()
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
-
-
-def test_a_job_of_4_processes_resumes_on_2_with_its_global_batch(uninterrupted, tmp_path):
-    """4 -> 2 processes (one device each): the persistent step 3 of the 4-process job resumes on
-    2, whose devices make up its global batch of 4 rows as 2 microbatches; steps 4-6 follow the
-    uninterrupted job's losses (fp32; other reduction orders, not bitwise)."""
-    source = uninterrupted
-    dump = tmp_path / "resumed"
-    shutil.copytree(source, dump)
-    shutil.rmtree(dump / "checkpoint" / str(STEPS))  # resume from the persistent step 3
-    out = _finish(_job(dump, None, 2))
-    assert (
-        "resuming on 2 processes x 1 devices, the checkpoint was saved on 4 processes x 1: "
-        "global batch 4 kept as 2 microbatch(es) of 1 row(s) x 2 data-parallel ranks"
-    ) in out.splitlines(), out
-    assert _losses(dump) == pytest.approx(_losses(source), rel=1e-5, abs=0)
