@@ -12,6 +12,7 @@ import pytest
 from titan_jax.config import load_config
 from titan_jax.models.quantization import NONE
 from titan_jax.models.qwen3 import QWEN3_FLAVORS, Qwen3Args, build_model_def
+from titan_jax.models.qwen3.adapter import AdaptedExperts
 from titan_jax.models.qwen3.flops import count_params
 from titan_jax.models.qwen3.moe import (
     EXPERT_KERNELS,
@@ -175,6 +176,52 @@ def test_megablox_swiglu_equals_the_ragged_one_and_zeroes_the_padding_rows():
     assert not np.asarray(got[50:]).any()
     for a, b in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)  # sums of ~50 rows
+
+
+@pytest.mark.parametrize("kernel", ["ragged", "looped", "megablox"])
+def test_a_lora_adapter_beside_the_experts_computes_the_folded_weights_swiglu(kernel):
+    """`x W + (x A) B * scale` on each expert's rows (gate and up joined: one A, B's dim after
+    the rank indexes them) computes what PEFT's fused-expert adapter does with the folded weight
+    `W + A B * scale`: outputs, and the gradients of the rows, the weights and the adapters,
+    for every kernel (megablox interpreted), against `ragged_dot` on the folded weights."""
+    x, experts, _, ws = expert_case(n=32, k=2, d=16, f=24)
+    rows = x[jnp.arange(64) // 2]
+    sizes = jnp.bincount(experts.reshape(-1)[:50], length=ws[0].shape[0]).astype(jnp.int32)
+    rng, (e, d, f), r = np.random.default_rng(1), ws[0].shape, 4
+    adapters = [
+        jnp.asarray(rng.normal(size=shape) / 3, jnp.float32)
+        for shape in ((e, d, r), (e, r, 2, f), (e, f, r), (e, r, d))
+    ]
+
+    def adapted(w1, w3, w2, a13, b13, a2, b2):
+        scale = 0.75
+        return (
+            AdaptedExperts(w1, a13, b13[:, :, 0], scale),
+            AdaptedExperts(w3, a13, b13[:, :, 1], scale),
+            AdaptedExperts(w2, a2, b2, scale),
+        )
+
+    swiglu = (
+        functools.partial(megablox_swiglu, interpret=True)
+        if kernel == "megablox"
+        else EXPERT_KERNELS[kernel]
+    )
+    ragged = EXPERT_KERNELS["ragged"]
+    beside = lambda rows, *p: swiglu(rows, *adapted(*p), sizes)  # noqa: E731
+    folded = lambda rows, *p: ragged(rows, *(w.folded() for w in adapted(*p)), sizes)  # noqa: E731
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def out_and_grads(fn, *args):
+        y, vjp = jax.vjp(fn, *args)
+        return y, vjp(jnp.cos(y))  # the gradients of sum(sin(y))
+
+    (got, got_grads), (want, want_grads) = (
+        out_and_grads(fn, rows, *ws, *adapters) for fn in (beside, folded)
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not np.asarray(got[50:]).any()  # the rows past the groups
+    for a, b in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("before_router", [True, False])

@@ -2,11 +2,13 @@
 on (`make plans` rows "8B SFT ...", "8B LoRA ...", "30B-A3B LoRA ..."; the QLoRA recipe's is
 test_qlora_aot.py), as shipped, and fit their chips. Layers are cut to 2 (what fails to
 compile fails at any depth); the frozen base of a LoRA recipe has no gradient and no optimizer
-state in the compiled step."""
+state in the compiled step, nor, for expert adapters, a kernel computing one of the experts'
+size."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import pytest
@@ -46,3 +48,11 @@ def test_posttraining_recipe_compiles_and_fits(recipe, topology):
     memory = compiled.memory_analysis()
     per_chip = memory.argument_size_in_bytes + memory.temp_size_in_bytes
     assert per_chip < HBM[topology.split("-")[0]] * 2**30, (recipe, per_chip / 2**30)
+    if args.is_moe and "experts" in config.lora.target_modules:
+        # The adapters' rank-r products run beside the experts: backward's kernels give A's and
+        # B's gradients, none the frozen experts' (megablox's whole-weight tgmm of a folded
+        # adapter).
+        mesh = trainer.plan.mesh.shape
+        e, d, f = args.num_experts // mesh["ep"], args.dim, args.moe_inter_dim // mesh["tp"]
+        expert_sized = re.compile(rf"\[{e},({d},{f}|{f},{d})\]\S* custom-call\(")
+        assert not expert_sized.search(compiled.as_text())

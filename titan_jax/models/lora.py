@@ -26,8 +26,9 @@ weights, keyed by their names joined with `JOIN` (`w1_and_w3_lora` beside the Mo
 `w3`: transformers fuses the experts' gate and up projections into one `gate_up_proj`, and
 PEFT's adapter on it is one A and one B over both outputs). `merged` folds adapters into the
 weights for a plain model (`titan-jax convert --to hf`, `checkpoint.last_save_in_hf`);
-`merge_into` is the same fold for one weight at use (the MoE experts', whose grouped kernels
-then run unchanged, as PEFT's fused-expert adapter folds itself into the weight).
+`merge_into` is the same fold for one weight (the MoE experts' on CPU, whose kernel takes plain
+weights; the grouped kernels elsewhere run the adapter's products on each expert's rows:
+`models/qwen3/adapter.py`).
 
 The frozen base may be stored below fp32 (`Lora.base`: bf16, or QLoRA's int8/fp8/nf4:
 `models/frozen_base.py`); `merged` reads it back in fp32 (dequantized) first.

@@ -1,23 +1,58 @@
 """The LoRA adapter module of Qwen3's projections and experts (the math: `models/lora.py`).
 
 Dense projections add the adapter's term to their output (`Adapter.__call__`, PEFT's
-`LoraLayer`); the MoE experts fold it into their weights at use (`Adapter.fold`, PEFT's
-`ParamWrapper` on transformers' fused expert parameters), so every expert kernel and the
-expert-parallel dispatch run on ordinary weights.
+`LoraLayer`). The MoE experts compute what PEFT's `ParamWrapper` on transformers' fused expert
+parameters computes, `x (W + A B * scale)` for each row's expert, as `x W + (x A) B * scale`
+(`AdaptedExperts`): the grouped kernels run the adapter's two rank-r products on the rows each
+expert holds, so no (experts, in, out) product of A and B is formed, nor, in backward, a
+gradient the size of the frozen experts (tgmm's whole weight-gradient pass, a third of the
+experts' matmul FLOPs). The CPU kernel, which takes plain weights, folds them (`folded`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import zlib
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from titan_jax.models.lora import RANK_AXIS, Lora, dropout, fold, init_a, lora_delta
-from titan_jax.models.sharding_hooks import use_param
+from titan_jax.models.lora import RANK_AXIS, Lora, dropout, init_a, lora_delta, merge_into
+from titan_jax.models.sharding_hooks import LogicalAxes, use_param
 
 Array = jax.Array
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=("base", "a", "b"), meta_fields=("scale",)
+)
+@dataclasses.dataclass(frozen=True)
+class AdaptedExperts:
+    """The experts' weight W (E, in, out) as used (cast, gathered), with its adapter's A
+    (E, in, r) and B (E, r, out): each row x of expert e computes `x W_e + (x A_e) B_e *
+    scale`. `shape` is W's, as the kernels read a plain weight's."""
+
+    base: Array
+    a: Array
+    b: Array
+    scale: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+    def folded(self) -> Array:
+        """`W + A B * scale` (summed in fp32, in W's dtype): for kernels that take plain
+        weights."""
+        return merge_into(self.base, self.a, self.b, self.scale)
+
+    @staticmethod
+    def leaf_axes(axes: LogicalAxes) -> tuple[LogicalAxes, LogicalAxes]:
+        """A's and B's logical axes, for W's `axes` (expert, in, out): the rank dim unsplit."""
+        expert, in_axis, out_axis = axes
+        return (expert, in_axis, None), (expert, None, out_axis)
 
 
 class Adapter(nnx.Module):
@@ -60,12 +95,15 @@ class Adapter(nnx.Module):
             rows, use_param(self.lora_a, rows.dtype), use_param(self.lora_b, rows.dtype), self.scale
         )
 
-    @jax.named_scope("lora")
-    def fold(self, *weights: Array) -> tuple[Array, ...]:
-        """Each weight (stack..., in..., out...), as used, plus its share of `A B * scale`
-        (several weights: a joined adapter, B's dim after the rank indexes them)."""
+    def beside_experts(self, *weights: Array) -> tuple[AdaptedExperts, ...]:
+        """Each expert weight (E, in, out), as used, with the adapter read as they are (cast,
+        gathered); several weights: a joined adapter, B's dim after the rank indexes them."""
         a, b = (use_param(p, weights[0].dtype) for p in (self.lora_a, self.lora_b))
-        return tuple(fold(list(weights), a, b, self.scale))
+        if len(weights) == 1:
+            return (AdaptedExperts(weights[0], a, b, self.scale),)
+        return tuple(
+            AdaptedExperts(w, a, jnp.take(b, i, axis=2), self.scale) for i, w in enumerate(weights)
+        )
 
 
 def adapter_beside(

@@ -24,20 +24,25 @@ output column as tokamax scales them) go in as they are (`_gmm_codes`).
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.quantization import PrequantizedWeight
+from titan_jax.models.qwen3.adapter import AdaptedExperts
 from titan_jax.models.sharding_hooks import LogicalAxes, run_per_shard
 
 if TYPE_CHECKING:
     from qwix._src.core.qarray import QArray
 
 Array = jax.Array
+# An expert weight as the kernels read it: cast and gathered, gathered as codes, or with a LoRA
+# adapter beside it.
+ExpertWeight = Array | PrequantizedWeight | AdaptedExperts
 # Tile sizes tried largest first, per dim: each must divide its dim (else the whole dim is one
 # tile). MaxText's v5p/v6e tiles are 512 rows x 1024.
 ROW_TILES = (512, 256, 128, 64, 32, 16, 8)
@@ -142,18 +147,71 @@ def _gmm_codes_bwd(qdtype: str, interpret: bool, residuals: tuple, g: Array) -> 
 _gmm_codes.defvjp(_gmm_codes_fwd, _gmm_codes_bwd)
 
 
+def _adapter_term(x_MK: Array, w: AdaptedExperts, group_sizes: Array, interpret: bool) -> Array:
+    """`(x A) B * scale` on each row's expert, by megablox (bf16, unquantized)."""
+    delta = _gmm(_rank_gmm(x_MK, w.a, group_sizes, interpret), w.b, group_sizes, interpret)
+    return delta * jnp.asarray(w.scale, delta.dtype)
+
+
+# Hand-written VJP: megablox's own has tgmm write A's gradient as A is laid out, (E, in, r), the
+# rank minor: TPU tiles pad a minor dim of 16 to 128 lanes, and the layer scan's stacked fp32
+# adapter gradients took that layout, 8x their size. This one has tgmm write (E, r, in), the
+# input dim minor, and transposes it. Without it: the `30B-A3B LoRA v5p-8` row of `make plans`
+# (docs/notes/2026-12-07-lora-expert-adapters.md).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rank_gmm(x_MK: Array, a_EKR: Array, group_sizes: Array, interpret: bool) -> Array:
+    return _gmm(x_MK, a_EKR, group_sizes, interpret)
+
+
+def _rank_gmm_fwd(
+    x_MK: Array, a_EKR: Array, group_sizes: Array, interpret: bool
+) -> tuple[Array, tuple[Array, Array, Array]]:
+    return _gmm(x_MK, a_EKR, group_sizes, interpret), (x_MK, a_EKR, group_sizes)
+
+
+def _rank_gmm_bwd(
+    interpret: bool, saved: tuple[Array, Array, Array], g_MR: Array
+) -> tuple[Array, Array, None]:
+    # The module, not the package's `gmm` (which is the function).
+    kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+    x_MK, a_EKR, sizes = saved
+    dx_MK = kernels.gmm(
+        g_MR, a_EKR, sizes, x_MK.dtype, tiling, transpose_rhs=True, interpret=interpret
+    )
+    da_ERK = kernels.tgmm(
+        g_MR.T,
+        x_MK,
+        sizes,
+        a_EKR.dtype,
+        tiling,
+        num_actual_groups=a_EKR.shape[0],
+        interpret=interpret,
+    )
+    return dx_MK, da_ERK.swapaxes(1, 2), None
+
+
+_rank_gmm.defvjp(_rank_gmm_fwd, _rank_gmm_bwd)
+
+
 def _swiglu_partial_sum(
     x_MD: Array,
-    w1_EDF: Array | PrequantizedWeight,
-    w3_EDF: Array | PrequantizedWeight,
-    w2_EFD: Array | PrequantizedWeight,
+    w1_EDF: ExpertWeight,
+    w3_EDF: ExpertWeight,
+    w2_EFD: ExpertWeight,
     group_sizes: Array,
     gmm: Callable[..., Array],
+    adapter: Callable[[Array, AdaptedExperts, Array], Array],
 ) -> Array:
-    """One tp shard's SwiGLU (its slice of the hidden dim): (1, M, D), its partial sum."""
-    gmm = functools.partial(gmm, group_sizes=group_sizes)
-    h_MF = jax.nn.silu(gmm(x_MD, w1_EDF)) * gmm(x_MD, w3_EDF)
-    return gmm(h_MF, w2_EFD)[None]
+    """One tp shard's SwiGLU (its slice of the hidden dim): (1, M, D), its partial sum (a LoRA
+    adapter's term too: its products are linear in the hidden dim's slices)."""
+
+    def project(x: Array, w: ExpertWeight) -> Array:
+        if not isinstance(w, AdaptedExperts):
+            return gmm(x, w, group_sizes=group_sizes)
+        return gmm(x, w.base, group_sizes=group_sizes) + adapter(x, w, group_sizes)
+
+    h_MF = jax.nn.silu(project(x_MD, w1_EDF)) * project(x_MD, w3_EDF)
+    return project(h_MF, w2_EFD)[None]
 
 
 def _leaf_axes(leaf: Array, arg: Array | PrequantizedWeight, axes: LogicalAxes) -> LogicalAxes:
@@ -164,18 +222,26 @@ def _leaf_axes(leaf: Array, arg: Array | PrequantizedWeight, axes: LogicalAxes) 
     )
 
 
+def _arg_leaf_axes(arg: Any, axes: LogicalAxes) -> tuple[LogicalAxes, ...]:
+    """The logical axes of each array of one kernel argument, in `jax.tree.leaves` order."""
+    if isinstance(arg, AdaptedExperts):
+        return (*_arg_leaf_axes(arg.base, axes), *AdaptedExperts.leaf_axes(axes))
+    return tuple(_leaf_axes(leaf, arg, axes) for leaf in jax.tree.leaves(arg))
+
+
 def megablox_swiglu(
     x_MD: Array,
-    w1_EDF: Array | PrequantizedWeight,
-    w3_EDF: Array | PrequantizedWeight,
-    w2_EFD: Array | PrequantizedWeight,
+    w1_EDF: ExpertWeight,
+    w3_EDF: ExpertWeight,
+    w2_EFD: ExpertWeight,
     group_sizes_E: Array,
     interpret: bool = False,
     qdtype: str | None = None,
 ) -> Array:
     """Rows sorted by expert through their expert's SwiGLU; rows past sum(group_sizes) zero.
     `interpret`: Pallas interpret mode (tests on CPU). `qdtype`: "int8" or "float8_e4m3fn"
-    operands, by tokamax's kernel (None: bf16, by megablox's)."""
+    operands, by tokamax's kernel (None: bf16, by megablox's); a LoRA adapter's products are
+    megablox's, unquantized."""
     padding = x_MD.shape[0] - jnp.sum(group_sizes_E)
     sizes = jnp.concatenate([group_sizes_E, padding[None]]).astype(jnp.int32)
     if qdtype is None:
@@ -185,16 +251,18 @@ def megablox_swiglu(
     args = (x_MD, w1_EDF, w3_EDF, w2_EFD, sizes)
     axes = (ROWS_AXES, EXPERT_IN_AXES, EXPERT_IN_AXES, EXPERT_OUT_AXES, (None,))
     # Experts gathered as codes go in as their arrays (codes, scales, port), each with its
-    # weight's axes but for the dims its scales span (size 1, never split).
+    # weight's axes but for the dims its scales span (size 1, never split); a LoRA adapter's
+    # A and B with the weight's, but for their rank dim.
     leaves, tree = jax.tree.flatten(args)
     leaf_axes = tuple(
-        _leaf_axes(leaf, arg, arg_axes)
+        leaf_axes
         for arg, arg_axes in zip(args, axes, strict=True)
-        for leaf in jax.tree.leaves(arg)
+        for leaf_axes in _arg_leaf_axes(arg, arg_axes)
     )
+    adapter = functools.partial(_adapter_term, interpret=interpret)
 
     def kernel(*leaves: Array) -> Array:
-        return _swiglu_partial_sum(*jax.tree.unflatten(tree, leaves), gmm=gmm)
+        return _swiglu_partial_sum(*jax.tree.unflatten(tree, leaves), gmm=gmm, adapter=adapter)
 
     partials = run_per_shard(kernel, tuple(leaves), leaf_axes, ("mlp", None, None))
     # Selective remat can keep the output; gate and up stay inside the kernel call, recomputed.

@@ -45,15 +45,13 @@ from jax.ad_checkpoint import checkpoint_name
 from titan_jax.models.frozen_weights import IN_DIMS
 from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.permutation import permute
-from titan_jax.models.quantization import NONE, PrequantizedWeight, Quantization, ragged_dot
-from titan_jax.models.qwen3.adapter import adapter_beside
+from titan_jax.models.quantization import NONE, Quantization, ragged_dot
+from titan_jax.models.qwen3.adapter import AdaptedExperts, adapter_beside
 from titan_jax.models.qwen3.looped_experts import looped_swiglu
-from titan_jax.models.qwen3.megablox import megablox_swiglu
+from titan_jax.models.qwen3.megablox import ExpertWeight, megablox_swiglu
 from titan_jax.models.sharding_hooks import dispatch_to_experts, split_degree, use_param
 
 Array = jax.Array
-# An expert weight as the kernels read it: cast and gathered, or gathered as codes.
-ExpertWeight = Array | PrequantizedWeight
 # The experts' matmul outputs, which selective activation checkpointing saves (model.py).
 MOE_SAVED_ACTIVATIONS = ("moe_w1", "moe_w3", "moe_w2")
 # The router's picks and gate weights (top_k numbers a token), which every remat mode saves:
@@ -81,24 +79,56 @@ def route(
     return experts, weights, probs
 
 
+def adapted_matmul(
+    matmul: Callable[[Array, Any, Array], Array],
+    adapter_matmul: Callable[[Array, Array, Array], Array],
+    x_MK: Array,
+    w_EKN: ExpertWeight,
+    group_sizes: Array,
+) -> Array:
+    """`matmul(x, W)` on each row's expert, plus, for a weight with a LoRA adapter beside it,
+    `(x A) B * scale` by `adapter_matmul` (rank-r grouped products, in x's dtype)."""
+    if not isinstance(w_EKN, AdaptedExperts):
+        return matmul(x_MK, w_EKN, group_sizes)
+    delta = adapter_matmul(adapter_matmul(x_MK, w_EKN.a, group_sizes), w_EKN.b, group_sizes)
+    return matmul(x_MK, w_EKN.base, group_sizes) + delta * jnp.asarray(w_EKN.scale, delta.dtype)
+
+
 def grouped_swiglu(
-    matmul: Callable[[Array, ExpertWeight, Array], Array],
+    matmul: Callable[[Array, Any, Array], Array],
     x_MD: Array,
     w1_EDF: ExpertWeight,
     w3_EDF: ExpertWeight,
     w2_EFD: ExpertWeight,
     group_sizes_E: Array,
 ) -> Array:
-    """Rows sorted by expert through their expert's SwiGLU, one grouped matmul per weight."""
-    gate_MF = checkpoint_name(matmul(x_MD, w1_EDF, group_sizes_E), "moe_w1")
-    up_MF = checkpoint_name(matmul(x_MD, w3_EDF, group_sizes_E), "moe_w3")
-    return checkpoint_name(matmul(jax.nn.silu(gate_MF) * up_MF, w2_EFD, group_sizes_E), "moe_w2")
+    """Rows sorted by expert through their expert's SwiGLU, one grouped matmul per weight (its
+    LoRA adapter's in `ragged_dot`, unquantized)."""
+    project = functools.partial(adapted_matmul, matmul, functools.partial(ragged_dot, config=None))
+    gate_MF = checkpoint_name(project(x_MD, w1_EDF, group_sizes_E), "moe_w1")
+    up_MF = checkpoint_name(project(x_MD, w3_EDF, group_sizes_E), "moe_w3")
+    return checkpoint_name(project(jax.nn.silu(gate_MF) * up_MF, w2_EFD, group_sizes_E), "moe_w2")
+
+
+def folded_looped_swiglu(
+    x_MD: Array,
+    w1_EDF: Array | AdaptedExperts,
+    w3_EDF: Array | AdaptedExperts,
+    w2_EFD: Array | AdaptedExperts,
+    group_sizes_E: Array,
+) -> Array:
+    """The CPU kernel, which takes plain weights: LoRA adapters folded into theirs."""
+
+    def plain(w: Array | AdaptedExperts) -> Array:
+        return w.folded() if isinstance(w, AdaptedExperts) else w
+
+    return looped_swiglu(x_MD, plain(w1_EDF), plain(w3_EDF), plain(w2_EFD), group_sizes_E)
 
 
 # (rows sorted by expert (M, D), w1, w3, w2, group sizes (E,)) -> each row's SwiGLU (M, D).
 EXPERT_KERNELS: dict[str, Callable[..., Array]] = {
     "ragged": functools.partial(grouped_swiglu, functools.partial(ragged_dot, config=None)),
-    "looped": looped_swiglu,
+    "looped": folded_looped_swiglu,
     "megablox": megablox_swiglu,
 }
 
@@ -197,7 +227,7 @@ def update_expert_bias(bias_LE: Array, counts_LE: Array, coeff: float) -> Array:
 
 class MoE(nnx.Module):
     """Router + routed SwiGLU experts, with LoRA adapters per expert where `lora` targets
-    them, folded into the expert weights at use (`adapter.py`).
+    them, run beside the expert weights (`adapter.py`).
 
     `__call__(x_BTD, expert_bias_E) -> (y_BTD, {"tokens_per_expert": (E,) picks, no gradient;
     "router_prob_sum": (E,) summed router probabilities, with gradient (HF's aux loss)})`."""
@@ -243,15 +273,15 @@ class MoE(nnx.Module):
         x_RD = x_BTD.reshape(-1, x_BTD.shape[-1])
         dtype = x_BTD.dtype
         # Where FSDP gathers them, the experts arrive as codes when the kernel reads them
-        # quantized (`Quantization.expert_weight`); a LoRA adapter folds into them in the
-        # compute dtype instead (codes take no sum).
+        # quantized (`Quantization.expert_weight`); beside a LoRA adapter, in the compute dtype
+        # (the CPU kernel folds the adapter into them: codes take no sum).
         read = self.quantization.expert_weight(self.expert_kernel, split_degree("mlp"))
         w1_EDF: ExpertWeight
         w3_EDF: ExpertWeight
         if self.w1_and_w3_lora is None:
             w1_EDF, w3_EDF = use_param(self.w1, dtype, read), use_param(self.w3, dtype, read)
         else:
-            w1_EDF, w3_EDF = self.w1_and_w3_lora.fold(
+            w1_EDF, w3_EDF = self.w1_and_w3_lora.beside_experts(
                 use_param(self.w1, dtype), use_param(self.w3, dtype)
             )
         if self.gather_before_router:
@@ -270,7 +300,7 @@ class MoE(nnx.Module):
         if self.w2_lora is None:
             w2_EFD = use_param(self.w2, dtype, read)
         else:
-            (w2_EFD,) = self.w2_lora.fold(use_param(self.w2, dtype))
+            (w2_EFD,) = self.w2_lora.beside_experts(use_param(self.w2, dtype))
         y_RD = routed_experts(
             x_RD, experts, weights, w1_EDF, w3_EDF, w2_EFD, self.expert_kernel, self.quantization
         )
