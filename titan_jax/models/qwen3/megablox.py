@@ -147,6 +147,7 @@ def _gmm_codes_bwd(qdtype: str, interpret: bool, residuals: tuple, g: Array) -> 
 _gmm_codes.defvjp(_gmm_codes_fwd, _gmm_codes_bwd)
 
 
+@jax.named_scope("lora")
 def _adapter_term(x_MK: Array, w: AdaptedExperts, group_sizes: Array, interpret: bool) -> Array:
     """`(x A) B * scale` on each row's expert, by megablox (bf16, unquantized)."""
     delta = _gmm(_rank_gmm(x_MK, w.a, group_sizes, interpret), w.b, group_sizes, interpret)

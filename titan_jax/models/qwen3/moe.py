@@ -90,8 +90,10 @@ def adapted_matmul(
     `(x A) B * scale` by `adapter_matmul` (rank-r grouped products, in x's dtype)."""
     if not isinstance(w_EKN, AdaptedExperts):
         return matmul(x_MK, w_EKN, group_sizes)
-    delta = adapter_matmul(adapter_matmul(x_MK, w_EKN.a, group_sizes), w_EKN.b, group_sizes)
-    return matmul(x_MK, w_EKN.base, group_sizes) + delta * jnp.asarray(w_EKN.scale, delta.dtype)
+    with jax.named_scope("lora"):
+        delta = adapter_matmul(adapter_matmul(x_MK, w_EKN.a, group_sizes), w_EKN.b, group_sizes)
+        delta = delta * jnp.asarray(w_EKN.scale, delta.dtype)
+    return matmul(x_MK, w_EKN.base, group_sizes) + delta
 
 
 def grouped_swiglu(
