@@ -83,5 +83,10 @@ def test_shipped_30b_recipe_compiles_and_fits():
 
 
 def test_jit_implementation_with_moe_on_tpu_is_a_config_error():
+    """Without expert parallelism too (whose exchanges need shard_map: its own error)."""
     with pytest.raises(ConfigError, match="fsdp_implementation=jit cannot compile MoE experts"):
-        build("30B-A3B v5p-16", "--parallelism.fsdp_implementation", "jit")
+        build(
+            "30B-A3B v5p-16",
+            *("--parallelism.fsdp_implementation", "jit"),
+            *("--parallelism.expert_parallel_degree", "1"),
+        )
