@@ -51,8 +51,12 @@ def test_posttraining_recipe_compiles_and_fits(recipe, topology):
     if args.is_moe and "experts" in config.lora.target_modules:
         # The adapters' rank-r products run beside the experts: backward's kernels give A's and
         # B's gradients, none the frozen experts' (megablox's whole-weight tgmm of a folded
-        # adapter).
-        mesh = trainer.plan.mesh.shape
+        # adapter), and A's with its input dim minor, not the rank, which TPU tiles pad to 128
+        # lanes.
+        mesh, r = trainer.plan.mesh.shape, config.lora.rank
         e, d, f = args.num_experts // mesh["ep"], args.dim, args.moe_inter_dim // mesh["tp"]
+        hlo = compiled.as_text()
         expert_sized = re.compile(rf"\[{e},({d},{f}|{f},{d})\]\S* custom-call\(")
-        assert not expert_sized.search(compiled.as_text())
+        assert not expert_sized.search(hlo)
+        rank_minor = re.compile(rf"\[{e},({d}|{f}),{r}\]{{2,\S* custom-call\(")  # layout {2,..}
+        assert not rank_minor.search(hlo)

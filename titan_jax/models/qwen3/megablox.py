@@ -157,8 +157,9 @@ def _adapter_term(x_MK: Array, w: AdaptedExperts, group_sizes: Array, interpret:
 # Hand-written VJP: megablox's own has tgmm write A's gradient as A is laid out, (E, in, r), the
 # rank minor: TPU tiles pad a minor dim of 16 to 128 lanes, and the layer scan's stacked fp32
 # adapter gradients took that layout, 8x their size. This one has tgmm write (E, r, in), the
-# input dim minor, and transposes it. Without it: the `30B-A3B LoRA v5p-8` row of `make plans`
-# (docs/notes/2026-12-07-lora-expert-adapters.md).
+# input dim minor, and transposes it (docs/notes/2026-12-07-lora-expert-adapters.md). Without it:
+# tests/parallel/test_posttraining_recipes_aot.py::
+# test_posttraining_recipe_compiles_and_fits[configs/qwen3_30b_a3b_lora.toml-v5p-8]
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _rank_gmm(x_MK: Array, a_EKR: Array, group_sizes: Array, interpret: bool) -> Array:
     return _gmm(x_MK, a_EKR, group_sizes, interpret)
