@@ -154,39 +154,46 @@ def _adapter_term(x_MK: Array, w: AdaptedExperts, group_sizes: Array, interpret:
     return delta * jnp.asarray(w.scale, delta.dtype)
 
 
-# Hand-written VJP: megablox's own has tgmm write A's gradient as A is laid out, (E, in, r), the
-# rank minor: TPU tiles pad a minor dim of 16 to 128 lanes, and the layer scan's stacked fp32
-# adapter gradients took that layout, 8x their size. This one has tgmm write (E, r, in), the
-# input dim minor, and transposes it (docs/notes/2026-12-07-lora-expert-adapters.md). Without it:
+# Hand-written VJP: megablox's own reads A and writes its gradient as A is laid out, (E, in, r),
+# the rank minor: TPU tiles pad a minor dim of 16 to 128 lanes, and the layer scan's stacked
+# fp32 adapter gradients took that layout, 8x their size. This one hands the kernels A as
+# (E, r, in), the input dim minor (forward and the rows' gradient read it so, tgmm writes its
+# gradient so), and transposes (docs/notes/2026-12-07-lora-expert-adapters.md). Without it:
 # tests/parallel/test_posttraining_recipes_aot.py::
 # test_posttraining_recipe_compiles_and_fits[configs/qwen3_30b_a3b_lora.toml-v5p-8]
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _rank_gmm(x_MK: Array, a_EKR: Array, group_sizes: Array, interpret: bool) -> Array:
-    return _gmm(x_MK, a_EKR, group_sizes, interpret)
+    return _rank_gmm_fwd(x_MK, a_EKR, group_sizes, interpret)[0]
+
+
+def _megablox_kernels() -> Any:
+    # The module, not the package's `gmm` (which is the function).
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 
 def _rank_gmm_fwd(
     x_MK: Array, a_EKR: Array, group_sizes: Array, interpret: bool
 ) -> tuple[Array, tuple[Array, Array, Array]]:
-    return _gmm(x_MK, a_EKR, group_sizes, interpret), (x_MK, a_EKR, group_sizes)
+    a_ERK = a_EKR.swapaxes(1, 2)
+    out = _megablox_kernels().gmm(
+        x_MK, a_ERK, group_sizes, x_MK.dtype, tiling, transpose_rhs=True, interpret=interpret
+    )
+    return out, (x_MK, a_ERK, group_sizes)
 
 
 def _rank_gmm_bwd(
     interpret: bool, saved: tuple[Array, Array, Array], g_MR: Array
 ) -> tuple[Array, Array, None]:
-    # The module, not the package's `gmm` (which is the function).
-    kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
-    x_MK, a_EKR, sizes = saved
-    dx_MK = kernels.gmm(
-        g_MR, a_EKR, sizes, x_MK.dtype, tiling, transpose_rhs=True, interpret=interpret
-    )
+    kernels = _megablox_kernels()
+    x_MK, a_ERK, sizes = saved
+    dx_MK = kernels.gmm(g_MR, a_ERK, sizes, x_MK.dtype, tiling, interpret=interpret)
     da_ERK = kernels.tgmm(
         g_MR.T,
         x_MK,
         sizes,
-        a_EKR.dtype,
+        a_ERK.dtype,
         tiling,
-        num_actual_groups=a_EKR.shape[0],
+        num_actual_groups=a_ERK.shape[0],
         interpret=interpret,
     )
     return dx_MK, da_ERK.swapaxes(1, 2), None
