@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,25 @@ class AdaptedExperts:
         """A's and B's logical axes, for W's `axes` (expert, in, out): the rank dim unsplit."""
         expert, in_axis, out_axis = axes
         return (expert, in_axis, None), (expert, None, out_axis)
+
+
+def adapted_matmul(
+    matmul: Callable[[Array, Any, Array], Array],
+    rank_matmul: Callable[[Array, Array, Array], Array],
+    out_matmul: Callable[[Array, Array, Array], Array],
+    x_MK: Array,
+    w_EKN: Any,
+    group_sizes: Array,
+) -> Array:
+    """`matmul(x, W, group_sizes)`, each row by its expert's weight; for a weight with a LoRA
+    adapter beside it (`AdaptedExperts`) plus `(x A) B * scale`, its two rank-r grouped
+    products by `rank_matmul` (x A) and `out_matmul` (. B), in x's dtype."""
+    if not isinstance(w_EKN, AdaptedExperts):
+        return matmul(x_MK, w_EKN, group_sizes)
+    with jax.named_scope("lora"):
+        delta = out_matmul(rank_matmul(x_MK, w_EKN.a, group_sizes), w_EKN.b, group_sizes)
+        delta = delta * jnp.asarray(w_EKN.scale, delta.dtype)
+    return matmul(x_MK, w_EKN.base, group_sizes) + delta
 
 
 class Adapter(nnx.Module):

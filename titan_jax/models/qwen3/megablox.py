@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.quantization import PrequantizedWeight
-from titan_jax.models.qwen3.adapter import AdaptedExperts
+from titan_jax.models.qwen3.adapter import AdaptedExperts, adapted_matmul
 from titan_jax.models.sharding_hooks import LogicalAxes, run_per_shard
 
 if TYPE_CHECKING:
@@ -147,13 +147,6 @@ def _gmm_codes_bwd(qdtype: str, interpret: bool, residuals: tuple, g: Array) -> 
 _gmm_codes.defvjp(_gmm_codes_fwd, _gmm_codes_bwd)
 
 
-@jax.named_scope("lora")
-def _adapter_term(x_MK: Array, w: AdaptedExperts, group_sizes: Array, interpret: bool) -> Array:
-    """`(x A) B * scale` on each row's expert, by megablox (bf16, unquantized)."""
-    delta = _gmm(_rank_gmm(x_MK, w.a, group_sizes, interpret), w.b, group_sizes, interpret)
-    return delta * jnp.asarray(w.scale, delta.dtype)
-
-
 # Hand-written VJP: megablox's own reads A and writes its gradient as A is laid out, (E, in, r),
 # the rank minor: TPU tiles pad a minor dim of 16 to 128 lanes, and the layer scan's stacked
 # fp32 adapter gradients took that layout, 8x their size. This one hands the kernels A as
@@ -208,19 +201,12 @@ def _swiglu_partial_sum(
     w3_EDF: ExpertWeight,
     w2_EFD: ExpertWeight,
     group_sizes: Array,
-    gmm: Callable[..., Array],
-    adapter: Callable[[Array, AdaptedExperts, Array], Array],
+    project: Callable[[Array, ExpertWeight, Array], Array],
 ) -> Array:
     """One tp shard's SwiGLU (its slice of the hidden dim): (1, M, D), its partial sum (a LoRA
     adapter's term too: its products are linear in the hidden dim's slices)."""
-
-    def project(x: Array, w: ExpertWeight) -> Array:
-        if not isinstance(w, AdaptedExperts):
-            return gmm(x, w, group_sizes=group_sizes)
-        return gmm(x, w.base, group_sizes=group_sizes) + adapter(x, w, group_sizes)
-
-    h_MF = jax.nn.silu(project(x_MD, w1_EDF)) * project(x_MD, w3_EDF)
-    return project(h_MF, w2_EFD)[None]
+    h_MF = jax.nn.silu(project(x_MD, w1_EDF, group_sizes)) * project(x_MD, w3_EDF, group_sizes)
+    return project(h_MF, w2_EFD, group_sizes)[None]
 
 
 def _leaf_axes(leaf: Array, arg: Array | PrequantizedWeight, axes: LogicalAxes) -> LogicalAxes:
@@ -268,10 +254,16 @@ def megablox_swiglu(
         for arg, arg_axes in zip(args, axes, strict=True)
         for leaf_axes in _arg_leaf_axes(arg, arg_axes)
     )
-    adapter = functools.partial(_adapter_term, interpret=interpret)
+    # A LoRA adapter's products: megablox's, unquantized, the first with A rank-major.
+    project = functools.partial(
+        adapted_matmul,
+        gmm,
+        functools.partial(_rank_gmm, interpret=interpret),
+        functools.partial(_gmm, interpret=interpret),
+    )
 
     def kernel(*leaves: Array) -> Array:
-        return _swiglu_partial_sum(*jax.tree.unflatten(tree, leaves), gmm=gmm, adapter=adapter)
+        return _swiglu_partial_sum(*jax.tree.unflatten(tree, leaves), project=project)
 
     partials = run_per_shard(kernel, tuple(leaves), leaf_axes, ("mlp", None, None))
     # Selective remat can keep the output; gate and up stay inside the kernel call, recomputed.

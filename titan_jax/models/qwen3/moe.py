@@ -46,7 +46,7 @@ from titan_jax.models.frozen_weights import IN_DIMS
 from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.permutation import permute
 from titan_jax.models.quantization import NONE, Quantization, ragged_dot
-from titan_jax.models.qwen3.adapter import AdaptedExperts, adapter_beside
+from titan_jax.models.qwen3.adapter import AdaptedExperts, adapted_matmul, adapter_beside
 from titan_jax.models.qwen3.looped_experts import looped_swiglu
 from titan_jax.models.qwen3.megablox import ExpertWeight, megablox_swiglu
 from titan_jax.models.sharding_hooks import dispatch_to_experts, split_degree, use_param
@@ -79,23 +79,6 @@ def route(
     return experts, weights, probs
 
 
-def adapted_matmul(
-    matmul: Callable[[Array, Any, Array], Array],
-    adapter_matmul: Callable[[Array, Array, Array], Array],
-    x_MK: Array,
-    w_EKN: ExpertWeight,
-    group_sizes: Array,
-) -> Array:
-    """`matmul(x, W)` on each row's expert, plus, for a weight with a LoRA adapter beside it,
-    `(x A) B * scale` by `adapter_matmul` (rank-r grouped products, in x's dtype)."""
-    if not isinstance(w_EKN, AdaptedExperts):
-        return matmul(x_MK, w_EKN, group_sizes)
-    with jax.named_scope("lora"):
-        delta = adapter_matmul(adapter_matmul(x_MK, w_EKN.a, group_sizes), w_EKN.b, group_sizes)
-        delta = delta * jnp.asarray(w_EKN.scale, delta.dtype)
-    return matmul(x_MK, w_EKN.base, group_sizes) + delta
-
-
 def grouped_swiglu(
     matmul: Callable[[Array, Any, Array], Array],
     x_MD: Array,
@@ -106,7 +89,8 @@ def grouped_swiglu(
 ) -> Array:
     """Rows sorted by expert through their expert's SwiGLU, one grouped matmul per weight (its
     LoRA adapter's in `ragged_dot`, unquantized)."""
-    project = functools.partial(adapted_matmul, matmul, functools.partial(ragged_dot, config=None))
+    plain = functools.partial(ragged_dot, config=None)
+    project = functools.partial(adapted_matmul, matmul, plain, plain)
     gate_MF = checkpoint_name(project(x_MD, w1_EDF, group_sizes_E), "moe_w1")
     up_MF = checkpoint_name(project(x_MD, w3_EDF, group_sizes_E), "moe_w3")
     return checkpoint_name(project(jax.nn.silu(gate_MF) * up_MF, w2_EFD, group_sizes_E), "moe_w2")
