@@ -1,10 +1,10 @@
-"""Multi-tier checkpoints across real processes (titan_jax/train/local_tier.py): a job of 4
-`titan-jax train` processes on 127.0.0.1 with one data-parallel replica per half of them saves
-a local tier between its persistent saves; process 1 is killed (SIGKILL) after a local save
-newer than the last persistent one and its local folder wiped (a replaced host); the restart of
-every process resumes from that local step, process 1 reading its shards from its peer in the
-other replica, and trains on bitwise like a run that was never interrupted (fp32). (A resume on
-another number of processes: `test_multihost.py`.) Slow."""
+"""Multi-tier checkpoints across real processes (titan_jax/train/local_tier.py): a job of 2
+`titan-jax train` processes on 127.0.0.1, each one data-parallel replica sharded over its own
+2 devices, saves a local tier between its persistent saves; process 1 is killed (SIGKILL) after
+a local save newer than the last persistent one and its local folder wiped (a replaced host);
+the restart of every process resumes from that local step, process 1 reading its shards from
+its peer in the other replica, and trains on bitwise like a run that was never interrupted
+(fp32). (A resume on another number of processes: `test_multihost.py`.) Slow."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from tests.parallel.test_distributed import _free_port
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, INTERVAL, LOCAL_INTERVAL = 6, 3, 2  # persistent saves at 3 and 6, local at 2 and 4
 KILLED_AFTER = 4  # the local save the kill follows: newer than persistent step 3
+PROCESSES = 2  # one replica each, its state sharded over the process's 2 devices (fsdp 2)
 pytestmark = pytest.mark.slow
 
 
@@ -35,7 +36,7 @@ def _train(
 ) -> subprocess.Popen:
     argv = [
         *("-m", "titan_jax.cli", "train", "--config", str(ROOT / "configs" / "qwen3_debug.toml")),
-        *("--job.dump_folder", str(dump), "--job.cpu_devices", "1"),
+        *("--job.dump_folder", str(dump), "--job.cpu_devices", "2"),
         *("--training.steps", str(steps), "--training.seq_len", "32"),
         *("--training.local_batch_size", "1", "--lr_scheduler.warmup_steps", "2"),
         *("--metrics.log_freq", "1", *QUIET_METRICS),
@@ -71,9 +72,9 @@ def _job(
 
 @pytest.fixture(scope="module")
 def uninterrupted(module_tmp_path) -> Path:
-    """The 4-process job without a kill or a local tier (saves change no number), run once."""
+    """The job without a kill or a local tier (saves change no number), run once."""
     run = module_tmp_path / "uninterrupted"
-    _finish(_job(run, None, 4))
+    _finish(_job(run, None, PROCESSES))
     return run
 
 
@@ -99,8 +100,8 @@ def _final_state(dump: Path) -> dict[str, np.ndarray]:
 def test_a_killed_process_with_a_wiped_local_tier_resumes_bitwise_from_its_peer(
     uninterrupted, tmp_path
 ):
-    """4 processes, 2 a replica: the killed one's peer holds its shards in the other replica."""
-    processes = 4
+    """A replica a process: the killed one's peer holds its shards in the other replica."""
+    processes = PROCESSES
     ref = uninterrupted
 
     dump, local = tmp_path / "run", tmp_path / "local"

@@ -196,7 +196,7 @@ def test_cpu_peak_is_measured_at_every_start(monkeypatch):
     cpu = jax.devices("cpu")[0]
     first = peak_flops_per_device(cpu, "float32")
     assert (first.flops_per_device, first.method) == (1.5e11 + 1, "measured")
-    assert "median of 7 timed 2048^3 float32 matmuls" in first.source
+    assert "median of 7 timed 1024^3 float32 matmuls" in first.source
     # Never a number remembered from an earlier run: each run measures its own machine's state.
     assert peak_flops_per_device(cpu, "float32").flops_per_device == 1.5e11 + 2
     assert calls == ["float32", "float32"]
@@ -221,7 +221,7 @@ def test_unknown_accelerator_falls_back_to_measuring(monkeypatch):
 
 def test_measure_matmul_flops_is_plausible():
     flops = peak_flops.measure_matmul_flops(jax.devices("cpu")[0], "float32", n=256, runs=3)
-    assert 1e8 < flops < 1e13  # this CPU does ~1.5e11 at 2048^3; 256^3 is slower but not 1000x
+    assert 1e8 < flops < 1e13  # this CPU does ~2e11 at 1024^3; 256^3 is slower but not 1000x
 
 
 def test_memory_stats_falls_back_to_process_rss():
