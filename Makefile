@@ -53,10 +53,10 @@ train:
 # and one compilation cache for the session (tests/conftest.py) shorten the run; XLA:CPU at
 # -O0 was tried and not kept (docs/notes/2026-12-05-install-and-test-times.md).
 test:
-	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=40 -n 3 --dist loadfile tests --nbmake notebooks
+	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=40 -n 3 --dist loadfile --no-loadscope-reorder tests --nbmake notebooks
 
 test-fast:
-	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile -m "not slow" tests
+	$(CPU_MALLOC) $(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 # pyrefly: the package's types ([tool.pyrefly] in pyproject.toml); any finding fails.
 lint:

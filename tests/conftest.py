@@ -139,28 +139,30 @@ def _return_free_memory_to_the_os() -> None:
         release()
 
 
-# The test files whose single tests run longest (minutes of libtpu compile or subprocess
-# training; `make test`'s --durations). Started first, the two workers (--dist loadfile hands
-# out files in collection order) run them side by side and finish on the short files, rather
-# than one worker ending on a long one while the other idles.
+# The test files that run longest, or hold the longest single tests (minutes of libtpu compile
+# or subprocess training; `make test`'s --durations). Started first (`--dist loadfile
+# --no-loadscope-reorder` hands out files in collection order; xdist's default reorder puts the
+# files with the most tests first), the workers run them side by side and finish on the short
+# files, rather than one worker ending on a long one while the cores idle.
 LONGEST_FILES = (
-    "tests/parallel/test_posttraining_recipes_aot.py",
     "tests/parallel/test_moe_recipe_235b_aot.py",
+    "tests/parallel/test_pretraining_recipes_aot.py",
+    "tests/parallel/test_posttraining_recipes_aot.py",
+    "tests/parallel/test_moe_recipes_aot.py",
     "tests/parallel/test_tpu_aot.py",
-    "tests/parallel/test_multi_tier.py",
-    "tests/train/test_resume.py",
     "tests/parallel/test_pipeline.py",
+    "tests/train/test_dpo.py",
+    "tests/train/test_resume.py",
+    "tests/train/test_quantized_training.py",
+    "tests/train/test_lora_training.py",
+    "tests/parallel/test_moe_training.py",
     "tests/parallel/test_multihost.py",
     "tests/parallel/test_lost_process.py",
-    "tests/parallel/test_moe_recipes_aot.py",
-    "tests/parallel/test_pretraining_recipes_aot.py",
-    "tests/train/test_quantized_training.py",
+    "tests/parallel/test_multi_tier.py",
     "tests/parallel/test_qlora_aot.py",
-    "tests/train/test_dpo.py",
-    "tests/train/test_lora_training.py",
     "tests/parallel/test_context_parallel.py",
-    "notebooks/04_tpu_planning.ipynb",  # last in collection order: a run ended on them
-    "notebooks/05_lora_with_peft.ipynb",
+    "notebooks/05_lora_with_peft.ipynb",  # last in collection order: a run ended on them
+    "notebooks/04_tpu_planning.ipynb",
 )
 
 

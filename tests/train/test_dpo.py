@@ -26,6 +26,8 @@ from titan_jax.train.dpo import DPO
 from titan_jax.train.trainer import build_trainer
 from titan_jax.trees import split_by_name
 
+pytestmark = pytest.mark.unoptimized_cpu_code  # tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "configs" / "qwen3_debug_dpo.toml")
 QUIET = [
