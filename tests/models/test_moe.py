@@ -11,7 +11,7 @@ import pytest
 
 from titan_jax.config import load_config
 from titan_jax.models.quantization import NONE
-from titan_jax.models.qwen3 import QWEN3_FLAVORS, Qwen3Args, build_model_def
+from titan_jax.models.qwen3 import QWEN3_FLAVORS, Qwen3Args, build_model_def, megablox, moe
 from titan_jax.models.qwen3.adapter import AdaptedExperts
 from titan_jax.models.qwen3.flops import count_params
 from titan_jax.models.qwen3.moe import (
@@ -178,12 +178,11 @@ def test_megablox_swiglu_equals_the_ragged_one_and_zeroes_the_padding_rows():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)  # sums of ~50 rows
 
 
-@pytest.mark.parametrize("kernel", ["ragged", "looped", "megablox"])
-def test_a_lora_adapter_beside_the_experts_computes_the_folded_weights_swiglu(kernel):
-    """`x W + (x A) B * scale` on each expert's rows (gate and up joined: one A, B's dim after
-    the rank indexes them) computes what PEFT's fused-expert adapter does with the folded weight
-    `W + A B * scale`: outputs, and the gradients of the rows, the weights and the adapters,
-    for every kernel (megablox interpreted), against `ragged_dot` on the folded weights."""
+def adapted_experts_case(kernel: str):
+    """Rows, weights and adapters of a small expert layer (gate and up joined: one A, B's dim
+    after the rank indexes them), and `beside(rows, *weights, *adapters)` through `kernel`
+    with the adapters beside the weights, `folded(...)` through `ragged_dot` on the folded
+    weights."""
     x, experts, _, ws = expert_case(n=32, k=2, d=16, f=24)
     rows = x[jnp.arange(64) // 2]
     sizes = jnp.bincount(experts.reshape(-1)[:50], length=ws[0].shape[0]).astype(jnp.int32)
@@ -209,19 +208,78 @@ def test_a_lora_adapter_beside_the_experts_computes_the_folded_weights_swiglu(ke
     ragged = EXPERT_KERNELS["ragged"]
     beside = lambda rows, *p: swiglu(rows, *adapted(*p), sizes)  # noqa: E731
     folded = lambda rows, *p: ragged(rows, *(w.folded() for w in adapted(*p)), sizes)  # noqa: E731
+    return (rows, *ws, *adapters), beside, folded
+
+
+@pytest.mark.parametrize("kernel", ["ragged", "looped", "megablox"])
+def test_a_lora_adapter_beside_the_experts_computes_the_folded_weights_swiglu(kernel):
+    """`x W + (x A) B * scale` on each expert's rows computes what PEFT's fused-expert adapter
+    does with the folded weight `W + A B * scale`: outputs, and the gradients of the rows, the
+    weights and the adapters, for every kernel (megablox interpreted), against `ragged_dot` on
+    the folded weights."""
+    args, beside, folded = adapted_experts_case(kernel)
 
     @functools.partial(jax.jit, static_argnums=0)
     def out_and_grads(fn, *args):
         y, vjp = jax.vjp(fn, *args)
         return y, vjp(jnp.cos(y))  # the gradients of sum(sin(y))
 
-    (got, got_grads), (want, want_grads) = (
-        out_and_grads(fn, rows, *ws, *adapters) for fn in (beside, folded)
-    )
+    (got, got_grads), (want, want_grads) = (out_and_grads(fn, *args) for fn in (beside, folded))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert not np.asarray(got[50:]).any()  # the rows past the groups
     for a, b in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def count_rank_products(monkeypatch, rank: int) -> list[tuple[int, ...]]:
+    """The rhs shapes of the `x A` products (rank-wide outputs) that moe's `ragged_dot` is
+    asked for from now on."""
+    products, counted = [], moe.ragged_dot
+
+    def counting(x, w, *rest, **options):
+        products.extend([w.shape] if w.shape[-1] == rank else [])
+        return counted(x, w, *rest, **options)
+
+    monkeypatch.setattr(moe, "ragged_dot", counting)
+    return products
+
+
+@pytest.mark.parametrize("kernel", ["ragged", "megablox"])
+def test_the_gate_and_up_of_a_joined_adapter_share_their_x_a(kernel, monkeypatch):
+    """Gate and up read one A: one rank-r product `x A` for both, one for down (2, not 3;
+    in backward, as many passes for A's gradient and the rows')."""
+    args, beside, _ = adapted_experts_case(kernel)
+    rank = args[4].shape[-1]  # A's (experts, dim, rank)
+    if kernel == "ragged":  # the adapter's products: moe's ragged_dot
+        products = count_rank_products(monkeypatch, rank)
+    else:
+        products, counted = [], megablox._rank_gmm
+        monkeypatch.setattr(
+            megablox, "_rank_gmm", lambda *a, **k: products.append(a[1].shape) or counted(*a, **k)
+        )
+        # The kernel behind a boundary that, as shard_map's on TPU, gives each argument a
+        # tracer of its own: one A passed twice would be two.
+        monkeypatch.setattr(
+            megablox, "run_per_shard", lambda kernel, args, *axes: jax.jit(kernel)(*args)
+        )
+    jax.make_jaxpr(beside)(*args)
+    assert len(products) == 2, products
+
+
+@pytest.mark.parametrize("before_router", [True, False])
+def test_a_moe_layers_joined_gate_up_adapter_computes_one_x_a(before_router, monkeypatch):
+    """Through the whole layer (w1 and w3 tied to the router's input by an optimization
+    barrier, or not), gate and up share their `x A`: 2 rank-r products, not 3."""
+    from flax import nnx
+
+    from titan_jax.models.lora import Lora
+
+    lora = Lora(rank=4, projections=(moe.GATE_UP, moe.DOWN))
+    layer = moe.MoE(16, 4, 24, 2, True, 0.02, "ragged", nnx.Rngs(0, lora=1), lora=lora,
+                    gather_before_router=before_router)  # fmt: skip
+    products = count_rank_products(monkeypatch, lora.rank)
+    jax.make_jaxpr(layer)(jnp.ones((2, 8, 16)), jnp.zeros(4))
+    assert len(products) == 2, products
 
 
 @pytest.mark.parametrize("before_router", [True, False])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -64,16 +64,66 @@ def adapted_matmul(
     x_MK: Array,
     w_EKN: Any,
     group_sizes: Array,
+    xa_MR: Array | None = None,
 ) -> Array:
     """`matmul(x, W, group_sizes)`, each row by its expert's weight; for a weight with a LoRA
     adapter beside it (`AdaptedExperts`) plus `(x A) B * scale`, its two rank-r grouped
-    products by `rank_matmul` (x A) and `out_matmul` (. B), in x's dtype."""
+    products by `rank_matmul` (x A, unless given as `xa_MR`) and `out_matmul` (. B), in x's
+    dtype."""
     if not isinstance(w_EKN, AdaptedExperts):
         return matmul(x_MK, w_EKN, group_sizes)
     with jax.named_scope("lora"):
-        delta = out_matmul(rank_matmul(x_MK, w_EKN.a, group_sizes), w_EKN.b, group_sizes)
+        if xa_MR is None:
+            xa_MR = rank_matmul(x_MK, w_EKN.a, group_sizes)
+        delta = out_matmul(xa_MR, w_EKN.b, group_sizes)
         delta = delta * jnp.asarray(w_EKN.scale, delta.dtype)
     return matmul(x_MK, w_EKN.base, group_sizes) + delta
+
+
+def adapted_matmul_pair(
+    matmul: Callable[[Array, Any, Array], Array],
+    rank_matmul: Callable[[Array, Array, Array], Array],
+    out_matmul: Callable[[Array, Array, Array], Array],
+    x_MK: Array,
+    w1_EKN: Any,
+    w2_EKN: Any,
+    group_sizes: Array,
+) -> tuple[Array, Array]:
+    """`adapted_matmul` of the same rows by two weights (the experts' gate and up). Two weights
+    of one joined adapter (`Adapter.beside_experts`: the same A) share their `x A`: one rank-r
+    product and, in backward, one pass for A's gradient and the rows', where XLA merges no two
+    kernel calls."""
+    project = functools.partial(adapted_matmul, matmul, rank_matmul, out_matmul, x_MK)
+    xa_MR = None
+    if isinstance(w1_EKN, AdaptedExperts) and isinstance(w2_EKN, AdaptedExperts):
+        if w1_EKN.a is w2_EKN.a:
+            with jax.named_scope("lora"):
+                xa_MR = rank_matmul(x_MK, w1_EKN.a, group_sizes)
+    return project(w1_EKN, group_sizes, xa_MR), project(w2_EKN, group_sizes, xa_MR)
+
+
+def distinct_leaves(leaves: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """Of a flattened pytree: the place of each distinct leaf's first occurrence, and for each
+    place the index of its leaf among the distinct ones. A boundary that gives every argument a
+    value of its own (an optimization barrier, shard_map's per-shard call) takes the distinct
+    leaves once, so that a joined adapter's A, the gate's and the up's, stays one array past
+    it, and `adapted_matmul_pair` shares its `x A`."""
+    index: dict[int, int] = {}
+    firsts: list[int] = []
+    for place, leaf in enumerate(leaves):
+        if id(leaf) not in index:
+            index[id(leaf)] = len(firsts)
+            firsts.append(place)
+    return firsts, [index[id(leaf)] for leaf in leaves]
+
+
+def through_once(fn: Callable[[tuple[Array, ...]], tuple[Array, ...]], tree: Any) -> Any:
+    """`fn` on the distinct leaves of `tree` (a tuple of arrays in, as many out), the tree
+    rebuilt from its results with each leaf shared where the input's was."""
+    leaves, treedef = jax.tree.flatten(tree)
+    firsts, positions = distinct_leaves(leaves)
+    results = fn(tuple(leaves[i] for i in firsts))
+    return jax.tree.unflatten(treedef, [results[i] for i in positions])
 
 
 class Adapter(nnx.Module):

@@ -33,7 +33,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from titan_jax.models.quantization import PrequantizedWeight
-from titan_jax.models.qwen3.adapter import AdaptedExperts, adapted_matmul
+from titan_jax.models.qwen3.adapter import (
+    AdaptedExperts,
+    adapted_matmul,
+    adapted_matmul_pair,
+    distinct_leaves,
+)
 from titan_jax.models.sharding_hooks import LogicalAxes, run_per_shard
 
 if TYPE_CHECKING:
@@ -201,12 +206,13 @@ def _swiglu_partial_sum(
     w3_EDF: ExpertWeight,
     w2_EFD: ExpertWeight,
     group_sizes: Array,
-    project: Callable[[Array, ExpertWeight, Array], Array],
+    matmuls: tuple[Callable[..., Array], Callable[..., Array], Callable[..., Array]],
 ) -> Array:
     """One tp shard's SwiGLU (its slice of the hidden dim): (1, M, D), its partial sum (a LoRA
-    adapter's term too: its products are linear in the hidden dim's slices)."""
-    h_MF = jax.nn.silu(project(x_MD, w1_EDF, group_sizes)) * project(x_MD, w3_EDF, group_sizes)
-    return project(h_MF, w2_EFD, group_sizes)[None]
+    adapter's term too: its products are linear in the hidden dim's slices). `matmuls`: the
+    grouped matmul of the weights, then a LoRA adapter's (`adapted_matmul`)."""
+    gate_MF, up_MF = adapted_matmul_pair(*matmuls, x_MD, w1_EDF, w3_EDF, group_sizes)
+    return adapted_matmul(*matmuls, jax.nn.silu(gate_MF) * up_MF, w2_EFD, group_sizes)[None]
 
 
 def _leaf_axes(leaf: Array, arg: Array | PrequantizedWeight, axes: LogicalAxes) -> LogicalAxes:
@@ -254,17 +260,24 @@ def megablox_swiglu(
         for arg, arg_axes in zip(args, axes, strict=True)
         for leaf_axes in _arg_leaf_axes(arg, arg_axes)
     )
+    # Each array goes in once (a joined adapter's A: `distinct_leaves`).
+    firsts, positions = distinct_leaves(leaves)
     # A LoRA adapter's products: megablox's, unquantized, the first with A rank-major.
-    project = functools.partial(
-        adapted_matmul,
+    matmuls = (
         gmm,
         functools.partial(_rank_gmm, interpret=interpret),
         functools.partial(_gmm, interpret=interpret),
     )
 
-    def kernel(*leaves: Array) -> Array:
-        return _swiglu_partial_sum(*jax.tree.unflatten(tree, leaves), project=project)
+    def kernel(*distinct: Array) -> Array:
+        args = jax.tree.unflatten(tree, [distinct[i] for i in positions])
+        return _swiglu_partial_sum(*args, matmuls=matmuls)
 
-    partials = run_per_shard(kernel, tuple(leaves), leaf_axes, ("mlp", None, None))
+    partials = run_per_shard(
+        kernel,
+        tuple(leaves[i] for i in firsts),
+        tuple(leaf_axes[i] for i in firsts),
+        ("mlp", None, None),
+    )
     # Selective remat can keep the output; gate and up stay inside the kernel call, recomputed.
     return checkpoint_name(jnp.sum(partials, axis=0).astype(x_MD.dtype), "moe_w2")

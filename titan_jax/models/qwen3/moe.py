@@ -46,7 +46,13 @@ from titan_jax.models.frozen_weights import IN_DIMS
 from titan_jax.models.lora import NO_LORA, Lora
 from titan_jax.models.permutation import permute
 from titan_jax.models.quantization import NONE, Quantization, ragged_dot
-from titan_jax.models.qwen3.adapter import AdaptedExperts, adapted_matmul, adapter_beside
+from titan_jax.models.qwen3.adapter import (
+    AdaptedExperts,
+    adapted_matmul,
+    adapted_matmul_pair,
+    adapter_beside,
+    through_once,
+)
 from titan_jax.models.qwen3.looped_experts import looped_swiglu
 from titan_jax.models.qwen3.megablox import ExpertWeight, megablox_swiglu
 from titan_jax.models.sharding_hooks import dispatch_to_experts, split_degree, use_param
@@ -89,11 +95,10 @@ def grouped_swiglu(
 ) -> Array:
     """Rows sorted by expert through their expert's SwiGLU, one grouped matmul per weight (its
     LoRA adapter's in `ragged_dot`, unquantized)."""
-    plain = functools.partial(ragged_dot, config=None)
-    project = functools.partial(adapted_matmul, matmul, plain, plain)
-    gate_MF = checkpoint_name(project(x_MD, w1_EDF, group_sizes_E), "moe_w1")
-    up_MF = checkpoint_name(project(x_MD, w3_EDF, group_sizes_E), "moe_w3")
-    return checkpoint_name(project(jax.nn.silu(gate_MF) * up_MF, w2_EFD, group_sizes_E), "moe_w2")
+    matmuls = (matmul, *(functools.partial(ragged_dot, config=None),) * 2)
+    gate_MF, up_MF = adapted_matmul_pair(*matmuls, x_MD, w1_EDF, w3_EDF, group_sizes_E)
+    h_MF = jax.nn.silu(checkpoint_name(gate_MF, "moe_w1")) * checkpoint_name(up_MF, "moe_w3")
+    return checkpoint_name(adapted_matmul(*matmuls, h_MF, w2_EFD, group_sizes_E), "moe_w2")
 
 
 def folded_looped_swiglu(
@@ -277,7 +282,10 @@ class MoE(nnx.Module):
             # first waited behind those with little compute left to hide under (7% covered on
             # the 2-layer 235B-A22B v5p-256 program); tied, both gather under the attention
             # (docs/MOE.md). w2, used last, gathers under their matmuls.
-            x_RD, w1_EDF, w3_EDF = jax.lax.optimization_barrier((x_RD, w1_EDF, w3_EDF))
+            # (A joined adapter's A goes through once: `adapted_matmul_pair` shares its x A.)
+            x_RD, w1_EDF, w3_EDF = through_once(
+                jax.lax.optimization_barrier, (x_RD, w1_EDF, w3_EDF)
+            )
         experts, weights, probs = route(
             x_RD, use_param(self.gate, ROUTER_DTYPE), expert_bias_E, self.top_k, self.norm_topk_prob
         )
