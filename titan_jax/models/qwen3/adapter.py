@@ -81,24 +81,22 @@ def adapted_matmul(
 
 
 def adapted_matmul_pair(
-    matmul: Callable[[Array, Any, Array], Array],
-    rank_matmul: Callable[[Array, Array, Array], Array],
-    out_matmul: Callable[[Array, Array, Array], Array],
+    matmuls: tuple[Callable[..., Array], Callable[..., Array], Callable[..., Array]],
     x_MK: Array,
-    w1_EKN: Any,
-    w2_EKN: Any,
+    weights: tuple[Any, Any],
     group_sizes: Array,
 ) -> tuple[Array, Array]:
-    """`adapted_matmul` of the same rows by two weights (the experts' gate and up). Two weights
-    of one joined adapter (`Adapter.beside_experts`: the same A) share their `x A`: one rank-r
-    product and, in backward, one pass for A's gradient and the rows', where XLA merges no two
-    kernel calls."""
-    project = functools.partial(adapted_matmul, matmul, rank_matmul, out_matmul, x_MK)
+    """`adapted_matmul` (`matmuls`: its first three arguments) of the same rows by two weights
+    (the experts' gate and up). Two weights of one joined adapter (`Adapter.beside_experts`:
+    the same A) share their `x A`: one rank-r product and, in backward, one pass for A's
+    gradient and the rows', where XLA merges no two kernel calls."""
+    w1_EKN, w2_EKN = weights
+    project = functools.partial(adapted_matmul, *matmuls, x_MK)
     xa_MR = None
     if isinstance(w1_EKN, AdaptedExperts) and isinstance(w2_EKN, AdaptedExperts):
         if w1_EKN.a is w2_EKN.a:
             with jax.named_scope("lora"):
-                xa_MR = rank_matmul(x_MK, w1_EKN.a, group_sizes)
+                xa_MR = matmuls[1](x_MK, w1_EKN.a, group_sizes)
     return project(w1_EKN, group_sizes, xa_MR), project(w2_EKN, group_sizes, xa_MR)
 
 

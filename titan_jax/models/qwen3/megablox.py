@@ -211,7 +211,7 @@ def _swiglu_partial_sum(
     """One tp shard's SwiGLU (its slice of the hidden dim): (1, M, D), its partial sum (a LoRA
     adapter's term too: its products are linear in the hidden dim's slices). `matmuls`: the
     grouped matmul of the weights, then a LoRA adapter's (`adapted_matmul`)."""
-    gate_MF, up_MF = adapted_matmul_pair(*matmuls, x_MD, w1_EDF, w3_EDF, group_sizes)
+    gate_MF, up_MF = adapted_matmul_pair(matmuls, x_MD, (w1_EDF, w3_EDF), group_sizes)
     return adapted_matmul(*matmuls, jax.nn.silu(gate_MF) * up_MF, w2_EFD, group_sizes)[None]
 
 

@@ -96,7 +96,7 @@ def grouped_swiglu(
     """Rows sorted by expert through their expert's SwiGLU, one grouped matmul per weight (its
     LoRA adapter's in `ragged_dot`, unquantized)."""
     matmuls = (matmul, *(functools.partial(ragged_dot, config=None),) * 2)
-    gate_MF, up_MF = adapted_matmul_pair(*matmuls, x_MD, w1_EDF, w3_EDF, group_sizes_E)
+    gate_MF, up_MF = adapted_matmul_pair(matmuls, x_MD, (w1_EDF, w3_EDF), group_sizes_E)
     h_MF = jax.nn.silu(checkpoint_name(gate_MF, "moe_w1")) * checkpoint_name(up_MF, "moe_w3")
     return checkpoint_name(adapted_matmul(*matmuls, h_MF, w2_EFD, group_sizes_E), "moe_w2")
 
