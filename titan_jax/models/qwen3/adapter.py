@@ -90,13 +90,13 @@ def adapted_matmul_pair(
     (the experts' gate and up). Two weights of one joined adapter (`Adapter.beside_experts`:
     the same A) share their `x A`: one rank-r product and, in backward, one pass for A's
     gradient and the rows', where XLA merges no two kernel calls."""
-    w1_EKN, w2_EKN = weights
+    (w1_EKN, w2_EKN), rank_matmul = weights, matmuls[1]
     project = functools.partial(adapted_matmul, *matmuls, x_MK)
     xa_MR = None
     if isinstance(w1_EKN, AdaptedExperts) and isinstance(w2_EKN, AdaptedExperts):
         if w1_EKN.a is w2_EKN.a:
             with jax.named_scope("lora"):
-                xa_MR = matmuls[1](x_MK, w1_EKN.a, group_sizes)
+                xa_MR = rank_matmul(x_MK, w1_EKN.a, group_sizes)
     return project(w1_EKN, group_sizes, xa_MR), project(w2_EKN, group_sizes, xa_MR)
 
 
