@@ -26,8 +26,8 @@ def test_an_abandoned_orbax_task_collected_later_prints_nothing(tmp_path):
     """orbax's failed reads can also end as Tasks that asyncio reports when they are collected
     ("Task exception was never retrieved", through its logger): dropped for orbax's coroutines
     and the TensorStore futures orbax hands to the loop as they are (asyncio wraps each in a
-    Task of its own), or any Task failing with a TensorStore read error, so a failed read still
-    prints just its one line; other Tasks still print."""
+    Task of its own), or any Task or Future failing with a TensorStore read error, so a failed
+    read still prints just its one line; other Tasks and Futures still print."""
     import subprocess
     import sys
 
@@ -54,11 +54,17 @@ def test_an_abandoned_orbax_task_collected_later_prints_nothing(tmp_path):
         "    loop.run_until_complete(asyncio.sleep(0.01))\n"
         "    loop.close()\n"
         "    gc.collect()\n"
+        "for error in (ValueError(\"NOT_FOUND: Error reading [tensorstore_spec='{}']\"),\n"
+        "              ValueError(4)):\n"
+        "    loop = asyncio.new_event_loop()\n"
+        "    loop.create_future().set_exception(error)  # collected unretrieved at once\n"
+        "    loop.close()\n"
+        "    gc.collect()\n"
     )
     err = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
     ).stderr
-    assert "ValueError: 2" in err and "ValueError: 3" in err
+    assert "ValueError: 2" in err and "ValueError: 3" in err and "ValueError: 4" in err
     assert "ValueError: 1" not in err and "NOT_FOUND" not in err
 
 
