@@ -17,7 +17,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The two test workers (pytest-xdist) both load libtpu for ahead-of-time TPU compiles; without
 # this the second one fails on libtpu's multi-process lockfile. No TPU is ever opened here.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-from titan_jax.jax_platform import default_libtpu_flags  # noqa: E402
+from titan_jax.jax_platform import add_libtpu_flags, default_libtpu_flags  # noqa: E402
 from titan_jax.parallel.mesh import xla_flags_with_cpu_devices  # noqa: E402
 
 # TPU programs compile with the libtpu flags `train` and `compile` set, so the AOT tests check
@@ -29,8 +29,7 @@ default_libtpu_flags()
 # SparseCore program), and unrolling it was ~45% of an MoE recipe's compile (91 -> 50 CPU
 # seconds). `make plans` and `titan-jax compile` compile as shipped, and so does
 # test_jax_platform's check of the shipped flags (its process drops this variable).
-if "--xla_sc_disable_mlo_loop_unroll" not in os.environ["LIBTPU_INIT_ARGS"]:
-    os.environ["LIBTPU_INIT_ARGS"] += " --xla_sc_disable_mlo_loop_unroll=true"
+add_libtpu_flags(("--xla_sc_disable_mlo_loop_unroll=true",))
 
 os.environ["XLA_FLAGS"] = xla_flags_with_cpu_devices(os.environ.get("XLA_FLAGS", ""), 8)
 # XLA:CPU's generated code at LLVM's O1 (its default is higher): the suite's CPU programs compile

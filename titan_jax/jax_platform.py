@@ -88,9 +88,15 @@ def default_libtpu_flags() -> str:
     """Adds DEFAULT_LIBTPU_FLAGS to LIBTPU_INIT_ARGS, each unless the variable already names that
     flag (a value the user set wins; `--xla_enable_async_all_gather=false` turns one off).
     Call before libtpu loads (JAX's first TPU backend or topology). Returns the value."""
+    return add_libtpu_flags(DEFAULT_LIBTPU_FLAGS)
+
+
+def add_libtpu_flags(flags: tuple[str, ...]) -> str:
+    """Adds `flags` to LIBTPU_INIT_ARGS, each unless the variable already names that flag.
+    Returns the value."""
     current = os.environ.get("LIBTPU_INIT_ARGS", "")
     named = {arg.split("=", 1)[0] for arg in current.split()}
-    added = [flag for flag in DEFAULT_LIBTPU_FLAGS if flag.split("=", 1)[0] not in named]
+    added = [flag for flag in flags if flag.split("=", 1)[0] not in named]
     if added:
         os.environ["LIBTPU_INIT_ARGS"] = " ".join([*current.split(), *added])
     return os.environ.get("LIBTPU_INIT_ARGS", "")
